@@ -1,0 +1,278 @@
+"""Public entry points: :func:`head_loss` and :class:`HeadLoss`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from .autograd import DeferredHead, ExecOptions, FusedHead
+from .output import HeadLossOutput
+from .plan import compile_plan
+from .reference import reference_head_loss
+from .spec import LossSpec
+
+Backend = Literal["auto", "triton", "reference"]
+SpecLike = LossSpec | dict[str, Any] | str | Path
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def validation_default() -> bool:
+    """Target validation is on unless HEADLOSS_VALIDATE=0 (e.g. under CUDA graphs)."""
+    return os.environ.get("HEADLOSS_VALIDATE", "1") != "0"
+
+
+def head_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor | None = None,
+    spec: SpecLike | None = None,
+    *,
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+    inplace_grad: bool = False,
+    validate: bool | None = None,
+    backend: Backend = "auto",
+) -> HeadLossOutput:
+    """Every loss, metric and per-token output of ``spec`` from one pass over ``logits``.
+
+    Args:
+        logits: [N, V] or [B, T, V], fp32/bf16/fp16; rows may be strided, the vocabulary
+            dimension must have stride 1.
+        targets: [N] or [B, T] integer ids in [0, V) or ``spec.ignore_index``. Optional when
+            no requested value needs them (e.g. entropy only): then every row counts.
+        spec: a :class:`LossSpec`, a dict, or a YAML/JSON path (default: mean cross-entropy).
+        num_items_in_batch: with ``reduction="mean"``, divide the summed loss by this instead
+            of the number of non-ignored tokens (HF gradient accumulation). Tensor or number.
+        inplace_grad: write d loss / d logits over ``logits`` (saves N*V memory). The logits
+            are then destroyed: nothing else may use them afterwards.
+        validate: check targets are in range (one host sync); default on, off with
+            ``validate=False`` or the environment variable ``HEADLOSS_VALIDATE=0``.
+        backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"reference"``
+            (plain torch), or ``"auto"``: triton on CUDA or under the interpreter, else reference.
+
+    Returns:
+        :class:`HeadLossOutput`. NaN or +inf logits give NaN loss and gradient in their rows;
+        -inf logits (a masked vocabulary) are fine unless the target itself is -inf.
+    """
+    spec = LossSpec() if spec is None else LossSpec.coerce(spec)
+    check_inputs(logits, targets, spec, num_items_in_batch)
+    if validate if validate is not None else validation_default():
+        check_target_range(targets, logits.shape[-1], spec.ignore_index)
+    backend = _resolve_backend(backend, logits)
+    if backend == "reference":
+        return reference_head_loss(logits, targets, spec, num_items_in_batch=num_items_in_batch)
+    return _triton_head_loss(logits, targets, spec, num_items_in_batch, ExecOptions(inplace_grad))
+
+
+class HeadLoss(torch.nn.Module):
+    """Module form of :func:`head_loss`: ``HeadLoss(spec)(logits, targets)``."""
+
+    def __init__(
+        self,
+        spec: SpecLike | None = None,
+        *,
+        inplace_grad: bool = False,
+        validate: bool | None = None,
+        backend: Backend = "auto",
+    ) -> None:
+        super().__init__()
+        self.spec = LossSpec() if spec is None else LossSpec.coerce(spec)
+        self.inplace_grad = inplace_grad
+        self.validate = validate
+        self.backend = backend
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        num_items_in_batch: int | float | torch.Tensor | None = None,
+    ) -> HeadLossOutput:
+        return head_loss(
+            logits, targets, self.spec,
+            num_items_in_batch=num_items_in_batch,
+            inplace_grad=self.inplace_grad,
+            validate=self.validate,
+            backend=self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        return f"spec={self.spec!r}"
+
+
+# --- checks -----------------------------------------------------------------------------------
+
+
+def check_inputs(
+    logits: Any,
+    targets: Any,
+    spec: LossSpec,
+    num_items_in_batch: Any = None,
+) -> None:
+    """Shape, dtype and device checks; no device data is read."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits: expected a torch.Tensor, got {type(logits).__name__}")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits: expected a floating dtype (float32, bfloat16, float16), got {logits.dtype}")
+    if logits.dim() not in (2, 3):
+        raise ValueError(f"logits: expected [N, V] or [B, T, V], got shape {tuple(logits.shape)}")
+    if logits.shape[-1] == 0:
+        raise ValueError("logits: the vocabulary dimension V is 0")
+    if logits.stride(-1) != 1 and logits.shape[-1] > 1:
+        raise ValueError(
+            f"logits: the vocabulary dimension must have stride 1, got strides {logits.stride()}; "
+            "pass logits.contiguous()"
+        )
+    if targets is None:
+        if spec.needs_targets:
+            compile_plan(spec, has_targets=False)  # raises, naming what needs them
+    else:
+        if not isinstance(targets, torch.Tensor):
+            raise TypeError(f"targets: expected a torch.Tensor, got {type(targets).__name__}")
+        if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise TypeError(f"targets: expected an integer dtype, got {targets.dtype}")
+        if tuple(targets.shape) != tuple(logits.shape[:-1]):
+            raise ValueError(
+                f"targets: shape {tuple(targets.shape)} does not match logits {tuple(logits.shape)} "
+                f"(expected {tuple(logits.shape[:-1])})"
+            )
+        if targets.device != logits.device:
+            raise ValueError(f"targets: on {targets.device}, logits on {logits.device}")
+    if num_items_in_batch is not None:
+        if spec.reduction != "mean":
+            raise ValueError(
+                f"num_items_in_batch: only valid with reduction='mean', spec has reduction={spec.reduction!r}"
+            )
+        if isinstance(num_items_in_batch, torch.Tensor):
+            if num_items_in_batch.numel() != 1:
+                raise ValueError(f"num_items_in_batch: expected one element, got shape {tuple(num_items_in_batch.shape)}")
+        elif not isinstance(num_items_in_batch, (int, float)) or not num_items_in_batch > 0:
+            raise ValueError(f"num_items_in_batch: expected a positive number or tensor, got {num_items_in_batch!r}")
+
+
+def check_target_range(targets: torch.Tensor | None, vocab: int, ignore_index: int) -> None:
+    """Targets in [0, V) or ignore_index. Reads device data: one host sync (see ``validate``)."""
+    if targets is None or targets.numel() == 0:
+        return
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+    if bool(bad.any()):
+        where = bad.nonzero()[0].tolist()
+        value = int(targets[tuple(where)])
+        raise ValueError(
+            f"targets: value {value} at position {tuple(where)} is outside [0, {vocab}) "
+            f"and is not ignore_index={ignore_index}"
+        )
+
+
+def _resolve_backend(backend: str, logits: torch.Tensor) -> str:
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"backend: expected 'auto', 'triton' or 'reference', got {backend!r}")
+    if backend == "reference":
+        return backend
+    on_kernel_device = logits.is_cuda or _INTERPRETER
+    if backend == "triton" and not on_kernel_device:
+        raise ValueError("backend: 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+    if not on_kernel_device:
+        return "reference"
+    if logits.dtype not in _KERNEL_DTYPES:
+        if backend == "triton":
+            raise TypeError(f"logits: the Triton kernel takes float32, bfloat16 or float16, got {logits.dtype}")
+        return "reference"
+    return "triton"
+
+
+# --- the kernel path ----------------------------------------------------------------------------
+
+
+def _denominator(
+    spec: LossSpec,
+    valid: torch.Tensor | None,
+    rows: int,
+    num_items_in_batch: int | float | torch.Tensor | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n_tokens, grad_scale): non-ignored count and d loss / d token_loss, both on the device."""
+    n_tokens = valid.sum() if valid is not None else torch.tensor(rows, device=device)
+    if spec.reduction != "mean":
+        return n_tokens, torch.ones(1, dtype=torch.float32, device=device)
+    if num_items_in_batch is None:
+        denom = n_tokens.clamp(min=1).float()
+    elif isinstance(num_items_in_batch, torch.Tensor):
+        denom = num_items_in_batch.to(device=device, dtype=torch.float32)
+    else:
+        denom = torch.full((), float(num_items_in_batch), dtype=torch.float32, device=device)
+    return n_tokens, torch.reciprocal(denom).reshape(1)
+
+
+def _triton_head_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor | None,
+    spec: LossSpec,
+    num_items_in_batch: int | float | torch.Tensor | None,
+    options: ExecOptions,
+) -> HeadLossOutput:
+    needs_grad = torch.is_grad_enabled() and logits.requires_grad
+    plan = compile_plan(spec, has_targets=targets is not None, needs_grad=needs_grad)
+    token_shape = logits.shape[:-1]
+    flat_targets = targets.reshape(-1) if targets is not None else None
+    valid = flat_targets != spec.ignore_index if flat_targets is not None else None
+    n_tokens, grad_scale = _denominator(spec, valid, token_shape.numel(), num_items_in_batch, logits.device)
+
+    fn = DeferredHead if plan.mode == "deferred" else FusedHead
+    loss, token_loss, lse, ce, entropy, logp, pred = fn.apply(logits, flat_targets, plan, options, grad_scale)
+
+    metrics = _metrics(spec, loss, n_tokens, valid, flat_targets, ce, lse, entropy, logp, pred)
+
+    def per_token(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
+        if name not in spec.outputs or value is None:
+            return None
+        value = value.reshape(token_shape)
+        return value if spec.differentiable_outputs else value.detach()
+
+    if spec.reduction == "none":
+        loss = loss.reshape(token_shape)
+    return HeadLossOutput(
+        loss=loss,
+        metrics=metrics,
+        predicted_tokens=per_token("predicted_tokens", pred),
+        logprobs=per_token("logprobs", logp),
+        lse=per_token("lse", lse),
+        token_loss=per_token("token_loss", token_loss),
+        entropy=per_token("entropy", entropy),
+    )
+
+
+def _metrics(
+    spec: LossSpec,
+    loss: torch.Tensor,
+    n_tokens: torch.Tensor,
+    valid: torch.Tensor | None,
+    targets: torch.Tensor | None,
+    ce: torch.Tensor | None,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    logp: torch.Tensor | None,
+    pred: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    """Means over non-ignored tokens, from the per-row buffers (ignored rows hold 0)."""
+    rows: dict[str, torch.Tensor] = {}
+    if ce is not None:
+        rows["ce"] = ce
+        if spec.cross_entropy.label_smoothing > 0:
+            rows["nll"] = -logp
+    if spec.z_loss is not None:
+        rows["z_loss"] = lse * lse
+    if spec.entropy is not None:
+        rows["entropy"] = entropy
+    if spec.token_accuracy:
+        rows["token_accuracy"] = ((pred == targets) & valid).float()
+    metrics = {"loss": (loss.sum() if spec.reduction == "none" else loss).detach()}
+    if rows:
+        with torch.no_grad():
+            means = torch.stack(list(rows.values())).sum(dim=1) / n_tokens.clamp(min=1)
+        metrics.update(zip(rows, means.unbind()))
+    metrics["n_tokens"] = n_tokens
+    return metrics

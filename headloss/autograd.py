@@ -1,0 +1,87 @@
+"""autograd Functions around the head kernels: fused and deferred modes.
+
+Both take the same four things: ``apply(logits, targets, plan, options, grad_scale)`` and return
+the same tuple ``(loss, token_loss, lse, ce, entropy, logp, pred)`` (None where not computed).
+
+* fused     the gradient is written in forward (one launch); backward only scales it by
+            d loss, which costs nothing when d loss == 1 (checked on the device).
+* deferred  forward runs the stats pass and saves the logits; backward combines the upstream
+            gradients of the loss and of the differentiable per-token outputs into one
+            gradient pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kernels.head import run_backward, run_forward, scale_grad_
+from .plan import KernelPlan
+
+
+@dataclass(frozen=True)
+class ExecOptions:
+    """How to run, not what to compute."""
+
+    inplace_grad: bool = False  # write d loss / d logits over the logits (saves N*V memory)
+
+
+def _reduce(token_loss: torch.Tensor, grad_scale: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return token_loss.clone()
+    return (token_loss.sum() * grad_scale).reshape(())
+
+
+def _grad_buffer(logits: torch.Tensor, options: ExecOptions) -> torch.Tensor:
+    if options.inplace_grad:
+        return logits.detach()
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+class FusedHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, plan: KernelPlan, options: ExecOptions, grad_scale):
+        grad = _grad_buffer(logits, options) if ctx.needs_input_grad[0] else None
+        stats = run_forward(plan, logits.detach(), targets, grad, grad_scale)
+        loss = _reduce(stats.token_loss, grad_scale, plan.reduction)
+        ctx.save_for_backward(grad)
+        outs = (stats.token_loss, stats.lse, stats.ce, stats.entropy, stats.logp, stats.pred)
+        ctx.mark_non_differentiable(*[t for t in outs if t is not None])
+        return (loss, *outs)
+
+    @staticmethod
+    def backward(ctx, d_loss, *unused):
+        (grad,) = ctx.saved_tensors
+        if grad is None:
+            return None, None, None, None, None
+        return scale_grad_(grad, d_loss), None, None, None, None
+
+
+class DeferredHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, plan: KernelPlan, options: ExecOptions, grad_scale):
+        stats = run_forward(plan, logits.detach(), targets, None, grad_scale)
+        loss = _reduce(stats.token_loss, grad_scale, plan.reduction)
+        ctx.plan, ctx.options = plan, options
+        ctx.save_for_backward(logits.detach(), targets, stats.lse, stats.entropy, grad_scale)
+        ctx.mark_non_differentiable(*[t for t in (stats.ce, stats.pred) if t is not None])
+        return loss, stats.token_loss, stats.lse, stats.ce, stats.entropy, stats.logp, stats.pred
+
+    @staticmethod
+    def backward(ctx, d_loss, d_token_loss, d_lse, _d_ce, d_entropy, d_logp, _d_pred):
+        logits, targets, lse, entropy, grad_scale = ctx.saved_tensors
+        plan: KernelPlan = ctx.plan
+        if plan.reduction == "none":
+            d_token = d_loss.float().reshape(-1)
+        else:
+            d_token = (d_loss.float() * grad_scale).reshape(1)
+        if d_token_loss is not None:
+            d_token = d_token + d_token_loss.float().reshape(-1)
+        grad = _grad_buffer(logits, ctx.options)
+        run_backward(
+            plan, logits, targets, grad, lse, entropy,
+            d_token.contiguous(),
+            *(t.float().reshape(-1).contiguous() if t is not None else None for t in (d_logp, d_entropy, d_lse)),
+        )
+        return grad, None, None, None, None

@@ -1,0 +1,130 @@
+"""spec (+ which inputs are present) -> KernelPlan. The only place that maps a spec to kernel flags.
+
+A plan has two halves:
+
+* ``flags`` -- structure, passed to the kernel as ``tl.constexpr``: which statistics the stats
+  pass accumulates, which per-row values are stored, whether the gradient pass runs. One
+  distinct ``flags`` value is one compiled kernel variant.
+* ``scalars`` -- values (weights, smoothing, temperature, ...), passed as runtime arguments, so
+  a new weight or temperature reuses the compiled variant.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from .spec import LossSpec
+
+Mode = Literal["fused", "deferred"]
+
+
+@dataclass(frozen=True)
+class KernelFlags:
+    """Constexpr structure of one head-kernel variant (field names are the kernel's)."""
+
+    HAS_TARGETS: bool  # targets given: ignore_index masks rows, x[y] is loaded
+    HAS_CE: bool  # cross-entropy term present
+    HAS_SMOOTHING: bool  # label smoothing > 0: needs sum(x)
+    HAS_Z: bool  # z-loss term present
+    HAS_ENTROPY: bool  # entropy computed: needs sum(e * x)
+    HAS_ENTROPY_GRAD: bool  # entropy carries gradient (weight != 0 or differentiable output)
+    HAS_ARGMAX: bool  # running argmax (token accuracy, predicted tokens)
+    STORE_LOGP: bool  # per-row log p(target)
+    HAS_SOFTCAP: bool  # c * tanh(u / c) in the transform
+    FUSED_GRAD: bool  # gradient pass in the forward launch (fused mode)
+
+    def as_kwargs(self) -> dict[str, bool]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class KernelScalars:
+    """Runtime values of a plan: changing one never recompiles."""
+
+    ignore_index: int
+    w_ce: float
+    smoothing: float
+    w_z: float
+    w_entropy: float
+    logit_scale: float
+    softcap: float
+    inv_temperature: float
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """What one call runs: mode, kernel variant, runtime scalars, and what it reads and writes."""
+
+    mode: Mode
+    flags: KernelFlags
+    scalars: KernelScalars
+    reduction: str
+    requires: tuple[str, ...]  # inputs the call must provide
+
+    @property
+    def logit_passes(self) -> int:
+        """Full reads of the logits: the stats pass, plus the gradient pass when there is one."""
+        return 2 if self.flags.FUSED_GRAD or self.mode == "deferred" else 1
+
+    def traffic_bytes(self, rows: int, vocab: int, elem_bytes: int, grad_bytes: int, with_grad: bool) -> dict:
+        """Bytes moved through device memory by the logits-sized streams of one fwd(+bwd) call."""
+        reads = (self.logit_passes if with_grad else 1) * rows * vocab * elem_bytes
+        writes = rows * vocab * grad_bytes if with_grad else 0
+        return {"logit_reads": reads, "grad_writes": writes, "total": reads + writes}
+
+
+@functools.lru_cache(maxsize=256)
+def compile_plan(spec: LossSpec, *, has_targets: bool = True, needs_grad: bool = True) -> KernelPlan:
+    """Map a spec to a kernel plan. Cached: the same spec and inputs give the same plan object."""
+    ce, z, ent = spec.cross_entropy, spec.z_loss, spec.entropy
+    if spec.needs_targets and not has_targets:
+        wanted = [
+            name
+            for name, on in (
+                ("cross_entropy", ce is not None),
+                ("token_accuracy", spec.token_accuracy),
+                ("outputs: logprobs", "logprobs" in spec.outputs),
+            )
+            if on
+        ]
+        raise ValueError(f"targets: required by {', '.join(wanted)} but not given")
+
+    deferred = spec.reduction == "none" or spec.differentiable_outputs
+    wants_entropy = ent is not None or "entropy" in spec.outputs
+    entropy_grad = wants_entropy and (
+        (ent is not None and ent.weight != 0.0)
+        or (spec.differentiable_outputs and "entropy" in spec.outputs)
+    )
+    flags = KernelFlags(
+        HAS_TARGETS=has_targets,
+        HAS_CE=ce is not None,
+        HAS_SMOOTHING=ce is not None and ce.label_smoothing > 0.0,
+        HAS_Z=z is not None,
+        HAS_ENTROPY=wants_entropy,
+        HAS_ENTROPY_GRAD=entropy_grad,
+        HAS_ARGMAX=spec.token_accuracy or "predicted_tokens" in spec.outputs,
+        STORE_LOGP=has_targets and (ce is not None or "logprobs" in spec.outputs),
+        HAS_SOFTCAP=spec.transform.softcap is not None,
+        FUSED_GRAD=needs_grad and not deferred,
+    )
+    t = spec.transform
+    scalars = KernelScalars(
+        ignore_index=spec.ignore_index,
+        w_ce=ce.weight if ce is not None else 0.0,
+        smoothing=ce.label_smoothing if ce is not None else 0.0,
+        w_z=z.weight if z is not None else 0.0,
+        w_entropy=ent.weight if ent is not None else 0.0,
+        logit_scale=t.logit_scale,
+        softcap=t.softcap if t.softcap is not None else 1.0,
+        inv_temperature=1.0 / t.temperature,
+    )
+    requires = ("logits", "targets") if spec.needs_targets else ("logits",)
+    return KernelPlan(
+        mode="deferred" if deferred else "fused",
+        flags=flags,
+        scalars=scalars,
+        reduction=spec.reduction,
+        requires=requires,
+    )

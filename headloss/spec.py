@@ -1,0 +1,167 @@
+"""LossSpec: which losses, metrics and per-token outputs an LM head needs.
+
+A spec is plain data (pydantic v2, frozen, unknown fields rejected). It says *what* to compute;
+:mod:`headloss.plan` decides *how* (which kernel variant, which runtime scalars).
+
+Conventions (x is the transformed logit row, see :class:`LogitTransform`; lse = logsumexp(x)):
+
+* cross-entropy      ce   = (1 - eps) * (lse - x[y]) + eps * (lse - mean(x))
+* z-loss             z    = lse ** 2
+* entropy            H    = lse - sum(softmax(x) * x)
+* per-token loss     L    = w_ce * ce + w_z * z + w_H * H        (0 at ignored positions)
+* reduction          mean: sum(L) / (non-ignored tokens, or num_items_in_batch if given)
+                     sum:  sum(L)
+                     none: L per token (differentiable)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+OutputName = Literal["predicted_tokens", "logprobs", "lse", "token_loss", "entropy"]
+"""Per-token tensors a spec may ask for (each shaped like the targets, fp32 or int64)."""
+
+OUTPUT_NAMES: tuple[str, ...] = OutputName.__args__
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class CrossEntropy(_Frozen):
+    """Cross-entropy against hard labels, with optional label smoothing (torch's convention)."""
+
+    weight: float = Field(1.0, ge=0.0, description="weight of the term in the combined loss")
+    label_smoothing: float = Field(0.0, ge=0.0, le=1.0, description="eps in [0, 1]")
+
+
+class ZLoss(_Frozen):
+    """z-loss (PaLM): weight * lse**2, keeps the softmax normaliser near 1."""
+
+    weight: float = Field(1e-4, ge=0.0, description="weight of lse**2 in the combined loss")
+
+
+class Entropy(_Frozen):
+    """Entropy of the softmax.
+
+    ``weight = 0`` computes it as a metric only (no gradient). A positive weight penalises
+    entropy, a negative weight is an entropy *bonus* (RL: ``loss - coef * H`` is ``weight=-coef``).
+    """
+
+    weight: float = Field(0.0, description="signed weight of H in the combined loss; 0 = metric only")
+
+
+class LogitTransform(_Frozen):
+    """Applied to every logit before anything else: x = softcap(logit_scale * z) / temperature.
+
+    ``softcap(u) = c * tanh(u / c)`` (Gemma 2); ``None`` disables it.
+    """
+
+    logit_scale: float = Field(1.0, gt=0.0)
+    softcap: float | None = Field(None, gt=0.0)
+    temperature: float = Field(1.0, gt=0.0)
+
+    @property
+    def is_identity(self) -> bool:
+        return self.logit_scale == 1.0 and self.softcap is None and self.temperature == 1.0
+
+
+class LossSpec(_Frozen):
+    """Everything the head computes in one pass over the logits.
+
+    ``LossSpec()`` is plain mean cross-entropy. Terms set to ``None`` are absent; a present
+    term contributes ``weight * value`` to the loss and its mean value to ``metrics``.
+    """
+
+    cross_entropy: CrossEntropy | None = CrossEntropy()
+    z_loss: ZLoss | None = None
+    entropy: Entropy | None = None
+    token_accuracy: bool = Field(False, description="metric: fraction of non-ignored argmax == target")
+    outputs: tuple[OutputName, ...] = Field((), description="per-token tensors to return")
+    differentiable_outputs: bool = Field(
+        False,
+        description="per-token outputs (logprobs, entropy, lse, token_loss) carry gradient; "
+        "runs the deferred mode (gradient pass in backward, logits kept until then)",
+    )
+    transform: LogitTransform = LogitTransform()
+    ignore_index: int = -100
+    reduction: Literal["mean", "sum", "none"] = "mean"
+
+    @field_validator("outputs")
+    @classmethod
+    def _outputs_unique(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        seen = [name for name in value if value.count(name) > 1]
+        if seen:
+            raise ValueError(f"outputs lists {sorted(set(seen))} more than once")
+        return tuple(sorted(value, key=OUTPUT_NAMES.index))
+
+    @model_validator(mode="after")
+    def _something_requested(self) -> LossSpec:
+        if not (self.terms or self.token_accuracy or self.outputs):
+            raise ValueError(
+                "nothing requested: give at least one term (cross_entropy, z_loss, entropy), "
+                "token_accuracy: true, or an entry in outputs"
+            )
+        if self.reduction == "none" and not self.terms:
+            raise ValueError("reduction: 'none' needs at least one loss term to reduce")
+        return self
+
+    # --- derived facts ---------------------------------------------------------------------
+
+    @property
+    def terms(self) -> dict[str, CrossEntropy | ZLoss | Entropy]:
+        """The present loss terms by name, in a fixed order."""
+        named = {"cross_entropy": self.cross_entropy, "z_loss": self.z_loss, "entropy": self.entropy}
+        return {name: term for name, term in named.items() if term is not None}
+
+    @property
+    def needs_targets(self) -> bool:
+        return (
+            self.cross_entropy is not None
+            or self.token_accuracy
+            or "logprobs" in self.outputs
+        )
+
+    # --- construction and serialisation ---------------------------------------------------
+
+    @classmethod
+    def coerce(cls, spec: LossSpec | dict[str, Any] | str | Path) -> LossSpec:
+        """Accept a LossSpec, a plain dict, or a path to a YAML/JSON file."""
+        if isinstance(spec, cls):
+            return spec
+        if isinstance(spec, dict):
+            return cls.model_validate(spec)
+        if isinstance(spec, (str, Path)):
+            return cls.from_file(spec)
+        raise TypeError(f"spec: expected LossSpec, dict or a path, got {type(spec).__name__}")
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> LossSpec:
+        """Load from ``.yaml``/``.yml`` or ``.json``."""
+        path = Path(path)
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text)
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ValueError(f"path: unknown spec file type {path.suffix!r} (use .yaml, .yml or .json)")
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a spec file holds a mapping, got {type(data).__name__}")
+        return cls.model_validate(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
