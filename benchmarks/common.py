@@ -1,0 +1,141 @@
+"""Shared benchmark plumbing: timing, memory, tidy rows, table, plot."""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Row:
+    """One measurement, in the tidy layout a plot script reads."""
+
+    case: str  # what is computed, e.g. "ce+z+acc+argmax+entropy"
+    provider: str  # torch-eager, torch-compile, liger, headloss, ...
+    metric: str  # "time" or "memory"
+    unit: str  # "ms" or "GB"
+    x_name: str
+    x: int
+    p50: float | None
+    p20: float | None = None
+    p80: float | None = None
+    note: str = ""
+    config: dict = field(default_factory=dict)
+    gpu: str = ""
+    timestamp: str = ""
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def time_ms(
+    step: Callable[[], object],
+    setup: Callable[[], object] | None = None,
+    reps: int = 25,
+    warmup: int = 3,
+) -> tuple[float, float, float]:
+    """(p50, p20, p80) of ``step`` in ms from CUDA events around each call.
+
+    ``setup`` runs before every call, outside the events: it restores inputs that a step
+    destroys (in-place gradients) and, being a multi-GB copy, also flushes the L2 cache.
+    """
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        step()
+    events = []
+    for _ in range(reps):
+        if setup is not None:
+            setup()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in events)
+    pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]
+    return pick(0.5), pick(0.2), pick(0.8)
+
+
+def peak_extra_gb(step: Callable[[], object], setup: Callable[[], object] | None = None) -> float:
+    """Peak memory allocated while ``step`` runs, above what was allocated before it (GB)."""
+    if setup is not None:
+        setup()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 1e9
+
+
+def copy_bandwidth_gbs(n_bytes: int = 4 << 30) -> float:
+    """Device-to-device copy rate, counting bytes read plus bytes written (GB/s)."""
+    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms, _, _ = time_ms(lambda: dst.copy_(src), reps=50)
+    return 2 * n_bytes / (ms * 1e-3) / 1e9
+
+
+def measure(
+    rows: list[Row],
+    case: str,
+    provider: str,
+    x_name: str,
+    x: int,
+    step: Callable[[], object],
+    setup: Callable[[], object] | None = None,
+    config: dict | None = None,
+    note: str = "",
+) -> Row:
+    """Time and peak memory of ``step``; records rows (OOM and errors become a note)."""
+    stamp = _dt.datetime.now().isoformat(timespec="seconds")
+    common = dict(case=case, provider=provider, x_name=x_name, x=x, config=config or {}, gpu=gpu_name(),
+                  timestamp=stamp)
+    try:
+        if setup is not None:
+            setup()
+        step()  # compile / warm up outside the measurement
+        mem = peak_extra_gb(step, setup)
+        p50, p20, p80 = time_ms(step, setup)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        row = Row(metric="time", unit="ms", p50=None, note="OOM", **common)
+        rows.append(row)
+        return row
+    except Exception as exc:  # a peer failing is a result, not a crash of the whole run
+        torch.cuda.empty_cache()
+        row = Row(metric="time", unit="ms", p50=None, note=f"error: {type(exc).__name__}: {exc}"[:200], **common)
+        rows.append(row)
+        return row
+    row = Row(metric="time", unit="ms", p50=p50, p20=p20, p80=p80, note=note, **common)
+    rows.append(row)
+    rows.append(Row(metric="memory", unit="GB", p50=mem, note=note, **common))
+    return row
+
+
+def write_rows(rows: list[Row], out_dir: Path, stem: str) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js, cs = out_dir / f"{stem}.json", out_dir / f"{stem}.csv"
+    data = [asdict(r) for r in rows]
+    js.write_text(json.dumps(data, indent=1))
+    with cs.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(data[0]) if data else ["case"])
+        writer.writeheader()
+        for d in data:
+            writer.writerow({**d, "config": json.dumps(d["config"])})
+    return js, cs
+
+
+def out_dir_default() -> Path:
+    return Path(os.environ.get("OUT", "results"))

@@ -1,0 +1,166 @@
+"""GPU tests: real compiled kernels at real sizes. Skipped without CUDA; run on the device machine:
+
+    python -m pytest -m gpu tests/test_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headloss
+from headloss.kernels.head import head_forward_kernel
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+FULL = headloss.LossSpec(
+    z_loss={"weight": 1e-4},
+    entropy={"weight": 0.0},
+    token_accuracy=True,
+    outputs=("predicted_tokens", "logprobs", "lse", "entropy", "token_loss"),
+)
+EXOTIC = headloss.LossSpec(
+    cross_entropy={"label_smoothing": 0.1},
+    z_loss={"weight": 1e-3},
+    entropy={"weight": -0.05},
+    transform={"softcap": 30.0, "temperature": 0.8, "logit_scale": 1.5},
+)
+
+
+def _batch(rows, vocab, dtype, seed, ignore_frac=0.1):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    logits = (torch.randn(rows, vocab, device="cuda", generator=gen) * 3.0).to(dtype)
+    targets = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
+    targets[torch.rand(rows, device="cuda", generator=gen) < ignore_frac] = -100
+    # plant the max at the target in a third of the rows so accuracy is not trivially 0
+    planted = torch.arange(rows, device="cuda") % 3 == 0
+    safe = targets.clamp(min=0)
+    logits[planted, safe[planted]] = logits.max() + 1
+    return logits, targets
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("spec", [FULL, EXOTIC], ids=["full", "softcap-smoothing-entropy-bonus"])
+def test_kernel_matches_fp64_reference_at_llama3_vocab(dtype, spec):
+    logits, targets = _batch(257, 128256, dtype, seed=1)
+    x = logits.clone().requires_grad_()
+    out = headloss.head_loss(x, targets, spec)
+    out.loss.backward()
+    r = logits.double().requires_grad_()
+    ref = headloss.reference_head_loss(r, targets, spec)
+    ref.loss.backward()
+    assert abs(out.loss.item() - ref.loss.item()) <= 1e-5 * max(1.0, abs(ref.loss.item()))
+    for name, value in ref.metrics.items():
+        assert torch.allclose(out.metrics[name].double(), value.double(), rtol=1e-5, atol=1e-6), name
+    for name in spec.outputs:
+        got, want = getattr(out, name), getattr(ref, name)
+        if name == "predicted_tokens":
+            assert torch.equal(got, want)
+        else:
+            assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5), name
+    grad_tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    assert x.grad.norm() > 0
+    assert _rel(x.grad, r.grad) < grad_tol
+
+
+def test_rows_past_grid_limit_and_int32_offsets():
+    """70000 rows (> 65535) and N*V > 2**31 elements: every row is addressed right."""
+    rows, vocab = 70_000, 32_768
+    logits, targets = _batch(rows, vocab, torch.bfloat16, seed=2, ignore_frac=0.0)
+    spec = headloss.LossSpec(token_accuracy=True, outputs=("predicted_tokens", "logprobs"))
+    x = logits.clone().requires_grad_()
+    out = headloss.head_loss(x, targets, spec, inplace_grad=True)
+    out.loss.backward()
+    check = torch.tensor([0, 1, 65_535, 65_536, 69_998, 69_999], device="cuda")
+    ref_x = logits[check].double().requires_grad_()
+    ref = headloss.reference_head_loss(ref_x, targets[check], spec.model_copy(update={"reduction": "sum"}))
+    (ref.loss / rows).backward()
+    assert torch.equal(out.predicted_tokens[check], ref.predicted_tokens)
+    assert torch.allclose(out.logprobs[check].double(), ref.logprobs, atol=1e-4)
+    assert _rel(x.grad[check], ref_x.grad) < 8e-3
+
+
+def test_vocab_262144_and_odd_vocab():
+    for vocab in (262_144, 151_937):
+        logits, targets = _batch(64, vocab, torch.bfloat16, seed=3)
+        x = logits.clone().requires_grad_()
+        out = headloss.head_loss(x, targets, FULL)
+        out.loss.backward()
+        r = logits.double().requires_grad_()
+        ref = headloss.reference_head_loss(r, targets, FULL)
+        ref.loss.backward()
+        assert abs(out.loss.item() - ref.loss.item()) < 1e-4
+        assert _rel(x.grad, r.grad) < 8e-3
+
+
+def _variants() -> int:
+    return sum(len(cache[0]) for cache in head_forward_kernel.device_caches.values())
+
+
+def test_new_weights_and_temperature_do_not_recompile():
+    logits, targets = _batch(64, 5000, torch.bfloat16, seed=4)
+    base = dict(z_loss={"weight": 1e-4}, entropy={"weight": 0.1}, transform={"temperature": 0.9})
+    headloss.head_loss(logits.clone().requires_grad_(), targets, headloss.LossSpec(**base)).loss.backward()
+    before = _variants()
+    for w in (2e-4, 3e-4):
+        for temp in (0.7, 1.3):
+            spec = headloss.LossSpec(
+                z_loss={"weight": w}, entropy={"weight": -w}, transform={"temperature": temp}, ignore_index=-1
+            )
+            headloss.head_loss(logits.clone().requires_grad_(), targets.clamp(min=0), spec).loss.backward()
+    assert _variants() == before
+
+
+def _ptx_of_variant(spec, logits, targets) -> str:
+    head_forward_kernel.device_caches.clear()
+    headloss.head_loss(logits.clone().requires_grad_(), targets, spec).loss.backward()
+    compiled = [k for c in head_forward_kernel.device_caches.values() for k in c[0].values()]
+    assert len(compiled) == 1, "expected exactly one compiled variant"
+    return compiled[0].asm["ptx"]
+
+
+def test_unrequested_outputs_are_compiled_out():
+    logits, targets = _batch(32, 3000, torch.bfloat16, seed=5)
+    ce_only = _ptx_of_variant(headloss.LossSpec(), logits, targets)
+    full = _ptx_of_variant(FULL, logits, targets)
+    # the CE-only variant has no entropy math, no argmax reduction and fewer stores
+    assert ce_only.count("st.global") < full.count("st.global")
+    assert len(ce_only) < len(full)
+
+
+def test_hot_path_has_no_host_sync_when_validation_is_off():
+    logits, targets = _batch(128, 32000, torch.bfloat16, seed=6)
+    x = logits.clone().requires_grad_()
+    headloss.head_loss(x, targets, FULL, validate=False).loss.backward()  # compile first
+    x.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = headloss.head_loss(x, targets, FULL, validate=False)
+        out.loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out.loss)
+
+
+def test_inplace_gradient_needs_only_per_row_memory():
+    rows, vocab = 8192, 128256
+    logits, targets = _batch(rows, vocab, torch.bfloat16, seed=7)
+    x = logits.requires_grad_()
+    headloss.head_loss(x, targets, FULL, inplace_grad=True).loss.backward()  # compile first
+    x.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    headloss.head_loss(x, targets, FULL, inplace_grad=True).loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < 64 * rows * 8  # a few fp32/int64 vectors per row, nothing of size N*V
+    assert x.grad.data_ptr() == x.data_ptr()
