@@ -163,7 +163,7 @@ def tune(rows_out: list[Row], n: int, vocab: int) -> None:
         headloss.head_loss(x, targets, FULL_SPEC, inplace_grad=True).loss.backward()
 
     for block in (1024, 2048, 4096, 8192):
-        for warps in (4, 8, 16):
+        for warps in (2, 4, 8):
             os.environ["HEADLOSS_BLOCK_V"], os.environ["HEADLOSS_NUM_WARPS"] = str(block), str(warps)
             measure(rows_out, "tune-full", f"headloss[B={block},w={warps}]", "V", vocab, step, setup,
                     config={"N": n, "BLOCK_V": block, "num_warps": warps})

@@ -48,8 +48,11 @@ def head_loss(
             of the number of non-ignored tokens (HF gradient accumulation). Tensor or number.
         inplace_grad: write d loss / d logits over ``logits`` (saves N*V memory). The logits
             are then destroyed: nothing else may use them afterwards.
-        validate: check targets are in range (one host sync); default on, off with
-            ``validate=False`` or the environment variable ``HEADLOSS_VALIDATE=0``.
+        validate: check targets are in range: one host sync, after the forward's launches;
+            default on, off with ``validate=False`` or the environment variable
+            ``HEADLOSS_VALIDATE=0`` (CUDA graphs, overlap). Unchecked out-of-range targets give
+            NaN in their rows, never an out-of-bounds read. With ``inplace_grad`` the logits
+            are already overwritten when the error is raised.
         backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"reference"``
             (plain torch), or ``"auto"``: triton on CUDA or under the interpreter, else reference.
 
@@ -59,12 +62,19 @@ def head_loss(
     """
     spec = LossSpec() if spec is None else LossSpec.coerce(spec)
     check_inputs(logits, targets, spec, num_items_in_batch)
-    if validate if validate is not None else validation_default():
-        check_target_range(targets, logits.shape[-1], spec.ignore_index)
-    backend = _resolve_backend(backend, logits)
-    if backend == "reference":
+    validate = validation_default() if validate is None else validate
+    vocab = logits.shape[-1]
+    if _resolve_backend(backend, logits) == "reference":
+        if validate and targets is not None and bool(targets_out_of_range(targets, vocab, spec.ignore_index)):
+            raise target_range_error(targets, vocab, spec.ignore_index)
         return reference_head_loss(logits, targets, spec, num_items_in_batch=num_items_in_batch)
-    return _triton_head_loss(logits, targets, spec, num_items_in_batch, ExecOptions(inplace_grad))
+    bad = targets_out_of_range(targets, vocab, spec.ignore_index) if validate and targets is not None else None
+    out = _triton_head_loss(logits, targets, spec, num_items_in_batch, ExecOptions(inplace_grad))
+    # the one host sync, after every launch of the forward so the GPU is busy while we wait;
+    # the kernel itself never reads out of bounds (such rows come out NaN)
+    if bad is not None and bool(bad):
+        raise target_range_error(targets, vocab, spec.ignore_index)
+    return out
 
 
 class HeadLoss(torch.nn.Module):
@@ -148,23 +158,26 @@ def check_inputs(
             )
         if isinstance(num_items_in_batch, torch.Tensor):
             if num_items_in_batch.numel() != 1:
-                raise ValueError(f"num_items_in_batch: expected one element, got shape {tuple(num_items_in_batch.shape)}")
+                raise ValueError(
+                    f"num_items_in_batch: expected one element, got shape {tuple(num_items_in_batch.shape)}"
+                )
         elif not isinstance(num_items_in_batch, (int, float)) or not num_items_in_batch > 0:
             raise ValueError(f"num_items_in_batch: expected a positive number or tensor, got {num_items_in_batch!r}")
 
 
-def check_target_range(targets: torch.Tensor | None, vocab: int, ignore_index: int) -> None:
-    """Targets in [0, V) or ignore_index. Reads device data: one host sync (see ``validate``)."""
-    if targets is None or targets.numel() == 0:
-        return
+def targets_out_of_range(targets: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    """Device bool: some target is outside [0, V) and is not ignore_index (no sync)."""
+    return ((targets != ignore_index) & ((targets < 0) | (targets >= vocab))).any()
+
+
+def target_range_error(targets: torch.Tensor, vocab: int, ignore_index: int) -> ValueError:
+    """The error for out-of-range targets, naming the first offender (reads device data)."""
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
-    if bool(bad.any()):
-        where = bad.nonzero()[0].tolist()
-        value = int(targets[tuple(where)])
-        raise ValueError(
-            f"targets: value {value} at position {tuple(where)} is outside [0, {vocab}) "
-            f"and is not ignore_index={ignore_index}"
-        )
+    where = tuple(bad.nonzero()[0].tolist())
+    return ValueError(
+        f"targets: value {int(targets[where])} at position {where} is outside [0, {vocab}) "
+        f"and is not ignore_index={ignore_index} (pass validate=False to skip this check)"
+    )
 
 
 def _resolve_backend(backend: str, logits: torch.Tensor) -> str:

@@ -2,8 +2,9 @@
 
 Every kernel in this package is these pieces glued together:
 
-* :func:`transform`        x = softcap(logit_scale * z) * inv_temperature, and dx/dz
-* :func:`online_stats`     phase 1 -- one read of a row: running max m, d = sum exp(x - m), and
+* :func:`transform`        x = softcap(logit_scale * z) * inv_temperature, returned in base-2
+                           units (x2 = x * log2 e) with dx/dz
+* :func:`online_stats`     phase 1 -- one read of a row: running max, sum of exponentials, and
                            only the sums the variant needs (sum x, sum e*x, argmax)
 * :func:`row_coefficients` phase 2 -- per-row coefficients of the combined gradient
 * :func:`gradient_pass`    phase 3 -- second read, one write: g = (p * (A + B*x) + C + D*[i=y]) * dx/dz
@@ -11,32 +12,88 @@ Every kernel in this package is these pieces glued together:
 The online-softmax update is written once, here. A new loss term adds its statistic to
 :func:`online_stats`, its value to the kernel epilogue and its share of A, B, C, D to
 :func:`row_coefficients`.
+
+Cost notes (the full variant is ALU-bound at 128K vocab if written naively):
+* base-2 units: exp(x - m) = exp2(x2 - m2), one subtraction and one ex2 per element;
+* the sums are per-lane vectors rescaled by the block's scalar alpha and reduced once per row,
+  so a block does one cross-warp reduction (its max), not one per statistic;
+* the argmax of a block is computed only when the block raises the running max (rare);
+* full blocks load without masks; only the tail block is masked;
+* the target column of the gradient is written once after the loop, not selected per element.
 """
 
 import triton
 import triton.language as tl
 
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# stands in for -inf where 0 * x must stay 0 (exp of a -inf logit is 0, its product with x is not)
+NEG_BIG = -1.0e30
+
 
 @triton.jit
 def tanh(a):
-    """tanh through exp: stable for any |a|, and the same code under the interpreter."""
-    e = tl.exp(-2.0 * tl.abs(a))
+    """tanh through exp2: stable for any |a|, and the same code under the interpreter."""
+    e = tl.exp2(-2.0 * LOG2E * tl.abs(a))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(a < 0.0, -t, t)
 
 
 @triton.jit
 def transform(z, logit_scale, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr):
-    """x = softcap(logit_scale * z) * inv_temperature (fp32) and the chain factor dx/dz."""
-    u = z * logit_scale
+    """x2 = log2(e) * softcap(logit_scale * z) * inv_temperature (fp32), and dx/dz (natural x)."""
     if HAS_SOFTCAP:
-        t = tanh(u / softcap)
-        x = softcap * inv_temperature * t
-        slope = logit_scale * inv_temperature * (1.0 - t * t)
+        t = tanh(z * (logit_scale / softcap))
+        x2 = t * (softcap * inv_temperature * LOG2E)
+        slope = (logit_scale * inv_temperature) * (1.0 - t * t)
     else:
-        x = u * inv_temperature
+        x2 = z * (logit_scale * inv_temperature * LOG2E)
         slope = logit_scale * inv_temperature
-    return x, slope
+    return x2, slope
+
+
+@triton.jit
+def _load_x2(row_ptr, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr,
+             MASKED: tl.constexpr):
+    if MASKED:
+        mask = cols < V
+        z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        x2, slope = transform(z, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
+        x2 = tl.where(mask, x2, float("-inf"))
+    else:
+        z = tl.load(row_ptr + cols).to(tl.float32)
+        x2, slope = transform(z, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
+    return x2, slope
+
+
+@triton.jit
+def _stats_block(
+    row_ptr, start, V, m, d, sum_x, sum_ex, arg, logit_scale, softcap, inv_temperature,
+    BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM_X: tl.constexpr,
+    NEED_SUM_EX: tl.constexpr, NEED_ARGMAX: tl.constexpr, MASKED: tl.constexpr,
+):
+    """One block of the online softmax; d, sum_x, sum_ex are per-lane [BLOCK_V] vectors."""
+    cols = start + tl.arange(0, BLOCK_V)
+    x2, _ = _load_x2(row_ptr, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, MASKED)
+    block_max = tl.max(x2, axis=0)
+    if NEED_ARGMAX:
+        # strict '>' keeps the earliest block on ties; tl.argmax keeps the earliest index
+        if block_max > m:
+            arg = start + tl.argmax(x2, axis=0)
+    m_new = tl.maximum(m, block_max)
+    # a row that is all -inf so far keeps d = 0 instead of exp(-inf - -inf) = NaN
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_ref)
+    e = tl.exp2(x2 - m_ref)
+    d = d * alpha + e
+    if NEED_SUM_EX:
+        sum_ex = sum_ex * alpha + e * tl.maximum(x2, NEG_BIG)
+    if NEED_SUM_X:
+        if MASKED:
+            sum_x += tl.where(cols < V, x2, 0.0)
+        else:
+            sum_x += x2
+    return m_new, d, sum_x, sum_ex, arg
 
 
 @triton.jit
@@ -52,40 +109,30 @@ def online_stats(
     NEED_SUM_EX: tl.constexpr,
     NEED_ARGMAX: tl.constexpr,
 ):
-    """Phase 1: one read of a row, online softmax.
+    """Phase 1: one read of a row, online softmax, in base-2 units.
 
-    Returns (m, d, sum_x, sum_ex, argmax) with m = max x, d = sum exp(x - m),
-    sum_x = sum x, sum_ex = sum exp(x - m) * x, argmax = first index of m.
-    -inf logits (masked vocabulary) are allowed; NaN and +inf propagate to NaN.
+    Returns (m2, d, sum_x2, sum_ex2, argmax): m2 = max x2, d = sum 2^(x2 - m2),
+    sum_x2 = sum x2, sum_ex2 = sum 2^(x2 - m2) * x2, argmax = first index of the max.
+    So lse = (m2 + log2 d) * ln 2, mean_p(x) = ln 2 * sum_ex2 / d, sum x = ln 2 * sum_x2.
+    -inf logits (a masked vocabulary) are allowed; NaN and +inf propagate to NaN.
     """
-    offs = tl.arange(0, BLOCK_V)
     m = tl.full([], float("-inf"), tl.float32)
-    d = tl.zeros([], tl.float32)
-    sum_x = tl.zeros([], tl.float32)
-    sum_ex = tl.zeros([], tl.float32)
+    d = tl.zeros([BLOCK_V], tl.float32)
+    sum_x = tl.zeros([BLOCK_V], tl.float32)
+    sum_ex = tl.zeros([BLOCK_V], tl.float32)
     arg = tl.zeros([], tl.int32)
-    for start in range(0, V, BLOCK_V):
-        cols = start + offs
-        mask = cols < V
-        z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        x, _ = transform(z, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
-        x = tl.where(mask, x, float("-inf"))
-        block_max = tl.max(x, axis=0)
-        if NEED_ARGMAX:
-            # strict '>' keeps the earliest block on ties; tl.argmax keeps the earliest index
-            arg = tl.where(block_max > m, start + tl.argmax(x, axis=0), arg)
-        m_new = tl.maximum(m, block_max)
-        # a row that is all -inf so far keeps d = 0 instead of exp(-inf - -inf) = NaN
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_ref)
-        e = tl.exp(x - m_ref)
-        d = d * alpha + tl.sum(e, axis=0)
-        if NEED_SUM_EX:
-            sum_ex = sum_ex * alpha + tl.sum(tl.where(e > 0.0, e * x, 0.0), axis=0)
-        if NEED_SUM_X:
-            sum_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
-        m = m_new
-    return m, d, sum_x, sum_ex, arg
+    v_full = (V // BLOCK_V) * BLOCK_V
+    for start in range(0, v_full, BLOCK_V):
+        m, d, sum_x, sum_ex, arg = _stats_block(
+            row_ptr, start, V, m, d, sum_x, sum_ex, arg, logit_scale, softcap, inv_temperature,
+            BLOCK_V, HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, False,
+        )
+    if v_full < V:
+        m, d, sum_x, sum_ex, arg = _stats_block(
+            row_ptr, v_full, V, m, d, sum_x, sum_ex, arg, logit_scale, softcap, inv_temperature,
+            BLOCK_V, HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, True,
+        )
+    return m, tl.sum(d, axis=0), tl.sum(sum_x, axis=0), tl.sum(sum_ex, axis=0), arg
 
 
 @triton.jit
@@ -105,7 +152,7 @@ def row_coefficients(
     HAS_Z: tl.constexpr,
     HAS_ENTROPY_GRAD: tl.constexpr,
 ):
-    """Phase 2: the row's gradient as g_i = p_i * (A + B * x_i) + C + D * [i = y].
+    """Phase 2: the row's gradient w.r.t. x as g_i = p_i * (A + B * x_i) + C + D * [i = y].
 
     Term by term (p = softmax(x), H = entropy):
       ce (smoothing eps)  w_ce * (p_i - (1 - eps) [i=y] - eps / V)
@@ -132,11 +179,37 @@ def row_coefficients(
 
 
 @triton.jit
+def _grad_block(
+    row_ptr, grad_row_ptr, start, V, lse2, A, B2, C, logit_scale, softcap, inv_temperature,
+    BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_B: tl.constexpr, HAS_C: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    cols = start + tl.arange(0, BLOCK_V)
+    x2, slope = _load_x2(row_ptr, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, MASKED)
+    p = tl.exp2(x2 - lse2)
+    if HAS_B:
+        g = p * (A + B2 * tl.maximum(x2, NEG_BIG))
+    else:
+        g = p * A
+    if HAS_C:
+        g += C
+    if HAS_SOFTCAP:
+        g = g * slope
+    g = g.to(grad_row_ptr.dtype.element_ty)
+    if MASKED:
+        tl.store(grad_row_ptr + cols, g, mask=cols < V)
+    else:
+        tl.store(grad_row_ptr + cols, g)
+
+
+@triton.jit
 def gradient_pass(
     row_ptr,  # (V,) logits row
     grad_row_ptr,  # (V,) gradient row, may alias row_ptr (each block is read before written)
     V,
     y,  # target column; any value outside [0, V) matches no column
+    x2_y,  # transformed target logit (base 2), read before the row may be overwritten
+    slope_y,  # dx/dz at the target
     lse,
     A,
     B,
@@ -151,23 +224,42 @@ def gradient_pass(
     HAS_C: tl.constexpr,
 ):
     """Phase 3: second read of the row, one write of d loss / d z in the gradient's dtype."""
-    offs = tl.arange(0, BLOCK_V)
-    for start in range(0, V, BLOCK_V):
-        cols = start + offs
-        mask = cols < V
-        z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        x, slope = transform(z, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
-        p = tl.exp(x - lse)
-        if HAS_B:
-            # p = 0 at -inf logits, where B * x would make 0 * inf
-            g = tl.where(p > 0.0, p * (A + B * x), 0.0)
-        else:
-            g = p * A
+    lse2 = lse * LOG2E
+    # per-element form in base-2 units; without softcap the constant dx/dz folds into A, B, C
+    A_el = A
+    B2_el = B * LN2
+    C_el = C
+    if not HAS_SOFTCAP:
+        s = logit_scale * inv_temperature
+        A_el = A * s
+        B2_el = B2_el * s
+        C_el = C * s
+    v_full = (V // BLOCK_V) * BLOCK_V
+    for start in range(0, v_full, BLOCK_V):
+        _grad_block(row_ptr, grad_row_ptr, start, V, lse2, A_el, B2_el, C_el, logit_scale, softcap,
+                    inv_temperature, BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, False)
+    if v_full < V:
+        _grad_block(row_ptr, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, logit_scale, softcap,
+                    inv_temperature, BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, True)
+    # the target column gets its [i = y] share: rewrite it whole, after every lane has stored
+    in_range = (y >= 0) & (y < V)
+    if in_range:
+        tl.debug_barrier()
+        p_y = tl.exp2(x2_y - lse2)
+        g_y = p_y * (A + B * LN2 * x2_y)
         if HAS_C:
-            g += C
-        g = tl.where(cols == y, g + D, g)
-        g = g * slope
-        tl.store(grad_row_ptr + cols, g.to(grad_row_ptr.dtype.element_ty), mask=mask)
+            g_y += C
+        g_y = (g_y + D) * slope_y
+        tl.store(grad_row_ptr + y, g_y.to(grad_row_ptr.dtype.element_ty))
+
+
+@triton.jit
+def target_logit(row_ptr, y, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr):
+    """(x2_y, slope_y) at the target; NaN when y is outside [0, V) (never an out-of-bounds read)."""
+    in_range = (y >= 0) & (y < V)
+    z_y = tl.load(row_ptr + y, mask=in_range, other=0.0).to(tl.float32)
+    x2_y, slope_y = transform(z_y, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
+    return tl.where(in_range, x2_y, float("nan")), slope_y
 
 
 @triton.jit

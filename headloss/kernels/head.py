@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..plan import KernelPlan
-from .blocks import gradient_pass, online_stats, row_coefficients, transform, zero_row
+from .blocks import LN2, gradient_pass, online_stats, row_coefficients, target_logit, zero_row
 
 
 @triton.jit
@@ -79,31 +79,32 @@ def head_forward_kernel(
         valid = y != ignore_index
     if valid:
         # --- 1. stats pass
-        m, d, sum_x, sum_ex, arg = online_stats(
+        m2, d, sum_x2, sum_ex2, arg = online_stats(
             row_ptr, V, logit_scale, softcap, inv_temperature,
             BLOCK_V, HAS_SOFTCAP, HAS_SMOOTHING, HAS_ENTROPY, HAS_ARGMAX,
         )
-        # --- 2. per-token values
-        lse = m + tl.log(d)
+        # --- 2. per-token values (natural units from here on)
+        lse2 = m2 + tl.log2(d)
+        lse = lse2 * LN2
         token_loss = tl.zeros([], tl.float32)
         entropy = tl.zeros([], tl.float32)
-        if STORE_LOGP:
+        x2_y = tl.zeros([], tl.float32)
+        slope_y = tl.zeros([], tl.float32)
+        if HAS_TARGETS:
             # out-of-range targets (validation off) give NaN, never an out-of-bounds read
-            in_range = (y >= 0) & (y < V)
-            z_y = tl.load(row_ptr + y, mask=in_range, other=0.0).to(tl.float32)
-            x_y, _ = transform(z_y, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
-            x_y = tl.where(in_range, x_y, float("nan"))
-            tl.store(logp_ptr + row, x_y - lse)
-            if HAS_CE:
-                ce = lse - x_y
-                if HAS_SMOOTHING:
-                    ce = (1.0 - smoothing) * ce + smoothing * (lse - sum_x / V)
-                tl.store(ce_ptr + row, ce)
-                token_loss += w_ce * ce
+            x2_y, slope_y = target_logit(row_ptr, y, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
+        if STORE_LOGP:
+            tl.store(logp_ptr + row, (x2_y - lse2) * LN2)
+        if HAS_CE:
+            ce = lse - x2_y * LN2
+            if HAS_SMOOTHING:
+                ce = (1.0 - smoothing) * ce + smoothing * (lse - sum_x2 * LN2 / V)
+            tl.store(ce_ptr + row, ce)
+            token_loss += w_ce * ce
         if HAS_Z:
             token_loss += w_z * lse * lse
         if HAS_ENTROPY:
-            entropy = lse - sum_ex / d
+            entropy = lse - sum_ex2 * LN2 / d
             tl.store(entropy_ptr + row, entropy)
             token_loss += w_entropy * entropy
         if HAS_ARGMAX:
@@ -119,7 +120,7 @@ def head_forward_kernel(
                 HAS_CE, HAS_Z, HAS_ENTROPY_GRAD,
             )
             gradient_pass(
-                row_ptr, grad_row_ptr, V, y, lse, A, B, C, D,
+                row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A, B, C, D,
                 logit_scale, softcap, inv_temperature,
                 BLOCK_V, HAS_SOFTCAP, HAS_ENTROPY_GRAD, HAS_SMOOTHING,
             )
@@ -204,12 +205,16 @@ def head_backward_kernel(
             d_entropy = tl.load(d_entropy_ptr + row)
         if HAS_D_LSE:
             d_lse = tl.load(d_lse_ptr + row)
+        x2_y = tl.zeros([], tl.float32)
+        slope_y = tl.zeros([], tl.float32)
+        if HAS_TARGETS:
+            x2_y, slope_y = target_logit(row_ptr, y, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
         A, B, C, D = row_coefficients(
             u, d_logp, d_entropy, d_lse, lse, entropy, V, w_ce, smoothing, w_z, w_entropy,
             HAS_CE, HAS_Z, HAS_ENTROPY_GRAD,
         )
         gradient_pass(
-            row_ptr, grad_row_ptr, V, y, lse, A, B, C, D,
+            row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A, B, C, D,
             logit_scale, softcap, inv_temperature,
             BLOCK_V, HAS_SOFTCAP, HAS_ENTROPY_GRAD, HAS_SMOOTHING,
         )
