@@ -25,10 +25,10 @@ Cost notes (the full variant is ALU-bound at 128K vocab if written naively):
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 # stands in for -inf where 0 * x must stay 0 (exp of a -inf logit is 0, its product with x is not)
-NEG_BIG = -1.0e30
+NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
