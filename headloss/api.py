@@ -48,8 +48,8 @@ def head_loss(
             of the number of non-ignored tokens (HF gradient accumulation). Tensor or number.
         inplace_grad: write d loss / d logits over ``logits`` (saves N*V memory). The logits
             are then destroyed: nothing else may use them afterwards.
-        validate: check targets are in range: one host sync, after the forward's launches;
-            default on, off with ``validate=False`` or the environment variable
+        validate: check targets are in range: one host wait, for a check launched before the
+            kernel, while the kernel runs; default on, off with ``validate=False`` or the environment variable
             ``HEADLOSS_VALIDATE=0`` (CUDA graphs, overlap). Unchecked out-of-range targets give
             NaN in their rows, never an out-of-bounds read. With ``inplace_grad`` the logits
             are already overwritten when the error is raised.
@@ -68,13 +68,38 @@ def head_loss(
         if validate and targets is not None and bool(targets_out_of_range(targets, vocab, spec.ignore_index)):
             raise target_range_error(targets, vocab, spec.ignore_index)
         return reference_head_loss(logits, targets, spec, num_items_in_batch=num_items_in_batch)
-    bad = targets_out_of_range(targets, vocab, spec.ignore_index) if validate and targets is not None else None
+    check = _RangeCheck(targets, vocab, spec.ignore_index) if validate and targets is not None else None
     out = _triton_head_loss(logits, targets, spec, num_items_in_batch, ExecOptions(inplace_grad))
-    # the one host sync, after every launch of the forward so the GPU is busy while we wait;
-    # the kernel itself never reads out of bounds (such rows come out NaN)
-    if bad is not None and bool(bad):
-        raise target_range_error(targets, vocab, spec.ignore_index)
+    if check is not None:
+        check.raise_if_bad()
     return out
+
+
+class _RangeCheck:
+    """Target validation that costs one wait but no idle GPU.
+
+    The check's verdict is copied to pinned host memory and an event is recorded right after
+    it, *before* the head kernel is launched; :meth:`raise_if_bad`, called once everything is
+    launched, waits for that event only, so the GPU runs the head kernel while the host waits.
+    The kernel never reads out of bounds meanwhile (such rows come out NaN).
+    """
+
+    def __init__(self, targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
+        self.args = (targets, vocab, ignore_index)
+        bad = targets_out_of_range(targets, vocab, ignore_index)
+        if targets.is_cuda:
+            self.verdict = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self.verdict.copy_(bad, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.verdict, self.ready = bad, None
+
+    def raise_if_bad(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+        if bool(self.verdict):
+            raise target_range_error(*self.args)
 
 
 class HeadLoss(torch.nn.Module):

@@ -1,0 +1,130 @@
+"""Where the time of one headloss call goes: host (Python) time per call and device time per kernel.
+
+  python -m benchmarks.profile_head [--vocab 128256] [--rows 8192]
+
+Prints, for the CE-only and full specs: host microseconds of head_loss(...) and of .backward(),
+and the device time of each kernel from torch.profiler (median over the profiled steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+import headloss
+from benchmarks.bench_head import CE_SPEC, FULL_SPEC, make_batch
+
+
+def host_us(fn, reps: int = 50) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def kernel_times(step, reps: int = 10) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    per = defaultdict(list)
+    for evt in prof.events():
+        if evt.device_type.name == "CUDA":
+            per[evt.name].append(evt.device_time)
+    return {name: statistics.median(v) for name, v in per.items()}
+
+
+ABLATION = {
+    "ce": CE_SPEC,
+    "ce+z": headloss.LossSpec(z_loss={"weight": 1e-4}),
+    "ce+entropy": headloss.LossSpec(entropy={"weight": 0.0}),
+    "ce+accuracy": headloss.LossSpec(token_accuracy=True),
+    "ce+entropy-grad": headloss.LossSpec(entropy={"weight": 0.1}),
+    "ce+smoothing": headloss.LossSpec(cross_entropy={"label_smoothing": 0.1}),
+    "ce+softcap": headloss.LossSpec(transform={"softcap": 30.0}),
+    "full": FULL_SPEC,
+}
+
+
+def ablate(x: torch.Tensor, targets: torch.Tensor, configs: list[tuple[int, int]]) -> None:
+    """Device time of the head kernel for each term added to CE alone, per launch config."""
+    from headloss.kernels.head import head_forward_kernel
+
+    print(f"\n{'spec':<18}" + "".join(f"{f'B={b},w={w}':>16}" for b, w in configs) + "   (us, regs)")
+    for name, spec in ABLATION.items():
+        cells = []
+        for block, warps in configs:
+            os.environ["HEADLOSS_BLOCK_V"], os.environ["HEADLOSS_NUM_WARPS"] = str(block), str(warps)
+            head_forward_kernel.device_caches.clear()
+
+            def step(spec=spec):
+                x.grad = None
+                headloss.head_loss(x, targets, spec, inplace_grad=True, validate=False).loss.backward()
+
+            step()
+            us = kernel_times(step, reps=5).get("head_forward_kernel", float("nan"))
+            compiled = [k for c in head_forward_kernel.device_caches.values() for k in c[0].values()]
+            regs = compiled[0].n_regs if compiled else -1
+            cells.append(f"{us:10.0f} ({regs:3d})")
+        print(f"{name:<18}" + "".join(f"{c:>16}" for c in cells))
+    os.environ.pop("HEADLOSS_BLOCK_V")
+    os.environ.pop("HEADLOSS_NUM_WARPS")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=8192)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--ablate", action="store_true", help="kernel time per added term and launch config")
+    args = parser.parse_args()
+    pristine, targets = make_batch(args.rows, args.vocab)
+    if args.ablate:
+        ablate(pristine.clone().requires_grad_(), targets, [(1024, 4), (2048, 4), (2048, 8), (4096, 8)])
+        return
+    x = pristine.clone().requires_grad_()
+    for name, spec in (("ce", CE_SPEC), ("full", FULL_SPEC)):
+        for validate in (False, True):
+            holder = {}
+
+            def fwd(spec=spec, validate=validate, holder=holder):
+                x.grad = None
+                holder["out"] = headloss.head_loss(x, targets, spec, inplace_grad=True, validate=validate)
+
+            def bwd(holder=holder):
+                holder["out"].loss.backward()
+
+            def step():
+                fwd()
+                bwd()
+
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            f_us = host_us(fwd)
+            bwd_times = []
+            for _ in range(20):
+                fwd()
+                t0 = time.perf_counter()
+                bwd()
+                bwd_times.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            print(f"\n{name} validate={validate}: host forward {f_us:.0f} us, "
+                  f"host backward {statistics.median(bwd_times) * 1e6:.0f} us")
+            if validate:
+                continue
+            for kname, us in sorted(kernel_times(step).items(), key=lambda kv: -kv[1]):
+                print(f"   {us:9.1f} us  {kname[:90]}")
+
+
+if __name__ == "__main__":
+    main()
