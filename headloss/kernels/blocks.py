@@ -18,7 +18,7 @@ Cost notes (the full variant is ALU-bound at 128K vocab if written naively):
 * the sums are per-lane vectors rescaled by the block's scalar alpha and reduced once per row,
   so a block does one cross-warp reduction (its max), not one per statistic;
 * the argmax of a block is computed only when the block raises the running max (rare);
-* full blocks load without masks; only the tail block is masked;
+* full blocks load without masks, one block ahead of their use; only the tail block is masked;
 * the target column of the gradient is written once after the loop, not selected per element.
 """
 
@@ -53,28 +53,23 @@ def transform(z, logit_scale, softcap, inv_temperature, HAS_SOFTCAP: tl.constexp
 
 
 @triton.jit
-def _load_x2(row_ptr, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr,
-             MASKED: tl.constexpr):
+def _to_x2(z, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+    """Raw logits block -> (x2, slope); masked-off columns of the tail block become -inf."""
+    x2, slope = transform(z.to(tl.float32), logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
     if MASKED:
-        mask = cols < V
-        z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        x2, slope = transform(z, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
-        x2 = tl.where(mask, x2, float("-inf"))
-    else:
-        z = tl.load(row_ptr + cols).to(tl.float32)
-        x2, slope = transform(z, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
+        x2 = tl.where(cols < V, x2, float("-inf"))
     return x2, slope
 
 
 @triton.jit
 def _stats_block(
-    row_ptr, start, V, m, d, sum_x, sum_ex, arg, logit_scale, softcap, inv_temperature,
+    z, start, V, m, d, sum_x, sum_ex, arg, logit_scale, softcap, inv_temperature,
     BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM_X: tl.constexpr,
     NEED_SUM_EX: tl.constexpr, NEED_ARGMAX: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """One block of the online softmax; d, sum_x, sum_ex are per-lane [BLOCK_V] vectors."""
+    """One loaded block z of the online softmax; d, sum_x, sum_ex are per-lane [BLOCK_V] vectors."""
     cols = start + tl.arange(0, BLOCK_V)
-    x2, _ = _load_x2(row_ptr, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, MASKED)
+    x2, _ = _to_x2(z, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, MASKED)
     block_max = tl.max(x2, axis=0)
     if NEED_ARGMAX:
         # strict '>' keeps the earliest block on ties; tl.argmax keeps the earliest index
@@ -121,15 +116,26 @@ def online_stats(
     sum_x = tl.zeros([BLOCK_V], tl.float32)
     sum_ex = tl.zeros([BLOCK_V], tl.float32)
     arg = tl.zeros([], tl.int32)
+    offs = tl.arange(0, BLOCK_V)
     v_full = (V // BLOCK_V) * BLOCK_V
-    for start in range(0, v_full, BLOCK_V):
+    if v_full > 0:
+        # full blocks, unmasked, each load issued one block ahead of its use
+        z = tl.load(row_ptr + offs)
+        for start in range(BLOCK_V, v_full, BLOCK_V):
+            z_next = tl.load(row_ptr + start + offs)
+            m, d, sum_x, sum_ex, arg = _stats_block(
+                z, start - BLOCK_V, V, m, d, sum_x, sum_ex, arg, logit_scale, softcap, inv_temperature,
+                BLOCK_V, HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, False,
+            )
+            z = z_next
         m, d, sum_x, sum_ex, arg = _stats_block(
-            row_ptr, start, V, m, d, sum_x, sum_ex, arg, logit_scale, softcap, inv_temperature,
+            z, v_full - BLOCK_V, V, m, d, sum_x, sum_ex, arg, logit_scale, softcap, inv_temperature,
             BLOCK_V, HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, False,
         )
     if v_full < V:
+        z = tl.load(row_ptr + v_full + offs, mask=v_full + offs < V, other=0.0)
         m, d, sum_x, sum_ex, arg = _stats_block(
-            row_ptr, v_full, V, m, d, sum_x, sum_ex, arg, logit_scale, softcap, inv_temperature,
+            z, v_full, V, m, d, sum_x, sum_ex, arg, logit_scale, softcap, inv_temperature,
             BLOCK_V, HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, True,
         )
     return m, tl.sum(d, axis=0), tl.sum(sum_x, axis=0), tl.sum(sum_ex, axis=0), arg
@@ -180,12 +186,13 @@ def row_coefficients(
 
 @triton.jit
 def _grad_block(
-    row_ptr, grad_row_ptr, start, V, lse2, A, B2, C, logit_scale, softcap, inv_temperature,
+    z, grad_row_ptr, start, V, lse2, A, B2, C, logit_scale, softcap, inv_temperature,
     BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_B: tl.constexpr, HAS_C: tl.constexpr,
     MASKED: tl.constexpr,
 ):
+    """Gradient of one loaded block z, stored at grad_row_ptr[start:start + BLOCK_V]."""
     cols = start + tl.arange(0, BLOCK_V)
-    x2, slope = _load_x2(row_ptr, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, MASKED)
+    x2, slope = _to_x2(z, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, MASKED)
     p = tl.exp2(x2 - lse2)
     if HAS_B:
         g = p * (A + B2 * tl.maximum(x2, NEG_BIG))
@@ -234,12 +241,22 @@ def gradient_pass(
         A_el = A * s
         B2_el = B2_el * s
         C_el = C * s
+    offs = tl.arange(0, BLOCK_V)
     v_full = (V // BLOCK_V) * BLOCK_V
-    for start in range(0, v_full, BLOCK_V):
-        _grad_block(row_ptr, grad_row_ptr, start, V, lse2, A_el, B2_el, C_el, logit_scale, softcap,
+    if v_full > 0:
+        # full blocks, unmasked, each load issued one block ahead (block k is read before
+        # block k is written, so an aliased gradient row is safe)
+        z = tl.load(row_ptr + offs)
+        for start in range(BLOCK_V, v_full, BLOCK_V):
+            z_next = tl.load(row_ptr + start + offs)
+            _grad_block(z, grad_row_ptr, start - BLOCK_V, V, lse2, A_el, B2_el, C_el, logit_scale, softcap,
+                        inv_temperature, BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, False)
+            z = z_next
+        _grad_block(z, grad_row_ptr, v_full - BLOCK_V, V, lse2, A_el, B2_el, C_el, logit_scale, softcap,
                     inv_temperature, BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, False)
     if v_full < V:
-        _grad_block(row_ptr, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, logit_scale, softcap,
+        z = tl.load(row_ptr + v_full + offs, mask=v_full + offs < V, other=0.0)
+        _grad_block(z, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, logit_scale, softcap,
                     inv_temperature, BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, True)
     # the target column gets its [i = y] share: rewrite it whole, after every lane has stored
     in_range = (y >= 0) & (y < V)
