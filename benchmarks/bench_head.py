@@ -162,7 +162,7 @@ def tune(rows_out: list[Row], n: int, vocab: int) -> None:
     def step():
         headloss.head_loss(x, targets, FULL_SPEC, inplace_grad=True).loss.backward()
 
-    for block in (1024, 2048, 4096, 8192):
+    for block in (512, 1024, 2048, 4096):
         for warps in (2, 4, 8):
             os.environ["HEADLOSS_BLOCK_V"], os.environ["HEADLOSS_NUM_WARPS"] = str(block), str(warps)
             measure(rows_out, "tune-full", f"headloss[B={block},w={warps}]", "V", vocab, step, setup,

@@ -89,7 +89,7 @@ def main() -> None:
     args = parser.parse_args()
     pristine, targets = make_batch(args.rows, args.vocab)
     if args.ablate:
-        ablate(pristine.clone().requires_grad_(), targets, [(1024, 4), (2048, 4), (2048, 8), (4096, 8)])
+        ablate(pristine.clone().requires_grad_(), targets, [(512, 2), (1024, 2), (1024, 4), (2048, 4), (2048, 8)])
         return
     x = pristine.clone().requires_grad_()
     for name, spec in (("ce", CE_SPEC), ("full", FULL_SPEC)):

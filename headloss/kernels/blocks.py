@@ -17,7 +17,9 @@ Cost notes (the full variant is ALU-bound at 128K vocab if written naively):
 * base-2 units: exp(x - m) = exp2(x2 - m2), one subtraction and one ex2 per element;
 * the sums are per-lane vectors rescaled by the block's scalar alpha and reduced once per row,
   so a block does one cross-warp reduction (its max), not one per statistic;
-* the argmax of a block is computed only when the block raises the running max (rare);
+* the argmax costs a scalar select per block (which block holds the max) and one more block
+  read per row to find the index inside it;
+* an entropy that is only a metric is summed in the gradient pass, from p it computes anyway;
 * full blocks load without masks, one block ahead of their use; only the tail block is masked;
 * the target column of the gradient is written once after the loop, not selected per element.
 """
@@ -72,9 +74,9 @@ def _stats_block(
     x2, _ = _to_x2(z, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, MASKED)
     block_max = tl.max(x2, axis=0)
     if NEED_ARGMAX:
-        # strict '>' keeps the earliest block on ties; tl.argmax keeps the earliest index
-        if block_max > m:
-            arg = start + tl.argmax(x2, axis=0)
+        # only the block holding the first max is tracked here (a scalar select, no per-element
+        # work); strict '>' keeps the earliest block on ties
+        arg = tl.where(block_max > m, start, arg)
     m_new = tl.maximum(m, block_max)
     # a row that is all -inf so far keeps d = 0 instead of exp(-inf - -inf) = NaN
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -138,6 +140,12 @@ def online_stats(
             z, v_full, V, m, d, sum_x, sum_ex, arg, logit_scale, softcap, inv_temperature,
             BLOCK_V, HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, True,
         )
+    if NEED_ARGMAX:
+        # the index inside that block: one more block read per row, first index of the max
+        cols = arg + offs
+        z = tl.load(row_ptr + cols, mask=cols < V, other=0.0)
+        x2, _ = _to_x2(z, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, True)
+        arg = arg + tl.argmax(x2, axis=0)
     return m, tl.sum(d, axis=0), tl.sum(sum_x, axis=0), tl.sum(sum_ex, axis=0), arg
 
 
@@ -186,14 +194,17 @@ def row_coefficients(
 
 @triton.jit
 def _grad_block(
-    z, grad_row_ptr, start, V, lse2, A, B2, C, logit_scale, softcap, inv_temperature,
+    z, grad_row_ptr, start, V, lse2, A, B2, C, sum_px, logit_scale, softcap, inv_temperature,
     BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_B: tl.constexpr, HAS_C: tl.constexpr,
-    MASKED: tl.constexpr,
+    NEED_SUM_PX: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """Gradient of one loaded block z, stored at grad_row_ptr[start:start + BLOCK_V]."""
+    """Gradient of one loaded block z, stored at grad_row_ptr[start:start + BLOCK_V];
+    returns sum_px (per-lane) + p * x2 when NEED_SUM_PX."""
     cols = start + tl.arange(0, BLOCK_V)
     x2, slope = _to_x2(z, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, MASKED)
     p = tl.exp2(x2 - lse2)
+    if NEED_SUM_PX:
+        sum_px += p * tl.maximum(x2, NEG_BIG)
     if HAS_B:
         g = p * (A + B2 * tl.maximum(x2, NEG_BIG))
     else:
@@ -207,6 +218,7 @@ def _grad_block(
         tl.store(grad_row_ptr + cols, g, mask=cols < V)
     else:
         tl.store(grad_row_ptr + cols, g)
+    return sum_px
 
 
 @triton.jit
@@ -229,8 +241,12 @@ def gradient_pass(
     HAS_SOFTCAP: tl.constexpr,
     HAS_B: tl.constexpr,
     HAS_C: tl.constexpr,
+    NEED_SUM_PX: tl.constexpr,
 ):
-    """Phase 3: second read of the row, one write of d loss / d z in the gradient's dtype."""
+    """Phase 3: second read of the row, one write of d loss / d z in the gradient's dtype.
+
+    Returns sum_i p_i * x2_i (so mean_p(x) = ln 2 * that) when NEED_SUM_PX, else 0.
+    """
     lse2 = lse * LOG2E
     # per-element form in base-2 units; without softcap the constant dx/dz folds into A, B, C
     A_el = A
@@ -241,6 +257,7 @@ def gradient_pass(
         A_el = A * s
         B2_el = B2_el * s
         C_el = C * s
+    sum_px = tl.zeros([BLOCK_V], tl.float32)
     offs = tl.arange(0, BLOCK_V)
     v_full = (V // BLOCK_V) * BLOCK_V
     if v_full > 0:
@@ -249,15 +266,15 @@ def gradient_pass(
         z = tl.load(row_ptr + offs)
         for start in range(BLOCK_V, v_full, BLOCK_V):
             z_next = tl.load(row_ptr + start + offs)
-            _grad_block(z, grad_row_ptr, start - BLOCK_V, V, lse2, A_el, B2_el, C_el, logit_scale, softcap,
-                        inv_temperature, BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, False)
+            sum_px = _grad_block(z, grad_row_ptr, start - BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px, logit_scale,
+                                 softcap, inv_temperature, BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, NEED_SUM_PX, False)
             z = z_next
-        _grad_block(z, grad_row_ptr, v_full - BLOCK_V, V, lse2, A_el, B2_el, C_el, logit_scale, softcap,
-                    inv_temperature, BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, False)
+        sum_px = _grad_block(z, grad_row_ptr, v_full - BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px, logit_scale,
+                             softcap, inv_temperature, BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, NEED_SUM_PX, False)
     if v_full < V:
         z = tl.load(row_ptr + v_full + offs, mask=v_full + offs < V, other=0.0)
-        _grad_block(z, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, logit_scale, softcap,
-                    inv_temperature, BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, True)
+        sum_px = _grad_block(z, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, sum_px, logit_scale,
+                             softcap, inv_temperature, BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, NEED_SUM_PX, True)
     # the target column gets its [i = y] share: rewrite it whole, after every lane has stored
     in_range = (y >= 0) & (y < V)
     if in_range:
@@ -268,6 +285,7 @@ def gradient_pass(
             g_y += C
         g_y = (g_y + D) * slope_y
         tl.store(grad_row_ptr + y, g_y.to(grad_row_ptr.dtype.element_ty))
+    return tl.sum(sum_px, axis=0)
 
 
 @triton.jit

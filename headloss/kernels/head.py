@@ -77,11 +77,14 @@ def head_forward_kernel(
     if HAS_TARGETS:
         y = tl.load(targets_ptr + row).to(tl.int64)
         valid = y != ignore_index
+    # an entropy without gradient is summed in the gradient pass when there is one
+    ENTROPY_IN_PASS_1: tl.constexpr = HAS_ENTROPY and (HAS_ENTROPY_GRAD or not FUSED_GRAD)
+    ENTROPY_IN_PASS_3: tl.constexpr = HAS_ENTROPY and not ENTROPY_IN_PASS_1
     if valid:
         # --- 1. stats pass
         m2, d, sum_x2, sum_ex2, arg = online_stats(
             row_ptr, V, logit_scale, softcap, inv_temperature,
-            BLOCK_V, HAS_SOFTCAP, HAS_SMOOTHING, HAS_ENTROPY, HAS_ARGMAX,
+            BLOCK_V, HAS_SOFTCAP, HAS_SMOOTHING, ENTROPY_IN_PASS_1, HAS_ARGMAX,
         )
         # --- 2. per-token values (natural units from here on)
         lse2 = m2 + tl.log2(d)
@@ -103,7 +106,7 @@ def head_forward_kernel(
             token_loss += w_ce * ce
         if HAS_Z:
             token_loss += w_z * lse * lse
-        if HAS_ENTROPY:
+        if ENTROPY_IN_PASS_1:
             entropy = lse - sum_ex2 * LN2 / d
             tl.store(entropy_ptr + row, entropy)
             token_loss += w_entropy * entropy
@@ -119,11 +122,13 @@ def head_forward_kernel(
                 u, zero, zero, zero, lse, entropy, V, w_ce, smoothing, w_z, w_entropy,
                 HAS_CE, HAS_Z, HAS_ENTROPY_GRAD,
             )
-            gradient_pass(
+            sum_px2 = gradient_pass(
                 row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A, B, C, D,
                 logit_scale, softcap, inv_temperature,
-                BLOCK_V, HAS_SOFTCAP, HAS_ENTROPY_GRAD, HAS_SMOOTHING,
+                BLOCK_V, HAS_SOFTCAP, HAS_ENTROPY_GRAD, HAS_SMOOTHING, ENTROPY_IN_PASS_3,
             )
+            if ENTROPY_IN_PASS_3:
+                tl.store(entropy_ptr + row, lse - sum_px2 * LN2)
     else:
         tl.store(token_loss_ptr + row, 0.0)
         tl.store(lse_ptr + row, 0.0)
@@ -216,7 +221,7 @@ def head_backward_kernel(
         gradient_pass(
             row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A, B, C, D,
             logit_scale, softcap, inv_temperature,
-            BLOCK_V, HAS_SOFTCAP, HAS_ENTROPY_GRAD, HAS_SMOOTHING,
+            BLOCK_V, HAS_SOFTCAP, HAS_ENTROPY_GRAD, HAS_SMOOTHING, False,
         )
     else:
         zero_row(grad_row_ptr, V, BLOCK_V)

@@ -1,0 +1,231 @@
+"""Shared helpers: input generators, the fp64-reference comparison, tolerances.
+
+TRITON_INTERPRET must be set before anything imports triton or headloss (headloss reads it at
+import to pick the CPU backend), so it is set here, first.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+import zlib  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import headloss.api  # noqa: E402
+from headloss import HeadLossOutput, LossSpec, head_loss, reference_head_loss  # noqa: E402
+from headloss.reference import transformed_logits  # noqa: E402
+
+
+def pytest_configure(config):
+    # the Triton interpreter's own deprecation noise, not ours
+    config.addinivalue_line(
+        "filterwarnings", "ignore::DeprecationWarning:triton.runtime.interpreter"
+    )
+
+
+needs_kernel = pytest.mark.skipif(
+    not headloss.api._INTERPRETER,
+    reason="the Triton kernel runs on CPU only under TRITON_INTERPRET=1 (set before import)",
+)
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPE_IDS = ("fp32", "bf16", "fp16")
+
+# Values (loss, metrics, per-token outputs) are computed in fp32 from the stored logits, so they
+# match the fp64 reference on the same stored values to fp32 accuracy whatever the input dtype.
+VALUE_RTOL = 1e-5
+# The gradient is stored in the logits' dtype: its error is that dtype's rounding.
+GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+# Per-element floor for gradients that cancel to ~0 (e.g. V = 1: p - (1 - eps) - eps = 0): a few
+# fp32 ulps of the O(1) terms that cancel.
+GRAD_ATOL = 2e-7
+
+FLOAT_OUTPUTS = ("logprobs", "lse", "token_loss", "entropy")
+
+
+def seed_of(*parts) -> int:
+    """A stable seed from test parameters (str hashes are salted per process)."""
+    return zlib.crc32(repr(parts).encode()) % 100_000
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def make_logits(shape, dtype=torch.float32, seed=0, scale=3.0) -> torch.Tensor:
+    """Random normal logits * scale in ``dtype`` (fresh per seed, never all zero)."""
+    logits = (torch.randn(*shape, generator=generator(seed), dtype=torch.float64) * scale).to(dtype)
+    assert logits.numel() == 0 or logits.abs().max() > 0
+    return logits
+
+
+def make_targets(token_shape, vocab, seed=0, ignore_frac=0.0, ignore_index=-100) -> torch.Tensor:
+    """Random ids in [0, vocab); a fraction of positions (never the first) set to ``ignore_index``."""
+    gen = generator(seed + 7919)
+    targets = torch.randint(0, vocab, tuple(token_shape), generator=gen)
+    if ignore_frac > 0 and targets.numel() > 0:
+        ignored = torch.rand(tuple(token_shape), generator=gen) < ignore_frac
+        ignored.reshape(-1)[0] = False
+        targets = torch.where(ignored, torch.full_like(targets, ignore_index), targets)
+    return targets
+
+
+def token_weights(token_shape, seed: int) -> torch.Tensor:
+    """Fixed random fp64 weights per token: a non-uniform upstream gradient."""
+    return torch.rand(tuple(token_shape), generator=generator(seed + 104729), dtype=torch.float64) + 0.5
+
+
+def default_objective(spec: LossSpec, token_shape, seed: int = 0) -> Callable[[HeadLossOutput], torch.Tensor]:
+    """A scalar to differentiate: the loss (weighted per token for reduction 'none') plus, when the
+    spec makes per-token outputs differentiable, every float output times random token weights."""
+    weights = {
+        name: token_weights(token_shape, seed + i) for i, name in enumerate(("loss", *FLOAT_OUTPUTS))
+    }
+
+    def objective(out: HeadLossOutput) -> torch.Tensor:
+        loss = out.loss
+        total = (loss * weights["loss"].to(loss.dtype)).sum() if spec.reduction == "none" else loss
+        if spec.differentiable_outputs:
+            for name in FLOAT_OUTPUTS:
+                value = getattr(out, name)
+                if value is not None:
+                    total = total + (value * weights[name].to(value.dtype)).sum()
+        return total
+
+    return objective
+
+
+@dataclass
+class Pair:
+    """One kernel call and the fp64 reference on the same stored values, with their gradients."""
+
+    spec: LossSpec
+    out: HeadLossOutput
+    ref: HeadLossOutput
+    grad: torch.Tensor | None  # d objective / d leaf (kernel)
+    ref_grad: torch.Tensor | None  # same for the fp64 reference
+    leaf: torch.Tensor  # the kernel's leaf tensor (after the call; overwritten by inplace_grad)
+    x64: torch.Tensor  # fp64 transformed logits of the input view, [rows, V]
+    dtype: torch.dtype
+
+
+def run_pair(
+    leaf: torch.Tensor,
+    targets: torch.Tensor | None,
+    spec: LossSpec,
+    *,
+    view: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    objective: Callable[[HeadLossOutput], torch.Tensor] | None = None,
+    num_items_in_batch=None,
+    inplace_grad: bool = False,
+    with_grad: bool = True,
+    upstream: float = 1.0,
+) -> Pair:
+    """Run ``head_loss(view(leaf), backend="triton")`` and ``reference_head_loss`` on
+    ``view(leaf.double())``; backpropagate ``upstream * objective(out)`` through both."""
+    dtype = leaf.dtype
+    leaf64 = leaf.detach().double().requires_grad_(with_grad)
+    kleaf = leaf.detach().clone().requires_grad_(with_grad)
+    view_in = view(kleaf)
+    token_shape = view_in.shape[:-1]
+    x64 = transformed_logits(view(leaf64.detach()), spec, torch.float64).reshape(-1, view_in.shape[-1])
+    objective = objective or default_objective(spec, token_shape)
+
+    out = head_loss(
+        view_in, targets, spec,
+        num_items_in_batch=num_items_in_batch, inplace_grad=inplace_grad, backend="triton",
+    )
+    ref = reference_head_loss(view(leaf64), targets, spec, num_items_in_batch=num_items_in_batch)
+    grad = ref_grad = None
+    if with_grad:
+        (upstream * objective(out)).backward()
+        ref_objective = upstream * objective(ref)
+        if ref_objective.requires_grad:
+            ref_objective.backward()
+        grad = kleaf.grad
+        # a spec with no loss term gives a reference loss that does not depend on the logits
+        ref_grad = leaf64.grad if leaf64.grad is not None else torch.zeros_like(leaf64)
+    return Pair(spec, out, ref, grad, ref_grad, kleaf, x64, dtype)
+
+
+def value_atol(x64: torch.Tensor) -> float:
+    """Absolute slack of fp32 values that are differences of O(max |x|) quantities (entropy, lse - x)."""
+    finite = x64[torch.isfinite(x64)]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    return 2e-6 * (1.0 + scale)
+
+
+def assert_close_norm(actual, expected, *, rtol: float, atol: float, name: str) -> None:
+    """||actual - expected|| <= rtol * ||expected|| + atol * sqrt(n) (fp64 norms)."""
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, e = actual.detach().double(), expected.detach().double()
+    assert torch.equal(torch.isfinite(a), torch.isfinite(e)), f"{name}: finiteness differs"
+    err = float((a - e).norm())
+    bound = rtol * float(e.norm()) + atol * math.sqrt(max(e.numel(), 1))
+    assert err <= bound, f"{name}: ||err|| = {err:.3e} > {bound:.3e} (||ref|| = {float(e.norm()):.3e})"
+
+
+def assert_matches_reference(pair: Pair, *, check_grad: bool = True) -> None:
+    """Loss, every metric, every per-token output and the gradient agree with the fp64 reference."""
+    spec, out, ref = pair.spec, pair.out, pair.ref
+    atol = value_atol(pair.x64)
+    assert out.loss.dtype == torch.float32
+    assert_close_norm(out.loss, ref.loss, rtol=VALUE_RTOL, atol=atol, name="loss")
+
+    assert set(out.metrics) == set(ref.metrics), f"metric names {sorted(out.metrics)} != {sorted(ref.metrics)}"
+    for name, value in ref.metrics.items():
+        got = out.metrics[name]
+        assert got.requires_grad is False, f"metric {name} carries gradient"
+        if name == "n_tokens":
+            assert int(got) == int(value)
+        elif name == "token_accuracy":
+            assert abs(float(got) - float(value)) <= 1e-6, f"token_accuracy {float(got)} != {float(value)}"
+        else:
+            assert_close_norm(got, value, rtol=VALUE_RTOL, atol=atol, name=f"metrics[{name}]")
+
+    for name in ("predicted_tokens", *FLOAT_OUTPUTS):
+        got, want = getattr(out, name), getattr(ref, name)
+        assert (got is None) == (name not in spec.outputs), f"{name}: present={got is not None}"
+        assert (want is None) == (got is None)
+        if got is None:
+            continue
+        assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        if name == "predicted_tokens":
+            assert_predicted_tokens(got, want, pair.x64)
+        else:
+            assert got.dtype == torch.float32
+            assert got.requires_grad == (spec.differentiable_outputs and pair.leaf.requires_grad)
+            assert_close_norm(got, want, rtol=VALUE_RTOL, atol=atol, name=name)
+
+    if check_grad and pair.ref_grad is not None:
+        assert pair.grad is not None, "no gradient reached the logits"
+        assert pair.grad.dtype == pair.dtype
+        assert_close_norm(pair.grad, pair.ref_grad, rtol=GRAD_RTOL[pair.dtype], atol=GRAD_ATOL, name="grad")
+
+
+def assert_predicted_tokens(got: torch.Tensor, want: torch.Tensor, x64: torch.Tensor) -> None:
+    """Same ignored positions (-1); elsewhere the kernel's index holds the row maximum."""
+    assert got.dtype == torch.int64
+    got, want = got.reshape(-1), want.reshape(-1)
+    assert torch.equal(got == -1, want == -1), "predicted_tokens: ignored positions differ"
+    rows = torch.nonzero(want != -1).reshape(-1)
+    if rows.numel():
+        picked = x64[rows, got[rows]]
+        best = x64[rows].max(dim=-1).values
+        assert torch.all(picked >= best - 1e-6 * (1 + best.abs())), "predicted_tokens: not an argmax"
+        exact = (got[rows] == want[rows]).double().mean()
+        assert exact >= 0.99, f"predicted_tokens: only {float(exact):.2%} equal the fp64 argmax"
+
+
+def assert_nontrivial(pair: Pair) -> None:
+    """Guards against tests that cannot fail: the loss and the gradient are not zero."""
+    assert float(pair.ref.loss.detach().abs().sum()) > 0
+    assert float(pair.out.loss.detach().abs().sum()) > 0
+    if pair.ref_grad is not None:
+        assert float(pair.ref_grad.norm()) > 0
+        assert float(pair.grad.double().norm()) > 0
