@@ -85,7 +85,7 @@ def liger_ce_fn() -> Callable | None:
 # --- providers --------------------------------------------------------------------------------
 
 
-def providers(case: str, compile_cache: dict) -> dict[str, Callable[[torch.Tensor, torch.Tensor], object]]:
+def providers(case: str, compile_cache: dict, with_compile: bool) -> dict[str, Callable[[torch.Tensor, torch.Tensor], object]]:
     """name -> step(x, y) running forward + backward for ``case``."""
     liger = liger_ce_fn()
     spec = FULL_SPEC if case == "full" else CE_SPEC
@@ -115,7 +115,7 @@ def providers(case: str, compile_cache: dict) -> dict[str, Callable[[torch.Tenso
 
         return step
 
-    table = {"torch-eager": eager, "torch-compile": compiled}
+    table = {"torch-eager": eager, **({"torch-compile": compiled} if with_compile else {})}
     if liger is not None:
         table["liger" + ("+entropy" if case == "full" else "")] = liger_step
     table["headloss"] = ours(inplace=True)
@@ -132,7 +132,9 @@ def make_batch(rows: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torc
     return logits, targets
 
 
-def run_case(rows_out: list[Row], case: str, n: int, vocab: int, names: list[str] | None, cfg: dict) -> None:
+def run_case(
+    rows_out: list[Row], case: str, n: int, vocab: int, names: list[str] | None, cfg: dict, with_compile: bool
+) -> None:
     pristine, targets = make_batch(n, vocab)
     x = torch.empty_like(pristine).requires_grad_()
 
@@ -142,7 +144,7 @@ def run_case(rows_out: list[Row], case: str, n: int, vocab: int, names: list[str
             x.copy_(pristine)
 
     compile_cache: dict = {}
-    for name, fn in providers(case, compile_cache).items():
+    for name, fn in providers(case, compile_cache, with_compile).items():
         if names and name not in names:
             continue
         measure(rows_out, case, name, "V", vocab, lambda fn=fn: fn(x, targets), setup, config={**cfg, "N": n})
@@ -220,6 +222,8 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=["full", "ce"], choices=["full", "ce"])
     parser.add_argument("--providers", nargs="*", help="subset of provider names")
     parser.add_argument("--tune", action="store_true", help="sweep BLOCK_V x num_warps on the full case")
+    parser.add_argument("--compile-vocab", type=int, nargs="*", default=[128256],
+                        help="vocab sizes at which torch.compile is timed (each costs a compile)")
     parser.add_argument("--stem", default="bench_head")
     args = parser.parse_args()
 
@@ -230,7 +234,7 @@ def main() -> None:
         tune(rows, args.rows, 128256)
     for vocab in args.vocab:
         for case in args.cases:
-            run_case(rows, case, args.rows, vocab, args.providers, cfg)
+            run_case(rows, case, args.rows, vocab, args.providers, cfg, vocab in args.compile_vocab)
     out = out_dir_default()
     js, cs = write_rows(rows, out, args.stem)
     plot(rows, copy_gbs, args.rows, out / f"{args.stem}.png")

@@ -19,7 +19,7 @@ Cost notes (the full variant is ALU-bound at 128K vocab if written naively):
   so a block does one cross-warp reduction (its max), not one per statistic;
 * the argmax costs a scalar select per block (which block holds the max) and one more block
   read per row to find the index inside it;
-* an entropy that is only a metric is summed in the gradient pass, from p it computes anyway;
+* an entropy that is only a metric is summed in the gradient pass, from the p it computes anyway;
 * full blocks load without masks, one block ahead of their use; only the tail block is masked;
 * the target column of the gradient is written once after the loop, not selected per element.
 """
@@ -199,12 +199,14 @@ def _grad_block(
     NEED_SUM_PX: tl.constexpr, MASKED: tl.constexpr,
 ):
     """Gradient of one loaded block z, stored at grad_row_ptr[start:start + BLOCK_V];
-    returns sum_px (per-lane) + p * x2 when NEED_SUM_PX."""
+    returns sum_px (per-lane) + p * (lse2 - x2) when NEED_SUM_PX."""
     cols = start + tl.arange(0, BLOCK_V)
     x2, slope = _to_x2(z, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, MASKED)
     p = tl.exp2(x2 - lse2)
     if NEED_SUM_PX:
-        sum_px += p * tl.maximum(x2, NEG_BIG)
+        # entropy as sum p * (lse - x): every term >= 0, so its error is relative to H itself
+        # (lse - mean x would cancel two large numbers); -NEG_BIG keeps 0 * inf out at -inf logits
+        sum_px += p * tl.minimum(lse2 - x2, -NEG_BIG)
     if HAS_B:
         g = p * (A + B2 * tl.maximum(x2, NEG_BIG))
     else:
@@ -245,7 +247,7 @@ def gradient_pass(
 ):
     """Phase 3: second read of the row, one write of d loss / d z in the gradient's dtype.
 
-    Returns sum_i p_i * x2_i (so mean_p(x) = ln 2 * that) when NEED_SUM_PX, else 0.
+    Returns sum_i p_i * (lse2 - x2_i) (so the entropy is ln 2 * that) when NEED_SUM_PX, else 0.
     """
     lse2 = lse * LOG2E
     # per-element form in base-2 units; without softcap the constant dx/dz folds into A, B, C

@@ -128,7 +128,7 @@ def head_forward_kernel(
                 BLOCK_V, HAS_SOFTCAP, HAS_ENTROPY_GRAD, HAS_SMOOTHING, ENTROPY_IN_PASS_3,
             )
             if ENTROPY_IN_PASS_3:
-                tl.store(entropy_ptr + row, lse - sum_px2 * LN2)
+                tl.store(entropy_ptr + row, sum_px2 * LN2)
     else:
         tl.store(token_loss_ptr + row, 0.0)
         tl.store(lse_ptr + row, 0.0)
@@ -261,10 +261,13 @@ class LaunchConfig:
 def launch_config(vocab: int) -> LaunchConfig:
     """Block and warps for a row of ``vocab`` logits.
 
-    HEADLOSS_BLOCK_V / HEADLOSS_NUM_WARPS override (used by the tuning sweep in benchmarks/).
+    2048 columns x 4 warps (16 per thread) was fastest on an H200 at V=128256 for every spec
+    (benchmarks/profile_head.py --ablate, bench_head.py --tune): small enough per-thread state
+    for high occupancy, which this latency-bound loop needs. HEADLOSS_BLOCK_V /
+    HEADLOSS_NUM_WARPS override it (used by those sweeps).
     """
-    block = min(triton.next_power_of_2(max(vocab, 16)), 4096)
-    warps = 8 if block >= 2048 else 4
+    block = min(triton.next_power_of_2(max(vocab, 16)), 2048)
+    warps = 4 if block >= 1024 else (2 if block >= 256 else 1)
     block = int(os.environ.get("HEADLOSS_BLOCK_V", block))
     warps = int(os.environ.get("HEADLOSS_NUM_WARPS", warps))
     return LaunchConfig(block_v=block, num_warps=warps)
