@@ -85,7 +85,10 @@ def liger_ce_fn() -> Callable | None:
 # --- providers --------------------------------------------------------------------------------
 
 
-def providers(case: str, compile_cache: dict, with_compile: bool) -> dict[str, Callable[[torch.Tensor, torch.Tensor], object]]:
+Step = Callable[[torch.Tensor, torch.Tensor], object]
+
+
+def providers(case: str, compile_cache: dict, with_compile: bool) -> dict[str, Step]:
     """name -> step(x, y) running forward + backward for ``case``."""
     liger = liger_ce_fn()
     spec = FULL_SPEC if case == "full" else CE_SPEC
