@@ -62,20 +62,22 @@ def head_loss(
     """
     spec = LossSpec() if spec is None else LossSpec.coerce(spec)
     check_inputs(logits, targets, spec, num_items_in_batch)
+    if targets is not None and targets.dtype not in (torch.int64, torch.int32):
+        targets = targets.long()  # narrow ints cannot hold ignore_index=-100 (uint8 wraps it to 156)
     validate = validation_default() if validate is None else validate
     vocab = logits.shape[-1]
-    if _resolve_backend(backend, logits) == "reference":
+    if resolve_backend(backend, logits) == "reference":
         if validate and targets is not None and bool(targets_out_of_range(targets, vocab, spec.ignore_index)):
             raise target_range_error(targets, vocab, spec.ignore_index)
         return reference_head_loss(logits, targets, spec, num_items_in_batch=num_items_in_batch)
-    check = _RangeCheck(targets, vocab, spec.ignore_index) if validate and targets is not None else None
+    check = RangeCheck(targets, vocab, spec.ignore_index) if validate and targets is not None else None
     out = _triton_head_loss(logits, targets, spec, num_items_in_batch, ExecOptions(inplace_grad))
     if check is not None:
         check.raise_if_bad()
     return out
 
 
-class _RangeCheck:
+class RangeCheck:
     """Target validation that costs one wait but no idle GPU.
 
     The check's verdict is copied to pinned host memory and an event is recorded right after
@@ -205,7 +207,7 @@ def target_range_error(targets: torch.Tensor, vocab: int, ignore_index: int) -> 
     )
 
 
-def _resolve_backend(backend: str, logits: torch.Tensor) -> str:
+def resolve_backend(backend: str, logits: torch.Tensor) -> str:
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"backend: expected 'auto', 'triton' or 'reference', got {backend!r}")
     if backend == "reference":
@@ -225,7 +227,7 @@ def _resolve_backend(backend: str, logits: torch.Tensor) -> str:
 # --- the kernel path ----------------------------------------------------------------------------
 
 
-def _denominator(
+def denominator(
     spec: LossSpec,
     valid: torch.Tensor | None,
     rows: int,
@@ -255,13 +257,26 @@ def _triton_head_loss(
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
     plan = compile_plan(spec, has_targets=targets is not None, needs_grad=needs_grad)
     token_shape = logits.shape[:-1]
-    flat_targets = targets.reshape(-1) if targets is not None else None
+    # the kernel reads targets as a dense int vector (a strided view such as labels[::2] is not)
+    flat_targets = targets.reshape(-1).contiguous() if targets is not None else None
     valid = flat_targets != spec.ignore_index if flat_targets is not None else None
-    n_tokens, grad_scale = _denominator(spec, valid, token_shape.numel(), num_items_in_batch, logits.device)
+    n_tokens, grad_scale = denominator(spec, valid, token_shape.numel(), num_items_in_batch, logits.device)
 
     fn = DeferredHead if plan.mode == "deferred" else FusedHead
-    loss, token_loss, lse, ce, entropy, logp, pred = fn.apply(logits, flat_targets, plan, options, grad_scale)
+    outs = fn.apply(logits, flat_targets, plan, options, grad_scale)
+    return assemble_output(spec, token_shape, outs, n_tokens, valid, flat_targets)
 
+
+def assemble_output(
+    spec: LossSpec,
+    token_shape: torch.Size,
+    outs: tuple,
+    n_tokens: torch.Tensor,
+    valid: torch.Tensor | None,
+    flat_targets: torch.Tensor | None,
+) -> HeadLossOutput:
+    """HeadLossOutput from an autograd Function's ``(loss, token_loss, lse, ce, entropy, logp, pred)``."""
+    loss, token_loss, lse, ce, entropy, logp, pred = outs
     metrics = _metrics(spec, loss, n_tokens, valid, flat_targets, ce, lse, entropy, logp, pred)
 
     def per_token(name: str, value: torch.Tensor | None) -> torch.Tensor | None:

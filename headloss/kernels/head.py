@@ -284,6 +284,26 @@ class RowStats:
     logp: torch.Tensor | None
     pred: torch.Tensor | None
 
+    @classmethod
+    def empty(cls, rows: int, plan: KernelPlan, device: torch.device) -> RowStats:
+        flags = plan.flags
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(
+            token_loss=torch.empty(rows, **f32),
+            lse=torch.empty(rows, **f32),
+            ce=torch.empty(rows, **f32) if flags.HAS_CE else None,
+            entropy=torch.empty(rows, **f32) if flags.HAS_ENTROPY else None,
+            logp=torch.empty(rows, **f32) if flags.STORE_LOGP else None,
+            pred=torch.empty(rows, dtype=torch.int64, device=device) if flags.HAS_ARGMAX else None,
+        )
+
+    def rows(self, start: int, stop: int) -> RowStats:
+        """Views of rows [start, stop) of every buffer (for a chunk of a longer batch)."""
+        return RowStats(*(t[start:stop] if t is not None else None for t in self.fields()))
+
+    def fields(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.token_loss, self.lse, self.ce, self.entropy, self.logp, self.pred)
+
 
 def row_geometry(logits: torch.Tensor) -> tuple[int, int, int, int]:
     """(rows, T, stride_b, stride_t) of a [N, V] or [B, T, V] tensor whose last stride is 1."""
@@ -307,21 +327,17 @@ def run_forward(
     targets: torch.Tensor | None,
     grad: torch.Tensor | None,
     grad_scale: torch.Tensor,
+    out: RowStats | None = None,
 ) -> RowStats:
-    """Launch the forward kernel; writes ``grad`` too when the plan is fused and grad is given."""
+    """Launch the forward kernel; writes ``grad`` too when the plan is fused and grad is given.
+
+    Per-row results go to ``out`` (contiguous views, e.g. a chunk of longer buffers) or to new
+    buffers.
+    """
     rows, seq, stride_b, stride_t = row_geometry(logits)
     vocab = logits.shape[-1]
     flags = plan.flags
-    dev = logits.device
-    f32 = dict(dtype=torch.float32, device=dev)
-    stats = RowStats(
-        token_loss=torch.empty(rows, **f32),
-        lse=torch.empty(rows, **f32),
-        ce=torch.empty(rows, **f32) if flags.HAS_CE else None,
-        entropy=torch.empty(rows, **f32) if flags.HAS_ENTROPY else None,
-        logp=torch.empty(rows, **f32) if flags.STORE_LOGP else None,
-        pred=torch.empty(rows, dtype=torch.int64, device=dev) if flags.HAS_ARGMAX else None,
-    )
+    stats = out if out is not None else RowStats.empty(rows, plan, logits.device)
     if rows == 0:
         return stats
     fused = flags.FUSED_GRAD and grad is not None
