@@ -55,6 +55,14 @@ class FusedHead(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         if grad is None:
             return None, None, None, None, None
+        if getattr(ctx, "consumed", False):
+            raise RuntimeError(
+                "headloss: a second backward through the same fused-mode loss (retain_graph=True). "
+                "The fused mode computes the gradient once, in forward, and hands that buffer to "
+                "autograd on the first backward. Use differentiable_outputs=True or reduction='none' "
+                "(deferred mode, which recomputes it per backward), or call head_loss again."
+            )
+        ctx.consumed = True
         return scale_grad_(grad, d_loss), None, None, None, None
 
 

@@ -40,13 +40,15 @@ def reference_head_loss(
     x = transformed_logits(logits, spec, compute_dtype).reshape(-1, vocab)
     rows = x.shape[0]
     if targets is None:
-        y = torch.zeros(rows, dtype=torch.long, device=logits.device)
+        y_raw = torch.zeros(rows, dtype=torch.long, device=logits.device)
         valid = torch.ones(rows, dtype=torch.bool, device=logits.device)
     else:
         y_raw = targets.reshape(-1).long()
         valid = y_raw != spec.ignore_index
-        y = torch.where(valid, y_raw, 0)
-    validf = valid.to(compute_dtype)
+    # unvalidated out-of-range targets give NaN in their rows, like the kernel, not an IndexError
+    in_range = (y_raw >= 0) & (y_raw < vocab)
+    y = torch.where(valid & in_range, y_raw, 0)
+    nan_if_bad = torch.where(valid & ~in_range, float("nan"), 0.0).to(compute_dtype)
 
     logp_all = torch.log_softmax(x, dim=-1)
     lse = torch.logsumexp(x, dim=-1)
@@ -56,8 +58,9 @@ def reference_head_loss(
 
     if spec.cross_entropy is not None:
         ce = F.cross_entropy(
-            x, y, reduction="none", label_smoothing=spec.cross_entropy.label_smoothing
-        )
+            x, torch.where(valid, y, -100), reduction="none", ignore_index=-100,
+            label_smoothing=spec.cross_entropy.label_smoothing,
+        ) + nan_if_bad
         per_term["ce"] = ce
         token_loss = token_loss + spec.cross_entropy.weight * ce
     if spec.z_loss is not None:
@@ -70,7 +73,7 @@ def reference_head_loss(
         if spec.entropy is not None:
             per_term["entropy"] = entropy
             token_loss = token_loss + spec.entropy.weight * entropy
-    token_loss = token_loss * validf
+    token_loss = torch.where(valid, token_loss, 0.0)
 
     n_valid = valid.sum()
     count = n_valid.clamp(min=1).to(compute_dtype)
@@ -85,10 +88,10 @@ def reference_head_loss(
 
     metrics: dict[str, torch.Tensor] = {"loss": (loss.sum() if spec.reduction == "none" else loss).detach()}
     for name, values in per_term.items():
-        metrics[name] = ((values * validf).sum() / count).detach()
-    logp_y = logp_all.gather(-1, y[:, None])[:, 0]
+        metrics[name] = (torch.where(valid, values, 0.0).sum() / count).detach()
+    logp_y = torch.where(valid, logp_all.gather(-1, y[:, None])[:, 0] + nan_if_bad, 0.0)
     if spec.cross_entropy is not None and spec.cross_entropy.label_smoothing > 0:
-        metrics["nll"] = ((-logp_y * validf).sum() / count).detach()
+        metrics["nll"] = (-logp_y.sum() / count).detach()
     pred = torch.where(valid, x.argmax(-1), -1)
     if spec.token_accuracy:
         metrics["token_accuracy"] = (((pred == y) & valid).to(compute_dtype).sum() / count).detach()
@@ -108,8 +111,8 @@ def reference_head_loss(
         loss=loss.to(out_dtype),
         metrics={k: (v.to(out_dtype) if v.is_floating_point() else v) for k, v in metrics.items()},
         predicted_tokens=per_token("predicted_tokens", pred),
-        logprobs=per_token("logprobs", logp_y * validf),
-        lse=per_token("lse", lse * validf),
+        logprobs=per_token("logprobs", logp_y),
+        lse=per_token("lse", torch.where(valid, lse, 0.0)),
         token_loss=per_token("token_loss", token_loss),
-        entropy=per_token("entropy", entropy * validf) if entropy is not None else None,
+        entropy=per_token("entropy", torch.where(valid, entropy, 0.0)) if entropy is not None else None,
     )

@@ -48,6 +48,11 @@ GRAD_ATOL = 2e-7
 FLOAT_OUTPUTS = ("logprobs", "lse", "token_loss", "entropy")
 
 
+def with_(spec: LossSpec, **changes) -> LossSpec:
+    """``spec`` with some fields replaced, validated again (``model_copy`` skips validation)."""
+    return LossSpec.model_validate({**dict(spec), **changes})
+
+
 def seed_of(*parts) -> int:
     """A stable seed from test parameters (str hashes are salted per process)."""
     return zlib.crc32(repr(parts).encode()) % 100_000

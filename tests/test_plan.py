@@ -4,7 +4,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import make_logits, make_targets, needs_kernel
+from conftest import make_logits, make_targets, needs_kernel, with_
 
 from headloss import CrossEntropy, Entropy, LogitTransform, LossSpec, ZLoss, compile_plan, head_loss
 from headloss.kernels.head import head_forward_kernel
@@ -43,7 +43,7 @@ def test_plan_is_cached_per_equal_spec():
 )
 def test_value_changes_reuse_the_kernel_variant(update, scalar, value):
     base = compile_plan(RICH)
-    changed = compile_plan(RICH.model_copy(update=update))
+    changed = compile_plan(with_(RICH, **update))
     assert changed.flags == base.flags, "a value change must not select another kernel variant"
     assert getattr(changed.scalars, scalar) == pytest.approx(value)
     assert getattr(changed.scalars, scalar) != getattr(base.scalars, scalar)
@@ -64,7 +64,7 @@ def test_value_changes_reuse_the_kernel_variant(update, scalar, value):
 )
 def test_structural_changes_select_another_variant(update, flag):
     base = compile_plan(RICH)
-    changed = compile_plan(RICH.model_copy(update=update))
+    changed = compile_plan(with_(RICH, **update))
     assert getattr(base.flags, flag) is True
     assert getattr(changed.flags, flag) is False
 
