@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 
 from .autograd import DeferredHead, ExecOptions, FusedHead
+from .kernels.head import RowStats
 from .output import HeadLossOutput
 from .plan import compile_plan
 from .reference import reference_head_loss
@@ -31,6 +32,7 @@ def head_loss(
     targets: torch.Tensor | None = None,
     spec: SpecLike | None = None,
     *,
+    teacher_logits: torch.Tensor | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     inplace_grad: bool = False,
     validate: bool | None = None,
@@ -44,6 +46,8 @@ def head_loss(
         targets: [N] or [B, T] integer ids in [0, V) or ``spec.ignore_index``. Optional when
             no requested value needs them (e.g. entropy only): then every row counts.
         spec: a :class:`LossSpec`, a dict, or a YAML/JSON path (default: mean cross-entropy).
+        teacher_logits: same shape as ``logits`` (any float dtype), for the distillation term.
+            Read only; no gradient flows into it.
         num_items_in_batch: with ``reduction="mean"``, divide the summed loss by this instead
             of the number of non-ignored tokens (HF gradient accumulation). Tensor or number.
         inplace_grad: write d loss / d logits over ``logits`` (saves N*V memory). The logits
@@ -62,6 +66,9 @@ def head_loss(
     """
     spec = LossSpec() if spec is None else LossSpec.coerce(spec)
     check_inputs(logits, targets, spec, num_items_in_batch)
+    check_teacher(logits, teacher_logits, spec)
+    if teacher_logits is not None:
+        teacher_logits = teacher_logits.detach()
     if targets is not None and targets.dtype not in (torch.int64, torch.int32):
         targets = targets.long()  # narrow ints cannot hold ignore_index=-100 (uint8 wraps it to 156)
     validate = validation_default() if validate is None else validate
@@ -69,9 +76,11 @@ def head_loss(
     if resolve_backend(backend, logits) == "reference":
         if validate and targets is not None and bool(targets_out_of_range(targets, vocab, spec.ignore_index)):
             raise target_range_error(targets, vocab, spec.ignore_index)
-        return reference_head_loss(logits, targets, spec, num_items_in_batch=num_items_in_batch)
+        return reference_head_loss(
+            logits, targets, spec, teacher_logits=teacher_logits, num_items_in_batch=num_items_in_batch
+        )
     check = RangeCheck(targets, vocab, spec.ignore_index) if validate and targets is not None else None
-    out = _triton_head_loss(logits, targets, spec, num_items_in_batch, ExecOptions(inplace_grad))
+    out = _triton_head_loss(logits, targets, teacher_logits, spec, num_items_in_batch, ExecOptions(inplace_grad))
     if check is not None:
         check.raise_if_bad()
     return out
@@ -125,12 +134,12 @@ class HeadLoss(torch.nn.Module):
         self,
         logits: torch.Tensor,
         targets: torch.Tensor | None = None,
-        *,
-        num_items_in_batch: int | float | torch.Tensor | None = None,
+        **inputs: Any,
     ) -> HeadLossOutput:
+        """``inputs``: the per-call inputs of :func:`head_loss` (teacher_logits, num_items_in_batch, ...)."""
         return head_loss(
             logits, targets, self.spec,
-            num_items_in_batch=num_items_in_batch,
+            **inputs,
             inplace_grad=self.inplace_grad,
             validate=self.validate,
             backend=self.backend,
@@ -192,6 +201,29 @@ def check_inputs(
             raise ValueError(f"num_items_in_batch: expected a positive number or tensor, got {num_items_in_batch!r}")
 
 
+def check_teacher(logits: torch.Tensor, teacher_logits: Any, spec: LossSpec) -> None:
+    """teacher_logits must come with a distillation term, and look like the student's logits."""
+    if spec.distillation is None:
+        if teacher_logits is not None:
+            raise ValueError("teacher_logits: given, but the spec has no distillation term")
+        return
+    if teacher_logits is None:
+        raise ValueError("teacher_logits: required by distillation but not given")
+    if not isinstance(teacher_logits, torch.Tensor) or not teacher_logits.is_floating_point():
+        got = getattr(teacher_logits, "dtype", type(teacher_logits).__name__)
+        raise TypeError(f"teacher_logits: expected a floating-point tensor, got {got}")
+    if teacher_logits.shape != logits.shape:
+        raise ValueError(
+            f"teacher_logits: shape {tuple(teacher_logits.shape)} does not match logits {tuple(logits.shape)}"
+        )
+    if teacher_logits.device != logits.device:
+        raise ValueError(f"teacher_logits: on {teacher_logits.device}, logits on {logits.device}")
+    if teacher_logits.stride(-1) != 1 and teacher_logits.shape[-1] > 1:
+        raise ValueError("teacher_logits: the vocabulary dimension must have stride 1; pass .contiguous()")
+    if logits.is_cuda and teacher_logits.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"teacher_logits: the kernel takes float32, bfloat16 or float16, got {teacher_logits.dtype}")
+
+
 def targets_out_of_range(targets: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
     """Device bool: some target is outside [0, V) and is not ignore_index (no sync)."""
     return ((targets != ignore_index) & ((targets < 0) | (targets >= vocab))).any()
@@ -250,6 +282,7 @@ def denominator(
 def _triton_head_loss(
     logits: torch.Tensor,
     targets: torch.Tensor | None,
+    teacher_logits: torch.Tensor | None,
     spec: LossSpec,
     num_items_in_batch: int | float | torch.Tensor | None,
     options: ExecOptions,
@@ -263,7 +296,7 @@ def _triton_head_loss(
     n_tokens, grad_scale = denominator(spec, valid, token_shape.numel(), num_items_in_batch, logits.device)
 
     fn = DeferredHead if plan.mode == "deferred" else FusedHead
-    outs = fn.apply(logits, flat_targets, plan, options, grad_scale)
+    outs = fn.apply(logits, flat_targets, teacher_logits, plan, options, grad_scale)
     return assemble_output(spec, token_shape, outs, n_tokens, valid, flat_targets)
 
 
@@ -275,9 +308,10 @@ def assemble_output(
     valid: torch.Tensor | None,
     flat_targets: torch.Tensor | None,
 ) -> HeadLossOutput:
-    """HeadLossOutput from an autograd Function's ``(loss, token_loss, lse, ce, entropy, logp, pred)``."""
-    loss, token_loss, lse, ce, entropy, logp, pred = outs
-    metrics = _metrics(spec, loss, n_tokens, valid, flat_targets, ce, lse, entropy, logp, pred)
+    """HeadLossOutput from an autograd Function's ``(loss, *RowStats.fields())``."""
+    loss, *fields = outs
+    stats = RowStats(*fields)
+    metrics = _metrics(spec, loss, n_tokens, valid, flat_targets, stats)
 
     def per_token(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
         if name not in spec.outputs or value is None:
@@ -290,11 +324,11 @@ def assemble_output(
     return HeadLossOutput(
         loss=loss,
         metrics=metrics,
-        predicted_tokens=per_token("predicted_tokens", pred),
-        logprobs=per_token("logprobs", logp),
-        lse=per_token("lse", lse),
-        token_loss=per_token("token_loss", token_loss),
-        entropy=per_token("entropy", entropy),
+        predicted_tokens=per_token("predicted_tokens", stats.pred),
+        logprobs=per_token("logprobs", stats.logp),
+        lse=per_token("lse", stats.lse),
+        token_loss=per_token("token_loss", stats.token_loss),
+        entropy=per_token("entropy", stats.entropy),
     )
 
 
@@ -304,24 +338,25 @@ def _metrics(
     n_tokens: torch.Tensor,
     valid: torch.Tensor | None,
     targets: torch.Tensor | None,
-    ce: torch.Tensor | None,
-    lse: torch.Tensor,
-    entropy: torch.Tensor | None,
-    logp: torch.Tensor | None,
-    pred: torch.Tensor | None,
+    stats: RowStats,
 ) -> dict[str, torch.Tensor]:
     """Means over non-ignored tokens, from the per-row buffers (ignored rows hold 0)."""
     rows: dict[str, torch.Tensor] = {}
-    if ce is not None:
-        rows["ce"] = ce
+    if stats.ce is not None:
+        rows["ce"] = stats.ce
         if spec.cross_entropy.label_smoothing > 0:
-            rows["nll"] = -logp
+            rows["nll"] = -stats.logp
     if spec.z_loss is not None:
-        rows["z_loss"] = lse * lse
+        rows["z_loss"] = stats.lse * stats.lse
     if spec.entropy is not None:
-        rows["entropy"] = entropy
+        rows["entropy"] = stats.entropy
     if spec.token_accuracy:
-        rows["token_accuracy"] = ((pred == targets) & valid).float()
+        rows["token_accuracy"] = ((stats.pred == targets) & valid).float()
+    if spec.distillation is not None:
+        rows["distill/divergence"] = stats.dstats[:, 2]
+        rows["distill/teacher_entropy"] = stats.t_entropy
+        agree = stats.pred == stats.t_pred
+        rows["distill/top1_agreement"] = (agree & valid if valid is not None else agree).float()
     metrics = {"loss": (loss.sum() if spec.reduction == "none" else loss).detach()}
     if rows:
         with torch.no_grad():

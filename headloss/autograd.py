@@ -1,7 +1,7 @@
 """autograd Functions around the head kernels: fused and deferred modes.
 
-Both take the same four things: ``apply(logits, targets, plan, options, grad_scale)`` and return
-the same tuple ``(loss, token_loss, lse, ce, entropy, logp, pred)`` (None where not computed).
+Both take the same things: ``apply(logits, targets, teacher, plan, options, grad_scale)`` and return
+``(loss, *RowStats.fields())`` (None where not computed).
 
 * fused     the gradient is written in forward (one launch); backward only scales it by
             d loss, which costs nothing when d loss == 1 (checked on the device).
@@ -41,20 +41,20 @@ def _grad_buffer(logits: torch.Tensor, options: ExecOptions) -> torch.Tensor:
 
 class FusedHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, plan: KernelPlan, options: ExecOptions, grad_scale):
+    def forward(ctx, logits, targets, teacher, plan: KernelPlan, options: ExecOptions, grad_scale):
         grad = _grad_buffer(logits, options) if ctx.needs_input_grad[0] else None
-        stats = run_forward(plan, logits.detach(), targets, grad, grad_scale)
+        stats = run_forward(plan, logits.detach(), targets, teacher, grad, grad_scale)
         loss = _reduce(stats.token_loss, grad_scale, plan.reduction)
         ctx.save_for_backward(grad)
-        outs = (stats.token_loss, stats.lse, stats.ce, stats.entropy, stats.logp, stats.pred)
-        ctx.mark_non_differentiable(*[t for t in outs if t is not None])
-        return (loss, *outs)
+        ctx.mark_non_differentiable(*[t for t in stats.fields() if t is not None])
+        return (loss, *stats.fields())
 
     @staticmethod
     def backward(ctx, d_loss, *unused):
         (grad,) = ctx.saved_tensors
+        nones = (None,) * 5
         if grad is None:
-            return None, None, None, None, None
+            return None, *nones
         if getattr(ctx, "consumed", False):
             raise RuntimeError(
                 "headloss: a second backward through the same fused-mode loss (retain_graph=True). "
@@ -63,22 +63,22 @@ class FusedHead(torch.autograd.Function):
                 "(deferred mode, which recomputes it per backward), or call head_loss again."
             )
         ctx.consumed = True
-        return scale_grad_(grad, d_loss), None, None, None, None
+        return scale_grad_(grad, d_loss), *nones
 
 
 class DeferredHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, plan: KernelPlan, options: ExecOptions, grad_scale):
-        stats = run_forward(plan, logits.detach(), targets, None, grad_scale)
+    def forward(ctx, logits, targets, teacher, plan: KernelPlan, options: ExecOptions, grad_scale):
+        stats = run_forward(plan, logits.detach(), targets, teacher, None, grad_scale)
         loss = _reduce(stats.token_loss, grad_scale, plan.reduction)
         ctx.plan, ctx.options = plan, options
-        ctx.save_for_backward(logits.detach(), targets, stats.lse, stats.entropy, grad_scale)
-        ctx.mark_non_differentiable(*[t for t in (stats.ce, stats.pred) if t is not None])
-        return loss, stats.token_loss, stats.lse, stats.ce, stats.entropy, stats.logp, stats.pred
+        ctx.save_for_backward(logits.detach(), targets, teacher, stats.lse, stats.entropy, stats.dstats, grad_scale)
+        ctx.mark_non_differentiable(*stats.constants())
+        return (loss, *stats.fields())
 
     @staticmethod
-    def backward(ctx, d_loss, d_token_loss, d_lse, _d_ce, d_entropy, d_logp, _d_pred):
-        logits, targets, lse, entropy, grad_scale = ctx.saved_tensors
+    def backward(ctx, d_loss, d_token_loss, d_lse, _d_ce, d_entropy, d_logp, *_constants):
+        logits, targets, teacher, lse, entropy, dstats, grad_scale = ctx.saved_tensors
         plan: KernelPlan = ctx.plan
         if plan.reduction == "none":
             d_token = d_loss.float().reshape(-1)
@@ -88,8 +88,8 @@ class DeferredHead(torch.autograd.Function):
             d_token = d_token + d_token_loss.float().reshape(-1)
         grad = _grad_buffer(logits, ctx.options)
         run_backward(
-            plan, logits, targets, grad, lse, entropy,
+            plan, logits, targets, teacher, grad, lse, entropy, dstats,
             d_token.contiguous(),
             *(t.float().reshape(-1).contiguous() if t is not None else None for t in (d_logp, d_entropy, d_lse)),
         )
-        return grad, None, None, None, None
+        return grad, *(None,) * 5

@@ -222,7 +222,7 @@ class LinearHead(torch.autograd.Function):
         grads = _new_grads(hidden, weight, bias, wants, options) if plan.flags.FUSED_GRAD else None
         for start, stop, h_c, y_c, logits in _chunks(hidden, weight, bias, y, index, options):
             fused = grads is not None
-            run_forward(plan, logits, y_c, logits if fused else None, grad_scale, out=stats.rows(start, stop))
+            run_forward(plan, logits, y_c, None, logits if fused else None, grad_scale, out=stats.rows(start, stop))
             if fused:
                 _accumulate(grads, logits, h_c, weight, index, start, stop, options)
         full = _scatter_rows(stats, index, rows)
@@ -233,12 +233,12 @@ class LinearHead(torch.autograd.Function):
             ctx.save_for_backward(grads.dh, grads.dw, grads.db)
             ctx.mark_non_differentiable(*[t for t in full.fields() if t is not None])
         else:
-            ctx.save_for_backward(hidden, weight, bias, y, index, stats.lse, stats.entropy, grad_scale)
-            ctx.mark_non_differentiable(*[t for t in (full.ce, full.pred) if t is not None])
-        return (loss, *full.fields()[:2], full.ce, full.entropy, full.logp, full.pred)
+            ctx.save_for_backward(hidden, weight, bias, y, index, stats.lse, stats.entropy, stats.dstats, grad_scale)
+            ctx.mark_non_differentiable(*full.constants())
+        return (loss, *full.fields())
 
     @staticmethod
-    def backward(ctx, d_loss, d_token_loss, d_lse, _d_ce, d_entropy, d_logp, _d_pred):
+    def backward(ctx, d_loss, d_token_loss, d_lse, _d_ce, d_entropy, d_logp, *_constants):
         plan: KernelPlan = ctx.plan
         nones = (None,) * 5
         if plan.flags.FUSED_GRAD:
@@ -255,7 +255,7 @@ class LinearHead(torch.autograd.Function):
                 scale_grad_(db.view(1, -1), d_loss).view(-1) if db is not None else None,
                 *nones,
             )
-        hidden, weight, bias, y, index, lse, entropy, grad_scale = ctx.saved_tensors
+        hidden, weight, bias, y, index, lse, entropy, dstats, grad_scale = ctx.saved_tensors
         d_token = d_loss.float().reshape(-1) if plan.reduction == "none" else (d_loss.float() * grad_scale).reshape(1)
         if d_token_loss is not None:
             d_token = d_token + d_token_loss.float().reshape(-1)
@@ -270,8 +270,8 @@ class LinearHead(torch.autograd.Function):
         grads = _new_grads(hidden, weight, bias, ctx.wants, ctx.options)
         for start, stop, h_c, y_c, logits in _chunks(hidden, weight, bias, y, index, ctx.options):
             run_backward(
-                plan, logits, y_c, logits, lse[start:stop],
-                *(_rows(t, start, stop) for t in (entropy, d_token, d_logp, d_entropy, d_lse)),
+                plan, logits, y_c, None, logits, lse[start:stop],
+                *(_rows(t, start, stop) for t in (entropy, dstats, d_token, d_logp, d_entropy, d_lse)),
             )
             _accumulate(grads, logits, h_c, weight, index, start, stop, ctx.options)
         _finish_grads(grads, weight, bias)
@@ -344,8 +344,8 @@ def _scatter_rows(stats: RowStats, index, rows: int) -> RowStats:
     def spread(t: torch.Tensor | None, fill: float) -> torch.Tensor | None:
         if t is None:
             return None
-        return torch.full((rows,), fill, dtype=t.dtype, device=t.device).index_copy_(0, index, t)
+        return torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype, device=t.device).index_copy_(0, index, t)
 
     return RowStats(
-        *(spread(t, -1 if t is stats.pred else 0) for t in stats.fields())
+        *(spread(t, -1 if t is stats.pred or t is stats.t_pred else 0) for t in stats.fields())
     )

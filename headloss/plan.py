@@ -34,6 +34,9 @@ class KernelFlags:
     STORE_LOGP: bool  # per-row log p(target)
     HAS_SOFTCAP: bool  # c * tanh(u / c) in the transform
     FUSED_GRAD: bool  # gradient pass in the forward launch (fused mode)
+    HAS_TEACHER: bool  # distillation: teacher logits are read in both passes
+    DISTILL_KIND: int  # 0 forward KL, 1 reverse KL, 2 mixture JSD (an extra pass)
+    OWN_TEMP: bool  # distillation temperature != 1: the student's softmax at T_d is its own
 
     def as_kwargs(self) -> dict[str, bool]:
         return asdict(self)
@@ -51,6 +54,9 @@ class KernelScalars:
     logit_scale: float
     softcap: float
     inv_temperature: float
+    w_distill: float  # weight (x T**2 when scaled)
+    inv_distill_temp: float
+    jsd_beta: float
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,7 @@ class KernelPlan:
 @functools.lru_cache(maxsize=256)
 def compile_plan(spec: LossSpec, *, has_targets: bool = True, needs_grad: bool = True) -> KernelPlan:
     """Map a spec to a kernel plan. Cached: the same spec and inputs give the same plan object."""
-    ce, z, ent = spec.cross_entropy, spec.z_loss, spec.entropy
+    ce, z, ent, dist = spec.cross_entropy, spec.z_loss, spec.entropy, spec.distillation
     if spec.needs_targets and not has_targets:
         wanted = [
             name
@@ -104,10 +110,14 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True, needs_grad: bool =
         HAS_Z=z is not None,
         HAS_ENTROPY=wants_entropy,
         HAS_ENTROPY_GRAD=entropy_grad,
-        HAS_ARGMAX=spec.token_accuracy or "predicted_tokens" in spec.outputs,
+        # with a teacher the argmax feeds the teacher-agreement metric
+        HAS_ARGMAX=spec.token_accuracy or "predicted_tokens" in spec.outputs or dist is not None,
         STORE_LOGP=has_targets and (ce is not None or "logprobs" in spec.outputs),
         HAS_SOFTCAP=spec.transform.softcap is not None,
         FUSED_GRAD=needs_grad and not deferred,
+        HAS_TEACHER=dist is not None,
+        DISTILL_KIND=dist.kind if dist is not None else 0,
+        OWN_TEMP=dist is not None and dist.temperature != 1.0,
     )
     t = spec.transform
     scalars = KernelScalars(
@@ -119,8 +129,14 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True, needs_grad: bool =
         logit_scale=t.logit_scale,
         softcap=t.softcap if t.softcap is not None else 1.0,
         inv_temperature=1.0 / t.temperature,
+        w_distill=(dist.weight * (dist.temperature**2 if dist.scale_by_temperature_squared else 1.0))
+        if dist is not None else 0.0,
+        inv_distill_temp=1.0 / dist.temperature if dist is not None else 1.0,
+        jsd_beta=dist.beta if dist is not None else 0.0,
     )
     requires = ("logits", "targets") if spec.needs_targets else ("logits",)
+    if dist is not None:
+        requires += ("teacher_logits",)
     return KernelPlan(
         mode="deferred" if deferred else "fused",
         flags=flags,

@@ -7,6 +7,8 @@ when the Triton interpreter is off. Same inputs and same output type as :func:`h
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +30,7 @@ def reference_head_loss(
     targets: torch.Tensor | None,
     spec: LossSpec,
     *,
+    teacher_logits: torch.Tensor | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
 ) -> HeadLossOutput:
@@ -73,6 +76,13 @@ def reference_head_loss(
         if spec.entropy is not None:
             per_term["entropy"] = entropy
             token_loss = token_loss + spec.entropy.weight * entropy
+    distill_rows: dict[str, torch.Tensor] = {}
+    if spec.distillation is not None:
+        div, distill_rows = _distillation(x, teacher_logits.reshape(-1, vocab).to(compute_dtype), spec)
+        per_term["distill/divergence"] = div
+        token_loss = token_loss + spec.distillation.weight * div * (
+            spec.distillation.temperature**2 if spec.distillation.scale_by_temperature_squared else 1.0
+        )
     token_loss = torch.where(valid, token_loss, 0.0)
 
     n_valid = valid.sum()
@@ -95,6 +105,8 @@ def reference_head_loss(
     pred = torch.where(valid, x.argmax(-1), -1)
     if spec.token_accuracy:
         metrics["token_accuracy"] = (((pred == y) & valid).to(compute_dtype).sum() / count).detach()
+    for name, values in distill_rows.items():
+        metrics[name] = (torch.where(valid, values.to(compute_dtype), 0.0).sum() / count).detach()
     metrics["n_tokens"] = n_valid.detach()
 
     out_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
@@ -116,3 +128,24 @@ def reference_head_loss(
         token_loss=per_token("token_loss", token_loss),
         entropy=per_token("entropy", torch.where(valid, entropy, 0.0)) if entropy is not None else None,
     )
+
+
+def _distillation(x: torch.Tensor, teacher: torch.Tensor, spec: LossSpec) -> tuple[torch.Tensor, dict]:
+    """Per-row divergence, and the teacher metrics, the way TRL's generalized_jsd_loss writes it."""
+    d = spec.distillation
+    s_logp = torch.log_softmax(x / d.temperature, dim=-1)
+    t_logp = torch.log_softmax(teacher / d.temperature, dim=-1)
+    kl = lambda log_p, log_q: F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)  # KL(p || q)
+    if d.divergence == "forward_kl" or (d.divergence == "jsd" and d.beta == 0.0):
+        div = kl(t_logp, s_logp)
+    elif d.divergence == "reverse_kl" or (d.divergence == "jsd" and d.beta == 1.0):
+        div = kl(s_logp, t_logp)
+    else:
+        log_mix = torch.logsumexp(
+            torch.stack([s_logp + math.log(1.0 - d.beta), t_logp + math.log(d.beta)]), dim=0
+        )
+        div = d.beta * kl(t_logp, log_mix) + (1.0 - d.beta) * kl(s_logp, log_mix)
+    with torch.no_grad():
+        teacher_entropy = -(t_logp.exp() * t_logp).sum(-1)
+        agreement = (x.argmax(-1) == teacher.argmax(-1)).to(x.dtype)
+    return div, {"distill/teacher_entropy": teacher_entropy, "distill/top1_agreement": agreement}

@@ -8,7 +8,8 @@ Conventions (x is the transformed logit row, see :class:`LogitTransform`; lse = 
 * cross-entropy      ce   = (1 - eps) * (lse - x[y]) + eps * (lse - mean(x))
 * z-loss             z    = lse ** 2
 * entropy            H    = lse - sum(softmax(x) * x)
-* per-token loss     L    = w_ce * ce + w_z * z + w_H * H        (0 at ignored positions)
+* distillation       D    = KL / JSD between student and teacher at temperature T_d
+* per-token loss     L    = w_ce * ce + w_z * z + w_H * H + w_D * D   (0 at ignored positions)
 * reduction          mean: sum(L) / (non-ignored tokens, or num_items_in_batch if given)
                      sum:  sum(L)
                      none: L per token (differentiable)
@@ -56,6 +57,37 @@ class Entropy(_Frozen):
     weight: float = Field(0.0, description="signed weight of H in the combined loss; 0 = metric only")
 
 
+class Distillation(_Frozen):
+    """Divergence between the student and a teacher over the same vocabulary (needs teacher_logits).
+
+    Both are taken at the distillation ``temperature`` T (student: the transformed logits / T,
+    teacher: its logits / T); p = student, q = teacher softmax.
+
+    * ``forward_kl``  KL(q || p) = sum q (log q - log p)     (Hinton; TRL's beta = 0)
+    * ``reverse_kl``  KL(p || q)                              (TRL's beta = 1)
+    * ``jsd``         beta KL(q || M) + (1 - beta) KL(p || M), M = beta q + (1 - beta) p
+                      (TRL's generalized JSD; beta 0 and 1 are the two KLs above)
+
+    ``scale_by_temperature_squared`` multiplies the term by T**2 (keeps gradient magnitudes
+    comparable across temperatures). Gradient flows into the student only.
+    """
+
+    weight: float = Field(1.0, ge=0.0, description="weight of the divergence in the combined loss")
+    divergence: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+    beta: float = Field(0.5, ge=0.0, le=1.0, description="jsd interpolation (ignored by the KLs)")
+    temperature: float = Field(1.0, gt=0.0)
+    scale_by_temperature_squared: bool = False
+
+    @property
+    def kind(self) -> int:
+        """0 forward KL, 1 reverse KL, 2 mixture JSD (TRL maps beta 0/1 to the KLs)."""
+        if self.divergence == "forward_kl" or (self.divergence == "jsd" and self.beta == 0.0):
+            return 0
+        if self.divergence == "reverse_kl" or (self.divergence == "jsd" and self.beta == 1.0):
+            return 1
+        return 2
+
+
 class LogitTransform(_Frozen):
     """Applied to every logit before anything else: x = softcap(logit_scale * z) / temperature.
 
@@ -81,6 +113,7 @@ class LossSpec(_Frozen):
     cross_entropy: CrossEntropy | None = CrossEntropy()
     z_loss: ZLoss | None = None
     entropy: Entropy | None = None
+    distillation: Distillation | None = None
     token_accuracy: bool = Field(False, description="metric: fraction of non-ignored argmax == target")
     outputs: tuple[OutputName, ...] = Field((), description="per-token tensors to return")
     differentiable_outputs: bool = Field(
@@ -104,7 +137,7 @@ class LossSpec(_Frozen):
     def _something_requested(self) -> LossSpec:
         if not (self.terms or self.token_accuracy or self.outputs):
             raise ValueError(
-                "nothing requested: give at least one term (cross_entropy, z_loss, entropy), "
+                "nothing requested: give at least one term (cross_entropy, z_loss, entropy, distillation), "
                 "token_accuracy: true, or an entry in outputs"
             )
         if self.reduction == "none" and not self.terms:
@@ -114,9 +147,14 @@ class LossSpec(_Frozen):
     # --- derived facts ---------------------------------------------------------------------
 
     @property
-    def terms(self) -> dict[str, CrossEntropy | ZLoss | Entropy]:
+    def terms(self) -> dict[str, CrossEntropy | ZLoss | Entropy | Distillation]:
         """The present loss terms by name, in a fixed order."""
-        named = {"cross_entropy": self.cross_entropy, "z_loss": self.z_loss, "entropy": self.entropy}
+        named = {
+            "cross_entropy": self.cross_entropy,
+            "z_loss": self.z_loss,
+            "entropy": self.entropy,
+            "distillation": self.distillation,
+        }
         return {name: term for name, term in named.items() if term is not None}
 
     @property

@@ -17,6 +17,7 @@ from headloss.kernels import head
 
 HOPPER = GPUTarget("cuda", 90, 32)
 INT_ARGS = ("V", "T", "ignore_index", "d_token_stride")
+NO_TEACHER = dict(HAS_TEACHER=False, DISTILL_KIND=0, OWN_TEMP=False)
 
 
 def _signature(fn, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
@@ -40,15 +41,17 @@ def _compile(fn, pointers: dict[str, str], constexprs: dict) -> str:
 
 FORWARD_FLAGS = dict(
     HAS_TARGETS=True, HAS_CE=True, HAS_SMOOTHING=True, HAS_Z=True, HAS_ENTROPY=True,
-    HAS_ENTROPY_GRAD=True, HAS_ARGMAX=True, STORE_LOGP=True, HAS_SOFTCAP=True, FUSED_GRAD=True,
+    HAS_ENTROPY_GRAD=True, HAS_ARGMAX=True, STORE_LOGP=True, HAS_SOFTCAP=True, FUSED_GRAD=True, **NO_TEACHER,
 )
 CE_ONLY = {name: name in ("HAS_TARGETS", "HAS_CE", "STORE_LOGP", "FUSED_GRAD") for name in FORWARD_FLAGS}
+CE_ONLY["DISTILL_KIND"] = 0
 
 
 def _forward_ptx(flags: dict, dtype: str = "bf16") -> str:
     pointers = dict(
         logits_ptr=dtype, targets_ptr="i64", grad_ptr=dtype, grad_scale_ptr="fp32", token_loss_ptr="fp32",
         lse_ptr="fp32", ce_ptr="fp32", entropy_ptr="fp32", logp_ptr="fp32", pred_ptr="i64",
+        teacher_ptr=dtype, dstats_ptr="fp32", t_entropy_ptr="fp32", t_pred_ptr="i64",
     )
     return _compile(head.head_forward_kernel, pointers, dict(flags, BLOCK_V=2048))
 
@@ -56,10 +59,12 @@ def _forward_ptx(flags: dict, dtype: str = "bf16") -> str:
 BACKWARD_POINTERS = dict(
     logits_ptr="bf16", targets_ptr="i64", grad_ptr="bf16", lse_ptr="fp32", entropy_ptr="fp32",
     d_token_ptr="fp32", d_logp_ptr="fp32", d_entropy_ptr="fp32", d_lse_ptr="fp32",
+    teacher_ptr="bf16", dstats_ptr="fp32",
 )
 BACKWARD_FLAGS = dict(
     BLOCK_V=2048, HAS_TARGETS=True, HAS_CE=True, HAS_SMOOTHING=True, HAS_Z=True, HAS_ENTROPY_GRAD=True,
     HAS_SOFTCAP=True, HAS_D_LOGP=True, HAS_D_ENTROPY=True, HAS_D_LSE=True,
+    HAS_TEACHER=True, DISTILL_KIND=2, OWN_TEMP=True,
 )
 
 
@@ -72,6 +77,12 @@ def variants() -> dict[str, str]:
         "forward-all-fp32": _forward_ptx(FORWARD_FLAGS, "fp32"),
         "forward-no-targets-no-grad": _forward_ptx(no_targets),
         "forward-ce-only": _forward_ptx(CE_ONLY),
+        **{
+            f"forward-distill-{kind}": _forward_ptx(
+                dict(FORWARD_FLAGS, HAS_TEACHER=True, DISTILL_KIND=k, OWN_TEMP=True)
+            )
+            for k, kind in enumerate(("forward_kl", "reverse_kl", "jsd"))
+        },
         "backward-all": _compile(head.head_backward_kernel, BACKWARD_POINTERS, BACKWARD_FLAGS),
         "scale": _compile(head.scale_grad_kernel, dict(grad_ptr="bf16", scale_ptr="fp32"), dict(BLOCK_V=2048)),
     }

@@ -90,27 +90,77 @@ def _stats_block(
             sum_x += tl.where(cols < V, x2, 0.0)
         else:
             sum_x += x2
-    return m_new, d, sum_x, sum_ex, arg
+    return m_new, d, sum_x, sum_ex, arg, x2, e, alpha
+
+
+@triton.jit
+def _teacher_block(
+    zt, x2, e, alpha, start, V, mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg, inv_distill_temp,
+    BLOCK_V: tl.constexpr, DISTILL_KIND: tl.constexpr, OWN_TEMP: tl.constexpr, MASKED: tl.constexpr,
+):
+    """The teacher's share of one block: its online softmax and the cross sums of the divergence.
+
+    s2 = x2 / T_d is the student and t2 = zt / T_d (base 2) the teacher at the distillation
+    temperature. Teacher sums are rescaled by the teacher's alpha, student ones by the student's.
+    """
+    cols = start + tl.arange(0, BLOCK_V)
+    t2 = zt.to(tl.float32) * (inv_distill_temp * LOG2E)
+    if MASKED:
+        t2 = tl.where(cols < V, t2, float("-inf"))
+    t_max = tl.max(t2, axis=0)
+    t_arg = tl.where(t_max > mt, start, t_arg)
+    mt_new = tl.maximum(mt, t_max)
+    mt_ref = tl.where(mt_new == float("-inf"), 0.0, mt_new)
+    alpha_t = tl.exp2(mt - mt_ref)
+    et = tl.exp2(t2 - mt_ref)
+    dt = dt * alpha_t + et
+    sum_t = sum_t * alpha_t + et * tl.maximum(t2, NEG_BIG)
+    if OWN_TEMP:
+        s2 = x2 * inv_distill_temp
+        s_max = tl.max(s2, axis=0)
+        ms_new = tl.maximum(ms, s_max)
+        ms_ref = tl.where(ms_new == float("-inf"), 0.0, ms_new)
+        alpha_s = tl.exp2(ms - ms_ref)
+        es = tl.exp2(s2 - ms_ref)
+        ds = ds * alpha_s + es
+        ms = ms_new
+    else:
+        s2 = x2
+        alpha_s = alpha
+        es = e
+    if DISTILL_KIND == 0:  # forward KL: sum q * s
+        sum_ts = sum_ts * alpha_t + et * tl.maximum(s2, NEG_BIG)
+    if DISTILL_KIND == 1:  # reverse KL: sum p * (s - t)
+        sum_st = sum_st * alpha_s + es * (tl.maximum(s2, NEG_BIG) - tl.maximum(t2, NEG_BIG))
+    return mt_new, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg
 
 
 @triton.jit
 def online_stats(
     row_ptr,  # (V,) one row of logits, any float dtype
+    t_row_ptr,  # (V,) the teacher's row, HAS_TEACHER
     V,
     logit_scale,
     softcap,
     inv_temperature,
+    inv_distill_temp,
     BLOCK_V: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     NEED_SUM_X: tl.constexpr,
     NEED_SUM_EX: tl.constexpr,
     NEED_ARGMAX: tl.constexpr,
+    HAS_TEACHER: tl.constexpr,
+    DISTILL_KIND: tl.constexpr,
+    OWN_TEMP: tl.constexpr,
 ):
-    """Phase 1: one read of a row, online softmax, in base-2 units.
+    """Phase 1: one read of a row (and of the teacher's), online softmax, in base-2 units.
 
-    Returns (m2, d, sum_x2, sum_ex2, argmax): m2 = max x2, d = sum 2^(x2 - m2),
+    Student: (m2, d, sum_x2, sum_ex2, argmax) with m2 = max x2, d = sum 2^(x2 - m2),
     sum_x2 = sum x2, sum_ex2 = sum 2^(x2 - m2) * x2, argmax = first index of the max.
     So lse = (m2 + log2 d) * ln 2, mean_p(x) = ln 2 * sum_ex2 / d, sum x = ln 2 * sum_x2.
+    Teacher (t2 = teacher / T_d, s2 = x2 / T_d): (mt2, dt, sum_t = sum et * t2,
+    sum_ts = sum et * s2, ms2, ds (the student at T_d, when T_d != 1), sum_st = sum es * (s2 - t2),
+    teacher argmax).
     -inf logits (a masked vocabulary) are allowed; NaN and +inf propagate to NaN.
     """
     m = tl.full([], float("-inf"), tl.float32)
@@ -118,35 +168,78 @@ def online_stats(
     sum_x = tl.zeros([BLOCK_V], tl.float32)
     sum_ex = tl.zeros([BLOCK_V], tl.float32)
     arg = tl.zeros([], tl.int32)
+    mt = tl.full([], float("-inf"), tl.float32)
+    dt = tl.zeros([BLOCK_V], tl.float32)
+    sum_t = tl.zeros([BLOCK_V], tl.float32)
+    sum_ts = tl.zeros([BLOCK_V], tl.float32)
+    ms = tl.full([], float("-inf"), tl.float32)
+    ds = tl.zeros([BLOCK_V], tl.float32)
+    sum_st = tl.zeros([BLOCK_V], tl.float32)
+    t_arg = tl.zeros([], tl.int32)
     offs = tl.arange(0, BLOCK_V)
     v_full = (V // BLOCK_V) * BLOCK_V
     if v_full > 0:
         # full blocks, unmasked, each load issued one block ahead of its use
         z = tl.load(row_ptr + offs)
+        zt = z
+        if HAS_TEACHER:
+            zt = tl.load(t_row_ptr + offs)
         for start in range(BLOCK_V, v_full, BLOCK_V):
             z_next = tl.load(row_ptr + start + offs)
-            m, d, sum_x, sum_ex, arg = _stats_block(
+            zt_next = z_next
+            if HAS_TEACHER:
+                zt_next = tl.load(t_row_ptr + start + offs)
+            m, d, sum_x, sum_ex, arg, x2, e, alpha = _stats_block(
                 z, start - BLOCK_V, V, m, d, sum_x, sum_ex, arg, logit_scale, softcap, inv_temperature,
                 BLOCK_V, HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, False,
             )
+            if HAS_TEACHER:
+                mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg = _teacher_block(
+                    zt, x2, e, alpha, start - BLOCK_V, V, mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg,
+                    inv_distill_temp, BLOCK_V, DISTILL_KIND, OWN_TEMP, False,
+                )
             z = z_next
-        m, d, sum_x, sum_ex, arg = _stats_block(
+            zt = zt_next
+        m, d, sum_x, sum_ex, arg, x2, e, alpha = _stats_block(
             z, v_full - BLOCK_V, V, m, d, sum_x, sum_ex, arg, logit_scale, softcap, inv_temperature,
             BLOCK_V, HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, False,
         )
+        if HAS_TEACHER:
+            mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg = _teacher_block(
+                zt, x2, e, alpha, v_full - BLOCK_V, V, mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg,
+                inv_distill_temp, BLOCK_V, DISTILL_KIND, OWN_TEMP, False,
+            )
     if v_full < V:
-        z = tl.load(row_ptr + v_full + offs, mask=v_full + offs < V, other=0.0)
-        m, d, sum_x, sum_ex, arg = _stats_block(
+        mask = v_full + offs < V
+        z = tl.load(row_ptr + v_full + offs, mask=mask, other=0.0)
+        m, d, sum_x, sum_ex, arg, x2, e, alpha = _stats_block(
             z, v_full, V, m, d, sum_x, sum_ex, arg, logit_scale, softcap, inv_temperature,
             BLOCK_V, HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, True,
         )
+        if HAS_TEACHER:
+            zt = tl.load(t_row_ptr + v_full + offs, mask=mask, other=0.0)
+            mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg = _teacher_block(
+                zt, x2, e, alpha, v_full, V, mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg,
+                inv_distill_temp, BLOCK_V, DISTILL_KIND, OWN_TEMP, True,
+            )
     if NEED_ARGMAX:
         # the index inside that block: one more block read per row, first index of the max
         cols = arg + offs
         z = tl.load(row_ptr + cols, mask=cols < V, other=0.0)
         x2, _ = _to_x2(z, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, True)
         arg = arg + tl.argmax(x2, axis=0)
-    return m, tl.sum(d, axis=0), tl.sum(sum_x, axis=0), tl.sum(sum_ex, axis=0), arg
+    if HAS_TEACHER:
+        cols = t_arg + offs
+        zt = tl.load(t_row_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)
+        t_arg = t_arg + tl.argmax(tl.where(cols < V, zt, float("-inf")), axis=0)
+    if not OWN_TEMP:
+        ms = m
+        ds = d
+    return (
+        m, tl.sum(d, axis=0), tl.sum(sum_x, axis=0), tl.sum(sum_ex, axis=0), arg,
+        mt, tl.sum(dt, axis=0), tl.sum(sum_t, axis=0), tl.sum(sum_ts, axis=0),
+        ms, tl.sum(ds, axis=0), tl.sum(sum_st, axis=0), t_arg,
+    )
 
 
 @triton.jit
@@ -193,12 +286,75 @@ def row_coefficients(
 
 
 @triton.jit
-def _grad_block(
-    z, grad_row_ptr, start, V, lse2, A, B2, C, sum_px, logit_scale, softcap, inv_temperature,
-    BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_B: tl.constexpr, HAS_C: tl.constexpr,
-    NEED_SUM_PX: tl.constexpr, MASKED: tl.constexpr,
+def distill_grad(
+    p, x2, zt, cols, V, lse_s2, lse_t2, kl, jsd_s, wd, jsd_beta, inv_distill_temp,
+    DISTILL_KIND: tl.constexpr, OWN_TEMP: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """Gradient of one loaded block z, stored at grad_row_ptr[start:start + BLOCK_V];
+    """wd * dD/ds for the divergence D between student s = x / T_d and teacher t (per element).
+
+      forward KL(q || p_s)   p_s - q
+      reverse KL(p_s || q)   p_s * (log p_s - log q - KL)
+      JSD_beta (mixture)     (1 - beta) * p_s * (log(p_s / M) - S),  M = beta q + (1 - beta) p_s,
+                             S = sum p_s log(p_s / M)
+    ``wd`` carries the weight, d loss / d token_loss, 1 / T_d and (without softcap) dx/dz.
+    """
+    t2 = zt.to(tl.float32) * (inv_distill_temp * LOG2E)
+    if MASKED:
+        t2 = tl.where(cols < V, t2, float("-inf"))
+    q = tl.exp2(t2 - lse_t2)
+    if OWN_TEMP:
+        s2 = x2 * inv_distill_temp
+        ps = tl.exp2(s2 - lse_s2)
+    else:
+        s2 = x2
+        ps = p
+    if DISTILL_KIND == 0:
+        g = wd * (ps - q)
+    elif DISTILL_KIND == 1:
+        g = wd * tl.where(ps > 0.0, ps * (LN2 * ((s2 - lse_s2) - (t2 - lse_t2)) - kl), 0.0)
+    else:
+        mix = jsd_beta * q + (1.0 - jsd_beta) * ps
+        log_ratio = LN2 * ((s2 - lse_s2) - tl.log2(mix))
+        g = (wd * (1.0 - jsd_beta)) * tl.where(ps > 0.0, ps * (log_ratio - jsd_s), 0.0)
+    return g
+
+
+@triton.jit
+def jsd_sums(
+    row_ptr, t_row_ptr, V, lse_s2, lse_t2, jsd_beta, logit_scale, softcap, inv_temperature, inv_distill_temp,
+    BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, OWN_TEMP: tl.constexpr,
+):
+    """Extra pass of the mixture JSD: (JSD, S = KL(p_s || M)); log M needs both final lse's."""
+    offs = tl.arange(0, BLOCK_V)
+    acc_s = tl.zeros([BLOCK_V], tl.float32)
+    acc_t = tl.zeros([BLOCK_V], tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + offs
+        mask = cols < V
+        z = tl.load(row_ptr + cols, mask=mask, other=0.0)
+        x2, _ = _to_x2(z, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, True)
+        s2 = x2 * inv_distill_temp if OWN_TEMP else x2
+        t2 = tl.load(t_row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * (inv_distill_temp * LOG2E)
+        t2 = tl.where(mask, t2, float("-inf"))
+        ps = tl.exp2(s2 - lse_s2)
+        q = tl.exp2(t2 - lse_t2)
+        log_mix = tl.log2(jsd_beta * q + (1.0 - jsd_beta) * ps)
+        acc_s += tl.where(ps > 0.0, ps * ((s2 - lse_s2) - log_mix), 0.0)
+        acc_t += tl.where(q > 0.0, q * ((t2 - lse_t2) - log_mix), 0.0)
+    kl_s = LN2 * tl.sum(acc_s, axis=0)
+    kl_t = LN2 * tl.sum(acc_t, axis=0)
+    return jsd_beta * kl_t + (1.0 - jsd_beta) * kl_s, kl_s
+
+
+@triton.jit
+def _grad_block(
+    z, zt, grad_row_ptr, start, V, lse2, A, B2, C, sum_px, logit_scale, softcap, inv_temperature,
+    lse_s2, lse_t2, kl, jsd_s, wd, jsd_beta, inv_distill_temp,
+    BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_B: tl.constexpr, HAS_C: tl.constexpr,
+    NEED_SUM_PX: tl.constexpr, HAS_TEACHER: tl.constexpr, DISTILL_KIND: tl.constexpr, OWN_TEMP: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Gradient of one loaded block z (teacher block zt), stored at grad_row_ptr[start:start + BLOCK_V];
     returns sum_px (per-lane) + p * (lse2 - x2) when NEED_SUM_PX."""
     cols = start + tl.arange(0, BLOCK_V)
     x2, slope = _to_x2(z, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, MASKED)
@@ -213,6 +369,9 @@ def _grad_block(
         g = p * A
     if HAS_C:
         g += C
+    if HAS_TEACHER:
+        g += distill_grad(p, x2, zt, cols, V, lse_s2, lse_t2, kl, jsd_s, wd, jsd_beta, inv_distill_temp,
+                          DISTILL_KIND, OWN_TEMP, MASKED)
     if HAS_SOFTCAP:
         g = g * slope
     g = g.to(grad_row_ptr.dtype.element_ty)
@@ -226,6 +385,7 @@ def _grad_block(
 @triton.jit
 def gradient_pass(
     row_ptr,  # (V,) logits row
+    t_row_ptr,  # (V,) teacher row, HAS_TEACHER
     grad_row_ptr,  # (V,) gradient row, may alias row_ptr (each block is read before written)
     V,
     y,  # target column; any value outside [0, V) matches no column
@@ -239,26 +399,38 @@ def gradient_pass(
     logit_scale,
     softcap,
     inv_temperature,
+    lse_s2,  # student log-normaliser at the distillation temperature (base 2)
+    lse_t2,  # teacher log-normaliser (base 2)
+    kl,  # the row's divergence (reverse KL uses it)
+    jsd_s,  # KL(p_s || M) of the mixture JSD
+    wd,  # d loss / d divergence / T_d
+    jsd_beta,
+    inv_distill_temp,
     BLOCK_V: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_B: tl.constexpr,
     HAS_C: tl.constexpr,
     NEED_SUM_PX: tl.constexpr,
+    HAS_TEACHER: tl.constexpr,
+    DISTILL_KIND: tl.constexpr,
+    OWN_TEMP: tl.constexpr,
 ):
-    """Phase 3: second read of the row, one write of d loss / d z in the gradient's dtype.
+    """Phase 3: second read of the row (and the teacher's), one write of d loss / d z.
 
     Returns sum_i p_i * (lse2 - x2_i) (so the entropy is ln 2 * that) when NEED_SUM_PX, else 0.
     """
     lse2 = lse * LOG2E
-    # per-element form in base-2 units; without softcap the constant dx/dz folds into A, B, C
+    # per-element form in base-2 units; without softcap the constant dx/dz folds into A, B, C, wd
     A_el = A
     B2_el = B * LN2
     C_el = C
+    wd_el = wd
     if not HAS_SOFTCAP:
         s = logit_scale * inv_temperature
         A_el = A * s
         B2_el = B2_el * s
         C_el = C * s
+        wd_el = wd * s
     sum_px = tl.zeros([BLOCK_V], tl.float32)
     offs = tl.arange(0, BLOCK_V)
     v_full = (V // BLOCK_V) * BLOCK_V
@@ -266,17 +438,37 @@ def gradient_pass(
         # full blocks, unmasked, each load issued one block ahead (block k is read before
         # block k is written, so an aliased gradient row is safe)
         z = tl.load(row_ptr + offs)
+        zt = z
+        if HAS_TEACHER:
+            zt = tl.load(t_row_ptr + offs)
         for start in range(BLOCK_V, v_full, BLOCK_V):
             z_next = tl.load(row_ptr + start + offs)
-            sum_px = _grad_block(z, grad_row_ptr, start - BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px, logit_scale,
-                                 softcap, inv_temperature, BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, NEED_SUM_PX, False)
+            zt_next = z_next
+            if HAS_TEACHER:
+                zt_next = tl.load(t_row_ptr + start + offs)
+            sum_px = _grad_block(
+                z, zt, grad_row_ptr, start - BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px, logit_scale, softcap,
+                inv_temperature, lse_s2, lse_t2, kl, jsd_s, wd_el, jsd_beta, inv_distill_temp,
+                BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, DISTILL_KIND, OWN_TEMP, False,
+            )
             z = z_next
-        sum_px = _grad_block(z, grad_row_ptr, v_full - BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px, logit_scale,
-                             softcap, inv_temperature, BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, NEED_SUM_PX, False)
+            zt = zt_next
+        sum_px = _grad_block(
+            z, zt, grad_row_ptr, v_full - BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px, logit_scale, softcap,
+            inv_temperature, lse_s2, lse_t2, kl, jsd_s, wd_el, jsd_beta, inv_distill_temp,
+            BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, DISTILL_KIND, OWN_TEMP, False,
+        )
     if v_full < V:
-        z = tl.load(row_ptr + v_full + offs, mask=v_full + offs < V, other=0.0)
-        sum_px = _grad_block(z, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, sum_px, logit_scale,
-                             softcap, inv_temperature, BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, NEED_SUM_PX, True)
+        mask = v_full + offs < V
+        z = tl.load(row_ptr + v_full + offs, mask=mask, other=0.0)
+        zt = z
+        if HAS_TEACHER:
+            zt = tl.load(t_row_ptr + v_full + offs, mask=mask, other=0.0)
+        sum_px = _grad_block(
+            z, zt, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, sum_px, logit_scale, softcap,
+            inv_temperature, lse_s2, lse_t2, kl, jsd_s, wd_el, jsd_beta, inv_distill_temp,
+            BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, DISTILL_KIND, OWN_TEMP, True,
+        )
     # the target column gets its [i = y] share: rewrite it whole, after every lane has stored
     in_range = (y >= 0) & (y < V)
     if in_range:
@@ -285,7 +477,12 @@ def gradient_pass(
         g_y = p_y * (A + B * LN2 * x2_y)
         if HAS_C:
             g_y += C
-        g_y = (g_y + D) * slope_y
+        g_y += D
+        if HAS_TEACHER:
+            zt_y = tl.load(t_row_ptr + y)
+            g_y += distill_grad(p_y, x2_y, zt_y, y, V, lse_s2, lse_t2, kl, jsd_s, wd, jsd_beta, inv_distill_temp,
+                                DISTILL_KIND, OWN_TEMP, False)
+        g_y = g_y * slope_y
         tl.store(grad_row_ptr + y, g_y.to(grad_row_ptr.dtype.element_ty))
     return tl.sum(sum_px, axis=0)
 

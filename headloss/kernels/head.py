@@ -15,15 +15,16 @@ exceed 2**31. The grid is (N,) on axis 0, which holds up to 2**31 - 1 rows.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from ..plan import KernelPlan
-from .blocks import LN2, gradient_pass, online_stats, row_coefficients, target_logit, zero_row
+from .blocks import LN2, gradient_pass, jsd_sums, online_stats, row_coefficients, target_logit, zero_row
 
 
 @triton.jit
@@ -39,6 +40,10 @@ def head_forward_kernel(
     entropy_ptr,  # (N,) fp32, HAS_ENTROPY
     logp_ptr,  # (N,) fp32, STORE_LOGP
     pred_ptr,  # (N,) int64, HAS_ARGMAX; -1 at ignored rows
+    teacher_ptr,  # (N, V) teacher logits addressed through (t_stride_b, t_stride_t), HAS_TEACHER
+    dstats_ptr,  # (N, 4) fp32: lse_s2, lse_t2, divergence, jsd_s (base-2 lse's), HAS_TEACHER
+    t_entropy_ptr,  # (N,) fp32 teacher entropy at T_d, HAS_TEACHER
+    t_pred_ptr,  # (N,) int64 teacher argmax, HAS_TEACHER
     # sizes
     V,
     T,
@@ -47,6 +52,8 @@ def head_forward_kernel(
     stride_t,
     grad_stride_b,
     grad_stride_t,
+    t_stride_b,
+    t_stride_t,
     # scalars
     ignore_index,
     w_ce,
@@ -56,8 +63,14 @@ def head_forward_kernel(
     logit_scale,
     softcap,
     inv_temperature,
+    w_distill,
+    inv_distill_temp,
+    jsd_beta,
     # meta
     BLOCK_V: tl.constexpr,
+    HAS_TEACHER: tl.constexpr,
+    DISTILL_KIND: tl.constexpr,
+    OWN_TEMP: tl.constexpr,
     HAS_TARGETS: tl.constexpr,
     HAS_CE: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
@@ -72,6 +85,7 @@ def head_forward_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
     grad_row_ptr = grad_ptr + (row // T) * grad_stride_b + (row % T) * grad_stride_t
+    t_row_ptr = teacher_ptr + (row // T) * t_stride_b + (row % T) * t_stride_t
     y = tl.full([], -1, tl.int64)
     valid = True
     if HAS_TARGETS:
@@ -82,9 +96,10 @@ def head_forward_kernel(
     ENTROPY_IN_PASS_3: tl.constexpr = HAS_ENTROPY and not ENTROPY_IN_PASS_1
     if valid:
         # --- 1. stats pass
-        m2, d, sum_x2, sum_ex2, arg = online_stats(
-            row_ptr, V, logit_scale, softcap, inv_temperature,
+        m2, d, sum_x2, sum_ex2, arg, mt2, dt, sum_t, sum_ts, ms2, ds, sum_st, t_arg = online_stats(
+            row_ptr, t_row_ptr, V, logit_scale, softcap, inv_temperature, inv_distill_temp,
             BLOCK_V, HAS_SOFTCAP, HAS_SMOOTHING, ENTROPY_IN_PASS_1, HAS_ARGMAX,
+            HAS_TEACHER, DISTILL_KIND, OWN_TEMP,
         )
         # --- 2. per-token values (natural units from here on)
         lse2 = m2 + tl.log2(d)
@@ -112,6 +127,30 @@ def head_forward_kernel(
             token_loss += w_entropy * entropy
         if HAS_ARGMAX:
             tl.store(pred_ptr + row, arg.to(tl.int64))
+        lse_s2 = lse2
+        lse_t2 = tl.zeros([], tl.float32)
+        divergence = tl.zeros([], tl.float32)
+        jsd_s = tl.zeros([], tl.float32)
+        if HAS_TEACHER:
+            # --- 2b. distillation: divergence between student and teacher at T_d
+            lse_t2 = mt2 + tl.log2(dt)
+            lse_s2 = ms2 + tl.log2(ds)
+            if DISTILL_KIND == 0:
+                divergence = LN2 * ((sum_t - sum_ts) / dt - lse_t2 + lse_s2)
+            elif DISTILL_KIND == 1:
+                divergence = LN2 * (sum_st / ds - lse_s2 + lse_t2)
+            else:
+                divergence, jsd_s = jsd_sums(
+                    row_ptr, t_row_ptr, V, lse_s2, lse_t2, jsd_beta, logit_scale, softcap, inv_temperature,
+                    inv_distill_temp, BLOCK_V, HAS_SOFTCAP, OWN_TEMP,
+                )
+            token_loss += w_distill * divergence
+            tl.store(dstats_ptr + row * 4, lse_s2)
+            tl.store(dstats_ptr + row * 4 + 1, lse_t2)
+            tl.store(dstats_ptr + row * 4 + 2, divergence)
+            tl.store(dstats_ptr + row * 4 + 3, jsd_s)
+            tl.store(t_entropy_ptr + row, LN2 * (lse_t2 - sum_t / dt))
+            tl.store(t_pred_ptr + row, t_arg.to(tl.int64))
         tl.store(lse_ptr + row, lse)
         tl.store(token_loss_ptr + row, token_loss)
         # --- 3. gradient pass (fused mode)
@@ -123,9 +162,11 @@ def head_forward_kernel(
                 HAS_CE, HAS_Z, HAS_ENTROPY_GRAD,
             )
             sum_px2 = gradient_pass(
-                row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A, B, C, D,
+                row_ptr, t_row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A, B, C, D,
                 logit_scale, softcap, inv_temperature,
+                lse_s2, lse_t2, divergence, jsd_s, u * w_distill * inv_distill_temp, jsd_beta, inv_distill_temp,
                 BLOCK_V, HAS_SOFTCAP, HAS_ENTROPY_GRAD, HAS_SMOOTHING, ENTROPY_IN_PASS_3,
+                HAS_TEACHER, DISTILL_KIND, OWN_TEMP,
             )
             if ENTROPY_IN_PASS_3:
                 tl.store(entropy_ptr + row, sum_px2 * LN2)
@@ -140,6 +181,11 @@ def head_forward_kernel(
             tl.store(logp_ptr + row, 0.0)
         if HAS_ARGMAX:
             tl.store(pred_ptr + row, -1)
+        if HAS_TEACHER:
+            for k in tl.static_range(4):
+                tl.store(dstats_ptr + row * 4 + k, 0.0)
+            tl.store(t_entropy_ptr + row, 0.0)
+            tl.store(t_pred_ptr + row, -1)
         if FUSED_GRAD:
             zero_row(grad_row_ptr, V, BLOCK_V)
 
@@ -156,6 +202,8 @@ def head_backward_kernel(
     d_logp_ptr,  # (N,) fp32, HAS_D_LOGP
     d_entropy_ptr,  # (N,) fp32, HAS_D_ENTROPY
     d_lse_ptr,  # (N,) fp32, HAS_D_LSE
+    teacher_ptr,  # (N, V) teacher logits, HAS_TEACHER
+    dstats_ptr,  # (N, 4) fp32 saved by the forward, HAS_TEACHER
     # sizes
     V,
     T,
@@ -164,6 +212,8 @@ def head_backward_kernel(
     stride_t,
     grad_stride_b,
     grad_stride_t,
+    t_stride_b,
+    t_stride_t,
     d_token_stride,
     # scalars
     ignore_index,
@@ -174,8 +224,14 @@ def head_backward_kernel(
     logit_scale,
     softcap,
     inv_temperature,
+    w_distill,
+    inv_distill_temp,
+    jsd_beta,
     # meta
     BLOCK_V: tl.constexpr,
+    HAS_TEACHER: tl.constexpr,
+    DISTILL_KIND: tl.constexpr,
+    OWN_TEMP: tl.constexpr,
     HAS_TARGETS: tl.constexpr,
     HAS_CE: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
@@ -189,6 +245,7 @@ def head_backward_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
     grad_row_ptr = grad_ptr + (row // T) * grad_stride_b + (row % T) * grad_stride_t
+    t_row_ptr = teacher_ptr + (row // T) * t_stride_b + (row % T) * t_stride_t
     y = tl.full([], -1, tl.int64)
     valid = True
     if HAS_TARGETS:
@@ -218,10 +275,21 @@ def head_backward_kernel(
             u, d_logp, d_entropy, d_lse, lse, entropy, V, w_ce, smoothing, w_z, w_entropy,
             HAS_CE, HAS_Z, HAS_ENTROPY_GRAD,
         )
+        lse_s2 = zero
+        lse_t2 = zero
+        divergence = zero
+        jsd_s = zero
+        if HAS_TEACHER:
+            lse_s2 = tl.load(dstats_ptr + row * 4)
+            lse_t2 = tl.load(dstats_ptr + row * 4 + 1)
+            divergence = tl.load(dstats_ptr + row * 4 + 2)
+            jsd_s = tl.load(dstats_ptr + row * 4 + 3)
         gradient_pass(
-            row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A, B, C, D,
+            row_ptr, t_row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A, B, C, D,
             logit_scale, softcap, inv_temperature,
+            lse_s2, lse_t2, divergence, jsd_s, u * w_distill * inv_distill_temp, jsd_beta, inv_distill_temp,
             BLOCK_V, HAS_SOFTCAP, HAS_ENTROPY_GRAD, HAS_SMOOTHING, False,
+            HAS_TEACHER, DISTILL_KIND, OWN_TEMP,
         )
     else:
         zero_row(grad_row_ptr, V, BLOCK_V)
@@ -283,6 +351,11 @@ class RowStats:
     entropy: torch.Tensor | None
     logp: torch.Tensor | None
     pred: torch.Tensor | None
+    dstats: torch.Tensor | None = None  # (N, 4): lse_s2, lse_t2, divergence, jsd_s
+    t_entropy: torch.Tensor | None = None
+    t_pred: torch.Tensor | None = None
+
+    DIFFERENTIABLE = ("token_loss", "lse", "entropy", "logp")
 
     @classmethod
     def empty(cls, rows: int, plan: KernelPlan, device: torch.device) -> RowStats:
@@ -295,6 +368,9 @@ class RowStats:
             entropy=torch.empty(rows, **f32) if flags.HAS_ENTROPY else None,
             logp=torch.empty(rows, **f32) if flags.STORE_LOGP else None,
             pred=torch.empty(rows, dtype=torch.int64, device=device) if flags.HAS_ARGMAX else None,
+            dstats=torch.empty(rows, 4, **f32) if flags.HAS_TEACHER else None,
+            t_entropy=torch.empty(rows, **f32) if flags.HAS_TEACHER else None,
+            t_pred=torch.empty(rows, dtype=torch.int64, device=device) if flags.HAS_TEACHER else None,
         )
 
     def rows(self, start: int, stop: int) -> RowStats:
@@ -302,7 +378,14 @@ class RowStats:
         return RowStats(*(t[start:stop] if t is not None else None for t in self.fields()))
 
     def fields(self) -> tuple[torch.Tensor | None, ...]:
-        return (self.token_loss, self.lse, self.ce, self.entropy, self.logp, self.pred)
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    def constants(self) -> list[torch.Tensor]:
+        """The buffers that carry no gradient (for ctx.mark_non_differentiable)."""
+        return [
+            getattr(self, f.name) for f in dataclasses.fields(self)
+            if f.name not in self.DIFFERENTIABLE and getattr(self, f.name) is not None
+        ]
 
 
 def row_geometry(logits: torch.Tensor) -> tuple[int, int, int, int]:
@@ -314,17 +397,22 @@ def row_geometry(logits: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 def _scalar_args(plan: KernelPlan) -> tuple:
-    s = plan.scalars
-    return (
-        s.ignore_index, s.w_ce, s.smoothing, s.w_z, s.w_entropy,
-        s.logit_scale, s.softcap, s.inv_temperature,
-    )
+    """KernelScalars in the kernels' argument order (the dataclass is declared in that order)."""
+    return astuple(plan.scalars)
+
+
+def _teacher_args(teacher: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
+    if teacher is None:
+        return placeholder, 0, 0
+    _, _, t_stride_b, t_stride_t = row_geometry(teacher)
+    return teacher, t_stride_b, t_stride_t
 
 
 def run_forward(
     plan: KernelPlan,
     logits: torch.Tensor,
     targets: torch.Tensor | None,
+    teacher: torch.Tensor | None,
     grad: torch.Tensor | None,
     grad_scale: torch.Tensor,
     out: RowStats | None = None,
@@ -344,19 +432,14 @@ def run_forward(
     _, _, grad_stride_b, grad_stride_t = row_geometry(grad) if fused else (0, 0, 0, 0)
     cfg = launch_config(vocab)
     placeholder = stats.token_loss
+    teacher, t_stride_b, t_stride_t = _teacher_args(teacher, placeholder)
+    opt = lambda t: t if t is not None else placeholder  # noqa: E731
     head_forward_kernel[(rows,)](
-        logits,
-        targets if targets is not None else placeholder,
-        grad if fused else placeholder,
-        grad_scale,
-        stats.token_loss,
-        stats.lse,
-        stats.ce if stats.ce is not None else placeholder,
-        stats.entropy if stats.entropy is not None else placeholder,
-        stats.logp if stats.logp is not None else placeholder,
-        stats.pred if stats.pred is not None else placeholder,
+        logits, opt(targets), grad if fused else placeholder, grad_scale,
+        stats.token_loss, stats.lse, opt(stats.ce), opt(stats.entropy), opt(stats.logp), opt(stats.pred),
+        teacher, opt(stats.dstats), opt(stats.t_entropy), opt(stats.t_pred),
         vocab, seq,
-        stride_b, stride_t, grad_stride_b, grad_stride_t,
+        stride_b, stride_t, grad_stride_b, grad_stride_t, t_stride_b, t_stride_t,
         *_scalar_args(plan),
         BLOCK_V=cfg.block_v,
         num_warps=cfg.num_warps,
@@ -369,9 +452,11 @@ def run_backward(
     plan: KernelPlan,
     logits: torch.Tensor,
     targets: torch.Tensor | None,
+    teacher: torch.Tensor | None,
     grad: torch.Tensor,
     lse: torch.Tensor,
     entropy: torch.Tensor | None,
+    dstats: torch.Tensor | None,
     d_token: torch.Tensor,
     d_logp: torch.Tensor | None,
     d_entropy: torch.Tensor | None,
@@ -385,21 +470,20 @@ def run_backward(
     vocab = logits.shape[-1]
     flags = plan.flags
     cfg = launch_config(vocab)
+    teacher, t_stride_b, t_stride_t = _teacher_args(teacher, lse)
+    opt = lambda t: t if t is not None else lse  # noqa: E731
     head_backward_kernel[(rows,)](
-        logits,
-        targets if targets is not None else lse,
-        grad,
-        lse,
-        entropy if entropy is not None else lse,
-        d_token,
-        d_logp if d_logp is not None else lse,
-        d_entropy if d_entropy is not None else lse,
-        d_lse if d_lse is not None else lse,
+        logits, opt(targets), grad, lse, opt(entropy),
+        d_token, opt(d_logp), opt(d_entropy), opt(d_lse),
+        teacher, opt(dstats),
         vocab, seq,
-        stride_b, stride_t, grad_stride_b, grad_stride_t,
+        stride_b, stride_t, grad_stride_b, grad_stride_t, t_stride_b, t_stride_t,
         0 if d_token.numel() == 1 else 1,
         *_scalar_args(plan),
         BLOCK_V=cfg.block_v,
+        HAS_TEACHER=flags.HAS_TEACHER,
+        DISTILL_KIND=flags.DISTILL_KIND,
+        OWN_TEMP=flags.OWN_TEMP,
         HAS_TARGETS=flags.HAS_TARGETS,
         HAS_CE=flags.HAS_CE,
         HAS_SMOOTHING=flags.HAS_SMOOTHING,
