@@ -12,6 +12,7 @@ from .autograd import DeferredHead, ExecOptions, FusedHead
 from .kernels.head import RowStats
 from .output import HeadLossOutput
 from .plan import compile_plan
+from .policy import PolicyInputs, policy_inputs, policy_objective
 from .reference import reference_head_loss
 from .spec import LossSpec
 
@@ -33,6 +34,12 @@ def head_loss(
     spec: SpecLike | None = None,
     *,
     teacher_logits: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    loss_mask: torch.Tensor | None = None,
+    importance_weights: torch.Tensor | None = None,
+    sequence_ids: torch.Tensor | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     inplace_grad: bool = False,
     validate: bool | None = None,
@@ -48,6 +55,10 @@ def head_loss(
         spec: a :class:`LossSpec`, a dict, or a YAML/JSON path (default: mean cross-entropy).
         teacher_logits: same shape as ``logits`` (any float dtype), for the distillation term.
             Read only; no gradient flows into it.
+        advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, sequence_ids:
+            the policy term's inputs (see :class:`headloss.spec.Policy`); per-token tensors are
+            shaped like the targets, advantages [B] or like the targets, sequence_ids [N] for
+            [N, V] logits. Tokens outside ``loss_mask`` are skipped by every term.
         num_items_in_batch: with ``reduction="mean"``, divide the summed loss by this instead
             of the number of non-ignored tokens (HF gradient accumulation). Tensor or number.
         inplace_grad: write d loss / d logits over ``logits`` (saves N*V memory). The logits
@@ -72,15 +83,23 @@ def head_loss(
     if targets is not None and targets.dtype not in (torch.int64, torch.int32):
         targets = targets.long()  # narrow ints cannot hold ignore_index=-100 (uint8 wraps it to 156)
     validate = validation_default() if validate is None else validate
+    given = dict(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_mask=loss_mask,
+                 importance_weights=importance_weights, sequence_ids=sequence_ids)
+    policy, policy_targets = policy_inputs(
+        spec.policy, logits.shape[:-1], targets, spec.ignore_index, num_items_in_batch, validate, given
+    )
     vocab = logits.shape[-1]
     if resolve_backend(backend, logits) == "reference":
         if validate and targets is not None and bool(targets_out_of_range(targets, vocab, spec.ignore_index)):
             raise target_range_error(targets, vocab, spec.ignore_index)
         return reference_head_loss(
-            logits, targets, spec, teacher_logits=teacher_logits, num_items_in_batch=num_items_in_batch
+            logits, targets, spec, teacher_logits=teacher_logits, num_items_in_batch=num_items_in_batch,
+            **{k: v for k, v in given.items() if v is not None},
         )
     check = RangeCheck(targets, vocab, spec.ignore_index) if validate and targets is not None else None
-    out = _triton_head_loss(logits, targets, teacher_logits, spec, num_items_in_batch, ExecOptions(inplace_grad))
+    out = _triton_head_loss(
+        logits, policy_targets, teacher_logits, policy, spec, num_items_in_batch, ExecOptions(inplace_grad)
+    )
     if check is not None:
         check.raise_if_bad()
     return out
@@ -283,6 +302,7 @@ def _triton_head_loss(
     logits: torch.Tensor,
     targets: torch.Tensor | None,
     teacher_logits: torch.Tensor | None,
+    policy: PolicyInputs | None,
     spec: LossSpec,
     num_items_in_batch: int | float | torch.Tensor | None,
     options: ExecOptions,
@@ -297,7 +317,7 @@ def _triton_head_loss(
 
     fn = DeferredHead if plan.mode == "deferred" else FusedHead
     outs = fn.apply(logits, flat_targets, teacher_logits, plan, options, grad_scale)
-    return assemble_output(spec, token_shape, outs, n_tokens, valid, flat_targets)
+    return assemble_output(spec, token_shape, outs, n_tokens, valid, flat_targets, policy)
 
 
 def assemble_output(
@@ -307,11 +327,18 @@ def assemble_output(
     n_tokens: torch.Tensor,
     valid: torch.Tensor | None,
     flat_targets: torch.Tensor | None,
+    policy: PolicyInputs | None = None,
 ) -> HeadLossOutput:
-    """HeadLossOutput from an autograd Function's ``(loss, *RowStats.fields())``."""
+    """HeadLossOutput from an autograd Function's ``(loss, *RowStats.fields())``; with a policy
+    term, its objective runs here on the differentiable per-token log-probs and entropy."""
     loss, *fields = outs
     stats = RowStats(*fields)
+    policy_metrics: dict[str, torch.Tensor] = {}
+    if policy is not None:
+        policy_loss, policy_metrics = policy_objective(stats.logp, stats.entropy, valid.float(), spec.policy, policy)
+        loss = loss + policy_loss
     metrics = _metrics(spec, loss, n_tokens, valid, flat_targets, stats)
+    metrics.update(policy_metrics)
 
     def per_token(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
         if name not in spec.outputs or value is None:

@@ -84,7 +84,7 @@ class KernelPlan:
 @functools.lru_cache(maxsize=256)
 def compile_plan(spec: LossSpec, *, has_targets: bool = True, needs_grad: bool = True) -> KernelPlan:
     """Map a spec to a kernel plan. Cached: the same spec and inputs give the same plan object."""
-    ce, z, ent, dist = spec.cross_entropy, spec.z_loss, spec.entropy, spec.distillation
+    ce, z, ent, dist, pol = spec.cross_entropy, spec.z_loss, spec.entropy, spec.distillation, spec.policy
     if spec.needs_targets and not has_targets:
         wanted = [
             name
@@ -92,16 +92,20 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True, needs_grad: bool =
                 ("cross_entropy", ce is not None),
                 ("token_accuracy", spec.token_accuracy),
                 ("outputs: logprobs", "logprobs" in spec.outputs),
+                ("policy", pol is not None),
             )
             if on
         ]
         raise ValueError(f"targets: required by {', '.join(wanted)} but not given")
 
-    deferred = spec.reduction == "none" or spec.differentiable_outputs
-    wants_entropy = ent is not None or "entropy" in spec.outputs
+    # the policy term is a function of the per-token log-probs, whose upstream gradient only
+    # exists after the O(tokens) objective runs: deferred mode
+    deferred = spec.reduction == "none" or spec.differentiable_outputs or pol is not None
+    wants_entropy = ent is not None or "entropy" in spec.outputs or pol is not None
     entropy_grad = wants_entropy and (
         (ent is not None and ent.weight != 0.0)
         or (spec.differentiable_outputs and "entropy" in spec.outputs)
+        or (pol is not None and pol.entropy_coef != 0.0)
     )
     flags = KernelFlags(
         HAS_TARGETS=has_targets,
@@ -112,7 +116,7 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True, needs_grad: bool =
         HAS_ENTROPY_GRAD=entropy_grad,
         # with a teacher the argmax feeds the teacher-agreement metric
         HAS_ARGMAX=spec.token_accuracy or "predicted_tokens" in spec.outputs or dist is not None,
-        STORE_LOGP=has_targets and (ce is not None or "logprobs" in spec.outputs),
+        STORE_LOGP=has_targets and (ce is not None or "logprobs" in spec.outputs or pol is not None),
         HAS_SOFTCAP=spec.transform.softcap is not None,
         FUSED_GRAD=needs_grad and not deferred,
         HAS_TEACHER=dist is not None,
@@ -137,6 +141,8 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True, needs_grad: bool =
     requires = ("logits", "targets") if spec.needs_targets else ("logits",)
     if dist is not None:
         requires += ("teacher_logits",)
+    if pol is not None:
+        requires += ("advantages",) + (("ref_logprobs",) if pol.kl_beta != 0.0 else ())
     return KernelPlan(
         mode="deferred" if deferred else "fused",
         flags=flags,

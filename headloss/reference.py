@@ -33,6 +33,7 @@ def reference_head_loss(
     teacher_logits: torch.Tensor | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
+    **policy_inputs: torch.Tensor,
 ) -> HeadLossOutput:
     """Reference for :func:`headloss.head_loss`; math in ``compute_dtype`` (default: fp32,
     or fp64 for fp64 logits). Gradients flow through autograd to ``logits``."""
@@ -48,6 +49,8 @@ def reference_head_loss(
     else:
         y_raw = targets.reshape(-1).long()
         valid = y_raw != spec.ignore_index
+        if "loss_mask" in policy_inputs:
+            valid = valid & policy_inputs["loss_mask"].reshape(-1).bool()
     # unvalidated out-of-range targets give NaN in their rows, like the kernel, not an IndexError
     in_range = (y_raw >= 0) & (y_raw < vocab)
     y = torch.where(valid & in_range, y_raw, 0)
@@ -85,6 +88,11 @@ def reference_head_loss(
         )
     token_loss = torch.where(valid, token_loss, 0.0)
 
+    entropy_for_policy = None
+    if spec.policy is not None:
+        probs = logp_all.exp()
+        entropy_for_policy = -(probs * torch.where(probs > 0, logp_all, 0.0)).sum(-1)
+
     n_valid = valid.sum()
     count = n_valid.clamp(min=1).to(compute_dtype)
     if spec.reduction == "none":
@@ -96,7 +104,15 @@ def reference_head_loss(
     else:
         loss = token_loss.sum() / count
 
+    policy_metrics: dict[str, torch.Tensor] = {}
+    if spec.policy is not None:
+        logp_tok = torch.where(valid, logp_all.gather(-1, y[:, None])[:, 0], 0.0)
+        policy_loss, policy_metrics = reference_policy_loss(
+            logp_tok, entropy_for_policy, valid, spec, token_shape, num_items_in_batch, policy_inputs
+        )
+        loss = loss + policy_loss
     metrics: dict[str, torch.Tensor] = {"loss": (loss.sum() if spec.reduction == "none" else loss).detach()}
+    metrics.update(policy_metrics)
     for name, values in per_term.items():
         metrics[name] = (torch.where(valid, values, 0.0).sum() / count).detach()
     logp_y = torch.where(valid, logp_all.gather(-1, y[:, None])[:, 0] + nan_if_bad, 0.0)
@@ -149,3 +165,107 @@ def _distillation(x: torch.Tensor, teacher: torch.Tensor, spec: LossSpec) -> tup
         teacher_entropy = -(t_logp.exp() * t_logp).sum(-1)
         agreement = (x.argmax(-1) == teacher.argmax(-1)).to(x.dtype)
     return div, {"distill/teacher_entropy": teacher_entropy, "distill/top1_agreement": agreement}
+
+
+def _padded(values: torch.Tensor, token_shape: torch.Size, sequence_ids: torch.Tensor | None):
+    """Per-token values -> [B, T] padded the way trainers hold them (and a fill mask)."""
+    if len(token_shape) == 2:
+        return values.reshape(token_shape), torch.ones(token_shape, dtype=torch.bool, device=values.device)
+    ids = sequence_ids.reshape(-1).tolist()
+    order = sorted(set(ids))
+    slot = {sid: b for b, sid in enumerate(order)}
+    positions, seen = [], {}
+    for sid in ids:
+        positions.append(seen.get(sid, 0))
+        seen[sid] = positions[-1] + 1
+    batch, length = len(order), max(seen.values(), default=0)
+    rows = torch.tensor([slot[s] for s in ids], device=values.device, dtype=torch.long)
+    cols = torch.tensor(positions, device=values.device, dtype=torch.long)
+    out = torch.zeros(batch, length, dtype=values.dtype, device=values.device).index_put((rows, cols), values)
+    fill = torch.zeros(batch, length, dtype=torch.bool, device=values.device).index_put(
+        (rows, cols), torch.ones_like(rows, dtype=torch.bool)
+    )
+    return out, fill
+
+
+def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num_items_in_batch, inputs):
+    """TRL GRPOTrainer._compute_loss / verl compute_policy_loss + agg_loss, on padded [B, T]."""
+    pol = spec.policy
+    seq_ids = inputs.get("sequence_ids")
+    pad = lambda t: _padded(t.reshape(-1).to(logp.dtype), token_shape, seq_ids)[0]  # noqa: E731
+    per_token_logps = pad(logp)
+    mask = pad(valid.to(logp.dtype))
+    adv = inputs["advantages"].to(logp.dtype)
+    advantages = adv[:, None] if adv.dim() == 1 and len(token_shape) == 2 and adv.shape[0] == token_shape[0] \
+        else pad(adv)
+    old = pad(inputs["old_logprobs"]) if "old_logprobs" in inputs else per_token_logps.detach()
+    log_ratio = per_token_logps - old
+    if pol.importance_sampling == "token":
+        log_importance_weights = log_ratio
+    else:
+        log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+    coef_1 = torch.exp(log_importance_weights)
+    coef_2 = torch.clamp(coef_1, 1 - pol.eps_low, 1 + pol.eps_high)
+    capped = torch.clamp(coef_1, max=pol.delta) if pol.delta is not None else coef_1
+    per_token_loss = -torch.min(capped * advantages, coef_2 * advantages)
+    if pol.dual_clip_c is not None:
+        pg_losses3 = -advantages * pol.dual_clip_c
+        per_token_loss = torch.where(advantages < 0, torch.min(pg_losses3, per_token_loss), per_token_loss)
+    if "importance_weights" in inputs:
+        per_token_loss = per_token_loss * pad(inputs["importance_weights"])
+    per_token_kl = None
+    if pol.kl_beta != 0.0:
+        ref = pad(inputs["ref_logprobs"])
+        if pol.kl_estimator == "k1":
+            per_token_kl = per_token_logps - ref
+        elif pol.kl_estimator == "k2":
+            per_token_kl = 0.5 * (per_token_logps - ref) ** 2
+        else:
+            per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+        if pol.kl_importance_correction:
+            per_token_kl = per_token_kl * coef_1
+        per_token_loss = per_token_loss + pol.kl_beta * per_token_kl
+
+    def agg(loss_mat):
+        batch, length = loss_mat.shape
+        if pol.loss_type in ("grpo", "seq-mean-token-mean"):
+            return ((loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        if pol.loss_type in ("bnpo", "token-mean"):
+            return (loss_mat * mask).sum() / mask.sum().clamp(min=1.0)
+        if pol.loss_type == "dr_grpo":
+            return (loss_mat * mask).sum() / (batch * pol.max_completion_length)
+        if pol.loss_type == "dapo":
+            normalizer = mask.sum().clamp(min=1.0) if num_items_in_batch is None else \
+                num_items_in_batch / pol.num_processes
+            return (loss_mat * mask).sum() / normalizer
+        if pol.loss_type == "seq-mean-token-sum":
+            return (loss_mat * mask).sum(-1).mean()
+        return (loss_mat * mask).sum(-1).sum() / length  # seq-mean-token-sum-norm
+
+    loss = agg(per_token_loss)
+    ent = pad(entropy)
+    if pol.entropy_coef != 0.0:
+        loss = loss - pol.entropy_coef * agg(ent)
+    with torch.no_grad():
+        denom = mask.sum().clamp(min=1.0)
+        ratio = coef_1.expand_as(mask)
+        low = ((ratio < 1 - pol.eps_low) & (advantages < 0)).to(mask.dtype) * mask
+        high = ((ratio > 1 + pol.eps_high) & (advantages > 0)).to(mask.dtype) * mask
+        has = mask.sum(-1) > 0
+        per_seq = lambda t: t.sum(-1)[has] / mask.sum(-1)[has]  # noqa: E731
+        any_token = bool(mask.sum() > 0)
+        metrics = {
+            "clip_ratio/low_mean": low.sum() / denom,
+            "clip_ratio/low_min": per_seq(low).min() if has.any() else torch.tensor(0.0),
+            "clip_ratio/high_mean": high.sum() / denom,
+            "clip_ratio/high_max": per_seq(high).max() if has.any() else torch.tensor(0.0),
+            "clip_ratio/region_mean": (low + high).sum() / denom,
+            "ratio/mean": (ratio * mask).sum() / denom if any_token else torch.tensor(1.0),
+            "ratio/min": ratio[mask > 0].min() if any_token else torch.tensor(1.0),
+            "ratio/max": ratio[mask > 0].max() if any_token else torch.tensor(1.0),
+            "logprob/mean": (per_token_logps * mask).sum() / denom,
+            "entropy": (ent * mask).sum() / denom,
+        }
+        if per_token_kl is not None:
+            metrics["kl"] = (per_token_kl * mask).sum() / denom
+    return loss, {k: v.detach().to(logp.dtype).to(logp.device) for k, v in metrics.items()}

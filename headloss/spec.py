@@ -10,6 +10,8 @@ Conventions (x is the transformed logit row, see :class:`LogitTransform`; lse = 
 * entropy            H    = lse - sum(softmax(x) * x)
 * distillation       D    = KL / JSD between student and teacher at temperature T_d
 * per-token loss     L    = w_ce * ce + w_z * z + w_H * H + w_D * D   (0 at ignored positions)
+* policy (GRPO)      a clipped surrogate on log p(target), aggregated by its own loss_type and
+                     added to the reduced loss (see :class:`Policy`)
 * reduction          mean: sum(L) / (non-ignored tokens, or num_items_in_batch if given)
                      sum:  sum(L)
                      none: L per token (differentiable)
@@ -88,6 +90,47 @@ class Distillation(_Frozen):
         return 2
 
 
+PolicyLossType = Literal[
+    "grpo", "bnpo", "dr_grpo", "dapo",  # TRL's GRPOTrainer
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",  # verl's agg_loss
+]
+
+
+class Policy(_Frozen):
+    """The GRPO family of clipped policy objectives (TRL GRPOTrainer, verl compute_policy_loss).
+
+    Per-call inputs: ``advantages`` ([B] per sequence or [B, T] per token), ``old_logprobs``
+    (absent: on-policy, ratio 1 with gradient), ``ref_logprobs`` (when kl_beta > 0),
+    ``loss_mask`` (completion mask), ``importance_weights`` (rollout truncated-IS weights),
+    ``sequence_ids`` for [N, V] logits. The logits' temperature is the spec's ``transform``.
+
+    loss types: ``grpo`` mean over sequences of the per-sequence token mean; ``bnpo`` /
+    ``token-mean`` mean over all tokens; ``dr_grpo`` sum / (sequences x max_completion_length);
+    ``dapo`` sum / (num_items_in_batch / num_processes), or the token count without it;
+    ``seq-mean-token-sum`` mean over sequences of the token sum; ``seq-mean-token-mean`` as grpo;
+    ``seq-mean-token-sum-norm`` sum / T (the padded length).
+    """
+
+    loss_type: PolicyLossType = "dapo"
+    eps_low: float = Field(0.2, ge=0.0, le=1.0, description="ratio clipped below at 1 - eps_low")
+    eps_high: float = Field(0.2, ge=0.0, description="ratio clipped above at 1 + eps_high")
+    delta: float | None = Field(None, gt=1.0, description="two-sided clip: ratio capped at delta (INTELLECT-2)")
+    dual_clip_c: float | None = Field(None, gt=1.0, description="verl's dual clip for negative advantages")
+    kl_beta: float = Field(0.0, ge=0.0, description="weight of the KL(pi || pi_ref) penalty")
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_importance_correction: bool = Field(False, description="KL times the importance ratio (DeepSeek-V3.2)")
+    importance_sampling: Literal["token", "sequence"] = "token"
+    max_completion_length: int | None = Field(None, gt=0, description="dr_grpo's normaliser")
+    num_processes: int = Field(1, gt=0, description="dapo: num_items_in_batch / num_processes")
+    entropy_coef: float = Field(0.0, ge=0.0, description="entropy bonus: loss -= coef * aggregated entropy")
+
+    @model_validator(mode="after")
+    def _dr_grpo_needs_length(self) -> Policy:
+        if self.loss_type == "dr_grpo" and self.max_completion_length is None:
+            raise ValueError("max_completion_length: required by loss_type 'dr_grpo'")
+        return self
+
+
 class LogitTransform(_Frozen):
     """Applied to every logit before anything else: x = softcap(logit_scale * z) / temperature.
 
@@ -114,6 +157,7 @@ class LossSpec(_Frozen):
     z_loss: ZLoss | None = None
     entropy: Entropy | None = None
     distillation: Distillation | None = None
+    policy: Policy | None = None
     token_accuracy: bool = Field(False, description="metric: fraction of non-ignored argmax == target")
     outputs: tuple[OutputName, ...] = Field((), description="per-token tensors to return")
     differentiable_outputs: bool = Field(
@@ -137,23 +181,26 @@ class LossSpec(_Frozen):
     def _something_requested(self) -> LossSpec:
         if not (self.terms or self.token_accuracy or self.outputs):
             raise ValueError(
-                "nothing requested: give at least one term (cross_entropy, z_loss, entropy, distillation), "
+                "nothing requested: give at least one term (cross_entropy, z_loss, entropy, distillation, policy), "
                 "token_accuracy: true, or an entry in outputs"
             )
         if self.reduction == "none" and not self.terms:
             raise ValueError("reduction: 'none' needs at least one loss term to reduce")
+        if self.policy is not None and self.reduction == "none":
+            raise ValueError("reduction: 'none' cannot hold the policy term, which aggregates by policy.loss_type")
         return self
 
     # --- derived facts ---------------------------------------------------------------------
 
     @property
-    def terms(self) -> dict[str, CrossEntropy | ZLoss | Entropy | Distillation]:
+    def terms(self) -> dict[str, CrossEntropy | ZLoss | Entropy | Distillation | Policy]:
         """The present loss terms by name, in a fixed order."""
         named = {
             "cross_entropy": self.cross_entropy,
             "z_loss": self.z_loss,
             "entropy": self.entropy,
             "distillation": self.distillation,
+            "policy": self.policy,
         }
         return {name: term for name, term in named.items() if term is not None}
 
@@ -163,6 +210,7 @@ class LossSpec(_Frozen):
             self.cross_entropy is not None
             or self.token_accuracy
             or "logprobs" in self.outputs
+            or self.policy is not None
         )
 
     # --- construction and serialisation ---------------------------------------------------

@@ -1,0 +1,239 @@
+"""The GRPO family of policy objectives, on top of the head kernel's per-token log-probs.
+
+The kernel's stats pass gives every token's ``logp`` (and entropy) in forward, differentiable
+through the deferred mode: its backward turns d loss / d logp and d loss / d entropy into one
+gradient pass over the logits. Everything here is O(tokens), in torch, on those vectors:
+
+    ratio      exp(logp - old)             token level, or exp(masked mean of logp - old over the
+                                           sequence) for sequence level (GSPO) -- the "split" part:
+                                           a coefficient that needs other rows
+    surrogate  -min(r1 * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A), r1 = min(ratio, delta)
+    dual clip  for A < 0: min(surrogate, -A * c)                                  (verl)
+    IS weight  surrogate * w  (rollout-engine truncated importance weights)
+    KL         k1 logp - ref, k2 (logp - ref)**2 / 2, k3 exp(ref - logp) - (ref - logp) - 1,
+               times the ratio when kl_importance_correction (DeepSeek-V3.2)
+    per token  surrogate + beta * KL
+    loss       aggregated as the trainers define it (``loss_type``), minus entropy_coef times the
+               entropy aggregated the same way (verl's entropy bonus)
+
+Rows are tokens; ``seq`` maps each row to its sequence (0..S-1), ``mask`` is 1.0 where a token
+counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .spec import Policy
+
+
+@dataclass
+class PolicyInputs:
+    """Per-call inputs of the policy term, flattened to rows (tokens) or sequences."""
+
+    advantages: torch.Tensor  # (N,) per token (a per-sequence advantage repeated over its tokens)
+    old_logprobs: torch.Tensor | None  # (N,); None: on-policy (ratio 1, with gradient)
+    ref_logprobs: torch.Tensor | None  # (N,)
+    importance_weights: torch.Tensor | None  # (N,)
+    seq: torch.Tensor  # (N,) long, sequence of each row, in [0, n_slots)
+    n_slots: int  # size of per-sequence buffers (B, or N for [N, V] logits)
+    n_seq: int | torch.Tensor  # number of sequences (a device count for [N, V] logits)
+    seq_len: int | torch.Tensor  # padded length T (verl's seq-mean-token-sum-norm divides by it)
+    num_items_in_batch: float | torch.Tensor | None
+
+
+def _seq_sum(values: torch.Tensor, seq: torch.Tensor, n_seq: int) -> torch.Tensor:
+    return torch.zeros(n_seq, dtype=values.dtype, device=values.device).index_add(0, seq, values)
+
+
+def kl_estimate(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from the sampled token's log-probs."""
+    if estimator == "k1":
+        return logp - ref
+    if estimator == "k2":
+        return 0.5 * (logp - ref) ** 2
+    delta = ref - logp
+    return torch.exp(delta) - delta - 1.0
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -> torch.Tensor:
+    """Reduce masked per-token values to the scalar loss, as TRL / verl define each loss type."""
+    masked = per_token * mask
+    n_seq = inp.n_seq if isinstance(inp.n_seq, torch.Tensor) else float(max(inp.n_seq, 1))
+    if isinstance(n_seq, torch.Tensor):
+        n_seq = n_seq.clamp(min=1).to(masked.dtype)
+    kind = policy.loss_type
+    if kind in ("grpo", "seq-mean-token-mean"):
+        tokens_per_seq = _seq_sum(mask, inp.seq, inp.n_slots)
+        return (_seq_sum(masked, inp.seq, inp.n_slots) / tokens_per_seq.clamp(min=1.0)).sum() / n_seq
+    if kind in ("bnpo", "token-mean"):
+        return masked.sum() / mask.sum().clamp(min=1.0)
+    if kind == "dr_grpo":
+        return masked.sum() / (n_seq * policy.max_completion_length)
+    if kind == "dapo":
+        if inp.num_items_in_batch is None:
+            return masked.sum() / mask.sum().clamp(min=1.0)
+        return masked.sum() / (inp.num_items_in_batch / policy.num_processes)
+    if kind == "seq-mean-token-sum":
+        return masked.sum() / n_seq
+    if kind == "seq-mean-token-sum-norm":
+        return masked.sum() / inp.seq_len
+    raise ValueError(f"policy.loss_type: unknown {kind!r}")
+
+
+def policy_objective(
+    logp: torch.Tensor,
+    entropy: torch.Tensor | None,
+    mask: torch.Tensor,
+    policy: Policy,
+    inp: PolicyInputs,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss, metrics) of the policy term from per-token log-probs ``logp`` (N,) with gradient."""
+    old = inp.old_logprobs if inp.old_logprobs is not None else logp.detach()
+    log_ratio = logp - old
+    if policy.importance_sampling == "sequence":
+        tokens_per_seq = _seq_sum(mask, inp.seq, inp.n_slots).clamp(min=1.0)
+        log_weight = (_seq_sum(log_ratio * mask, inp.seq, inp.n_slots) / tokens_per_seq)[inp.seq]
+    else:
+        log_weight = log_ratio
+    ratio = torch.exp(log_weight)
+    adv = inp.advantages.to(ratio.dtype)
+    clipped = torch.clamp(ratio, 1.0 - policy.eps_low, 1.0 + policy.eps_high)
+    r1 = torch.clamp(ratio, max=policy.delta) if policy.delta is not None else ratio
+    per_token = -torch.minimum(r1 * adv, clipped * adv)
+    if policy.dual_clip_c is not None:
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * policy.dual_clip_c), per_token)
+    if inp.importance_weights is not None:
+        per_token = per_token * inp.importance_weights
+    kl = None
+    if policy.kl_beta != 0.0:
+        kl = kl_estimate(logp, inp.ref_logprobs, policy.kl_estimator)
+        if policy.kl_importance_correction:
+            kl = kl * ratio
+        per_token = per_token + policy.kl_beta * kl
+    loss = aggregate(per_token, mask, policy, inp)
+    if policy.entropy_coef != 0.0:
+        loss = loss - policy.entropy_coef * aggregate(entropy, mask, policy, inp)
+    return loss, _metrics(logp, entropy, ratio, adv, kl, mask, policy, inp)
+
+
+def _metrics(logp, entropy, ratio, adv, kl, mask, policy: Policy, inp: PolicyInputs) -> dict[str, torch.Tensor]:
+    """TRL / verl metric names; means over masked tokens, min/max over sequences or tokens."""
+    with torch.no_grad():
+        count = mask.sum().clamp(min=1.0)
+        tokens_per_seq = _seq_sum(mask, inp.seq, inp.n_slots)
+        has_tokens = tokens_per_seq > 0
+        low = ((ratio < 1.0 - policy.eps_low) & (adv < 0)).to(mask.dtype) * mask
+        high = ((ratio > 1.0 + policy.eps_high) & (adv > 0)).to(mask.dtype) * mask
+        low_seq = _seq_sum(low, inp.seq, inp.n_slots) / tokens_per_seq.clamp(min=1.0)
+        high_seq = _seq_sum(high, inp.seq, inp.n_slots) / tokens_per_seq.clamp(min=1.0)
+        big = torch.finfo(ratio.dtype).max
+        any_token = mask.sum() > 0
+
+        def extreme(values: torch.Tensor, keep: torch.Tensor, fill: float, default: float, largest: bool):
+            """min/max of values where keep; ``default`` when nothing is kept (never +-inf)."""
+            if values.numel() == 0:
+                return torch.tensor(default, device=mask.device)
+            picked = torch.where(keep, values, fill)
+            picked = picked.max() if largest else picked.min()
+            return torch.where(keep.any(), picked, default)
+
+        out = {
+            "clip_ratio/low_mean": low.sum() / count,
+            "clip_ratio/low_min": extreme(low_seq, has_tokens, big, 0.0, largest=False),
+            "clip_ratio/high_mean": high.sum() / count,
+            "clip_ratio/high_max": extreme(high_seq, has_tokens, -big, 0.0, largest=True),
+            "clip_ratio/region_mean": (low + high).sum() / count,
+            "ratio/mean": torch.where(any_token, (ratio * mask).sum() / count, 1.0),
+            "ratio/min": extreme(ratio, mask > 0, big, 1.0, largest=False),
+            "ratio/max": extreme(ratio, mask > 0, -big, 1.0, largest=True),
+            "logprob/mean": (logp * mask).sum() / count,
+        }
+        if entropy is not None:
+            out["entropy"] = (entropy * mask).sum() / count
+        if kl is not None:
+            out["kl"] = (kl * mask).sum() / count
+    return {k: v.detach().float() for k, v in out.items()}
+
+
+def policy_inputs(
+    spec_policy: Policy | None,
+    token_shape: torch.Size,
+    targets: torch.Tensor | None,
+    ignore_index: int,
+    num_items_in_batch: float | torch.Tensor | None,
+    validate: bool,
+    given: dict[str, torch.Tensor | None],
+) -> tuple[PolicyInputs | None, torch.Tensor | None]:
+    """Check and flatten the policy term's per-call inputs; returns (inputs, effective targets).
+
+    Tokens outside ``loss_mask`` become ``ignore_index`` in the effective targets, so the kernel
+    skips them and every term sees the same mask. Errors name the offending argument.
+    """
+    present = {k: v for k, v in given.items() if v is not None}
+    if spec_policy is None:
+        if present:
+            raise ValueError(f"{sorted(present)[0]}: given, but the spec has no policy term")
+        return None, targets
+    if "advantages" not in present:
+        raise ValueError("advantages: required by policy but not given")
+    if spec_policy.kl_beta != 0.0 and "ref_logprobs" not in present:
+        raise ValueError("ref_logprobs: required by policy.kl_beta > 0 but not given")
+    device = targets.device
+    rows = token_shape.numel()
+    for name in ("old_logprobs", "ref_logprobs", "loss_mask", "importance_weights"):
+        t = present.get(name)
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(token_shape):
+            got = tuple(getattr(t, "shape", ()))
+            raise ValueError(f"{name}: expected shape {tuple(token_shape)} (like targets), got {got}")
+        if t.device != device:
+            raise ValueError(f"{name}: on {t.device}, targets on {device}")
+    if len(token_shape) == 2:
+        batch, seq_len = token_shape
+        seq = torch.arange(batch, device=device).repeat_interleave(seq_len)
+        n_slots, n_seq = batch, batch
+        if "sequence_ids" in present:
+            raise ValueError("sequence_ids: only for [N, V] logits; [B, T, V] logits give the sequences")
+    else:
+        if "sequence_ids" not in present:
+            raise ValueError("sequence_ids: required by policy for [N, V] logits (the sequence of each row)")
+        seq = present["sequence_ids"]
+        if tuple(seq.shape) != (rows,) or seq.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"sequence_ids: expected integer shape ({rows},), got {seq.dtype} {tuple(seq.shape)}")
+        if validate and rows and bool(((seq < 0) | (seq >= rows)).any()):
+            raise ValueError(f"sequence_ids: values must lie in [0, {rows})")
+        seq = seq.long().clamp(0, max(rows - 1, 0))
+        n_slots = rows
+        counts = torch.bincount(seq, minlength=rows)
+        n_seq = (counts > 0).sum()
+        seq_len = counts.max() if rows else 0
+    advantages = present["advantages"]
+    if not isinstance(advantages, torch.Tensor) or advantages.device != device:
+        raise ValueError(f"advantages: expected a tensor on {device}")
+    if len(token_shape) == 2 and tuple(advantages.shape) == (token_shape[0],):
+        advantages = advantages[seq]
+    elif tuple(advantages.shape) != tuple(token_shape):
+        per_seq = f"[{token_shape[0]}] per sequence or " if len(token_shape) == 2 else ""
+        raise ValueError(
+            f"advantages: expected {per_seq}{tuple(token_shape)} per token, got {tuple(advantages.shape)}"
+        )
+    mask = targets != ignore_index
+    if "loss_mask" in present:
+        mask = mask & present["loss_mask"].bool()
+    flat = lambda t: None if t is None else t.reshape(-1).float()  # noqa: E731
+    inputs = PolicyInputs(
+        advantages=advantages.reshape(-1).float(),
+        old_logprobs=flat(present.get("old_logprobs")),
+        ref_logprobs=flat(present.get("ref_logprobs")),
+        importance_weights=flat(present.get("importance_weights")),
+        seq=seq,
+        n_slots=n_slots,
+        n_seq=n_seq,
+        seq_len=seq_len,
+        num_items_in_batch=num_items_in_batch,
+    )
+    return inputs, torch.where(mask, targets, ignore_index)
