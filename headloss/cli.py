@@ -29,8 +29,9 @@ def explain(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, with_grad
     plan = compile_plan(spec, has_targets=spec.needs_targets, needs_grad=with_grad)
     elem = torch.empty((), dtype=dtype).element_size()
     traffic = plan.traffic_bytes(rows, vocab, elem, elem, with_grad)
-    on = [name for name, value in asdict(plan.flags).items() if value]
-    off = [name for name, value in asdict(plan.flags).items() if not value]
+    flags = asdict(plan.flags)
+    on = [name if value is True else f"{name}={value}" for name, value in flags.items() if value]
+    off = [name for name, value in flags.items() if value is False]
     lines = [
         f"mode        {plan.mode}" + (" (stats in forward, gradient pass in backward)" if plan.mode == "deferred"
                                       else " (one launch: stats, epilogue, gradient)"),
@@ -39,7 +40,8 @@ def explain(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, with_grad
         "scalars     " + ", ".join(f"{k}={v:g}" for k, v in asdict(plan.scalars).items()),
         f"reduction   {plan.reduction}",
         f"inputs      {', '.join(plan.requires)}",
-        f"logit reads {plan.logit_passes if with_grad else 1} pass(es) over [{rows}, {vocab}] {str(dtype)[6:]}",
+        f"logit reads {plan.logit_passes if with_grad else 1} pass(es) over [{rows}, {vocab}] {str(dtype)[6:]}"
+        + (" (student and teacher)" if plan.flags.HAS_TEACHER else ""),
         f"bytes       reads {traffic['logit_reads'] / 1e9:.3f} GB + gradient writes "
         f"{traffic['grad_writes'] / 1e9:.3f} GB = {traffic['total'] / 1e9:.3f} GB"
         f" (+ O(rows) per-token buffers)",
@@ -55,11 +57,13 @@ def demo(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, device: str)
     targets[torch.rand(rows, generator=gen) < 0.1] = spec.ignore_index
     logits, targets = logits.to(device), targets.to(device)
 
+    inputs = synthetic_inputs(spec, logits, gen)
     x = logits.clone().requires_grad_()
-    out = head_loss(x, targets if spec.needs_targets else None, spec)
+    out = head_loss(x, targets if spec.needs_targets else None, spec, **inputs)
     out.loss.sum().backward()
     ref_x = logits.double().requires_grad_()
-    ref = reference_head_loss(ref_x, targets if spec.needs_targets else None, spec)
+    ref_inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    ref = reference_head_loss(ref_x, targets if spec.needs_targets else None, spec, **ref_inputs)
     ref.loss.sum().backward()
 
     backend = "triton kernel" if (logits.is_cuda or _interpreting()) else (
@@ -87,6 +91,24 @@ def demo(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, device: str)
     ok = worst < 1e-4 and gerr < tol
     print(f"\n{'OK' if ok else 'MISMATCH'}: values within 1e-4 relative, gradient within {tol:g}")
     return 0 if ok else 1
+
+
+def synthetic_inputs(spec: LossSpec, logits: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The per-call inputs a spec's terms need, made up for a [rows, V] batch (one sequence per 16 rows)."""
+    rows = logits.shape[0]
+    inputs: dict[str, torch.Tensor] = {}
+    if spec.distillation is not None:
+        inputs["teacher_logits"] = (torch.randn(logits.shape, generator=gen) * 2.0).to(logits)
+    if spec.policy is not None:
+        seq = torch.arange(rows) // 16
+        logp_guess = -torch.rand(rows, generator=gen) * 4.0 - 4.0
+        inputs.update(
+            sequence_ids=seq,
+            advantages=torch.randn(int(seq.max()) + 1 if rows else 0, generator=gen)[seq],
+            old_logprobs=logp_guess,
+            ref_logprobs=logp_guess + 0.1 * torch.randn(rows, generator=gen),
+        )
+    return {k: v.to(logits.device) for k, v in inputs.items()}
 
 
 def _interpreting() -> bool:

@@ -75,8 +75,11 @@ class KernelPlan:
         return 2 if self.flags.FUSED_GRAD or self.mode == "deferred" else 1
 
     def traffic_bytes(self, rows: int, vocab: int, elem_bytes: int, grad_bytes: int, with_grad: bool) -> dict:
-        """Bytes moved through device memory by the logits-sized streams of one fwd(+bwd) call."""
-        reads = (self.logit_passes if with_grad else 1) * rows * vocab * elem_bytes
+        """Bytes moved through device memory by the logits-sized streams of one fwd(+bwd) call
+        (the teacher, when there is one, is read in the same passes as the student)."""
+        passes = (self.logit_passes if with_grad else 1) + (self.flags.DISTILL_KIND == 2 and self.flags.HAS_TEACHER)
+        streams = 2 if self.flags.HAS_TEACHER else 1
+        reads = passes * streams * rows * vocab * elem_bytes
         writes = rows * vocab * grad_bytes if with_grad else 0
         return {"logit_reads": reads, "grad_writes": writes, "total": reads + writes}
 

@@ -1,0 +1,213 @@
+"""Distillation and GRPO cases, fwd+bwd, bf16, V=128256, one run: headloss vs torch eager,
+torch.compile and Liger-Kernel.
+
+  distill  N=8192: student CE + forward KL(teacher || student), 0.5 / 0.5, T=1
+           Liger: its in-place CE + LigerKLDIVLoss on torch log-softmaxes
+  grpo     B=8, T=1024: TRL's dapo loss, beta 0.04 (k3), eps 0.2, plus the entropy, KL and clip
+           metrics a trainer logs; Liger: triton_grpo_loss (+ a chunked entropy pass; and alone)
+
+  python -m benchmarks.bench_terms
+
+Writes $OUT (or ./results)/bench_terms.{json,csv,png}; prints a table with the ratio to the floor
+(distill: student and teacher read twice + gradient written once; grpo: 2 reads + 1 write).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import headloss
+from benchmarks.bench_head import chunked_entropy
+from benchmarks.common import Row, copy_bandwidth_gbs, measure, out_dir_default, write_rows
+
+V = 128256
+BETA, EPS = 0.04, 0.2
+DISTILL_SPEC = headloss.LossSpec(
+    cross_entropy={"weight": 0.5}, distillation={"weight": 0.5, "divergence": "forward_kl"}
+)
+GRPO_SPEC = headloss.LossSpec(
+    cross_entropy=None, policy={"loss_type": "dapo", "kl_beta": BETA, "kl_estimator": "k3", "eps_low": EPS,
+                                "eps_high": EPS},
+)
+
+
+def torch_distill(x, t, y):
+    s_logp = torch.log_softmax(x.float(), dim=-1)
+    with torch.no_grad():
+        t_logp = torch.log_softmax(t.float(), dim=-1)
+    valid = y != -100
+    n = valid.sum().clamp(min=1)
+    ce = F.nll_loss(s_logp, y, ignore_index=-100, reduction="sum") / n
+    kl = (F.kl_div(s_logp, t_logp, reduction="none", log_target=True).sum(-1) * valid).sum() / n
+    return 0.5 * ce + 0.5 * kl
+
+
+def torch_grpo(x, ids, adv, old, ref, mask):
+    """TRL GRPOTrainer._compute_loss (dapo, beta, k3) and the metrics it logs."""
+    logp_all = torch.log_softmax(x.float(), dim=-1)
+    logp = logp_all.gather(-1, ids[..., None])[..., 0]
+    ratio = torch.exp(logp - old)
+    clipped = torch.clamp(ratio, 1 - EPS, 1 + EPS)
+    per_token = -torch.min(ratio * adv[:, None], clipped * adv[:, None])
+    kl = torch.exp(ref - logp) - (ref - logp) - 1
+    per_token = per_token + BETA * kl
+    count = mask.sum().clamp(min=1)
+    loss = (per_token * mask).sum() / count
+    with torch.no_grad():
+        entropy = (-(logp_all.exp() * logp_all).sum(-1) * mask).sum() / count
+        low = ((ratio < 1 - EPS) & (adv[:, None] < 0)).float()
+        high = ((ratio > 1 + EPS) & (adv[:, None] > 0)).float()
+        stats = torch.stack([(kl * mask).sum() / count, entropy, (low * mask).sum() / count,
+                             (high * mask).sum() / count])
+    return loss, stats
+
+
+def distill_case(rows: list[Row], n: int, cfg: dict, names) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pristine = torch.randn(n, V, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
+    teacher = torch.randn(n, V, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
+    y = torch.randint(0, V, (n,), device="cuda", generator=gen)
+    y[torch.rand(n, device="cuda", generator=gen) < 0.05] = -100
+    x = torch.empty_like(pristine).requires_grad_()
+
+    def setup():
+        x.grad = None
+        with torch.no_grad():
+            x.copy_(pristine)
+
+    compiled = torch.compile(torch_distill)
+    table = {
+        "torch-eager": lambda: torch_distill(x, teacher, y).backward(),
+        "torch-compile": lambda: compiled(x, teacher, y).backward(),
+        "headloss": lambda: headloss.head_loss(x, y, DISTILL_SPEC, teacher_logits=teacher,
+                                               inplace_grad=True).loss.backward(),
+    }
+    try:
+        from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
+        from liger_kernel.ops.kl_div import LigerKLDivLossFunction
+
+        def liger():
+            s_logp = torch.log_softmax(x.float(), dim=-1)
+            with torch.no_grad():
+                t_logp = torch.log_softmax(teacher.float(), dim=-1)
+            kl = LigerKLDivLossFunction.apply(s_logp, t_logp, "batchmean", True, 1e-10)
+            ce = LigerCrossEntropyFunction.apply(x, y, None, -100, 0.0, 0.0, "mean", None, False, False, False)[0]
+            (0.5 * ce + 0.5 * kl).backward()
+
+        table["liger CE + KLDiv"] = liger
+    except Exception as exc:
+        print(f"liger unavailable: {exc}")
+    for name, step in table.items():
+        if not names or name in names:
+            measure(rows, "distill", name, "N", n, step, setup, config={**cfg, "N": n, "V": V})
+            torch.cuda.empty_cache()
+
+
+def grpo_case(rows: list[Row], batch: int, length: int, cfg: dict, names) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    pristine = torch.randn(batch, length + 1, V, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
+    ids = torch.randint(0, V, (batch, length), device="cuda", generator=gen)
+    adv = torch.randn(batch, device="cuda", generator=gen)
+    with torch.no_grad():
+        logp = torch.log_softmax(pristine[:, :-1].float(), -1).gather(-1, ids[..., None])[..., 0]
+    old = logp + 0.1 * torch.randn(logp.shape, device="cuda", generator=gen)
+    ref = logp + 0.1 * torch.randn(logp.shape, device="cuda", generator=gen)
+    mask = torch.ones(batch, length, device="cuda")
+    mask[:, int(length * 0.9):] = 0
+    x_full = torch.empty_like(pristine).requires_grad_()  # Liger wants [B, L + 1, V]
+    x = torch.empty_like(pristine[:, :-1]).requires_grad_()
+
+    def setup():
+        x.grad = x_full.grad = None
+        with torch.no_grad():
+            x.copy_(pristine[:, :-1])
+            x_full.copy_(pristine)
+
+    compiled = torch.compile(torch_grpo)
+    n_items = mask.sum()
+    table = {
+        "torch-eager": lambda: torch_grpo(x, ids, adv, old, ref, mask)[0].backward(),
+        "torch-compile": lambda: compiled(x, ids, adv, old, ref, mask)[0].backward(),
+        "headloss": lambda: headloss.head_loss(
+            x, ids, GRPO_SPEC, advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask,
+            num_items_in_batch=n_items, inplace_grad=True).loss.backward(),
+    }
+    try:
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+        def liger(with_entropy: bool):
+            def step():
+                if with_entropy:
+                    chunked_entropy(x_full.detach()[:, :-1].reshape(-1, V), ids.reshape(-1))
+                loss, _ = triton_grpo_loss(x_full, old, ref, ids, adv, mask, temperature=1.0, beta=BETA,
+                                           eps_low=EPS, eps_high=EPS, inplace=True, loss_type="dapo",
+                                           reduce=True, num_items_in_batch=n_items)
+                loss.backward()
+
+            return step
+
+        table["liger triton_grpo_loss"] = liger(False)
+        table["liger triton_grpo_loss + entropy"] = liger(True)
+    except Exception as exc:
+        print(f"liger unavailable: {exc}")
+    for name, step in table.items():
+        if not names or name in names:
+            measure(rows, "grpo", name, "N", batch * length, step, setup,
+                    config={**cfg, "B": batch, "T": length, "V": V})
+            torch.cuda.empty_cache()
+
+
+def floor_ms(case: str, n: int, copy_gbs: float) -> float:
+    streams = 5 if case == "distill" else 3  # distill: 2 student + 2 teacher reads + 1 write
+    return streams * n * V * 2 / (copy_gbs * 1e9) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--providers", nargs="*")
+    parser.add_argument("--stem", default="bench_terms")
+    args = parser.parse_args()
+    copy_gbs = copy_bandwidth_gbs()
+    cfg = {"dtype": "bf16", "copy_GBps": round(copy_gbs, 1), "headloss": headloss.__version__}
+    rows: list[Row] = []
+    distill_case(rows, 8192, cfg, args.providers)
+    grpo_case(rows, 8, 1024, cfg, args.providers)
+    out = out_dir_default()
+    js, cs = write_rows(rows, out, args.stem)
+    mem = {(r.case, r.provider): r.p50 for r in rows if r.metric == "memory"}
+    print(f"\ncopy rate {copy_gbs:.0f} GB/s")
+    print(f"{'case':<9}{'provider':<36}{'p50 ms':>9}{'x floor':>9}{'extra GB':>10}  note")
+    for r in rows:
+        if r.metric == "time":
+            t = f"{r.p50:9.3f}{r.p50 / floor_ms(r.case, r.x, copy_gbs):9.2f}" if r.p50 else f"{'-':>9}{'-':>9}"
+            m = mem.get((r.case, r.provider))
+            print(f"{r.case:<9}{r.provider:<36}{t}{m if m is None else round(m, 3):>10}  {r.note}")
+    _plot(rows, copy_gbs, out / f"{args.stem}.png")
+    print(f"\nwrote {js}, {cs}")
+
+
+def _plot(rows: list[Row], copy_gbs: float, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, case in zip(axes, ("distill", "grpo")):
+        times = [r for r in rows if r.case == case and r.metric == "time" and r.p50]
+        ax.barh([r.provider for r in times], [r.p50 for r in times], color="tab:blue")
+        if times:
+            ax.axvline(floor_ms(case, times[0].x, copy_gbs), color="k", ls="--", label="floor")
+        ax.set_xscale("log")
+        ax.set_xlabel("fwd+bwd ms (median)")
+        ax.set_title({"distill": "CE + forward KL, N=8192, V=128256", "grpo": "GRPO dapo+KL+entropy, B=8 T=1024"}[case])
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
