@@ -193,3 +193,58 @@ def test_linear_head_matches_torch_eager_at_llama3_size(spec):
     for got, t in zip(grads, (hidden, weight, bias)):
         assert got.norm() > 0
         assert _rel(got, t.grad) < 2e-2
+
+
+@pytest.mark.parametrize("divergence,beta", [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.3)])
+def test_distillation_matches_fp64_reference_at_llama3_vocab(divergence, beta):
+    spec = headloss.LossSpec(
+        cross_entropy={"weight": 0.5}, z_loss={"weight": 1e-4},
+        distillation={"weight": 0.5, "divergence": divergence, "beta": beta, "temperature": 2.0,
+                      "scale_by_temperature_squared": True},
+    )
+    logits, targets = _batch(129, 128256, torch.bfloat16, seed=9)
+    teacher, _ = _batch(129, 128256, torch.bfloat16, seed=10)
+    x = logits.clone().requires_grad_()
+    out = headloss.head_loss(x, targets, spec, teacher_logits=teacher)
+    out.loss.backward()
+    r = logits.double().requires_grad_()
+    ref = headloss.reference_head_loss(r, targets, spec, teacher_logits=teacher.double())
+    ref.loss.backward()
+    assert abs(out.loss.item() - ref.loss.item()) <= 1e-5 * max(1.0, abs(ref.loss.item()))
+    for name, value in ref.metrics.items():
+        assert torch.allclose(out.metrics[name].double(), value.double(), rtol=1e-5, atol=1e-5), name
+    assert _rel(x.grad, r.grad) < 8e-3
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_grpo_matches_fp64_reference_at_llama3_vocab(loss_type):
+    spec = headloss.LossSpec(
+        cross_entropy=None, transform={"temperature": 0.9},
+        policy={"loss_type": loss_type, "kl_beta": 0.04, "eps_high": 0.28, "entropy_coef": 0.01},
+    )
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    b, t, v = 2, 64, 128256
+    logits = (torch.randn(b, t, v, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+    ids = torch.randint(0, v, (b, t), device="cuda", generator=gen)
+    with torch.no_grad():
+        logp = torch.log_softmax(logits.double() / 0.9, -1).gather(-1, ids[..., None])[..., 0]
+    inputs = dict(
+        advantages=torch.randn(b, device="cuda", generator=gen),
+        old_logprobs=(logp + 0.3 * torch.randn(logp.shape, device="cuda", generator=gen, dtype=torch.float64)).float(),
+        ref_logprobs=(logp + 0.1 * torch.randn(logp.shape, device="cuda", generator=gen, dtype=torch.float64)).float(),
+        loss_mask=(torch.arange(t, device="cuda") < 50).float().expand(b, t).contiguous(),
+        num_items_in_batch=100,
+    )
+    x = logits.clone().requires_grad_()
+    out = headloss.head_loss(x, ids, spec, **inputs)
+    out.loss.backward()
+    r = logits.double().requires_grad_()
+    as_fp64 = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}
+    ref = headloss.reference_head_loss(r, ids, spec, **as_fp64)
+    ref.loss.backward()
+    assert abs(out.loss.item() - ref.loss.item()) <= 1e-4 * max(1.0, abs(ref.loss.item()))
+    assert set(out.metrics) == set(ref.metrics)
+    for name, value in ref.metrics.items():
+        assert torch.allclose(out.metrics[name].double(), value.double(), rtol=1e-4, atol=1e-5), name
+    assert r.grad.norm() > 0
+    assert _rel(x.grad, r.grad) < 8e-3
