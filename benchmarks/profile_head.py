@@ -81,12 +81,56 @@ def ablate(x: torch.Tensor, targets: torch.Tensor, configs: list[tuple[int, int]
     os.environ.pop("HEADLOSS_NUM_WARPS")
 
 
+def terms(configs: list[tuple[int, int]]) -> None:
+    """Distillation and GRPO: device time per kernel and launch config, and host time per call."""
+    from benchmarks.bench_terms import DISTILL_SPEC, GRPO_SPEC, V
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(8192, V, device="cuda", generator=gen) * 2).to(torch.bfloat16).requires_grad_()
+    teacher = (torch.randn(8192, V, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+    y = torch.randint(0, V, (8192,), device="cuda", generator=gen)
+    x3 = x.detach().view(8, 1024, V).clone().requires_grad_()
+    y3 = y.view(8, 1024)
+    grpo_inputs = dict(
+        advantages=torch.randn(8, device="cuda", generator=gen),
+        old_logprobs=-torch.rand(8, 1024, device="cuda", generator=gen) * 5,
+        ref_logprobs=-torch.rand(8, 1024, device="cuda", generator=gen) * 5,
+        loss_mask=torch.ones(8, 1024, device="cuda"),
+        num_items_in_batch=8192,
+    )
+    steps = {
+        "distill": lambda: headloss.head_loss(x, y, DISTILL_SPEC, teacher_logits=teacher, inplace_grad=True,
+                                              validate=False).loss.backward(),
+        "grpo": lambda: headloss.head_loss(x3, y3, GRPO_SPEC, inplace_grad=True, validate=False,
+                                           **grpo_inputs).loss.backward(),
+    }
+    for name, step in steps.items():
+        for block, warps in configs:
+            os.environ["HEADLOSS_BLOCK_V"], os.environ["HEADLOSS_NUM_WARPS"] = str(block), str(warps)
+            x.grad = x3.grad = None
+            step()
+            times = kernel_times(step, reps=5)
+            heads = {k: v for k, v in times.items() if "head_" in k}
+            rest = sum(v for k, v in times.items() if "head_" not in k)
+            print(f"{name} B={block} w={warps}: " + ", ".join(f"{k} {v:.0f} us" for k, v in heads.items())
+                  + f", {len(times) - len(heads)} other kernels {rest:.0f} us")
+        torch.cuda.synchronize()
+        host = host_us(step, reps=20)
+        print(f"{name}: host time of one fwd+bwd call {host:.0f} us")
+    os.environ.pop("HEADLOSS_BLOCK_V")
+    os.environ.pop("HEADLOSS_NUM_WARPS")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--ablate", action="store_true", help="kernel time per added term and launch config")
+    parser.add_argument("--terms", action="store_true", help="distillation and GRPO kernels, host time")
     args = parser.parse_args()
+    if args.terms:
+        terms([(1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8)])
+        return
     pristine, targets = make_batch(args.rows, args.vocab)
     if args.ablate:
         ablate(pristine.clone().requires_grad_(), targets, [(512, 2), (1024, 2), (1024, 4), (2048, 4), (2048, 8)])
