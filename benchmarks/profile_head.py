@@ -115,7 +115,7 @@ def terms(configs: list[tuple[int, int]]) -> None:
             print(f"{name} B={block} w={warps}: " + ", ".join(f"{k} {v:.0f} us" for k, v in heads.items())
                   + f", {len(times) - len(heads)} other kernels {rest:.0f} us")
         torch.cuda.synchronize()
-        host = host_us(step, reps=20)
+        host = host_us(step, reps=6)
         print(f"{name}: host time of one fwd+bwd call {host:.0f} us")
     os.environ.pop("HEADLOSS_BLOCK_V")
     os.environ.pop("HEADLOSS_NUM_WARPS")
