@@ -335,7 +335,7 @@ def assemble_output(
     stats = RowStats(*fields)
     policy_metrics: dict[str, torch.Tensor] = {}
     if policy is not None:
-        policy_loss, policy_metrics = policy_objective(stats.logp, stats.entropy, valid.float(), spec.policy, policy)
+        policy_loss, policy_metrics = policy_objective(stats.logp, stats.entropy, policy.mask, spec.policy, policy)
         loss = loss + policy_loss
     metrics = _metrics(spec, loss, n_tokens, valid, flat_targets, stats)
     metrics.update(policy_metrics)

@@ -42,6 +42,8 @@ class PolicyInputs:
     n_seq: int | torch.Tensor  # number of sequences (a device count for [N, V] logits)
     seq_len: int | torch.Tensor  # padded length T (verl's seq-mean-token-sum-norm divides by it)
     num_items_in_batch: float | torch.Tensor | None
+    mask: torch.Tensor | None = None  # (N,) fp32, 1 where a token counts
+    weight: torch.Tensor | None = None  # (N,) fp32 aggregation weight (aggregation_weights)
 
 
 def _seq_sum(values: torch.Tensor, seq: torch.Tensor, n_seq: int) -> torch.Tensor:
@@ -58,28 +60,27 @@ def kl_estimate(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.
     return torch.exp(delta) - delta - 1.0
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -> torch.Tensor:
-    """Reduce masked per-token values to the scalar loss, as TRL / verl define each loss type."""
-    masked = per_token * mask
-    n_seq = inp.n_seq if isinstance(inp.n_seq, torch.Tensor) else float(max(inp.n_seq, 1))
-    if isinstance(n_seq, torch.Tensor):
-        n_seq = n_seq.clamp(min=1).to(masked.dtype)
+def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -> torch.Tensor:
+    """Per-token weight w with loss = sum(w * per_token), as TRL / verl aggregate each loss type.
+
+    Depends on the mask and sequence layout only, so it is computed once, without gradient.
+    """
     kind = policy.loss_type
+    n_seq = inp.n_seq if isinstance(inp.n_seq, torch.Tensor) else torch.tensor(float(inp.n_seq), device=mask.device)
+    n_seq = n_seq.clamp(min=1).to(mask.dtype)
     if kind in ("grpo", "seq-mean-token-mean"):
-        tokens_per_seq = _seq_sum(mask, inp.seq, inp.n_slots)
-        return (_seq_sum(masked, inp.seq, inp.n_slots) / tokens_per_seq.clamp(min=1.0)).sum() / n_seq
-    if kind in ("bnpo", "token-mean"):
-        return masked.sum() / mask.sum().clamp(min=1.0)
+        tokens_per_seq = _seq_sum(mask, inp.seq, inp.n_slots).clamp(min=1.0)
+        return mask / (tokens_per_seq[inp.seq] * n_seq)
+    if kind in ("bnpo", "token-mean") or (kind == "dapo" and inp.num_items_in_batch is None):
+        return mask / mask.sum().clamp(min=1.0)
     if kind == "dr_grpo":
-        return masked.sum() / (n_seq * policy.max_completion_length)
+        return mask / (n_seq * policy.max_completion_length)
     if kind == "dapo":
-        if inp.num_items_in_batch is None:
-            return masked.sum() / mask.sum().clamp(min=1.0)
-        return masked.sum() / (inp.num_items_in_batch / policy.num_processes)
+        return mask / (inp.num_items_in_batch / policy.num_processes)
     if kind == "seq-mean-token-sum":
-        return masked.sum() / n_seq
+        return mask / n_seq
     if kind == "seq-mean-token-sum-norm":
-        return masked.sum() / inp.seq_len
+        return mask / inp.seq_len
     raise ValueError(f"policy.loss_type: unknown {kind!r}")
 
 
@@ -90,7 +91,10 @@ def policy_objective(
     policy: Policy,
     inp: PolicyInputs,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(loss, metrics) of the policy term from per-token log-probs ``logp`` (N,) with gradient."""
+    """(loss, metrics) of the policy term from per-token log-probs ``logp`` (N,) with gradient.
+
+    Written for few device ops (each one is a launch on the host's critical path at 8K tokens).
+    """
     old = inp.old_logprobs if inp.old_logprobs is not None else logp.detach()
     log_ratio = logp - old
     if policy.importance_sampling == "sequence":
@@ -99,7 +103,7 @@ def policy_objective(
     else:
         log_weight = log_ratio
     ratio = torch.exp(log_weight)
-    adv = inp.advantages.to(ratio.dtype)
+    adv = inp.advantages
     clipped = torch.clamp(ratio, 1.0 - policy.eps_low, 1.0 + policy.eps_high)
     r1 = torch.clamp(ratio, max=policy.delta) if policy.delta is not None else ratio
     per_token = -torch.minimum(r1 * adv, clipped * adv)
@@ -113,49 +117,51 @@ def policy_objective(
         if policy.kl_importance_correction:
             kl = kl * ratio
         per_token = per_token + policy.kl_beta * kl
-    loss = aggregate(per_token, mask, policy, inp)
+    weight = inp.weight
+    loss = (per_token * weight).sum()
     if policy.entropy_coef != 0.0:
-        loss = loss - policy.entropy_coef * aggregate(entropy, mask, policy, inp)
+        loss = loss - policy.entropy_coef * (entropy * weight).sum()
     return loss, _metrics(logp, entropy, ratio, adv, kl, mask, policy, inp)
 
 
 def _metrics(logp, entropy, ratio, adv, kl, mask, policy: Policy, inp: PolicyInputs) -> dict[str, torch.Tensor]:
-    """TRL / verl metric names; means over masked tokens, min/max over sequences or tokens."""
+    """TRL / verl metric names: means over masked tokens; clip_ratio/low_min and high_max over
+    sequences (of each sequence's clipped fraction); ratio/min and max over masked tokens."""
     with torch.no_grad():
-        count = mask.sum().clamp(min=1.0)
-        tokens_per_seq = _seq_sum(mask, inp.seq, inp.n_slots)
-        has_tokens = tokens_per_seq > 0
-        low = ((ratio < 1.0 - policy.eps_low) & (adv < 0)).to(mask.dtype) * mask
-        high = ((ratio > 1.0 + policy.eps_high) & (adv > 0)).to(mask.dtype) * mask
-        low_seq = _seq_sum(low, inp.seq, inp.n_slots) / tokens_per_seq.clamp(min=1.0)
-        high_seq = _seq_sum(high, inp.seq, inp.n_slots) / tokens_per_seq.clamp(min=1.0)
-        big = torch.finfo(ratio.dtype).max
-        any_token = mask.sum() > 0
-
-        def extreme(values: torch.Tensor, keep: torch.Tensor, fill: float, default: float, largest: bool):
-            """min/max of values where keep; ``default`` when nothing is kept (never +-inf)."""
-            if values.numel() == 0:
-                return torch.tensor(default, device=mask.device)
-            picked = torch.where(keep, values, fill)
-            picked = picked.max() if largest else picked.min()
-            return torch.where(keep.any(), picked, default)
-
-        out = {
-            "clip_ratio/low_mean": low.sum() / count,
-            "clip_ratio/low_min": extreme(low_seq, has_tokens, big, 0.0, largest=False),
-            "clip_ratio/high_mean": high.sum() / count,
-            "clip_ratio/high_max": extreme(high_seq, has_tokens, -big, 0.0, largest=True),
-            "clip_ratio/region_mean": (low + high).sum() / count,
-            "ratio/mean": torch.where(any_token, (ratio * mask).sum() / count, 1.0),
-            "ratio/min": extreme(ratio, mask > 0, big, 1.0, largest=False),
-            "ratio/max": extreme(ratio, mask > 0, -big, 1.0, largest=True),
-            "logprob/mean": (logp * mask).sum() / count,
-        }
+        low = ((ratio < 1.0 - policy.eps_low) & (adv < 0)).to(mask.dtype)
+        high = ((ratio > 1.0 + policy.eps_high) & (adv > 0)).to(mask.dtype)
+        names = ["clip_ratio/low_mean", "clip_ratio/high_mean", "ratio/mean", "logprob/mean"]
+        rows = [low, high, ratio.detach(), logp.detach()]
         if entropy is not None:
-            out["entropy"] = (entropy * mask).sum() / count
+            names.append("entropy")
+            rows.append(entropy.detach())
         if kl is not None:
-            out["kl"] = (kl * mask).sum() / count
-    return {k: v.detach().float() for k, v in out.items()}
+            names.append("kl")
+            rows.append(kl.detach())
+        masked = torch.stack(rows) * mask
+        count = mask.sum()
+        means = masked.sum(dim=1) / count.clamp(min=1.0)
+        # per-sequence clipped fractions: one index_add over both rows
+        per_seq = torch.zeros(3, inp.n_slots, dtype=mask.dtype, device=mask.device).index_add_(
+            1, inp.seq, torch.stack([masked[0], masked[1], mask])
+        )
+        has_tokens = per_seq[2] > 0
+        frac = per_seq[:2] / per_seq[2].clamp(min=1.0)
+        big = torch.finfo(mask.dtype).max
+        keep = mask > 0
+        extremes = torch.stack([
+            torch.where(has_tokens, frac[0], big).amin() if inp.n_slots else mask.new_tensor(big),
+            torch.where(has_tokens, frac[1], -big).amax() if inp.n_slots else mask.new_tensor(-big),
+            torch.where(keep, ratio.detach(), big).amin() if ratio.numel() else mask.new_tensor(big),
+            torch.where(keep, ratio.detach(), -big).amax() if ratio.numel() else mask.new_tensor(-big),
+        ])
+        # nothing counted: clipped fractions 0, ratios 1 (never +-inf)
+        extremes = torch.where(count > 0, extremes, mask.new_tensor([0.0, 0.0, 1.0, 1.0]))
+        means[2] = torch.where(count > 0, means[2], 1.0)
+    out = dict(zip(names, means.float().unbind()))
+    out.update(zip(["clip_ratio/low_min", "clip_ratio/high_max", "ratio/min", "ratio/max"], extremes.float().unbind()))
+    out["clip_ratio/region_mean"] = out["clip_ratio/low_mean"] + out["clip_ratio/high_mean"]
+    return out
 
 
 def policy_inputs(
@@ -236,4 +242,6 @@ def policy_inputs(
         seq_len=seq_len,
         num_items_in_batch=num_items_in_batch,
     )
+    inputs.mask = mask.reshape(-1).float()
+    inputs.weight = aggregation_weights(inputs.mask, spec_policy, inputs)
     return inputs, torch.where(mask, targets, ignore_index)
