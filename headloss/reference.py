@@ -151,7 +151,10 @@ def _distillation(x: torch.Tensor, teacher: torch.Tensor, spec: LossSpec) -> tup
     d = spec.distillation
     s_logp = torch.log_softmax(x / d.temperature, dim=-1)
     t_logp = torch.log_softmax(teacher / d.temperature, dim=-1)
-    kl = lambda log_p, log_q: F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)  # KL(p || q)
+    def kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+        """KL(p || q) = sum p (log p - log q), 0 where p = 0 (a masked -inf column)."""
+        return torch.where(log_p > float("-inf"), log_p.exp() * (log_p - log_q), 0.0).sum(-1)
+
     if d.divergence == "forward_kl" or (d.divergence == "jsd" and d.beta == 0.0):
         div = kl(t_logp, s_logp)
     elif d.divergence == "reverse_kl" or (d.divergence == "jsd" and d.beta == 1.0):

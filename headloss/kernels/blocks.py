@@ -42,6 +42,13 @@ def tanh(a):
 
 
 @triton.jit
+def log1p(x):
+    """log(1 + x), accurate near 0 where 1 + x would drop the digits of x."""
+    series = x * (1.0 - x * (0.5 - x * (1.0 / 3.0)))
+    return tl.where(tl.abs(x) < 1e-3, series, tl.log(1.0 + x))
+
+
+@triton.jit
 def transform(z, logit_scale, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr):
     """x2 = log2(e) * softcap(logit_scale * z) * inv_temperature (fp32), and dx/dz (natural x)."""
     if HAS_SOFTCAP:
@@ -128,8 +135,8 @@ def _teacher_block(
         s2 = x2
         alpha_s = alpha
         es = e
-    if DISTILL_KIND == 0:  # forward KL: sum q * s
-        sum_ts = sum_ts * alpha_t + et * tl.maximum(s2, NEG_BIG)
+    if DISTILL_KIND == 0:  # forward KL: sum q * (t - s), the difference taken per element
+        sum_ts = sum_ts * alpha_t + et * (tl.maximum(t2, NEG_BIG) - tl.maximum(s2, NEG_BIG))
     if DISTILL_KIND == 1:  # reverse KL: sum p * (s - t)
         sum_st = sum_st * alpha_s + es * (tl.maximum(s2, NEG_BIG) - tl.maximum(t2, NEG_BIG))
     return mt_new, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg
@@ -159,8 +166,9 @@ def online_stats(
     sum_x2 = sum x2, sum_ex2 = sum 2^(x2 - m2) * x2, argmax = first index of the max.
     So lse = (m2 + log2 d) * ln 2, mean_p(x) = ln 2 * sum_ex2 / d, sum x = ln 2 * sum_x2.
     Teacher (t2 = teacher / T_d, s2 = x2 / T_d): (mt2, dt, sum_t = sum et * t2,
-    sum_ts = sum et * s2, ms2, ds (the student at T_d, when T_d != 1), sum_st = sum es * (s2 - t2),
-    teacher argmax).
+    sum_ts = sum et * (t2 - s2), ms2, ds (the student at T_d, when T_d != 1),
+    sum_st = sum es * (s2 - t2), teacher argmax). Divergences are sums of per-element
+    differences, so a teacher close to the student does not cancel two O(|x|) sums.
     -inf logits (a masked vocabulary) are allowed; NaN and +inf propagate to NaN.
     """
     m = tl.full([], float("-inf"), tl.float32)
@@ -313,18 +321,23 @@ def distill_grad(
     elif DISTILL_KIND == 1:
         g = wd * tl.where(ps > 0.0, ps * (LN2 * ((s2 - lse_s2) - (t2 - lse_t2)) - kl), 0.0)
     else:
-        mix = jsd_beta * q + (1.0 - jsd_beta) * ps
-        log_ratio = LN2 * ((s2 - lse_s2) - tl.log2(mix))
+        # log(p / M) = -log1p(beta (q / p - 1)), q / p from differences of logits
+        q_over_p = tl.exp2((t2 - s2) - (lse_t2 - lse_s2))
+        log_ratio = -log1p(jsd_beta * (q_over_p - 1.0))
         g = (wd * (1.0 - jsd_beta)) * tl.where(ps > 0.0, ps * (log_ratio - jsd_s), 0.0)
     return g
 
 
 @triton.jit
 def jsd_sums(
-    row_ptr, t_row_ptr, V, lse_s2, lse_t2, jsd_beta, logit_scale, softcap, inv_temperature, inv_distill_temp,
-    BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, OWN_TEMP: tl.constexpr,
+    row_ptr, t_row_ptr, V, lse_s2, lse_t2, t_minus_s, jsd_beta, logit_scale, softcap, inv_temperature,
+    inv_distill_temp, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, OWN_TEMP: tl.constexpr,
 ):
-    """Extra pass of the mixture JSD: (JSD, S = KL(p_s || M)); log M needs both final lse's."""
+    """Extra pass of the mixture JSD: (JSD, S = KL(p_s || M)); log M needs both final lse's.
+
+    log(p / M) = -log1p(beta (q / p - 1)) and log(q / M) = log(q / p) + log(p / M), with
+    log2(q / p) = (t2 - s2) - t_minus_s: no log of a tiny mixture, no cancellation when q ~ p.
+    """
     offs = tl.arange(0, BLOCK_V)
     acc_s = tl.zeros([BLOCK_V], tl.float32)
     acc_t = tl.zeros([BLOCK_V], tl.float32)
@@ -338,11 +351,14 @@ def jsd_sums(
         t2 = tl.where(mask, t2, float("-inf"))
         ps = tl.exp2(s2 - lse_s2)
         q = tl.exp2(t2 - lse_t2)
-        log_mix = tl.log2(jsd_beta * q + (1.0 - jsd_beta) * ps)
-        acc_s += tl.where(ps > 0.0, ps * ((s2 - lse_s2) - log_mix), 0.0)
-        acc_t += tl.where(q > 0.0, q * ((t2 - lse_t2) - log_mix), 0.0)
-    kl_s = LN2 * tl.sum(acc_s, axis=0)
-    kl_t = LN2 * tl.sum(acc_t, axis=0)
+        log2_q_over_p = (tl.maximum(t2, NEG_BIG) - tl.maximum(s2, NEG_BIG)) - t_minus_s
+        log_p_over_m = -log1p(jsd_beta * (tl.exp2(log2_q_over_p) - 1.0))
+        acc_s += tl.where(ps > 0.0, ps * log_p_over_m, 0.0)
+        # where p = 0, M = beta q: log(q / M) = -log(beta)
+        log_q_over_m = tl.where(ps > 0.0, LN2 * log2_q_over_p + log_p_over_m, -tl.log(jsd_beta))
+        acc_t += tl.where(q > 0.0, q * log_q_over_m, 0.0)
+    kl_s = tl.sum(acc_s, axis=0)
+    kl_t = tl.sum(acc_t, axis=0)
     return jsd_beta * kl_t + (1.0 - jsd_beta) * kl_s, kl_s
 
 

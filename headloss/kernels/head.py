@@ -135,14 +135,17 @@ def head_forward_kernel(
             # --- 2b. distillation: divergence between student and teacher at T_d
             lse_t2 = mt2 + tl.log2(dt)
             lse_s2 = ms2 + tl.log2(ds)
+            # lse_t2 - lse_s2 from the maxima and the ratio of the sums: no cancellation of two
+            # O(|x|) normalisers when the teacher is close to the student
+            t_minus_s = (mt2 - ms2) + tl.log2(dt / ds)
             if DISTILL_KIND == 0:
-                divergence = LN2 * ((sum_t - sum_ts) / dt - lse_t2 + lse_s2)
+                divergence = LN2 * (sum_ts / dt - t_minus_s)
             elif DISTILL_KIND == 1:
-                divergence = LN2 * (sum_st / ds - lse_s2 + lse_t2)
+                divergence = LN2 * (sum_st / ds + t_minus_s)
             else:
                 divergence, jsd_s = jsd_sums(
-                    row_ptr, t_row_ptr, V, lse_s2, lse_t2, jsd_beta, logit_scale, softcap, inv_temperature,
-                    inv_distill_temp, BLOCK_V, HAS_SOFTCAP, OWN_TEMP,
+                    row_ptr, t_row_ptr, V, lse_s2, lse_t2, t_minus_s, jsd_beta, logit_scale, softcap,
+                    inv_temperature, inv_distill_temp, BLOCK_V, HAS_SOFTCAP, OWN_TEMP,
                 )
             token_loss += w_distill * divergence
             tl.store(dstats_ptr + row * 4, lse_s2)
