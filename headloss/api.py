@@ -19,7 +19,7 @@ from .spec import LossSpec
 Backend = Literal["auto", "triton", "reference"]
 SpecLike = LossSpec | dict[str, Any] | str | Path
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -239,7 +239,7 @@ def check_teacher(logits: torch.Tensor, teacher_logits: Any, spec: LossSpec) -> 
         raise ValueError(f"teacher_logits: on {teacher_logits.device}, logits on {logits.device}")
     if teacher_logits.stride(-1) != 1 and teacher_logits.shape[-1] > 1:
         raise ValueError("teacher_logits: the vocabulary dimension must have stride 1; pass .contiguous()")
-    if logits.is_cuda and teacher_logits.dtype not in _KERNEL_DTYPES:
+    if logits.is_cuda and teacher_logits.dtype not in KERNEL_DTYPES:
         raise TypeError(f"teacher_logits: the kernel takes float32, bfloat16 or float16, got {teacher_logits.dtype}")
 
 
@@ -268,7 +268,7 @@ def resolve_backend(backend: str, logits: torch.Tensor) -> str:
         raise ValueError("backend: 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
     if not on_kernel_device:
         return "reference"
-    if logits.dtype not in _KERNEL_DTYPES:
+    if logits.dtype not in KERNEL_DTYPES:
         if backend == "triton":
             raise TypeError(f"logits: the Triton kernel takes float32, bfloat16 or float16, got {logits.dtype}")
         return "reference"

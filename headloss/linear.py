@@ -27,10 +27,12 @@ import torch
 import torch.nn.functional as F
 
 from .api import (
+    KERNEL_DTYPES,
     Backend,
     SpecLike,
     assemble_output,
     check_inputs,
+    check_teacher,
     denominator,
     resolve_backend,
     target_range_error,
@@ -40,6 +42,7 @@ from .api import (
 from .kernels.head import RowStats, run_backward, run_forward, scale_grad_
 from .output import HeadLossOutput
 from .plan import KernelPlan, compile_plan
+from .policy import policy_inputs
 from .reference import reference_head_loss
 from .spec import LossSpec
 
@@ -58,6 +61,24 @@ it compute-bound. Pass ``chunk_bytes=64 << 20`` where memory matters more than t
 class LinearOptions:
     chunk_rows: int
     fp32_weight_grad: bool
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """Where a chunk's teacher logits come from: given logits [N, V], or teacher hidden states
+    [N, Ht] x teacher weight [V, Ht] (+ bias), computed chunk by chunk like the student's."""
+
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    @property
+    def present(self) -> bool:
+        return self.logits is not None or self.hidden is not None
+
+
+NO_TEACHER = Teacher()
 
 
 @dataclass
@@ -80,6 +101,16 @@ def linear_head_loss(
     *,
     bias: torch.Tensor | None = None,
     shift: bool = False,
+    teacher_logits: torch.Tensor | None = None,
+    teacher_hidden: torch.Tensor | None = None,
+    teacher_weight: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    loss_mask: torch.Tensor | None = None,
+    importance_weights: torch.Tensor | None = None,
+    sequence_ids: torch.Tensor | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     fp32_weight_grad: bool = False,
@@ -103,10 +134,17 @@ def linear_head_loss(
             V x H fp32 buffer); default bf16/fp16 accumulation in the weight's dtype.
         compact: skip ignored rows entirely (gather the others chunk by chunk); costs one host
             sync for their count. ``compact=False, validate=False`` makes the call sync-free.
+        teacher_logits: [N, V] / [B, T, V] teacher logits for the distillation term, or instead
+            teacher_hidden [.., Ht] with teacher_weight [V, Ht] (and teacher_bias): the teacher's
+            logits are then computed chunk by chunk too (and recomputed in a deferred backward).
+        advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, sequence_ids:
+            the policy term's inputs, as in :func:`headloss.head_loss`.
         validate, backend, num_items_in_batch: as in :func:`headloss.head_loss`.
     """
     spec = LossSpec() if spec is None else LossSpec.coerce(spec)
     _check_linear_inputs(hidden, weight, bias, targets, shift)
+    if isinstance(targets, torch.Tensor) and targets.dtype in (torch.int16, torch.int8, torch.uint8):
+        targets = targets.long()  # before the shift: narrow ints cannot hold ignore_index
     if shift:
         targets = F.pad(targets[:, 1:], (0, 1), value=spec.ignore_index)
     token_shape = hidden.shape[:-1]
@@ -118,16 +156,28 @@ def linear_head_loss(
     meta_logits = torch.empty(token_shape + (vocab,), device="meta", dtype=hidden.dtype)
     meta_targets = targets.to("meta") if isinstance(targets, torch.Tensor) else targets
     check_inputs(meta_logits, meta_targets, spec, num_items_in_batch)
-    if targets is not None and targets.dtype not in (torch.int64, torch.int32):
-        targets = targets.long()
+    teacher = _teacher_source(spec, meta_logits, hidden, teacher_logits, teacher_hidden, teacher_weight, teacher_bias)
     validate = validation_default() if validate is None else validate
+    given = dict(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_mask=loss_mask,
+                 importance_weights=importance_weights, sequence_ids=sequence_ids)
+    policy, policy_targets = policy_inputs(
+        spec.policy, token_shape, targets, spec.ignore_index, num_items_in_batch, validate, given
+    )
 
+    if backend == "triton" and hidden.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"hidden: the Triton kernel takes float32, bfloat16 or float16, got {hidden.dtype}")
     if resolve_backend(backend, torch.empty(0, device=hidden.device, dtype=hidden.dtype)) == "reference":
         if validate and targets is not None and bool(targets_out_of_range(targets, vocab, spec.ignore_index)):
             raise target_range_error(targets, vocab, spec.ignore_index)
         logits = F.linear(hidden, weight, bias)
-        return reference_head_loss(logits, targets, spec, num_items_in_batch=num_items_in_batch)
+        if teacher.hidden is not None:
+            teacher_logits = F.linear(teacher_hidden, teacher_weight, teacher_bias)
+        return reference_head_loss(
+            logits, targets, spec, teacher_logits=teacher_logits, num_items_in_batch=num_items_in_batch,
+            **{k: v for k, v in given.items() if v is not None},
+        )
 
+    targets = policy_targets
     h2d = hidden.reshape(rows, width)
     flat_targets = targets.reshape(-1).contiguous() if targets is not None else None
     valid = flat_targets != spec.ignore_index if flat_targets is not None else None
@@ -147,10 +197,41 @@ def linear_head_loss(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
     )
     plan = compile_plan(spec, has_targets=flat_targets is not None, needs_grad=needs_grad)
-    elem = hidden.element_size()
+    # a computed teacher chunk shares the budget with the student's
+    elem = hidden.element_size() * (2 if teacher.hidden is not None else 1)
     options = LinearOptions(chunk_rows_for(chunk_bytes, vocab, elem), fp32_weight_grad)
-    outs = LinearHead.apply(h2d, weight, bias, flat_targets, index, plan, options, grad_scale)
-    return assemble_output(spec, token_shape, outs, n_tokens, valid, flat_targets)
+    outs = LinearHead.apply(h2d, weight, bias, flat_targets, index, teacher, plan, options, grad_scale)
+    return assemble_output(spec, token_shape, outs, n_tokens, valid, flat_targets, policy)
+
+
+def _teacher_source(spec, meta_logits, hidden, logits, t_hidden, t_weight, t_bias) -> Teacher:
+    """Check the teacher inputs and say where its logits come from (errors name the argument)."""
+    if t_hidden is None and (t_weight is not None or t_bias is not None):
+        raise ValueError("teacher_hidden: required with teacher_weight / teacher_bias")
+    if t_hidden is not None:
+        if logits is not None:
+            raise ValueError("teacher_logits: give either teacher_logits or teacher_hidden + teacher_weight, not both")
+        if t_weight is None:
+            raise ValueError("teacher_weight: required with teacher_hidden")
+        if spec.distillation is None:
+            raise ValueError("teacher_hidden: given, but the spec has no distillation term")
+        if tuple(t_hidden.shape[:-1]) != tuple(hidden.shape[:-1]) or t_hidden.device != hidden.device:
+            raise ValueError(f"teacher_hidden: expected {tuple(hidden.shape[:-1])} + (Ht,) on {hidden.device}, "
+                             f"got {tuple(t_hidden.shape)} on {t_hidden.device}")
+        if t_weight.dim() != 2 or t_weight.shape != (meta_logits.shape[-1], t_hidden.shape[-1]):
+            raise ValueError(f"teacher_weight: expected [V, Ht] = {(meta_logits.shape[-1], t_hidden.shape[-1])}, "
+                             f"got {tuple(t_weight.shape)}")
+        if t_weight.dtype != t_hidden.dtype or (t_bias is not None and t_bias.shape != (t_weight.shape[0],)):
+            raise ValueError("teacher_weight: dtype must match teacher_hidden, teacher_bias shape must be [V]")
+        rows = t_hidden.shape[:-1].numel()
+        return Teacher(hidden=t_hidden.detach().reshape(rows, -1), weight=t_weight.detach(),
+                       bias=None if t_bias is None else t_bias.detach())
+    check_teacher(meta_logits, None if logits is None else logits.to("meta"), spec)
+    if logits is None:
+        return NO_TEACHER
+    if logits.device != hidden.device:
+        raise ValueError(f"teacher_logits: on {logits.device}, hidden on {hidden.device}")
+    return Teacher(logits=logits.detach().reshape(-1, logits.shape[-1]))
 
 
 class LinearHeadLoss(torch.nn.Module):
@@ -207,27 +288,28 @@ def _check_linear_inputs(hidden, weight, bias, targets, shift: bool) -> None:
 
 class LinearHead(torch.autograd.Function):
     """apply(hidden [N, H], weight [V, H], bias [V] | None, targets [N] | None, index [M] | None,
-    plan, options, grad_scale) -> (loss, token_loss, lse, ce, entropy, logp, pred) over all N rows.
+    teacher, plan, options, grad_scale) -> (loss, *RowStats.fields()) over all N rows.
 
     ``index`` lists the rows to compute (the non-ignored ones); None means all.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, index, plan: KernelPlan, options: LinearOptions, grad_scale):
+    def forward(ctx, hidden, weight, bias, targets, index, teacher: Teacher, plan: KernelPlan, options: LinearOptions,
+                grad_scale):
         rows = hidden.shape[0]
         computed = rows if index is None else index.numel()
         y = targets if index is None or targets is None else targets.index_select(0, index)
         stats = RowStats.empty(computed, plan, hidden.device)
         wants = ctx.needs_input_grad[:3]
         grads = _new_grads(hidden, weight, bias, wants, options) if plan.flags.FUSED_GRAD else None
-        for start, stop, h_c, y_c, logits in _chunks(hidden, weight, bias, y, index, options):
+        for start, stop, h_c, y_c, t_c, logits in _chunks(hidden, weight, bias, y, index, teacher, options):
             fused = grads is not None
-            run_forward(plan, logits, y_c, None, logits if fused else None, grad_scale, out=stats.rows(start, stop))
+            run_forward(plan, logits, y_c, t_c, logits if fused else None, grad_scale, out=stats.rows(start, stop))
             if fused:
                 _accumulate(grads, logits, h_c, weight, index, start, stop, options)
         full = _scatter_rows(stats, index, rows)
         loss = full.token_loss.clone() if plan.reduction == "none" else (full.token_loss.sum() * grad_scale)[0]
-        ctx.plan, ctx.options, ctx.wants = plan, options, wants
+        ctx.plan, ctx.options, ctx.wants, ctx.teacher = plan, options, wants, teacher
         if grads is not None:
             _finish_grads(grads, weight, bias)
             ctx.save_for_backward(grads.dh, grads.dw, grads.db)
@@ -240,7 +322,7 @@ class LinearHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_loss, d_token_loss, d_lse, _d_ce, d_entropy, d_logp, *_constants):
         plan: KernelPlan = ctx.plan
-        nones = (None,) * 5
+        nones = (None,) * 6
         if plan.flags.FUSED_GRAD:
             if getattr(ctx, "consumed", False):
                 raise RuntimeError(
@@ -268,9 +350,9 @@ class LinearHead(torch.autograd.Function):
 
         d_token, d_logp, d_entropy, d_lse = (compact(t) for t in (d_token, d_logp, d_entropy, d_lse))
         grads = _new_grads(hidden, weight, bias, ctx.wants, ctx.options)
-        for start, stop, h_c, y_c, logits in _chunks(hidden, weight, bias, y, index, ctx.options):
+        for start, stop, h_c, y_c, t_c, logits in _chunks(hidden, weight, bias, y, index, ctx.teacher, ctx.options):
             run_backward(
-                plan, logits, y_c, None, logits, lse[start:stop],
+                plan, logits, y_c, t_c, logits, lse[start:stop],
                 *(_rows(t, start, stop) for t in (entropy, dstats, d_token, d_logp, d_entropy, d_lse)),
             )
             _accumulate(grads, logits, h_c, weight, index, start, stop, ctx.options)
@@ -283,20 +365,36 @@ def _rows(t: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
     return t if t is None or t.numel() == 1 else t[start:stop]
 
 
-def _chunks(hidden, weight, bias, y, index, options: LinearOptions):
-    """Yield (start, stop, h_c, y_c, logits_c) over the computed rows; logits_c reuses one buffer."""
+def _rows_of(t: torch.Tensor, index, start: int, stop: int) -> torch.Tensor:
+    return t[start:stop] if index is None else t.index_select(0, index[start:stop])
+
+
+def _linear_into(out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is None:
+        return torch.mm(h, weight.t(), out=out)
+    return torch.addmm(bias, h, weight.t(), out=out)
+
+
+def _chunks(hidden, weight, bias, y, index, teacher: Teacher, options: LinearOptions):
+    """Yield (start, stop, h_c, y_c, teacher_c, logits_c) over the computed rows; logits_c (and a
+    computed teacher_c) reuse one buffer each."""
     computed = hidden.shape[0] if index is None else index.numel()
     size = min(options.chunk_rows, max(computed, 1))
     buffer = torch.empty(size, weight.shape[0], dtype=hidden.dtype, device=hidden.device)
+    t_buffer = None
+    if teacher.hidden is not None:
+        t_buffer = torch.empty(size, weight.shape[0], dtype=teacher.hidden.dtype, device=hidden.device)
     for start in range(0, computed, size):
         stop = min(start + size, computed)
-        h_c = hidden[start:stop] if index is None else hidden.index_select(0, index[start:stop])
-        logits = buffer[: stop - start]
-        if bias is None:
-            torch.mm(h_c, weight.t(), out=logits)
-        else:
-            torch.addmm(bias, h_c, weight.t(), out=logits)
-        yield start, stop, h_c, (None if y is None else y[start:stop]), logits
+        h_c = _rows_of(hidden, index, start, stop)
+        logits = _linear_into(buffer[: stop - start], h_c, weight, bias)
+        t_c = None
+        if teacher.logits is not None:
+            t_c = _rows_of(teacher.logits, index, start, stop)
+        elif teacher.hidden is not None:
+            th_c = _rows_of(teacher.hidden, index, start, stop)
+            t_c = _linear_into(t_buffer[: stop - start], th_c, teacher.weight, teacher.bias)
+        yield start, stop, h_c, (None if y is None else y[start:stop]), t_c, logits
 
 
 def _new_grads(hidden, weight, bias, wants, options: LinearOptions) -> _Grads:
