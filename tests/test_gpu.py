@@ -248,3 +248,36 @@ def test_grpo_matches_fp64_reference_at_llama3_vocab(loss_type):
         assert torch.allclose(out.metrics[name].double(), value.double(), rtol=1e-4, atol=1e-5), name
     assert r.grad.norm() > 0
     assert _rel(x.grad, r.grad) < 8e-3
+
+
+def test_linear_head_with_teacher_hidden_and_policy_matches_eager():
+    """Fused lm_head with a computed teacher (hidden x weight) and the policy term, bf16, V=128256."""
+    from headloss.linear import linear_head_loss
+
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    b, t, h, v = 4, 256, 1024, 128256
+    hidden = torch.randn(b, t, h, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(v, h, device="cuda", generator=gen) / 16).to(torch.bfloat16).requires_grad_()
+    t_hidden = torch.randn(b, t, h, device="cuda", generator=gen).to(torch.bfloat16)
+    t_weight = (torch.randn(v, h, device="cuda", generator=gen) / 16).to(torch.bfloat16)
+    ids = torch.randint(0, v, (b, t), device="cuda", generator=gen)
+    spec = headloss.LossSpec(
+        cross_entropy={"weight": 0.3}, distillation={"weight": 0.5, "temperature": 2.0},
+        policy={"loss_type": "grpo", "kl_beta": 0.04},
+    )
+    inputs = dict(advantages=torch.randn(b, device="cuda", generator=gen),
+                  old_logprobs=-torch.rand(b, t, device="cuda", generator=gen) * 3 - 9,
+                  ref_logprobs=-torch.rand(b, t, device="cuda", generator=gen) * 3 - 9)
+    out = linear_head_loss(hidden, weight, ids, spec, teacher_hidden=t_hidden, teacher_weight=t_weight,
+                           chunk_bytes=64 << 20, **inputs)
+    out.loss.backward()
+    grads = [hidden.grad, weight.grad]
+    hidden.grad = weight.grad = None
+    ref = headloss.reference_head_loss(
+        torch.nn.functional.linear(hidden.float(), weight.float()), ids, spec,
+        teacher_logits=torch.nn.functional.linear(t_hidden.float(), t_weight.float()), **inputs,
+    )
+    ref.loss.backward()
+    assert abs(out.loss.item() - ref.loss.item()) < 5e-3 * max(1.0, abs(ref.loss.item()))
+    for got, leaf in zip(grads, (hidden, weight)):
+        assert got.norm() > 0 and _rel(got, leaf.grad) < 3e-2
