@@ -230,9 +230,14 @@ def policy_inputs(
     mask = targets != ignore_index
     if "loss_mask" in present:
         mask = mask & present["loss_mask"].bool()
-    flat = lambda t: None if t is None else t.reshape(-1).float()  # noqa: E731
+    flat_mask = mask.reshape(-1)
+
+    def flat(t: torch.Tensor | None) -> torch.Tensor | None:
+        # masked tokens are skipped: whatever they hold (padding NaN, -inf) never reaches the loss
+        return None if t is None else torch.where(flat_mask, t.reshape(-1).float(), 0.0)
+
     inputs = PolicyInputs(
-        advantages=advantages.reshape(-1).float(),
+        advantages=flat(advantages),
         old_logprobs=flat(present.get("old_logprobs")),
         ref_logprobs=flat(present.get("ref_logprobs")),
         importance_weights=flat(present.get("importance_weights")),

@@ -130,9 +130,13 @@ def run_pair(
     inplace_grad: bool = False,
     with_grad: bool = True,
     upstream: float = 1.0,
+    inputs: dict[str, torch.Tensor] | None = None,
 ) -> Pair:
     """Run ``head_loss(view(leaf), backend="triton")`` and ``reference_head_loss`` on
-    ``view(leaf.double())``; backpropagate ``upstream * objective(out)`` through both."""
+    ``view(leaf.double())``; backpropagate ``upstream * objective(out)`` through both.
+    ``inputs``: the terms' per-call inputs (teacher_logits, advantages, ...), upcast for the reference."""
+    inputs = inputs or {}
+    inputs64 = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
     dtype = leaf.dtype
     leaf64 = leaf.detach().double().requires_grad_(with_grad)
     kleaf = leaf.detach().clone().requires_grad_(with_grad)
@@ -143,9 +147,9 @@ def run_pair(
 
     out = head_loss(
         view_in, targets, spec,
-        num_items_in_batch=num_items_in_batch, inplace_grad=inplace_grad, backend="triton",
+        num_items_in_batch=num_items_in_batch, inplace_grad=inplace_grad, backend="triton", **inputs,
     )
-    ref = reference_head_loss(view(leaf64), targets, spec, num_items_in_batch=num_items_in_batch)
+    ref = reference_head_loss(view(leaf64), targets, spec, num_items_in_batch=num_items_in_batch, **inputs64)
     grad = ref_grad = None
     if with_grad:
         (upstream * objective(out)).backward()
