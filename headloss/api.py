@@ -286,7 +286,7 @@ def denominator(
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(n_tokens, grad_scale): non-ignored count and d loss / d token_loss, both on the device."""
-    n_tokens = valid.sum() if valid is not None else torch.tensor(rows, device=device)
+    n_tokens = valid.sum() if valid is not None else torch.full((), rows, dtype=torch.int64, device=device)
     if spec.reduction != "mean":
         return n_tokens, torch.ones(1, dtype=torch.float32, device=device)
     if num_items_in_batch is None:

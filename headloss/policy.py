@@ -66,7 +66,7 @@ def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -
     Depends on the mask and sequence layout only, so it is computed once, without gradient.
     """
     kind = policy.loss_type
-    n_seq = inp.n_seq if isinstance(inp.n_seq, torch.Tensor) else torch.tensor(float(inp.n_seq), device=mask.device)
+    n_seq = inp.n_seq if isinstance(inp.n_seq, torch.Tensor) else torch.full((), float(inp.n_seq), device=mask.device)
     n_seq = n_seq.clamp(min=1).to(mask.dtype)
     if kind in ("grpo", "seq-mean-token-mean"):
         tokens_per_seq = _seq_sum(mask, inp.seq, inp.n_slots).clamp(min=1.0)
@@ -149,14 +149,18 @@ def _metrics(logp, entropy, ratio, adv, kl, mask, policy: Policy, inp: PolicyInp
         frac = per_seq[:2] / per_seq[2].clamp(min=1.0)
         big = torch.finfo(mask.dtype).max
         keep = mask > 0
-        extremes = torch.stack([
-            torch.where(has_tokens, frac[0], big).amin() if inp.n_slots else mask.new_tensor(big),
-            torch.where(has_tokens, frac[1], -big).amax() if inp.n_slots else mask.new_tensor(-big),
-            torch.where(keep, ratio.detach(), big).amin() if ratio.numel() else mask.new_tensor(big),
-            torch.where(keep, ratio.detach(), -big).amax() if ratio.numel() else mask.new_tensor(-big),
-        ])
-        # nothing counted: clipped fractions 0, ratios 1 (never +-inf)
-        extremes = torch.where(count > 0, extremes, mask.new_tensor([0.0, 0.0, 1.0, 1.0]))
+        # no torch.tensor(python values) here: a host-to-device copy would sync the stream
+        defaults = (torch.arange(4, device=mask.device) >= 2).to(mask.dtype)  # clipped 0, ratios 1
+        if inp.n_slots and ratio.numel():
+            extremes = torch.stack([
+                torch.where(has_tokens, frac[0], big).amin(),
+                torch.where(has_tokens, frac[1], -big).amax(),
+                torch.where(keep, ratio.detach(), big).amin(),
+                torch.where(keep, ratio.detach(), -big).amax(),
+            ])
+            extremes = torch.where(count > 0, extremes, defaults)  # nothing counted: never +-inf
+        else:
+            extremes = defaults
         means[2] = torch.where(count > 0, means[2], 1.0)
     out = dict(zip(names, means.float().unbind()))
     out.update(zip(["clip_ratio/low_min", "clip_ratio/high_max", "ratio/min", "ratio/max"], extremes.float().unbind()))

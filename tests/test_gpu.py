@@ -135,15 +135,25 @@ def test_unrequested_outputs_are_compiled_out():
     assert len(ce_only) < len(full)
 
 
-def test_hot_path_has_no_host_sync_when_validation_is_off():
+@pytest.mark.parametrize("case", ["full", "distill", "grpo"])
+def test_hot_path_has_no_host_sync_when_validation_is_off(case):
     logits, targets = _batch(128, 32000, torch.bfloat16, seed=6)
+    spec, inputs = FULL, {}
+    if case == "distill":
+        spec = headloss.LossSpec(distillation={"divergence": "jsd", "temperature": 2.0})
+        inputs = {"teacher_logits": logits.flip(-1).contiguous()}
+    if case == "grpo":
+        spec = headloss.LossSpec(cross_entropy=None, policy={"loss_type": "grpo", "kl_beta": 0.04})
+        logits, targets = logits.view(4, 32, -1), targets.clamp(min=0).view(4, 32)
+        inputs = dict(advantages=torch.randn(4, device="cuda"), old_logprobs=torch.full((4, 32), -10.0, device="cuda"),
+                      ref_logprobs=torch.full((4, 32), -10.0, device="cuda"))
     x = logits.clone().requires_grad_()
-    headloss.head_loss(x, targets, FULL, validate=False).loss.backward()  # compile first
+    headloss.head_loss(x, targets, spec, validate=False, **inputs).loss.backward()  # compile first
     x.grad = None
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = headloss.head_loss(x, targets, FULL, validate=False)
+        out = headloss.head_loss(x, targets, spec, validate=False, **inputs)
         out.loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
