@@ -135,10 +135,8 @@ def make_batch(rows: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torc
     return logits, targets
 
 
-def run_case(
-    rows_out: list[Row], case: str, n: int, vocab: int, names: list[str] | None, cfg: dict, with_compile: bool
-) -> None:
-    pristine, targets = make_batch(n, vocab)
+def restorable_leaf(pristine: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A leaf to run steps on, and the setup that restores it (in-place gradients destroy it)."""
     x = torch.empty_like(pristine).requires_grad_()
 
     def setup():
@@ -146,6 +144,14 @@ def run_case(
         with torch.no_grad():
             x.copy_(pristine)
 
+    return x, setup
+
+
+def run_case(
+    rows_out: list[Row], case: str, n: int, vocab: int, names: list[str] | None, cfg: dict, with_compile: bool
+) -> None:
+    pristine, targets = make_batch(n, vocab)
+    x, setup = restorable_leaf(pristine)
     compile_cache: dict = {}
     for name, fn in providers(case, compile_cache, with_compile).items():
         if names and name not in names:
@@ -157,12 +163,7 @@ def run_case(
 def tune(rows_out: list[Row], n: int, vocab: int) -> None:
     """Sweep the launch configuration of the full case."""
     pristine, targets = make_batch(n, vocab)
-    x = torch.empty_like(pristine).requires_grad_()
-
-    def setup():
-        x.grad = None
-        with torch.no_grad():
-            x.copy_(pristine)
+    x, setup = restorable_leaf(pristine)
 
     def step():
         headloss.head_loss(x, targets, FULL_SPEC, inplace_grad=True).loss.backward()
