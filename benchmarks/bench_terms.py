@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import headloss
-from benchmarks.bench_head import chunked_entropy
+from benchmarks.bench_head import chunked_entropy, restorable_leaf
 from benchmarks.common import Row, copy_bandwidth_gbs, measure, out_dir_default, write_rows
 
 V = 128256
@@ -71,13 +71,7 @@ def distill_case(rows: list[Row], n: int, cfg: dict, names) -> None:
     teacher = torch.randn(n, V, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
     y = torch.randint(0, V, (n,), device="cuda", generator=gen)
     y[torch.rand(n, device="cuda", generator=gen) < 0.05] = -100
-    x = torch.empty_like(pristine).requires_grad_()
-
-    def setup():
-        x.grad = None
-        with torch.no_grad():
-            x.copy_(pristine)
-
+    x, setup = restorable_leaf(pristine)
     compiled = torch.compile(torch_distill)
     table = {
         "torch-eager": lambda: torch_distill(x, teacher, y).backward(),
