@@ -15,7 +15,6 @@ Writes $OUT (or ./results)/bench_terms.{json,csv,png}; prints a table with the r
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.nn.functional as F
@@ -129,9 +128,6 @@ def grpo_case(rows: list[Row], batch: int, length: int, cfg: dict, names) -> Non
         "headloss": lambda: headloss.head_loss(
             x, ids, GRPO_SPEC, advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask,
             num_items_in_batch=n_items, inplace_grad=True).loss.backward(),
-        "headloss (eager objective)": lambda: _eager_objective(lambda: headloss.head_loss(
-            x, ids, GRPO_SPEC, advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask,
-            num_items_in_batch=n_items, inplace_grad=True).loss.backward()),
     }
     try:
         from liger_kernel.transformers.grpo_loss import triton_grpo_loss
@@ -156,14 +152,6 @@ def grpo_case(rows: list[Row], batch: int, length: int, cfg: dict, names) -> Non
             measure(rows, "grpo", name, "N", batch * length, step, setup,
                     config={**cfg, "B": batch, "T": length, "V": V})
             torch.cuda.empty_cache()
-
-
-def _eager_objective(step):
-    os.environ["HEADLOSS_COMPILE_POLICY"] = "0"
-    try:
-        step()
-    finally:
-        os.environ.pop("HEADLOSS_COMPILE_POLICY")
 
 
 def floor_ms(case: str, n: int, copy_gbs: float) -> float:

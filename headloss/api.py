@@ -12,7 +12,7 @@ from .autograd import DeferredHead, ExecOptions, FusedHead
 from .kernels.head import RowStats
 from .output import HeadLossOutput
 from .plan import compile_plan
-from .policy import PolicyInputs, policy_inputs, run_policy_objective
+from .policy import PolicyInputs, policy_inputs, policy_objective
 from .reference import reference_head_loss
 from .spec import LossSpec
 
@@ -335,9 +335,7 @@ def assemble_output(
     stats = RowStats(*fields)
     policy_metrics: dict[str, torch.Tensor] = {}
     if policy is not None:
-        policy_loss, policy_metrics = run_policy_objective(
-            stats.logp, stats.entropy, policy.mask, spec.policy, policy
-        )
+        policy_loss, policy_metrics = policy_objective(stats.logp, stats.entropy, policy.mask, spec.policy, policy)
         loss = loss + policy_loss
     metrics = _metrics(spec, loss, n_tokens, valid, flat_targets, stats)
     metrics.update(policy_metrics)

@@ -22,8 +22,6 @@ counts.
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -256,26 +254,3 @@ def policy_inputs(
     inputs.mask = mask.reshape(-1).float()
     inputs.weight = aggregation_weights(inputs.mask, spec_policy, inputs)
     return inputs, torch.where(mask, targets, ignore_index)
-
-
-@functools.cache
-def _compiled_objective():
-    return torch.compile(policy_objective, dynamic=True)
-
-
-def run_policy_objective(
-    logp: torch.Tensor,
-    entropy: torch.Tensor | None,
-    mask: torch.Tensor,
-    policy: Policy,
-    inp: PolicyInputs,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """:func:`policy_objective`, through torch.compile on CUDA.
-
-    Eager, the objective and its metrics are ~60 small launches whose host time exceeds the
-    kernels' at 8K tokens; compiled they are a handful. HEADLOSS_COMPILE_POLICY=0 runs eager
-    (the CPU path always does). The first call per configuration pays the compile.
-    """
-    if logp.is_cuda and os.environ.get("HEADLOSS_COMPILE_POLICY", "1") != "0":
-        return _compiled_objective()(logp, entropy, mask, policy, inp)
-    return policy_objective(logp, entropy, mask, policy, inp)
