@@ -12,7 +12,7 @@ A plan has two halves:
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from .spec import LossSpec
@@ -38,8 +38,9 @@ class KernelFlags:
     DISTILL_KIND: int  # 0 forward KL, 1 reverse KL, 2 mixture JSD (an extra pass)
     OWN_TEMP: bool  # distillation temperature != 1: the student's softmax at T_d is its own
 
-    def as_kwargs(self) -> dict[str, bool]:
-        return asdict(self)
+    def as_kwargs(self) -> dict[str, bool | int]:
+        """The flags as kernel keyword arguments (a fresh dict; built per launch, kept cheap)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,11 @@ class KernelScalars:
     w_distill: float  # weight (x T**2 when scaled)
     inv_distill_temp: float
     jsd_beta: float
+
+
+    def as_args(self) -> tuple:
+        """The scalars in the kernels' argument order (the dataclass is declared in that order)."""
+        return tuple(getattr(self, f.name) for f in fields(self))
 
 
 @dataclass(frozen=True)

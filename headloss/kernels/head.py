@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -400,11 +400,6 @@ def row_geometry(logits: torch.Tensor) -> tuple[int, int, int, int]:
     return batch * seq, max(seq, 1), logits.stride(0), logits.stride(1)
 
 
-def _scalar_args(plan: KernelPlan) -> tuple:
-    """KernelScalars in the kernels' argument order (the dataclass is declared in that order)."""
-    return astuple(plan.scalars)
-
-
 def _teacher_args(teacher: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
     if teacher is None:
         return placeholder, 0, 0
@@ -444,7 +439,7 @@ def run_forward(
         teacher, opt(stats.dstats), opt(stats.t_entropy), opt(stats.t_pred),
         vocab, seq,
         stride_b, stride_t, grad_stride_b, grad_stride_t, t_stride_b, t_stride_t,
-        *_scalar_args(plan),
+        *plan.scalars.as_args(),
         BLOCK_V=cfg.block_v,
         num_warps=cfg.num_warps,
         **{**flags.as_kwargs(), "FUSED_GRAD": fused},
@@ -483,7 +478,7 @@ def run_backward(
         vocab, seq,
         stride_b, stride_t, grad_stride_b, grad_stride_t, t_stride_b, t_stride_t,
         0 if d_token.numel() == 1 else 1,
-        *_scalar_args(plan),
+        *plan.scalars.as_args(),
         BLOCK_V=cfg.block_v,
         HAS_TEACHER=flags.HAS_TEACHER,
         DISTILL_KIND=flags.DISTILL_KIND,
