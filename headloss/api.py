@@ -12,7 +12,7 @@ from .autograd import DeferredHead, ExecOptions, FusedHead
 from .kernels.head import RowStats
 from .output import HeadLossOutput
 from .plan import compile_plan
-from .policy import PolicyInputs, policy_inputs, policy_objective
+from .policy import PolicyInputs, policy_inputs, policy_metrics_of, policy_objective
 from .reference import reference_head_loss
 from .spec import LossSpec
 
@@ -308,7 +308,11 @@ def _triton_head_loss(
     options: ExecOptions,
 ) -> HeadLossOutput:
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
-    plan = compile_plan(spec, has_targets=targets is not None, needs_grad=needs_grad)
+    plan = compile_plan(
+        spec, has_targets=targets is not None, needs_grad=needs_grad,
+        has_old_logprobs=policy is not None and policy.old_logprobs is not None,
+        has_importance_weights=policy is not None and policy.importance_weights is not None,
+    )
     token_shape = logits.shape[:-1]
     # the kernel reads targets as a dense int vector (a strided view such as labels[::2] is not)
     flat_targets = targets.reshape(-1).contiguous() if targets is not None else None
@@ -316,7 +320,7 @@ def _triton_head_loss(
     n_tokens, grad_scale = denominator(spec, valid, token_shape.numel(), num_items_in_batch, logits.device)
 
     fn = DeferredHead if plan.mode == "deferred" else FusedHead
-    outs = fn.apply(logits, flat_targets, teacher_logits, plan, options, grad_scale)
+    outs = fn.apply(logits, flat_targets, teacher_logits, policy, plan, options, grad_scale)
     return assemble_output(spec, token_shape, outs, n_tokens, valid, flat_targets, policy)
 
 
@@ -334,7 +338,11 @@ def assemble_output(
     loss, *fields = outs
     stats = RowStats(*fields)
     policy_metrics: dict[str, torch.Tensor] = {}
-    if policy is not None:
+    if policy is not None and stats.policy_loss is not None:  # token level: computed by the kernel
+        policy_metrics = policy_metrics_of(
+            stats.logp, stats.entropy, stats.ratio, policy.advantages, stats.kl, policy.mask, spec.policy, policy
+        )
+    elif policy is not None:  # sequence level: on the deferred mode's differentiable log-probs
         policy_loss, policy_metrics = policy_objective(stats.logp, stats.entropy, policy.mask, spec.policy, policy)
         loss = loss + policy_loss
     metrics = _metrics(spec, loss, n_tokens, valid, flat_targets, stats)

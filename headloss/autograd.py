@@ -1,6 +1,6 @@
 """autograd Functions around the head kernels: fused and deferred modes.
 
-Both take the same things: ``apply(logits, targets, teacher, plan, options, grad_scale)`` and return
+Both take the same things: ``apply(logits, targets, teacher, policy, plan, options, grad_scale)`` and return
 ``(loss, *RowStats.fields())`` (None where not computed).
 
 * fused     the gradient is written in forward (one launch); backward only scales it by
@@ -27,10 +27,13 @@ class ExecOptions:
     inplace_grad: bool = False  # write d loss / d logits over the logits (saves N*V memory)
 
 
-def _reduce(token_loss: torch.Tensor, grad_scale: torch.Tensor, reduction: str) -> torch.Tensor:
+def _reduce(stats, grad_scale: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "none":
-        return token_loss.clone()
-    return (token_loss.sum() * grad_scale).reshape(())
+        return stats.token_loss.clone()
+    loss = (stats.token_loss.sum() * grad_scale).reshape(())
+    if stats.policy_loss is not None:  # already weighted by its aggregation
+        loss = loss + stats.policy_loss.sum()
+    return loss
 
 
 def _grad_buffer(logits: torch.Tensor, options: ExecOptions) -> torch.Tensor:
@@ -41,10 +44,10 @@ def _grad_buffer(logits: torch.Tensor, options: ExecOptions) -> torch.Tensor:
 
 class FusedHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, teacher, plan: KernelPlan, options: ExecOptions, grad_scale):
+    def forward(ctx, logits, targets, teacher, policy, plan: KernelPlan, options: ExecOptions, grad_scale):
         grad = _grad_buffer(logits, options) if ctx.needs_input_grad[0] else None
-        stats = run_forward(plan, logits.detach(), targets, teacher, grad, grad_scale)
-        loss = _reduce(stats.token_loss, grad_scale, plan.reduction)
+        stats = run_forward(plan, logits.detach(), targets, teacher, grad, grad_scale, policy=policy)
+        loss = _reduce(stats, grad_scale, plan.reduction)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(*[t for t in stats.fields() if t is not None])
         return (loss, *stats.fields())
@@ -52,7 +55,7 @@ class FusedHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_loss, *unused):
         (grad,) = ctx.saved_tensors
-        nones = (None,) * 5
+        nones = (None,) * 6
         if grad is None:
             return None, *nones
         if getattr(ctx, "consumed", False):
@@ -68,9 +71,9 @@ class FusedHead(torch.autograd.Function):
 
 class DeferredHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, teacher, plan: KernelPlan, options: ExecOptions, grad_scale):
-        stats = run_forward(plan, logits.detach(), targets, teacher, None, grad_scale)
-        loss = _reduce(stats.token_loss, grad_scale, plan.reduction)
+    def forward(ctx, logits, targets, teacher, policy, plan: KernelPlan, options: ExecOptions, grad_scale):
+        stats = run_forward(plan, logits.detach(), targets, teacher, None, grad_scale, policy=policy)
+        loss = _reduce(stats, grad_scale, plan.reduction)
         ctx.plan, ctx.options = plan, options
         ctx.save_for_backward(logits.detach(), targets, teacher, stats.lse, stats.entropy, stats.dstats, grad_scale)
         ctx.mark_non_differentiable(*stats.constants())
@@ -92,4 +95,4 @@ class DeferredHead(torch.autograd.Function):
             d_token.contiguous(),
             *(t.float().reshape(-1).contiguous() if t is not None else None for t in (d_logp, d_entropy, d_lse)),
         )
-        return grad, *(None,) * 5
+        return grad, *(None,) * 6

@@ -42,7 +42,7 @@ from .api import (
 from .kernels.head import RowStats, run_backward, run_forward, scale_grad_
 from .output import HeadLossOutput
 from .plan import KernelPlan, compile_plan
-from .policy import policy_inputs
+from .policy import PolicyRows, policy_inputs
 from .reference import reference_head_loss
 from .spec import LossSpec
 
@@ -196,11 +196,15 @@ def linear_head_loss(
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
     )
-    plan = compile_plan(spec, has_targets=flat_targets is not None, needs_grad=needs_grad)
+    plan = compile_plan(
+        spec, has_targets=flat_targets is not None, needs_grad=needs_grad,
+        has_old_logprobs=policy is not None and policy.old_logprobs is not None,
+        has_importance_weights=policy is not None and policy.importance_weights is not None,
+    )
     # a computed teacher chunk shares the budget with the student's
     elem = hidden.element_size() * (2 if teacher.hidden is not None else 1)
     options = LinearOptions(chunk_rows_for(chunk_bytes, vocab, elem), fp32_weight_grad)
-    outs = LinearHead.apply(h2d, weight, bias, flat_targets, index, teacher, plan, options, grad_scale)
+    outs = LinearHead.apply(h2d, weight, bias, flat_targets, index, teacher, policy, plan, options, grad_scale)
     return assemble_output(spec, token_shape, outs, n_tokens, valid, flat_targets, policy)
 
 
@@ -294,8 +298,8 @@ class LinearHead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, index, teacher: Teacher, plan: KernelPlan, options: LinearOptions,
-                grad_scale):
+    def forward(ctx, hidden, weight, bias, targets, index, teacher: Teacher, policy, plan: KernelPlan,
+                options: LinearOptions, grad_scale):
         rows = hidden.shape[0]
         computed = rows if index is None else index.numel()
         y = targets if index is None or targets is None else targets.index_select(0, index)
@@ -304,11 +308,17 @@ class LinearHead(torch.autograd.Function):
         grads = _new_grads(hidden, weight, bias, wants, options) if plan.flags.FUSED_GRAD else None
         for start, stop, h_c, y_c, t_c, logits in _chunks(hidden, weight, bias, y, index, teacher, options):
             fused = grads is not None
-            run_forward(plan, logits, y_c, t_c, logits if fused else None, grad_scale, out=stats.rows(start, stop))
+            rows_c = None
+            if plan.flags.HAS_POLICY:
+                rows_c = PolicyRows.select(policy, lambda t, a=start, b=stop: _rows_of(t, index, a, b))
+            run_forward(plan, logits, y_c, t_c, logits if fused else None, grad_scale, out=stats.rows(start, stop),
+                        policy=rows_c)
             if fused:
                 _accumulate(grads, logits, h_c, weight, index, start, stop, options)
         full = _scatter_rows(stats, index, rows)
         loss = full.token_loss.clone() if plan.reduction == "none" else (full.token_loss.sum() * grad_scale)[0]
+        if full.policy_loss is not None:  # already weighted by its aggregation
+            loss = loss + full.policy_loss.sum()
         ctx.plan, ctx.options, ctx.wants, ctx.teacher = plan, options, wants, teacher
         if grads is not None:
             _finish_grads(grads, weight, bias)
@@ -322,7 +332,7 @@ class LinearHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_loss, d_token_loss, d_lse, _d_ce, d_entropy, d_logp, *_constants):
         plan: KernelPlan = ctx.plan
-        nones = (None,) * 6
+        nones = (None,) * 7
         if plan.flags.FUSED_GRAD:
             if getattr(ctx, "consumed", False):
                 raise RuntimeError(

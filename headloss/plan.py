@@ -34,6 +34,11 @@ class KernelFlags:
     STORE_LOGP: bool  # per-row log p(target)
     HAS_SOFTCAP: bool  # c * tanh(u / c) in the transform
     FUSED_GRAD: bool  # gradient pass in the forward launch (fused mode)
+    HAS_POLICY: bool  # token-level policy objective in the epilogue (fused with the other terms)
+    HAS_OLD: bool  # old_logprobs given (else on-policy: ratio 1 with gradient)
+    HAS_IW: bool  # rollout importance weights given
+    KL_EST: int  # policy KL penalty: 0 none, 1 k1, 2 k2, 3 k3
+    KL_IS_CORR: bool  # KL times the importance ratio
     HAS_TEACHER: bool  # distillation: teacher logits are read in both passes
     DISTILL_KIND: int  # 0 forward KL, 1 reverse KL, 2 mixture JSD (an extra pass)
     OWN_TEMP: bool  # distillation temperature != 1: the student's softmax at T_d is its own
@@ -58,6 +63,12 @@ class KernelScalars:
     w_distill: float  # weight (x T**2 when scaled)
     inv_distill_temp: float
     jsd_beta: float
+    eps_low: float
+    eps_high: float
+    pol_delta: float  # inf when off
+    dual_c: float  # inf when off
+    kl_beta: float
+    entropy_coef: float
 
 
     def as_args(self) -> tuple:
@@ -91,7 +102,14 @@ class KernelPlan:
 
 
 @functools.lru_cache(maxsize=256)
-def compile_plan(spec: LossSpec, *, has_targets: bool = True, needs_grad: bool = True) -> KernelPlan:
+def compile_plan(
+    spec: LossSpec,
+    *,
+    has_targets: bool = True,
+    needs_grad: bool = True,
+    has_old_logprobs: bool = False,
+    has_importance_weights: bool = False,
+) -> KernelPlan:
     """Map a spec to a kernel plan. Cached: the same spec and inputs give the same plan object."""
     ce, z, ent, dist, pol = spec.cross_entropy, spec.z_loss, spec.entropy, spec.distillation, spec.policy
     if spec.needs_targets and not has_targets:
@@ -107,9 +125,12 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True, needs_grad: bool =
         ]
         raise ValueError(f"targets: required by {', '.join(wanted)} but not given")
 
-    # the policy term is a function of the per-token log-probs, whose upstream gradient only
-    # exists after the O(tokens) objective runs: deferred mode
-    deferred = spec.reduction == "none" or spec.differentiable_outputs or pol is not None
+    # a token-level policy objective is row-local: the kernel's epilogue computes it (fused mode).
+    # Sequence-level ratios need other rows: the objective runs in torch on the deferred mode's
+    # per-token log-probs, whose gradient the backward kernel turns into the logits' gradient
+    sequence_policy = pol is not None and pol.importance_sampling == "sequence"
+    deferred = spec.reduction == "none" or spec.differentiable_outputs or sequence_policy
+    fused_policy = pol is not None and not deferred
     wants_entropy = ent is not None or "entropy" in spec.outputs or pol is not None
     entropy_grad = wants_entropy and (
         (ent is not None and ent.weight != 0.0)
@@ -128,6 +149,11 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True, needs_grad: bool =
         STORE_LOGP=has_targets and (ce is not None or "logprobs" in spec.outputs or pol is not None),
         HAS_SOFTCAP=spec.transform.softcap is not None,
         FUSED_GRAD=needs_grad and not deferred,
+        HAS_POLICY=fused_policy,
+        HAS_OLD=fused_policy and has_old_logprobs,
+        HAS_IW=fused_policy and has_importance_weights,
+        KL_EST=("k1", "k2", "k3").index(pol.kl_estimator) + 1 if fused_policy and pol.kl_beta != 0.0 else 0,
+        KL_IS_CORR=fused_policy and pol.kl_importance_correction,
         HAS_TEACHER=dist is not None,
         DISTILL_KIND=dist.kind if dist is not None else 0,
         OWN_TEMP=dist is not None and dist.temperature != 1.0,
@@ -146,6 +172,12 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True, needs_grad: bool =
         if dist is not None else 0.0,
         inv_distill_temp=1.0 / dist.temperature if dist is not None else 1.0,
         jsd_beta=dist.beta if dist is not None else 0.0,
+        eps_low=pol.eps_low if pol is not None else 0.0,
+        eps_high=pol.eps_high if pol is not None else 0.0,
+        pol_delta=pol.delta if pol is not None and pol.delta is not None else float("inf"),
+        dual_c=pol.dual_clip_c if pol is not None and pol.dual_clip_c is not None else float("inf"),
+        kl_beta=pol.kl_beta if pol is not None else 0.0,
+        entropy_coef=pol.entropy_coef if pol is not None else 0.0,
     )
     requires = ("logits", "targets") if spec.needs_targets else ("logits",)
     if dist is not None:

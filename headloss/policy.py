@@ -28,6 +28,9 @@ import torch
 
 from .spec import Policy
 
+POLICY_ROW_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "importance_weights", "weight")
+"""The per-row tensors the kernel's policy epilogue reads, in its argument order."""
+
 
 @dataclass
 class PolicyInputs:
@@ -44,6 +47,21 @@ class PolicyInputs:
     num_items_in_batch: float | torch.Tensor | None
     mask: torch.Tensor | None = None  # (N,) fp32, 1 where a token counts
     weight: torch.Tensor | None = None  # (N,) fp32 aggregation weight (aggregation_weights)
+
+
+@dataclass
+class PolicyRows:
+    """The kernel's per-row policy inputs for a subset of rows (a chunk of the fused lm_head)."""
+
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    advantages: torch.Tensor | None
+    importance_weights: torch.Tensor | None
+    weight: torch.Tensor | None
+
+    @classmethod
+    def select(cls, inp: PolicyInputs, pick) -> PolicyRows:
+        return cls(*(None if getattr(inp, f) is None else pick(getattr(inp, f)) for f in POLICY_ROW_FIELDS))
 
 
 def _seq_sum(values: torch.Tensor, seq: torch.Tensor, n_seq: int) -> torch.Tensor:
@@ -121,10 +139,12 @@ def policy_objective(
     loss = (per_token * weight).sum()
     if policy.entropy_coef != 0.0:
         loss = loss - policy.entropy_coef * (entropy * weight).sum()
-    return loss, _metrics(logp, entropy, ratio, adv, kl, mask, policy, inp)
+    return loss, policy_metrics_of(logp, entropy, ratio, adv, kl, mask, policy, inp)
 
 
-def _metrics(logp, entropy, ratio, adv, kl, mask, policy: Policy, inp: PolicyInputs) -> dict[str, torch.Tensor]:
+def policy_metrics_of(
+    logp, entropy, ratio, adv, kl, mask, policy: Policy, inp: PolicyInputs
+) -> dict[str, torch.Tensor]:
     """TRL / verl metric names: means over masked tokens; clip_ratio/low_min and high_max over
     sequences (of each sequence's clipped fraction); ratio/min and max over masked tokens."""
     with torch.no_grad():

@@ -18,6 +18,7 @@ from headloss.kernels import head
 HOPPER = GPUTarget("cuda", 90, 32)
 INT_ARGS = ("V", "T", "ignore_index", "d_token_stride")
 NO_TEACHER = dict(HAS_TEACHER=False, DISTILL_KIND=0, OWN_TEMP=False)
+NO_POLICY = dict(HAS_POLICY=False, HAS_OLD=False, HAS_IW=False, KL_EST=0, KL_IS_CORR=False)
 
 
 def _signature(fn, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
@@ -41,10 +42,11 @@ def _compile(fn, pointers: dict[str, str], constexprs: dict) -> str:
 
 FORWARD_FLAGS = dict(
     HAS_TARGETS=True, HAS_CE=True, HAS_SMOOTHING=True, HAS_Z=True, HAS_ENTROPY=True,
-    HAS_ENTROPY_GRAD=True, HAS_ARGMAX=True, STORE_LOGP=True, HAS_SOFTCAP=True, FUSED_GRAD=True, **NO_TEACHER,
+    HAS_ENTROPY_GRAD=True, HAS_ARGMAX=True, STORE_LOGP=True, HAS_SOFTCAP=True, FUSED_GRAD=True,
+    **NO_TEACHER, **NO_POLICY,
 )
 CE_ONLY = {name: name in ("HAS_TARGETS", "HAS_CE", "STORE_LOGP", "FUSED_GRAD") for name in FORWARD_FLAGS}
-CE_ONLY["DISTILL_KIND"] = 0
+CE_ONLY.update(DISTILL_KIND=0, KL_EST=0)
 
 
 def _forward_ptx(flags: dict, dtype: str = "bf16") -> str:
@@ -52,6 +54,8 @@ def _forward_ptx(flags: dict, dtype: str = "bf16") -> str:
         logits_ptr=dtype, targets_ptr="i64", grad_ptr=dtype, grad_scale_ptr="fp32", token_loss_ptr="fp32",
         lse_ptr="fp32", ce_ptr="fp32", entropy_ptr="fp32", logp_ptr="fp32", pred_ptr="i64",
         teacher_ptr=dtype, dstats_ptr="fp32", t_entropy_ptr="fp32", t_pred_ptr="i64",
+        old_ptr="fp32", ref_ptr="fp32", adv_ptr="fp32", iw_ptr="fp32", pw_ptr="fp32", pol_loss_ptr="fp32",
+        ratio_ptr="fp32", kl_ptr="fp32",
     )
     return _compile(head.head_forward_kernel, pointers, dict(flags, BLOCK_V=2048))
 
@@ -83,6 +87,9 @@ def variants() -> dict[str, str]:
             )
             for k, kind in enumerate(("forward_kl", "reverse_kl", "jsd"))
         },
+        "forward-policy": _forward_ptx(
+            dict(FORWARD_FLAGS, HAS_POLICY=True, HAS_OLD=True, HAS_IW=True, KL_EST=3, KL_IS_CORR=True)
+        ),
         "backward-all": _compile(head.head_backward_kernel, BACKWARD_POINTERS, BACKWARD_FLAGS),
         "scale": _compile(head.scale_grad_kernel, dict(grad_ptr="bf16", scale_ptr="fp32"), dict(BLOCK_V=2048)),
     }

@@ -30,7 +30,7 @@ def ptx() -> dict[str, str]:
 
 @pytest.mark.parametrize("name", ["forward-all-bf16", "forward-all-fp16", "forward-all-fp32",
                                   "forward-no-targets-no-grad", "forward-ce-only", "forward-distill-forward_kl",
-                                  "forward-distill-reverse_kl", "forward-distill-jsd"])
+                                  "forward-distill-reverse_kl", "forward-distill-jsd", "forward-policy"])
 def test_forward_kernel_variant_compiles(ptx, name):
     assert ".entry head_forward_kernel" in ptx[name]
 

@@ -74,6 +74,7 @@ def test_cross_entropy_only_plan_computes_nothing_else():
     assert plan.flags == KernelFlags(
         HAS_TARGETS=True, HAS_CE=True, HAS_SMOOTHING=False, HAS_Z=False, HAS_ENTROPY=False,
         HAS_ENTROPY_GRAD=False, HAS_ARGMAX=False, STORE_LOGP=True, HAS_SOFTCAP=False, FUSED_GRAD=True,
+        HAS_POLICY=False, HAS_OLD=False, HAS_IW=False, KL_EST=0, KL_IS_CORR=False,
         HAS_TEACHER=False, DISTILL_KIND=0, OWN_TEMP=False,
     )
     assert plan.mode == "fused" and plan.reduction == "mean"
@@ -161,8 +162,8 @@ def test_smoothing_flag_only_for_positive_smoothing():
 
 def test_flags_are_the_forward_kernel_constexpr_arguments():
     kwargs = compile_plan(RICH).flags.as_kwargs()
-    assert all(isinstance(value, bool) for name, value in kwargs.items() if name != "DISTILL_KIND")
-    assert kwargs["DISTILL_KIND"] in (0, 1, 2)
+    assert all(isinstance(value, bool) for name, value in kwargs.items() if name not in ("DISTILL_KIND", "KL_EST"))
+    assert kwargs["DISTILL_KIND"] in (0, 1, 2) and kwargs["KL_EST"] in (0, 1, 2, 3)
     params = inspect.signature(head_forward_kernel.fn).parameters
     constexprs = {name for name, p in params.items() if "constexpr" in str(p.annotation)}
     assert constexprs == set(kwargs) | {"BLOCK_V"}

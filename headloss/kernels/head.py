@@ -24,7 +24,9 @@ import triton
 import triton.language as tl
 
 from ..plan import KernelPlan
+from ..policy import POLICY_ROW_FIELDS
 from .blocks import LN2, gradient_pass, jsd_sums, online_stats, row_coefficients, target_logit, zero_row
+from .policy import policy_token
 
 
 @triton.jit
@@ -44,6 +46,14 @@ def head_forward_kernel(
     dstats_ptr,  # (N, 4) fp32: lse_s2, lse_t2, divergence, jsd_s (base-2 lse's), HAS_TEACHER
     t_entropy_ptr,  # (N,) fp32 teacher entropy at T_d, HAS_TEACHER
     t_pred_ptr,  # (N,) int64 teacher argmax, HAS_TEACHER
+    old_ptr,  # (N,) fp32 rollout log-probs, HAS_OLD
+    ref_ptr,  # (N,) fp32 reference log-probs, KL_EST > 0
+    adv_ptr,  # (N,) fp32 advantages, HAS_POLICY
+    iw_ptr,  # (N,) fp32 rollout importance weights, HAS_IW
+    pw_ptr,  # (N,) fp32 policy aggregation weights (0 at masked rows), HAS_POLICY
+    pol_loss_ptr,  # (N,) fp32 w * per-token policy loss, HAS_POLICY
+    ratio_ptr,  # (N,) fp32 importance ratio, HAS_POLICY
+    kl_ptr,  # (N,) fp32 per-token KL estimate, KL_EST > 0
     # sizes
     V,
     T,
@@ -66,8 +76,19 @@ def head_forward_kernel(
     w_distill,
     inv_distill_temp,
     jsd_beta,
+    eps_low,
+    eps_high,
+    pol_delta,
+    dual_c,
+    kl_beta,
+    entropy_coef,
     # meta
     BLOCK_V: tl.constexpr,
+    HAS_POLICY: tl.constexpr,
+    HAS_OLD: tl.constexpr,
+    HAS_IW: tl.constexpr,
+    KL_EST: tl.constexpr,
+    KL_IS_CORR: tl.constexpr,
     HAS_TEACHER: tl.constexpr,
     DISTILL_KIND: tl.constexpr,
     OWN_TEMP: tl.constexpr,
@@ -156,12 +177,40 @@ def head_forward_kernel(
             tl.store(t_pred_ptr + row, t_arg.to(tl.int64))
         tl.store(lse_ptr + row, lse)
         tl.store(token_loss_ptr + row, token_loss)
+        d_logp = tl.zeros([], tl.float32)
+        d_entropy = tl.zeros([], tl.float32)
+        if HAS_POLICY:
+            # --- 2c. token-level policy objective on this row's log p(target)
+            logp = (x2_y - lse2) * LN2
+            old = logp
+            if HAS_OLD:
+                old = tl.load(old_ptr + row)
+            ref = logp
+            if KL_EST != 0:
+                ref = tl.load(ref_ptr + row)
+            iw = tl.full([], 1.0, tl.float32)
+            if HAS_IW:
+                iw = tl.load(iw_ptr + row)
+            w = tl.load(pw_ptr + row)
+            per_token, d_per_token, ratio, kl = policy_token(
+                logp, old, ref, tl.load(adv_ptr + row), iw, eps_low, eps_high, pol_delta, dual_c, kl_beta,
+                KL_EST, KL_IS_CORR,
+            )
+            policy_loss = w * per_token
+            d_logp = w * d_per_token
+            if HAS_ENTROPY_GRAD:  # verl's entropy bonus, aggregated like the loss
+                policy_loss -= entropy_coef * w * entropy
+                d_entropy = -entropy_coef * w
+            tl.store(pol_loss_ptr + row, policy_loss)
+            tl.store(ratio_ptr + row, ratio)
+            if KL_EST != 0:
+                tl.store(kl_ptr + row, kl)
         # --- 3. gradient pass (fused mode)
         if FUSED_GRAD:
             u = tl.load(grad_scale_ptr)
             zero = tl.zeros([], tl.float32)
             A, B, C, D = row_coefficients(
-                u, zero, zero, zero, lse, entropy, V, w_ce, smoothing, w_z, w_entropy,
+                u, d_logp, d_entropy, zero, lse, entropy, V, w_ce, smoothing, w_z, w_entropy,
                 HAS_CE, HAS_Z, HAS_ENTROPY_GRAD,
             )
             sum_px2 = gradient_pass(
@@ -189,6 +238,11 @@ def head_forward_kernel(
                 tl.store(dstats_ptr + row * 4 + k, 0.0)
             tl.store(t_entropy_ptr + row, 0.0)
             tl.store(t_pred_ptr + row, -1)
+        if HAS_POLICY:
+            tl.store(pol_loss_ptr + row, 0.0)
+            tl.store(ratio_ptr + row, 1.0)
+            if KL_EST != 0:
+                tl.store(kl_ptr + row, 0.0)
         if FUSED_GRAD:
             zero_row(grad_row_ptr, V, BLOCK_V)
 
@@ -230,6 +284,12 @@ def head_backward_kernel(
     w_distill,
     inv_distill_temp,
     jsd_beta,
+    eps_low,  # the policy's scalars: unused here (its objective runs in torch in deferred mode)
+    eps_high,
+    pol_delta,
+    dual_c,
+    kl_beta,
+    entropy_coef,
     # meta
     BLOCK_V: tl.constexpr,
     HAS_TEACHER: tl.constexpr,
@@ -358,6 +418,9 @@ class RowStats:
     dstats: torch.Tensor | None = None  # (N, 4): lse_s2, lse_t2, divergence, jsd_s
     t_entropy: torch.Tensor | None = None
     t_pred: torch.Tensor | None = None
+    policy_loss: torch.Tensor | None = None  # w * per-token policy loss (fused token-level policy)
+    ratio: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
 
     DIFFERENTIABLE = ("token_loss", "lse", "entropy", "logp")
 
@@ -375,6 +438,9 @@ class RowStats:
             dstats=torch.empty(rows, 4, **f32) if flags.HAS_TEACHER else None,
             t_entropy=torch.empty(rows, **f32) if flags.HAS_TEACHER else None,
             t_pred=torch.empty(rows, dtype=torch.int64, device=device) if flags.HAS_TEACHER else None,
+            policy_loss=torch.empty(rows, **f32) if flags.HAS_POLICY else None,
+            ratio=torch.empty(rows, **f32) if flags.HAS_POLICY else None,
+            kl=torch.empty(rows, **f32) if flags.KL_EST else None,
         )
 
     def rows(self, start: int, stop: int) -> RowStats:
@@ -415,11 +481,13 @@ def run_forward(
     grad: torch.Tensor | None,
     grad_scale: torch.Tensor,
     out: RowStats | None = None,
+    policy: object | None = None,
 ) -> RowStats:
     """Launch the forward kernel; writes ``grad`` too when the plan is fused and grad is given.
 
     Per-row results go to ``out`` (contiguous views, e.g. a chunk of longer buffers) or to new
-    buffers.
+    buffers. ``policy`` (headloss.policy.PolicyInputs) carries the per-row policy inputs when the
+    plan has HAS_POLICY.
     """
     rows, seq, stride_b, stride_t = row_geometry(logits)
     vocab = logits.shape[-1]
@@ -437,6 +505,8 @@ def run_forward(
         logits, opt(targets), grad if fused else placeholder, grad_scale,
         stats.token_loss, stats.lse, opt(stats.ce), opt(stats.entropy), opt(stats.logp), opt(stats.pred),
         teacher, opt(stats.dstats), opt(stats.t_entropy), opt(stats.t_pred),
+        *(opt(getattr(policy, name, None)) for name in POLICY_ROW_FIELDS),
+        opt(stats.policy_loss), opt(stats.ratio), opt(stats.kl),
         vocab, seq,
         stride_b, stride_t, grad_stride_b, grad_stride_t, t_stride_b, t_stride_t,
         *plan.scalars.as_args(),
