@@ -1,12 +1,14 @@
-"""The GRPO family of policy objectives, on top of the head kernel's per-token log-probs.
+"""The GRPO family of policy objectives: inputs, aggregation, the sequence-level objective, metrics.
 
-The kernel's stats pass gives every token's ``logp`` (and entropy) in forward, differentiable
-through the deferred mode: its backward turns d loss / d logp and d loss / d entropy into one
-gradient pass over the logits. Everything here is O(tokens), in torch, on those vectors:
+Token-level importance ratios make the objective row-local: the head kernel's epilogue computes it
+(headloss/kernels/policy.py) in fused mode, from the row's log p(target), with the aggregation
+given as per-token weights (:func:`aggregation_weights`). Sequence-level ratios (GSPO) need the
+whole sequence: then the deferred mode's stats pass gives each token's ``logp`` (and entropy),
+:func:`policy_objective` runs here in torch on them (O(tokens)), and the backward kernel turns
+d loss / d logp into one gradient pass over the logits. Both follow the same formulas:
 
     ratio      exp(logp - old)             token level, or exp(masked mean of logp - old over the
-                                           sequence) for sequence level (GSPO) -- the "split" part:
-                                           a coefficient that needs other rows
+                                           sequence) for sequence level (GSPO)
     surrogate  -min(r1 * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A), r1 = min(ratio, delta)
     dual clip  for A < 0: min(surrogate, -A * c)                                  (verl)
     IS weight  surrogate * w  (rollout-engine truncated importance weights)
