@@ -1,22 +1,31 @@
-"""headloss: every loss and metric of an LM head from one Triton pass over the logits."""
+"""headloss: every loss and metric of an LM head from one Triton pass over the logits.
+
+``head_loss`` on logits, ``linear_head_loss`` on hidden states x lm_head weight; a ``LossSpec``
+says what to compute (CE, z-loss, entropy, distillation, the GRPO family, metrics, outputs).
+"""
 
 from .api import HeadLoss, head_loss
+from .linear import LinearHeadLoss, linear_head_loss
 from .output import HeadLossOutput
 from .plan import KernelPlan, compile_plan
 from .reference import reference_head_loss
-from .spec import CrossEntropy, Entropy, LogitTransform, LossSpec, ZLoss
+from .spec import CrossEntropy, Distillation, Entropy, LogitTransform, LossSpec, Policy, ZLoss
 
 __all__ = [
     "CrossEntropy",
+    "Distillation",
     "Entropy",
     "HeadLoss",
     "HeadLossOutput",
     "KernelPlan",
+    "LinearHeadLoss",
     "LogitTransform",
     "LossSpec",
+    "Policy",
     "ZLoss",
     "compile_plan",
     "head_loss",
+    "linear_head_loss",
     "reference_head_loss",
 ]
 

@@ -14,8 +14,11 @@ class HeadLossOutput:
     loss              scalar (reduction mean/sum) or per-token [N] / [B, T] (reduction none)
     metrics           detached device scalars: ``loss``, ``n_tokens`` and, when present,
                       ``ce``, ``nll`` (with label smoothing), ``z_loss`` (mean lse**2),
-                      ``entropy``, ``token_accuracy`` -- means over non-ignored tokens,
-                      each term unweighted
+                      ``entropy``, ``token_accuracy``, ``distill/divergence``,
+                      ``distill/teacher_entropy``, ``distill/top1_agreement`` -- means over
+                      non-ignored tokens, each term unweighted -- and with a policy term TRL's
+                      ``kl``, ``clip_ratio/{low_mean,low_min,high_mean,high_max,region_mean}``,
+                      ``ratio/{mean,min,max}``, ``logprob/mean`` (see headloss.policy)
     predicted_tokens  int64 argmax of the transformed logits, -1 at ignored positions
     logprobs          fp32 log p(target), 0 at ignored positions
     lse               fp32 logsumexp of the transformed logits, 0 at ignored positions
