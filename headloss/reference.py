@@ -58,8 +58,9 @@ def reference_head_loss(
 
     logp_all = torch.log_softmax(x, dim=-1)
     lse = torch.logsumexp(x, dim=-1)
-    zero = torch.zeros(rows, dtype=compute_dtype, device=logits.device)
-    token_loss = zero
+    # an empty slice's sum: zeros that still hang off the logits, so a spec with no loss term
+    # backpropagates zero gradients (as the kernel path does) instead of raising
+    token_loss = x[:, :0].sum(-1)
     per_term: dict[str, torch.Tensor] = {}
 
     if spec.cross_entropy is not None:
