@@ -73,10 +73,6 @@ class Teacher:
     weight: torch.Tensor | None = None
     bias: torch.Tensor | None = None
 
-    @property
-    def present(self) -> bool:
-        return self.logits is not None or self.hidden is not None
-
 
 NO_TEACHER = Teacher()
 
