@@ -1,0 +1,193 @@
+"""Where the fused lm_head's time goes, per chunk size: each GEMM and the head kernel, summed over
+all chunks of N rows, and the variants tried for the small-chunk GEMMs.
+
+  python -m benchmarks.profile_linear [--rows 8192] [--hidden 4096] [--vocab 128256]
+                                      [--chunks 256 320 384 512 1024]
+
+Every number is the median (CUDA events, 10 runs) of one whole sweep over the N rows, so each
+op is timed at the shape and the memory traffic the chunked loop gives it. Writes
+$OUT (or ./results)/profile_linear.{json,csv} and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+
+import torch
+
+import headloss
+from benchmarks.common import Row, gpu_name, out_dir_default, time_ms, write_rows
+from headloss.kernels.head import run_forward
+from headloss.kernels.wgrad import weight_grad_
+from headloss.linear import linear_head_loss
+from headloss.plan import compile_plan
+
+
+def blas(name: str) -> None:
+    torch.backends.cuda.preferred_blas_library(name)
+
+
+def split_k_dh(g: torch.Tensor, w: torch.Tensor, out: torch.Tensor, splits: int) -> None:
+    """out = g @ w with the V reduction cut into ``splits`` batched GEMMs summed in fp32."""
+    c, v = g.shape
+    part = torch.bmm(g.view(c, splits, v // splits).transpose(0, 1), w.view(splits, v // splits, -1),
+                     out_dtype=torch.float32)
+    out.copy_(part.sum(0))
+
+
+WGRAD_CONFIGS = ["128,128,64,4,3", "128,128,64,8,3", "128,256,64,8,3", "256,128,64,8,3", "128,128,32,4,4",
+                 "128,256,32,8,4", "64,256,64,4,3", "128,64,64,4,3"]
+KERNEL_CONFIGS = ["2048,8", "4096,8", "8192,16"]
+
+
+def with_env(name: str, value: str, step: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            step()
+        finally:
+            os.environ.pop(name) if old is None else os.environ.__setitem__(name, old)
+
+    return run
+
+
+@torch.no_grad()
+def gemm_floor_ms(hidden: torch.Tensor, weight: torch.Tensor) -> float:
+    """The 3 GEMMs of an lm_head forward + backward on the whole batch, each timed alone."""
+    logits = hidden @ weight.t()
+    steps = (lambda: torch.mm(hidden, weight.t(), out=logits), lambda: torch.mm(logits, weight),
+             lambda: torch.mm(logits.t(), hidden))
+    return sum(time_ms(f, reps=10)[0] for f in steps)
+
+
+def ops(hidden, weight, targets, rows: int) -> dict[str, Callable[[], None]]:
+    """One sweep over all chunks of ``rows`` rows for each op and variant."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    buf = torch.empty(rows, v, dtype=hidden.dtype, device="cuda").normal_()
+    dh = torch.empty_like(hidden)
+    dw = torch.zeros_like(weight)
+    plan = compile_plan(headloss.LossSpec(), has_targets=True, needs_grad=True, has_old_logprobs=False,
+                        has_importance_weights=False)
+    scale = torch.full((1,), 1.0 / n, device="cuda")
+    starts = range(0, n, rows)
+    side = torch.cuda.Stream()
+
+    def sweep(fn):
+        def step():
+            for s in starts:
+                e = min(s + rows, n)
+                fn(s, e, buf[: e - s])
+
+        return step
+
+    def two_streams(s, e, g):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.mm(g, weight, out=dh[s:e])
+        dw.addmm_(g.t(), hidden[s:e])
+        torch.cuda.current_stream().wait_stream(side)
+
+    table = {
+        "logits h@W^T": sweep(lambda s, e, g: torch.mm(hidden[s:e], weight.t(), out=g)),
+        "head kernel (CE, grad in place)": sweep(lambda s, e, g: run_forward(plan, g, targets[s:e], None, g, scale)),
+        "dh = g@W": sweep(lambda s, e, g: torch.mm(g, weight, out=dh[s:e])),
+        "dW += g^T@h": sweep(lambda s, e, g: dw.addmm_(g.t(), hidden[s:e])),
+        "dh || dW (2 streams)": sweep(two_streams),
+    }
+    for cfg in WGRAD_CONFIGS:
+        table[f"dW triton {cfg}"] = with_env("HEADLOSS_WGRAD", cfg,
+                                             sweep(lambda s, e, g: weight_grad_(dw, g, hidden[s:e])))
+    for cfg in KERNEL_CONFIGS:
+        block, warps = cfg.split(",")
+        table[f"head kernel {cfg}"] = with_env(
+            "HEADLOSS_BLOCK_V", block, with_env("HEADLOSS_NUM_WARPS", warps, table["head kernel (CE, grad in place)"]))
+    for splits in (2, 4, 8):
+        if v % splits == 0:
+            table[f"dh split-K {splits}"] = sweep(lambda s, e, g, k=splits: split_k_dh(g, weight, dh[s:e], k))
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[256, 320, 384, 512, 1024])
+    args = parser.parse_args()
+    n, h, v = args.rows, args.hidden, args.vocab
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(n, h, device="cuda", generator=gen, dtype=torch.bfloat16)
+    weight = (torch.randn(v, h, device="cuda", generator=gen) / h**0.5 * 2.0).to(torch.bfloat16)
+    targets = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    rows_out: list[Row] = []
+
+    def record(provider: str, chunk: int, ms: float, note: str = "") -> None:
+        rows_out.append(Row(case="profile-linear", provider=provider, metric="time", unit="ms", x_name="chunk_rows",
+                            x=chunk, p50=ms, note=note, config={"N": n, "H": h, "V": v}, gpu=gpu_name()))
+        print(f"{chunk:>6}  {provider:<40}{ms:9.2f}  {note}", flush=True)
+
+    with torch.no_grad():  # the Triton weight gradient against fp64, before timing it
+        g, hc = torch.randn(320, v, device="cuda", dtype=torch.bfloat16), hidden[:320]
+        dw0 = torch.randn(v, h, device="cuda", dtype=torch.bfloat16)
+        ref = dw0.double() + g.double().t() @ hc.double()
+        for cfg in WGRAD_CONFIGS:
+            dw, db = dw0.clone(), torch.zeros(v, device="cuda")
+            with_env("HEADLOSS_WGRAD", cfg, lambda dw=dw, db=db, g=g: weight_grad_(dw, g, hc, db))()
+            err = ((dw.double() - ref).norm() / ref.norm()).item()
+            db_err = ((db.double() - g.double().sum(0)).norm() / g.double().sum(0).norm()).item()
+            print(f"triton dW {cfg}: rel err {err:.2e} (bf16 ulp/2 = 2e-3), db rel err {db_err:.1e}")
+        cublas = (dw0.float() + g.float().t() @ hc.float()).bfloat16()
+        print(f"cuBLAS-style dW rel err {((cublas.double() - ref).norm() / ref.norm()).item():.2e}")
+        del g, dw0, ref, dw, db, cublas
+    floor = {}
+    for lib in ("cublas", "cublaslt"):
+        blas(lib)
+        floor[lib] = gemm_floor_ms(hidden, weight)
+        torch.cuda.empty_cache()
+        record(f"3 bare GEMMs [{lib}]", n, floor[lib])
+
+    print(f"\n{'chunk':>6}  {'op':<40}{'ms':>9}")
+    for rows in args.chunks:
+        for lib in ("cublas", "cublaslt"):
+            blas(lib)
+            with torch.no_grad():
+                for name, step in ops(hidden, weight, targets, rows).items():
+                    if lib == "cublaslt" and ("kernel" in name or "triton" in name):
+                        continue
+                    try:
+                        record(f"{name} [{lib}]", rows, time_ms(step, reps=10)[0])
+                    except Exception as exc:  # a variant the library cannot run is a result too
+                        print(f"{rows:>6}  {name} [{lib}]: {type(exc).__name__}: {exc}"[:200])
+            torch.cuda.empty_cache()
+        blas("cublas")
+        h_ = hidden.clone().requires_grad_()
+        w_ = weight.clone().requires_grad_()
+        mib = rows * v * 2 / 2**20
+
+        def whole(h_=h_, w_=w_, mib=mib):
+            h_.grad = w_.grad = None
+            linear_head_loss(h_, w_, targets, chunk_bytes=int(mib * 2**20), validate=False).loss.backward()
+
+        whole()
+        h_.grad = w_.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        whole()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 1e9
+        ms = time_ms(whole, reps=10)[0]
+        record("linear_head_loss fwd+bwd", rows, ms, f"{ms / floor['cublas']:.3f} x GEMMs, peak {peak:.3f} GB")
+        del h_, w_
+        torch.cuda.empty_cache()
+    out = out_dir_default()
+    js, cs = write_rows(rows_out, out, "profile_linear")
+    print(f"\nwrote {js}, {cs}")
+
+
+if __name__ == "__main__":
+    main()
