@@ -92,7 +92,7 @@ def run(rows: list[Row], case: str, n: int, h: int, v: int, names: list[str] | N
         if names and name not in names:
             continue
         measure(rows, case, name, "N" if case == "sweep-N" else "V", n if case == "sweep-N" else v,
-                lambda fn=fn: fn(hidden, weight, targets), setup, config={"N": n, "H": h, "V": v})
+                lambda fn=fn: fn(hidden, weight, targets), setup, config={"N": n, "H": h, "V": v}, cold_blas=True)
         torch.cuda.empty_cache()
 
 
@@ -129,7 +129,7 @@ def dw_accuracy(rows: list[Row], n: int, h: int, v: int) -> None:
 def print_table(rows: list[Row]) -> None:
     floor = {(r.case, r.x): r.p50 for r in rows if r.provider == "3-gemm-floor" and r.metric == "time"}
     mem = {(r.case, r.provider, r.x): r.p50 for r in rows if r.metric == "memory"}
-    print(f"\n{'case':<10}{'x':>8}  {'provider':<36}{'p50 ms':>9}{'x GEMMs':>9}{'peak GB':>9}  note")
+    print(f"\n{'case':<10}{'x':>8}  {'provider':<36}{'p50 ms':>9}{'x GEMMs':>9}{'peak GB':>9}{'GiB':>7}  note")
     for r in rows:
         if r.metric != "time":
             continue
@@ -137,7 +137,7 @@ def print_table(rows: list[Row]) -> None:
         f = floor.get((r.case, r.x))
         ratio = f"{r.p50 / f:9.3f}" if r.p50 is not None and f else f"{'-':>9}"
         m = mem.get((r.case, r.provider, r.x))
-        ms = f"{m:9.3f}" if m is not None else f"{'-':>9}"
+        ms = f"{m:9.3f}{m * 1e9 / 2**30:7.3f}" if m is not None else f"{'-':>9}{'-':>7}"
         print(f"{r.case:<10}{r.x:>8}  {r.provider:<36}{t}{ratio}{ms}  {r.note}")
     acc = [r for r in rows if r.case == "accuracy"]
     if acc:
@@ -189,7 +189,7 @@ def main() -> None:
         run(rows, "sweep-V", 8192, h, v, args.providers)
     if not args.no_sweep_chunks:
         extra = {}
-        for mib in (32, 64, 128, 256, 512):
+        for mib in (32, 64, 96, 128, 192, 256, 512):
             extra[f"headloss chunk={mib}MiB"] = (
                 lambda h_, w_, y_, mib=mib: linear_head_loss(h_, w_, y_, chunk_bytes=mib << 20).loss.backward()
             )

@@ -66,11 +66,18 @@ def time_ms(
     return pick(0.5), pick(0.2), pick(0.8)
 
 
-def peak_extra_gb(step: Callable[[], object], setup: Callable[[], object] | None = None) -> float:
-    """Peak memory allocated while ``step`` runs, above what was allocated before it (GB)."""
+def peak_extra_gb(step: Callable[[], object], setup: Callable[[], object] | None = None,
+                  cold_blas: bool = False) -> float:
+    """Peak memory allocated while ``step`` runs, above what was allocated before it (GB).
+
+    ``cold_blas``: free cuBLAS's per-stream workspaces (32 MiB on Hopper) first, so that the step
+    allocates them again and they count, as in a measurement from a fresh process.
+    """
     if setup is not None:
         setup()
     torch.cuda.synchronize()
+    if cold_blas:
+        torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -97,6 +104,7 @@ def measure(
     setup: Callable[[], object] | None = None,
     config: dict | None = None,
     note: str = "",
+    cold_blas: bool = False,
 ) -> Row:
     """Time and peak memory of ``step``; records rows (OOM and errors become a note)."""
     stamp = _dt.datetime.now().isoformat(timespec="seconds")
@@ -106,7 +114,7 @@ def measure(
         if setup is not None:
             setup()
         step()  # compile / warm up outside the measurement
-        mem = peak_extra_gb(step, setup)
+        mem = peak_extra_gb(step, setup, cold_blas)
         p50, p20, p80 = time_ms(step, setup)
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()

@@ -18,9 +18,8 @@ from collections.abc import Callable
 import torch
 
 import headloss
-from benchmarks.common import Row, gpu_name, out_dir_default, time_ms, write_rows
+from benchmarks.common import Row, gpu_name, out_dir_default, peak_extra_gb, time_ms, write_rows
 from headloss.kernels.head import run_forward
-from headloss.kernels.wgrad import weight_grad_
 from headloss.linear import linear_head_loss
 from headloss.plan import compile_plan
 
@@ -37,9 +36,7 @@ def split_k_dh(g: torch.Tensor, w: torch.Tensor, out: torch.Tensor, splits: int)
     out.copy_(part.sum(0))
 
 
-WGRAD_CONFIGS = ["128,128,64,4,3", "128,128,64,8,3", "128,256,64,8,3", "256,128,64,8,3", "128,128,32,4,4",
-                 "128,256,32,8,4", "64,256,64,4,3", "128,64,64,4,3"]
-KERNEL_CONFIGS = ["2048,8", "4096,8", "8192,16"]
+KERNEL_CONFIGS = ["2048,4", "2048,8", "4096,8", "8192,16"]
 
 
 def with_env(name: str, value: str, step: Callable[[], None]) -> Callable[[], None]:
@@ -54,13 +51,30 @@ def with_env(name: str, value: str, step: Callable[[], None]) -> Callable[[], No
     return run
 
 
+def kernel_totals(step: Callable[[], None], reps: int = 3) -> dict[str, tuple[float, float]]:
+    """Per kernel name: (device ms, launches) per call of ``step``, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for evt in prof.events():
+        if evt.device_type.name == "CUDA":
+            slot = totals.setdefault(evt.name, [0.0, 0.0])
+            slot[0] += evt.device_time / 1e3 / reps
+            slot[1] += 1 / reps
+    return {k: (v[0], v[1]) for k, v in totals.items()}
+
+
 @torch.no_grad()
-def gemm_floor_ms(hidden: torch.Tensor, weight: torch.Tensor) -> float:
+def gemm_floor_ms(hidden: torch.Tensor, weight: torch.Tensor) -> list[float]:
     """The 3 GEMMs of an lm_head forward + backward on the whole batch, each timed alone."""
     logits = hidden @ weight.t()
     steps = (lambda: torch.mm(hidden, weight.t(), out=logits), lambda: torch.mm(logits, weight),
              lambda: torch.mm(logits.t(), hidden))
-    return sum(time_ms(f, reps=10)[0] for f in steps)
+    return [time_ms(f, reps=10)[0] for f in steps]
 
 
 def ops(hidden, weight, targets, rows: int) -> dict[str, Callable[[], None]]:
@@ -96,11 +110,9 @@ def ops(hidden, weight, targets, rows: int) -> dict[str, Callable[[], None]]:
         "head kernel (CE, grad in place)": sweep(lambda s, e, g: run_forward(plan, g, targets[s:e], None, g, scale)),
         "dh = g@W": sweep(lambda s, e, g: torch.mm(g, weight, out=dh[s:e])),
         "dW += g^T@h": sweep(lambda s, e, g: dw.addmm_(g.t(), hidden[s:e])),
+        "dW = g^T@h (beta 0, no read of dW)": sweep(lambda s, e, g: torch.mm(g.t(), hidden[s:e], out=dw)),
         "dh || dW (2 streams)": sweep(two_streams),
     }
-    for cfg in WGRAD_CONFIGS:
-        table[f"dW triton {cfg}"] = with_env("HEADLOSS_WGRAD", cfg,
-                                             sweep(lambda s, e, g: weight_grad_(dw, g, hidden[s:e])))
     for cfg in KERNEL_CONFIGS:
         block, warps = cfg.split(",")
         table[f"head kernel {cfg}"] = with_env(
@@ -130,25 +142,13 @@ def main() -> None:
                             x=chunk, p50=ms, note=note, config={"N": n, "H": h, "V": v}, gpu=gpu_name()))
         print(f"{chunk:>6}  {provider:<40}{ms:9.2f}  {note}", flush=True)
 
-    with torch.no_grad():  # the Triton weight gradient against fp64, before timing it
-        g, hc = torch.randn(320, v, device="cuda", dtype=torch.bfloat16), hidden[:320]
-        dw0 = torch.randn(v, h, device="cuda", dtype=torch.bfloat16)
-        ref = dw0.double() + g.double().t() @ hc.double()
-        for cfg in WGRAD_CONFIGS:
-            dw, db = dw0.clone(), torch.zeros(v, device="cuda")
-            with_env("HEADLOSS_WGRAD", cfg, lambda dw=dw, db=db, g=g: weight_grad_(dw, g, hc, db))()
-            err = ((dw.double() - ref).norm() / ref.norm()).item()
-            db_err = ((db.double() - g.double().sum(0)).norm() / g.double().sum(0).norm()).item()
-            print(f"triton dW {cfg}: rel err {err:.2e} (bf16 ulp/2 = 2e-3), db rel err {db_err:.1e}")
-        cublas = (dw0.float() + g.float().t() @ hc.float()).bfloat16()
-        print(f"cuBLAS-style dW rel err {((cublas.double() - ref).norm() / ref.norm()).item():.2e}")
-        del g, dw0, ref, dw, db, cublas
     floor = {}
     for lib in ("cublas", "cublaslt"):
         blas(lib)
-        floor[lib] = gemm_floor_ms(hidden, weight)
+        parts = gemm_floor_ms(hidden, weight)
+        floor[lib] = sum(parts)
+        record(f"logits, dh, dW alone [{lib}]", n, floor[lib], " + ".join(f"{p:.2f}" for p in parts))
         torch.cuda.empty_cache()
-        record(f"3 bare GEMMs [{lib}]", n, floor[lib])
 
     print(f"\n{'chunk':>6}  {'op':<40}{'ms':>9}")
     for rows in args.chunks:
@@ -156,7 +156,7 @@ def main() -> None:
             blas(lib)
             with torch.no_grad():
                 for name, step in ops(hidden, weight, targets, rows).items():
-                    if lib == "cublaslt" and ("kernel" in name or "triton" in name):
+                    if lib == "cublaslt" and "kernel" in name:
                         continue
                     try:
                         record(f"{name} [{lib}]", rows, time_ms(step, reps=10)[0])
@@ -173,15 +173,15 @@ def main() -> None:
             linear_head_loss(h_, w_, targets, chunk_bytes=int(mib * 2**20), validate=False).loss.backward()
 
         whole()
-        h_.grad = w_.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        whole()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 1e9
+        peak = peak_extra_gb(whole, lambda h_=h_, w_=w_: setattr(h_, "grad", None) or setattr(w_, "grad", None),
+                             cold_blas=True)
         ms = time_ms(whole, reps=10)[0]
-        record("linear_head_loss fwd+bwd", rows, ms, f"{ms / floor['cublas']:.3f} x GEMMs, peak {peak:.3f} GB")
+        record("linear_head_loss fwd+bwd", rows, ms,
+               f"{ms / floor['cublas']:.3f} x GEMMs, peak {peak:.3f} GB = {peak * 1e9 / 2**30:.3f} GiB (cold cuBLAS)")
+        totals = kernel_totals(whole, reps=3)
+        print(f"        device busy {sum(t for t, _ in totals.values()):.2f} ms of {ms:.2f} ms per call:")
+        for name, (t, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:12]:
+            print(f"        {t:8.3f} ms in {count:4.0f} launches  {name[:90]}")
         del h_, w_
         torch.cuda.empty_cache()
     out = out_dir_default()

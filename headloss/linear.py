@@ -82,6 +82,7 @@ class _Grads:
     dh: torch.Tensor | None  # (N, H) in the hidden dtype; rows never computed stay 0
     dw: torch.Tensor | None  # (V, H) in the weight dtype, or fp32 while accumulating
     db: torch.Tensor | None  # (V,) fp32 while accumulating
+    started: bool = False  # dw / db hold a first chunk's contribution (until then, garbage)
 
 
 def chunk_rows_for(budget_bytes: int, vocab: int, elem_bytes: int) -> int:
@@ -301,7 +302,7 @@ class LinearHead(torch.autograd.Function):
         y = targets if index is None or targets is None else targets.index_select(0, index)
         stats = RowStats.empty(computed, plan, hidden.device)
         wants = ctx.needs_input_grad[:3]
-        grads = _new_grads(hidden, weight, bias, wants, options) if plan.flags.FUSED_GRAD else None
+        grads = _new_grads(hidden, weight, bias, wants, options, index) if plan.flags.FUSED_GRAD else None
         for start, stop, h_c, y_c, t_c, logits in _chunks(hidden, weight, bias, y, index, teacher, options):
             fused = grads is not None
             rows_c = None
@@ -355,7 +356,7 @@ class LinearHead(torch.autograd.Function):
             return (t if index is None else t.index_select(0, index)).contiguous()
 
         d_token, d_logp, d_entropy, d_lse = (compact(t) for t in (d_token, d_logp, d_entropy, d_lse))
-        grads = _new_grads(hidden, weight, bias, ctx.wants, ctx.options)
+        grads = _new_grads(hidden, weight, bias, ctx.wants, ctx.options, index)
         for start, stop, h_c, y_c, t_c, logits in _chunks(hidden, weight, bias, y, index, ctx.teacher, ctx.options):
             run_backward(
                 plan, logits, y_c, t_c, logits, lse[start:stop],
@@ -403,14 +404,16 @@ def _chunks(hidden, weight, bias, y, index, teacher: Teacher, options: LinearOpt
         yield start, stop, h_c, (None if y is None else y[start:stop]), t_c, logits
 
 
-def _new_grads(hidden, weight, bias, wants, options: LinearOptions) -> _Grads:
+def _new_grads(hidden, weight, bias, wants, options: LinearOptions, index) -> _Grads:
+    """Uninitialised gradient buffers: the first chunk overwrites dW and db (no memset, no read),
+    and dh rows are each written once unless ignored rows are skipped (then those stay 0)."""
     want_h, want_w, want_b = wants
     fp32_w = options.fp32_weight_grad and weight.dtype != torch.float32
     return _Grads(
-        dh=torch.zeros_like(hidden) if want_h else None,
-        dw=torch.zeros(weight.shape, dtype=torch.float32 if fp32_w else weight.dtype, device=weight.device)
+        dh=(torch.empty_like(hidden) if index is None else torch.zeros_like(hidden)) if want_h else None,
+        dw=torch.empty(weight.shape, dtype=torch.float32 if fp32_w else weight.dtype, device=weight.device)
         if want_w else None,
-        db=torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_b and bias is not None
+        db=torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device) if want_b and bias is not None
         else None,
     )
 
@@ -422,18 +425,29 @@ def _accumulate(grads: _Grads, g, h_c, weight, index, start: int, stop: int, opt
             torch.mm(g, weight, out=grads.dh[start:stop])
         else:
             grads.dh.index_copy_(0, index[start:stop], torch.mm(g, weight))
+    first = not grads.started
+    grads.started = True
     if grads.dw is not None:
-        if grads.dw.dtype == g.dtype:
-            grads.dw.addmm_(g.t(), h_c)
+        dw = grads.dw
+        beta = 0.0 if first else 1.0  # beta = 0: cuBLAS reads nothing from the uninitialised dw
+        if dw.dtype == g.dtype:
+            torch.addmm(dw, g.t(), h_c, beta=beta, out=dw)
         elif g.is_cuda:
-            torch.addmm(grads.dw, g.t(), h_c, out_dtype=torch.float32, out=grads.dw)
+            torch.addmm(dw, g.t(), h_c, beta=beta, out_dtype=torch.float32, out=dw)
         else:  # the CPU has no mixed-dtype addmm
-            grads.dw.addmm_(g.t().float(), h_c.float())
+            torch.addmm(dw, g.t().float(), h_c.float(), beta=beta, out=dw)
     if grads.db is not None:
-        grads.db += g.sum(dim=0, dtype=torch.float32)
+        if first:
+            torch.sum(g, dim=0, dtype=torch.float32, out=grads.db)
+        else:
+            grads.db += g.sum(dim=0, dtype=torch.float32)
 
 
 def _finish_grads(grads: _Grads, weight, bias) -> None:
+    if not grads.started:  # no row was computed: every gradient is 0
+        for t in (grads.dw, grads.db):
+            if t is not None:
+                t.zero_()
     if grads.dw is not None and grads.dw.dtype != weight.dtype:
         grads.dw = grads.dw.to(weight.dtype)
     if grads.db is not None:

@@ -562,6 +562,47 @@ def test_all_ignored_batch_gives_zero_loss_and_zero_gradients(mode, compact):
     assert_values_match(run)
 
 
+@pytest.fixture
+def nan_filled_empty(monkeypatch):
+    """torch.empty / empty_like inside headloss.linear return NaN-filled tensors, so a buffer read
+    before it is written (the first chunk's dW and db, dh rows) shows up as NaN."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
+
+    class PoisonedTorch:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*args, **kwargs):
+            return fill(real_empty(*args, **kwargs))
+
+        @staticmethod
+        def empty_like(*args, **kwargs):
+            return fill(real_empty_like(*args, **kwargs))
+
+    monkeypatch.setattr(headloss.linear, "torch", PoisonedTorch())
+
+
+@pytest.mark.parametrize("compact", [True, False], ids=["compact", "full_rows"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_uninitialised_gradient_buffers_are_overwritten_before_use(nan_filled_empty, dtype, mode, compact):
+    hidden, weight, bias = make_head((7,), 16, 37, dtype, 11)
+    targets = make_targets((7,), 37, 12)
+    targets[[0, 4]] = -100  # the first row too: a skipped row must not start the accumulation
+    for rows in (1, 3, 64):  # first chunk = everything, or followed by accumulating chunks
+        run = run_linear(hidden, weight, bias, targets, MODES[mode], compact=compact,
+                         chunk_bytes=chunk_bytes_for(rows, 37, dtype))
+        assert_nontrivial(run)
+        assert_matches_reference(run)
+    empty = run_linear(hidden, weight, bias, torch.full((7,), -100), MODES[mode], compact=compact)
+    for name in GRAD_NAMES:
+        assert torch.all(empty.grad(name) == 0), name
+
+
 def test_empty_batch_gives_zero_loss_and_empty_gradients():
     hidden, weight, bias = make_head((0,), 8, 37, F32, 4)
     run = run_linear(hidden, weight, bias, torch.zeros(0, dtype=torch.long), FUSED)

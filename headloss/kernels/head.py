@@ -389,17 +389,22 @@ class LaunchConfig:
     num_warps: int
 
 
-def launch_config(vocab: int, teacher: bool = False) -> LaunchConfig:
-    """Block and warps for a row of ``vocab`` logits.
+def launch_config(vocab: int, teacher: bool = False, rows: int | None = None) -> LaunchConfig:
+    """Block and warps for a row of ``vocab`` logits, in a launch of ``rows`` rows.
 
     2048 columns x 4 warps (16 per thread) was fastest on an H200 at V=128256 for every spec
     (benchmarks/profile_head.py --ablate, bench_head.py --tune): small enough per-thread state
     for high occupancy, which this latency-bound loop needs. With a teacher the per-lane state
     doubles, and 1024 x 4 was fastest (2996 vs 3216 us, profile_head.py --terms).
+    A launch of fewer than 1024 rows (the fused lm_head's chunks) has too few programs to fill
+    the GPU with 4 warps each: 4096 x 8 (the same 16 per thread) ran 256/320/512-row chunks at
+    2.39/2.05/1.77 ms per 8192 rows against 2.97/2.96/2.10 (benchmarks/profile_linear.py).
     HEADLOSS_BLOCK_V / HEADLOSS_NUM_WARPS override it (used by those sweeps).
     """
     block = min(triton.next_power_of_2(max(vocab, 16)), 1024 if teacher else 2048)
     warps = 4 if block >= 1024 else (2 if block >= 256 else 1)
+    if not teacher and rows is not None and rows < 1024 and vocab >= 16384:
+        block, warps = 4096, 8
     block = int(os.environ.get("HEADLOSS_BLOCK_V", block))
     warps = int(os.environ.get("HEADLOSS_NUM_WARPS", warps))
     return LaunchConfig(block_v=block, num_warps=warps)
@@ -497,7 +502,7 @@ def run_forward(
         return stats
     fused = flags.FUSED_GRAD and grad is not None
     _, _, grad_stride_b, grad_stride_t = row_geometry(grad) if fused else (0, 0, 0, 0)
-    cfg = launch_config(vocab, flags.HAS_TEACHER)
+    cfg = launch_config(vocab, flags.HAS_TEACHER, rows)
     placeholder = stats.token_loss
     teacher, t_stride_b, t_stride_t = _teacher_args(teacher, placeholder)
     opt = lambda t: t if t is not None else placeholder  # noqa: E731
@@ -538,7 +543,7 @@ def run_backward(
     _, _, grad_stride_b, grad_stride_t = row_geometry(grad)
     vocab = logits.shape[-1]
     flags = plan.flags
-    cfg = launch_config(vocab, flags.HAS_TEACHER)
+    cfg = launch_config(vocab, flags.HAS_TEACHER, rows)
     teacher, t_stride_b, t_stride_t = _teacher_args(teacher, lse)
     opt = lambda t: t if t is not None else lse  # noqa: E731
     head_backward_kernel[(rows,)](
