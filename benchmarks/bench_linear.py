@@ -189,10 +189,12 @@ def main() -> None:
         run(rows, "sweep-V", 8192, h, v, args.providers)
     if not args.no_sweep_chunks:
         extra = {}
-        for mib in (32, 64, 96, 128, 192, 256, 512):
+        for mib in (32, 64, 96, 128, 192, 256, 512):  # 128, 256, 384, 512, 768, 1024, 2048 rows
             extra[f"headloss chunk={mib}MiB"] = (
                 lambda h_, w_, y_, mib=mib: linear_head_loss(h_, w_, y_, chunk_bytes=mib << 20).loss.backward()
             )
+        extra["headloss-full chunk=128MiB"] = lambda h_, w_, y_: linear_head_loss(
+            h_, w_, y_, FULL_SPEC, chunk_bytes=128 << 20).loss.backward()
         extra["headloss fp32-dW"] = lambda h_, w_, y_: linear_head_loss(
             h_, w_, y_, fp32_weight_grad=True).loss.backward()
         run(rows, "chunks", 8192, h, 128256, ["3-gemm-floor", *extra], extra)

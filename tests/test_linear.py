@@ -825,6 +825,9 @@ def test_chunk_rows_fit_the_budget_with_at_least_one_row():
     assert chunk_rows_for(3 * 37 * 4 - 1, 37, 4) == 2
     assert chunk_rows_for(1, 128256, 2) == 1
     assert chunk_rows_for(256 << 20, 128256, 2) * 128256 * 2 <= 256 << 20
+    # from 256 rows up, a multiple of the 128-row GEMM tile: 1046 -> 1024, 523 -> 512, 261 -> 256
+    assert [chunk_rows_for(mib << 20, 128256, 2) for mib in (256, 128, 64, 40)] == [1024, 512, 256, 163]
+    assert chunk_rows_for(255 * 37 * 4, 37, 4) == 255
 
 
 # --- errors ---------------------------------------------------------------------------------------
