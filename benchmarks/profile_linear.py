@@ -38,8 +38,8 @@ def split_k_dh(g: torch.Tensor, w: torch.Tensor, out: torch.Tensor, splits: int)
 
 
 KERNEL_CONFIGS = ["2048,4", "2048,8", "4096,8", "8192,16"]
-WGRAD_CONFIGS = ["128,256,64,8,3", "128,256,64,8,4", "256,128,64,8,3", "128,128,64,4,4", "128,128,64,8,4",
-                 "128,256,128,8,2", "128,128,128,8,3"]
+WGRAD_CONFIGS = ["128,256,64,8,2", "128,256,32,8,3", "256,128,64,8,2", "128,128,64,4,3", "128,128,64,4,4",
+                 "128,128,64,8,4", "128,128,128,8,2", "64,256,64,4,3"]
 
 
 def with_env(name: str, value: str, step: Callable[[], None]) -> Callable[[], None]:
@@ -154,7 +154,11 @@ def main() -> None:
         ref = dw0.double() + g.double().t() @ hc.double()
         for cfg in WGRAD_CONFIGS:
             dw = dw0.clone()
-            with_env("HEADLOSS_WGRAD", cfg, lambda dw=dw, g=g: weight_grad_(dw, g, hc))()
+            try:
+                with_env("HEADLOSS_WGRAD", cfg, lambda dw=dw, g=g: weight_grad_(dw, g, hc))()
+            except Exception as exc:  # e.g. out of shared memory
+                print(f"triton dW {cfg}: {type(exc).__name__}: {exc}"[:160])
+                continue
             print(f"triton dW {cfg}: rel err {((dw.double() - ref).norm() / ref.norm()).item():.2e}")
         cublas = torch.addmm(dw0, g.t(), hc)
         print(f"cuBLAS dW rel err {((cublas.double() - ref).norm() / ref.norm()).item():.2e}")
