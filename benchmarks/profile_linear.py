@@ -20,7 +20,6 @@ import torch
 import headloss
 from benchmarks.common import Row, gpu_name, out_dir_default, peak_extra_gb, time_ms, write_rows
 from headloss.kernels.head import run_forward
-from headloss.kernels.wgrad import weight_grad_
 from headloss.linear import linear_head_loss
 from headloss.plan import compile_plan
 
@@ -38,8 +37,6 @@ def split_k_dh(g: torch.Tensor, w: torch.Tensor, out: torch.Tensor, splits: int)
 
 
 KERNEL_CONFIGS = ["2048,4", "2048,8", "4096,8", "8192,16"]
-WGRAD_CONFIGS = ["128,256,64,8,2", "128,256,32,8,3", "256,128,64,8,2", "128,128,64,4,3", "128,128,64,4,4",
-                 "128,128,64,8,4", "128,128,128,8,2", "64,256,64,4,3"]
 
 
 def with_env(name: str, value: str, step: Callable[[], None]) -> Callable[[], None]:
@@ -116,9 +113,6 @@ def ops(hidden, weight, targets, rows: int) -> dict[str, Callable[[], None]]:
         "dW = g^T@h (beta 0, no read of dW)": sweep(lambda s, e, g: torch.mm(g.t(), hidden[s:e], out=dw)),
         "dh || dW (2 streams)": sweep(two_streams),
     }
-    for cfg in WGRAD_CONFIGS:
-        table[f"dW triton {cfg}"] = with_env("HEADLOSS_WGRAD", cfg,
-                                             sweep(lambda s, e, g: weight_grad_(dw, g, hidden[s:e])))
     for cfg in KERNEL_CONFIGS:
         block, warps = cfg.split(",")
         table[f"head kernel {cfg}"] = with_env(
@@ -148,21 +142,6 @@ def main() -> None:
                             x=chunk, p50=ms, note=note, config={"N": n, "H": h, "V": v}, gpu=gpu_name()))
         print(f"{chunk:>6}  {provider:<40}{ms:9.2f}  {note}", flush=True)
 
-    with torch.no_grad():  # the Triton weight gradient against fp64, before timing it
-        g, hc = torch.randn(500, v, device="cuda", dtype=torch.bfloat16), hidden[:500]
-        dw0 = torch.randn(v, h, device="cuda", dtype=torch.bfloat16)
-        ref = dw0.double() + g.double().t() @ hc.double()
-        for cfg in WGRAD_CONFIGS:
-            dw = dw0.clone()
-            try:
-                with_env("HEADLOSS_WGRAD", cfg, lambda dw=dw, g=g: weight_grad_(dw, g, hc))()
-            except Exception as exc:  # e.g. out of shared memory
-                print(f"triton dW {cfg}: {type(exc).__name__}: {exc}"[:160])
-                continue
-            print(f"triton dW {cfg}: rel err {((dw.double() - ref).norm() / ref.norm()).item():.2e}")
-        cublas = torch.addmm(dw0, g.t(), hc)
-        print(f"cuBLAS dW rel err {((cublas.double() - ref).norm() / ref.norm()).item():.2e}")
-        del dw0, ref, dw, cublas
     floor = {}
     for lib in ("cublas", "cublaslt"):
         blas(lib)
@@ -177,7 +156,7 @@ def main() -> None:
             blas(lib)
             with torch.no_grad():
                 for name, step in ops(hidden, weight, targets, rows).items():
-                    if lib == "cublaslt" and ("kernel" in name or "triton" in name):
+                    if lib == "cublaslt" and "kernel" in name:
                         continue
                     try:
                         record(f"{name} [{lib}]", rows, time_ms(step, reps=10)[0])

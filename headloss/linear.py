@@ -50,10 +50,11 @@ DEFAULT_CHUNK_BYTES = 256 << 20
 """Logits per chunk: 256 MiB = 1024 rows of a 128256-word bf16 vocabulary.
 
 Measured on an H200 at N=8192, H=4096, V=128256 (benchmarks/bench_linear.py, "chunks" rows):
-32/64/128/256/512 MiB ran at 2.37/1.47/1.21/1.10/1.05 x the 3 bare GEMMs with 1.15/1.19/1.25/
-1.39/1.66 GB peak (dW and dh included). Every chunk re-reads and re-writes dW to accumulate
-into it, so small chunks make that GEMM memory-bound; 1024 rows is the smallest chunk that keeps
-it compute-bound. Pass ``chunk_bytes=64 << 20`` where memory matters more than time.
+32/64/96/128/192/256/512 MiB ran at 2.34/1.45/1.27/1.19/1.13/1.11/1.06 x the 3 bare GEMMs with a
+peak of 1.10/1.13/1.16/1.20/1.26/1.32/1.56 GiB (dW, dh and cuBLAS's workspace included). Every
+chunk re-reads and re-writes dW, and below ~1024 rows cuBLAS runs the weight-gradient and logits
+GEMMs well under their large-K speed (benchmarks/profile_linear.py); 1024 rows is the smallest
+chunk within 1.1x. Pass ``chunk_bytes=128 << 20`` where memory matters more than time.
 """
 
 
@@ -132,9 +133,10 @@ def linear_head_loss(
         bias: optional [V].
         shift: next-token targets as HF causal LMs do: position t is scored against
             ``targets[:, t + 1]``, the last position of each sequence is ignored. Needs [B, T] targets.
-        chunk_bytes: budget for one chunk of logits (default 256 MiB, see DEFAULT_CHUNK_BYTES);
-            peak extra memory is about this plus the gradients dW (V x H), dh (N x H) and O(N)
-            per-row buffers.
+        chunk_bytes: budget for one chunk of logits (default 256 MiB, see DEFAULT_CHUNK_BYTES;
+            128 MiB where memory is tight); rows per chunk are cut to a multiple of 128 from 256
+            up. Peak extra memory is about this plus the gradients dW (V x H), dh (N x H) and
+            O(N) per-row buffers.
         fp32_weight_grad: accumulate dW over chunks in fp32 and round once at the end (costs a
             V x H fp32 buffer); default bf16/fp16 accumulation in the weight's dtype.
         compact: skip ignored rows entirely (gather the others chunk by chunk); costs one host
