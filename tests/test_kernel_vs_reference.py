@@ -33,6 +33,7 @@ from headloss import (
     head_loss,
     reference_head_loss,
 )
+from headloss.kernels.head import LaunchConfig, launch_config
 
 pytestmark = needs_kernel
 
@@ -160,6 +161,8 @@ SHAPE_CASES = {
     "strided_3d_view_drop_last_position": ((2, 6, 45), lambda t: t[:, :-1, :]),
     "transposed_3d_view": ((4, 3, 29), lambda t: t.transpose(0, 1)),
     "column_slice_2d": ((5, 50), lambda t: t[:, 3:40]),
+    # a launch of < 1024 rows with V >= 16384 takes the 4096 x 8 config (the lm_head's chunks)
+    "few_rows_large_vocab_4096x8_config": ((2, 16411), lambda t: t),
 }
 
 
@@ -179,6 +182,16 @@ def test_kernel_matches_reference_on_odd_shapes_and_strides(case, mode):
         outside = torch.ones(base_shape, dtype=torch.bool)
         view(outside).fill_(False)
         assert torch.all(pair.grad[outside] == 0), "gradient written outside the view"
+
+
+def test_launch_config_by_vocab_rows_and_teacher():
+    assert launch_config(128256) == LaunchConfig(2048, 4)  # tuned at N = 8192
+    assert launch_config(128256, rows=8192) == LaunchConfig(2048, 4)
+    assert launch_config(128256, rows=512) == LaunchConfig(4096, 8)  # few programs: wider ones
+    assert launch_config(128256, teacher=True, rows=512) == LaunchConfig(1024, 4)
+    assert launch_config(16411, rows=2) == LaunchConfig(4096, 8)
+    assert launch_config(8000, rows=2) == LaunchConfig(2048, 4)
+    assert launch_config(37, rows=2) == LaunchConfig(64, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
