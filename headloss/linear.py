@@ -83,7 +83,6 @@ class _Grads:
     dh: torch.Tensor | None  # (N, H) in the hidden dtype; rows never computed stay 0
     dw: torch.Tensor | None  # (V, H) in the weight dtype, or fp32 while accumulating
     db: torch.Tensor | None  # (V,) fp32 while accumulating
-    started: bool = False  # dw / db hold a first chunk's contribution (until then, garbage)
 
 
 ROW_TILE = 128
@@ -308,7 +307,7 @@ class LinearHead(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, index, teacher: Teacher, policy, plan: KernelPlan,
                 options: LinearOptions, grad_scale):
         rows = hidden.shape[0]
-        computed = rows if index is None else index.numel()
+        computed = _computed_rows(hidden, index)
         y = targets if index is None or targets is None else targets.index_select(0, index)
         stats = RowStats.empty(computed, plan, hidden.device)
         wants = ctx.needs_input_grad[:3]
@@ -395,7 +394,7 @@ def _linear_into(out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias:
 def _chunks(hidden, weight, bias, y, index, teacher: Teacher, options: LinearOptions):
     """Yield (start, stop, h_c, y_c, teacher_c, logits_c) over the computed rows; logits_c (and a
     computed teacher_c) reuse one buffer each."""
-    computed = hidden.shape[0] if index is None else index.numel()
+    computed = _computed_rows(hidden, index)
     size = min(options.chunk_rows, max(computed, 1))
     buffer = torch.empty(size, weight.shape[0], dtype=hidden.dtype, device=hidden.device)
     t_buffer = None
@@ -414,16 +413,23 @@ def _chunks(hidden, weight, bias, y, index, teacher: Teacher, options: LinearOpt
         yield start, stop, h_c, (None if y is None else y[start:stop]), t_c, logits
 
 
+def _computed_rows(hidden: torch.Tensor, index: torch.Tensor | None) -> int:
+    """How many rows the chunks cover: all of them, or the listed (non-ignored) ones."""
+    return hidden.shape[0] if index is None else index.numel()
+
+
 def _new_grads(hidden, weight, bias, wants, options: LinearOptions, index) -> _Grads:
-    """Uninitialised gradient buffers: the first chunk overwrites dW and db (no memset, no read),
-    and dh rows are each written once unless ignored rows are skipped (then those stay 0)."""
+    """Gradient buffers, uninitialised where a chunk overwrites them: the first chunk writes dW and
+    db (no memset, no read), and dh rows are each written once unless ignored rows are skipped
+    (then those stay 0). With no row to compute, dW and db are zeros."""
     want_h, want_w, want_b = wants
     fp32_w = options.fp32_weight_grad and weight.dtype != torch.float32
+    alloc = torch.empty if _computed_rows(hidden, index) > 0 else torch.zeros
     return _Grads(
         dh=(torch.empty_like(hidden) if index is None else torch.zeros_like(hidden)) if want_h else None,
-        dw=torch.empty(weight.shape, dtype=torch.float32 if fp32_w else weight.dtype, device=weight.device)
+        dw=alloc(weight.shape, dtype=torch.float32 if fp32_w else weight.dtype, device=weight.device)
         if want_w else None,
-        db=torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device) if want_b and bias is not None
+        db=alloc(weight.shape[0], dtype=torch.float32, device=weight.device) if want_b and bias is not None
         else None,
     )
 
@@ -435,8 +441,7 @@ def _accumulate(grads: _Grads, g, h_c, weight, index, start: int, stop: int, opt
             torch.mm(g, weight, out=grads.dh[start:stop])
         else:
             grads.dh.index_copy_(0, index[start:stop], torch.mm(g, weight))
-    first = not grads.started
-    grads.started = True
+    first = start == 0  # the first chunk overwrites dW and db
     if grads.dw is not None:
         dw = grads.dw
         beta = 0.0 if first else 1.0  # beta = 0: cuBLAS reads nothing from the uninitialised dw
@@ -454,10 +459,6 @@ def _accumulate(grads: _Grads, g, h_c, weight, index, start: int, stop: int, opt
 
 
 def _finish_grads(grads: _Grads, weight, bias) -> None:
-    if not grads.started:  # no row was computed: every gradient is 0
-        for t in (grads.dw, grads.db):
-            if t is not None:
-                t.zero_()
     if grads.dw is not None and grads.dw.dtype != weight.dtype:
         grads.dw = grads.dw.to(weight.dtype)
     if grads.db is not None:
