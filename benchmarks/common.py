@@ -86,6 +86,22 @@ def peak_extra_gb(step: Callable[[], object], setup: Callable[[], object] | None
     return (torch.cuda.max_memory_allocated() - base) / 1e9
 
 
+def kernel_device_us(step: Callable[[], object], reps: int) -> dict[str, list[float]]:
+    """Device time (us) of every CUDA kernel launched by ``reps`` calls of ``step``, by kernel name,
+    from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    per: dict[str, list[float]] = {}
+    for evt in prof.events():
+        if evt.device_type.name == "CUDA":
+            per.setdefault(evt.name, []).append(evt.device_time)
+    return per
+
+
 def copy_bandwidth_gbs(n_bytes: int = 4 << 30) -> float:
     """Device-to-device copy rate, counting bytes read plus bytes written (GB/s)."""
     src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()

@@ -12,12 +12,12 @@ import argparse
 import os
 import statistics
 import time
-from collections import defaultdict
 
 import torch
 
 import headloss
 from benchmarks.bench_head import CE_SPEC, FULL_SPEC, make_batch
+from benchmarks.common import kernel_device_us
 
 
 def host_us(fn, reps: int = 50) -> float:
@@ -31,17 +31,8 @@ def host_us(fn, reps: int = 50) -> float:
 
 
 def kernel_times(step, reps: int = 10) -> dict[str, float]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    per = defaultdict(list)
-    for evt in prof.events():
-        if evt.device_type.name == "CUDA":
-            per[evt.name].append(evt.device_time)
-    return {name: statistics.median(v) for name, v in per.items()}
+    """Median device time (us) of one launch of each kernel that ``step`` runs."""
+    return {name: statistics.median(v) for name, v in kernel_device_us(step, reps).items()}
 
 
 ABLATION = {

@@ -18,9 +18,17 @@ from collections.abc import Callable
 import torch
 
 import headloss
-from benchmarks.common import Row, gpu_name, out_dir_default, peak_extra_gb, time_ms, write_rows
+from benchmarks.common import (
+    Row,
+    gpu_name,
+    kernel_device_us,
+    out_dir_default,
+    peak_extra_gb,
+    time_ms,
+    write_rows,
+)
 from headloss.kernels.head import run_forward
-from headloss.linear import linear_head_loss
+from headloss.linear import chunk_rows_for, linear_head_loss
 from headloss.plan import compile_plan
 
 
@@ -52,20 +60,8 @@ def with_env(name: str, value: str, step: Callable[[], None]) -> Callable[[], No
 
 
 def kernel_totals(step: Callable[[], None], reps: int = 3) -> dict[str, tuple[float, float]]:
-    """Per kernel name: (device ms, launches) per call of ``step``, from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    totals: dict[str, list[float]] = {}
-    for evt in prof.events():
-        if evt.device_type.name == "CUDA":
-            slot = totals.setdefault(evt.name, [0.0, 0.0])
-            slot[0] += evt.device_time / 1e3 / reps
-            slot[1] += 1 / reps
-    return {k: (v[0], v[1]) for k, v in totals.items()}
+    """Per kernel name: (device ms, launches) per call of ``step``."""
+    return {name: (sum(us) / 1e3 / reps, len(us) / reps) for name, us in kernel_device_us(step, reps).items()}
 
 
 @torch.no_grad()
@@ -166,18 +162,22 @@ def main() -> None:
         blas("cublas")
         h_ = hidden.clone().requires_grad_()
         w_ = weight.clone().requires_grad_()
-        mib = rows * v * 2 / 2**20
+        chunk_bytes = rows * v * hidden.element_size()
+        used = chunk_rows_for(chunk_bytes, v, hidden.element_size())  # cut to the 128-row tile
 
-        def whole(h_=h_, w_=w_, mib=mib):
+        def clear(h_=h_, w_=w_):
             h_.grad = w_.grad = None
-            linear_head_loss(h_, w_, targets, chunk_bytes=int(mib * 2**20), validate=False).loss.backward()
+
+        def whole(h_=h_, w_=w_, clear=clear, chunk_bytes=chunk_bytes):
+            clear()
+            linear_head_loss(h_, w_, targets, chunk_bytes=chunk_bytes, validate=False).loss.backward()
 
         whole()
-        peak = peak_extra_gb(whole, lambda h_=h_, w_=w_: setattr(h_, "grad", None) or setattr(w_, "grad", None),
-                             cold_blas=True)
+        peak = peak_extra_gb(whole, clear, cold_blas=True)
         ms = time_ms(whole, reps=10)[0]
         record("linear_head_loss fwd+bwd", rows, ms,
-               f"{ms / floor['cublas']:.3f} x GEMMs, peak {peak:.3f} GB = {peak * 1e9 / 2**30:.3f} GiB (cold cuBLAS)")
+               f"{used}-row chunks, {ms / floor['cublas']:.3f} x GEMMs, "
+               f"peak {peak:.3f} GB = {peak * 1e9 / 2**30:.3f} GiB (cold cuBLAS)")
         totals = kernel_totals(whole, reps=3)
         print(f"        device busy {sum(t for t, _ in totals.values()):.2f} ms of {ms:.2f} ms per call:")
         for name, (t, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:12]:
