@@ -46,6 +46,17 @@ GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 GRAD_ATOL = 2e-7
 
 FLOAT_OUTPUTS = ("logprobs", "lse", "token_loss", "entropy")
+ALL_OUTPUTS = ("predicted_tokens", *FLOAT_OUTPUTS)
+
+# every term, metric and output, all differentiable (deferred mode)
+DIFFERENTIABLE_EVERYTHING = LossSpec(
+    cross_entropy={"label_smoothing": 0.1},
+    z_loss={"weight": 1e-2},
+    entropy={"weight": -0.05},
+    token_accuracy=True,
+    outputs=ALL_OUTPUTS,
+    differentiable_outputs=True,
+)
 
 
 def with_(spec: LossSpec, **changes) -> LossSpec:

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    ALL_OUTPUTS,
+    DIFFERENTIABLE_EVERYTHING,
     DTYPE_IDS,
     DTYPES,
     assert_close_norm,
@@ -37,7 +39,6 @@ from headloss.kernels.head import LaunchConfig, launch_config
 
 pytestmark = needs_kernel
 
-ALL_OUTPUTS = ("predicted_tokens", "logprobs", "lse", "token_loss", "entropy")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # name -> (spec, logits shape, fraction of ignored targets)
@@ -99,14 +100,7 @@ SPEC_CASES = {
         0.25,
     ),
     "differentiable_outputs_3d": (
-        LossSpec(
-            cross_entropy=CrossEntropy(label_smoothing=0.1),
-            z_loss=ZLoss(weight=1e-2),
-            entropy=Entropy(weight=-0.05),
-            token_accuracy=True,
-            outputs=ALL_OUTPUTS,
-            differentiable_outputs=True,
-        ),
+        DIFFERENTIABLE_EVERYTHING,
         (2, 5, 41),
         0.3,
     ),

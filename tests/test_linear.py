@@ -17,6 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
+    ALL_OUTPUTS,
+    DIFFERENTIABLE_EVERYTHING,
     FLOAT_OUTPUTS,
     GRAD_ATOL,
     GRAD_RTOL,
@@ -39,7 +41,6 @@ pytestmark = needs_kernel
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 GRAD_NAMES = ("hidden", "weight", "bias")
-ALL_OUTPUTS = ("predicted_tokens", "logprobs", "lse", "token_loss", "entropy")
 
 
 @dataclass(frozen=True)
@@ -80,14 +81,7 @@ SPECS = {
     "none_reduction_deferred": LossSpec(
         entropy=Entropy(weight=0.1), reduction="none", outputs=("token_loss", "entropy")
     ),
-    "differentiable_outputs_deferred": LossSpec(
-        cross_entropy=CrossEntropy(label_smoothing=0.1),
-        z_loss=ZLoss(weight=1e-2),
-        entropy=Entropy(weight=-0.05),
-        token_accuracy=True,
-        outputs=ALL_OUTPUTS,
-        differentiable_outputs=True,
-    ),
+    "differentiable_outputs_deferred": DIFFERENTIABLE_EVERYTHING,
 }
 FUSED = SPECS["ce_z_weighted_entropy_accuracy_all_outputs"]
 DEFERRED = with_(FUSED, differentiable_outputs=True)

@@ -10,11 +10,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_logits, make_targets, seed_of, with_
+from conftest import ALL_OUTPUTS, make_logits, make_targets, seed_of, with_
 
 from headloss import CrossEntropy, Entropy, LogitTransform, LossSpec, ZLoss, reference_head_loss
-
-ALL_OUTPUTS = ("predicted_tokens", "logprobs", "lse", "token_loss", "entropy")
 
 
 def oracle(logits: torch.Tensor, targets, spec: LossSpec, num_items=None, upstream=None) -> dict:
