@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 
 import torch
+from headloss.linear import chunk_rows_for, linear_head_loss
 
 import headloss
 from benchmarks.common import (
@@ -28,7 +29,6 @@ from benchmarks.common import (
     write_rows,
 )
 from headloss.kernels.head import run_forward
-from headloss.linear import chunk_rows_for, linear_head_loss
 from headloss.plan import compile_plan
 
 

@@ -1,17 +1,18 @@
 """headloss: every loss and metric of an LM head from one Triton pass over the logits.
 
 ``head_loss`` on logits, ``linear_head_loss`` on hidden states x lm_head weight; a ``LossSpec``
-says what to compute (CE, z-loss, entropy, distillation, the GRPO family, metrics, outputs).
+says what to compute (CE, z-loss, DFT, entropy, distillation, the GRPO family, metrics, outputs).
 """
 
-from .api import HeadLoss, head_loss
-from .linear import LinearHeadLoss, linear_head_loss
+from .api import HeadLoss, LinearHeadLoss, head_loss, linear_head_loss
+from .inputs import check_pending
 from .output import HeadLossOutput
 from .plan import KernelPlan, compile_plan
 from .reference import reference_head_loss
-from .spec import CrossEntropy, Distillation, Entropy, LogitTransform, LossSpec, Policy, ZLoss
+from .spec import DFT, CrossEntropy, Distillation, Entropy, LogitTransform, LossSpec, Policy, ZLoss
 
 __all__ = [
+    "DFT",
     "CrossEntropy",
     "Distillation",
     "Entropy",
@@ -23,10 +24,11 @@ __all__ = [
     "LossSpec",
     "Policy",
     "ZLoss",
+    "check_pending",
     "compile_plan",
     "head_loss",
     "linear_head_loss",
     "reference_head_loss",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -1,31 +1,61 @@
-"""Public entry points: :func:`head_loss` and :class:`HeadLoss`."""
+"""Public entry points: inputs -> plan -> engine -> output.
+
+:func:`head_loss` / :class:`HeadLoss` on logits, :func:`linear_head_loss` / :class:`LinearHeadLoss`
+on hidden states x lm_head weight (the fused lm_head, no full logits).
+"""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-from typing import Any, Literal
+import math
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from .autograd import DeferredHead, ExecOptions, FusedHead
-from .kernels.head import RowStats
-from .output import HeadLossOutput
-from .plan import compile_plan
-from .policy import PolicyInputs, policy_inputs, policy_metrics_of, policy_objective
+from .engine import HeadFunction, HeadRun, LinearFunction, LinearRun
+from .inputs import (
+    KERNEL_DTYPES,
+    Backend,
+    SpecLike,
+    Validate,
+    check_pending,
+    check_targets,
+    flat_targets,
+    head_call,
+    normaliser,
+    pad_shifted,
+    plan_for,
+    resolve_backend,
+    validation_mode,
+)
+from .output import HeadLossOutput, assemble, column
+from .plan import KernelPlan
+from .policy import policy_extremes, policy_inputs, policy_objective
 from .reference import reference_head_loss
 from .spec import LossSpec
 
-Backend = Literal["auto", "triton", "reference"]
-SpecLike = LossSpec | dict[str, Any] | str | Path
+DEFAULT_CHUNK_BYTES = 256 << 20
+"""Logits per chunk of the fused lm_head: 256 MiB = 1024 rows of a 128256-word bf16 vocabulary.
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+Measured on an H200 at N=8192, H=4096, V=128256 (benchmarks/bench_linear.py, "chunks" rows):
+32/64/96/128/192/256/512 MiB ran at 2.34/1.45/1.27/1.19/1.13/1.11/1.06 x the 3 bare GEMMs with a
+peak of 1.10/1.13/1.16/1.20/1.26/1.32/1.56 GiB (dW, dh and cuBLAS's workspace included). Every
+chunk re-reads and re-writes dW, and below ~1024 rows cuBLAS runs the weight-gradient and logits
+GEMMs well under their large-K speed (benchmarks/profile_linear.py); 1024 rows is the smallest
+chunk within 1.1x. Pass ``chunk_bytes=128 << 20`` where memory matters more than time.
+"""
+
+ROW_TILE = 128
+"""Chunks of 256 rows or more are cut to a multiple of this: cuBLAS tiles the chunk's rows by 128
+(or 256), and a partial last tile costs a whole one. On an H200 (N=8192, H=4096, V=128256) 544-row
+chunks ran the step in 49.6 ms against 45.0 ms for 512-row chunks (benchmarks/profile_linear.py)."""
 
 
-def validation_default() -> bool:
-    """Target validation is on unless HEADLOSS_VALIDATE=0 (e.g. under CUDA graphs)."""
-    return os.environ.get("HEADLOSS_VALIDATE", "1") != "0"
+def chunk_rows_for(budget_bytes: int, vocab: int, elem_bytes: int) -> int:
+    """Rows per chunk so that one [rows, vocab] logits buffer fits ``budget_bytes`` (at least 1),
+    cut to a multiple of ROW_TILE from 2 * ROW_TILE rows up."""
+    rows = max(1, budget_bytes // max(1, vocab * elem_bytes))
+    return rows - rows % ROW_TILE if rows >= 2 * ROW_TILE else rows
 
 
 def head_loss(
@@ -41,8 +71,9 @@ def head_loss(
     importance_weights: torch.Tensor | None = None,
     sequence_ids: torch.Tensor | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
+    shift: bool = False,
     inplace_grad: bool = False,
-    validate: bool | None = None,
+    validate: Validate = None,
     backend: Backend = "auto",
 ) -> HeadLossOutput:
     """Every loss, metric and per-token output of ``spec`` from one pass over ``logits``.
@@ -60,76 +91,102 @@ def head_loss(
             shaped like the targets, advantages [B] or like the targets, sequence_ids [N] for
             [N, V] logits. Tokens outside ``loss_mask`` are skipped by every term.
         num_items_in_batch: with ``reduction="mean"``, divide the summed loss by this instead
-            of the number of non-ignored tokens (HF gradient accumulation). Tensor or number.
+            of the number of non-ignored tokens (HF gradient accumulation). Number or tensor.
+        shift: next-token scoring on the full model output, without slicing it. ``logits`` is
+            [B, T, V] and row t predicts token t + 1. ``targets`` is either the HF labels [B, T]
+            (row t is scored against ``labels[:, t + 1]``) or TRL's completion ids [B, T - 1]
+            (from ``logits_to_keep + 1`` positions; row t against ``ids[:, t]``). The last row of
+            each sequence is not scored and its gradient row is 0. Per-token outputs and policy
+            inputs are shaped like ``targets`` and entry t belongs to logits row t. The kernel
+            reads the full tensor and writes a full-size gradient: autograd never slices.
         inplace_grad: write d loss / d logits over ``logits`` (saves N*V memory). The logits
-            are then destroyed: nothing else may use them afterwards.
-        validate: check targets are in range: one host wait, for a check launched before the
-            kernel, while the kernel runs; default on, off with ``validate=False`` or the environment variable
-            ``HEADLOSS_VALIDATE=0`` (CUDA graphs, overlap). Unchecked out-of-range targets give
-            NaN in their rows, never an out-of-bounds read. With ``inplace_grad`` the logits
-            are already overwritten when the error is raised.
+            are then destroyed: nothing else may use them afterwards. (Ignored under
+            torch.compile, whose buffers Inductor owns.)
+        validate: check targets are in [0, V) or ignore_index, num_items_in_batch is positive
+            and sequence_ids in range, on the device, without making the host wait: ``True``
+            (default; CUDA errors are raised by the next headloss call or ``metrics_as_floats``,
+            CPU errors in the call), ``"sync"`` (wait and raise in the call), ``False`` or
+            ``HEADLOSS_VALIDATE=0`` (off). Unchecked out-of-range targets give NaN in their
+            rows, never an out-of-bounds read. Under CUDA-graph capture the check is a
+            device-side assert.
         backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"reference"``
             (plain torch), or ``"auto"``: triton on CUDA or under the interpreter, else reference.
 
     Returns:
         :class:`HeadLossOutput`. NaN or +inf logits give NaN loss and gradient in their rows;
-        -inf logits (a masked vocabulary) are fine unless the target itself is -inf.
+        -inf logits (a masked vocabulary) are fine unless the target itself is -inf (with label
+        smoothing any -inf logit gives an infinite loss, as torch's cross_entropy does).
     """
-    spec = LossSpec() if spec is None else LossSpec.coerce(spec)
-    check_inputs(logits, targets, spec, num_items_in_batch)
-    check_teacher(logits, teacher_logits, spec)
+    if not torch.compiler.is_compiling():
+        check_pending()
+    policy_given = dict(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                        loss_mask=loss_mask, importance_weights=importance_weights, sequence_ids=sequence_ids)
+    plan = plan_for(spec, has_targets=targets is not None)
+    spec = plan.spec
+    device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
+    dtype = logits.dtype if isinstance(logits, torch.Tensor) else torch.float32
+    if resolve_backend(backend, device, dtype) == "reference":
+        return _reference_head_loss(logits, targets, spec, teacher_logits, policy_given, num_items_in_batch, shift,
+                                    validate)
+    call = head_call(logits, targets, spec, kernel=True, teacher_logits=teacher_logits, policy_given=policy_given,
+                     num_items_in_batch=num_items_in_batch, shift=shift, validate=validate)
+    run = HeadRun(plan, call.geo, inplace_grad, call.validate, call.token_shape)
+    pol = call.policy
+    loss, rows, pred, means, scratch = HeadFunction.apply(
+        logits, call.targets, call.teacher,
+        *((pol.old_logprobs, pol.ref_logprobs, pol.advantages, pol.importance_weights, pol.weight)
+          if pol is not None and plan.flags.HAS_POLICY else (None,) * 5),
+        call.norm.tensor, None if pol is None else pol.sequence_ids, run,
+    )
+    loss, extra = _policy_terms(plan, loss, rows, means, scratch, pol)
+    return assemble(plan, call.token_shape, loss, rows, pred, means, scratch, extra)
+
+
+def _policy_terms(plan: KernelPlan, loss, rows, means, scratch, pol) -> tuple[torch.Tensor, dict]:
+    """The policy term's share outside the kernel: with token-level ratios its metrics that are not
+    token means; with sequence-level ratios (GSPO) the whole objective, in torch, on the deferred
+    mode's differentiable log-probs."""
+    spec = plan.spec
+    if spec.policy is None:
+        return loss, {}
+    if plan.flags.HAS_POLICY:
+        token_means = {name: means[getattr(plan.cols, col)] for name, col in plan.metrics}
+        clip_low, clip_high = column(rows, plan, "clip_low"), column(rows, plan, "clip_high")
+        return loss, policy_extremes(token_means, column(rows, plan, "ratio"), clip_low, clip_high, pol.mask,
+                                     scratch[0], pol)
+    entropy = column(rows, plan, "entropy")
+    policy_loss, metrics = policy_objective(column(rows, plan, "logp"), entropy, pol.mask, spec.policy, pol)
+    loss = loss + policy_loss
+    metrics["loss"] = loss.detach().clone()
+    return loss, metrics
+
+
+def _reference_head_loss(logits, targets, spec: LossSpec, teacher_logits, policy_given, num_items_in_batch,
+                         shift: bool, validate) -> HeadLossOutput:
+    """The plain-torch path, with the same checks and the same shift conventions."""
+    from .inputs import check_logits, check_teacher
+
+    check_logits(logits)
+    check_targets(targets, tuple(logits.shape[:-1]), spec, logits.device, shift)
+    check_teacher(tuple(logits.shape), logits.device, teacher_logits, spec, kernel=False)
+    norm = normaliser(num_items_in_batch, spec, logits.device)
+    given = {k: v for k, v in policy_given.items() if v is not None}
     if teacher_logits is not None:
         teacher_logits = teacher_logits.detach()
-    if targets is not None and targets.dtype not in (torch.int64, torch.int32):
-        targets = targets.long()  # narrow ints cannot hold ignore_index=-100 (uint8 wraps it to 156)
-    validate = validation_default() if validate is None else validate
-    given = dict(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_mask=loss_mask,
-                 importance_weights=importance_weights, sequence_ids=sequence_ids)
-    policy, policy_targets = policy_inputs(
-        spec.policy, logits.shape[:-1], targets, spec.ignore_index, num_items_in_batch, validate, given
-    )
-    vocab = logits.shape[-1]
-    if resolve_backend(backend, logits) == "reference":
-        if validate and targets is not None and bool(targets_out_of_range(targets, vocab, spec.ignore_index)):
-            raise target_range_error(targets, vocab, spec.ignore_index)
-        return reference_head_loss(
-            logits, targets, spec, teacher_logits=teacher_logits, num_items_in_batch=num_items_in_batch,
-            **{k: v for k, v in given.items() if v is not None},
-        )
-    check = RangeCheck(targets, vocab, spec.ignore_index) if validate and targets is not None else None
-    out = _triton_head_loss(
-        logits, policy_targets, teacher_logits, policy, spec, num_items_in_batch, ExecOptions(inplace_grad)
-    )
-    if check is not None:
-        check.raise_if_bad()
-    return out
-
-
-class RangeCheck:
-    """Target validation that costs one wait but no idle GPU.
-
-    The check's verdict is copied to pinned host memory and an event is recorded right after
-    it, *before* the head kernel is launched; :meth:`raise_if_bad`, called once everything is
-    launched, waits for that event only, so the GPU runs the head kernel while the host waits.
-    The kernel never reads out of bounds meanwhile (such rows come out NaN).
-    """
-
-    def __init__(self, targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
-        self.args = (targets, vocab, ignore_index)
-        bad = targets_out_of_range(targets, vocab, ignore_index)
-        if targets.is_cuda:
-            self.verdict = torch.empty((), dtype=torch.bool, pin_memory=True)
-            self.verdict.copy_(bad, non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record()
-        else:
-            self.verdict, self.ready = bad, None
-
-    def raise_if_bad(self) -> None:
-        if self.ready is not None:
-            self.ready.synchronize()
-        if bool(self.verdict):
-            raise target_range_error(*self.args)
+    if shift:
+        rows_per_seq = logits.shape[1]
+        keep = targets.shape[1]
+        if keep == rows_per_seq:  # HF labels: row t against labels[:, t + 1]
+            targets = pad_shifted(targets, rows_per_seq, spec.ignore_index)
+        else:  # completion ids: the first T - 1 rows
+            logits = logits[:, :keep]
+            if teacher_logits is not None:
+                teacher_logits = teacher_logits[:, :keep]
+    token_shape = tuple(logits.shape[:-1]) if targets is None else tuple(targets.shape)
+    policy_inputs(spec.policy, token_shape, targets, spec.ignore_index, norm.as_torch(), validation_mode(validate),
+                  policy_given)  # the same input errors as the kernel path
+    return reference_head_loss(logits, targets, spec, teacher_logits=teacher_logits,
+                               num_items_in_batch=norm.as_torch(), validate=validation_mode(validate), **given)
 
 
 class HeadLoss(torch.nn.Module):
@@ -140,7 +197,7 @@ class HeadLoss(torch.nn.Module):
         spec: SpecLike | None = None,
         *,
         inplace_grad: bool = False,
-        validate: bool | None = None,
+        validate: Validate = None,
         backend: Backend = "auto",
     ) -> None:
         super().__init__()
@@ -149,253 +206,214 @@ class HeadLoss(torch.nn.Module):
         self.validate = validate
         self.backend = backend
 
-    def forward(
-        self,
-        logits: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        **inputs: Any,
-    ) -> HeadLossOutput:
-        """``inputs``: the per-call inputs of :func:`head_loss` (teacher_logits, num_items_in_batch, ...)."""
-        return head_loss(
-            logits, targets, self.spec,
-            **inputs,
-            inplace_grad=self.inplace_grad,
-            validate=self.validate,
-            backend=self.backend,
-        )
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor | None = None, **inputs: Any) -> HeadLossOutput:
+        """``inputs``: the per-call inputs of :func:`head_loss` (teacher_logits, num_items_in_batch, shift, ...)."""
+        return head_loss(logits, targets, self.spec, **inputs, inplace_grad=self.inplace_grad,
+                         validate=self.validate, backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"spec={self.spec!r}"
 
 
-# --- checks -----------------------------------------------------------------------------------
+# --- the fused lm_head -------------------------------------------------------------------------------
 
 
-def check_inputs(
-    logits: Any,
-    targets: Any,
-    spec: LossSpec,
-    num_items_in_batch: Any = None,
-) -> None:
-    """Shape, dtype and device checks; no device data is read."""
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits: expected a torch.Tensor, got {type(logits).__name__}")
-    if not logits.is_floating_point():
-        raise TypeError(f"logits: expected a floating dtype (float32, bfloat16, float16), got {logits.dtype}")
-    if logits.dim() not in (2, 3):
-        raise ValueError(f"logits: expected [N, V] or [B, T, V], got shape {tuple(logits.shape)}")
-    if logits.shape[-1] == 0:
-        raise ValueError("logits: the vocabulary dimension V is 0")
-    if logits.stride(-1) != 1 and logits.shape[-1] > 1:
-        raise ValueError(
-            f"logits: the vocabulary dimension must have stride 1, got strides {logits.stride()}; "
-            "pass logits.contiguous()"
-        )
-    if targets is None:
-        if spec.needs_targets:
-            compile_plan(spec, has_targets=False)  # raises, naming what needs them
-    else:
-        if not isinstance(targets, torch.Tensor):
-            raise TypeError(f"targets: expected a torch.Tensor, got {type(targets).__name__}")
-        if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-            raise TypeError(f"targets: expected an integer dtype, got {targets.dtype}")
-        if tuple(targets.shape) != tuple(logits.shape[:-1]):
-            raise ValueError(
-                f"targets: shape {tuple(targets.shape)} does not match logits {tuple(logits.shape)} "
-                f"(expected {tuple(logits.shape[:-1])})"
-            )
-        if targets.device != logits.device:
-            raise ValueError(f"targets: on {targets.device}, logits on {logits.device}")
-    if num_items_in_batch is not None:
-        if spec.reduction != "mean":
-            raise ValueError(
-                f"num_items_in_batch: only valid with reduction='mean', spec has reduction={spec.reduction!r}"
-            )
-        if isinstance(num_items_in_batch, torch.Tensor):
-            if num_items_in_batch.numel() != 1:
-                raise ValueError(
-                    f"num_items_in_batch: expected one element, got shape {tuple(num_items_in_batch.shape)}"
-                )
-        elif not isinstance(num_items_in_batch, (int, float)) or not num_items_in_batch > 0:
-            raise ValueError(f"num_items_in_batch: expected a positive number or tensor, got {num_items_in_batch!r}")
+def linear_head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor | None = None,
+    spec: SpecLike | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    shift: bool = False,
+    teacher_logits: torch.Tensor | None = None,
+    teacher_hidden: torch.Tensor | None = None,
+    teacher_weight: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    loss_mask: torch.Tensor | None = None,
+    importance_weights: torch.Tensor | None = None,
+    sequence_ids: torch.Tensor | None = None,
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    fp32_weight_grad: bool = False,
+    compact: bool = True,
+    validate: Validate = None,
+    backend: Backend = "auto",
+) -> HeadLossOutput:
+    """:func:`head_loss` of ``hidden @ weight.T + bias`` without materialising the logits.
 
+    Rows are processed in chunks whose logits fit ``chunk_bytes``. Per chunk (fused mode): one
+    cuBLAS GEMM for the logits, the spec's kernel in place on them (per-row outputs and the
+    logits' gradient), then ``dh_c = g_c @ W`` and ``dW += g_c.T @ h_c``: the 3 GEMMs of a plain
+    lm_head forward + backward plus ~3 chunk-sized passes of the kernel. Backward only scales dh,
+    dW, db by d loss. In deferred mode (``reduction="none"``, differentiable outputs) backward
+    recomputes the logits per chunk: 4 GEMMs.
 
-def check_teacher(logits: torch.Tensor, teacher_logits: Any, spec: LossSpec) -> None:
-    """teacher_logits must come with a distillation term, and look like the student's logits."""
-    if spec.distillation is None:
-        if teacher_logits is not None:
-            raise ValueError("teacher_logits: given, but the spec has no distillation term")
-        return
-    if teacher_logits is None:
-        raise ValueError("teacher_logits: required by distillation but not given")
-    if not isinstance(teacher_logits, torch.Tensor) or not teacher_logits.is_floating_point():
-        got = getattr(teacher_logits, "dtype", type(teacher_logits).__name__)
-        raise TypeError(f"teacher_logits: expected a floating-point tensor, got {got}")
-    if teacher_logits.shape != logits.shape:
-        raise ValueError(
-            f"teacher_logits: shape {tuple(teacher_logits.shape)} does not match logits {tuple(logits.shape)}"
-        )
-    if teacher_logits.device != logits.device:
-        raise ValueError(f"teacher_logits: on {teacher_logits.device}, logits on {logits.device}")
-    if teacher_logits.stride(-1) != 1 and teacher_logits.shape[-1] > 1:
-        raise ValueError("teacher_logits: the vocabulary dimension must have stride 1; pass .contiguous()")
-    if logits.is_cuda and teacher_logits.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"teacher_logits: the kernel takes float32, bfloat16 or float16, got {teacher_logits.dtype}")
-
-
-def targets_out_of_range(targets: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
-    """Device bool: some target is outside [0, V) and is not ignore_index (no sync)."""
-    return ((targets != ignore_index) & ((targets < 0) | (targets >= vocab))).any()
-
-
-def target_range_error(targets: torch.Tensor, vocab: int, ignore_index: int) -> ValueError:
-    """The error for out-of-range targets, naming the first offender (reads device data)."""
-    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
-    where = tuple(bad.nonzero()[0].tolist())
-    return ValueError(
-        f"targets: value {int(targets[where])} at position {where} is outside [0, {vocab}) "
-        f"and is not ignore_index={ignore_index} (pass validate=False to skip this check)"
-    )
-
-
-def resolve_backend(backend: str, logits: torch.Tensor) -> str:
-    if backend not in ("auto", "triton", "reference"):
-        raise ValueError(f"backend: expected 'auto', 'triton' or 'reference', got {backend!r}")
+    Args:
+        hidden: [N, H] or [B, T, H] (fp32/bf16/fp16).
+        weight: [V, H], same dtype and device (may be tied to the input embedding).
+        targets: [N] or [B, T] ids, or None when the spec needs none.
+        bias: optional [V].
+        shift: next-token scoring as :func:`head_loss` has it: ``targets`` are the HF labels
+            [B, T] (row t against ``labels[:, t + 1]``) or completion ids [B, T - 1] (row t
+            against ``ids[:, t]``); the last row of each sequence is not scored.
+        chunk_bytes: budget for one chunk of logits (default 256 MiB, see DEFAULT_CHUNK_BYTES;
+            128 MiB where memory is tight); rows per chunk are cut to a multiple of 128 from 256
+            up. Peak extra memory is about this plus the gradients dW (V x H), dh (N x H) and
+            O(N) per-row buffers.
+        fp32_weight_grad: accumulate dW over chunks in fp32 and round once at the end (costs a
+            V x H fp32 buffer); default bf16/fp16 accumulation in the weight's dtype.
+        compact: skip ignored rows entirely (gather the others chunk by chunk); costs one host
+            sync for their count (which also reads the validation verdict). Off under CUDA-graph
+            capture and torch.compile; ``compact=False`` makes the call sync-free.
+        teacher_logits: [N, V] / [B, T, V] teacher logits for the distillation term, or instead
+            teacher_hidden [.., Ht] with teacher_weight [V, Ht] (and teacher_bias): the teacher's
+            logits are then computed chunk by chunk too (and recomputed in a deferred backward).
+        advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, sequence_ids:
+            the policy term's inputs, as in :func:`head_loss`.
+        validate, backend, num_items_in_batch: as in :func:`head_loss`.
+    """
+    if not torch.compiler.is_compiling():
+        check_pending()
+    plan = plan_for(spec, has_targets=targets is not None)
+    spec = plan.spec
+    _check_linear_inputs(hidden, weight, bias)
+    token_rows = tuple(hidden.shape[:-1])
+    check_targets(targets, token_rows, spec, hidden.device, shift, source="hidden")
+    token_shape = tuple(targets.shape) if isinstance(targets, torch.Tensor) else token_rows
+    if shift:
+        targets = pad_shifted(targets if targets.dtype in (torch.int64, torch.int32) else targets.long(),
+                              hidden.shape[1], spec.ignore_index)
+    teacher = _teacher_source(spec, token_rows, hidden, weight, teacher_logits, teacher_hidden, teacher_weight,
+                              teacher_bias)
+    norm = normaliser(num_items_in_batch, spec, hidden.device)
+    mode = validation_mode(validate)
+    given = dict(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_mask=loss_mask,
+                 importance_weights=importance_weights, sequence_ids=sequence_ids)
+    if shift and targets.shape != token_shape:  # completion ids: per-token inputs get the unscored last row
+        given = {k: _pad_last(v, k) for k, v in given.items()}
+    backend = resolve_backend(backend, hidden.device, hidden.dtype, name="hidden")
+    policy, targets = policy_inputs(spec.policy, tuple(targets.shape) if targets is not None else token_rows, targets,
+                                    spec.ignore_index, norm.as_torch(), mode, given)
     if backend == "reference":
-        return backend
-    on_kernel_device = logits.is_cuda or _INTERPRETER
-    if backend == "triton" and not on_kernel_device:
-        raise ValueError("backend: 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
-    if not on_kernel_device:
-        return "reference"
-    if logits.dtype not in KERNEL_DTYPES:
-        if backend == "triton":
-            raise TypeError(f"logits: the Triton kernel takes float32, bfloat16 or float16, got {logits.dtype}")
-        return "reference"
-    return "triton"
-
-
-# --- the kernel path ----------------------------------------------------------------------------
-
-
-def denominator(
-    spec: LossSpec,
-    valid: torch.Tensor | None,
-    rows: int,
-    num_items_in_batch: int | float | torch.Tensor | None,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n_tokens, grad_scale): non-ignored count and d loss / d token_loss, both on the device."""
-    n_tokens = valid.sum() if valid is not None else torch.full((), rows, dtype=torch.int64, device=device)
-    if spec.reduction != "mean":
-        return n_tokens, torch.ones(1, dtype=torch.float32, device=device)
-    if num_items_in_batch is None:
-        denom = n_tokens.clamp(min=1).float()
-    elif isinstance(num_items_in_batch, torch.Tensor):
-        denom = num_items_in_batch.to(device=device, dtype=torch.float32)
-    else:
-        denom = torch.full((), float(num_items_in_batch), dtype=torch.float32, device=device)
-    return n_tokens, torch.reciprocal(denom).reshape(1)
-
-
-def _triton_head_loss(
-    logits: torch.Tensor,
-    targets: torch.Tensor | None,
-    teacher_logits: torch.Tensor | None,
-    policy: PolicyInputs | None,
-    spec: LossSpec,
-    num_items_in_batch: int | float | torch.Tensor | None,
-    options: ExecOptions,
-) -> HeadLossOutput:
-    needs_grad = torch.is_grad_enabled() and logits.requires_grad
-    plan = compile_plan(
-        spec, has_targets=targets is not None, needs_grad=needs_grad,
-        has_old_logprobs=policy is not None and policy.old_logprobs is not None,
-        has_importance_weights=policy is not None and policy.importance_weights is not None,
+        return _reference_linear(hidden, weight, bias, targets, spec, teacher, given, norm, mode, token_shape)
+    rows = math.prod(token_rows)
+    elem = hidden.element_size() * (2 if teacher[1] is not None else 1)  # a computed teacher shares the budget
+    run = LinearRun(plan, chunk_rows_for(chunk_bytes, weight.shape[0], elem), fp32_weight_grad, compact, mode,
+                    tuple(targets.shape) if targets is not None else token_rows, spec.ignore_index, norm.value)
+    has_policy = policy is not None and plan.flags.HAS_POLICY
+    loss, rows_out, pred, means, scratch = LinearFunction.apply(
+        hidden.reshape(rows, hidden.shape[-1]), weight, bias, flat_targets(targets), *teacher,
+        *((policy.old_logprobs, policy.ref_logprobs, policy.advantages, policy.importance_weights, policy.weight)
+          if has_policy else (None,) * 5),
+        norm.tensor, None if policy is None else policy.sequence_ids, run,
     )
-    token_shape = logits.shape[:-1]
-    # the kernel reads targets as a dense int vector (a strided view such as labels[::2] is not)
-    flat_targets = targets.reshape(-1).contiguous() if targets is not None else None
-    valid = flat_targets != spec.ignore_index if flat_targets is not None else None
-    n_tokens, grad_scale = denominator(spec, valid, token_shape.numel(), num_items_in_batch, logits.device)
-
-    fn = DeferredHead if plan.mode == "deferred" else FusedHead
-    outs = fn.apply(logits, flat_targets, teacher_logits, policy, plan, options, grad_scale)
-    return assemble_output(spec, token_shape, outs, n_tokens, valid, flat_targets, policy)
+    loss, extra = _policy_terms(plan, loss, rows_out, means, scratch, policy)
+    out = assemble(plan, run.token_shape, loss, rows_out, pred, means, scratch, extra)
+    return _trim(out, token_shape) if token_shape != run.token_shape else out
 
 
-def assemble_output(
-    spec: LossSpec,
-    token_shape: torch.Size,
-    outs: tuple,
-    n_tokens: torch.Tensor,
-    valid: torch.Tensor | None,
-    flat_targets: torch.Tensor | None,
-    policy: PolicyInputs | None = None,
-) -> HeadLossOutput:
-    """HeadLossOutput from an autograd Function's ``(loss, *RowStats.fields())``; with a policy
-    term, its objective runs here on the differentiable per-token log-probs and entropy."""
-    loss, *fields = outs
-    stats = RowStats(*fields)
-    policy_metrics: dict[str, torch.Tensor] = {}
-    if policy is not None and stats.policy_loss is not None:  # token level: computed by the kernel
-        policy_metrics = policy_metrics_of(
-            stats.logp, stats.entropy, stats.ratio, policy.advantages, stats.kl, policy.mask, spec.policy, policy
+def _pad_last(t: torch.Tensor | None, name: str) -> torch.Tensor | None:
+    """A per-token input of completion ids [B, T - 1] padded to the rows [B, T] (advantages [B] stay)."""
+    if t is None or name == "sequence_ids" or t.dim() != 2:
+        return t
+    return F.pad(t, (0, 1))
+
+
+def _trim(out: HeadLossOutput, token_shape: tuple[int, ...]) -> HeadLossOutput:
+    """Per-token outputs over the rows [B, T] -> over the completion ids [B, T - 1]."""
+    keep = token_shape[1]
+    for name in ("predicted_tokens", "logprobs", "lse", "token_loss", "entropy"):
+        value = getattr(out, name)
+        if value is not None:
+            setattr(out, name, value[:, :keep])
+    if out.loss.dim() == 2:
+        out.loss = out.loss[:, :keep].clone()
+    return out
+
+
+def _reference_linear(hidden, weight, bias, targets, spec, teacher, given, norm, mode, token_shape) -> HeadLossOutput:
+    logits = F.linear(hidden, weight, bias)
+    t_logits, t_hidden, t_weight, t_bias = teacher
+    if t_hidden is not None:
+        t_logits = F.linear(t_hidden, t_weight, t_bias)
+    if t_logits is not None:
+        t_logits = t_logits.reshape(logits.shape)
+    given = {k: v for k, v in given.items() if v is not None}
+    out = reference_head_loss(logits, targets, spec, teacher_logits=t_logits, num_items_in_batch=norm.as_torch(),
+                              validate=mode, **given)
+    return _trim(out, token_shape) if targets is not None and tuple(targets.shape) != token_shape else out
+
+
+class LinearHeadLoss(torch.nn.Module):
+    """Module form: ``LinearHeadLoss(spec)(hidden, lm_head.weight, labels)``."""
+
+    def __init__(self, spec: SpecLike | None = None, **options: Any) -> None:
+        super().__init__()
+        self.spec = LossSpec() if spec is None else LossSpec.coerce(spec)
+        self.options = options
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor | None = None,
+                **inputs: Any) -> HeadLossOutput:
+        """``inputs``: the per-call inputs of :func:`linear_head_loss` (bias, num_items_in_batch, ...)."""
+        return linear_head_loss(hidden, weight, targets, self.spec, **self.options, **inputs)
+
+
+def _check_linear_inputs(hidden, weight, bias) -> None:
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: expected a floating dtype, got {t.dtype}")
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden: expected [N, H] or [B, T, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight: expected [V, H] with H = {hidden.shape[-1]} (hidden's last dim), got {tuple(weight.shape)}"
         )
-    elif policy is not None:  # sequence level: on the deferred mode's differentiable log-probs
-        policy_loss, policy_metrics = policy_objective(stats.logp, stats.entropy, policy.mask, spec.policy, policy)
-        loss = loss + policy_loss
-    metrics = _metrics(spec, loss, n_tokens, valid, flat_targets, stats)
-    metrics.update(policy_metrics)
-
-    def per_token(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
-        if name not in spec.outputs or value is None:
-            return None
-        value = value.reshape(token_shape)
-        return value if spec.differentiable_outputs else value.detach()
-
-    if spec.reduction == "none":
-        loss = loss.reshape(token_shape)
-    return HeadLossOutput(
-        loss=loss,
-        metrics=metrics,
-        predicted_tokens=per_token("predicted_tokens", stats.pred),
-        logprobs=per_token("logprobs", stats.logp),
-        lse=per_token("lse", stats.lse),
-        token_loss=per_token("token_loss", stats.token_loss),
-        entropy=per_token("entropy", stats.entropy),
-    )
+    if weight.shape[0] == 0:
+        raise ValueError("weight: the vocabulary dimension V is 0")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight: dtype {weight.dtype} differs from hidden's {hidden.dtype}")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight: on {weight.device}, hidden on {hidden.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {getattr(bias, 'shape', bias)}")
+        if bias.dtype != hidden.dtype or bias.device != hidden.device:
+            raise TypeError(f"bias: expected {hidden.dtype} on {hidden.device}, got {bias.dtype} on {bias.device}")
 
 
-def _metrics(
-    spec: LossSpec,
-    loss: torch.Tensor,
-    n_tokens: torch.Tensor,
-    valid: torch.Tensor | None,
-    targets: torch.Tensor | None,
-    stats: RowStats,
-) -> dict[str, torch.Tensor]:
-    """Means over non-ignored tokens, from the per-row buffers (ignored rows hold 0)."""
-    rows: dict[str, torch.Tensor] = {}
-    if stats.ce is not None:
-        rows["ce"] = stats.ce
-        if spec.cross_entropy.label_smoothing > 0:
-            rows["nll"] = -stats.logp
-    if spec.z_loss is not None:
-        rows["z_loss"] = stats.lse * stats.lse
-    if spec.entropy is not None:
-        rows["entropy"] = stats.entropy
-    if spec.token_accuracy:
-        rows["token_accuracy"] = ((stats.pred == targets) & valid).float()
-    if spec.distillation is not None:
-        rows["distill/divergence"] = stats.dstats[:, 2]
-        rows["distill/teacher_entropy"] = stats.t_entropy
-        agree = stats.pred == stats.t_pred
-        rows["distill/top1_agreement"] = (agree & valid if valid is not None else agree).float()
-    metrics = {"loss": (loss.sum() if spec.reduction == "none" else loss).detach()}
-    if rows:
-        with torch.no_grad():
-            means = torch.stack(list(rows.values())).sum(dim=1) / n_tokens.clamp(min=1)
-        metrics.update(zip(rows, means.unbind()))
-    metrics["n_tokens"] = n_tokens
-    return metrics
+def _teacher_source(spec, token_rows, hidden, weight, logits, t_hidden, t_weight, t_bias) -> tuple:
+    """Check the teacher inputs; returns (teacher_logits [N, V], teacher_hidden [N, Ht], teacher_weight,
+    teacher_bias), detached, None where absent. Errors name the argument."""
+    from .inputs import check_teacher
+
+    if t_hidden is None and (t_weight is not None or t_bias is not None):
+        raise ValueError("teacher_hidden: required with teacher_weight / teacher_bias")
+    if t_hidden is not None:
+        if logits is not None:
+            raise ValueError("teacher_logits: give either teacher_logits or teacher_hidden + teacher_weight, not both")
+        if t_weight is None:
+            raise ValueError("teacher_weight: required with teacher_hidden")
+        if spec.distillation is None:
+            raise ValueError("teacher_hidden: given, but the spec has no distillation term")
+        if tuple(t_hidden.shape[:-1]) != tuple(token_rows) or t_hidden.device != hidden.device:
+            raise ValueError(f"teacher_hidden: expected {tuple(token_rows)} + (Ht,) on {hidden.device}, "
+                             f"got {tuple(t_hidden.shape)} on {t_hidden.device}")
+        if t_weight.dim() != 2 or tuple(t_weight.shape) != (weight.shape[0], t_hidden.shape[-1]):
+            raise ValueError(f"teacher_weight: expected [V, Ht] = {(weight.shape[0], t_hidden.shape[-1])}, "
+                             f"got {tuple(t_weight.shape)}")
+        if t_weight.dtype != t_hidden.dtype or (t_bias is not None and tuple(t_bias.shape) != (t_weight.shape[0],)):
+            raise ValueError("teacher_weight: dtype must match teacher_hidden, teacher_bias shape must be [V]")
+        rows = math.prod(token_rows)
+        return (None, t_hidden.detach().reshape(rows, -1), t_weight.detach(),
+                None if t_bias is None else t_bias.detach())
+    check_teacher(tuple(token_rows) + (weight.shape[0],), hidden.device, logits, spec,
+                  kernel=hidden.dtype in KERNEL_DTYPES)
+    if logits is None:
+        return (None, None, None, None)
+    return (logits.detach().reshape(-1, logits.shape[-1]), None, None, None)

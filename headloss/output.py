@@ -1,4 +1,4 @@
-"""The one output type of every headloss entry point."""
+"""The one output type of every headloss entry point, and how the kernels' buffers become it."""
 
 from __future__ import annotations
 
@@ -6,14 +6,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .plan import KernelPlan
+
 
 @dataclass
 class HeadLossOutput:
     """What a head-loss call returns; always this type, unrequested fields are ``None``.
 
-    loss              scalar (reduction mean/sum) or per-token [N] / [B, T] (reduction none)
+    loss              scalar (reduction mean/sum) or per-token [N] / [B, T] (reduction none); a
+                      tensor of its own (never a view), so ``loss *= s`` works
     metrics           detached device scalars: ``loss``, ``n_tokens`` and, when present,
-                      ``ce``, ``nll`` (with label smoothing), ``z_loss`` (mean lse**2),
+                      ``ce``, ``nll`` (with label smoothing), ``z_loss`` (mean lse**2), ``dft``,
                       ``entropy``, ``token_accuracy``, ``distill/divergence``,
                       ``distill/teacher_entropy``, ``distill/top1_agreement`` -- means over
                       non-ignored tokens, each term unweighted -- and with a policy term TRL's
@@ -38,9 +41,50 @@ class HeadLossOutput:
     entropy: torch.Tensor | None = None
 
     def metrics_as_floats(self) -> dict[str, float]:
-        """Host copies of the metrics, for logging: one device sync for all of them."""
+        """Host copies of the metrics, for logging: one device sync for all of them (which also
+        raises any error the device-side input checks found)."""
+        from .inputs import check_pending
+
         if not self.metrics:
             return {}
         names = list(self.metrics)
         values = torch.stack([self.metrics[n].detach().double() for n in names]).cpu().tolist()
+        check_pending(wait=True)
         return dict(zip(names, values))
+
+
+def column(rows: torch.Tensor, plan: KernelPlan, name: str) -> torch.Tensor | None:
+    """One per-row value of the packed buffer (a strided view), or None when the plan has none."""
+    index = getattr(plan.cols, name)
+    return None if index < 0 else rows[:, index]
+
+
+def assemble(plan: KernelPlan, token_shape: tuple[int, ...], loss: torch.Tensor, rows: torch.Tensor,
+             pred: torch.Tensor, means: torch.Tensor, scratch: torch.Tensor,
+             extra_metrics: dict[str, torch.Tensor] | None = None) -> HeadLossOutput:
+    """HeadLossOutput from the engine's buffers: metrics are views of the column means, per-token
+    outputs views of the packed rows (differentiable in deferred mode)."""
+    spec = plan.spec
+    means = means.detach().unbind(0)
+    metrics = {"loss": means[plan.cols.N]}  # its own storage: an in-place change of the loss leaves it
+    metrics.update((name, means[getattr(plan.cols, col)]) for name, col in plan.metrics)
+    if extra_metrics:
+        metrics.update(extra_metrics)
+    metrics["n_tokens"] = scratch[0]
+
+    def per_token(name: str) -> torch.Tensor | None:
+        col = dict(plan.outputs).get(name)
+        if col is None:
+            return None
+        value = column(rows, plan, col).view(token_shape)
+        return value if spec.differentiable_outputs else value.detach()
+
+    return HeadLossOutput(
+        loss=loss,
+        metrics=metrics,
+        predicted_tokens=pred.view(token_shape) if "predicted_tokens" in spec.outputs else None,
+        logprobs=per_token("logprobs"),
+        lse=per_token("lse"),
+        token_loss=per_token("token_loss"),
+        entropy=per_token("entropy"),
+    )

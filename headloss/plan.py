@@ -1,193 +1,301 @@
-"""spec (+ which inputs are present) -> KernelPlan. The only place that maps a spec to kernel flags.
+"""spec (+ which inputs are present) -> KernelPlan. The only place that maps a spec to the kernels.
 
-A plan has two halves:
+A plan has four parts, each crossing into the kernels as one object:
 
-* ``flags`` -- structure, passed to the kernel as ``tl.constexpr``: which statistics the stats
-  pass accumulates, which per-row values are stored, whether the gradient pass runs. One
-  distinct ``flags`` value is one compiled kernel variant.
-* ``scalars`` -- values (weights, smoothing, temperature, ...), passed as runtime arguments, so
-  a new weight or temperature reuses the compiled variant.
+* ``flags``   (:class:`Flags`, ``tl.constexpr``) -- structure: which statistics the stats pass
+  accumulates, which terms the epilogue evaluates. One distinct value is one compiled variant.
+* ``cols``    (:class:`Columns`, ``tl.constexpr``) -- the per-row schema: the index of each value
+  the kernel stores in its packed ``[rows, cols.N]`` fp32 buffer (-1 when absent). Metrics are
+  column means, per-token outputs are column views.
+* ``scalars`` (:class:`Scalars`, runtime fp32) -- values (weights, smoothing, temperature, ...):
+  a new value reuses the compiled variant.
+* what the call must and may pass (``requires``, ``accepts``), the metric and output names.
+
+Whether an optional tensor (targets, teacher, policy inputs, the gradient buffer) is present is
+not a flag: the kernels test ``x is not None``, and Triton compiles one variant per presence.
+Everything here is keyed by name; the kernels read ``flags.HAS_Z``, ``cols.entropy``,
+``scalars.w_z``: there is no positional list to keep in step with another.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
-from typing import Literal
+import json
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 from .spec import LossSpec
 
 Mode = Literal["fused", "deferred"]
 
+ROW_COLUMNS: dict[str, str] = {
+    "token_loss": "combined per-token loss (before reduction)",
+    "lse": "logsumexp of the transformed logits",
+    "logp": "log p(target)",
+    "ce": "cross-entropy (with smoothing)",
+    "nll": "-log p(target) (with label smoothing, where it differs from ce)",
+    "z_loss": "lse ** 2",
+    "dft": "-sg(p(target)) * log p(target)",
+    "entropy": "entropy of the softmax",
+    "accuracy": "1 where argmax == target",
+    "divergence": "distillation divergence",
+    "teacher_entropy": "teacher entropy at the distillation temperature",
+    "agreement": "1 where the student's argmax is the teacher's",
+    "lse_s2": "student log2-normaliser at the distillation temperature (deferred backward)",
+    "lse_t2": "teacher log2-normaliser (deferred backward)",
+    "jsd_s": "KL(p || mixture) of the JSD (deferred backward)",
+    "policy_loss": "aggregation weight x per-token policy loss",
+    "ratio": "importance ratio",
+    "kl": "per-token KL estimate",
+    "clip_low": "1 where the ratio is clipped below (negative advantage)",
+    "clip_high": "1 where the ratio is clipped above (positive advantage)",
+}
+"""Every value a kernel may store per row, by name. A plan uses a subset, packed in this order."""
 
-@dataclass(frozen=True)
-class KernelFlags:
-    """Constexpr structure of one head-kernel variant (field names are the kernel's)."""
+Columns = NamedTuple("Columns", [(name, int) for name in ROW_COLUMNS] + [("N", int)])
+Columns.__doc__ = "Column of each per-row value in the packed row buffer (-1 when absent); N columns in all."
 
-    HAS_TARGETS: bool  # targets given: ignore_index masks rows, x[y] is loaded
-    HAS_CE: bool  # cross-entropy term present
+DIFFERENTIABLE_COLUMNS = ("token_loss", "lse", "logp", "entropy")
+"""Columns whose upstream gradient the deferred backward kernel folds into the gradient pass."""
+
+
+class Flags(NamedTuple):
+    """Constexpr structure of one kernel variant (read by name in the kernels)."""
+
+    REDUCTION: int  # 0 mean, 1 sum, 2 none
+    HAS_CE: bool  # cross-entropy term
     HAS_SMOOTHING: bool  # label smoothing > 0: needs sum(x)
-    HAS_Z: bool  # z-loss term present
-    HAS_ENTROPY: bool  # entropy computed: needs sum(e * x)
-    HAS_ENTROPY_GRAD: bool  # entropy carries gradient (weight != 0 or differentiable output)
-    HAS_ARGMAX: bool  # running argmax (token accuracy, predicted tokens)
-    STORE_LOGP: bool  # per-row log p(target)
+    HAS_Z: bool  # z-loss term
+    HAS_DFT: bool  # DFT term
+    HAS_ENTROPY: bool  # entropy computed: needs sum(e * x) or the gradient pass's sum(p * (lse - x))
+    ENTROPY_GRAD: bool  # entropy carries gradient (weight != 0, differentiable output, policy bonus)
+    HAS_ARGMAX: bool  # running argmax (accuracy, predicted tokens, teacher agreement)
     HAS_SOFTCAP: bool  # c * tanh(u / c) in the transform
-    FUSED_GRAD: bool  # gradient pass in the forward launch (fused mode)
-    HAS_POLICY: bool  # token-level policy objective in the epilogue (fused with the other terms)
-    HAS_OLD: bool  # old_logprobs given (else on-policy: ratio 1 with gradient)
-    HAS_IW: bool  # rollout importance weights given
+    HAS_POLICY: bool  # token-level policy objective in the epilogue (fused mode)
     KL_EST: int  # policy KL penalty: 0 none, 1 k1, 2 k2, 3 k3
     KL_IS_CORR: bool  # KL times the importance ratio
-    HAS_TEACHER: bool  # distillation: teacher logits are read in both passes
-    DISTILL_KIND: int  # 0 forward KL, 1 reverse KL, 2 mixture JSD (an extra pass)
+    DISTILL_KIND: int  # -1 none, 0 forward KL, 1 reverse KL, 2 mixture JSD (an extra pass)
     OWN_TEMP: bool  # distillation temperature != 1: the student's softmax at T_d is its own
 
-    def as_kwargs(self) -> dict[str, bool | int]:
-        """The flags as kernel keyword arguments (a fresh dict; built per launch, kept cheap)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
+class Scalars(NamedTuple):
+    """Runtime values (fp32 in the kernels): changing one never recompiles."""
 
-@dataclass(frozen=True)
-class KernelScalars:
-    """Runtime values of a plan: changing one never recompiles."""
-
-    ignore_index: int
-    w_ce: float
-    smoothing: float
-    w_z: float
-    w_entropy: float
-    logit_scale: float
-    softcap: float
-    inv_temperature: float
-    w_distill: float  # weight (x T**2 when scaled)
-    inv_distill_temp: float
-    jsd_beta: float
-    eps_low: float
-    eps_high: float
-    pol_delta: float  # inf when off
-    dual_c: float  # inf when off
-    kl_beta: float
-    entropy_coef: float
-
-
-    def as_args(self) -> tuple:
-        """The scalars in the kernels' argument order (the dataclass is declared in that order)."""
-        return tuple(getattr(self, f.name) for f in fields(self))
+    w_ce: float = 0.0
+    smoothing: float = 0.0
+    w_z: float = 0.0
+    w_dft: float = 0.0
+    w_entropy: float = 0.0
+    logit_scale: float = 1.0
+    softcap: float = 1.0
+    inv_temperature: float = 1.0
+    w_distill: float = 0.0  # weight (x T**2 when scaled)
+    inv_distill_temp: float = 1.0
+    jsd_beta: float = 0.0
+    eps_low: float = 0.0
+    eps_high: float = 0.0
+    pol_delta: float = float("inf")  # two-sided clip cap, inf when off
+    dual_c: float = float("inf")  # dual clip constant, inf when off
+    kl_beta: float = 0.0
+    entropy_coef: float = 0.0
 
 
 @dataclass(frozen=True)
 class KernelPlan:
-    """What one call runs: mode, kernel variant, runtime scalars, and what it reads and writes."""
+    """What one call runs: mode, kernel variant, per-row schema, runtime scalars, inputs, names."""
 
+    spec: LossSpec
     mode: Mode
-    flags: KernelFlags
-    scalars: KernelScalars
-    reduction: str
+    flags: Flags
+    cols: Columns
+    scalars: Scalars
+    used_scalars: tuple[str, ...]  # the scalars the spec's terms read (the rest are defaults)
     requires: tuple[str, ...]  # inputs the call must provide
+    accepts: tuple[str, ...]  # optional inputs the call may provide
+    metrics: tuple[tuple[str, str], ...]  # (metric name, column): metric = column mean over counted rows
+    outputs: tuple[tuple[str, str], ...]  # (output name, column) of the per-token float outputs
+    key: str  # JSON of what the plan was made from; plan_from_key(key) gives the plan back
 
     @property
-    def logit_passes(self) -> int:
-        """Full reads of the logits: the stats pass, plus the gradient pass when there is one."""
-        return 2 if self.flags.FUSED_GRAD or self.mode == "deferred" else 1
+    def reduction(self) -> str:
+        return self.spec.reduction
+
+    @property
+    def has_teacher(self) -> bool:
+        return self.flags.DISTILL_KIND >= 0
+
+    def logit_passes(self, with_grad: bool = True) -> int:
+        """Full reads of the logits: the stats pass, the gradient pass when there is one, and the
+        JSD's extra pass."""
+        return 1 + int(with_grad) + int(self.flags.DISTILL_KIND == 2)
 
     def traffic_bytes(self, rows: int, vocab: int, elem_bytes: int, grad_bytes: int, with_grad: bool) -> dict:
         """Bytes moved through device memory by the logits-sized streams of one fwd(+bwd) call
         (the teacher, when there is one, is read in the same passes as the student)."""
-        passes = (self.logit_passes if with_grad else 1) + (self.flags.DISTILL_KIND == 2 and self.flags.HAS_TEACHER)
-        streams = 2 if self.flags.HAS_TEACHER else 1
-        reads = passes * streams * rows * vocab * elem_bytes
+        streams = 2 if self.has_teacher else 1
+        reads = self.logit_passes(with_grad) * streams * rows * vocab * elem_bytes
         writes = rows * vocab * grad_bytes if with_grad else 0
         return {"logit_reads": reads, "grad_writes": writes, "total": reads + writes}
 
 
-@functools.lru_cache(maxsize=256)
-def compile_plan(
-    spec: LossSpec,
-    *,
-    has_targets: bool = True,
-    needs_grad: bool = True,
-    has_old_logprobs: bool = False,
-    has_importance_weights: bool = False,
-) -> KernelPlan:
-    """Map a spec to a kernel plan. Cached: the same spec and inputs give the same plan object."""
-    ce, z, ent, dist, pol = spec.cross_entropy, spec.z_loss, spec.entropy, spec.distillation, spec.policy
-    if spec.needs_targets and not has_targets:
-        wanted = [
-            name
-            for name, on in (
-                ("cross_entropy", ce is not None),
-                ("token_accuracy", spec.token_accuracy),
-                ("outputs: logprobs", "logprobs" in spec.outputs),
-                ("policy", pol is not None),
-            )
-            if on
-        ]
-        raise ValueError(f"targets: required by {', '.join(wanted)} but not given")
+def _term_scalars(spec: LossSpec) -> dict[str, dict[str, float]]:
+    """Each present term's runtime scalars, by term: the one place a term's values are read."""
+    t = spec.transform
+    out: dict[str, dict[str, float]] = {}
+    if not t.is_identity:
+        out["transform"] = {
+            "logit_scale": t.logit_scale,
+            "softcap": t.softcap if t.softcap is not None else 1.0,
+            "inv_temperature": 1.0 / t.temperature,
+        }
+    if spec.cross_entropy is not None:
+        out["cross_entropy"] = {"w_ce": spec.cross_entropy.weight, "smoothing": spec.cross_entropy.label_smoothing}
+    if spec.z_loss is not None:
+        out["z_loss"] = {"w_z": spec.z_loss.weight}
+    if spec.dft is not None:
+        out["dft"] = {"w_dft": spec.dft.weight}
+    if spec.entropy is not None:
+        out["entropy"] = {"w_entropy": spec.entropy.weight}
+    dist = spec.distillation
+    if dist is not None:
+        out["distillation"] = {
+            "w_distill": dist.weight * (dist.temperature**2 if dist.scale_by_temperature_squared else 1.0),
+            "inv_distill_temp": 1.0 / dist.temperature,
+            "jsd_beta": dist.beta,
+        }
+    pol = spec.policy
+    if pol is not None:
+        out["policy"] = {
+            "eps_low": pol.eps_low,
+            "eps_high": pol.eps_high,
+            "pol_delta": pol.delta if pol.delta is not None else float("inf"),
+            "dual_c": pol.dual_clip_c if pol.dual_clip_c is not None else float("inf"),
+            "kl_beta": pol.kl_beta,
+            "entropy_coef": pol.entropy_coef,
+        }
+    return out
 
+
+def _missing_targets_error(spec: LossSpec) -> ValueError:
+    wanted = [
+        name
+        for name, on in (
+            ("cross_entropy", spec.cross_entropy is not None),
+            ("dft", spec.dft is not None),
+            ("token_accuracy", spec.token_accuracy),
+            ("outputs: logprobs", "logprobs" in spec.outputs),
+            ("policy", spec.policy is not None),
+        )
+        if on
+    ]
+    return ValueError(f"targets: required by {', '.join(wanted)} but not given")
+
+
+@functools.lru_cache(maxsize=256)
+def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
+    """Map a spec to a kernel plan. Cached: the same spec and inputs give the same plan object."""
+    if spec.needs_targets and not has_targets:
+        raise _missing_targets_error(spec)
+    ce, dist, pol = spec.cross_entropy, spec.distillation, spec.policy
     # a token-level policy objective is row-local: the kernel's epilogue computes it (fused mode).
     # Sequence-level ratios need other rows: the objective runs in torch on the deferred mode's
     # per-token log-probs, whose gradient the backward kernel turns into the logits' gradient
     sequence_policy = pol is not None and pol.importance_sampling == "sequence"
     deferred = spec.reduction == "none" or spec.differentiable_outputs or sequence_policy
     fused_policy = pol is not None and not deferred
-    wants_entropy = ent is not None or "entropy" in spec.outputs or pol is not None
+    wants_entropy = spec.entropy is not None or "entropy" in spec.outputs or pol is not None
     entropy_grad = wants_entropy and (
-        (ent is not None and ent.weight != 0.0)
+        (spec.entropy is not None and spec.entropy.weight != 0.0)
         or (spec.differentiable_outputs and "entropy" in spec.outputs)
         or (pol is not None and pol.entropy_coef != 0.0)
     )
-    flags = KernelFlags(
-        HAS_TARGETS=has_targets,
+    flags = Flags(
+        REDUCTION=("mean", "sum", "none").index(spec.reduction),
         HAS_CE=ce is not None,
         HAS_SMOOTHING=ce is not None and ce.label_smoothing > 0.0,
-        HAS_Z=z is not None,
+        HAS_Z=spec.z_loss is not None,
+        HAS_DFT=spec.dft is not None,
         HAS_ENTROPY=wants_entropy,
-        HAS_ENTROPY_GRAD=entropy_grad,
-        # with a teacher the argmax feeds the teacher-agreement metric
+        ENTROPY_GRAD=entropy_grad,
         HAS_ARGMAX=spec.token_accuracy or "predicted_tokens" in spec.outputs or dist is not None,
-        STORE_LOGP=has_targets and (ce is not None or "logprobs" in spec.outputs or pol is not None),
         HAS_SOFTCAP=spec.transform.softcap is not None,
-        FUSED_GRAD=needs_grad and not deferred,
         HAS_POLICY=fused_policy,
-        HAS_OLD=fused_policy and has_old_logprobs,
-        HAS_IW=fused_policy and has_importance_weights,
         KL_EST=("k1", "k2", "k3").index(pol.kl_estimator) + 1 if fused_policy and pol.kl_beta != 0.0 else 0,
         KL_IS_CORR=fused_policy and pol.kl_importance_correction,
-        HAS_TEACHER=dist is not None,
-        DISTILL_KIND=dist.kind if dist is not None else 0,
+        DISTILL_KIND=dist.kind if dist is not None else -1,
         OWN_TEMP=dist is not None and dist.temperature != 1.0,
     )
-    t = spec.transform
-    scalars = KernelScalars(
-        ignore_index=spec.ignore_index,
-        w_ce=ce.weight if ce is not None else 0.0,
-        smoothing=ce.label_smoothing if ce is not None else 0.0,
-        w_z=z.weight if z is not None else 0.0,
-        w_entropy=ent.weight if ent is not None else 0.0,
-        logit_scale=t.logit_scale,
-        softcap=t.softcap if t.softcap is not None else 1.0,
-        inv_temperature=1.0 / t.temperature,
-        w_distill=(dist.weight * (dist.temperature**2 if dist.scale_by_temperature_squared else 1.0))
-        if dist is not None else 0.0,
-        inv_distill_temp=1.0 / dist.temperature if dist is not None else 1.0,
-        jsd_beta=dist.beta if dist is not None else 0.0,
-        eps_low=pol.eps_low if pol is not None else 0.0,
-        eps_high=pol.eps_high if pol is not None else 0.0,
-        pol_delta=pol.delta if pol is not None and pol.delta is not None else float("inf"),
-        dual_c=pol.dual_clip_c if pol is not None and pol.dual_clip_c is not None else float("inf"),
-        kl_beta=pol.kl_beta if pol is not None else 0.0,
-        entropy_coef=pol.entropy_coef if pol is not None else 0.0,
+    present = {
+        "token_loss": True,
+        "lse": True,
+        "logp": has_targets and ("logprobs" in spec.outputs or pol is not None),
+        "ce": flags.HAS_CE,
+        "nll": flags.HAS_SMOOTHING,
+        "z_loss": flags.HAS_Z,
+        "dft": flags.HAS_DFT,
+        "entropy": wants_entropy,
+        "accuracy": spec.token_accuracy,
+        **{name: dist is not None for name in ("divergence", "teacher_entropy", "agreement", "lse_s2", "lse_t2",
+                                               "jsd_s")},
+        **{name: fused_policy for name in ("policy_loss", "ratio", "clip_low", "clip_high")},
+        "kl": flags.KL_EST != 0,
+    }
+    packed = [name for name in ROW_COLUMNS if present[name]]
+    cols = Columns(**{name: packed.index(name) if name in packed else -1 for name in ROW_COLUMNS}, N=len(packed))
+
+    metric_columns = {
+        "ce": "ce", "nll": "nll", "z_loss": "z_loss", "dft": "dft", "token_accuracy": "accuracy",
+        "distill/divergence": "divergence", "distill/teacher_entropy": "teacher_entropy",
+        "distill/top1_agreement": "agreement",
+    }
+    if spec.entropy is not None or pol is not None:
+        metric_columns["entropy"] = "entropy"
+    if fused_policy:
+        metric_columns.update({"clip_ratio/low_mean": "clip_low", "clip_ratio/high_mean": "clip_high",
+                               "ratio/mean": "ratio", "logprob/mean": "logp", "kl": "kl"})
+    metrics = tuple((name, col) for name, col in metric_columns.items() if getattr(cols, col) >= 0)
+    outputs = tuple(
+        (name, col) for name, col in (("logprobs", "logp"), ("lse", "lse"), ("token_loss", "token_loss"),
+                                      ("entropy", "entropy"))
+        if name in spec.outputs
     )
+
+    term_scalars = _term_scalars(spec)
+    used = {name: value for values in term_scalars.values() for name, value in values.items()}
     requires = ("logits", "targets") if spec.needs_targets else ("logits",)
+    accepts: tuple[str, ...] = () if spec.needs_targets else ("targets",)
     if dist is not None:
         requires += ("teacher_logits",)
     if pol is not None:
         requires += ("advantages",) + (("ref_logprobs",) if pol.kl_beta != 0.0 else ())
-    return KernelPlan(
+        accepts += ("old_logprobs", "loss_mask", "importance_weights", "sequence_ids")
+    if spec.reduction == "mean":
+        accepts += ("num_items_in_batch",)
+    key = json.dumps({"spec": spec.to_dict(), "has_targets": has_targets}, sort_keys=True)
+    plan = KernelPlan(
+        spec=spec,
         mode="deferred" if deferred else "fused",
         flags=flags,
-        scalars=scalars,
-        reduction=spec.reduction,
+        cols=cols,
+        scalars=Scalars(**used),
+        used_scalars=tuple(used),
         requires=requires,
+        accepts=accepts,
+        metrics=metrics,
+        outputs=outputs,
+        key=key,
     )
+    _BY_KEY[key] = plan
+    return plan
+
+
+_BY_KEY: dict[str, KernelPlan] = {}
+
+
+def plan_from_key(key: str) -> KernelPlan:
+    """The plan a key was made from (the custom ops carry plans as keys)."""
+    plan = _BY_KEY.get(key)
+    if plan is None:
+        made_from = json.loads(key)
+        plan = compile_plan(LossSpec.model_validate(made_from["spec"]), has_targets=made_from["has_targets"])
+    return plan

@@ -1,7 +1,7 @@
 """The GRPO family of policy objectives: inputs, aggregation, the sequence-level objective, metrics.
 
 Token-level importance ratios make the objective row-local: the head kernel's epilogue computes it
-(headloss/kernels/policy.py) in fused mode, from the row's log p(target), with the aggregation
+(``policy_values`` in headloss/kernels/terms.py) in fused mode, from the row's log p(target), with the aggregation
 given as per-token weights (:func:`aggregation_weights`). Sequence-level ratios (GSPO) need the
 whole sequence: then the deferred mode's stats pass gives each token's ``logp`` (and entropy),
 :func:`policy_objective` runs here in torch on them (O(tokens)), and the backward kernel turns
@@ -24,14 +24,13 @@ counts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from .kernels.head import PolicyRows
 from .spec import Policy
-
-POLICY_ROW_FIELDS = ("old_logprobs", "ref_logprobs", "advantages", "importance_weights", "weight")
-"""The per-row tensors the kernel's policy epilogue reads, in its argument order."""
 
 
 @dataclass
@@ -49,21 +48,14 @@ class PolicyInputs:
     num_items_in_batch: float | torch.Tensor | None
     mask: torch.Tensor | None = None  # (N,) fp32, 1 where a token counts
     weight: torch.Tensor | None = None  # (N,) fp32 aggregation weight (aggregation_weights)
+    sequence_ids: torch.Tensor | None = None  # (N,) as given, for the device-side range check
 
-
-@dataclass
-class PolicyRows:
-    """The kernel's per-row policy inputs for a subset of rows (a chunk of the fused lm_head)."""
-
-    old_logprobs: torch.Tensor | None
-    ref_logprobs: torch.Tensor | None
-    advantages: torch.Tensor | None
-    importance_weights: torch.Tensor | None
-    weight: torch.Tensor | None
-
-    @classmethod
-    def select(cls, inp: PolicyInputs, pick) -> PolicyRows:
-        return cls(*(None if getattr(inp, f) is None else pick(getattr(inp, f)) for f in POLICY_ROW_FIELDS))
+    def rows(self, pick=None) -> PolicyRows:
+        """The kernel's per-row inputs (of the rows ``pick`` selects, e.g. a chunk)."""
+        pick = pick or (lambda t: t)
+        opt = lambda t: None if t is None else pick(t)  # noqa: E731
+        return PolicyRows(old=opt(self.old_logprobs), ref=opt(self.ref_logprobs), adv=pick(self.advantages),
+                          iw=opt(self.importance_weights), weight=pick(self.weight))
 
 
 def _seq_sum(values: torch.Tensor, seq: torch.Tensor, n_seq: int) -> torch.Tensor:
@@ -160,12 +152,23 @@ def policy_metrics_of(
         if kl is not None:
             names.append("kl")
             rows.append(kl.detach())
-        masked = torch.stack(rows) * mask
         count = mask.sum()
-        means = masked.sum(dim=1) / count.clamp(min=1.0)
-        # per-sequence clipped fractions: one index_add over both rows
+        means = (torch.stack(rows) * mask).sum(dim=1) / count.clamp(min=1.0)
+    out = dict(zip(names, means.float().unbind()))
+    out.update(policy_extremes(out, ratio, low, high, mask, count, inp))
+    return out
+
+
+def policy_extremes(means: dict[str, torch.Tensor], ratio, low, high, mask, count, inp: PolicyInputs
+                    ) -> dict[str, torch.Tensor]:
+    """The metrics that are not token means: each sequence's clipped fractions (their min / max),
+    the ratio's min / max over counted tokens, the clipped region; ratio/mean is 1 (not 0) when no
+    token counts. ``means`` holds the token means (from the kernel's columns or from torch)."""
+    with torch.no_grad():
+        ratio = ratio.detach()
+        # per-sequence clipped fractions: one index_add over both indicators
         per_seq = torch.zeros(3, inp.n_slots, dtype=mask.dtype, device=mask.device).index_add_(
-            1, inp.seq, torch.stack([masked[0], masked[1], mask])
+            1, inp.seq, torch.stack([low * mask, high * mask, mask])
         )
         has_tokens = per_seq[2] > 0
         frac = per_seq[:2] / per_seq[2].clamp(min=1.0)
@@ -177,32 +180,32 @@ def policy_metrics_of(
             extremes = torch.stack([
                 torch.where(has_tokens, frac[0], big).amin(),
                 torch.where(has_tokens, frac[1], -big).amax(),
-                torch.where(keep, ratio.detach(), big).amin(),
-                torch.where(keep, ratio.detach(), -big).amax(),
+                torch.where(keep, ratio, big).amin(),
+                torch.where(keep, ratio, -big).amax(),
             ])
             extremes = torch.where(count > 0, extremes, defaults)  # nothing counted: never +-inf
         else:
             extremes = defaults
-        means[2] = torch.where(count > 0, means[2], 1.0)
-    out = dict(zip(names, means.float().unbind()))
-    out.update(zip(["clip_ratio/low_min", "clip_ratio/high_max", "ratio/min", "ratio/max"], extremes.float().unbind()))
-    out["clip_ratio/region_mean"] = out["clip_ratio/low_mean"] + out["clip_ratio/high_mean"]
+    out = dict(zip(["clip_ratio/low_min", "clip_ratio/high_max", "ratio/min", "ratio/max"], extremes.float().unbind()))
+    out["clip_ratio/region_mean"] = means["clip_ratio/low_mean"] + means["clip_ratio/high_mean"]
+    out["ratio/mean"] = torch.where(count > 0, means["ratio/mean"], 1.0)
     return out
 
 
 def policy_inputs(
     spec_policy: Policy | None,
-    token_shape: torch.Size,
+    token_shape: tuple[int, ...],
     targets: torch.Tensor | None,
     ignore_index: int,
     num_items_in_batch: float | torch.Tensor | None,
-    validate: bool,
+    validate: str,
     given: dict[str, torch.Tensor | None],
 ) -> tuple[PolicyInputs | None, torch.Tensor | None]:
     """Check and flatten the policy term's per-call inputs; returns (inputs, effective targets).
 
     Tokens outside ``loss_mask`` become ``ignore_index`` in the effective targets, so the kernel
-    skips them and every term sees the same mask. Errors name the offending argument.
+    skips them and every term sees the same mask. Errors name the offending argument. No device
+    value is read: sequence_ids in range is checked on the device with the targets (``validate``).
     """
     present = {k: v for k, v in given.items() if v is not None}
     if spec_policy is None:
@@ -214,7 +217,7 @@ def policy_inputs(
     if spec_policy.kl_beta != 0.0 and "ref_logprobs" not in present:
         raise ValueError("ref_logprobs: required by policy.kl_beta > 0 but not given")
     device = targets.device
-    rows = token_shape.numel()
+    rows = math.prod(token_shape)
     for name in ("old_logprobs", "ref_logprobs", "loss_mask", "importance_weights"):
         t = present.get(name)
         if t is None:
@@ -224,6 +227,7 @@ def policy_inputs(
             raise ValueError(f"{name}: expected shape {tuple(token_shape)} (like targets), got {got}")
         if t.device != device:
             raise ValueError(f"{name}: on {t.device}, targets on {device}")
+    sequence_ids = None
     if len(token_shape) == 2:
         batch, seq_len = token_shape
         seq = torch.arange(batch, device=device).repeat_interleave(seq_len)
@@ -233,14 +237,21 @@ def policy_inputs(
     else:
         if "sequence_ids" not in present:
             raise ValueError("sequence_ids: required by policy for [N, V] logits (the sequence of each row)")
-        seq = present["sequence_ids"]
-        if tuple(seq.shape) != (rows,) or seq.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"sequence_ids: expected integer shape ({rows},), got {seq.dtype} {tuple(seq.shape)}")
-        if validate and rows and bool(((seq < 0) | (seq >= rows)).any()):
+        sequence_ids = present["sequence_ids"]
+        if (not isinstance(sequence_ids, torch.Tensor) or tuple(sequence_ids.shape) != (rows,)
+                or sequence_ids.dtype not in (torch.int64, torch.int32)):
+            got = f"{sequence_ids.dtype} {tuple(sequence_ids.shape)}" if isinstance(sequence_ids, torch.Tensor) \
+                else type(sequence_ids).__name__
+            raise ValueError(f"sequence_ids: expected integer shape ({rows},), got {got}")
+        if sequence_ids.device != device:
+            raise ValueError(f"sequence_ids: on {sequence_ids.device}, targets on {device}")
+        if validate != "off" and device.type == "cpu" and rows and bool(
+            ((sequence_ids < 0) | (sequence_ids >= rows)).any()
+        ):
             raise ValueError(f"sequence_ids: values must lie in [0, {rows})")
-        seq = seq.long().clamp(0, max(rows - 1, 0))
+        seq = sequence_ids.long().clamp(0, max(rows - 1, 0))
         n_slots = rows
-        counts = torch.bincount(seq, minlength=rows)
+        counts = torch.zeros(rows, dtype=torch.int64, device=device).index_add_(0, seq, torch.ones_like(seq))
         n_seq = (counts > 0).sum()
         seq_len = counts.max() if rows else 0
     advantages = present["advantages"]
@@ -272,7 +283,8 @@ def policy_inputs(
         n_seq=n_seq,
         seq_len=seq_len,
         num_items_in_batch=num_items_in_batch,
+        sequence_ids=sequence_ids,
     )
-    inputs.mask = mask.reshape(-1).float()
+    inputs.mask = flat_mask.float()
     inputs.weight = aggregation_weights(inputs.mask, spec_policy, inputs)
     return inputs, torch.where(mask, targets, ignore_index)

@@ -12,6 +12,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .engine import guard_second_backward
+from .inputs import Normaliser, raise_if_bad
 from .output import HeadLossOutput
 from .spec import LossSpec
 
@@ -33,10 +35,19 @@ def reference_head_loss(
     teacher_logits: torch.Tensor | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
+    validate: str = "off",
     **policy_inputs: torch.Tensor,
 ) -> HeadLossOutput:
     """Reference for :func:`headloss.head_loss`; math in ``compute_dtype`` (default: fp32,
-    or fp64 for fp64 logits). Gradients flow through autograd to ``logits``."""
+    or fp64 for fp64 logits). Gradients flow through autograd to ``logits``.
+
+    ``validate`` (async / sync / off, as headloss.inputs.validation_mode gives it): check targets
+    and num_items_in_batch values; the reference reads them on the host (under torch.compile, a
+    device-side assert). Like the kernel path, a loss whose plan runs the fused mode takes one
+    backward: a second one (retain_graph=True) raises the same error."""
+    if validate != "off" and targets is not None:
+        _check_values(targets, logits.shape[-1], spec.ignore_index, num_items_in_batch,
+                      policy_inputs.get("sequence_ids"))
     if compute_dtype is None:
         compute_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     token_shape = logits.shape[:-1]
@@ -73,6 +84,12 @@ def reference_head_loss(
     if spec.z_loss is not None:
         per_term["z_loss"] = lse**2
         token_loss = token_loss + spec.z_loss.weight * lse**2
+    if spec.dft is not None:
+        # dynamic fine-tuning: the target's log-prob weighted by its own probability, held constant
+        logp_target = torch.where(valid, logp_all.gather(-1, y[:, None])[:, 0] + nan_if_bad, 0.0)
+        dft = -logp_target.detach().exp() * logp_target
+        per_term["dft"] = dft
+        token_loss = token_loss + spec.dft.weight * dft
     entropy = None
     if spec.entropy is not None or "entropy" in spec.outputs:
         probs = logp_all.exp()
@@ -136,8 +153,13 @@ def reference_head_loss(
             value = value.to(out_dtype)
         return value if spec.differentiable_outputs else value.detach()
 
+    loss = loss.to(out_dtype)
+    fused_mode = not (spec.reduction == "none" or spec.differentiable_outputs
+                      or (spec.policy is not None and spec.policy.importance_sampling == "sequence"))
+    if fused_mode and loss.requires_grad:
+        loss = _OneBackward.apply(loss)
     return HeadLossOutput(
-        loss=loss.to(out_dtype),
+        loss=loss,
         metrics={k: (v.to(out_dtype) if v.is_floating_point() else v) for k, v in metrics.items()},
         predicted_tokens=per_token("predicted_tokens", pred),
         logprobs=per_token("logprobs", logp_y),
@@ -145,6 +167,49 @@ def reference_head_loss(
         token_loss=per_token("token_loss", token_loss),
         entropy=per_token("entropy", torch.where(valid, entropy, 0.0)) if entropy is not None else None,
     )
+
+
+class _OneBackward(torch.autograd.Function):
+    """The kernel path's fused mode computes its gradient once, in forward: a second backward
+    through its loss raises. The reference keeps the same promise (headloss.engine's guard)."""
+
+    @staticmethod
+    def forward(ctx, loss):
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, d_loss):
+        guard_second_backward(ctx)
+        return d_loss
+
+
+def _check_values(targets, vocab: int, ignore_index: int, num_items, sequence_ids) -> None:
+    """The kernel path's device-side checks, on the host (the reference syncs freely), or as a
+    device-side assert under torch.compile."""
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+    bad_items = None
+    if isinstance(num_items, torch.Tensor):
+        n = num_items.reshape(()).double()
+        bad_items = ~((n > 0) & (n < float("inf")))
+    bad_ids = None
+    if sequence_ids is not None and sequence_ids.numel():
+        bad_ids = ((sequence_ids < 0) | (sequence_ids >= sequence_ids.numel())).any()
+    if torch.compiler.is_compiling():
+        ok = ~bad.any()
+        for flag in (bad_items, bad_ids):
+            if flag is not None:
+                ok = ok & ~flag
+        torch._assert_async(ok, "headloss: a target outside [0, V), a num_items_in_batch that is not positive, "
+                                "or a sequence id out of range")
+        return
+    where = -1
+    value = 0
+    if bool(bad.any()):
+        where = int(bad.reshape(-1).nonzero()[0, 0])
+        value = int(targets.reshape(-1)[where])
+    flags = [int(bool(f)) if f is not None else 0 for f in (bad_items, bad_ids)]
+    raise_if_bad([where, value, *flags], tuple(targets.shape), vocab, ignore_index,
+                 Normaliser(0.0, num_items if isinstance(num_items, torch.Tensor) else None))
 
 
 def _distillation(x: torch.Tensor, teacher: torch.Tensor, spec: LossSpec) -> tuple[torch.Tensor, dict]:

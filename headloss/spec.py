@@ -8,8 +8,9 @@ Conventions (x is the transformed logit row, see :class:`LogitTransform`; lse = 
 * cross-entropy      ce   = (1 - eps) * (lse - x[y]) + eps * (lse - mean(x))
 * z-loss             z    = lse ** 2
 * entropy            H    = lse - sum(softmax(x) * x)
+* DFT                dft  = -sg(p[y]) * log p[y]   (cross-entropy scaled by the detached target probability)
 * distillation       D    = KL / JSD between student and teacher at temperature T_d
-* per-token loss     L    = w_ce * ce + w_z * z + w_H * H + w_D * D   (0 at ignored positions)
+* per-token loss     L    = w_ce * ce + w_z * z + w_dft * dft + w_H * H + w_D * D   (0 at ignored positions)
 * policy (GRPO)      a clipped surrogate on log p(target), aggregated by its own loss_type and
                      added to the reduced loss (see :class:`Policy`)
 * reduction          mean: sum(L) / (non-ignored tokens, or num_items_in_batch if given)
@@ -47,6 +48,14 @@ class ZLoss(_Frozen):
     """z-loss (PaLM): weight * lse**2, keeps the softmax normaliser near 1."""
 
     weight: float = Field(1e-4, ge=0.0, description="weight of lse**2 in the combined loss")
+
+
+class DFT(_Frozen):
+    """Dynamic fine-tuning (Wu et al. 2025; TRL SFT ``loss_type="dft"``, Liger ``use_token_scaling``):
+    per-token loss ``-sg(p[y]) * log p[y]``, the cross-entropy scaled by the target's detached
+    probability. Its gradient is the cross-entropy's times ``p[y]``."""
+
+    weight: float = Field(1.0, ge=0.0, description="weight of the term in the combined loss")
 
 
 class Entropy(_Frozen):
@@ -155,6 +164,7 @@ class LossSpec(_Frozen):
 
     cross_entropy: CrossEntropy | None = CrossEntropy()
     z_loss: ZLoss | None = None
+    dft: DFT | None = None
     entropy: Entropy | None = None
     distillation: Distillation | None = None
     policy: Policy | None = None
@@ -181,7 +191,8 @@ class LossSpec(_Frozen):
     def _something_requested(self) -> LossSpec:
         if not (self.terms or self.token_accuracy or self.outputs):
             raise ValueError(
-                "nothing requested: give at least one term (cross_entropy, z_loss, entropy, distillation, policy), "
+                "nothing requested: give at least one term (cross_entropy, z_loss, dft, entropy, distillation, "
+                "policy), "
                 "token_accuracy: true, or an entry in outputs"
             )
         if self.reduction == "none" and not self.terms:
@@ -193,11 +204,12 @@ class LossSpec(_Frozen):
     # --- derived facts ---------------------------------------------------------------------
 
     @property
-    def terms(self) -> dict[str, CrossEntropy | ZLoss | Entropy | Distillation | Policy]:
+    def terms(self) -> dict[str, CrossEntropy | ZLoss | DFT | Entropy | Distillation | Policy]:
         """The present loss terms by name, in a fixed order."""
         named = {
             "cross_entropy": self.cross_entropy,
             "z_loss": self.z_loss,
+            "dft": self.dft,
             "entropy": self.entropy,
             "distillation": self.distillation,
             "policy": self.policy,
@@ -208,6 +220,7 @@ class LossSpec(_Frozen):
     def needs_targets(self) -> bool:
         return (
             self.cross_entropy is not None
+            or self.dft is not None
             or self.token_accuracy
             or "logprobs" in self.outputs
             or self.policy is not None
@@ -230,15 +243,18 @@ class LossSpec(_Frozen):
     def from_file(cls, path: str | Path) -> LossSpec:
         """Load from ``.yaml``/``.yml`` or ``.json``."""
         path = Path(path)
-        text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text)
-        elif path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise ValueError(f"path: unknown spec file type {path.suffix!r} (use .yaml, .yml or .json)")
+        if path.suffix not in (".yaml", ".yml", ".json"):
+            raise ValueError(f"path: unknown spec file type {path.suffix!r} ({path}); use .yaml, .yml or .json")
+        try:
+            text = path.read_text()
+        except OSError as error:  # same exception type, with the path and the role of the file
+            raise type(error)(f"{path}: cannot read the spec file ({error.strerror or error})") from None
+        data = _parse_spec_text(path, text)
         if data is None:
-            data = {}
+            raise ValueError(
+                f"{path}: the file holds no spec (it is empty or only comments); "
+                "write {} for the default spec (mean cross-entropy)"
+            )
         if not isinstance(data, dict):
             raise ValueError(f"{path}: a spec file holds a mapping, got {type(data).__name__}")
         return cls.model_validate(data)
@@ -251,3 +267,23 @@ class LossSpec(_Frozen):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _parse_spec_text(path: Path, text: str) -> Any:
+    """YAML or JSON text -> data (None for an empty or comment-only file); syntax errors name the
+    file and the line."""
+    if path.suffix == ".json":
+        if not text.strip():
+            return None
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as error:
+            where = f"line {error.lineno}, column {error.colno}"
+            raise ValueError(f"{path}: invalid JSON at {where}: {error.msg}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"{path}: invalid YAML{where}: {problem}") from None

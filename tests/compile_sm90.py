@@ -1,98 +1,172 @@
-"""Compile the head kernels for sm_90 (Hopper) on a machine without a GPU.
+"""Compile the kernels that real calls launch for sm_90 (Hopper), on a machine without a GPU.
 
-Run as a script with TRITON_INTERPRET unset (tests/test_compile_sm90.py does): Triton's real
-front end and backend, down to PTX, for each variant; prints {variant: ptx} as JSON.
+Run as a script with TRITON_INTERPRET unset (tests/test_compile_sm90.py does). Every kernel launch
+of a set of real ``head_loss`` / ``linear_head_loss`` calls on CPU tensors is intercepted: its
+keyword arguments (named tuples included) become a Triton signature the way the JIT builds one
+(tensors are pointers, None is a constexpr, ints i32/i64, floats fp32), and Triton's real front end
+and backend compile it down to PTX. Prints {variant: {kernel: ptx}} as JSON.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+import headloss
+import headloss.inputs
 from headloss.kernels import head
 
 HOPPER = GPUTarget("cuda", 90, 32)
-INT_ARGS = ("V", "T", "ignore_index", "d_token_stride")
-NO_TEACHER = dict(HAS_TEACHER=False, DISTILL_KIND=0, OWN_TEMP=False)
-NO_POLICY = dict(HAS_POLICY=False, HAS_OLD=False, HAS_IW=False, KL_EST=0, KL_IS_CORR=False)
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
+          torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 
 
-def _signature(fn, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
-    sig = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            sig[name] = "constexpr"
-        elif name in pointers:
-            sig[name] = "*" + pointers[name]
-        elif name in INT_ARGS or "stride" in name:
-            sig[name] = "i64" if "stride" in name else "i32"
+def _sig(value, path: tuple, constexprs: dict):
+    if isinstance(value, torch.Tensor):
+        return "*" + DTYPES[value.dtype]
+    if value is None:
+        constexprs[path] = None
+        return "constexpr"
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i64" if not -(2**31) <= value < 2**31 else "i32"
+    if isinstance(value, float):
+        return "fp32"
+    if isinstance(value, tuple):
+        parts = [_sig(v, path + (i,), constexprs) for i, v in enumerate(value)]
+        return type(value)(*parts) if hasattr(value, "_fields") else tuple(parts)
+    raise TypeError(f"no signature for {type(value).__name__}")
+
+
+def compile_launch(kernel, kwargs: dict) -> str:
+    """PTX of one launch's variant."""
+    params = inspect.signature(kernel.fn).parameters
+    signature, constexprs = {}, {}
+    options = {"num_warps": kwargs.get("num_warps", 4)}
+    for index, (name, param) in enumerate(params.items()):
+        value = kwargs[name]
+        if "constexpr" in str(param.annotation):
+            signature[name] = "constexpr"
+            constexprs[(index,)] = value
         else:
-            sig[name] = "fp32"
-    return sig
+            signature[name] = _sig(value, (index,), constexprs)
+    src = ASTSource(kernel, signature, constexprs=constexprs)
+    return triton.compile(src, target=HOPPER, options=options).asm["ptx"]
 
 
-def _compile(fn, pointers: dict[str, str], constexprs: dict) -> str:
-    src = ASTSource(fn, _signature(fn, pointers, constexprs), constexprs=constexprs)
-    return triton.compile(src, target=HOPPER, options={"num_warps": 4}).asm["ptx"]
+class Recorder:
+    """Stands in for a kernel: records each launch's keyword arguments instead of running it."""
+
+    def __init__(self, kernel, log: list) -> None:
+        self.kernel, self.log = kernel, log
+        self.fn = kernel.fn
+
+    def __getitem__(self, grid):
+        def launch(**kwargs):
+            self.log.append((self.kernel, kwargs))
+
+        return launch
 
 
-FORWARD_FLAGS = dict(
-    HAS_TARGETS=True, HAS_CE=True, HAS_SMOOTHING=True, HAS_Z=True, HAS_ENTROPY=True,
-    HAS_ENTROPY_GRAD=True, HAS_ARGMAX=True, STORE_LOGP=True, HAS_SOFTCAP=True, FUSED_GRAD=True,
-    **NO_TEACHER, **NO_POLICY,
+def launches(call) -> list:
+    """(kernel, kwargs) of every launch ``call()`` makes."""
+    log: list = []
+    names = ("prepare_kernel", "head_kernel", "head_backward_kernel", "finish_kernel", "scale_grad_kernel")
+    real = {name: getattr(head, name) for name in names}
+    try:
+        for name in names:
+            setattr(head, name, Recorder(real[name], log))
+        call()
+    finally:
+        for name in names:
+            setattr(head, name, real[name])
+    return log
+
+
+def _batch(rows=6, vocab=300, dtype=torch.bfloat16, batch=None):
+    shape = (rows, vocab) if batch is None else (batch, rows, vocab)
+    logits = torch.randn(shape).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, shape[:-1])
+    return logits, targets
+
+
+def _head(spec, dtype=torch.bfloat16, backward=True, **kwargs):
+    def call():
+        logits, targets = _batch(dtype=dtype, batch=2 if kwargs.get("shift") else None)
+        if kwargs.pop("no_targets", False):
+            targets = None
+        extra = dict(kwargs)
+        if "teacher" in extra:
+            extra["teacher_logits"] = torch.randn(logits.shape).to(dtype)
+            extra.pop("teacher")
+        if "policy" in extra:
+            extra.pop("policy")
+            extra.update(advantages=torch.randn(logits.shape[0]), sequence_ids=torch.arange(logits.shape[0]) // 3,
+                         old_logprobs=torch.randn(logits.shape[0]), ref_logprobs=torch.randn(logits.shape[0]),
+                         importance_weights=torch.rand(logits.shape[0]))
+        out = headloss.head_loss(logits, targets, spec, backend="triton", validate=False, **extra)
+        if backward:
+            out.loss.sum().backward()
+
+    return call
+
+
+def _linear(spec, **kwargs):
+    def call():
+        hidden = torch.randn(7, 16).to(torch.bfloat16).requires_grad_()
+        weight = torch.randn(300, 16).to(torch.bfloat16).requires_grad_()
+        out = headloss.linear_head_loss(hidden, weight, torch.randint(0, 300, (7,)), spec, backend="triton",
+                                        validate=False, compact=False, chunk_bytes=3 * 300 * 2, **kwargs)
+        out.loss.sum().backward()
+
+    return call
+
+
+FULL = headloss.LossSpec(
+    cross_entropy={"label_smoothing": 0.1}, z_loss={"weight": 1e-3}, dft={"weight": 0.5}, entropy={"weight": -0.05},
+    token_accuracy=True, outputs=("predicted_tokens", "logprobs", "lse", "token_loss", "entropy"),
+    transform={"softcap": 30.0, "temperature": 0.9},
 )
-CE_ONLY = {name: name in ("HAS_TARGETS", "HAS_CE", "STORE_LOGP", "FUSED_GRAD") for name in FORWARD_FLAGS}
-CE_ONLY.update(DISTILL_KIND=0, KL_EST=0)
+VARIANTS = {
+    "ce-only": _head(headloss.LossSpec()),
+    "all-bf16": _head(FULL),
+    "all-fp16": _head(FULL, dtype=torch.float16),
+    "all-fp32": _head(FULL, dtype=torch.float32),
+    "entropy-metric-no-targets": _head(headloss.LossSpec(cross_entropy=None, entropy={"weight": 0.0},
+                                                         outputs=("entropy",)), no_targets=True),
+    "deferred-all": _head(FULL.model_copy(update={"differentiable_outputs": True})),
+    "shift-labels": _head(FULL, shift=True),
+    **{f"distill-{kind}": _head(headloss.LossSpec(distillation={"divergence": kind, "temperature": 2.0},
+                                                  token_accuracy=True), teacher=True)
+       for kind in ("forward_kl", "reverse_kl", "jsd")},
+    "policy-token": _head(headloss.LossSpec(cross_entropy=None, policy={"loss_type": "dapo", "kl_beta": 0.04,
+                                                                        "kl_importance_correction": True,
+                                                                        "entropy_coef": 0.01}), policy=True),
+    "linear-fused": _linear(headloss.LossSpec(token_accuracy=True, outputs=("predicted_tokens",))),
+    "linear-deferred": _linear(headloss.LossSpec(reduction="none")),
+    "policy-sequence": _head(headloss.LossSpec(cross_entropy=None, policy={"importance_sampling": "sequence"}),
+                             policy=True),
+}
 
 
-def _forward_ptx(flags: dict, dtype: str = "bf16") -> str:
-    pointers = dict(
-        logits_ptr=dtype, targets_ptr="i64", grad_ptr=dtype, grad_scale_ptr="fp32", token_loss_ptr="fp32",
-        lse_ptr="fp32", ce_ptr="fp32", entropy_ptr="fp32", logp_ptr="fp32", pred_ptr="i64",
-        teacher_ptr=dtype, dstats_ptr="fp32", t_entropy_ptr="fp32", t_pred_ptr="i64",
-        old_ptr="fp32", ref_ptr="fp32", adv_ptr="fp32", iw_ptr="fp32", pw_ptr="fp32", pol_loss_ptr="fp32",
-        ratio_ptr="fp32", kl_ptr="fp32",
-    )
-    return _compile(head.head_forward_kernel, pointers, dict(flags, BLOCK_V=2048))
-
-
-BACKWARD_POINTERS = dict(
-    logits_ptr="bf16", targets_ptr="i64", grad_ptr="bf16", lse_ptr="fp32", entropy_ptr="fp32",
-    d_token_ptr="fp32", d_logp_ptr="fp32", d_entropy_ptr="fp32", d_lse_ptr="fp32",
-    teacher_ptr="bf16", dstats_ptr="fp32",
-)
-BACKWARD_FLAGS = dict(
-    BLOCK_V=2048, HAS_TARGETS=True, HAS_CE=True, HAS_SMOOTHING=True, HAS_Z=True, HAS_ENTROPY_GRAD=True,
-    HAS_SOFTCAP=True, HAS_D_LOGP=True, HAS_D_ENTROPY=True, HAS_D_LSE=True,
-    HAS_TEACHER=True, DISTILL_KIND=2, OWN_TEMP=True,
-)
-
-
-def variants() -> dict[str, str]:
-    """name -> PTX of each variant the tests look at."""
-    no_targets = dict(FORWARD_FLAGS, HAS_TARGETS=False, HAS_CE=False, STORE_LOGP=False, FUSED_GRAD=False)
-    return {
-        "forward-all-bf16": _forward_ptx(FORWARD_FLAGS, "bf16"),
-        "forward-all-fp16": _forward_ptx(FORWARD_FLAGS, "fp16"),
-        "forward-all-fp32": _forward_ptx(FORWARD_FLAGS, "fp32"),
-        "forward-no-targets-no-grad": _forward_ptx(no_targets),
-        "forward-ce-only": _forward_ptx(CE_ONLY),
-        **{
-            f"forward-distill-{kind}": _forward_ptx(
-                dict(FORWARD_FLAGS, HAS_TEACHER=True, DISTILL_KIND=k, OWN_TEMP=True)
-            )
-            for k, kind in enumerate(("forward_kl", "reverse_kl", "jsd"))
-        },
-        "forward-policy": _forward_ptx(
-            dict(FORWARD_FLAGS, HAS_POLICY=True, HAS_OLD=True, HAS_IW=True, KL_EST=3, KL_IS_CORR=True)
-        ),
-        "backward-all": _compile(head.head_backward_kernel, BACKWARD_POINTERS, BACKWARD_FLAGS),
-        "scale": _compile(head.scale_grad_kernel, dict(grad_ptr="bf16", scale_ptr="fp32"), dict(BLOCK_V=2048)),
-    }
+def variants() -> dict[str, dict[str, str]]:
+    headloss.inputs._INTERPRETER = True  # let backend="triton" take CPU tensors; nothing is launched
+    out: dict[str, dict[str, str]] = {}
+    for name, call in VARIANTS.items():
+        compiled: dict[str, str] = {}
+        for kernel, kwargs in launches(call):
+            key = kernel.fn.__name__
+            if key not in compiled:
+                compiled[key] = compile_launch(kernel, kwargs)
+        out[name] = compiled
+    return out
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from dataclasses import dataclass  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import headloss.api  # noqa: E402
+import headloss.inputs  # noqa: E402
 from headloss import HeadLossOutput, LossSpec, head_loss, reference_head_loss  # noqa: E402
 from headloss.reference import transformed_logits  # noqa: E402
 
@@ -29,7 +29,7 @@ def pytest_configure(config):
 
 
 needs_kernel = pytest.mark.skipif(
-    not headloss.api._INTERPRETER,
+    not headloss.inputs._INTERPRETER,
     reason="the Triton kernel runs on CPU only under TRITON_INTERPRET=1 (set before import)",
 )
 

@@ -7,7 +7,7 @@ import torch
 from conftest import make_logits, make_targets, needs_kernel
 from pydantic import ValidationError
 
-import headloss.api
+import headloss.inputs
 from headloss import CrossEntropy, Entropy, LossSpec, ZLoss, head_loss
 
 V = 11
@@ -45,7 +45,7 @@ def _targets(shape=(4,)):
     ],
 )
 def test_bad_inputs_raise_naming_the_argument(logits, targets, error, match, backend):
-    if backend == "triton" and not headloss.api._INTERPRETER:
+    if backend == "triton" and not headloss.inputs._INTERPRETER:
         pytest.skip("backend='triton' on CPU needs TRITON_INTERPRET=1")
     with pytest.raises(error, match=match):
         head_loss(logits, targets, backend=backend)
@@ -79,7 +79,7 @@ def test_out_of_range_3d_targets_name_their_position():
     [("triton", "fused"), ("triton", "deferred"), ("reference", "mean"), ("reference", "none")],
 )
 def test_unvalidated_out_of_range_targets_give_nan_loss_not_a_crash(bad, backend, mode):
-    if backend == "triton" and not headloss.api._INTERPRETER:
+    if backend == "triton" and not headloss.inputs._INTERPRETER:
         pytest.skip("backend='triton' on CPU needs TRITON_INTERPRET=1")
     spec = LossSpec(outputs=("logprobs",), reduction="none" if mode in ("deferred", "none") else "mean")
     targets = _targets()
@@ -150,7 +150,7 @@ def test_triton_backend_rejects_float64_logits():
 
 
 def test_triton_backend_without_interpreter_on_cpu_raises_naming_backend(monkeypatch):
-    monkeypatch.setattr(headloss.api, "_INTERPRETER", False)
+    monkeypatch.setattr(headloss.inputs, "_INTERPRETER", False)
     with pytest.raises(ValueError, match="backend: 'triton' needs CUDA"):
         head_loss(_logits(), _targets(), backend="triton")
 

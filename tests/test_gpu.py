@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import headloss
-from headloss.kernels.head import head_forward_kernel
+from headloss.kernels.head import head_kernel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -101,7 +101,7 @@ def test_vocab_262144_and_odd_vocab():
 
 
 def _variants() -> int:
-    return sum(len(cache[0]) for cache in head_forward_kernel.device_caches.values())
+    return sum(len(cache[0]) for cache in head_kernel.device_caches.values())
 
 
 def test_new_weights_and_temperature_do_not_recompile():
@@ -119,9 +119,9 @@ def test_new_weights_and_temperature_do_not_recompile():
 
 
 def _ptx_of_variant(spec, logits, targets) -> str:
-    head_forward_kernel.device_caches.clear()
+    head_kernel.device_caches.clear()
     headloss.head_loss(logits.clone().requires_grad_(), targets, spec).loss.backward()
-    compiled = [k for c in head_forward_kernel.device_caches.values() for k in c[0].values()]
+    compiled = [k for c in head_kernel.device_caches.values() for k in c[0].values()]
     assert len(compiled) == 1, "expected exactly one compiled variant"
     return compiled[0].asm["ptx"]
 
@@ -179,8 +179,6 @@ def test_inplace_gradient_needs_only_per_row_memory():
 @pytest.mark.parametrize("spec", [headloss.LossSpec(), FULL], ids=["ce", "full"])
 def test_linear_head_matches_torch_eager_at_llama3_size(spec):
     """hidden [8192, 4096] x weight [128256, 4096], bf16: loss, metrics and all gradients vs fp32 eager."""
-    from headloss.linear import linear_head_loss
-
     gen = torch.Generator(device="cuda").manual_seed(8)
     n, h, v = 8192, 4096, 128256
     hidden = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
@@ -188,7 +186,7 @@ def test_linear_head_matches_torch_eager_at_llama3_size(spec):
     bias = (torch.randn(v, device="cuda", generator=gen) * 0.1).to(torch.bfloat16).requires_grad_()
     targets = torch.randint(0, v, (n,), device="cuda", generator=gen)
     targets[::7] = -100
-    out = linear_head_loss(hidden, weight, targets, spec, bias=bias)
+    out = headloss.linear_head_loss(hidden, weight, targets, spec, bias=bias)
     out.loss.backward()
     grads = [t.grad for t in (hidden, weight, bias)]
     for t in (hidden, weight, bias):
@@ -262,8 +260,6 @@ def test_grpo_matches_fp64_reference_at_llama3_vocab(loss_type):
 
 def test_linear_head_with_teacher_hidden_and_policy_matches_eager():
     """Fused lm_head with a computed teacher (hidden x weight) and the policy term, bf16, V=128256."""
-    from headloss.linear import linear_head_loss
-
     gen = torch.Generator(device="cuda").manual_seed(12)
     b, t, h, v = 4, 256, 1024, 128256
     hidden = torch.randn(b, t, h, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
@@ -278,7 +274,7 @@ def test_linear_head_with_teacher_hidden_and_policy_matches_eager():
     inputs = dict(advantages=torch.randn(b, device="cuda", generator=gen),
                   old_logprobs=-torch.rand(b, t, device="cuda", generator=gen) * 3 - 9,
                   ref_logprobs=-torch.rand(b, t, device="cuda", generator=gen) * 3 - 9)
-    out = linear_head_loss(hidden, weight, ids, spec, teacher_hidden=t_hidden, teacher_weight=t_weight,
+    out = headloss.linear_head_loss(hidden, weight, ids, spec, teacher_hidden=t_hidden, teacher_weight=t_weight,
                            chunk_bytes=64 << 20, **inputs)
     out.loss.backward()
     grads = [hidden.grad, weight.grad]

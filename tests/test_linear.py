@@ -1,4 +1,4 @@
-"""The fused lm_head (headloss.linear) on CPU: the real Triton kernels under TRITON_INTERPRET=1 against
+"""The fused lm_head (headloss.linear_head_loss) on CPU: the real Triton kernels under TRITON_INTERPRET=1 against
 the materialised fp64 reference.
 
 The oracle is ``reference_head_loss(F.linear(hidden64, weight64, bias64), targets, spec)`` on the kernel's
@@ -32,9 +32,9 @@ from conftest import (
     with_,
 )
 
-import headloss.linear
+import headloss.engine
 from headloss import CrossEntropy, Entropy, HeadLossOutput, LogitTransform, LossSpec, ZLoss, reference_head_loss
-from headloss.linear import LinearHeadLoss, chunk_rows_for, linear_head_loss
+from headloss.api import LinearHeadLoss, chunk_rows_for, linear_head_loss
 from headloss.reference import transformed_logits
 
 pytestmark = needs_kernel
@@ -254,22 +254,22 @@ def assert_nontrivial(run: LinearRun) -> None:
 
 @pytest.fixture
 def chunk_log(monkeypatch):
-    """Logits shape of every forward / backward kernel launch of headloss.linear, in order, and whether
-    the forward launch writes the gradient over the chunk (fused mode)."""
+    """Logits shape of every forward / backward kernel launch of the fused lm_head, in order, and
+    whether the forward launch writes the gradient over the chunk (fused mode)."""
     log = {"forward": [], "backward": [], "fused": []}
-    real_forward, real_backward = headloss.linear.run_forward, headloss.linear.run_backward
+    real_forward, real_backward = headloss.engine.launch_head, headloss.engine.launch_backward
 
-    def forward(plan, logits, *args, **kwargs):
-        log["forward"].append(tuple(logits.shape))
-        log["fused"].append(any(a is logits for a in args))
-        return real_forward(plan, logits, *args, **kwargs)
+    def forward(plan, **kwargs):
+        log["forward"].append(tuple(kwargs["logits"].shape))
+        log["fused"].append(kwargs["grad"] is kwargs["logits"])
+        return real_forward(plan, **kwargs)
 
-    def backward(plan, logits, *args, **kwargs):
-        log["backward"].append(tuple(logits.shape))
-        return real_backward(plan, logits, *args, **kwargs)
+    def backward(plan, **kwargs):
+        log["backward"].append(tuple(kwargs["logits"].shape))
+        return real_backward(plan, **kwargs)
 
-    monkeypatch.setattr(headloss.linear, "run_forward", forward)
-    monkeypatch.setattr(headloss.linear, "run_backward", backward)
+    monkeypatch.setattr(headloss.engine, "launch_head", forward)
+    monkeypatch.setattr(headloss.engine, "launch_backward", backward)
     return log
 
 
@@ -558,7 +558,7 @@ def test_all_ignored_batch_gives_zero_loss_and_zero_gradients(mode, compact):
 
 @pytest.fixture
 def nan_filled_empty(monkeypatch):
-    """torch.empty / empty_like inside headloss.linear return NaN-filled tensors, so a buffer read
+    """torch.empty / empty_like inside headloss.engine return NaN-filled tensors, so a buffer read
     before it is written (the first chunk's dW and db, dh rows) shows up as NaN."""
     real_empty, real_empty_like = torch.empty, torch.empty_like
 
@@ -577,7 +577,7 @@ def nan_filled_empty(monkeypatch):
         def empty_like(*args, **kwargs):
             return fill(real_empty_like(*args, **kwargs))
 
-    monkeypatch.setattr(headloss.linear, "torch", PoisonedTorch())
+    monkeypatch.setattr(headloss.engine, "torch", PoisonedTorch())
 
 
 @pytest.mark.parametrize("compact", [True, False], ids=["compact", "full_rows"])

@@ -6,9 +6,9 @@ import pytest
 import torch
 from conftest import make_logits, make_targets, needs_kernel, with_
 
-from headloss import CrossEntropy, Entropy, LogitTransform, LossSpec, ZLoss, compile_plan, head_loss
-from headloss.kernels.head import head_forward_kernel
-from headloss.plan import KernelFlags
+from headloss import DFT, CrossEntropy, Entropy, LogitTransform, LossSpec, ZLoss, compile_plan, head_loss
+from headloss.kernels import blocks, head, primitives, terms
+from headloss.plan import ROW_COLUMNS, Columns, Flags, Scalars, plan_from_key
 
 RICH = LossSpec(
     cross_entropy=CrossEntropy(label_smoothing=0.1),
@@ -23,7 +23,15 @@ def test_plan_is_cached_per_equal_spec():
     a = compile_plan(LossSpec(z_loss=ZLoss(weight=1e-4)))
     b = compile_plan(LossSpec.model_validate({"z_loss": {"weight": 1e-4}}))
     assert a is b
-    assert compile_plan(LossSpec(z_loss=ZLoss(weight=1e-4)), needs_grad=False) is not a
+    assert compile_plan(LossSpec(z_loss=ZLoss(weight=1e-4), cross_entropy=None), has_targets=False) is not a
+
+
+def test_plan_key_gives_the_plan_back():
+    plan = compile_plan(RICH)
+    assert plan_from_key(plan.key) is plan
+    compile_plan.cache_clear()
+    rebuilt = plan_from_key(plan.key)  # a fresh process (or a cleared cache) rebuilds it from the key
+    assert rebuilt.spec == plan.spec and rebuilt.flags == plan.flags and rebuilt.cols == plan.cols
 
 
 @pytest.mark.parametrize(
@@ -36,17 +44,18 @@ def test_plan_is_cached_per_equal_spec():
         ({"transform": LogitTransform(softcap=3.0, temperature=0.9)}, "softcap", 3.0),
         ({"transform": LogitTransform(softcap=10.0, temperature=4.0)}, "inv_temperature", 0.25),
         ({"transform": LogitTransform(softcap=10.0, temperature=0.9, logit_scale=2.0)}, "logit_scale", 2.0),
-        ({"ignore_index": 0}, "ignore_index", 0),
+        ({"dft": DFT(weight=0.3)}, "w_dft", 0.3),
     ],
-    ids=["ce_weight", "smoothing", "z_weight", "entropy_weight", "softcap", "temperature", "logit_scale",
-         "ignore_index"],
+    ids=["ce_weight", "smoothing", "z_weight", "entropy_weight", "softcap", "temperature", "logit_scale", "dft_weight"],
 )
 def test_value_changes_reuse_the_kernel_variant(update, scalar, value):
-    base = compile_plan(RICH)
-    changed = compile_plan(with_(RICH, **update))
+    base = compile_plan(with_(RICH, dft=DFT(weight=1.0)))
+    changed = compile_plan(with_(RICH, **{"dft": DFT(weight=1.0), **update}))
     assert changed.flags == base.flags, "a value change must not select another kernel variant"
+    assert changed.cols == base.cols
     assert getattr(changed.scalars, scalar) == pytest.approx(value)
     assert getattr(changed.scalars, scalar) != getattr(base.scalars, scalar)
+    assert all(isinstance(v, float) for v in changed.scalars), "scalars reach the kernels as fp32"
 
 
 @pytest.mark.parametrize(
@@ -55,12 +64,11 @@ def test_value_changes_reuse_the_kernel_variant(update, scalar, value):
         ({"cross_entropy": CrossEntropy()}, "HAS_SMOOTHING"),
         ({"z_loss": None}, "HAS_Z"),
         ({"entropy": None}, "HAS_ENTROPY"),
-        ({"entropy": Entropy(weight=0.0)}, "HAS_ENTROPY_GRAD"),
+        ({"entropy": Entropy(weight=0.0)}, "ENTROPY_GRAD"),
         ({"token_accuracy": False}, "HAS_ARGMAX"),
         ({"transform": LogitTransform(temperature=0.9)}, "HAS_SOFTCAP"),
-        ({"reduction": "none"}, "FUSED_GRAD"),
     ],
-    ids=["no_smoothing", "no_z", "no_entropy", "entropy_metric_only", "no_accuracy", "no_softcap", "deferred"],
+    ids=["no_smoothing", "no_z", "no_entropy", "entropy_metric_only", "no_accuracy", "no_softcap"],
 )
 def test_structural_changes_select_another_variant(update, flag):
     base = compile_plan(RICH)
@@ -71,15 +79,19 @@ def test_structural_changes_select_another_variant(update, flag):
 
 def test_cross_entropy_only_plan_computes_nothing_else():
     plan = compile_plan(LossSpec())
-    assert plan.flags == KernelFlags(
-        HAS_TARGETS=True, HAS_CE=True, HAS_SMOOTHING=False, HAS_Z=False, HAS_ENTROPY=False,
-        HAS_ENTROPY_GRAD=False, HAS_ARGMAX=False, STORE_LOGP=True, HAS_SOFTCAP=False, FUSED_GRAD=True,
-        HAS_POLICY=False, HAS_OLD=False, HAS_IW=False, KL_EST=0, KL_IS_CORR=False,
-        HAS_TEACHER=False, DISTILL_KIND=0, OWN_TEMP=False,
+    assert plan.flags == Flags(
+        REDUCTION=0, HAS_CE=True, HAS_SMOOTHING=False, HAS_Z=False, HAS_DFT=False, HAS_ENTROPY=False,
+        ENTROPY_GRAD=False, HAS_ARGMAX=False, HAS_SOFTCAP=False, HAS_POLICY=False, KL_EST=0, KL_IS_CORR=False,
+        DISTILL_KIND=-1, OWN_TEMP=False,
     )
     assert plan.mode == "fused" and plan.reduction == "mean"
     assert plan.requires == ("logits", "targets")
-    assert plan.scalars.inv_temperature == 1.0 and plan.scalars.logit_scale == 1.0
+    assert plan.accepts == ("num_items_in_batch",)
+    assert plan.scalars == Scalars(w_ce=1.0) and plan.used_scalars == ("w_ce", "smoothing")
+    # the packed rows hold the token loss, the lse and the ce: nothing else is stored
+    assert plan.cols.N == 3 and (plan.cols.token_loss, plan.cols.lse, plan.cols.ce) == (0, 1, 2)
+    assert all(getattr(plan.cols, name) == -1 for name in ROW_COLUMNS if name not in ("token_loss", "lse", "ce"))
+    assert plan.metrics == (("ce", "ce"),) and plan.outputs == ()
 
 
 @needs_kernel
@@ -105,14 +117,12 @@ def test_unrequested_values_are_absent_from_the_result():
 def test_mode_is_deferred_only_for_reduction_none_or_differentiable_outputs(spec, mode):
     plan = compile_plan(spec)
     assert plan.mode == mode
-    assert plan.flags.FUSED_GRAD is (mode == "fused")
-    assert plan.logit_passes == 2
+    assert plan.logit_passes(with_grad=True) == 2
 
 
 def test_no_grad_plan_has_no_gradient_pass():
-    plan = compile_plan(RICH, needs_grad=False)
-    assert plan.flags.FUSED_GRAD is False
-    assert plan.mode == "fused" and plan.logit_passes == 1
+    plan = compile_plan(RICH)
+    assert plan.logit_passes(with_grad=False) == 1
     traffic = plan.traffic_bytes(rows=8, vocab=100, elem_bytes=2, grad_bytes=2, with_grad=False)
     assert traffic == {"logit_reads": 1600, "grad_writes": 0, "total": 1600}
 
@@ -138,15 +148,15 @@ def test_traffic_with_gradient_counts_two_reads_and_one_write():
 def test_entropy_gradient_only_when_entropy_carries_gradient(spec, entropy_grad):
     flags = compile_plan(spec).flags
     assert flags.HAS_ENTROPY is True
-    assert flags.HAS_ENTROPY_GRAD is entropy_grad
+    assert flags.ENTROPY_GRAD is entropy_grad
 
 
 def test_plan_without_targets():
     spec = LossSpec(cross_entropy=None, entropy=Entropy(weight=0.1), outputs=("predicted_tokens",))
     plan = compile_plan(spec, has_targets=False)
-    assert plan.flags.HAS_TARGETS is False and plan.flags.STORE_LOGP is False
+    assert plan.cols.logp == -1
     assert plan.flags.HAS_ARGMAX is True
-    assert plan.requires == ("logits",)
+    assert plan.requires == ("logits",) and "targets" in plan.accepts
 
 
 def test_plan_without_targets_for_a_spec_needing_them_raises_naming_targets():
@@ -160,10 +170,33 @@ def test_smoothing_flag_only_for_positive_smoothing():
     assert compile_plan(LossSpec(cross_entropy=CrossEntropy(label_smoothing=1.0))).flags.HAS_SMOOTHING is True
 
 
-def test_flags_are_the_forward_kernel_constexpr_arguments():
-    kwargs = compile_plan(RICH).flags.as_kwargs()
-    assert all(isinstance(value, bool) for name, value in kwargs.items() if name not in ("DISTILL_KIND", "KL_EST"))
-    assert kwargs["DISTILL_KIND"] in (0, 1, 2) and kwargs["KL_EST"] in (0, 1, 2, 3)
-    params = inspect.signature(head_forward_kernel.fn).parameters
-    constexprs = {name for name, p in params.items() if "constexpr" in str(p.annotation)}
-    assert constexprs == set(kwargs) | {"BLOCK_V"}
+def test_kernels_take_the_plan_as_named_tuples_by_keyword():
+    """No positional option lists: the kernels take the flags, columns and scalars as one named
+    tuple each and read them by name, and launchers pass every argument by keyword."""
+    for kernel in (head.head_kernel, head.head_backward_kernel):
+        params = inspect.signature(kernel.fn).parameters
+        assert {"S", "F", "C", "geo"} <= set(params)
+        assert "constexpr" in str(params["F"].annotation) and "constexpr" in str(params["C"].annotation)
+        assert len(params) <= 20, f"{kernel.fn.__name__} takes {len(params)} parameters"
+    source = inspect.getsource(head)
+    for launch in ("head_kernel[(geo.n_rows,)](", "head_backward_kernel[(geo.n_rows,)](", "prepare_kernel[(1,)]("):
+        call = source[source.index(launch) + len(launch):].split(")\n")[0]
+        assert all("=" in arg for arg in call.replace("\n", " ").split(",") if arg.strip() and "**" not in arg), launch
+
+
+def test_every_flag_column_and_scalar_is_read_by_name_in_the_kernels():
+    """A field no kernel reads is dead; a field read by a name the plan lacks would not compile."""
+    source = "\n".join(inspect.getsource(m) for m in (head, blocks, terms, primitives))
+    for name in Flags._fields:
+        assert f"F.{name}" in source, f"flag {name} is never read"
+    for name in Columns._fields:
+        assert f"C.{name}" in source, f"column {name} is never written or read"
+    for name in Scalars._fields:
+        assert f"S.{name}" in source, f"scalar {name} is never read"
+
+
+def test_columns_are_packed_without_gaps():
+    for spec in (LossSpec(), RICH, with_(RICH, dft=DFT(), outputs=("logprobs", "entropy"))):
+        cols = compile_plan(spec).cols
+        used = sorted(i for i in cols[:-1] if i >= 0)
+        assert used == list(range(cols.N))

@@ -72,13 +72,43 @@ def test_dict_round_trip_gives_an_equal_spec(name):
 
 def test_yaml_keeps_the_field_order_of_the_model():
     keys = [line.split(":")[0] for line in SPECS["everything"].to_yaml().splitlines() if not line[0].isspace()]
-    assert keys[:3] == ["cross_entropy", "z_loss", "entropy"]
+    assert keys[:4] == ["cross_entropy", "z_loss", "dft", "entropy"]
 
 
-def test_empty_yaml_file_is_the_default_spec(tmp_path):
-    path = tmp_path / "empty.yaml"
-    path.write_text("# nothing set\n")
-    assert LossSpec.from_file(path) == LossSpec()
+@pytest.mark.parametrize(
+    "name,text",
+    [("empty.yaml", ""), ("comments.yaml", "# nothing set\n"), ("blank.yml", "\n  \n"), ("empty.json", ""),
+     ("blank.json", "  \n")],
+)
+def test_a_spec_file_without_a_spec_is_an_error_naming_the_file(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"{name}: the file holds no spec .* write {{}} for the default"):
+        LossSpec.from_file(path)
+
+
+def test_an_explicit_empty_mapping_is_the_default_spec(tmp_path):
+    for name in ("default.yaml", "default.json"):
+        (tmp_path / name).write_text("{}\n")
+        assert LossSpec.from_file(tmp_path / name) == LossSpec()
+    assert LossSpec.coerce({}) == LossSpec()
+
+
+@pytest.mark.parametrize(
+    "name,text,line",
+    [("bad.yaml", "cross_entropy:\n  weight: [1,\n", 3), ("tabs.yaml", "z_loss:\n\tweight: 1\n", 2),
+     ("bad.json", '{\n  "z_loss": {"weight": }\n}', 2), ("trailing.json", '{"z_loss": {}},', 1)],
+)
+def test_invalid_yaml_or_json_raises_value_error_naming_the_file_and_line(tmp_path, name, text, line):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"{name}: invalid (YAML|JSON) at line {line}\b"):
+        LossSpec.from_file(path)
+
+
+def test_a_missing_spec_file_raises_file_not_found_naming_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.yaml: cannot read the spec file"):
+        LossSpec.from_file(tmp_path / "missing.yaml")
 
 
 @pytest.mark.skipif(not CONFIGS, reason="no configs/*.yaml in this checkout")

@@ -1,17 +1,12 @@
-"""Shared ``@triton.jit`` building blocks of the head kernels.
+"""The passes every head kernel is made of, written once.
 
-Every kernel in this package is these pieces glued together:
+* :func:`online_stats`   phase 1 -- one read of a row: running max, sum of exponentials, and only
+                         the sums the variant needs (sum x, sum e*x, argmax, the teacher's)
+* :func:`gradient_pass`  phase 3 -- second read, one write: g = (p (A + B x) + C + D [i=y]) dx/dz
+                         (+ the distillation's per-element share)
+* :func:`reduce_rows`    the packed per-row buffer -> column means and the reduced loss
 
-* :func:`transform`        x = softcap(logit_scale * z) * inv_temperature, returned in base-2
-                           units (x2 = x * log2 e) with dx/dz
-* :func:`online_stats`     phase 1 -- one read of a row: running max, sum of exponentials, and
-                           only the sums the variant needs (sum x, sum e*x, argmax)
-* :func:`row_coefficients` phase 2 -- per-row coefficients of the combined gradient
-* :func:`gradient_pass`    phase 3 -- second read, one write: g = (p * (A + B*x) + C + D*[i=y]) * dx/dz
-
-The online-softmax update is written once, here. A new loss term adds its statistic to
-:func:`online_stats`, its value to the kernel epilogue and its share of A, B, C, D to
-:func:`row_coefficients`.
+Phase 2 (per-token values and gradient coefficients) is one piece per term, in ``terms.py``.
 
 Cost notes (the full variant is ALU-bound at 128K vocab if written naively):
 * base-2 units: exp(x - m) = exp2(x2 - m2), one subtraction and one ex2 per element;
@@ -27,58 +22,17 @@ Cost notes (the full variant is ALU-bound at 128K vocab if written naively):
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
-# stands in for -inf where 0 * x must stay 0 (exp of a -inf logit is 0, its product with x is not)
-NEG_BIG = tl.constexpr(-1.0e30)
+from .primitives import LN2, LOG2E, NEG_BIG, to_x2, transform
+from .terms import distill_grad, teacher_block
 
 
 @triton.jit
-def tanh(a):
-    """tanh through exp2: stable for any |a|, and the same code under the interpreter."""
-    e = tl.exp2(-2.0 * LOG2E * tl.abs(a))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(a < 0.0, -t, t)
-
-
-@triton.jit
-def log1p(x):
-    """log(1 + x), accurate near 0 where 1 + x would drop the digits of x."""
-    series = x * (1.0 - x * (0.5 - x * (1.0 / 3.0)))
-    return tl.where(tl.abs(x) < 1e-3, series, tl.log(1.0 + x))
-
-
-@triton.jit
-def transform(z, logit_scale, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr):
-    """x2 = log2(e) * softcap(logit_scale * z) * inv_temperature (fp32), and dx/dz (natural x)."""
-    if HAS_SOFTCAP:
-        t = tanh(z * (logit_scale / softcap))
-        x2 = t * (softcap * inv_temperature * LOG2E)
-        slope = (logit_scale * inv_temperature) * (1.0 - t * t)
-    else:
-        x2 = z * (logit_scale * inv_temperature * LOG2E)
-        slope = logit_scale * inv_temperature
-    return x2, slope
-
-
-@triton.jit
-def _to_x2(z, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
-    """Raw logits block -> (x2, slope); masked-off columns of the tail block become -inf."""
-    x2, slope = transform(z.to(tl.float32), logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
-    if MASKED:
-        x2 = tl.where(cols < V, x2, float("-inf"))
-    return x2, slope
-
-
-@triton.jit
-def _stats_block(
-    z, start, V, m, d, sum_x, sum_ex, arg, logit_scale, softcap, inv_temperature,
-    BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM_X: tl.constexpr,
-    NEED_SUM_EX: tl.constexpr, NEED_ARGMAX: tl.constexpr, MASKED: tl.constexpr,
-):
+def _stats_block(z, start, V, m, d, sum_x, sum_ex, arg, S, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 NEED_SUM_X: tl.constexpr, NEED_SUM_EX: tl.constexpr, NEED_ARGMAX: tl.constexpr,
+                 MASKED: tl.constexpr):
     """One loaded block z of the online softmax; d, sum_x, sum_ex are per-lane [BLOCK_V] vectors."""
     cols = start + tl.arange(0, BLOCK_V)
-    x2, _ = _to_x2(z, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, MASKED)
+    x2, _ = to_x2(z, cols, V, S, HAS_SOFTCAP, MASKED)
     block_max = tl.max(x2, axis=0)
     if NEED_ARGMAX:
         # only the block holding the first max is tracked here (a scalar select, no per-element
@@ -101,89 +55,26 @@ def _stats_block(
 
 
 @triton.jit
-def _teacher_block(
-    zt, x2, e, alpha, start, V, mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg, inv_distill_temp,
-    BLOCK_V: tl.constexpr, DISTILL_KIND: tl.constexpr, OWN_TEMP: tl.constexpr, MASKED: tl.constexpr,
-):
-    """The teacher's share of one block: its online softmax and the cross sums of the divergence.
-
-    s2 = x2 / T_d is the student and t2 = zt / T_d (base 2) the teacher at the distillation
-    temperature. Teacher sums are rescaled by the teacher's alpha, student ones by the student's.
-    """
-    cols = start + tl.arange(0, BLOCK_V)
-    t2 = zt.to(tl.float32) * (inv_distill_temp * LOG2E)
-    if MASKED:
-        t2 = tl.where(cols < V, t2, float("-inf"))
-    t_max = tl.max(t2, axis=0)
-    t_arg = tl.where(t_max > mt, start, t_arg)
-    mt_new = tl.maximum(mt, t_max)
-    mt_ref = tl.where(mt_new == float("-inf"), 0.0, mt_new)
-    alpha_t = tl.exp2(mt - mt_ref)
-    et = tl.exp2(t2 - mt_ref)
-    dt = dt * alpha_t + et
-    sum_t = sum_t * alpha_t + et * tl.maximum(t2, NEG_BIG)
-    if OWN_TEMP:
-        s2 = x2 * inv_distill_temp
-        s_max = tl.max(s2, axis=0)
-        ms_new = tl.maximum(ms, s_max)
-        ms_ref = tl.where(ms_new == float("-inf"), 0.0, ms_new)
-        alpha_s = tl.exp2(ms - ms_ref)
-        es = tl.exp2(s2 - ms_ref)
-        ds = ds * alpha_s + es
-        ms = ms_new
-    else:
-        s2 = x2
-        alpha_s = alpha
-        es = e
-    if DISTILL_KIND == 0:  # forward KL: sum q * (t - s), the difference taken per element
-        sum_ts = sum_ts * alpha_t + et * (tl.maximum(t2, NEG_BIG) - tl.maximum(s2, NEG_BIG))
-    if DISTILL_KIND == 1:  # reverse KL: sum p * (s - t)
-        sum_st = sum_st * alpha_s + es * (tl.maximum(s2, NEG_BIG) - tl.maximum(t2, NEG_BIG))
-    return mt_new, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg
-
-
-@triton.jit
-def online_stats(
-    row_ptr,  # (V,) one row of logits, any float dtype
-    t_row_ptr,  # (V,) the teacher's row, HAS_TEACHER
-    V,
-    logit_scale,
-    softcap,
-    inv_temperature,
-    inv_distill_temp,
-    BLOCK_V: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    NEED_SUM_X: tl.constexpr,
-    NEED_SUM_EX: tl.constexpr,
-    NEED_ARGMAX: tl.constexpr,
-    HAS_TEACHER: tl.constexpr,
-    DISTILL_KIND: tl.constexpr,
-    OWN_TEMP: tl.constexpr,
-):
-    """Phase 1: one read of a row (and of the teacher's), online softmax, in base-2 units.
+def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexpr, NEED_SUM_EX: tl.constexpr):
+    """Phase 1: one read of a row (and of the teacher's, when t_row_ptr is not None), in base 2.
 
     Student: (m2, d, sum_x2, sum_ex2, argmax) with m2 = max x2, d = sum 2^(x2 - m2),
-    sum_x2 = sum x2, sum_ex2 = sum 2^(x2 - m2) * x2, argmax = first index of the max.
-    So lse = (m2 + log2 d) * ln 2, mean_p(x) = ln 2 * sum_ex2 / d, sum x = ln 2 * sum_x2.
-    Teacher (t2 = teacher / T_d, s2 = x2 / T_d): (mt2, dt, sum_t = sum et * t2,
-    sum_ts = sum et * (t2 - s2), ms2, ds (the student at T_d, when T_d != 1),
-    sum_st = sum es * (s2 - t2), teacher argmax). Divergences are sums of per-element
-    differences, so a teacher close to the student does not cancel two O(|x|) sums.
+    sum_x2 = sum x2 (with label smoothing), sum_ex2 = sum 2^(x2 - m2) * x2 (when NEED_SUM_EX),
+    argmax = first index of the max. So lse = (m2 + log2 d) ln 2, mean_p(x) = ln 2 sum_ex2 / d,
+    sum x = ln 2 sum_x2. tstats: the teacher's statistics (terms.teacher_block).
     -inf logits (a masked vocabulary) are allowed; NaN and +inf propagate to NaN.
     """
+    HAS_TEACHER: tl.constexpr = t_row_ptr is not None
+    NEED_SUM_X: tl.constexpr = F.HAS_SMOOTHING
+    NEED_ARGMAX: tl.constexpr = F.HAS_ARGMAX
     m = tl.full([], float("-inf"), tl.float32)
     d = tl.zeros([BLOCK_V], tl.float32)
     sum_x = tl.zeros([BLOCK_V], tl.float32)
     sum_ex = tl.zeros([BLOCK_V], tl.float32)
     arg = tl.zeros([], tl.int32)
-    mt = tl.full([], float("-inf"), tl.float32)
-    dt = tl.zeros([BLOCK_V], tl.float32)
-    sum_t = tl.zeros([BLOCK_V], tl.float32)
-    sum_ts = tl.zeros([BLOCK_V], tl.float32)
-    ms = tl.full([], float("-inf"), tl.float32)
-    ds = tl.zeros([BLOCK_V], tl.float32)
-    sum_st = tl.zeros([BLOCK_V], tl.float32)
-    t_arg = tl.zeros([], tl.int32)
+    neg_inf = tl.full([], float("-inf"), tl.float32)
+    lanes = tl.zeros([BLOCK_V], tl.float32)
+    tstats = (neg_inf, lanes, lanes, lanes, neg_inf, lanes, lanes, tl.zeros([], tl.int32))
     offs = tl.arange(0, BLOCK_V)
     v_full = (V // BLOCK_V) * BLOCK_V
     if v_full > 0:
@@ -198,182 +89,53 @@ def online_stats(
             if HAS_TEACHER:
                 zt_next = tl.load(t_row_ptr + start + offs)
             m, d, sum_x, sum_ex, arg, x2, e, alpha = _stats_block(
-                z, start - BLOCK_V, V, m, d, sum_x, sum_ex, arg, logit_scale, softcap, inv_temperature,
-                BLOCK_V, HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, False,
+                z, start - BLOCK_V, V, m, d, sum_x, sum_ex, arg, S,
+                BLOCK_V, F.HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, False,
             )
             if HAS_TEACHER:
-                mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg = _teacher_block(
-                    zt, x2, e, alpha, start - BLOCK_V, V, mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg,
-                    inv_distill_temp, BLOCK_V, DISTILL_KIND, OWN_TEMP, False,
-                )
+                tstats = teacher_block(zt, x2, e, alpha, start - BLOCK_V, V, tstats, S, BLOCK_V, F, False)
             z = z_next
             zt = zt_next
         m, d, sum_x, sum_ex, arg, x2, e, alpha = _stats_block(
-            z, v_full - BLOCK_V, V, m, d, sum_x, sum_ex, arg, logit_scale, softcap, inv_temperature,
-            BLOCK_V, HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, False,
+            z, v_full - BLOCK_V, V, m, d, sum_x, sum_ex, arg, S,
+            BLOCK_V, F.HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, False,
         )
         if HAS_TEACHER:
-            mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg = _teacher_block(
-                zt, x2, e, alpha, v_full - BLOCK_V, V, mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg,
-                inv_distill_temp, BLOCK_V, DISTILL_KIND, OWN_TEMP, False,
-            )
+            tstats = teacher_block(zt, x2, e, alpha, v_full - BLOCK_V, V, tstats, S, BLOCK_V, F, False)
     if v_full < V:
         mask = v_full + offs < V
         z = tl.load(row_ptr + v_full + offs, mask=mask, other=0.0)
         m, d, sum_x, sum_ex, arg, x2, e, alpha = _stats_block(
-            z, v_full, V, m, d, sum_x, sum_ex, arg, logit_scale, softcap, inv_temperature,
-            BLOCK_V, HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, True,
+            z, v_full, V, m, d, sum_x, sum_ex, arg, S,
+            BLOCK_V, F.HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, True,
         )
         if HAS_TEACHER:
             zt = tl.load(t_row_ptr + v_full + offs, mask=mask, other=0.0)
-            mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg = _teacher_block(
-                zt, x2, e, alpha, v_full, V, mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg,
-                inv_distill_temp, BLOCK_V, DISTILL_KIND, OWN_TEMP, True,
-            )
+            tstats = teacher_block(zt, x2, e, alpha, v_full, V, tstats, S, BLOCK_V, F, True)
     if NEED_ARGMAX:
         # the index inside that block: one more block read per row, first index of the max
         cols = arg + offs
         z = tl.load(row_ptr + cols, mask=cols < V, other=0.0)
-        x2, _ = _to_x2(z, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, True)
+        x2, _ = to_x2(z, cols, V, S, F.HAS_SOFTCAP, True)
         arg = arg + tl.argmax(x2, axis=0)
+    mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg = tstats
     if HAS_TEACHER:
         cols = t_arg + offs
         zt = tl.load(t_row_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)
         t_arg = t_arg + tl.argmax(tl.where(cols < V, zt, float("-inf")), axis=0)
-    if not OWN_TEMP:
-        ms = m
-        ds = d
-    return (
-        m, tl.sum(d, axis=0), tl.sum(sum_x, axis=0), tl.sum(sum_ex, axis=0), arg,
-        mt, tl.sum(dt, axis=0), tl.sum(sum_t, axis=0), tl.sum(sum_ts, axis=0),
-        ms, tl.sum(ds, axis=0), tl.sum(sum_st, axis=0), t_arg,
-    )
+    tstats = (mt, tl.sum(dt, axis=0), tl.sum(sum_t, axis=0), tl.sum(sum_ts, axis=0), ms, tl.sum(ds, axis=0),
+              tl.sum(sum_st, axis=0), t_arg)
+    return m, tl.sum(d, axis=0), tl.sum(sum_x, axis=0), tl.sum(sum_ex, axis=0), arg, tstats
 
 
 @triton.jit
-def row_coefficients(
-    u,  # d loss / d token_loss for this row (0 for an ignored row)
-    d_logp,  # upstream gradient of the logprob output (0 when none)
-    d_entropy,  # upstream gradient of the entropy output (0 when none)
-    d_lse,  # upstream gradient of the lse output (0 when none)
-    lse,
-    entropy,
-    V,
-    w_ce,
-    smoothing,
-    w_z,
-    w_entropy,
-    HAS_CE: tl.constexpr,
-    HAS_Z: tl.constexpr,
-    HAS_ENTROPY_GRAD: tl.constexpr,
-):
-    """Phase 2: the row's gradient w.r.t. x as g_i = p_i * (A + B * x_i) + C + D * [i = y].
-
-    Term by term (p = softmax(x), H = entropy):
-      ce (smoothing eps)  w_ce * (p_i - (1 - eps) [i=y] - eps / V)
-      z-loss              w_z * 2 lse * p_i
-      entropy             w_H * -p_i (x_i - lse + H)
-      logprob output      d_logp * ([i=y] - p_i)
-      lse output          d_lse * p_i
-    """
-    A = d_lse - d_logp
-    B = tl.zeros([], tl.float32)
-    C = tl.zeros([], tl.float32)
-    D = d_logp
-    if HAS_CE:
-        A += u * w_ce
-        C -= u * w_ce * smoothing / V
-        D -= u * w_ce * (1.0 - smoothing)
-    if HAS_Z:
-        A += u * w_z * 2.0 * lse
-    if HAS_ENTROPY_GRAD:
-        w = u * w_entropy + d_entropy
-        A += w * (lse - entropy)
-        B -= w
-    return A, B, C, D
-
-
-@triton.jit
-def distill_grad(
-    p, x2, zt, cols, V, lse_s2, lse_t2, kl, jsd_s, wd, jsd_beta, inv_distill_temp,
-    DISTILL_KIND: tl.constexpr, OWN_TEMP: tl.constexpr, MASKED: tl.constexpr,
-):
-    """wd * dD/ds for the divergence D between student s = x / T_d and teacher t (per element).
-
-      forward KL(q || p_s)   p_s - q
-      reverse KL(p_s || q)   p_s * (log p_s - log q - KL)
-      JSD_beta (mixture)     (1 - beta) * p_s * (log(p_s / M) - S),  M = beta q + (1 - beta) p_s,
-                             S = sum p_s log(p_s / M)
-    ``wd`` carries the weight, d loss / d token_loss, 1 / T_d and (without softcap) dx/dz.
-    """
-    t2 = zt.to(tl.float32) * (inv_distill_temp * LOG2E)
-    if MASKED:
-        t2 = tl.where(cols < V, t2, float("-inf"))
-    q = tl.exp2(t2 - lse_t2)
-    if OWN_TEMP:
-        s2 = x2 * inv_distill_temp
-        ps = tl.exp2(s2 - lse_s2)
-    else:
-        s2 = x2
-        ps = p
-    if DISTILL_KIND == 0:
-        g = wd * (ps - q)
-    elif DISTILL_KIND == 1:
-        g = wd * tl.where(ps > 0.0, ps * (LN2 * ((s2 - lse_s2) - (t2 - lse_t2)) - kl), 0.0)
-    else:
-        # log(p / M) = -log1p(beta (q / p - 1)), q / p from differences of logits
-        q_over_p = tl.exp2((t2 - s2) - (lse_t2 - lse_s2))
-        log_ratio = -log1p(jsd_beta * (q_over_p - 1.0))
-        g = (wd * (1.0 - jsd_beta)) * tl.where(ps > 0.0, ps * (log_ratio - jsd_s), 0.0)
-    return g
-
-
-@triton.jit
-def jsd_sums(
-    row_ptr, t_row_ptr, V, lse_s2, lse_t2, t_minus_s, jsd_beta, logit_scale, softcap, inv_temperature,
-    inv_distill_temp, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, OWN_TEMP: tl.constexpr,
-):
-    """Extra pass of the mixture JSD: (JSD, S = KL(p_s || M)); log M needs both final lse's.
-
-    log(p / M) = -log1p(beta (q / p - 1)) and log(q / M) = log(q / p) + log(p / M), with
-    log2(q / p) = (t2 - s2) - t_minus_s: no log of a tiny mixture, no cancellation when q ~ p.
-    """
-    offs = tl.arange(0, BLOCK_V)
-    acc_s = tl.zeros([BLOCK_V], tl.float32)
-    acc_t = tl.zeros([BLOCK_V], tl.float32)
-    for start in range(0, V, BLOCK_V):
-        cols = start + offs
-        mask = cols < V
-        z = tl.load(row_ptr + cols, mask=mask, other=0.0)
-        x2, _ = _to_x2(z, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, True)
-        s2 = x2 * inv_distill_temp if OWN_TEMP else x2
-        t2 = tl.load(t_row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * (inv_distill_temp * LOG2E)
-        t2 = tl.where(mask, t2, float("-inf"))
-        ps = tl.exp2(s2 - lse_s2)
-        q = tl.exp2(t2 - lse_t2)
-        log2_q_over_p = (tl.maximum(t2, NEG_BIG) - tl.maximum(s2, NEG_BIG)) - t_minus_s
-        log_p_over_m = -log1p(jsd_beta * (tl.exp2(log2_q_over_p) - 1.0))
-        acc_s += tl.where(ps > 0.0, ps * log_p_over_m, 0.0)
-        # where p = 0, M = beta q: log(q / M) = -log(beta)
-        log_q_over_m = tl.where(ps > 0.0, LN2 * log2_q_over_p + log_p_over_m, -tl.log(jsd_beta))
-        acc_t += tl.where(q > 0.0, q * log_q_over_m, 0.0)
-    kl_s = tl.sum(acc_s, axis=0)
-    kl_t = tl.sum(acc_t, axis=0)
-    return jsd_beta * kl_t + (1.0 - jsd_beta) * kl_s, kl_s
-
-
-@triton.jit
-def _grad_block(
-    z, zt, grad_row_ptr, start, V, lse2, A, B2, C, sum_px, logit_scale, softcap, inv_temperature,
-    lse_s2, lse_t2, kl, jsd_s, wd, jsd_beta, inv_distill_temp,
-    BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_B: tl.constexpr, HAS_C: tl.constexpr,
-    NEED_SUM_PX: tl.constexpr, HAS_TEACHER: tl.constexpr, DISTILL_KIND: tl.constexpr, OWN_TEMP: tl.constexpr,
-    MASKED: tl.constexpr,
-):
+def _grad_block(z, zt, grad_row_ptr, start, V, lse2, A, B2, C, sum_px, dstate, wd, S, F: tl.constexpr,
+                BLOCK_V: tl.constexpr, HAS_B: tl.constexpr, HAS_C: tl.constexpr, NEED_SUM_PX: tl.constexpr,
+                HAS_TEACHER: tl.constexpr, MASKED: tl.constexpr):
     """Gradient of one loaded block z (teacher block zt), stored at grad_row_ptr[start:start + BLOCK_V];
     returns sum_px (per-lane) + p * (lse2 - x2) when NEED_SUM_PX."""
     cols = start + tl.arange(0, BLOCK_V)
-    x2, slope = _to_x2(z, cols, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, MASKED)
+    x2, slope = to_x2(z, cols, V, S, F.HAS_SOFTCAP, MASKED)
     p = tl.exp2(x2 - lse2)
     if NEED_SUM_PX:
         # entropy as sum p * (lse - x): every term >= 0, so its error is relative to H itself
@@ -386,9 +148,8 @@ def _grad_block(
     if HAS_C:
         g += C
     if HAS_TEACHER:
-        g += distill_grad(p, x2, zt, cols, V, lse_s2, lse_t2, kl, jsd_s, wd, jsd_beta, inv_distill_temp,
-                          DISTILL_KIND, OWN_TEMP, MASKED)
-    if HAS_SOFTCAP:
+        g += distill_grad(p, x2, zt, cols, V, dstate, wd, S, F, MASKED)
+    if F.HAS_SOFTCAP:
         g = g * slope
     g = g.to(grad_row_ptr.dtype.element_ty)
     if MASKED:
@@ -399,50 +160,25 @@ def _grad_block(
 
 
 @triton.jit
-def gradient_pass(
-    row_ptr,  # (V,) logits row
-    t_row_ptr,  # (V,) teacher row, HAS_TEACHER
-    grad_row_ptr,  # (V,) gradient row, may alias row_ptr (each block is read before written)
-    V,
-    y,  # target column; any value outside [0, V) matches no column
-    x2_y,  # transformed target logit (base 2), read before the row may be overwritten
-    slope_y,  # dx/dz at the target
-    lse,
-    A,
-    B,
-    C,
-    D,
-    logit_scale,
-    softcap,
-    inv_temperature,
-    lse_s2,  # student log-normaliser at the distillation temperature (base 2)
-    lse_t2,  # teacher log-normaliser (base 2)
-    kl,  # the row's divergence (reverse KL uses it)
-    jsd_s,  # KL(p_s || M) of the mixture JSD
-    wd,  # d loss / d divergence / T_d
-    jsd_beta,
-    inv_distill_temp,
-    BLOCK_V: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_B: tl.constexpr,
-    HAS_C: tl.constexpr,
-    NEED_SUM_PX: tl.constexpr,
-    HAS_TEACHER: tl.constexpr,
-    DISTILL_KIND: tl.constexpr,
-    OWN_TEMP: tl.constexpr,
-):
+def gradient_pass(row_ptr, t_row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A, B, C, D, dstate, wd, S,
+                  F: tl.constexpr, BLOCK_V: tl.constexpr, NEED_SUM_PX: tl.constexpr):
     """Phase 3: second read of the row (and the teacher's), one write of d loss / d z.
 
-    Returns sum_i p_i * (lse2 - x2_i) (so the entropy is ln 2 * that) when NEED_SUM_PX, else 0.
+    grad_row_ptr may alias row_ptr: each block is read before it is written. ``dstate`` and
+    ``wd`` (d loss / d divergence / T_d) drive the distillation's share when there is a teacher.
+    Returns sum_i p_i (lse2 - x2_i) (the entropy is ln 2 times that) when NEED_SUM_PX, else 0.
     """
+    HAS_TEACHER: tl.constexpr = t_row_ptr is not None
+    HAS_B: tl.constexpr = F.ENTROPY_GRAD
+    HAS_C: tl.constexpr = F.HAS_SMOOTHING
     lse2 = lse * LOG2E
     # per-element form in base-2 units; without softcap the constant dx/dz folds into A, B, C, wd
     A_el = A
     B2_el = B * LN2
     C_el = C
     wd_el = wd
-    if not HAS_SOFTCAP:
-        s = logit_scale * inv_temperature
+    if not F.HAS_SOFTCAP:
+        s = S.logit_scale * S.inv_temperature
         A_el = A * s
         B2_el = B2_el * s
         C_el = C * s
@@ -451,8 +187,6 @@ def gradient_pass(
     offs = tl.arange(0, BLOCK_V)
     v_full = (V // BLOCK_V) * BLOCK_V
     if v_full > 0:
-        # full blocks, unmasked, each load issued one block ahead (block k is read before
-        # block k is written, so an aliased gradient row is safe)
         z = tl.load(row_ptr + offs)
         zt = z
         if HAS_TEACHER:
@@ -462,29 +196,20 @@ def gradient_pass(
             zt_next = z_next
             if HAS_TEACHER:
                 zt_next = tl.load(t_row_ptr + start + offs)
-            sum_px = _grad_block(
-                z, zt, grad_row_ptr, start - BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px, logit_scale, softcap,
-                inv_temperature, lse_s2, lse_t2, kl, jsd_s, wd_el, jsd_beta, inv_distill_temp,
-                BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, DISTILL_KIND, OWN_TEMP, False,
-            )
+            sum_px = _grad_block(z, zt, grad_row_ptr, start - BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
+                                 wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False)
             z = z_next
             zt = zt_next
-        sum_px = _grad_block(
-            z, zt, grad_row_ptr, v_full - BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px, logit_scale, softcap,
-            inv_temperature, lse_s2, lse_t2, kl, jsd_s, wd_el, jsd_beta, inv_distill_temp,
-            BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, DISTILL_KIND, OWN_TEMP, False,
-        )
+        sum_px = _grad_block(z, zt, grad_row_ptr, v_full - BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
+                             wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False)
     if v_full < V:
         mask = v_full + offs < V
         z = tl.load(row_ptr + v_full + offs, mask=mask, other=0.0)
         zt = z
         if HAS_TEACHER:
             zt = tl.load(t_row_ptr + v_full + offs, mask=mask, other=0.0)
-        sum_px = _grad_block(
-            z, zt, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, sum_px, logit_scale, softcap,
-            inv_temperature, lse_s2, lse_t2, kl, jsd_s, wd_el, jsd_beta, inv_distill_temp,
-            BLOCK_V, HAS_SOFTCAP, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, DISTILL_KIND, OWN_TEMP, True,
-        )
+        sum_px = _grad_block(z, zt, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
+                             wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, True)
     # the target column gets its [i = y] share: rewrite it whole, after every lane has stored
     in_range = (y >= 0) & (y < V)
     if in_range:
@@ -496,26 +221,88 @@ def gradient_pass(
         g_y += D
         if HAS_TEACHER:
             zt_y = tl.load(t_row_ptr + y)
-            g_y += distill_grad(p_y, x2_y, zt_y, y, V, lse_s2, lse_t2, kl, jsd_s, wd, jsd_beta, inv_distill_temp,
-                                DISTILL_KIND, OWN_TEMP, False)
+            g_y += distill_grad(p_y, x2_y, zt_y, y, V, dstate, wd, S, F, False)
         g_y = g_y * slope_y
         tl.store(grad_row_ptr + y, g_y.to(grad_row_ptr.dtype.element_ty))
     return tl.sum(sum_px, axis=0)
 
 
 @triton.jit
-def target_logit(row_ptr, y, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr):
+def target_logit(row_ptr, y, V, S, HAS_SOFTCAP: tl.constexpr):
     """(x2_y, slope_y) at the target; NaN when y is outside [0, V) (never an out-of-bounds read)."""
     in_range = (y >= 0) & (y < V)
     z_y = tl.load(row_ptr + y, mask=in_range, other=0.0).to(tl.float32)
-    x2_y, slope_y = transform(z_y, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
+    x2_y, slope_y = transform(z_y, S, HAS_SOFTCAP)
     return tl.where(in_range, x2_y, float("nan")), slope_y
 
 
 @triton.jit
 def zero_row(grad_row_ptr, V, BLOCK_V: tl.constexpr):
-    """Gradient of an ignored row."""
+    """Gradient of a row that is not scored."""
     offs = tl.arange(0, BLOCK_V)
     for start in range(0, V, BLOCK_V):
         cols = start + offs
         tl.store(grad_row_ptr + cols, tl.zeros([BLOCK_V], grad_row_ptr.dtype.element_ty), mask=cols < V)
+
+
+@triton.jit
+def row_slot(targets, row, geo):
+    """Where logits row ``row`` lands: (slot, has_slot, y, counted).
+
+    Rows are (b, t) with t < T; slots (per-token outputs, per-token inputs, targets) are b * K + t
+    for t < K. The target of row (b, t) is targets[b * K + t + shift]: shift = 1 scores HF labels
+    (row t predicts token t + 1), shift = 0 everything else. A row counts when it has a target
+    inside its sequence that is not ignore_index (every slot counts without targets).
+    """
+    b = row // geo.T
+    t = row % geo.T
+    slot = b * geo.K + t
+    has_slot = t < geo.K
+    if targets is None:
+        y = tl.full([], -1, tl.int64)
+        counted = has_slot
+    else:
+        scored = t + geo.shift < geo.K
+        y = tl.load(targets + slot + geo.shift, mask=scored, other=geo.ignore_index).to(tl.int64)
+        counted = scored & (y != geo.ignore_index)
+    return slot, has_slot, y, counted
+
+
+@triton.jit
+def token_scale(scratch, num_items, geo, F: tl.constexpr):
+    """d loss / d token_loss of a mean (1 / num_items_in_batch, or 1 / counted rows) or a sum (1)."""
+    if F.REDUCTION == 0:
+        if num_items is not None:
+            denom = tl.load(num_items).to(tl.float32)
+        elif geo.norm > 0:
+            denom = tl.full([], 1.0, tl.float32) * geo.norm
+        else:
+            denom = tl.maximum(tl.load(scratch), 1).to(tl.float32)
+        return 1.0 / denom
+    return tl.full([], 1.0, tl.float32)
+
+
+@triton.jit
+def reduce_rows(rows, loss, means, scratch, num_items, geo, F: tl.constexpr, C: tl.constexpr,
+                COLS_P2: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Column sums of the packed row buffer in a fixed order (deterministic), then
+    means[c] = sum / max(counted rows, 1) for c < C.N (the metrics) and
+    means[C.N] = sum(token_loss) * token_scale + sum(policy_loss) (the policy term is already
+    weighted): the loss, also stored in ``loss`` for a mean or sum reduction. Reads with .cg: the
+    rows were written by other programs (L1 is not coherent)."""
+    cols = tl.arange(0, COLS_P2)[None, :]
+    acc = tl.zeros([BLOCK_R, COLS_P2], tl.float32)
+    for start in range(0, geo.n_out, BLOCK_R):
+        r = (start + tl.arange(0, BLOCK_R))[:, None].to(tl.int64)
+        acc += tl.load(rows + r * C.N + cols, mask=(r < geo.n_out) & (cols < C.N), other=0.0,
+                       cache_modifier=".cg")
+    sums = tl.sum(acc, axis=0)
+    count = tl.maximum(tl.load(scratch, cache_modifier=".cg"), 1).to(tl.float32)
+    col = tl.arange(0, COLS_P2)
+    tl.store(means + col, sums / count, mask=col < C.N)
+    total = tl.sum(tl.where(col == C.token_loss, sums, 0.0), axis=0) * token_scale(scratch, num_items, geo, F)
+    if C.policy_loss >= 0:
+        total += tl.sum(tl.where(col == C.policy_loss, sums, 0.0), axis=0)
+    tl.store(means + C.N, total)
+    if F.REDUCTION != 2:
+        tl.store(loss, total)

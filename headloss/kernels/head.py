@@ -1,383 +1,321 @@
-"""The head kernels and their launchers.
+"""The head kernels and their launchers (every launch by keyword, options as named tuples).
 
-``head_forward_kernel``  one program per row: phase 1 (stats), phase 2 (per-token values,
-                         gradient coefficients), and in fused mode phase 3 (gradient).
-                         Traffic per row: V reads, plus V reads + V writes when fused.
-``head_backward_kernel`` deferred mode: phase 2 from saved lse/entropy and the upstream
-                         per-token gradients, then phase 3. Traffic: V reads + V writes.
-``scale_grad_kernel``    multiplies a precomputed gradient by d loss in backward; a no-op
-                         (no traffic) when d loss == 1, decided on the device, no host sync.
+``prepare_kernel``        one program: counts the rows that are scored, checks the targets' range
+                          and num_items_in_batch, zeroes the completion counter. O(rows).
+``head_kernel``           one program per logits row: phase 1 (stats), phase 2 (per-token values,
+                          gradient coefficients, term by term), phase 3 (gradient, when ``grad`` is
+                          given); the last program to finish reduces the packed per-row buffer to
+                          the metrics and the loss. Traffic per row: V reads, plus V reads + V
+                          writes with the gradient.
+``head_backward_kernel``  deferred mode: phase 2 from the saved per-row values and the upstream
+                          gradients, then phase 3. Traffic: V reads + V writes.
+``finish_kernel``         the same reduction as a launch of its own (after a chunked lm_head).
+``scale_grad_kernel``     multiplies a precomputed gradient by d loss in backward; a no-op (no
+                          traffic) when d loss == 1, decided on the device, no host sync.
 
-Rows are addressed as ``(row // T) * stride_b + (row % T) * stride_t`` so [B, T, V] views with
-any row strides (e.g. ``logits[:, :-1]``) run without a copy. Offsets are int64: N * V may
-exceed 2**31. The grid is (N,) on axis 0, which holds up to 2**31 - 1 rows.
+Rows are addressed as ``b * stride_b + t * stride_t`` (row = b * T + t), so [B, T, V] views with
+any row strides run without a copy. Offsets are int64 (N * V may exceed 2**31); rows live on grid
+axis 0 (up to 2**31 - 1).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ..plan import KernelPlan
-from ..policy import POLICY_ROW_FIELDS
-from .blocks import LN2, gradient_pass, jsd_sums, online_stats, row_coefficients, target_logit, zero_row
-from .policy import policy_token
+from .blocks import (
+    gradient_pass,
+    online_stats,
+    reduce_rows,
+    row_slot,
+    target_logit,
+    token_scale,
+    zero_row,
+)
+from .primitives import LN2
+from .terms import distill_values, policy_values, put, row_coefficients, row_values
+
+SCRATCH = 8
+"""int64 scratch per call: [0] counted rows, [1] programs done, [2] first bad target index (-1: none),
+[3] its value, [4] 1 when num_items_in_batch is not a positive finite number, [5] 1 when a
+sequence id is outside [0, n_out)."""
+
+
+class Geometry(NamedTuple):
+    """Sizes and strides of one launch (runtime ints; Triton specializes 1 and multiples of 16)."""
+
+    n_rows: int  # logits rows = programs (B * T)
+    n_out: int  # slots: per-token outputs and inputs (B * K)
+    V: int
+    T: int  # logits rows per sequence
+    K: int  # slots per sequence (K <= T; rows t >= K are not scored)
+    shift: int  # the target of row t is targets[b, t + shift]
+    stride_b: int
+    stride_t: int
+    g_stride_b: int  # gradient buffer strides
+    g_stride_t: int
+    t_stride_b: int  # teacher strides
+    t_stride_t: int
+    ignore_index: int
+    norm: float  # num_items_in_batch given as a number (0: none)
+
+
+class PolicyRows(NamedTuple):
+    """Per-slot fp32 inputs of the token-level policy objective (old and iw may be None)."""
+
+    old: torch.Tensor | None
+    ref: torch.Tensor | None
+    adv: torch.Tensor
+    iw: torch.Tensor | None
+    weight: torch.Tensor
 
 
 @triton.jit
-def head_forward_kernel(
+def prepare_kernel(
+    targets,  # (n_out + shift,) int, or None
+    num_items,  # (1,) any dtype, or None
+    sequence_ids,  # (n_out,) int, or None
+    scratch,  # (SCRATCH,) int64 out
+    geo,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.arange(0, BLOCK).to(tl.int64)
+    counted = tl.zeros([BLOCK], tl.int64)
+    bad_ids = tl.zeros([BLOCK], tl.int64)
+    big = 2**62
+    first_bad = tl.full([BLOCK], big, tl.int64)
+    for start in range(0, geo.n_out, BLOCK):
+        slot = start + offs
+        inside = slot < geo.n_out
+        if targets is None:
+            counted += inside.to(tl.int64)
+        else:
+            scored = inside & (slot % geo.K + geo.shift < geo.K)
+            y = tl.load(targets + slot + geo.shift, mask=scored, other=geo.ignore_index).to(tl.int64)
+            valid = scored & (y != geo.ignore_index)
+            counted += valid.to(tl.int64)
+            bad = valid & ((y < 0) | (y >= geo.V))
+            first_bad = tl.minimum(first_bad, tl.where(bad, slot + geo.shift, big))
+        if sequence_ids is not None:
+            ids = tl.load(sequence_ids + slot, mask=inside, other=0)
+            bad_ids |= (inside & ((ids < 0) | (ids >= geo.n_out))).to(tl.int64)
+    tl.store(scratch, tl.sum(counted, axis=0))
+    tl.store(scratch + 1, 0)
+    where = tl.min(first_bad, axis=0)
+    value = tl.zeros([], tl.int64)
+    if targets is not None:
+        value = tl.load(targets + where, mask=where < big, other=0).to(tl.int64)
+    tl.store(scratch + 2, tl.where(where < big, where, -1))
+    tl.store(scratch + 3, value)
+    bad_items = tl.zeros([], tl.int64)
+    if num_items is not None:
+        n = tl.load(num_items).to(tl.float32)
+        bad_items = ((n > 0.0) & (n < float("inf"))).to(tl.int64) ^ 1
+    tl.store(scratch + 4, bad_items)
+    tl.store(scratch + 5, tl.max(bad_ids, axis=0))
+
+
+@triton.jit
+def head_kernel(
     # pointers
-    logits_ptr,  # (N, V) addressed through (stride_b, stride_t)
-    targets_ptr,  # (N,) int
-    grad_ptr,  # (N, V) gradient out, may alias logits; unused unless FUSED_GRAD
-    grad_scale_ptr,  # (1,) fp32: d loss / d token_loss (1 / denominator for mean)
-    token_loss_ptr,  # (N,) fp32 combined per-token loss
-    lse_ptr,  # (N,) fp32
-    ce_ptr,  # (N,) fp32, HAS_CE
-    entropy_ptr,  # (N,) fp32, HAS_ENTROPY
-    logp_ptr,  # (N,) fp32, STORE_LOGP
-    pred_ptr,  # (N,) int64, HAS_ARGMAX; -1 at ignored rows
-    teacher_ptr,  # (N, V) teacher logits addressed through (t_stride_b, t_stride_t), HAS_TEACHER
-    dstats_ptr,  # (N, 4) fp32: lse_s2, lse_t2, divergence, jsd_s (base-2 lse's), HAS_TEACHER
-    t_entropy_ptr,  # (N,) fp32 teacher entropy at T_d, HAS_TEACHER
-    t_pred_ptr,  # (N,) int64 teacher argmax, HAS_TEACHER
-    old_ptr,  # (N,) fp32 rollout log-probs, HAS_OLD
-    ref_ptr,  # (N,) fp32 reference log-probs, KL_EST > 0
-    adv_ptr,  # (N,) fp32 advantages, HAS_POLICY
-    iw_ptr,  # (N,) fp32 rollout importance weights, HAS_IW
-    pw_ptr,  # (N,) fp32 policy aggregation weights (0 at masked rows), HAS_POLICY
-    pol_loss_ptr,  # (N,) fp32 w * per-token policy loss, HAS_POLICY
-    ratio_ptr,  # (N,) fp32 importance ratio, HAS_POLICY
-    kl_ptr,  # (N,) fp32 per-token KL estimate, KL_EST > 0
-    # sizes
-    V,
-    T,
-    # strides
-    stride_b,
-    stride_t,
-    grad_stride_b,
-    grad_stride_t,
-    t_stride_b,
-    t_stride_t,
-    # scalars
-    ignore_index,
-    w_ce,
-    smoothing,
-    w_z,
-    w_entropy,
-    logit_scale,
-    softcap,
-    inv_temperature,
-    w_distill,
-    inv_distill_temp,
-    jsd_beta,
-    eps_low,
-    eps_high,
-    pol_delta,
-    dual_c,
-    kl_beta,
-    entropy_coef,
+    logits,  # (rows, V) addressed through geo.stride_b / stride_t, any float dtype
+    targets,  # (n_out,) int, or None
+    teacher,  # like logits (geo.t_stride_*), or None
+    grad,  # like logits (geo.g_stride_*), may alias logits; None: no gradient pass
+    rows,  # (n_out, C.N) fp32 packed per-row values
+    pred,  # (n_out,) int64 argmax (-1 where not scored), or None
+    policy,  # PolicyRows of (n_out,) fp32, or None
+    num_items,  # (1,) num_items_in_batch on the device, or None
+    scratch,  # (SCRATCH,) int64: counted rows (prepare_kernel), programs done
+    loss,  # () fp32 reduced loss, or (n_out,) for reduction 'none'
+    means,  # (C.N + 1,) fp32 column means and the loss, written with FINISH
+    # sizes, strides, runtime scalars
+    geo,
+    S,
     # meta
+    F: tl.constexpr,
+    C: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    HAS_POLICY: tl.constexpr,
-    HAS_OLD: tl.constexpr,
-    HAS_IW: tl.constexpr,
-    KL_EST: tl.constexpr,
-    KL_IS_CORR: tl.constexpr,
-    HAS_TEACHER: tl.constexpr,
-    DISTILL_KIND: tl.constexpr,
-    OWN_TEMP: tl.constexpr,
-    HAS_TARGETS: tl.constexpr,
-    HAS_CE: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    HAS_Z: tl.constexpr,
-    HAS_ENTROPY: tl.constexpr,
-    HAS_ENTROPY_GRAD: tl.constexpr,
-    HAS_ARGMAX: tl.constexpr,
-    STORE_LOGP: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    FUSED_GRAD: tl.constexpr,
+    COLS_P2: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    FINISH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
-    grad_row_ptr = grad_ptr + (row // T) * grad_stride_b + (row % T) * grad_stride_t
-    t_row_ptr = teacher_ptr + (row // T) * t_stride_b + (row % T) * t_stride_t
-    y = tl.full([], -1, tl.int64)
-    valid = True
-    if HAS_TARGETS:
-        y = tl.load(targets_ptr + row).to(tl.int64)
-        valid = y != ignore_index
+    b = row // geo.T
+    t = row % geo.T
+    row_ptr = logits + b * geo.stride_b + t * geo.stride_t
+    grad_row = grad
+    if grad is not None:
+        grad_row = grad + b * geo.g_stride_b + t * geo.g_stride_t
+    t_row = teacher
+    if teacher is not None:
+        t_row = teacher + b * geo.t_stride_b + t * geo.t_stride_t
+    slot, has_slot, y, counted = row_slot(targets, row, geo)
+    row_out = rows + slot * C.N
     # an entropy without gradient is summed in the gradient pass when there is one
-    ENTROPY_IN_PASS_1: tl.constexpr = HAS_ENTROPY and (HAS_ENTROPY_GRAD or not FUSED_GRAD)
-    ENTROPY_IN_PASS_3: tl.constexpr = HAS_ENTROPY and not ENTROPY_IN_PASS_1
-    if valid:
+    ENTROPY_IN_PASS_1: tl.constexpr = F.HAS_ENTROPY and (F.ENTROPY_GRAD or grad is None)
+    ENTROPY_IN_PASS_3: tl.constexpr = F.HAS_ENTROPY and not ENTROPY_IN_PASS_1
+    if counted:
         # --- 1. stats pass
-        m2, d, sum_x2, sum_ex2, arg, mt2, dt, sum_t, sum_ts, ms2, ds, sum_st, t_arg = online_stats(
-            row_ptr, t_row_ptr, V, logit_scale, softcap, inv_temperature, inv_distill_temp,
-            BLOCK_V, HAS_SOFTCAP, HAS_SMOOTHING, ENTROPY_IN_PASS_1, HAS_ARGMAX,
-            HAS_TEACHER, DISTILL_KIND, OWN_TEMP,
-        )
-        # --- 2. per-token values (natural units from here on)
+        m2, d, sum_x2, sum_ex2, arg, tstats = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V, ENTROPY_IN_PASS_1)
+        # --- 2. per-token values, term by term (natural units from here on)
         lse2 = m2 + tl.log2(d)
         lse = lse2 * LN2
-        token_loss = tl.zeros([], tl.float32)
-        entropy = tl.zeros([], tl.float32)
         x2_y = tl.zeros([], tl.float32)
         slope_y = tl.zeros([], tl.float32)
-        if HAS_TARGETS:
+        if targets is not None:
             # out-of-range targets (validation off) give NaN, never an out-of-bounds read
-            x2_y, slope_y = target_logit(row_ptr, y, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
-        if STORE_LOGP:
-            tl.store(logp_ptr + row, (x2_y - lse2) * LN2)
-        if HAS_CE:
-            ce = lse - x2_y * LN2
-            if HAS_SMOOTHING:
-                ce = (1.0 - smoothing) * ce + smoothing * (lse - sum_x2 * LN2 / V)
-            tl.store(ce_ptr + row, ce)
-            token_loss += w_ce * ce
-        if HAS_Z:
-            token_loss += w_z * lse * lse
+            x2_y, slope_y = target_logit(row_ptr, y, geo.V, S, F.HAS_SOFTCAP)
+        logp = (x2_y - lse2) * LN2
+        entropy = tl.zeros([], tl.float32)
         if ENTROPY_IN_PASS_1:
             entropy = lse - sum_ex2 * LN2 / d
-            tl.store(entropy_ptr + row, entropy)
-            token_loss += w_entropy * entropy
-        if HAS_ARGMAX:
-            tl.store(pred_ptr + row, arg.to(tl.int64))
-        lse_s2 = lse2
-        lse_t2 = tl.zeros([], tl.float32)
-        divergence = tl.zeros([], tl.float32)
-        jsd_s = tl.zeros([], tl.float32)
-        if HAS_TEACHER:
-            # --- 2b. distillation: divergence between student and teacher at T_d
-            lse_t2 = mt2 + tl.log2(dt)
-            lse_s2 = ms2 + tl.log2(ds)
-            # lse_t2 - lse_s2 from the maxima and the ratio of the sums: no cancellation of two
-            # O(|x|) normalisers when the teacher is close to the student
-            t_minus_s = (mt2 - ms2) + tl.log2(dt / ds)
-            if DISTILL_KIND == 0:
-                divergence = LN2 * (sum_ts / dt - t_minus_s)
-            elif DISTILL_KIND == 1:
-                divergence = LN2 * (sum_st / ds + t_minus_s)
-            else:
-                divergence, jsd_s = jsd_sums(
-                    row_ptr, t_row_ptr, V, lse_s2, lse_t2, t_minus_s, jsd_beta, logit_scale, softcap,
-                    inv_temperature, inv_distill_temp, BLOCK_V, HAS_SOFTCAP, OWN_TEMP,
-                )
-            token_loss += w_distill * divergence
-            tl.store(dstats_ptr + row * 4, lse_s2)
-            tl.store(dstats_ptr + row * 4 + 1, lse_t2)
-            tl.store(dstats_ptr + row * 4 + 2, divergence)
-            tl.store(dstats_ptr + row * 4 + 3, jsd_s)
-            tl.store(t_entropy_ptr + row, LN2 * (lse_t2 - sum_t / dt))
-            tl.store(t_pred_ptr + row, t_arg.to(tl.int64))
-        tl.store(lse_ptr + row, lse)
-        tl.store(token_loss_ptr + row, token_loss)
-        d_logp = tl.zeros([], tl.float32)
-        d_entropy = tl.zeros([], tl.float32)
-        if HAS_POLICY:
-            # --- 2c. token-level policy objective on this row's log p(target)
-            logp = (x2_y - lse2) * LN2
-            old = logp
-            if HAS_OLD:
-                old = tl.load(old_ptr + row)
-            ref = logp
-            if KL_EST != 0:
-                ref = tl.load(ref_ptr + row)
-            iw = tl.full([], 1.0, tl.float32)
-            if HAS_IW:
-                iw = tl.load(iw_ptr + row)
-            w = tl.load(pw_ptr + row)
-            per_token, d_per_token, ratio, kl = policy_token(
-                logp, old, ref, tl.load(adv_ptr + row), iw, eps_low, eps_high, pol_delta, dual_c, kl_beta,
-                KL_EST, KL_IS_CORR,
-            )
-            policy_loss = w * per_token
-            d_logp = w * d_per_token
-            if HAS_ENTROPY_GRAD:  # verl's entropy bonus, aggregated like the loss
-                policy_loss -= entropy_coef * w * entropy
-                d_entropy = -entropy_coef * w
-            tl.store(pol_loss_ptr + row, policy_loss)
-            tl.store(ratio_ptr + row, ratio)
-            if KL_EST != 0:
-                tl.store(kl_ptr + row, kl)
-        # --- 3. gradient pass (fused mode)
-        if FUSED_GRAD:
-            u = tl.load(grad_scale_ptr)
-            zero = tl.zeros([], tl.float32)
-            A, B, C, D = row_coefficients(
-                u, d_logp, d_entropy, zero, lse, entropy, V, w_ce, smoothing, w_z, w_entropy,
-                HAS_CE, HAS_Z, HAS_ENTROPY_GRAD,
-            )
+            put(row_out, C.entropy, entropy)
+        token_loss = row_values(row_out, lse, logp, sum_x2, entropy, geo.V, S, F, C)
+        zero = tl.zeros([], tl.float32)
+        dstate = (zero, zero, zero, zero)
+        if teacher is not None:
+            weighted, dstate = distill_values(row_out, row_ptr, t_row, m2, d, arg, tstats, geo.V, S, F, C, BLOCK_V)
+            token_loss += weighted
+        d_logp = zero
+        d_entropy = zero
+        if F.HAS_POLICY:
+            d_logp, d_entropy = policy_values(row_out, logp, entropy, policy, slot, S, F, C)
+        if F.HAS_ARGMAX:
+            put(row_out, C.accuracy, (arg == y).to(tl.float32))
+            if pred is not None:
+                tl.store(pred + slot, arg.to(tl.int64))
+        put(row_out, C.token_loss, token_loss)
+        put(row_out, C.lse, lse)
+        put(row_out, C.logp, logp)
+        if F.REDUCTION == 2:
+            tl.store(loss + slot, token_loss)
+        # --- 3. gradient pass
+        if grad is not None:
+            u = token_scale(scratch, num_items, geo, F)
+            A, B, Cc, D = row_coefficients(u, d_logp, d_entropy, zero, lse, logp, entropy, geo.V, S, F)
             sum_px2 = gradient_pass(
-                row_ptr, t_row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A, B, C, D,
-                logit_scale, softcap, inv_temperature,
-                lse_s2, lse_t2, divergence, jsd_s, u * w_distill * inv_distill_temp, jsd_beta, inv_distill_temp,
-                BLOCK_V, HAS_SOFTCAP, HAS_ENTROPY_GRAD, HAS_SMOOTHING, ENTROPY_IN_PASS_3,
-                HAS_TEACHER, DISTILL_KIND, OWN_TEMP,
+                row_ptr, t_row, grad_row, geo.V, y, x2_y, slope_y, lse, A, B, Cc, D, dstate,
+                u * S.w_distill * S.inv_distill_temp, S, F, BLOCK_V, ENTROPY_IN_PASS_3,
             )
             if ENTROPY_IN_PASS_3:
-                tl.store(entropy_ptr + row, sum_px2 * LN2)
+                put(row_out, C.entropy, sum_px2 * LN2)
     else:
-        tl.store(token_loss_ptr + row, 0.0)
-        tl.store(lse_ptr + row, 0.0)
-        if HAS_CE:
-            tl.store(ce_ptr + row, 0.0)
-        if HAS_ENTROPY:
-            tl.store(entropy_ptr + row, 0.0)
-        if STORE_LOGP:
-            tl.store(logp_ptr + row, 0.0)
-        if HAS_ARGMAX:
-            tl.store(pred_ptr + row, -1)
-        if HAS_TEACHER:
-            for k in tl.static_range(4):
-                tl.store(dstats_ptr + row * 4 + k, 0.0)
-            tl.store(t_entropy_ptr + row, 0.0)
-            tl.store(t_pred_ptr + row, -1)
-        if HAS_POLICY:
-            tl.store(pol_loss_ptr + row, 0.0)
-            tl.store(ratio_ptr + row, 1.0)
-            if KL_EST != 0:
-                tl.store(kl_ptr + row, 0.0)
-        if FUSED_GRAD:
-            zero_row(grad_row_ptr, V, BLOCK_V)
+        if has_slot:
+            col = tl.arange(0, COLS_P2)
+            tl.store(row_out + col, tl.zeros([COLS_P2], tl.float32), mask=col < C.N)
+            if pred is not None:
+                tl.store(pred + slot, -1)
+            if F.REDUCTION == 2:
+                tl.store(loss + slot, 0.0)
+        if grad is not None:
+            zero_row(grad_row, geo.V, BLOCK_V)
+    if FINISH:
+        # the last program to get here reduces every row: one launch for the whole call
+        tl.debug_barrier()
+        done = tl.atomic_add(scratch + 1, 1, sem="acq_rel")
+        if done == geo.n_rows - 1:
+            reduce_rows(rows, loss, means, scratch, num_items, geo, F, C, COLS_P2, BLOCK_R)
 
 
 @triton.jit
 def head_backward_kernel(
     # pointers
-    logits_ptr,  # (N, V) addressed through (stride_b, stride_t)
-    targets_ptr,  # (N,) int
-    grad_ptr,  # (N, V) gradient out, may alias logits
-    lse_ptr,  # (N,) fp32 saved by the forward
-    entropy_ptr,  # (N,) fp32 saved by the forward, HAS_ENTROPY_GRAD
-    d_token_ptr,  # (N,) or (1,) fp32: d loss / d token_loss, row stride d_token_stride
-    d_logp_ptr,  # (N,) fp32, HAS_D_LOGP
-    d_entropy_ptr,  # (N,) fp32, HAS_D_ENTROPY
-    d_lse_ptr,  # (N,) fp32, HAS_D_LSE
-    teacher_ptr,  # (N, V) teacher logits, HAS_TEACHER
-    dstats_ptr,  # (N, 4) fp32 saved by the forward, HAS_TEACHER
-    # sizes
-    V,
-    T,
-    # strides
-    stride_b,
-    stride_t,
-    grad_stride_b,
-    grad_stride_t,
-    t_stride_b,
-    t_stride_t,
-    d_token_stride,
-    # scalars
-    ignore_index,
-    w_ce,
-    smoothing,
-    w_z,
-    w_entropy,
-    logit_scale,
-    softcap,
-    inv_temperature,
-    w_distill,
-    inv_distill_temp,
-    jsd_beta,
-    eps_low,  # the policy's scalars: unused here (its objective runs in torch in deferred mode)
-    eps_high,
-    pol_delta,
-    dual_c,
-    kl_beta,
-    entropy_coef,
+    logits,  # (rows, V) addressed through geo.stride_*
+    targets,  # (n_out,) int, or None
+    teacher,  # like logits, or None
+    grad,  # like logits (geo.g_stride_*), may alias logits
+    rows,  # (n_out, C.N) fp32 saved by the forward
+    d_loss,  # (1,) fp32 upstream gradient of the reduced loss, or (n_out,) for reduction 'none'
+    d_rows,  # (n_out, C.N) fp32 upstream gradients of the per-row outputs, or None
+    num_items,  # (1,) or None
+    scratch,  # (SCRATCH,) int64 from the forward
+    # sizes, strides, runtime scalars
+    geo,
+    S,
     # meta
+    F: tl.constexpr,
+    C: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    HAS_TEACHER: tl.constexpr,
-    DISTILL_KIND: tl.constexpr,
-    OWN_TEMP: tl.constexpr,
-    HAS_TARGETS: tl.constexpr,
-    HAS_CE: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    HAS_Z: tl.constexpr,
-    HAS_ENTROPY_GRAD: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_D_LOGP: tl.constexpr,
-    HAS_D_ENTROPY: tl.constexpr,
-    HAS_D_LSE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
-    grad_row_ptr = grad_ptr + (row // T) * grad_stride_b + (row % T) * grad_stride_t
-    t_row_ptr = teacher_ptr + (row // T) * t_stride_b + (row % T) * t_stride_t
-    y = tl.full([], -1, tl.int64)
-    valid = True
-    if HAS_TARGETS:
-        y = tl.load(targets_ptr + row).to(tl.int64)
-        valid = y != ignore_index
-    if valid:
+    b = row // geo.T
+    t = row % geo.T
+    row_ptr = logits + b * geo.stride_b + t * geo.stride_t
+    grad_row = grad + b * geo.g_stride_b + t * geo.g_stride_t
+    t_row = teacher
+    if teacher is not None:
+        t_row = teacher + b * geo.t_stride_b + t * geo.t_stride_t
+    slot, has_slot, y, counted = row_slot(targets, row, geo)
+    if counted:
         zero = tl.zeros([], tl.float32)
-        u = tl.load(d_token_ptr + row * d_token_stride)
-        lse = tl.load(lse_ptr + row)
+        row_in = rows + slot * C.N
+        lse = tl.load(row_in + C.lse)
         entropy = zero
+        if F.ENTROPY_GRAD:
+            entropy = tl.load(row_in + C.entropy)
+        if F.REDUCTION == 2:
+            u = tl.load(d_loss + slot)
+        else:
+            u = tl.load(d_loss) * token_scale(scratch, num_items, geo, F)
         d_logp = zero
         d_entropy = zero
         d_lse = zero
-        if HAS_ENTROPY_GRAD:
-            entropy = tl.load(entropy_ptr + row)
-        if HAS_D_LOGP:
-            d_logp = tl.load(d_logp_ptr + row)
-        if HAS_D_ENTROPY:
-            d_entropy = tl.load(d_entropy_ptr + row)
-        if HAS_D_LSE:
-            d_lse = tl.load(d_lse_ptr + row)
-        x2_y = tl.zeros([], tl.float32)
-        slope_y = tl.zeros([], tl.float32)
-        if HAS_TARGETS:
-            x2_y, slope_y = target_logit(row_ptr, y, V, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
-        A, B, C, D = row_coefficients(
-            u, d_logp, d_entropy, d_lse, lse, entropy, V, w_ce, smoothing, w_z, w_entropy,
-            HAS_CE, HAS_Z, HAS_ENTROPY_GRAD,
-        )
-        lse_s2 = zero
-        lse_t2 = zero
-        divergence = zero
-        jsd_s = zero
-        if HAS_TEACHER:
-            lse_s2 = tl.load(dstats_ptr + row * 4)
-            lse_t2 = tl.load(dstats_ptr + row * 4 + 1)
-            divergence = tl.load(dstats_ptr + row * 4 + 2)
-            jsd_s = tl.load(dstats_ptr + row * 4 + 3)
+        if d_rows is not None:
+            d_in = d_rows + slot * C.N
+            u += tl.load(d_in + C.token_loss)
+            d_lse = tl.load(d_in + C.lse)
+            if C.logp >= 0:
+                d_logp = tl.load(d_in + C.logp)
+            if F.ENTROPY_GRAD:
+                d_entropy = tl.load(d_in + C.entropy)
+        x2_y = zero
+        slope_y = zero
+        if targets is not None:
+            x2_y, slope_y = target_logit(row_ptr, y, geo.V, S, F.HAS_SOFTCAP)
+        logp = x2_y * LN2 - lse
+        A, B, Cc, D = row_coefficients(u, d_logp, d_entropy, d_lse, lse, logp, entropy, geo.V, S, F)
+        dstate = (zero, zero, zero, zero)
+        if teacher is not None:
+            dstate = (tl.load(row_in + C.lse_s2), tl.load(row_in + C.lse_t2), tl.load(row_in + C.divergence),
+                      tl.load(row_in + C.jsd_s))
         gradient_pass(
-            row_ptr, t_row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A, B, C, D,
-            logit_scale, softcap, inv_temperature,
-            lse_s2, lse_t2, divergence, jsd_s, u * w_distill * inv_distill_temp, jsd_beta, inv_distill_temp,
-            BLOCK_V, HAS_SOFTCAP, HAS_ENTROPY_GRAD, HAS_SMOOTHING, False,
-            HAS_TEACHER, DISTILL_KIND, OWN_TEMP,
+            row_ptr, t_row, grad_row, geo.V, y, x2_y, slope_y, lse, A, B, Cc, D, dstate,
+            u * S.w_distill * S.inv_distill_temp, S, F, BLOCK_V, False,
         )
     else:
-        zero_row(grad_row_ptr, V, BLOCK_V)
+        zero_row(grad_row, geo.V, BLOCK_V)
+
+
+@triton.jit
+def finish_kernel(rows, loss, means, scratch, num_items, geo, F: tl.constexpr, C: tl.constexpr,
+                  COLS_P2: tl.constexpr, BLOCK_R: tl.constexpr):
+    reduce_rows(rows, loss, means, scratch, num_items, geo, F, C, COLS_P2, BLOCK_R)
 
 
 @triton.jit
 def scale_grad_kernel(
-    grad_ptr,  # (N, V) addressed through (stride_b, stride_t)
-    scale_ptr,  # (1,) the upstream d loss
-    V,
-    T,
-    stride_b,
-    stride_t,
+    grad,  # (rows, V) addressed through geo.g_stride_*
+    scale,  # (1,) the upstream d loss
+    geo,
     BLOCK_V: tl.constexpr,
 ):
-    scale = tl.load(scale_ptr).to(tl.float32)
-    if scale != 1.0:
+    factor = tl.load(scale).to(tl.float32)
+    if factor != 1.0:
         row = tl.program_id(0).to(tl.int64)
-        row_ptr = grad_ptr + (row // T) * stride_b + (row % T) * stride_t
+        row_ptr = grad + (row // geo.T) * geo.g_stride_b + (row % geo.T) * geo.g_stride_t
         offs = tl.arange(0, BLOCK_V)
-        for start in range(0, V, BLOCK_V):
+        for start in range(0, geo.V, BLOCK_V):
             cols = start + offs
-            mask = cols < V
+            mask = cols < geo.V
             g = tl.load(row_ptr + cols, mask=mask).to(tl.float32)
-            tl.store(row_ptr + cols, (g * scale).to(grad_ptr.dtype.element_ty), mask=mask)
+            tl.store(row_ptr + cols, (g * factor).to(grad.dtype.element_ty), mask=mask)
 
 
 # --- launchers -------------------------------------------------------------------------------
@@ -410,174 +348,67 @@ def launch_config(vocab: int, teacher: bool = False, rows: int | None = None) ->
     return LaunchConfig(block_v=block, num_warps=warps)
 
 
-@dataclass
-class RowStats:
-    """Per-row fp32/int64 buffers written by the forward kernel (None when not computed)."""
-
-    token_loss: torch.Tensor
-    lse: torch.Tensor
-    ce: torch.Tensor | None
-    entropy: torch.Tensor | None
-    logp: torch.Tensor | None
-    pred: torch.Tensor | None
-    dstats: torch.Tensor | None = None  # (N, 4): lse_s2, lse_t2, divergence, jsd_s
-    t_entropy: torch.Tensor | None = None
-    t_pred: torch.Tensor | None = None
-    policy_loss: torch.Tensor | None = None  # w * per-token policy loss (fused token-level policy)
-    ratio: torch.Tensor | None = None
-    kl: torch.Tensor | None = None
-
-    DIFFERENTIABLE = ("token_loss", "lse", "entropy", "logp")
-
-    @classmethod
-    def empty(cls, rows: int, plan: KernelPlan, device: torch.device) -> RowStats:
-        flags = plan.flags
-        f32 = dict(dtype=torch.float32, device=device)
-        return cls(
-            token_loss=torch.empty(rows, **f32),
-            lse=torch.empty(rows, **f32),
-            ce=torch.empty(rows, **f32) if flags.HAS_CE else None,
-            entropy=torch.empty(rows, **f32) if flags.HAS_ENTROPY else None,
-            logp=torch.empty(rows, **f32) if flags.STORE_LOGP else None,
-            pred=torch.empty(rows, dtype=torch.int64, device=device) if flags.HAS_ARGMAX else None,
-            dstats=torch.empty(rows, 4, **f32) if flags.HAS_TEACHER else None,
-            t_entropy=torch.empty(rows, **f32) if flags.HAS_TEACHER else None,
-            t_pred=torch.empty(rows, dtype=torch.int64, device=device) if flags.HAS_TEACHER else None,
-            policy_loss=torch.empty(rows, **f32) if flags.HAS_POLICY else None,
-            ratio=torch.empty(rows, **f32) if flags.HAS_POLICY else None,
-            kl=torch.empty(rows, **f32) if flags.KL_EST else None,
-        )
-
-    def rows(self, start: int, stop: int) -> RowStats:
-        """Views of rows [start, stop) of every buffer (for a chunk of a longer batch)."""
-        return RowStats(*(t[start:stop] if t is not None else None for t in self.fields()))
-
-    def fields(self) -> tuple[torch.Tensor | None, ...]:
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
-
-    def constants(self) -> list[torch.Tensor]:
-        """The buffers that carry no gradient (for ctx.mark_non_differentiable)."""
-        return [
-            getattr(self, f.name) for f in dataclasses.fields(self)
-            if f.name not in self.DIFFERENTIABLE and getattr(self, f.name) is not None
-        ]
+def row_strides(t: torch.Tensor | None) -> tuple[int, int]:
+    """(stride_b, stride_t) of a [N, V] (one sequence of N rows) or [B, T, V] tensor; (0, 0) for None."""
+    if t is None:
+        return 0, 0
+    if t.dim() == 2:
+        return 0, t.stride(0)
+    return t.stride(0), t.stride(1)
 
 
-def row_geometry(logits: torch.Tensor) -> tuple[int, int, int, int]:
-    """(rows, T, stride_b, stride_t) of a [N, V] or [B, T, V] tensor whose last stride is 1."""
-    if logits.dim() == 2:
-        return logits.shape[0], max(logits.shape[0], 1), 0, logits.stride(0)
-    batch, seq = logits.shape[0], logits.shape[1]
-    return batch * seq, max(seq, 1), logits.stride(0), logits.stride(1)
+def _reduction_meta(plan: KernelPlan) -> dict:
+    cols_p2 = triton.next_power_of_2(max(plan.cols.N, 1))
+    return {"COLS_P2": cols_p2, "BLOCK_R": max(16, 2048 // cols_p2)}
 
 
-def _teacher_args(teacher: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
-    if teacher is None:
-        return placeholder, 0, 0
-    _, _, t_stride_b, t_stride_t = row_geometry(teacher)
-    return teacher, t_stride_b, t_stride_t
+def prepare(targets: torch.Tensor | None, num_items: torch.Tensor | None, sequence_ids: torch.Tensor | None,
+            geo: Geometry, device: torch.device) -> torch.Tensor:
+    """Launch prepare_kernel; returns the call's scratch (counted rows first)."""
+    scratch = torch.empty(SCRATCH, dtype=torch.int64, device=device)
+    prepare_kernel[(1,)](targets=targets, num_items=num_items, sequence_ids=sequence_ids, scratch=scratch, geo=geo,
+                         BLOCK=1024, num_warps=4)
+    return scratch
 
 
-def run_forward(
-    plan: KernelPlan,
-    logits: torch.Tensor,
-    targets: torch.Tensor | None,
-    teacher: torch.Tensor | None,
-    grad: torch.Tensor | None,
-    grad_scale: torch.Tensor,
-    out: RowStats | None = None,
-    policy: object | None = None,
-) -> RowStats:
-    """Launch the forward kernel; writes ``grad`` too when the plan is fused and grad is given.
-
-    Per-row results go to ``out`` (contiguous views, e.g. a chunk of longer buffers) or to new
-    buffers. ``policy`` (headloss.policy.PolicyInputs) carries the per-row policy inputs when the
-    plan has HAS_POLICY.
-    """
-    rows, seq, stride_b, stride_t = row_geometry(logits)
-    vocab = logits.shape[-1]
-    flags = plan.flags
-    stats = out if out is not None else RowStats.empty(rows, plan, logits.device)
-    if rows == 0:
-        return stats
-    fused = flags.FUSED_GRAD and grad is not None
-    _, _, grad_stride_b, grad_stride_t = row_geometry(grad) if fused else (0, 0, 0, 0)
-    cfg = launch_config(vocab, flags.HAS_TEACHER, rows)
-    placeholder = stats.token_loss
-    teacher, t_stride_b, t_stride_t = _teacher_args(teacher, placeholder)
-    opt = lambda t: t if t is not None else placeholder  # noqa: E731
-    head_forward_kernel[(rows,)](
-        logits, opt(targets), grad if fused else placeholder, grad_scale,
-        stats.token_loss, stats.lse, opt(stats.ce), opt(stats.entropy), opt(stats.logp), opt(stats.pred),
-        teacher, opt(stats.dstats), opt(stats.t_entropy), opt(stats.t_pred),
-        *(opt(getattr(policy, name, None)) for name in POLICY_ROW_FIELDS),
-        opt(stats.policy_loss), opt(stats.ratio), opt(stats.kl),
-        vocab, seq,
-        stride_b, stride_t, grad_stride_b, grad_stride_t, t_stride_b, t_stride_t,
-        *plan.scalars.as_args(),
-        BLOCK_V=cfg.block_v,
-        num_warps=cfg.num_warps,
-        **{**flags.as_kwargs(), "FUSED_GRAD": fused},
-    )
-    return stats
-
-
-def run_backward(
-    plan: KernelPlan,
-    logits: torch.Tensor,
-    targets: torch.Tensor | None,
-    teacher: torch.Tensor | None,
-    grad: torch.Tensor,
-    lse: torch.Tensor,
-    entropy: torch.Tensor | None,
-    dstats: torch.Tensor | None,
-    d_token: torch.Tensor,
-    d_logp: torch.Tensor | None,
-    d_entropy: torch.Tensor | None,
-    d_lse: torch.Tensor | None,
-) -> None:
-    """Deferred mode: write d loss / d logits into ``grad`` from saved stats and upstream grads."""
-    rows, seq, stride_b, stride_t = row_geometry(logits)
-    if rows == 0:
+def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred, policy, num_items, scratch, loss,
+                means, geo: Geometry, finish: bool = True) -> None:
+    """One program per logits row; with ``finish`` the last one writes ``means`` and the reduced loss."""
+    if geo.n_rows == 0:
         return
-    _, _, grad_stride_b, grad_stride_t = row_geometry(grad)
-    vocab = logits.shape[-1]
-    flags = plan.flags
-    cfg = launch_config(vocab, flags.HAS_TEACHER, rows)
-    teacher, t_stride_b, t_stride_t = _teacher_args(teacher, lse)
-    opt = lambda t: t if t is not None else lse  # noqa: E731
-    head_backward_kernel[(rows,)](
-        logits, opt(targets), grad, lse, opt(entropy),
-        d_token, opt(d_logp), opt(d_entropy), opt(d_lse),
-        teacher, opt(dstats),
-        vocab, seq,
-        stride_b, stride_t, grad_stride_b, grad_stride_t, t_stride_b, t_stride_t,
-        0 if d_token.numel() == 1 else 1,
-        *plan.scalars.as_args(),
-        BLOCK_V=cfg.block_v,
-        HAS_TEACHER=flags.HAS_TEACHER,
-        DISTILL_KIND=flags.DISTILL_KIND,
-        OWN_TEMP=flags.OWN_TEMP,
-        HAS_TARGETS=flags.HAS_TARGETS,
-        HAS_CE=flags.HAS_CE,
-        HAS_SMOOTHING=flags.HAS_SMOOTHING,
-        HAS_Z=flags.HAS_Z,
-        HAS_ENTROPY_GRAD=flags.HAS_ENTROPY_GRAD,
-        HAS_SOFTCAP=flags.HAS_SOFTCAP,
-        HAS_D_LOGP=d_logp is not None,
-        HAS_D_ENTROPY=d_entropy is not None,
-        HAS_D_LSE=d_lse is not None,
-        num_warps=cfg.num_warps,
+    cfg = launch_config(geo.V, plan.has_teacher, geo.n_rows)
+    head_kernel[(geo.n_rows,)](
+        logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, pred=pred, policy=policy,
+        num_items=num_items, scratch=scratch, loss=loss, means=means, geo=geo, S=plan.scalars,
+        F=plan.flags, C=plan.cols, BLOCK_V=cfg.block_v, FINISH=finish, num_warps=cfg.num_warps,
+        **_reduction_meta(plan),
     )
 
 
-def scale_grad_(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """grad *= scale in place, skipped on the device when scale == 1 (no host sync)."""
-    rows, seq, stride_b, stride_t = row_geometry(grad)
-    if rows > 0:
-        cfg = launch_config(grad.shape[-1])
-        scale_grad_kernel[(rows,)](
-            grad, scale.reshape(1), grad.shape[-1], seq, stride_b, stride_t,
-            BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
-        )
+def launch_finish(plan: KernelPlan, *, rows, loss, means, scratch, num_items, geo: Geometry) -> None:
+    """The reduction of launch_head's last program, as a launch of its own (chunked callers)."""
+    finish_kernel[(1,)](rows=rows, loss=loss, means=means, scratch=scratch, num_items=num_items, geo=geo,
+                        F=plan.flags, C=plan.cols, num_warps=4, **_reduction_meta(plan))
+
+
+def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d_loss, d_rows, num_items, scratch,
+                    geo: Geometry) -> None:
+    """Deferred mode: d loss / d logits into ``grad`` from the saved rows and the upstream gradients."""
+    if geo.n_rows == 0:
+        return
+    cfg = launch_config(geo.V, plan.has_teacher, geo.n_rows)
+    head_backward_kernel[(geo.n_rows,)](
+        logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, d_loss=d_loss, d_rows=d_rows,
+        num_items=num_items, scratch=scratch, geo=geo, S=plan.scalars, F=plan.flags, C=plan.cols,
+        BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
+    )
+
+
+def scale_grad_(grad: torch.Tensor, scale: torch.Tensor, geo: Geometry) -> torch.Tensor:
+    """grad *= scale in place (grad addressed through geo's gradient strides), skipped on the
+    device when scale == 1 (no host sync)."""
+    if geo.n_rows > 0:
+        cfg = launch_config(geo.V)
+        scale_grad_kernel[(geo.n_rows,)](grad=grad, scale=scale.reshape(1), geo=geo, BLOCK_V=cfg.block_v,
+                                         num_warps=cfg.num_warps)
     return grad

@@ -1,0 +1,589 @@
+"""Autograd Functions and torch.library ops around the kernels: fused, deferred, chunked lm_head.
+
+Both Functions take tensors and one frozen run object (``apply(logits, targets, ..., run)``,
+backward returns the gradients then ``None`` for the rest) and return
+``(loss, rows, pred, means, scratch)``: the loss (a fresh tensor, never a view), the packed per-row
+buffer (per-token outputs are its columns), the argmax, the column means (the metrics) and the
+call's scratch (scratch[0] is the number of counted tokens).
+
+* fused     the gradient is written in forward (one launch); backward only scales it by d loss,
+            which costs nothing when d loss == 1 (checked on the device).
+* deferred  forward runs the stats pass; backward combines the upstream gradients of the loss and
+            of the differentiable per-row values (token loss, lse, logp, entropy) in one pass.
+* lm_head   the same, chunk by chunk over hidden x weight (see :class:`LinearFunction`).
+
+In eager mode the Functions call the launchers directly (a torch.library op costs ~30 us of
+dispatch per call); under torch.compile they call the same code through the ``headloss::`` ops,
+which Inductor treats as opaque kernels (``register_fake`` gives their output shapes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .inputs import Normaliser, raise_if_bad, settle
+from .kernels.head import (
+    SCRATCH,
+    Geometry,
+    PolicyRows,
+    launch_backward,
+    launch_finish,
+    launch_head,
+    prepare,
+    row_strides,
+    scale_grad_,
+)
+from .plan import KernelPlan, plan_from_key
+
+_RETAIN_GRAPH_ERROR = (
+    "headloss: a second backward through the same fused-mode loss (retain_graph=True). The fused mode "
+    "computes the gradient once, in forward, and hands that buffer to autograd on the first backward. Use "
+    "differentiable_outputs=True or reduction='none' (deferred mode, which recomputes it per backward), or call "
+    "the loss again."
+)
+
+
+def guard_second_backward(ctx) -> None:
+    """One retain-graph guard for every fused-mode Function (eager; a compiled graph has no ctx state)."""
+    if torch.compiler.is_compiling():
+        return
+    if getattr(ctx, "consumed", False):
+        raise RuntimeError(_RETAIN_GRAPH_ERROR)
+    ctx.consumed = True
+
+
+def _empty_outputs(plan: KernelPlan, n_out: int, device, token_shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """(rows, pred, loss, means); the loss of reduction 'none' is token-shaped from the start, so
+    the Function never returns a view."""
+    f32 = dict(dtype=torch.float32, device=device)
+    rows = torch.empty(n_out, plan.cols.N, **f32)
+    pred = torch.empty(n_out if plan.flags.HAS_ARGMAX else 0, dtype=torch.int64, device=device)
+    loss = torch.empty(token_shape if plan.reduction == "none" else (), **f32)
+    means = torch.empty(plan.cols.N + 1, **f32)  # column means, then the loss (the 'loss' metric)
+    return rows, pred, loss, means
+
+
+def _no_rows(loss: torch.Tensor, means: torch.Tensor) -> None:
+    """A call with no logits rows: the kernel never runs, the loss and every metric are 0."""
+    loss.zero_()
+    means.zero_()
+
+
+def _grad_geometry(geo: Geometry, grad: torch.Tensor) -> Geometry:
+    g_b, g_t = row_strides(grad)
+    return geo._replace(g_stride_b=g_b, g_stride_t=g_t)
+
+
+def _opt(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.numel() else None
+
+
+# --- the logits entry point ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeadRun:
+    """Everything but tensors that a head_loss call runs with."""
+
+    plan: KernelPlan
+    geo: Geometry
+    inplace: bool
+    validate: str  # async, sync, off
+    token_shape: tuple[int, ...]
+
+
+def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, policy: PolicyRows | None, num_items,
+                 sequence_ids, grad_mode: str, validate: str, token_shape: tuple[int, ...]):
+    """prepare + head kernels: (loss, rows, pred, means, scratch, grad); grad_mode none/fresh/inplace."""
+    device = logits.device
+    scratch = prepare(targets, num_items, sequence_ids, geo, device)
+    rows, pred, loss, means = _empty_outputs(plan, geo.n_out, device, token_shape)
+    grad = None
+    if grad_mode == "inplace":
+        grad = logits.detach()  # a tensor of its own over the logits' storage: autograd adopts it as .grad
+        geo = _grad_geometry(geo, grad)
+    elif grad_mode == "fresh":
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=device)
+    if geo.n_rows == 0:
+        _no_rows(loss, means)
+    else:
+        launch_head(plan, logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, pred=_opt(pred),
+                    policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means, geo=geo)
+    settle(scratch, validate, token_shape, geo.V, geo.ignore_index, Normaliser(geo.norm, num_items))
+    return loss, rows, pred, means, scratch, grad
+
+
+def head_backward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch,
+                  inplace: bool) -> torch.Tensor:
+    """Deferred mode's gradient pass."""
+    grad = logits.detach() if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    launch_backward(plan, logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows,
+                    d_loss=d_loss.float().reshape(-1).contiguous(),
+                    d_rows=None if d_rows is None else d_rows.float().contiguous(), num_items=num_items,
+                    scratch=scratch, geo=_grad_geometry(geo, grad))
+    return grad
+
+
+class HeadFunction(torch.autograd.Function):
+    """apply(logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_ids, run)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_ids, run: HeadRun):
+        plan = run.plan
+        fused = plan.mode == "fused"
+        grad_mode = "none"
+        if fused and ctx.needs_input_grad[0]:
+            grad_mode = "inplace" if run.inplace and not torch.compiler.is_compiling() else "fresh"
+        policy = PolicyRows(old, ref, adv, iw, weight) if adv is not None else None
+        if torch.compiler.is_compiling():
+            loss, rows, pred, means, scratch, grad = torch.ops.headloss.head_forward(
+                logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_ids, plan.key,
+                list(run.geo[:-1]), run.geo.norm, grad_mode, run.validate, list(run.token_shape),
+            )
+            grad = grad if grad_mode != "none" else None
+        else:
+            loss, rows, pred, means, scratch, grad = head_forward(
+                plan, run.geo, logits, targets, teacher, policy, num_items, sequence_ids, grad_mode, run.validate,
+                run.token_shape,
+            )
+        ctx.run = run
+        if fused:
+            ctx.save_for_backward(grad)
+            ctx.mark_non_differentiable(rows, pred, means, scratch)
+        else:
+            ctx.save_for_backward(logits, targets, teacher, rows, num_items, scratch)
+            ctx.mark_non_differentiable(pred, means, scratch)
+        return loss, rows, pred, means, scratch
+
+    @staticmethod
+    def backward(ctx, d_loss, d_rows, *_):
+        run: HeadRun = ctx.run
+        nones = (None,) * 10
+        if run.plan.mode == "fused":
+            (grad,) = ctx.saved_tensors
+            if grad is None:
+                return None, *nones
+            guard_second_backward(ctx)
+            return _scale(grad, d_loss, _grad_geometry(run.geo, grad)), *nones
+        logits, targets, teacher, rows, num_items, scratch = ctx.saved_tensors
+        inplace = run.inplace and not torch.compiler.is_compiling()
+        if torch.compiler.is_compiling():
+            grad = torch.ops.headloss.head_backward(
+                logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch, run.plan.key, list(run.geo[:-1]),
+                run.geo.norm,
+            )
+        else:
+            grad = head_backward(run.plan, run.geo, logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch,
+                                 inplace)
+        return grad, *nones
+
+
+def _scale(grad: torch.Tensor, d_loss: torch.Tensor, geo: Geometry) -> torch.Tensor:
+    """grad *= d_loss in place (a no-op on the device when d_loss == 1)."""
+    if torch.compiler.is_compiling():
+        torch.ops.headloss.scale_grad_(grad, d_loss.reshape(1).float(), list(geo[:-1]))
+        return grad
+    return scale_grad_(grad, d_loss.reshape(1).float(), geo)
+
+
+# --- the hidden-state entry point (fused lm_head) --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinearRun:
+    """Everything but tensors that a linear_head_loss call runs with."""
+
+    plan: KernelPlan
+    chunk_rows: int
+    fp32_weight_grad: bool
+    compact: bool  # skip ignored rows (one host sync for their count)
+    validate: str
+    token_shape: tuple[int, ...]
+    ignore_index: int
+    norm: float
+
+
+@dataclass
+class _Grads:
+    dh: torch.Tensor | None  # (N, H) in the hidden dtype; rows never computed stay 0
+    dw: torch.Tensor | None  # (V, H) in the weight dtype, or fp32 while accumulating
+    db: torch.Tensor | None  # (V,) fp32 while accumulating
+
+
+@dataclass(frozen=True)
+class _Teacher:
+    """Where a chunk's teacher logits come from: given logits [N, V], or teacher hidden states
+    [N, Ht] x teacher weight [V, Ht] (+ bias), computed chunk by chunk like the student's."""
+
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+
+def _chunk_geometry(rows: int, vocab: int, teacher: torch.Tensor | None, run: LinearRun) -> Geometry:
+    return Geometry(n_rows=rows, n_out=rows, V=vocab, T=rows, K=rows, shift=0, stride_b=0, stride_t=vocab,
+                    g_stride_b=0, g_stride_t=vocab, t_stride_b=0,
+                    t_stride_t=0 if teacher is None else teacher.stride(0), ignore_index=run.ignore_index,
+                    norm=run.norm)
+
+
+def _rows_of(t: torch.Tensor | None, index: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t[start:stop] if index is None else t.index_select(0, index[start:stop])
+
+
+def _linear_into(out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is None:
+        return torch.mm(h, weight.t(), out=out)
+    return torch.addmm(bias, h, weight.t(), out=out)
+
+
+def _chunks(hidden, weight, bias, index, teacher: _Teacher, computed: int, chunk_rows: int):
+    """Yield (start, stop, h_c, teacher_c, logits_c) over the computed rows; logits_c (and a computed
+    teacher_c) reuse one buffer each."""
+    size = min(chunk_rows, max(computed, 1))
+    buffer = torch.empty(size, weight.shape[0], dtype=hidden.dtype, device=hidden.device)
+    t_buffer = None
+    if teacher.hidden is not None:
+        t_buffer = torch.empty(size, weight.shape[0], dtype=teacher.hidden.dtype, device=hidden.device)
+    for start in range(0, computed, size):
+        stop = min(start + size, computed)
+        h_c = _rows_of(hidden, index, start, stop)
+        logits = _linear_into(buffer[: stop - start], h_c, weight, bias)
+        t_c = _rows_of(teacher.logits, index, start, stop)
+        if teacher.hidden is not None:
+            th_c = _rows_of(teacher.hidden, index, start, stop)
+            t_c = _linear_into(t_buffer[: stop - start], th_c, teacher.weight, teacher.bias)
+        yield start, stop, h_c, t_c, logits
+
+
+def _new_grads(hidden, weight, bias, wants, fp32_weight_grad: bool, index, computed: int) -> _Grads:
+    """Gradient buffers, uninitialised where a chunk overwrites them: the first chunk writes dW and
+    db (no memset, no read), and dh rows are each written once unless ignored rows are skipped
+    (then those stay 0). With no row to compute, dW and db are zeros."""
+    want_h, want_w, want_b = wants
+    fp32_w = fp32_weight_grad and weight.dtype != torch.float32
+    alloc = torch.empty if computed > 0 else torch.zeros
+    return _Grads(
+        dh=(torch.empty_like(hidden) if index is None else torch.zeros_like(hidden)) if want_h else None,
+        dw=alloc(weight.shape, dtype=torch.float32 if fp32_w else weight.dtype, device=weight.device)
+        if want_w else None,
+        db=alloc(weight.shape[0], dtype=torch.float32, device=weight.device) if want_b and bias is not None else None,
+    )
+
+
+def _accumulate(grads: _Grads, g, h_c, weight, index, start: int, stop: int) -> None:
+    """dh rows, dW and db contributions of one chunk's logits gradient ``g`` [C, V]."""
+    if grads.dh is not None:
+        if index is None:
+            torch.mm(g, weight, out=grads.dh[start:stop])
+        else:
+            grads.dh.index_copy_(0, index[start:stop], torch.mm(g, weight))
+    first = start == 0  # the first chunk overwrites dW and db
+    if grads.dw is not None:
+        dw = grads.dw
+        beta = 0.0 if first else 1.0  # beta = 0: cuBLAS reads nothing from the uninitialised dw
+        if dw.dtype == g.dtype:
+            torch.addmm(dw, g.t(), h_c, beta=beta, out=dw)
+        elif g.is_cuda:
+            torch.addmm(dw, g.t(), h_c, beta=beta, out_dtype=torch.float32, out=dw)
+        else:  # the CPU has no mixed-dtype addmm
+            torch.addmm(dw, g.t().float(), h_c.float(), beta=beta, out=dw)
+    if grads.db is not None:
+        if first:
+            torch.sum(g, dim=0, dtype=torch.float32, out=grads.db)
+        else:
+            grads.db += g.sum(dim=0, dtype=torch.float32)
+
+
+def _finish_grads(grads: _Grads, weight, bias) -> tuple:
+    dw = grads.dw.to(weight.dtype) if grads.dw is not None and grads.dw.dtype != weight.dtype else grads.dw
+    db = grads.db.to(bias.dtype) if grads.db is not None else None
+    return grads.dh, dw, db
+
+
+def _spread(t: torch.Tensor, index: torch.Tensor | None, rows: int, fill: float) -> torch.Tensor:
+    """Per-row values over the computed rows -> over all rows (the others hold ``fill``)."""
+    if index is None:
+        return t
+    return torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype, device=t.device).index_copy_(0, index, t)
+
+
+def _compact_index(run: LinearRun, targets, scratch, rows: int, vocab: int):
+    """The rows to compute when ignored rows are skipped: one host sync for their count, which also
+    reads the call's device-side verdict (so validation costs nothing more). Never under CUDA-graph
+    capture or torch.compile (row counts would be data-dependent)."""
+    if not run.compact or targets is None or torch.compiler.is_compiling():
+        return None, False
+    if scratch.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None, False
+    values = scratch[:6].tolist()
+    if run.validate != "off":
+        raise_if_bad(values[2:6], run.token_shape, vocab, run.ignore_index, Normaliser(run.norm, None))
+    if values[0] == rows:
+        return None, run.validate != "off"
+    return (targets != run.ignore_index).nonzero().squeeze(1), run.validate != "off"
+
+
+def _pick_rows(policy: PolicyRows | None, index, start: int, stop: int) -> PolicyRows | None:
+    if policy is None:
+        return None
+    return PolicyRows(*(_rows_of(t, index, start, stop) for t in policy))
+
+
+def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teacher, policy: PolicyRows | None,
+                   num_items, sequence_ids, wants: tuple[bool, bool, bool]):
+    """(loss, rows, rows_computed, pred, means, scratch, index, dh, dw, db) of a chunked lm_head call."""
+    plan = run.plan
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    full = Geometry(n_rows=rows, n_out=rows, V=vocab, T=rows, K=rows, shift=0, stride_b=0, stride_t=vocab,
+                    g_stride_b=0, g_stride_t=vocab, t_stride_b=0, t_stride_t=0, ignore_index=run.ignore_index,
+                    norm=run.norm)
+    scratch = prepare(targets, num_items, sequence_ids, full, hidden.device)
+    index, settled = _compact_index(run, targets, scratch, rows, vocab)
+    computed = rows if index is None else index.numel()
+    y = targets if index is None or targets is None else targets.index_select(0, index)
+    rows_c, pred_c, loss_c, means = _empty_outputs(plan, computed, hidden.device,
+                                                   run.token_shape if index is None else (computed,))
+    fused = plan.mode == "fused" and any(wants)
+    grads = _new_grads(hidden, weight, bias, wants, run.fp32_weight_grad, index, computed) if fused else None
+    for start, stop, h_c, t_c, logits in _chunks(hidden, weight, bias, index, teacher, computed, run.chunk_rows):
+        launch_head(
+            plan, logits=logits, targets=None if y is None else y[start:stop], teacher=t_c,
+            grad=logits if fused else None, rows=rows_c[start:stop], pred=_opt(pred_c[start:stop]),
+            policy=_pick_rows(policy, index, start, stop), num_items=num_items, scratch=scratch,
+            loss=loss_c.view(-1)[start:stop] if plan.reduction == "none" else loss_c, means=means,
+            geo=_chunk_geometry(stop - start, vocab, t_c, run), finish=False,
+        )
+        if fused:
+            _accumulate(grads, logits, h_c, weight, index, start, stop)
+    if computed == 0:
+        _no_rows(loss_c, means)
+    else:
+        launch_finish(plan, rows=rows_c, loss=loss_c, means=means, scratch=scratch, num_items=num_items,
+                      geo=full._replace(n_out=computed))
+    if not settled:
+        settle(scratch, run.validate, run.token_shape, vocab, run.ignore_index, Normaliser(run.norm, num_items))
+    dh, dw, db = _finish_grads(grads, weight, bias) if grads is not None else (None, None, None)
+    loss = loss_c
+    if plan.reduction == "none" and index is not None:
+        loss = torch.zeros(run.token_shape, dtype=loss_c.dtype, device=loss_c.device)
+        loss.view(-1).index_copy_(0, index, loss_c)
+    pred = _spread(pred_c, index, rows, -1) if plan.flags.HAS_ARGMAX else pred_c
+    return loss, _spread(rows_c, index, rows, 0.0), rows_c, pred, means, scratch, index, dh, dw, db
+
+
+def linear_backward(run: LinearRun, wants, teacher: _Teacher, hidden, weight, bias, targets, index, rows_c, num_items,
+                    scratch, d_loss, d_rows):
+    """Deferred mode: recompute each chunk's logits, one gradient pass, the gradient GEMMs (4 GEMMs in all)."""
+    plan = run.plan
+    vocab = weight.shape[0]
+
+    def compact(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or t.numel() == 1:
+            return t
+        t = t.float()
+        return (t if index is None else t.index_select(0, index)).contiguous()
+
+    d_loss = compact(d_loss.reshape(-1) if plan.reduction == "none" else d_loss.reshape(1))
+    d_rows = compact(d_rows)
+    computed = hidden.shape[0] if index is None else index.numel()
+    y = targets if index is None or targets is None else targets.index_select(0, index)
+    grads = _new_grads(hidden, weight, bias, wants, run.fp32_weight_grad, index, computed)
+    for start, stop, h_c, t_c, logits in _chunks(hidden, weight, bias, index, teacher, computed, run.chunk_rows):
+        launch_backward(
+            plan, logits=logits, targets=None if y is None else y[start:stop], teacher=t_c, grad=logits,
+            rows=rows_c[start:stop], d_loss=d_loss[start:stop] if plan.reduction == "none" else d_loss,
+            d_rows=None if d_rows is None else d_rows[start:stop], num_items=num_items, scratch=scratch,
+            geo=_chunk_geometry(stop - start, vocab, t_c, run),
+        )
+        _accumulate(grads, logits, h_c, weight, index, start, stop)
+    return _finish_grads(grads, weight, bias)
+
+
+def _flat_geometry(t: torch.Tensor) -> Geometry:
+    """A [R, C] tensor as R rows of C columns (for scale_grad_)."""
+    return Geometry(n_rows=t.shape[0], n_out=t.shape[0], V=t.shape[1], T=t.shape[0], K=t.shape[0], shift=0,
+                    stride_b=0, stride_t=t.stride(0), g_stride_b=0, g_stride_t=t.stride(0), t_stride_b=0,
+                    t_stride_t=0, ignore_index=0, norm=0.0)
+
+
+class LinearFunction(torch.autograd.Function):
+    """apply(hidden [N, H], weight [V, H], bias, targets [N], teacher_logits, teacher_hidden,
+    teacher_weight, teacher_bias, old, ref, adv, iw, policy_weight, num_items, sequence_ids, run)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, teacher_logits, teacher_hidden, teacher_weight, teacher_bias,
+                old, ref, adv, iw, policy_weight, num_items, sequence_ids, run: LinearRun):
+        teacher = (teacher_logits, teacher_hidden, teacher_weight, teacher_bias)
+        policy = (old, ref, adv, iw, policy_weight)
+        wants = tuple(ctx.needs_input_grad[:3])
+        if torch.compiler.is_compiling():
+            loss, rows, pred, means, scratch, dh, dw, db = torch.ops.headloss.linear_forward(
+                hidden, weight, bias, targets, *teacher, *policy, num_items, sequence_ids, run.plan.key,
+                run.chunk_rows, run.fp32_weight_grad, run.validate, list(run.token_shape), run.ignore_index,
+                run.norm, list(wants),
+            )
+            rows_c, index = rows, None
+            dh, dw, db = (g if want else None for g, want in zip((dh, dw, db), wants))
+        else:
+            loss, rows, rows_c, pred, means, scratch, index, dh, dw, db = linear_forward(
+                run, hidden, weight, bias, targets, _Teacher(*teacher),
+                PolicyRows(*policy) if adv is not None else None, num_items, sequence_ids, wants,
+            )
+        ctx.run, ctx.wants = run, wants
+        if run.plan.mode == "fused":
+            ctx.save_for_backward(dh, dw, db)
+            ctx.mark_non_differentiable(rows, pred, means, scratch)
+        else:
+            ctx.save_for_backward(hidden, weight, bias, targets, *teacher, index, rows_c, num_items, scratch)
+            ctx.mark_non_differentiable(pred, means, scratch)
+        return loss, rows, pred, means, scratch
+
+    @staticmethod
+    def backward(ctx, d_loss, d_rows, *_):
+        run: LinearRun = ctx.run
+        nones = (None,) * 13
+        if run.plan.mode == "fused":
+            guard_second_backward(ctx)
+            dh, dw, db = ctx.saved_tensors
+            return (
+                None if dh is None else _scale(dh, d_loss, _flat_geometry(dh)),
+                None if dw is None else _scale(dw, d_loss, _flat_geometry(dw)),
+                None if db is None else _scale(db.view(1, -1), d_loss, _flat_geometry(db.view(1, -1))).view(-1),
+                *nones,
+            )
+        hidden, weight, bias, targets, t_logits, t_hidden, t_weight, t_bias, index, rows_c, num_items, scratch = (
+            ctx.saved_tensors
+        )
+        if torch.compiler.is_compiling():
+            dh, dw, db = torch.ops.headloss.linear_backward(
+                hidden, weight, bias, targets, t_logits, t_hidden, t_weight, t_bias, rows_c, num_items, scratch,
+                d_loss, d_rows, run.plan.key, run.chunk_rows, run.fp32_weight_grad, run.ignore_index, run.norm,
+                list(ctx.wants),
+            )
+            dh, dw, db = (g if want else None for g, want in zip((dh, dw, db), ctx.wants))
+        else:
+            dh, dw, db = linear_backward(run, ctx.wants, _Teacher(t_logits, t_hidden, t_weight, t_bias), hidden, weight,
+                                         bias, targets, index, rows_c, num_items, scratch, d_loss, d_rows)
+        return dh, dw, db, *nones
+
+
+# --- torch.library ops (the torch.compile path) ----------------------------------------------------
+
+
+def _geo(values: list[int], norm: float) -> Geometry:
+    return Geometry(*values, norm=norm)
+
+
+@torch.library.custom_op("headloss::head_forward", mutates_args=())
+def _head_forward_op(
+    logits: torch.Tensor, targets: torch.Tensor | None, teacher: torch.Tensor | None, old: torch.Tensor | None,
+    ref: torch.Tensor | None, adv: torch.Tensor | None, iw: torch.Tensor | None, weight: torch.Tensor | None,
+    num_items: torch.Tensor | None, sequence_ids: torch.Tensor | None, key: str, geo: list[int], norm: float,
+    grad_mode: str, validate: str, token_shape: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    policy = PolicyRows(old, ref, adv, iw, weight) if adv is not None else None
+    loss, rows, pred, means, scratch, grad = head_forward(
+        plan_from_key(key), _geo(geo, norm), logits, targets, teacher, policy, num_items, sequence_ids,
+        "fresh" if grad_mode != "none" else "none", validate, tuple(token_shape),
+    )
+    if grad is None:
+        grad = logits.new_empty(0)
+    return loss, rows, pred, means, scratch, grad
+
+
+@_head_forward_op.register_fake
+def _(logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_ids, key, geo, norm, grad_mode,
+      validate, token_shape):
+    plan = plan_from_key(key)
+    rows, pred, loss, means = _empty_outputs(plan, _geo(geo, norm).n_out, logits.device, tuple(token_shape))
+    scratch = torch.empty(SCRATCH, dtype=torch.int64, device=logits.device)
+    grad = torch.empty(logits.shape if grad_mode != "none" else (0,), dtype=logits.dtype, device=logits.device)
+    return loss, rows, pred, means, scratch, grad
+
+
+@torch.library.custom_op("headloss::head_backward", mutates_args=())
+def _head_backward_op(
+    logits: torch.Tensor, targets: torch.Tensor | None, teacher: torch.Tensor | None, rows: torch.Tensor,
+    d_loss: torch.Tensor, d_rows: torch.Tensor | None, num_items: torch.Tensor | None, scratch: torch.Tensor,
+    key: str, geo: list[int], norm: float,
+) -> torch.Tensor:
+    return head_backward(plan_from_key(key), _geo(geo, norm), logits, targets, teacher, rows, d_loss, d_rows,
+                         num_items, scratch, inplace=False)
+
+
+@_head_backward_op.register_fake
+def _(logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch, key, geo, norm):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+@torch.library.custom_op("headloss::scale_grad_", mutates_args=("grad",))
+def _scale_grad_op(grad: torch.Tensor, d_loss: torch.Tensor, geo: list[int]) -> None:
+    scale_grad_(grad, d_loss, _geo(geo, 0.0))
+
+
+@_scale_grad_op.register_fake
+def _(grad, d_loss, geo):
+    return None
+
+
+@torch.library.custom_op("headloss::linear_forward", mutates_args=())
+def _linear_forward_op(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor | None,
+    teacher_logits: torch.Tensor | None, teacher_hidden: torch.Tensor | None, teacher_weight: torch.Tensor | None,
+    teacher_bias: torch.Tensor | None, old: torch.Tensor | None, ref: torch.Tensor | None, adv: torch.Tensor | None,
+    iw: torch.Tensor | None, policy_weight: torch.Tensor | None, num_items: torch.Tensor | None,
+    sequence_ids: torch.Tensor | None, key: str, chunk_rows: int, fp32_weight_grad: bool, validate: str,
+    token_shape: list[int], ignore_index: int, norm: float, wants: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    run = LinearRun(plan_from_key(key), chunk_rows, fp32_weight_grad, False, validate, tuple(token_shape),
+                    ignore_index, norm)
+    policy = PolicyRows(old, ref, adv, iw, policy_weight) if adv is not None else None
+    loss, rows, _, pred, means, scratch, _, dh, dw, db = linear_forward(
+        run, hidden, weight, bias, targets, _Teacher(teacher_logits, teacher_hidden, teacher_weight, teacher_bias),
+        policy, num_items, sequence_ids, tuple(wants),
+    )
+    return (loss, rows, pred, means, scratch, *(g if g is not None else hidden.new_empty(0) for g in (dh, dw, db)))
+
+
+@_linear_forward_op.register_fake
+def _(hidden, weight, bias, targets, teacher_logits, teacher_hidden, teacher_weight, teacher_bias, old, ref, adv, iw,
+      policy_weight, num_items, sequence_ids, key, chunk_rows, fp32_weight_grad, validate, token_shape,
+      ignore_index, norm, wants):
+    plan = plan_from_key(key)
+    rows, pred, loss, means = _empty_outputs(plan, hidden.shape[0], hidden.device, tuple(token_shape))
+    scratch = torch.empty(SCRATCH, dtype=torch.int64, device=hidden.device)
+    fused = plan.mode == "fused"
+    dh, dw, db = (
+        torch.empty(like.shape if fused and want else (0,), dtype=like.dtype, device=hidden.device)
+        for like, want in zip((hidden, weight, bias if bias is not None else hidden.new_empty(0)), wants)
+    )
+    return loss, rows, pred, means, scratch, dh, dw, db
+
+
+@torch.library.custom_op("headloss::linear_backward", mutates_args=())
+def _linear_backward_op(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor | None,
+    teacher_logits: torch.Tensor | None, teacher_hidden: torch.Tensor | None, teacher_weight: torch.Tensor | None,
+    teacher_bias: torch.Tensor | None, rows: torch.Tensor, num_items: torch.Tensor | None, scratch: torch.Tensor,
+    d_loss: torch.Tensor, d_rows: torch.Tensor | None, key: str, chunk_rows: int, fp32_weight_grad: bool,
+    ignore_index: int, norm: float, wants: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    run = LinearRun(plan_from_key(key), chunk_rows, fp32_weight_grad, False, "off", (), ignore_index, norm)
+    grads = linear_backward(run, tuple(wants), _Teacher(teacher_logits, teacher_hidden, teacher_weight, teacher_bias),
+                            hidden, weight, bias, targets, None, rows, num_items, scratch, d_loss, d_rows)
+    return tuple(g if g is not None else hidden.new_empty(0) for g in grads)
+
+
+@_linear_backward_op.register_fake
+def _(hidden, weight, bias, targets, teacher_logits, teacher_hidden, teacher_weight, teacher_bias, rows, num_items,
+      scratch, d_loss, d_rows, key, chunk_rows, fp32_weight_grad, ignore_index, norm, wants):
+    likes = (hidden, weight, bias if bias is not None else hidden.new_empty(0))
+    return tuple(torch.empty(like.shape if want else (0,), dtype=like.dtype, device=hidden.device)
+                 for like, want in zip(likes, wants))

@@ -1,0 +1,323 @@
+"""One ``@triton.jit`` piece per loss term: its per-token value and its share of the gradient.
+
+Every term's gradient with respect to the transformed logits x of a row has the form
+
+    g_i = p_i * (A + B * x_i) + C + D * [i = y]      (+ the distillation's per-element share)
+
+so a term is two small functions of per-row statistics: its value (stored in its column of the
+packed row buffer, ``cols.<name>``, and weighted into the token loss) and its share of A, B, C, D.
+``u`` is d loss / d token_loss of the row (1 / tokens for a mean).
+
+Adding a term: its fields in ``spec.py``; its flag, column and scalars in ``plan.py``; its value
+in :func:`row_values` and its share in :func:`row_coefficients` here (a term that needs a new
+per-row statistic adds it to ``blocks.online_stats``); the reference and the tests.
+"""
+
+import triton
+import triton.language as tl
+
+from .primitives import LN2, LOG2E, NEG_BIG, log1p, to_x2
+
+
+@triton.jit
+def put(row_out, COL: tl.constexpr, value):
+    """Store a per-row value in its column of the packed row buffer (compiled out when absent)."""
+    if COL >= 0:
+        tl.store(row_out + COL, value)
+
+
+@triton.jit
+def row_values(row_out, lse, logp, sum_x2, entropy, V, S, F: tl.constexpr, C: tl.constexpr):
+    """Phase 2 values of the row-local terms, each stored in its column; returns their weighted sum.
+
+      ce       (1 - eps) * (lse - x_y) + eps * (lse - mean x)
+      nll      -log p_y                            (with smoothing, where it differs from ce)
+      z_loss   lse ** 2
+      dft      -sg(p_y) * log p_y
+      entropy  H = lse - sum p x  (weighted in only when it carries a weight)
+    """
+    token_loss = tl.zeros([], tl.float32)
+    if F.HAS_CE:
+        ce = -logp
+        if F.HAS_SMOOTHING:
+            ce = (1.0 - S.smoothing) * ce + S.smoothing * (lse - sum_x2 * LN2 / V)
+            put(row_out, C.nll, -logp)
+        put(row_out, C.ce, ce)
+        token_loss += S.w_ce * ce
+    if F.HAS_Z:
+        z = lse * lse
+        put(row_out, C.z_loss, z)
+        token_loss += S.w_z * z
+    if F.HAS_DFT:
+        dft = -tl.exp(logp) * logp
+        put(row_out, C.dft, dft)
+        token_loss += S.w_dft * dft
+    if F.ENTROPY_GRAD:
+        token_loss += S.w_entropy * entropy
+    return token_loss
+
+
+@triton.jit
+def row_coefficients(u, d_logp, d_entropy, d_lse, lse, logp, entropy, V, S, F: tl.constexpr):
+    """Phase 2 gradient: (A, B, C, D) of g_i = p_i (A + B x_i) + C + D [i = y], term by term:
+
+      ce (smoothing eps)  w_ce * (p_i - (1 - eps) [i=y] - eps / V)
+      z-loss              w_z * 2 lse * p_i
+      dft                 w_dft * p_y * (p_i - [i=y])         (p_y held constant)
+      entropy             w_H * -p_i (x_i - lse + H)
+      logprob output      d_logp * ([i=y] - p_i)     (also the policy objective's d loss / d logp)
+      lse output          d_lse * p_i
+    """
+    A = d_lse - d_logp
+    B = tl.zeros([], tl.float32)
+    C = tl.zeros([], tl.float32)
+    D = d_logp
+    if F.HAS_CE:
+        A += u * S.w_ce
+        C -= u * S.w_ce * S.smoothing / V
+        D -= u * S.w_ce * (1.0 - S.smoothing)
+    if F.HAS_Z:
+        A += u * S.w_z * 2.0 * lse
+    if F.HAS_DFT:
+        w = u * S.w_dft * tl.exp(logp)
+        A += w
+        D -= w
+    if F.ENTROPY_GRAD:
+        w = u * S.w_entropy + d_entropy
+        A += w * (lse - entropy)
+        B -= w
+    return A, B, C, D
+
+
+# --- distillation -----------------------------------------------------------------------------
+
+
+@triton.jit
+def teacher_block(zt, x2, e, alpha, start, V, tstats, S, BLOCK_V: tl.constexpr, F: tl.constexpr,
+                  MASKED: tl.constexpr):
+    """The teacher's share of one block of the stats pass: its online softmax and the cross sums.
+
+    s2 = x2 / T_d is the student and t2 = zt / T_d (base 2) the teacher at the distillation
+    temperature. tstats = (mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg): teacher max, per-lane
+    sum of exponentials, sum et * t2, the divergence's cross sum, the student's max and sum at
+    T_d (when T_d != 1), and the block holding the teacher's max. Teacher sums are rescaled by the
+    teacher's alpha, student ones by the student's.
+    """
+    mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg = tstats
+    cols = start + tl.arange(0, BLOCK_V)
+    t2 = zt.to(tl.float32) * (S.inv_distill_temp * LOG2E)
+    if MASKED:
+        t2 = tl.where(cols < V, t2, float("-inf"))
+    t_max = tl.max(t2, axis=0)
+    t_arg = tl.where(t_max > mt, start, t_arg)
+    mt_new = tl.maximum(mt, t_max)
+    mt_ref = tl.where(mt_new == float("-inf"), 0.0, mt_new)
+    alpha_t = tl.exp2(mt - mt_ref)
+    et = tl.exp2(t2 - mt_ref)
+    dt = dt * alpha_t + et
+    sum_t = sum_t * alpha_t + et * tl.maximum(t2, NEG_BIG)
+    if F.OWN_TEMP:
+        s2 = x2 * S.inv_distill_temp
+        s_max = tl.max(s2, axis=0)
+        ms_new = tl.maximum(ms, s_max)
+        ms_ref = tl.where(ms_new == float("-inf"), 0.0, ms_new)
+        alpha_s = tl.exp2(ms - ms_ref)
+        es = tl.exp2(s2 - ms_ref)
+        ds = ds * alpha_s + es
+        ms = ms_new
+    else:
+        s2 = x2
+        alpha_s = alpha
+        es = e
+    if F.DISTILL_KIND == 0:  # forward KL: sum q * (t - s), the difference taken per element
+        sum_ts = sum_ts * alpha_t + et * (tl.maximum(t2, NEG_BIG) - tl.maximum(s2, NEG_BIG))
+    if F.DISTILL_KIND == 1:  # reverse KL: sum p * (s - t)
+        sum_st = sum_st * alpha_s + es * (tl.maximum(s2, NEG_BIG) - tl.maximum(t2, NEG_BIG))
+    return mt_new, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg
+
+
+@triton.jit
+def distill_values(row_out, row_ptr, t_row_ptr, m2, d, arg, tstats, V, S, F: tl.constexpr, C: tl.constexpr,
+                   BLOCK_V: tl.constexpr):
+    """The divergence and the teacher metrics of a row, stored in their columns.
+
+    Returns (weighted divergence, dstate) with dstate = (lse_s2, lse_t2, divergence, jsd_s), what
+    the gradient pass's :func:`distill_grad` needs. lse_t2 - lse_s2 comes from the maxima and the
+    ratio of the sums: no cancellation of two O(|x|) normalisers when the teacher is close.
+    """
+    mt2, dt, sum_t, sum_ts, ms2, ds, sum_st, t_arg = tstats
+    if not F.OWN_TEMP:
+        ms2 = m2
+        ds = d
+    lse_t2 = mt2 + tl.log2(dt)
+    lse_s2 = ms2 + tl.log2(ds)
+    t_minus_s = (mt2 - ms2) + tl.log2(dt / ds)
+    jsd_s = tl.zeros([], tl.float32)
+    if F.DISTILL_KIND == 0:
+        divergence = LN2 * (sum_ts / dt - t_minus_s)
+    elif F.DISTILL_KIND == 1:
+        divergence = LN2 * (sum_st / ds + t_minus_s)
+    else:
+        divergence, jsd_s = jsd_sums(row_ptr, t_row_ptr, V, lse_s2, lse_t2, t_minus_s, S, BLOCK_V, F)
+    put(row_out, C.divergence, divergence)
+    put(row_out, C.teacher_entropy, LN2 * (lse_t2 - sum_t / dt))
+    put(row_out, C.agreement, (arg == t_arg).to(tl.float32))
+    put(row_out, C.lse_s2, lse_s2)
+    put(row_out, C.lse_t2, lse_t2)
+    put(row_out, C.jsd_s, jsd_s)
+    return S.w_distill * divergence, (lse_s2, lse_t2, divergence, jsd_s)
+
+
+@triton.jit
+def distill_grad(p, x2, zt, cols, V, dstate, wd, S, F: tl.constexpr, MASKED: tl.constexpr):
+    """wd * dD/ds for the divergence D between student s = x / T_d and teacher t (per element).
+
+      forward KL(q || p_s)   p_s - q
+      reverse KL(p_s || q)   p_s * (log p_s - log q - KL)
+      JSD_beta (mixture)     (1 - beta) * p_s * (log(p_s / M) - S),  M = beta q + (1 - beta) p_s,
+                             S = sum p_s log(p_s / M)
+    ``wd`` carries the weight, d loss / d token_loss, 1 / T_d and (without softcap) dx/dz.
+    """
+    lse_s2, lse_t2, kl, jsd_s = dstate
+    t2 = zt.to(tl.float32) * (S.inv_distill_temp * LOG2E)
+    if MASKED:
+        t2 = tl.where(cols < V, t2, float("-inf"))
+    q = tl.exp2(t2 - lse_t2)
+    if F.OWN_TEMP:
+        s2 = x2 * S.inv_distill_temp
+        ps = tl.exp2(s2 - lse_s2)
+    else:
+        s2 = x2
+        ps = p
+    if F.DISTILL_KIND == 0:
+        g = wd * (ps - q)
+    elif F.DISTILL_KIND == 1:
+        g = wd * tl.where(ps > 0.0, ps * (LN2 * ((s2 - lse_s2) - (t2 - lse_t2)) - kl), 0.0)
+    else:
+        # log(p / M) = -log1p(beta (q / p - 1)), q / p from differences of logits
+        q_over_p = tl.exp2((t2 - s2) - (lse_t2 - lse_s2))
+        log_ratio = -log1p(S.jsd_beta * (q_over_p - 1.0))
+        g = (wd * (1.0 - S.jsd_beta)) * tl.where(ps > 0.0, ps * (log_ratio - jsd_s), 0.0)
+    return g
+
+
+@triton.jit
+def jsd_sums(row_ptr, t_row_ptr, V, lse_s2, lse_t2, t_minus_s, S, BLOCK_V: tl.constexpr, F: tl.constexpr):
+    """Extra pass of the mixture JSD: (JSD, S = KL(p_s || M)); log M needs both final lse's.
+
+    log(p / M) = -log1p(beta (q / p - 1)) and log(q / M) = log(q / p) + log(p / M), with
+    log2(q / p) = (t2 - s2) - t_minus_s: no log of a tiny mixture, no cancellation when q ~ p.
+    """
+    offs = tl.arange(0, BLOCK_V)
+    acc_s = tl.zeros([BLOCK_V], tl.float32)
+    acc_t = tl.zeros([BLOCK_V], tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + offs
+        mask = cols < V
+        z = tl.load(row_ptr + cols, mask=mask, other=0.0)
+        x2, _ = to_x2(z, cols, V, S, F.HAS_SOFTCAP, True)
+        s2 = x2 * S.inv_distill_temp if F.OWN_TEMP else x2
+        t2 = tl.load(t_row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * (S.inv_distill_temp * LOG2E)
+        t2 = tl.where(mask, t2, float("-inf"))
+        ps = tl.exp2(s2 - lse_s2)
+        q = tl.exp2(t2 - lse_t2)
+        log2_q_over_p = (tl.maximum(t2, NEG_BIG) - tl.maximum(s2, NEG_BIG)) - t_minus_s
+        log_p_over_m = -log1p(S.jsd_beta * (tl.exp2(log2_q_over_p) - 1.0))
+        acc_s += tl.where(ps > 0.0, ps * log_p_over_m, 0.0)
+        # where p = 0, M = beta q: log(q / M) = -log(beta)
+        log_q_over_m = tl.where(ps > 0.0, LN2 * log2_q_over_p + log_p_over_m, -tl.log(S.jsd_beta))
+        acc_t += tl.where(q > 0.0, q * log_q_over_m, 0.0)
+    kl_s = tl.sum(acc_s, axis=0)
+    kl_t = tl.sum(acc_t, axis=0)
+    return S.jsd_beta * kl_t + (1.0 - S.jsd_beta) * kl_s, kl_s
+
+
+# --- policy (GRPO family, token-level ratios) --------------------------------------------------
+
+
+@triton.jit
+def _min_with_grad(a, da, b, db):
+    """min(a, b) and its derivative (ties split evenly, as torch.minimum)."""
+    value = tl.minimum(a, b)
+    grad = tl.where(a < b, da, tl.where(a > b, db, 0.5 * (da + db)))
+    return value, grad
+
+
+@triton.jit
+def policy_token(logp, old, ref, adv, iw, S, F: tl.constexpr):
+    """(per_token_loss, d per_token_loss / d logp, ratio, kl) of one token.
+
+    ratio = exp(logp - old); surrogate -min(min(ratio, delta) A, clip(ratio, 1 - eps_low,
+    1 + eps_high) A); for A < 0 verl's dual clip min(surrogate, -A c); times the rollout importance
+    weight; plus kl_beta times the k1/k2/k3 estimate of KL(pi || ref) (times the ratio with the
+    importance correction). Derivatives follow torch's autograd conventions, so both paths agree
+    at the kinks: clamp passes the gradient on its closed interval, minimum splits it on ties.
+    """
+    ratio = tl.exp(logp - old)
+    d_ratio = ratio
+    lo = 1.0 - S.eps_low
+    hi = 1.0 + S.eps_high
+    clipped = tl.minimum(tl.maximum(ratio, lo), hi)
+    d_clipped = tl.where((ratio >= lo) & (ratio <= hi), d_ratio, 0.0)
+    capped = tl.minimum(ratio, S.pol_delta)
+    d_capped = tl.where(ratio <= S.pol_delta, d_ratio, 0.0)
+    surrogate, d_surrogate = _min_with_grad(capped * adv, d_capped * adv, clipped * adv, d_clipped * adv)
+    per_token = -surrogate
+    d_per_token = -d_surrogate
+    dual, d_dual = _min_with_grad(per_token, d_per_token, -adv * S.dual_c, 0.0)
+    per_token = tl.where(adv < 0, dual, per_token)
+    d_per_token = tl.where(adv < 0, d_dual, d_per_token)
+    per_token = per_token * iw
+    d_per_token = d_per_token * iw
+    kl = tl.zeros_like(logp)
+    if F.KL_EST != 0:
+        if F.KL_EST == 1:
+            kl = logp - ref
+            d_kl = tl.full(logp.shape, 1.0, tl.float32)
+        elif F.KL_EST == 2:
+            kl = 0.5 * (logp - ref) * (logp - ref)
+            d_kl = logp - ref
+        else:
+            gap = ref - logp
+            kl = tl.exp(gap) - gap - 1.0
+            d_kl = 1.0 - tl.exp(gap)
+        if F.KL_IS_CORR:
+            d_kl = d_kl * ratio + kl * d_ratio
+            kl = kl * ratio
+        per_token += S.kl_beta * kl
+        d_per_token += S.kl_beta * d_kl
+    return per_token, d_per_token, ratio, kl
+
+
+@triton.jit
+def policy_values(row_out, logp, entropy, policy, o, S, F: tl.constexpr, C: tl.constexpr):
+    """The token-level policy objective of slot ``o`` (weighted by its aggregation weight), stored
+    in its columns with the ratio, the KL and the clip indicators; returns (d_logp, d_entropy).
+
+    ``policy`` holds per-slot pointers (old, ref, adv, iw, weight); old / iw may be None
+    (on-policy: ratio 1 with gradient; no rollout weights). verl's entropy bonus
+    ``-entropy_coef * H`` is aggregated like the loss.
+    """
+    old = logp
+    if policy.old is not None:
+        old = tl.load(policy.old + o)
+    ref = logp
+    if F.KL_EST != 0:
+        ref = tl.load(policy.ref + o)
+    iw = tl.full([], 1.0, tl.float32)
+    if policy.iw is not None:
+        iw = tl.load(policy.iw + o)
+    adv = tl.load(policy.adv + o)
+    w = tl.load(policy.weight + o)
+    per_token, d_per_token, ratio, kl = policy_token(logp, old, ref, adv, iw, S, F)
+    policy_loss = w * per_token
+    d_entropy = tl.zeros([], tl.float32)
+    if F.ENTROPY_GRAD:
+        policy_loss -= S.entropy_coef * w * entropy
+        d_entropy = -S.entropy_coef * w
+    put(row_out, C.policy_loss, policy_loss)
+    put(row_out, C.ratio, ratio)
+    put(row_out, C.kl, kl)
+    put(row_out, C.clip_low, ((ratio < 1.0 - S.eps_low) & (adv < 0)).to(tl.float32))
+    put(row_out, C.clip_high, ((ratio > 1.0 + S.eps_high) & (adv > 0)).to(tl.float32))
+    return w * d_per_token, d_entropy
