@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .inputs import Normaliser, raise_if_bad, settle
+from .inputs import CheckContext, Normaliser, settle, verdict_slot
 from .kernels.head import (
     SCRATCH,
     Geometry,
@@ -98,7 +98,9 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
                  sequence_ids, grad_mode: str, validate: str, token_shape: tuple[int, ...]):
     """prepare + head kernels: (loss, rows, pred, means, scratch, grad); grad_mode none/fresh/inplace."""
     device = logits.device
-    scratch = prepare(targets, num_items, sequence_ids, geo, device)
+    verdict = verdict_slot(validate, device, CheckContext(token_shape, geo.V, geo.ignore_index,
+                                                          Normaliser(geo.norm, num_items)))
+    scratch = prepare(targets, num_items, sequence_ids, geo, device, verdict)
     rows, pred, loss, means = _empty_outputs(plan, geo.n_out, device, token_shape)
     grad = None
     if grad_mode == "inplace":
@@ -111,16 +113,16 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
     else:
         launch_head(plan, logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, pred=_opt(pred),
                     policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means, geo=geo)
-    settle(scratch, validate, token_shape, geo.V, geo.ignore_index, Normaliser(geo.norm, num_items))
+    settle(verdict, validate, device)
     return loss, rows, pred, means, scratch, grad
 
 
 def head_backward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch,
                   inplace: bool) -> torch.Tensor:
-    """Deferred mode's gradient pass."""
+    """Deferred mode's gradient pass (``d_loss`` or ``d_rows`` None: that output took no gradient)."""
     grad = logits.detach() if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     launch_backward(plan, logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows,
-                    d_loss=d_loss.float().reshape(-1).contiguous(),
+                    d_loss=None if d_loss is None else d_loss.float().reshape(-1).contiguous(),
                     d_rows=None if d_rows is None else d_rows.float().contiguous(), num_items=num_items,
                     scratch=scratch, geo=_grad_geometry(geo, grad))
     return grad
@@ -149,6 +151,7 @@ class HeadFunction(torch.autograd.Function):
                 run.token_shape,
             )
         ctx.run = run
+        ctx.set_materialize_grads(False)  # outputs without a gradient get None, not a zero tensor
         if fused:
             ctx.save_for_backward(grad)
             ctx.mark_non_differentiable(rows, pred, means, scratch)
@@ -163,16 +166,18 @@ class HeadFunction(torch.autograd.Function):
         nones = (None,) * 10
         if run.plan.mode == "fused":
             (grad,) = ctx.saved_tensors
-            if grad is None:
+            if grad is None or d_loss is None:
                 return None, *nones
             guard_second_backward(ctx)
             return _scale(grad, d_loss, _grad_geometry(run.geo, grad)), *nones
+        if d_loss is None and d_rows is None:
+            return None, *nones
         logits, targets, teacher, rows, num_items, scratch = ctx.saved_tensors
         inplace = run.inplace and not torch.compiler.is_compiling()
         if torch.compiler.is_compiling():
             grad = torch.ops.headloss.head_backward(
-                logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch, run.plan.key, list(run.geo[:-1]),
-                run.geo.norm,
+                logits, targets, teacher, rows, d_loss if d_loss is not None else torch.zeros_like(scratch[:1]).float(),
+                d_rows, num_items, scratch, run.plan.key, list(run.geo[:-1]), run.geo.norm,
             )
         else:
             grad = head_backward(run.plan, run.geo, logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch,
@@ -313,20 +318,19 @@ def _spread(t: torch.Tensor, index: torch.Tensor | None, rows: int, fill: float)
     return torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype, device=t.device).index_copy_(0, index, t)
 
 
-def _compact_index(run: LinearRun, targets, scratch, rows: int, vocab: int):
-    """The rows to compute when ignored rows are skipped: one host sync for their count, which also
-    reads the call's device-side verdict (so validation costs nothing more). Never under CUDA-graph
-    capture or torch.compile (row counts would be data-dependent)."""
+def _compact_index(run: LinearRun, targets, scratch, rows: int, verdict):
+    """The rows to compute when ignored rows are skipped: one host sync for their count, after which
+    the call's verdict is read in the call too (so validation costs nothing more). Never under
+    CUDA-graph capture or torch.compile (row counts would be data-dependent)."""
     if not run.compact or targets is None or torch.compiler.is_compiling():
-        return None, False
+        return None
     if scratch.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None, False
-    values = scratch[:6].tolist()
-    if run.validate != "off":
-        raise_if_bad(values[2:6], run.token_shape, vocab, run.ignore_index, Normaliser(run.norm, None))
-    if values[0] == rows:
-        return None, run.validate != "off"
-    return (targets != run.ignore_index).nonzero().squeeze(1), run.validate != "off"
+        return None
+    count = int(scratch[0])
+    settle(verdict, "sync", scratch.device)
+    if count == rows:
+        return None
+    return (targets != run.ignore_index).nonzero().squeeze(1)
 
 
 def _pick_rows(policy: PolicyRows | None, index, start: int, stop: int) -> PolicyRows | None:
@@ -343,8 +347,10 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
     full = Geometry(n_rows=rows, n_out=rows, V=vocab, T=rows, K=rows, shift=0, stride_b=0, stride_t=vocab,
                     g_stride_b=0, g_stride_t=vocab, t_stride_b=0, t_stride_t=0, ignore_index=run.ignore_index,
                     norm=run.norm)
-    scratch = prepare(targets, num_items, sequence_ids, full, hidden.device)
-    index, settled = _compact_index(run, targets, scratch, rows, vocab)
+    verdict = verdict_slot(run.validate, hidden.device, CheckContext(run.token_shape, vocab, run.ignore_index,
+                                                                     Normaliser(run.norm, num_items)))
+    scratch = prepare(targets, num_items, sequence_ids, full, hidden.device, verdict)
+    index = _compact_index(run, targets, scratch, rows, verdict)
     computed = rows if index is None else index.numel()
     y = targets if index is None or targets is None else targets.index_select(0, index)
     rows_c, pred_c, loss_c, means = _empty_outputs(plan, computed, hidden.device,
@@ -366,8 +372,7 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
     else:
         launch_finish(plan, rows=rows_c, loss=loss_c, means=means, scratch=scratch, num_items=num_items,
                       geo=full._replace(n_out=computed))
-    if not settled:
-        settle(scratch, run.validate, run.token_shape, vocab, run.ignore_index, Normaliser(run.norm, num_items))
+    settle(verdict, run.validate, hidden.device)
     dh, dw, db = _finish_grads(grads, weight, bias) if grads is not None else (None, None, None)
     loss = loss_c
     if plan.reduction == "none" and index is not None:
@@ -389,7 +394,8 @@ def linear_backward(run: LinearRun, wants, teacher: _Teacher, hidden, weight, bi
         t = t.float()
         return (t if index is None else t.index_select(0, index)).contiguous()
 
-    d_loss = compact(d_loss.reshape(-1) if plan.reduction == "none" else d_loss.reshape(1))
+    if d_loss is not None:
+        d_loss = compact(d_loss.reshape(-1) if plan.reduction == "none" else d_loss.reshape(1).float())
     d_rows = compact(d_rows)
     computed = hidden.shape[0] if index is None else index.numel()
     y = targets if index is None or targets is None else targets.index_select(0, index)
@@ -397,7 +403,8 @@ def linear_backward(run: LinearRun, wants, teacher: _Teacher, hidden, weight, bi
     for start, stop, h_c, t_c, logits in _chunks(hidden, weight, bias, index, teacher, computed, run.chunk_rows):
         launch_backward(
             plan, logits=logits, targets=None if y is None else y[start:stop], teacher=t_c, grad=logits,
-            rows=rows_c[start:stop], d_loss=d_loss[start:stop] if plan.reduction == "none" else d_loss,
+            rows=rows_c[start:stop], d_loss=d_loss[start:stop] if plan.reduction == "none" and d_loss is not None
+            else d_loss,
             d_rows=None if d_rows is None else d_rows[start:stop], num_items=num_items, scratch=scratch,
             geo=_chunk_geometry(stop - start, vocab, t_c, run),
         )
@@ -436,6 +443,7 @@ class LinearFunction(torch.autograd.Function):
                 PolicyRows(*policy) if adv is not None else None, num_items, sequence_ids, wants,
             )
         ctx.run, ctx.wants = run, wants
+        ctx.set_materialize_grads(False)
         if run.plan.mode == "fused":
             ctx.save_for_backward(dh, dw, db)
             ctx.mark_non_differentiable(rows, pred, means, scratch)
@@ -448,6 +456,8 @@ class LinearFunction(torch.autograd.Function):
     def backward(ctx, d_loss, d_rows, *_):
         run: LinearRun = ctx.run
         nones = (None,) * 13
+        if d_loss is None and d_rows is None:
+            return None, None, None, *nones
         if run.plan.mode == "fused":
             guard_second_backward(ctx)
             dh, dw, db = ctx.saved_tensors
@@ -463,7 +473,8 @@ class LinearFunction(torch.autograd.Function):
         if torch.compiler.is_compiling():
             dh, dw, db = torch.ops.headloss.linear_backward(
                 hidden, weight, bias, targets, t_logits, t_hidden, t_weight, t_bias, rows_c, num_items, scratch,
-                d_loss, d_rows, run.plan.key, run.chunk_rows, run.fp32_weight_grad, run.ignore_index, run.norm,
+                d_loss if d_loss is not None else torch.zeros_like(scratch[:1]).float(), d_rows, run.plan.key,
+                run.chunk_rows, run.fp32_weight_grad, run.ignore_index, run.norm,
                 list(ctx.wants),
             )
             dh, dw, db = (g if want else None for g, want in zip((dh, dw, db), ctx.wants))

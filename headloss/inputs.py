@@ -4,10 +4,11 @@ Checks that need only shapes, dtypes and devices run on the host, before anythin
 and raise naming the argument. Checks of device *values* (targets in range, num_items_in_batch
 positive) run on the device in the call's first kernel and never make the host wait by default:
 
-* ``validate=True`` (default): on CPU tensors the error is raised in the call; on CUDA the verdict
-  is copied to pinned memory and raised by the next headloss call (or ``metrics_as_floats``, or
-  :func:`check_pending`) once the device has produced it. Rows with a bad target come out NaN,
-  never an out-of-bounds read. Under CUDA-graph capture the check becomes a device-side assert.
+* ``validate=True`` (default): on CPU tensors the error is raised in the call; on CUDA the device
+  writes the verdict into pinned host memory (only when something is bad) and the next headloss
+  call (or ``metrics_as_floats``, or :func:`check_pending`) raises it: no copy, event or wait per
+  call, and it works inside captured CUDA graphs. Rows with a bad target come out NaN, never an
+  out-of-bounds read.
 * ``validate="sync"``: the call waits for the verdict (after launching its kernels, so the GPU
   keeps working) and raises in the call.
 * ``validate=False`` (or ``HEADLOSS_VALIDATE=0``): no check.
@@ -18,7 +19,6 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from .kernels.head import Geometry, row_strides
+from .kernels.head import VERDICT, Geometry, row_strides
 from .plan import KernelPlan, compile_plan
 from .spec import LossSpec
 
@@ -85,19 +85,38 @@ def as_spec(spec: SpecLike | None) -> LossSpec:
     return LossSpec() if spec is None else LossSpec.coerce(spec)
 
 
+_DEFAULT_SPEC = LossSpec()
+_PLANS_BY_ID: dict[tuple[int, bool], tuple[LossSpec, KernelPlan]] = {}
+_PLANS_BY_DATA: dict[tuple[str, bool], KernelPlan] = {}
+
+
 def plan_for(spec: SpecLike | None, has_targets: bool) -> KernelPlan:
-    """The cached plan of a spec given in any form. Under torch.compile the spec is read once, at
+    """The cached plan of a spec given in any form; a spec object seen before costs a dict lookup
+    (no pydantic hashing or validation per call). Under torch.compile the spec is read once, at
     trace time, and the plan is a constant of the graph (a dict or a path never breaks it)."""
     if spec is None:
-        spec = LossSpec()
+        spec = _DEFAULT_SPEC
     if isinstance(spec, LossSpec):
         if torch.compiler.is_compiling():
             return _plan_of_spec(spec, has_targets)
-        return compile_plan(spec, has_targets=has_targets)
+        hit = _PLANS_BY_ID.get((id(spec), has_targets))
+        if hit is not None and hit[0] is spec:
+            return hit[1]
+        plan = compile_plan(spec, has_targets=has_targets)
+        if len(_PLANS_BY_ID) > 1024:
+            _PLANS_BY_ID.clear()
+        _PLANS_BY_ID[(id(spec), has_targets)] = (spec, plan)  # holds spec: its id is not reused meanwhile
+        return plan
     if isinstance(spec, (dict, str, Path)):
         if torch.compiler.is_compiling():
             return _plan_of_data(_frozen(spec), has_targets)
-        return compile_plan(LossSpec.coerce(spec), has_targets=has_targets)
+        key = (repr(spec) if isinstance(spec, dict) else f"path:{spec}", has_targets)
+        plan = _PLANS_BY_DATA.get(key) if isinstance(spec, dict) else None  # a file may change: read it again
+        if plan is None:
+            plan = compile_plan(LossSpec.coerce(spec), has_targets=has_targets)
+            if isinstance(spec, dict):
+                _PLANS_BY_DATA[key] = plan
+        return plan
     raise TypeError(f"spec: expected LossSpec, dict or a path, got {type(spec).__name__}")
 
 
@@ -331,44 +350,115 @@ def head_call(logits: Any, targets: Any, spec: LossSpec, *, kernel: bool, teache
 # --- device-side verdicts -----------------------------------------------------------------------
 
 
-class Verdict:
-    """The device-side checks of one call (scratch[2:6] of prepare_kernel), read without waiting.
+@dataclass(frozen=True)
+class CheckContext:
+    """What a verdict's error message needs to know about the call that produced it."""
 
-    The verdict is copied to pinned host memory behind the call's kernels, with an event; it is
-    read once that event has completed: by the next call (no wait), by ``wait`` (sync mode,
-    ``metrics_as_floats``, :func:`check_pending`).
-    """
-
-    _pool: deque = deque()
-
-    def __init__(self, scratch: torch.Tensor, targets_shape: tuple[int, ...], vocab: int, ignore_index: int,
-                 norm: Normaliser, deferred: bool) -> None:
-        self.context = (targets_shape, vocab, ignore_index, norm)
-        self.deferred = deferred
-        self.host = Verdict._pool.popleft() if Verdict._pool else torch.empty(4, dtype=torch.int64, pin_memory=True)
-        self.host.copy_(scratch[2:6], non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record()
-
-    def ready(self) -> bool:
-        return self.event.query()
-
-    def wait_and_raise(self) -> None:
-        self.event.synchronize()
-        values = self.host.tolist()
-        Verdict._pool.append(self.host)
-        raise_if_bad(values, *self.context, deferred=self.deferred)
+    token_shape: tuple[int, ...]
+    vocab: int
+    ignore_index: int
+    norm: Normaliser
 
 
-_PENDING: deque[Verdict] = deque()
+class ErrorBoard:
+    """Verdict slots in host memory that the prepare kernel writes through unified addressing, and
+    only when something is bad: no copy, no event and no wait per call. A ring of SLOTS slots (a
+    call takes the next one) plus a ``dirty`` word set after any slot is written, so checking is one
+    host memory read. Calls captured in a CUDA graph get slots of their own (replays write there)."""
+
+    SLOTS = 256
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self.table = torch.zeros(self.SLOTS + 1, VERDICT, dtype=torch.int64, pin_memory=pinned)
+        self.host = self.table.numpy()  # reads and writes of host memory without a torch op
+        self.rows = list(self.table.unbind(0))
+        self.dirty = self.rows[self.SLOTS][:1]
+        self.contexts: list[CheckContext | None] = [None] * self.SLOTS
+        self.order = [0] * self.SLOTS
+        self.calls = 0
+        self.captured: list[tuple[torch.Tensor, CheckContext]] = []
+
+    def take(self, context: CheckContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """A cleared slot for one call (and the dirty word)."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            slot = torch.zeros(VERDICT, dtype=torch.int64, pin_memory=self.pinned)
+            self.captured.append((slot, context))
+            return slot, self.dirty
+        i = self.calls % self.SLOTS
+        self.calls += 1
+        self.host[i] = 0
+        self.contexts[i] = context
+        self.order[i] = self.calls
+        return self.rows[i], self.dirty
+
+    def raise_slot(self, slot: torch.Tensor, deferred: bool) -> None:
+        """Raise the error of one slot (if its verdict is set), then clear it."""
+        values = slot.numpy()
+        if not values[0]:
+            return
+        context = self._context_of(slot)
+        found = [int(v) for v in values[1:]]
+        values[:] = 0
+        raise_if_bad(found, context.token_shape, context.vocab, context.ignore_index, context.norm, deferred)
+
+    def check(self) -> None:
+        """Raise the earliest error any call has written so far (a host memory read when none)."""
+        if not self.host[self.SLOTS, 0]:
+            return
+        self.host[self.SLOTS, 0] = 0
+        written = [i for i in range(self.SLOTS) if self.host[i, 0]]
+        for i in sorted(written, key=self.order.__getitem__):
+            self.raise_slot(self.rows[i], deferred=True)
+        for slot, _ in self.captured:
+            self.raise_slot(slot, deferred=True)
+
+    def _context_of(self, slot: torch.Tensor) -> CheckContext:
+        for i, row in enumerate(self.rows[: self.SLOTS]):
+            if row.data_ptr() == slot.data_ptr():
+                return self.contexts[i]
+        return next(context for captured, context in self.captured if captured.data_ptr() == slot.data_ptr())
+
+
+_BOARDS: dict[bool, ErrorBoard] = {}
+
+
+def board_for(device: torch.device) -> ErrorBoard:
+    """The board verdicts of ``device`` go to: pinned memory for CUDA, plain memory for the CPU."""
+    pinned = device.type == "cuda"
+    board = _BOARDS.get(pinned)
+    if board is None:
+        board = _BOARDS[pinned] = ErrorBoard(pinned)
+    return board
 
 
 def check_pending(wait: bool = False) -> None:
     """Raise the first error found on the device by an earlier call (targets out of range,
-    num_items_in_batch not positive). Without ``wait`` only verdicts already computed are read,
-    so this never makes the host wait; ``wait=True`` waits for all of them."""
-    while _PENDING and (wait or _PENDING[0].ready()):
-        _PENDING.popleft().wait_and_raise()
+    num_items_in_batch not positive, sequence ids out of range). Without ``wait`` this reads host
+    memory only, never making the host wait; ``wait=True`` first waits for the device."""
+    if wait and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    for board in _BOARDS.values():
+        board.check()
+
+
+def verdict_slot(mode: str, device: torch.device, context: CheckContext) -> tuple | None:
+    """(slot, dirty) for the prepare kernel, or None when validation is off."""
+    if mode == "off":
+        return None
+    return board_for(device).take(context)
+
+
+def settle(verdict: tuple | None, mode: str, device: torch.device) -> None:
+    """After a call's kernels are launched: on CPU the verdict is there already, and "sync" waits
+    for it; both raise in the call. Otherwise a later check (the next call) reads it."""
+    if verdict is None:
+        return
+    if device.type == "cuda":
+        if mode != "sync" or torch.cuda.is_current_stream_capturing():
+            return
+        torch.cuda.current_stream(device).synchronize()
+    board_for(device).raise_slot(verdict[0], deferred=False)
 
 
 def raise_if_bad(values: list[int], targets_shape: tuple[int, ...], vocab: int, ignore_index: int,
@@ -389,26 +479,6 @@ def raise_if_bad(values: list[int], targets_shape: tuple[int, ...], vocab: int, 
         raise ValueError(f"num_items_in_batch: expected a positive finite number, got {got}{later}")
     if bad_ids:
         raise ValueError(f"sequence_ids: values must lie in [0, {math.prod(targets_shape)}){later}")
-
-
-def settle(scratch: torch.Tensor, mode: str, targets_shape: tuple[int, ...], vocab: int, ignore_index: int,
-           norm: Normaliser) -> None:
-    """After a call's kernels are launched: act on its device-side verdict as ``mode`` says."""
-    if mode == "off":
-        return
-    if scratch.device.type == "cpu":  # the verdict is there already: raise in the call
-        raise_if_bad(scratch[2:6].tolist(), targets_shape, vocab, ignore_index, norm)
-        return
-    if torch.cuda.is_current_stream_capturing():
-        ok = (scratch[2] < 0) & (scratch[4] == 0) & (scratch[5] == 0)
-        torch._assert_async(ok, "headloss: a target outside [0, V), a num_items_in_batch that is not positive, "
-                                "or a sequence id out of range")
-        return
-    verdict = Verdict(scratch, targets_shape, vocab, ignore_index, norm, deferred=mode == "async")
-    if mode == "sync":
-        verdict.wait_and_raise()
-    else:
-        _PENDING.append(verdict)
 
 
 def pad_shifted(targets: torch.Tensor, rows_per_seq: int, ignore_index: int) -> torch.Tensor:

@@ -1,12 +1,17 @@
 """Shared helpers: input generators, the fp64-reference comparison, tolerances.
 
 TRITON_INTERPRET must be set before anything imports triton or headloss (headloss reads it at
-import to pick the CPU backend), so it is set here, first.
+import to pick the CPU backend), so it is set here, first -- on a machine without CUDA only: on a
+GPU machine the kernels run compiled (tests/test_gpu.py), and the CPU tests still run the kernels
+under the interpreter where they pass CPU tensors with backend="triton" only if it is set.
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch  # noqa: E402  (importing torch does not import triton)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import math  # noqa: E402
 import zlib  # noqa: E402
@@ -14,19 +19,10 @@ from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 import headloss.inputs  # noqa: E402
 from headloss import HeadLossOutput, LossSpec, head_loss, reference_head_loss  # noqa: E402
 from headloss.reference import transformed_logits  # noqa: E402
-
-
-def pytest_configure(config):
-    # the Triton interpreter's own deprecation noise, not ours
-    config.addinivalue_line(
-        "filterwarnings", "ignore::DeprecationWarning:triton.runtime.interpreter"
-    )
-
 
 needs_kernel = pytest.mark.skipif(
     not headloss.inputs._INTERPRETER,

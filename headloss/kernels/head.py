@@ -20,6 +20,7 @@ axis 0 (up to 2**31 - 1).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..plan import KernelPlan
+from ..plan import KernelPlan, Scalars
 from .blocks import (
     gradient_pass,
     online_stats,
@@ -41,10 +42,13 @@ from .blocks import (
 from .primitives import LN2
 from .terms import distill_values, policy_values, put, row_coefficients, row_values
 
-SCRATCH = 8
-"""int64 scratch per call: [0] counted rows, [1] programs done, [2] first bad target index (-1: none),
-[3] its value, [4] 1 when num_items_in_batch is not a positive finite number, [5] 1 when a
-sequence id is outside [0, n_out)."""
+SCRATCH = 2
+"""int64 scratch per call: [0] counted rows, [1] programs done (the last one reduces)."""
+
+VERDICT = 5
+"""A verdict slot (int64, host memory the device writes through UVA, only when something is bad):
+[0] set to 1 last, [1] first bad target index (-1: none), [2] its value, [3] 1 when num_items_in_batch
+is not a positive finite number, [4] 1 when a sequence id is outside [0, n_out)."""
 
 
 class Geometry(NamedTuple):
@@ -82,6 +86,8 @@ def prepare_kernel(
     num_items,  # (1,) any dtype, or None
     sequence_ids,  # (n_out,) int, or None
     scratch,  # (SCRATCH,) int64 out
+    verdict,  # (VERDICT,) int64 slot in pinned host memory, or None: no validation
+    dirty,  # (1,) int64 in pinned host memory, set to 1 when any verdict is written
     geo,
     BLOCK: tl.constexpr,
 ):
@@ -100,25 +106,31 @@ def prepare_kernel(
             y = tl.load(targets + slot + geo.shift, mask=scored, other=geo.ignore_index).to(tl.int64)
             valid = scored & (y != geo.ignore_index)
             counted += valid.to(tl.int64)
-            bad = valid & ((y < 0) | (y >= geo.V))
-            first_bad = tl.minimum(first_bad, tl.where(bad, slot + geo.shift, big))
-        if sequence_ids is not None:
+            if verdict is not None:
+                bad = valid & ((y < 0) | (y >= geo.V))
+                first_bad = tl.minimum(first_bad, tl.where(bad, slot + geo.shift, big))
+        if verdict is not None and sequence_ids is not None:
             ids = tl.load(sequence_ids + slot, mask=inside, other=0)
             bad_ids |= (inside & ((ids < 0) | (ids >= geo.n_out))).to(tl.int64)
     tl.store(scratch, tl.sum(counted, axis=0))
     tl.store(scratch + 1, 0)
-    where = tl.min(first_bad, axis=0)
-    value = tl.zeros([], tl.int64)
-    if targets is not None:
-        value = tl.load(targets + where, mask=where < big, other=0).to(tl.int64)
-    tl.store(scratch + 2, tl.where(where < big, where, -1))
-    tl.store(scratch + 3, value)
-    bad_items = tl.zeros([], tl.int64)
-    if num_items is not None:
-        n = tl.load(num_items).to(tl.float32)
-        bad_items = ((n > 0.0) & (n < float("inf"))).to(tl.int64) ^ 1
-    tl.store(scratch + 4, bad_items)
-    tl.store(scratch + 5, tl.max(bad_ids, axis=0))
+    if verdict is not None:
+        where = tl.min(first_bad, axis=0)
+        bad_items = tl.zeros([], tl.int64)
+        if num_items is not None:
+            n = tl.load(num_items).to(tl.float32)
+            bad_items = ((n > 0.0) & (n < float("inf"))).to(tl.int64) ^ 1
+        any_ids = tl.max(bad_ids, axis=0)
+        if (where < big) | (bad_items != 0) | (any_ids != 0):
+            value = tl.zeros([], tl.int64)
+            if targets is not None:
+                value = tl.load(targets + where, mask=where < big, other=0).to(tl.int64)
+            tl.store(verdict + 1, tl.where(where < big, where, -1))
+            tl.store(verdict + 2, value)
+            tl.store(verdict + 3, bad_items)
+            tl.store(verdict + 4, any_ids)
+            tl.atomic_xchg(verdict, 1, sem="release", scope="sys")
+            tl.atomic_xchg(dirty, 1, sem="release", scope="sys")
 
 
 @triton.jit
@@ -232,7 +244,7 @@ def head_backward_kernel(
     teacher,  # like logits, or None
     grad,  # like logits (geo.g_stride_*), may alias logits
     rows,  # (n_out, C.N) fp32 saved by the forward
-    d_loss,  # (1,) fp32 upstream gradient of the reduced loss, or (n_out,) for reduction 'none'
+    d_loss,  # (1,) fp32 upstream gradient of the reduced loss, (n_out,) for reduction 'none', or None
     d_rows,  # (n_out, C.N) fp32 upstream gradients of the per-row outputs, or None
     num_items,  # (1,) or None
     scratch,  # (SCRATCH,) int64 from the forward
@@ -260,10 +272,12 @@ def head_backward_kernel(
         entropy = zero
         if F.ENTROPY_GRAD:
             entropy = tl.load(row_in + C.entropy)
-        if F.REDUCTION == 2:
-            u = tl.load(d_loss + slot)
-        else:
-            u = tl.load(d_loss) * token_scale(scratch, num_items, geo, F)
+        u = zero
+        if d_loss is not None:
+            if F.REDUCTION == 2:
+                u = tl.load(d_loss + slot)
+            else:
+                u = tl.load(d_loss) * token_scale(scratch, num_items, geo, F)
         d_logp = zero
         d_entropy = zero
         d_lse = zero
@@ -320,6 +334,49 @@ def scale_grad_kernel(
 
 # --- launchers -------------------------------------------------------------------------------
 
+_COMPILED: dict[tuple, object] = {}
+_CONSTEXPRS: dict[object, tuple[tuple[str, bool], ...]] = {}
+
+
+def _spec(value):
+    """What Triton specialises a runtime argument on (runtime/jit.py, native_specialize_impl): a
+    tensor's dtype and 16-byte alignment, an int's value 1, divisibility by 16 and width, None;
+    floats and bools only by type. tests/test_launch.py checks it against Triton's own."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if value is None or isinstance(value, (bool, float)):
+        return value if value is None else type(value)
+    if isinstance(value, int):
+        return (value == 1, value % 16 == 0, -(2**31) <= value < 2**31, value >= 2**63)
+    if type(value) is Scalars:  # floats only: specialised on nothing
+        return Scalars
+    return type(value), tuple(_spec(v) for v in value)
+
+
+def launch(kernel, grid: int, num_warps: int, **kwargs) -> None:
+    """``kernel[(grid,)](**kwargs)``. After a variant's first launch, later launches of the same
+    variant call its compiled launcher directly: Triton's per-launch argument binding and cache-key
+    work cost 15-50 us of host time per launch on an H200 host (benchmarks/bench_host.py)."""
+    hooks = triton.knobs.runtime.launch_enter_hook  # a profiler's hooks: take Triton's own path
+    if not isinstance(kernel, triton.runtime.jit.JITFunction) or not _FAST_LAUNCH or \
+            (hooks is not None and getattr(hooks, "calls", True)):
+        kernel[(grid,)](**kwargs, num_warps=num_warps)
+        return
+    params = _CONSTEXPRS.get(kernel)
+    if params is None:
+        params = _CONSTEXPRS[kernel] = tuple((p.name, p.is_constexpr) for p in kernel.params)
+    key = (kernel, num_warps, torch.cuda.current_device(),
+           *(kwargs[name] if constexpr else _spec(kwargs[name]) for name, constexpr in params))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        _COMPILED[key] = kernel[(grid,)](**kwargs, num_warps=num_warps)
+        return
+    compiled.run(grid, 1, 1, torch.cuda.current_stream().cuda_stream, compiled.function, compiled.packed_metadata,
+                 None, None, None, *(kwargs[name] for name, _ in params))
+
+
+_FAST_LAUNCH = os.environ.get("HEADLOSS_FAST_LAUNCH", "1") != "0"
+
 
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -328,7 +385,7 @@ class LaunchConfig:
 
 
 def launch_config(vocab: int, teacher: bool = False, rows: int | None = None) -> LaunchConfig:
-    """Block and warps for a row of ``vocab`` logits, in a launch of ``rows`` rows.
+    """Block and warps for a row of ``vocab`` logits, in a launch of ``rows`` rows (cached).
 
     2048 columns x 4 warps (16 per thread) was fastest on an H200 at V=128256 for every spec
     (benchmarks/profile_head.py --ablate, bench_head.py --tune): small enough per-thread state
@@ -339,12 +396,19 @@ def launch_config(vocab: int, teacher: bool = False, rows: int | None = None) ->
     2.39/2.05/1.77 ms per 8192 rows against 2.97/2.96/2.10 (benchmarks/profile_linear.py).
     HEADLOSS_BLOCK_V / HEADLOSS_NUM_WARPS override it (used by those sweeps).
     """
-    block = min(triton.next_power_of_2(max(vocab, 16)), 1024 if teacher else 2048)
+    few_rows = rows is not None and rows < 1024
+    overrides = (os.environ.get("HEADLOSS_BLOCK_V"), os.environ.get("HEADLOSS_NUM_WARPS"))
+    return _launch_config(vocab, teacher, few_rows, overrides)
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_config(vocab: int, teacher: bool, few_rows: bool, overrides: tuple) -> LaunchConfig:
+    block = min(1 << (max(vocab, 16) - 1).bit_length(), 1024 if teacher else 2048)
     warps = 4 if block >= 1024 else (2 if block >= 256 else 1)
-    if not teacher and rows is not None and rows < 1024 and vocab >= 16384:
+    if not teacher and few_rows and vocab >= 16384:
         block, warps = 4096, 8
-    block = int(os.environ.get("HEADLOSS_BLOCK_V", block))
-    warps = int(os.environ.get("HEADLOSS_NUM_WARPS", warps))
+    block = int(overrides[0]) if overrides[0] else block
+    warps = int(overrides[1]) if overrides[1] else warps
     return LaunchConfig(block_v=block, num_warps=warps)
 
 
@@ -357,17 +421,20 @@ def row_strides(t: torch.Tensor | None) -> tuple[int, int]:
     return t.stride(0), t.stride(1)
 
 
-def _reduction_meta(plan: KernelPlan) -> dict:
-    cols_p2 = triton.next_power_of_2(max(plan.cols.N, 1))
+@functools.lru_cache(maxsize=256)
+def _reduction_meta(cols: int) -> dict:
+    cols_p2 = 1 << (max(cols, 1) - 1).bit_length()
     return {"COLS_P2": cols_p2, "BLOCK_R": max(16, 2048 // cols_p2)}
 
 
 def prepare(targets: torch.Tensor | None, num_items: torch.Tensor | None, sequence_ids: torch.Tensor | None,
-            geo: Geometry, device: torch.device) -> torch.Tensor:
-    """Launch prepare_kernel; returns the call's scratch (counted rows first)."""
+            geo: Geometry, device: torch.device, verdict: tuple | None) -> torch.Tensor:
+    """Launch prepare_kernel; returns the call's scratch (counted rows first). ``verdict`` is a
+    (slot, dirty) pair of host tensors the device writes when a value is bad, or None (no checks)."""
     scratch = torch.empty(SCRATCH, dtype=torch.int64, device=device)
-    prepare_kernel[(1,)](targets=targets, num_items=num_items, sequence_ids=sequence_ids, scratch=scratch, geo=geo,
-                         BLOCK=1024, num_warps=4)
+    slot, dirty = verdict if verdict is not None else (None, None)
+    launch(prepare_kernel, 1, 4, targets=targets, num_items=num_items, sequence_ids=sequence_ids, scratch=scratch,
+           verdict=slot, dirty=dirty, geo=geo, BLOCK=1024)
     return scratch
 
 
@@ -377,18 +444,18 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
     if geo.n_rows == 0:
         return
     cfg = launch_config(geo.V, plan.has_teacher, geo.n_rows)
-    head_kernel[(geo.n_rows,)](
+    launch(
+        head_kernel, geo.n_rows, cfg.num_warps,
         logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, pred=pred, policy=policy,
         num_items=num_items, scratch=scratch, loss=loss, means=means, geo=geo, S=plan.scalars,
-        F=plan.flags, C=plan.cols, BLOCK_V=cfg.block_v, FINISH=finish, num_warps=cfg.num_warps,
-        **_reduction_meta(plan),
+        F=plan.flags, C=plan.cols, BLOCK_V=cfg.block_v, FINISH=finish, **_reduction_meta(plan.cols.N),
     )
 
 
 def launch_finish(plan: KernelPlan, *, rows, loss, means, scratch, num_items, geo: Geometry) -> None:
     """The reduction of launch_head's last program, as a launch of its own (chunked callers)."""
-    finish_kernel[(1,)](rows=rows, loss=loss, means=means, scratch=scratch, num_items=num_items, geo=geo,
-                        F=plan.flags, C=plan.cols, num_warps=4, **_reduction_meta(plan))
+    launch(finish_kernel, 1, 4, rows=rows, loss=loss, means=means, scratch=scratch, num_items=num_items, geo=geo,
+           F=plan.flags, C=plan.cols, **_reduction_meta(plan.cols.N))
 
 
 def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d_loss, d_rows, num_items, scratch,
@@ -397,10 +464,11 @@ def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d
     if geo.n_rows == 0:
         return
     cfg = launch_config(geo.V, plan.has_teacher, geo.n_rows)
-    head_backward_kernel[(geo.n_rows,)](
+    launch(
+        head_backward_kernel, geo.n_rows, cfg.num_warps,
         logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, d_loss=d_loss, d_rows=d_rows,
         num_items=num_items, scratch=scratch, geo=geo, S=plan.scalars, F=plan.flags, C=plan.cols,
-        BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
+        BLOCK_V=cfg.block_v,
     )
 
 
@@ -409,6 +477,6 @@ def scale_grad_(grad: torch.Tensor, scale: torch.Tensor, geo: Geometry) -> torch
     device when scale == 1 (no host sync)."""
     if geo.n_rows > 0:
         cfg = launch_config(geo.V)
-        scale_grad_kernel[(geo.n_rows,)](grad=grad, scale=scale.reshape(1), geo=geo, BLOCK_V=cfg.block_v,
-                                         num_warps=cfg.num_warps)
+        launch(scale_grad_kernel, geo.n_rows, cfg.num_warps, grad=grad, scale=scale.reshape(1), geo=geo,
+               BLOCK_V=cfg.block_v)
     return grad

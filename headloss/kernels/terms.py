@@ -192,10 +192,12 @@ def distill_grad(p, x2, zt, cols, V, dstate, wd, S, F: tl.constexpr, MASKED: tl.
     if F.DISTILL_KIND == 0:
         g = wd * (ps - q)
     elif F.DISTILL_KIND == 1:
-        g = wd * tl.where(ps > 0.0, ps * (LN2 * ((s2 - lse_s2) - (t2 - lse_t2)) - kl), 0.0)
+        # log(p / q) only where p > 0 (there the student logit is finite); elsewhere the term is 0
+        log_ratio = LN2 * ((tl.maximum(s2, NEG_BIG) - lse_s2) - (t2 - lse_t2))
+        g = wd * (ps * (tl.where(ps > 0.0, log_ratio, 0.0) - kl))
     else:
         # log(p / M) = -log1p(beta (q / p - 1)), q / p from differences of logits
-        q_over_p = tl.exp2((t2 - s2) - (lse_t2 - lse_s2))
+        q_over_p = tl.exp2((tl.maximum(t2, NEG_BIG) - tl.maximum(s2, NEG_BIG)) - (lse_t2 - lse_s2))
         log_ratio = -log1p(S.jsd_beta * (q_over_p - 1.0))
         g = (wd * (1.0 - S.jsd_beta)) * tl.where(ps > 0.0, ps * (log_ratio - jsd_s), 0.0)
     return g
