@@ -16,7 +16,6 @@ bandwidth floor: 2 reads + 1 write of the logits at the measured copy rate.
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 
 import torch
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 
 import headloss
 from benchmarks.common import Row, copy_bandwidth_gbs, measure, out_dir_default, write_rows
+from headloss.kernels.head import LAUNCH_OVERRIDES
 
 IGNORE = -100
 Z_WEIGHT = 1e-4
@@ -170,11 +170,10 @@ def tune(rows_out: list[Row], n: int, vocab: int) -> None:
 
     for block in (512, 1024, 2048, 4096):
         for warps in (2, 4, 8):
-            os.environ["HEADLOSS_BLOCK_V"], os.environ["HEADLOSS_NUM_WARPS"] = str(block), str(warps)
+            LAUNCH_OVERRIDES.update(block_v=block, num_warps=warps)
             measure(rows_out, "tune-full", f"headloss[B={block},w={warps}]", "V", vocab, step, setup,
                     config={"N": n, "BLOCK_V": block, "num_warps": warps})
-    os.environ.pop("HEADLOSS_BLOCK_V")
-    os.environ.pop("HEADLOSS_NUM_WARPS")
+    LAUNCH_OVERRIDES.update(block_v=None, num_warps=None)
 
 
 def floor_ms(n: int, vocab: int, copy_gbs: float) -> float:

@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from headloss.linear import linear_head_loss
 
 import headloss
 from benchmarks.common import Row, measure, out_dir_default, write_rows
+from headloss import linear_head_loss
 
 IGNORE = -100
 FULL_SPEC = headloss.LossSpec(

@@ -9,7 +9,6 @@ and the device time of each kernel from torch.profiler (median over the profiled
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -18,6 +17,7 @@ import torch
 import headloss
 from benchmarks.bench_head import CE_SPEC, FULL_SPEC, make_batch
 from benchmarks.common import kernel_device_us
+from headloss.kernels.head import LAUNCH_OVERRIDES
 
 
 def host_us(fn, reps: int = 50) -> float:
@@ -49,27 +49,26 @@ ABLATION = {
 
 def ablate(x: torch.Tensor, targets: torch.Tensor, configs: list[tuple[int, int]]) -> None:
     """Device time of the head kernel for each term added to CE alone, per launch config."""
-    from headloss.kernels.head import head_forward_kernel
+    from headloss.kernels.head import head_kernel
 
     print(f"\n{'spec':<18}" + "".join(f"{f'B={b},w={w}':>16}" for b, w in configs) + "   (us, regs)")
     for name, spec in ABLATION.items():
         cells = []
         for block, warps in configs:
-            os.environ["HEADLOSS_BLOCK_V"], os.environ["HEADLOSS_NUM_WARPS"] = str(block), str(warps)
-            head_forward_kernel.device_caches.clear()
+            LAUNCH_OVERRIDES.update(block_v=block, num_warps=warps)
+            head_kernel.device_caches.clear()
 
             def step(spec=spec):
                 x.grad = None
                 headloss.head_loss(x, targets, spec, inplace_grad=True, validate=False).loss.backward()
 
             step()
-            us = kernel_times(step, reps=5).get("head_forward_kernel", float("nan"))
-            compiled = [k for c in head_forward_kernel.device_caches.values() for k in c[0].values()]
+            us = kernel_times(step, reps=5).get("head_kernel", float("nan"))
+            compiled = [k for c in head_kernel.device_caches.values() for k in c[0].values()]
             regs = compiled[0].n_regs if compiled else -1
             cells.append(f"{us:10.0f} ({regs:3d})")
         print(f"{name:<18}" + "".join(f"{c:>16}" for c in cells))
-    os.environ.pop("HEADLOSS_BLOCK_V")
-    os.environ.pop("HEADLOSS_NUM_WARPS")
+    LAUNCH_OVERRIDES.update(block_v=None, num_warps=None)
 
 
 def terms(configs: list[tuple[int, int]]) -> None:
@@ -104,7 +103,7 @@ def terms(configs: list[tuple[int, int]]) -> None:
     }
     for name, step in steps.items():
         for block, warps in configs:
-            os.environ["HEADLOSS_BLOCK_V"], os.environ["HEADLOSS_NUM_WARPS"] = str(block), str(warps)
+            LAUNCH_OVERRIDES.update(block_v=block, num_warps=warps)
             x.grad = x3.grad = None
             step()
             times = kernel_times(step, reps=5)
@@ -116,8 +115,7 @@ def terms(configs: list[tuple[int, int]]) -> None:
         torch.cuda.synchronize()
         host = host_us(step, reps=6)
         print(f"{name}: host time of one fwd+bwd call {host:.0f} us")
-    os.environ.pop("HEADLOSS_BLOCK_V")
-    os.environ.pop("HEADLOSS_NUM_WARPS")
+    LAUNCH_OVERRIDES.update(block_v=None, num_warps=None)
 
 
 def main() -> None:

@@ -12,11 +12,9 @@ $OUT (or ./results)/profile_linear.{json,csv} and prints a table.
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 
 import torch
-from headloss.linear import chunk_rows_for, linear_head_loss
 
 import headloss
 from benchmarks.common import (
@@ -28,7 +26,9 @@ from benchmarks.common import (
     time_ms,
     write_rows,
 )
-from headloss.kernels.head import run_forward
+from headloss.api import chunk_rows_for, linear_head_loss
+from headloss.engine import chunk_head_
+from headloss.kernels.head import LAUNCH_OVERRIDES
 from headloss.plan import compile_plan
 
 
@@ -47,14 +47,14 @@ def split_k_dh(g: torch.Tensor, w: torch.Tensor, out: torch.Tensor, splits: int)
 KERNEL_CONFIGS = ["2048,4", "2048,8", "4096,8", "8192,16"]
 
 
-def with_env(name: str, value: str, step: Callable[[], None]) -> Callable[[], None]:
+def with_launch(block: int, warps: int, step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with the head kernel's block size and warps forced."""
     def run() -> None:
-        old = os.environ.get(name)
-        os.environ[name] = value
+        LAUNCH_OVERRIDES.update(block_v=block, num_warps=warps)
         try:
             step()
         finally:
-            os.environ.pop(name) if old is None else os.environ.__setitem__(name, old)
+            LAUNCH_OVERRIDES.update(block_v=None, num_warps=None)
 
     return run
 
@@ -80,9 +80,7 @@ def ops(hidden, weight, targets, rows: int) -> dict[str, Callable[[], None]]:
     buf = torch.empty(rows, v, dtype=hidden.dtype, device="cuda").normal_()
     dh = torch.empty_like(hidden)
     dw = torch.zeros_like(weight)
-    plan = compile_plan(headloss.LossSpec(), has_targets=True, needs_grad=True, has_old_logprobs=False,
-                        has_importance_weights=False)
-    scale = torch.full((1,), 1.0 / n, device="cuda")
+    plan = compile_plan(headloss.LossSpec(), has_targets=True)
     starts = range(0, n, rows)
     side = torch.cuda.Stream()
 
@@ -103,7 +101,7 @@ def ops(hidden, weight, targets, rows: int) -> dict[str, Callable[[], None]]:
 
     table = {
         "logits h@W^T": sweep(lambda s, e, g: torch.mm(hidden[s:e], weight.t(), out=g)),
-        "head kernel (CE, grad in place)": sweep(lambda s, e, g: run_forward(plan, g, targets[s:e], None, g, scale)),
+        "head kernel (CE, grad in place)": sweep(lambda s, e, g: chunk_head_(plan, g, targets[s:e])),
         "dh = g@W": sweep(lambda s, e, g: torch.mm(g, weight, out=dh[s:e])),
         "dW += g^T@h": sweep(lambda s, e, g: dw.addmm_(g.t(), hidden[s:e])),
         "dW = g^T@h (beta 0, no read of dW)": sweep(lambda s, e, g: torch.mm(g.t(), hidden[s:e], out=dw)),
@@ -111,8 +109,7 @@ def ops(hidden, weight, targets, rows: int) -> dict[str, Callable[[], None]]:
     }
     for cfg in KERNEL_CONFIGS:
         block, warps = cfg.split(",")
-        table[f"head kernel {cfg}"] = with_env(
-            "HEADLOSS_BLOCK_V", block, with_env("HEADLOSS_NUM_WARPS", warps, table["head kernel (CE, grad in place)"]))
+        table[f"head kernel {cfg}"] = with_launch(int(block), int(warps), table["head kernel (CE, grad in place)"])
     for splits in (2, 4, 8):
         if v % splits == 0:
             table[f"dh split-K {splits}"] = sweep(lambda s, e, g, k=splits: split_k_dh(g, weight, dh[s:e], k))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -25,23 +24,28 @@ def _spec_arg(path: str | None) -> LossSpec:
 
 
 def explain(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, with_grad: bool = True) -> str:
-    """The plan of ``spec`` for a [rows, vocab] batch: mode, flags, scalars, passes, bytes."""
-    plan = compile_plan(spec, has_targets=spec.needs_targets, needs_grad=with_grad)
+    """The plan of ``spec`` for a [rows, vocab] batch: mode, flags, per-row columns, the scalars its
+    terms use, the inputs it takes, passes and bytes."""
+    plan = compile_plan(spec, has_targets=spec.needs_targets)
     elem = torch.empty((), dtype=dtype).element_size()
     traffic = plan.traffic_bytes(rows, vocab, elem, elem, with_grad)
-    flags = asdict(plan.flags)
-    on = [name if value is True else f"{name}={value}" for name, value in flags.items() if value]
+    flags = plan.flags._asdict()
+    on = [name if value is True else f"{name}={value}" for name, value in flags.items()
+          if value is not False and not (name == "DISTILL_KIND" and value < 0) and value != 0]
     off = [name for name, value in flags.items() if value is False]
+    scalars = plan.scalars._asdict()
+    columns = [name for name in plan.cols._fields[:-1] if getattr(plan.cols, name) >= 0]
     lines = [
         f"mode        {plan.mode}" + (" (stats in forward, gradient pass in backward)" if plan.mode == "deferred"
                                       else " (one launch: stats, epilogue, gradient)"),
         f"flags on    {', '.join(on) or '-'}",
         f"flags off   {', '.join(off) or '-'}   (compiled out)",
-        "scalars     " + ", ".join(f"{k}={v:g}" for k, v in asdict(plan.scalars).items()),
+        "scalars     " + (", ".join(f"{k}={scalars[k]:g}" for k in plan.used_scalars) or "-"),
+        f"per row     {', '.join(columns)} ({plan.cols.N} fp32 values)",
         f"reduction   {plan.reduction}",
-        f"inputs      {', '.join(plan.requires)}",
-        f"logit reads {plan.logit_passes if with_grad else 1} pass(es) over [{rows}, {vocab}] {str(dtype)[6:]}"
-        + (" (student and teacher)" if plan.flags.HAS_TEACHER else ""),
+        f"inputs      {', '.join(plan.requires)}" + (f"; optional: {', '.join(plan.accepts)}" if plan.accepts else ""),
+        f"logit reads {plan.logit_passes(with_grad)} pass(es) over [{rows}, {vocab}] {str(dtype)[6:]}"
+        + (" (student and teacher)" if plan.has_teacher else ""),
         f"bytes       reads {traffic['logit_reads'] / 1e9:.3f} GB + gradient writes "
         f"{traffic['grad_writes'] / 1e9:.3f} GB = {traffic['total'] / 1e9:.3f} GB"
         f" (+ O(rows) per-token buffers)",
@@ -112,29 +116,74 @@ def synthetic_inputs(spec: LossSpec, logits: torch.Tensor, gen: torch.Generator)
 
 
 def _interpreting() -> bool:
-    from .api import _INTERPRETER
+    from .inputs import _INTERPRETER
 
     return _INTERPRETER
 
 
+def _positive(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        return value
+
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit code 2 (argparse's usage block is noise here)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="headloss", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="headloss", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, help_text in (("demo", "run a config on a synthetic batch and check it against fp64"),
                             ("explain", "print the kernel plan of a config")):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("config", nargs="?", help="YAML/JSON spec (default: configs/sft_zloss.yaml)")
-        p.add_argument("--rows", type=int, default=8192 if name == "explain" else 64)
-        p.add_argument("--vocab", type=int, default=128256 if name == "explain" else 1000)
+        p.add_argument("--rows", type=_positive("--rows"), default=8192 if name == "explain" else 64)
+        p.add_argument("--vocab", type=_positive("--vocab"), default=128256 if name == "explain" else 1000)
         p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if name == "explain" else "fp32")
         if name == "demo":
             p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    spec = _spec_arg(args.config)
-    if args.command == "explain":
-        print(explain(spec, args.rows, args.vocab, DTYPES[args.dtype]))
-        return 0
-    return demo(spec, args.rows, args.vocab, DTYPES[args.dtype], args.device)
+    try:
+        spec = _spec_arg(args.config)
+        if args.command == "explain":
+            print(explain(spec, args.rows, args.vocab, DTYPES[args.dtype]))
+            return 0
+        device = _device_arg(args.device)
+    except (ValueError, TypeError, OSError) as error:
+        parser.exit(2, f"headloss {args.command}: error: {_one_line(error)}\n")
+    return demo(spec, args.rows, args.vocab, DTYPES[args.dtype], device)
+
+
+def _device_arg(name: str) -> str:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device: unknown device {name!r} (use cpu or cuda)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device: cuda requested but no CUDA device is available (use --device cpu)")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device: expected cpu or cuda, got {name!r}")
+    return name
+
+
+def _one_line(error: Exception) -> str:
+    """A pydantic error is a block; its first problem (field and message) on one line."""
+    text = str(error)
+    errors = getattr(error, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        return f"{where}: {first.get('msg')}" if where else first.get("msg", text)
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

@@ -153,6 +153,7 @@ class HeadFunction(torch.autograd.Function):
         ctx.run = run
         ctx.set_materialize_grads(False)  # outputs without a gradient get None, not a zero tensor
         if fused:
+            ctx.grad_geo = _grad_geometry(run.geo, grad) if grad_mode == "inplace" else run.geo
             ctx.save_for_backward(grad)
             ctx.mark_non_differentiable(rows, pred, means, scratch)
         else:
@@ -169,7 +170,7 @@ class HeadFunction(torch.autograd.Function):
             if grad is None or d_loss is None:
                 return None, *nones
             guard_second_backward(ctx)
-            return _scale(grad, d_loss, _grad_geometry(run.geo, grad)), *nones
+            return _scale(grad, d_loss, ctx.grad_geo), *nones
         if d_loss is None and d_rows is None:
             return None, *nones
         logits, targets, teacher, rows, num_items, scratch = ctx.saved_tensors
@@ -187,10 +188,12 @@ class HeadFunction(torch.autograd.Function):
 
 def _scale(grad: torch.Tensor, d_loss: torch.Tensor, geo: Geometry) -> torch.Tensor:
     """grad *= d_loss in place (a no-op on the device when d_loss == 1)."""
+    if d_loss.dtype != torch.float32:
+        d_loss = d_loss.float()
     if torch.compiler.is_compiling():
-        torch.ops.headloss.scale_grad_(grad, d_loss.reshape(1).float(), list(geo[:-1]))
+        torch.ops.headloss.scale_grad_(grad, d_loss.reshape(1), list(geo[:-1]))
         return grad
-    return scale_grad_(grad, d_loss.reshape(1).float(), geo)
+    return scale_grad_(grad, d_loss, geo)
 
 
 # --- the hidden-state entry point (fused lm_head) --------------------------------------------------
@@ -380,6 +383,17 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
         loss.view(-1).index_copy_(0, index, loss_c)
     pred = _spread(pred_c, index, rows, -1) if plan.flags.HAS_ARGMAX else pred_c
     return loss, _spread(rows_c, index, rows, 0.0), rows_c, pred, means, scratch, index, dh, dw, db
+
+
+def chunk_head_(plan: KernelPlan, logits: torch.Tensor, targets: torch.Tensor | None) -> None:
+    """The fused lm_head's per-chunk kernel on its own: the spec's kernel in place on one [C, V]
+    chunk of logits, whose gradient overwrites it (benchmarks/profile_linear.py times it)."""
+    run = LinearRun(plan, logits.shape[0], False, False, "off", (logits.shape[0],), plan.spec.ignore_index, 0.0)
+    geo = _chunk_geometry(logits.shape[0], logits.shape[1], None, run)
+    scratch = prepare(targets, None, None, geo, logits.device, None)
+    rows, pred, loss, means = _empty_outputs(plan, logits.shape[0], logits.device, (logits.shape[0],))
+    launch_head(plan, logits=logits, targets=targets, teacher=None, grad=logits, rows=rows, pred=_opt(pred),
+                policy=None, num_items=None, scratch=scratch, loss=loss, means=means, geo=geo)
 
 
 def linear_backward(run: LinearRun, wants, teacher: _Teacher, hidden, weight, bias, targets, index, rows_c, num_items,

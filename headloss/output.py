@@ -64,27 +64,18 @@ def assemble(plan: KernelPlan, token_shape: tuple[int, ...], loss: torch.Tensor,
              extra_metrics: dict[str, torch.Tensor] | None = None) -> HeadLossOutput:
     """HeadLossOutput from the engine's buffers: metrics are views of the column means, per-token
     outputs views of the packed rows (differentiable in deferred mode)."""
-    spec = plan.spec
-    means = means.detach().unbind(0)
+    means = means.unbind(0)
     metrics = {"loss": means[plan.cols.N]}  # its own storage: an in-place change of the loss leaves it
-    metrics.update((name, means[getattr(plan.cols, col)]) for name, col in plan.metrics)
+    for name, index in plan.metric_index:
+        metrics[name] = means[index]
     if extra_metrics:
         metrics.update(extra_metrics)
     metrics["n_tokens"] = scratch[0]
-
-    def per_token(name: str) -> torch.Tensor | None:
-        col = dict(plan.outputs).get(name)
-        if col is None:
-            return None
-        value = column(rows, plan, col).view(token_shape)
-        return value if spec.differentiable_outputs else value.detach()
-
-    return HeadLossOutput(
-        loss=loss,
-        metrics=metrics,
-        predicted_tokens=pred.view(token_shape) if "predicted_tokens" in spec.outputs else None,
-        logprobs=per_token("logprobs"),
-        lse=per_token("lse"),
-        token_loss=per_token("token_loss"),
-        entropy=per_token("entropy"),
-    )
+    out = HeadLossOutput(loss=loss, metrics=metrics)
+    detach = not plan.spec.differentiable_outputs
+    for name, index in plan.output_index:
+        value = rows[:, index].view(token_shape)
+        setattr(out, name, value.detach() if detach else value)
+    if plan.flags.HAS_ARGMAX and "predicted_tokens" in plan.spec.outputs:
+        out.predicted_tokens = pred.view(token_shape)
+    return out

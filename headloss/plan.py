@@ -116,6 +116,16 @@ class KernelPlan:
     outputs: tuple[tuple[str, str], ...]  # (output name, column) of the per-token float outputs
     key: str  # JSON of what the plan was made from; plan_from_key(key) gives the plan back
 
+    @functools.cached_property
+    def metric_index(self) -> tuple[tuple[str, int], ...]:
+        """(metric name, column index), for reading the column means without name lookups."""
+        return tuple((name, getattr(self.cols, col)) for name, col in self.metrics)
+
+    @functools.cached_property
+    def output_index(self) -> tuple[tuple[str, int], ...]:
+        """(output name, column index) of the per-token float outputs."""
+        return tuple((name, getattr(self.cols, col)) for name, col in self.outputs)
+
     @property
     def reduction(self) -> str:
         return self.spec.reduction

@@ -28,8 +28,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton._C.libtriton import native_specialize_impl
 
-from ..plan import KernelPlan, Scalars
+from ..plan import KernelPlan
 from .blocks import (
     gradient_pass,
     online_stats,
@@ -316,7 +317,7 @@ def finish_kernel(rows, loss, means, scratch, num_items, geo, F: tl.constexpr, C
 @triton.jit
 def scale_grad_kernel(
     grad,  # (rows, V) addressed through geo.g_stride_*
-    scale,  # (1,) the upstream d loss
+    scale,  # () or (1,) fp32: the upstream d loss
     geo,
     BLOCK_V: tl.constexpr,
 ):
@@ -335,47 +336,52 @@ def scale_grad_kernel(
 # --- launchers -------------------------------------------------------------------------------
 
 _COMPILED: dict[tuple, object] = {}
-_CONSTEXPRS: dict[object, tuple[tuple[str, bool], ...]] = {}
+_PARAMS: dict[object, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {}
 
 
-def _spec(value):
-    """What Triton specialises a runtime argument on (runtime/jit.py, native_specialize_impl): a
-    tensor's dtype and 16-byte alignment, an int's value 1, divisibility by 16 and width, None;
-    floats and bools only by type. tests/test_launch.py checks it against Triton's own."""
-    if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() % 16 == 0
-    if value is None or isinstance(value, (bool, float)):
-        return value if value is None else type(value)
-    if isinstance(value, int):
-        return (value == 1, value % 16 == 0, -(2**31) <= value < 2**31, value >= 2**63)
-    if type(value) is Scalars:  # floats only: specialised on nothing
-        return Scalars
-    return type(value), tuple(_spec(v) for v in value)
+def _params_of(kernel) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(runtime parameter names, constexpr parameter names, all names in order) of a kernel."""
+    params = _PARAMS.get(kernel)
+    if params is None:
+        params = _PARAMS[kernel] = (
+            tuple(p.name for p in kernel.params if not p.is_constexpr),
+            tuple(p.name for p in kernel.params if p.is_constexpr),
+            tuple(p.name for p in kernel.params),
+        )
+    return params
 
 
 def launch(kernel, grid: int, num_warps: int, **kwargs) -> None:
     """``kernel[(grid,)](**kwargs)``. After a variant's first launch, later launches of the same
-    variant call its compiled launcher directly: Triton's per-launch argument binding and cache-key
-    work cost 15-50 us of host time per launch on an H200 host (benchmarks/bench_host.py)."""
-    hooks = triton.knobs.runtime.launch_enter_hook  # a profiler's hooks: take Triton's own path
-    if not isinstance(kernel, triton.runtime.jit.JITFunction) or not _FAST_LAUNCH or \
+    variant call its compiled launcher directly. The variant is found the way Triton finds it
+    (``native_specialize_impl`` over the runtime arguments, plus the constexpr values), in one call:
+    Triton's own per-launch binding, cache key and launch metadata cost 20-50 us of host time per
+    launch on an H200 host, this ~10 (benchmarks/bench_host.py). A profiler's launch hooks, the
+    interpreter and ``HEADLOSS_FAST_LAUNCH=0`` take Triton's path."""
+    hooks = triton.knobs.runtime.launch_enter_hook
+    if not _FAST_LAUNCH or not isinstance(kernel, triton.runtime.jit.JITFunction) or \
             (hooks is not None and getattr(hooks, "calls", True)):
         kernel[(grid,)](**kwargs, num_warps=num_warps)
         return
-    params = _CONSTEXPRS.get(kernel)
-    if params is None:
-        params = _CONSTEXPRS[kernel] = tuple((p.name, p.is_constexpr) for p in kernel.params)
-    key = (kernel, num_warps, torch.cuda.current_device(),
-           *(kwargs[name] if constexpr else _spec(kwargs[name]) for name, constexpr in params))
+    runtime, constexprs, names = _params_of(kernel)
+    device = torch.cuda.current_device()
+    caches = kernel.device_caches.get(device) if kernel.device_caches else None
+    if caches is None:  # first launch on this device: Triton builds its caches and the backend
+        kernel[(grid,)](**kwargs, num_warps=num_warps)
+        return
+    backend = caches[3]
+    key = (kernel, device, num_warps, tuple(kwargs[n] for n in constexprs),
+           native_specialize_impl(backend, tuple(kwargs[n] for n in runtime), False, True, True))
     compiled = _COMPILED.get(key)
     if compiled is None:
         _COMPILED[key] = kernel[(grid,)](**kwargs, num_warps=num_warps)
         return
-    compiled.run(grid, 1, 1, torch.cuda.current_stream().cuda_stream, compiled.function, compiled.packed_metadata,
-                 None, None, None, *(kwargs[name] for name, _ in params))
+    compiled.run(grid, 1, 1, _raw_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
+                 *(kwargs[n] for n in names))
 
 
 _FAST_LAUNCH = os.environ.get("HEADLOSS_FAST_LAUNCH", "1") != "0"
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 @dataclass(frozen=True)
@@ -394,22 +400,28 @@ def launch_config(vocab: int, teacher: bool = False, rows: int | None = None) ->
     A launch of fewer than 1024 rows (the fused lm_head's chunks) has too few programs to fill
     the GPU with 4 warps each: 4096 x 8 (the same 16 per thread) ran 256/320/512-row chunks at
     2.39/2.05/1.77 ms per 8192 rows against 2.97/2.96/2.10 (benchmarks/profile_linear.py).
-    HEADLOSS_BLOCK_V / HEADLOSS_NUM_WARPS override it (used by those sweeps).
+    HEADLOSS_BLOCK_V / HEADLOSS_NUM_WARPS (read at import) or :data:`LAUNCH_OVERRIDES` (set by those
+    sweeps) override it.
     """
-    few_rows = rows is not None and rows < 1024
-    overrides = (os.environ.get("HEADLOSS_BLOCK_V"), os.environ.get("HEADLOSS_NUM_WARPS"))
-    return _launch_config(vocab, teacher, few_rows, overrides)
+    return _launch_config(vocab, teacher, rows is not None and rows < 1024, LAUNCH_OVERRIDES["block_v"],
+                          LAUNCH_OVERRIDES["num_warps"])
+
+
+LAUNCH_OVERRIDES: dict[str, int | None] = {
+    "block_v": int(os.environ["HEADLOSS_BLOCK_V"]) if os.environ.get("HEADLOSS_BLOCK_V") else None,
+    "num_warps": int(os.environ["HEADLOSS_NUM_WARPS"]) if os.environ.get("HEADLOSS_NUM_WARPS") else None,
+}
+"""Block size and warps forced on every head launch (None: the measured defaults)."""
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_config(vocab: int, teacher: bool, few_rows: bool, overrides: tuple) -> LaunchConfig:
+def _launch_config(vocab: int, teacher: bool, few_rows: bool, block_v: int | None, num_warps: int | None
+                   ) -> LaunchConfig:
     block = min(1 << (max(vocab, 16) - 1).bit_length(), 1024 if teacher else 2048)
     warps = 4 if block >= 1024 else (2 if block >= 256 else 1)
     if not teacher and few_rows and vocab >= 16384:
         block, warps = 4096, 8
-    block = int(overrides[0]) if overrides[0] else block
-    warps = int(overrides[1]) if overrides[1] else warps
-    return LaunchConfig(block_v=block, num_warps=warps)
+    return LaunchConfig(block_v=block_v or block, num_warps=num_warps or warps)
 
 
 def row_strides(t: torch.Tensor | None) -> tuple[int, int]:
@@ -477,6 +489,5 @@ def scale_grad_(grad: torch.Tensor, scale: torch.Tensor, geo: Geometry) -> torch
     device when scale == 1 (no host sync)."""
     if geo.n_rows > 0:
         cfg = launch_config(geo.V)
-        launch(scale_grad_kernel, geo.n_rows, cfg.num_warps, grad=grad, scale=scale.reshape(1), geo=geo,
-               BLOCK_V=cfg.block_v)
+        launch(scale_grad_kernel, geo.n_rows, cfg.num_warps, grad=grad, scale=scale, geo=geo, BLOCK_V=cfg.block_v)
     return grad
