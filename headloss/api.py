@@ -336,6 +336,8 @@ def _trim(out: HeadLossOutput, token_shape: tuple[int, ...]) -> HeadLossOutput:
 
 
 def _reference_linear(hidden, weight, bias, targets, spec, teacher, given, norm, mode, token_shape) -> HeadLossOutput:
+    if targets is not None:  # as the kernel path skips them: an ignored row's hidden state reaches nothing
+        hidden = torch.where((targets != spec.ignore_index)[..., None], hidden, 0.0)
     logits = F.linear(hidden, weight, bias)
     t_logits, t_hidden, t_weight, t_bias = teacher
     if t_hidden is not None:

@@ -67,6 +67,8 @@ def reference_head_loss(
     y = torch.where(valid & in_range, y_raw, 0)
     nan_if_bad = torch.where(valid & ~in_range, float("nan"), 0.0).to(compute_dtype)
 
+    # an ignored row takes no part: whatever it holds (NaN, inf) reaches neither a value nor a gradient
+    x = torch.where(valid[:, None], x, 0.0)
     logp_all = torch.log_softmax(x, dim=-1)
     lse = torch.logsumexp(x, dim=-1)
     # an empty slice's sum: zeros that still hang off the logits, so a spec with no loss term
@@ -114,7 +116,7 @@ def reference_head_loss(
     n_valid = valid.sum()
     count = n_valid.clamp(min=1).to(compute_dtype)
     if spec.reduction == "none":
-        loss = token_loss.reshape(token_shape)
+        loss = token_loss.reshape(token_shape).clone()  # a tensor of its own, as on the kernel path
     elif spec.reduction == "sum":
         loss = token_loss.sum()
     elif num_items_in_batch is not None:
@@ -129,7 +131,7 @@ def reference_head_loss(
             logp_tok, entropy_for_policy, valid, spec, token_shape, num_items_in_batch, policy_inputs
         )
         loss = loss + policy_loss
-    metrics: dict[str, torch.Tensor] = {"loss": (loss.sum() if spec.reduction == "none" else loss).detach()}
+    metrics: dict[str, torch.Tensor] = {"loss": (loss.sum() if spec.reduction == "none" else loss).detach().clone()}
     metrics.update(policy_metrics)
     for name, values in per_term.items():
         metrics[name] = (torch.where(valid, values, 0.0).sum() / count).detach()
@@ -217,9 +219,18 @@ def _distillation(x: torch.Tensor, teacher: torch.Tensor, spec: LossSpec) -> tup
     d = spec.distillation
     s_logp = torch.log_softmax(x / d.temperature, dim=-1)
     t_logp = torch.log_softmax(teacher / d.temperature, dim=-1)
+    with torch.no_grad():
+        teacher_entropy = -torch.where(t_logp == float("-inf"), 0.0, t_logp.exp() * t_logp).sum(-1)
+    # a column that both hold at -inf (a masked vocabulary) adds nothing: a finite stand-in there keeps
+    # -inf - -inf (NaN) out of the values and of their gradients
+    both = (s_logp == float("-inf")) & (t_logp == float("-inf"))
+    s_logp, t_logp = torch.where(both, 0.0, s_logp), torch.where(both, 0.0, t_logp)
+
     def kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-        """KL(p || q) = sum p (log p - log q), 0 where p = 0 (a masked -inf column)."""
-        return torch.where(log_p > float("-inf"), log_p.exp() * (log_p - log_q), 0.0).sum(-1)
+        """KL(p || q) = sum p (log p - log q), 0 where p = 0 (a masked -inf column); NaN stays NaN."""
+        skip = both | (log_p == float("-inf"))
+        log_p, log_q = torch.where(skip, 0.0, log_p), torch.where(skip, 0.0, log_q)
+        return torch.where(skip, 0.0, log_p.exp() * (log_p - log_q)).sum(-1)
 
     if d.divergence == "forward_kl" or (d.divergence == "jsd" and d.beta == 0.0):
         div = kl(t_logp, s_logp)
@@ -231,7 +242,6 @@ def _distillation(x: torch.Tensor, teacher: torch.Tensor, spec: LossSpec) -> tup
         )
         div = d.beta * kl(t_logp, log_mix) + (1.0 - d.beta) * kl(s_logp, log_mix)
     with torch.no_grad():
-        teacher_entropy = -(t_logp.exp() * t_logp).sum(-1)
         agreement = (x.argmax(-1) == teacher.argmax(-1)).to(x.dtype)
     return div, {"distill/teacher_entropy": teacher_entropy, "distill/top1_agreement": agreement}
 
@@ -261,12 +271,19 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
     """TRL GRPOTrainer._compute_loss / verl compute_policy_loss + agg_loss, on padded [B, T]."""
     pol = spec.policy
     seq_ids = inputs.get("sequence_ids")
-    pad = lambda t: _padded(t.reshape(-1).to(logp.dtype), token_shape, seq_ids)[0]  # noqa: E731
+    flat_valid = valid.reshape(-1)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        # a masked token's inputs (padding NaN, -inf) never reach the loss: 0 there
+        t = torch.where(flat_valid, t.reshape(-1).to(logp.dtype), 0.0) if t.numel() == flat_valid.numel() else t
+        return _padded(t.reshape(-1).to(logp.dtype), token_shape, seq_ids)[0]
+
     per_token_logps = pad(logp)
     mask = pad(valid.to(logp.dtype))
     adv = inputs["advantages"].to(logp.dtype)
-    advantages = adv[:, None] if adv.dim() == 1 and len(token_shape) == 2 and adv.shape[0] == token_shape[0] \
-        else pad(adv)
+    if adv.dim() == 1 and len(token_shape) == 2 and adv.shape[0] == token_shape[0]:
+        adv = adv[:, None].expand(token_shape)  # one per sequence
+    advantages = pad(adv)
     old = pad(inputs["old_logprobs"]) if "old_logprobs" in inputs else per_token_logps.detach()
     log_ratio = per_token_logps - old
     if pol.importance_sampling == "token":
@@ -320,18 +337,24 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
         ratio = coef_1.expand_as(mask)
         low = ((ratio < 1 - pol.eps_low) & (advantages < 0)).to(mask.dtype) * mask
         high = ((ratio > 1 + pol.eps_high) & (advantages > 0)).to(mask.dtype) * mask
+        # branchless (no host reads): sequences without a counted token, and a batch without one,
+        # fall back to TRL's defaults (clip fractions 0, ratios 1)
         has = mask.sum(-1) > 0
-        per_seq = lambda t: t.sum(-1)[has] / mask.sum(-1)[has]  # noqa: E731
-        any_token = bool(mask.sum() > 0)
+        any_token = mask.sum() > 0
+        frac = lambda t: t.sum(-1) / mask.sum(-1).clamp(min=1.0)  # noqa: E731
+        inf = torch.full((1,), float("inf"), dtype=mask.dtype, device=mask.device)
+        one = torch.ones((), dtype=mask.dtype, device=mask.device)
+        lowest = lambda t: torch.cat([t.reshape(-1), inf]).amin()  # noqa: E731  (defined when empty)
+        highest = lambda t: torch.cat([t.reshape(-1), -inf]).amax()  # noqa: E731
         metrics = {
             "clip_ratio/low_mean": low.sum() / denom,
-            "clip_ratio/low_min": per_seq(low).min() if has.any() else torch.tensor(0.0),
+            "clip_ratio/low_min": torch.where(any_token, lowest(torch.where(has, frac(low), inf)), 0.0),
             "clip_ratio/high_mean": high.sum() / denom,
-            "clip_ratio/high_max": per_seq(high).max() if has.any() else torch.tensor(0.0),
+            "clip_ratio/high_max": torch.where(any_token, highest(torch.where(has, frac(high), -inf)), 0.0),
             "clip_ratio/region_mean": (low + high).sum() / denom,
-            "ratio/mean": (ratio * mask).sum() / denom if any_token else torch.tensor(1.0),
-            "ratio/min": ratio[mask > 0].min() if any_token else torch.tensor(1.0),
-            "ratio/max": ratio[mask > 0].max() if any_token else torch.tensor(1.0),
+            "ratio/mean": torch.where(any_token, (ratio * mask).sum() / denom, one),
+            "ratio/min": torch.where(any_token, lowest(torch.where(mask > 0, ratio, inf)), one),
+            "ratio/max": torch.where(any_token, highest(torch.where(mask > 0, ratio, -inf)), one),
             "logprob/mean": (per_token_logps * mask).sum() / denom,
             "entropy": (ent * mask).sum() / denom,
         }

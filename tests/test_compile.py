@@ -1,0 +1,163 @@
+"""torch.compile(fullgraph=True) with the default Inductor backend traces head_loss and
+linear_head_loss in one graph: on CPU through the plain-torch reference, and on the kernel path
+through the ``headloss::`` torch.library ops (here the interpreter runs them; on a GPU the compiled
+kernels, tests/test_gpu.py). ``torch.library.opcheck`` passes for every op."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_close_norm, make_logits, make_targets, needs_kernel
+
+import headloss
+from headloss import LossSpec, head_loss, linear_head_loss
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+V = 37
+SFT = LossSpec(z_loss={"weight": 1e-3}, entropy={"weight": 0.0}, token_accuracy=True,
+               outputs=("predicted_tokens", "logprobs"))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _compare(step, *inputs):
+    """Compiled (fullgraph) and eager ``step`` give the same outputs and input gradients."""
+    eager_in = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    compiled_in = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    want = step(*eager_in)
+    got = torch.compile(step, fullgraph=True)(*compiled_in)
+    for a, b in zip(got, want):
+        assert_close_norm(a, b, rtol=1e-5, atol=1e-6, name="output")
+    got[0].sum().backward()
+    want[0].sum().backward()
+    for a, b in zip(compiled_in, eager_in):
+        if a.requires_grad:
+            assert_close_norm(a.grad, b.grad, rtol=1e-5, atol=1e-7, name="grad")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "spec", [SFT, SFT.to_dict(), str(CONFIGS / "sft_zloss.yaml")], ids=["LossSpec", "dict", "path"]
+)
+def test_reference_path_compiles_in_one_graph_with_any_spec_form(spec):
+    def step(x, y):
+        out = head_loss(x, y, spec, backend="reference")
+        return out.loss, out.metrics["z_loss"], out.metrics["token_accuracy"]
+
+    _compare(step, make_logits((6, V), seed=1).requires_grad_(), make_targets((6,), V, seed=1, ignore_frac=0.2))
+
+
+@pytest.mark.slow
+def test_reference_policy_path_compiles_in_one_graph():
+    spec = LossSpec(cross_entropy=None, policy={"loss_type": "grpo", "kl_beta": 0.04, "entropy_coef": 0.01})
+    gen = torch.Generator().manual_seed(3)
+    adv, old, ref = torch.randn(2, generator=gen), -torch.rand(2, 3, generator=gen) - 3, -torch.rand(2, 3, generator=gen)
+
+    def step(x, y):
+        out = head_loss(x, y, spec, advantages=adv, old_logprobs=old, ref_logprobs=ref - 3, backend="reference")
+        return out.loss, out.metrics["clip_ratio/low_min"], out.metrics["kl"], out.metrics["ratio/max"]
+
+    _compare(step, make_logits((2, 3, V), seed=3).requires_grad_(), make_targets((2, 3), V, seed=3))
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "spec",
+    [SFT, LossSpec(reduction="none", outputs=("entropy",), differentiable_outputs=True)],
+    ids=["fused", "deferred"],
+)
+def test_kernel_path_compiles_in_one_graph_through_the_ops(spec):
+    def step(x, y):
+        out = head_loss(x, y, spec, backend="triton")
+        return out.loss, out.metrics["loss"]
+
+    _compare(step, make_logits((2, 3, V), seed=4).requires_grad_(), make_targets((2, 3), V, seed=4, ignore_frac=0.2))
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_kernel_path_compiles_with_shift_and_a_teacher():
+    spec = LossSpec(cross_entropy={"weight": 0.5}, distillation={"divergence": "jsd", "temperature": 2.0})
+
+    def step(x, t, y):
+        out = head_loss(x, y, spec, teacher_logits=t, shift=True, backend="triton")
+        return out.loss, out.metrics["distill/divergence"]
+
+    _compare(step, make_logits((2, 4, V), seed=5).requires_grad_(), make_logits((2, 4, V), seed=6),
+             make_targets((2, 3), V, seed=5))
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [SFT, LossSpec(reduction="none")], ids=["fused", "deferred"])
+def test_linear_head_compiles_in_one_graph(spec):
+    gen = torch.Generator().manual_seed(8)
+    weight = torch.randn(V, 8, generator=gen).requires_grad_()
+
+    def step(h, w, y):
+        out = linear_head_loss(h, w, y, spec, chunk_bytes=3 * V * 4, backend="triton")
+        return out.loss, out.metrics["loss"]
+
+    _compare(step, torch.randn(7, 8, generator=gen).requires_grad_(), weight, make_targets((7,), V, seed=8,
+                                                                                           ignore_frac=0.2))
+
+
+# --- opcheck ------------------------------------------------------------------------------------------
+
+
+def _plan_key(spec: LossSpec) -> str:
+    return headloss.compile_plan(spec).key
+
+
+@needs_kernel
+@pytest.mark.parametrize("grad_mode", ["none", "fresh"])
+def test_opcheck_head_forward(grad_mode):
+    from headloss.inputs import Normaliser, geometry
+
+    spec = LossSpec(z_loss={"weight": 1e-3}, token_accuracy=True, outputs=("predicted_tokens",))
+    logits, targets = make_logits((5, V), seed=9), make_targets((5,), V, seed=9)
+    geo = geometry((5, V), (0, V), 5, 0, None, -100, Normaliser())
+    args = (logits, targets, None, None, None, None, None, None, None, None, _plan_key(spec), list(geo[:-1]),
+            geo.norm, grad_mode, "off", [5])
+    torch.library.opcheck(torch.ops.headloss.head_forward.default, args)
+
+
+@needs_kernel
+def test_opcheck_head_backward_and_scale():
+    from headloss.inputs import Normaliser, geometry
+
+    spec = LossSpec(reduction="none", outputs=("lse",), differentiable_outputs=True)
+    logits, targets = make_logits((5, V), seed=10), make_targets((5,), V, seed=10)
+    geo = geometry((5, V), (0, V), 5, 0, None, -100, Normaliser())
+    key = _plan_key(spec)
+    loss, rows, pred, means, scratch, _ = torch.ops.headloss.head_forward(
+        logits, targets, None, None, None, None, None, None, None, None, key, list(geo[:-1]), 0.0, "none", "off", [5])
+    args = (logits, targets, None, rows, torch.rand(5), torch.rand(rows.shape), None, scratch, key, list(geo[:-1]), 0.0)
+    torch.library.opcheck(torch.ops.headloss.head_backward.default, args)
+    torch.library.opcheck(torch.ops.headloss.scale_grad_.default, (torch.randn(5, V), torch.tensor([2.0]),
+                                                                    list(geo[:-1])))
+
+
+@needs_kernel
+@pytest.mark.parametrize("spec", [LossSpec(), LossSpec(reduction="none")], ids=["fused", "deferred"])
+def test_opcheck_linear_ops(spec):
+    gen = torch.Generator().manual_seed(11)
+    hidden, weight = torch.randn(7, 8, generator=gen), torch.randn(V, 8, generator=gen)
+    targets = make_targets((7,), V, seed=11)
+    key = _plan_key(spec)
+    forward_args = (hidden, weight, None, targets, None, None, None, None, None, None, None, None, None, None, None,
+                    key, 3, False, "off", [7], -100, 0.0, [True, True, False])
+    torch.library.opcheck(torch.ops.headloss.linear_forward.default, forward_args)
+    loss, rows, pred, means, scratch, *_ = torch.ops.headloss.linear_forward(*forward_args)
+    d_loss = torch.rand(loss.shape if spec.reduction == "none" else ())
+    backward_args = (hidden, weight, None, targets, None, None, None, None, rows, None, scratch, d_loss, None, key, 3,
+                     False, -100, 0.0, [True, True, False])
+    torch.library.opcheck(torch.ops.headloss.linear_backward.default, backward_args)
