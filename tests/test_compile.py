@@ -58,7 +58,8 @@ def test_reference_path_compiles_in_one_graph_with_any_spec_form(spec):
 def test_reference_policy_path_compiles_in_one_graph():
     spec = LossSpec(cross_entropy=None, policy={"loss_type": "grpo", "kl_beta": 0.04, "entropy_coef": 0.01})
     gen = torch.Generator().manual_seed(3)
-    adv, old, ref = torch.randn(2, generator=gen), -torch.rand(2, 3, generator=gen) - 3, -torch.rand(2, 3, generator=gen)
+    adv = torch.randn(2, generator=gen)
+    old, ref = -torch.rand(2, 3, generator=gen) - 3, -torch.rand(2, 3, generator=gen)
 
     def step(x, y):
         out = head_loss(x, y, spec, advantages=adv, old_logprobs=old, ref_logprobs=ref - 3, backend="reference")
