@@ -1,10 +1,15 @@
 """Distillation and GRPO cases, fwd+bwd, bf16, V=128256, one run: headloss vs torch eager,
-torch.compile and Liger-Kernel.
+torch.compile, Liger-Kernel and TRL.
 
   distill  N=8192: student CE + forward KL(teacher || student), 0.5 / 0.5, T=1
            Liger: its in-place CE + LigerKLDIVLoss on torch log-softmaxes
   grpo     B=8, T=1024: TRL's dapo loss, beta 0.04 (k3), eps 0.2, plus the entropy, KL and clip
            metrics a trainer logs; Liger: triton_grpo_loss (+ a chunked entropy pass; and alone)
+  trainer  the same GRPO step the way trainers call it, from the model's [B, L + 1, V] logits
+           against the completion ids [B, L] (eps 0.2 / 0.28): headloss shift=True (default
+           arguments, and with inplace_grad), headloss on logits[:, :-1] (a slice: autograd's
+           slice backward allocates and fills a full-size gradient), Liger triton_grpo_loss (full
+           logits, no entropy), TRL 1.16's fused log-prob + entropy kernel with its loss in torch
 
   python -m benchmarks.bench_terms
 
@@ -154,6 +159,90 @@ def grpo_case(rows: list[Row], batch: int, length: int, cfg: dict, names) -> Non
             torch.cuda.empty_cache()
 
 
+TRAINER_SPEC = headloss.LossSpec(
+    cross_entropy=None, policy={"loss_type": "dapo", "kl_beta": BETA, "kl_estimator": "k3", "eps_low": EPS,
+                                "eps_high": 0.28},
+)
+
+
+def trl_logprob_entropy():
+    """TRL 1.16's fused selective log-softmax + entropy kernel, loaded from its file (importing the
+    trl package pulls accelerate and datasets)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("trl")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("trl is not installed")
+    path = f"{spec.submodule_search_locations[0]}/kernels/logprob_entropy.py"
+    module_spec = importlib.util.spec_from_file_location("trl_logprob_entropy", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.selective_log_softmax_and_entropy
+
+
+def trainer_case(rows: list[Row], batch: int, length: int, cfg: dict, names) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    pristine = torch.randn(batch, length + 1, V, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
+    ids = torch.randint(0, V, (batch, length), device="cuda", generator=gen)
+    adv = torch.randn(batch, device="cuda", generator=gen)
+    with torch.no_grad():
+        logp = torch.log_softmax(pristine[:, :-1].float(), -1).gather(-1, ids[..., None])[..., 0]
+    old = logp + 0.1 * torch.randn(logp.shape, device="cuda", generator=gen)
+    ref = logp + 0.1 * torch.randn(logp.shape, device="cuda", generator=gen)
+    mask = torch.ones(batch, length, device="cuda")
+    mask[:, int(length * 0.9):] = 0
+    logits = torch.empty_like(pristine).requires_grad_()  # the model's output: [B, L + 1, V]
+
+    def setup():
+        logits.grad = None
+        with torch.no_grad():
+            logits.copy_(pristine)
+
+    n_items = mask.sum()
+    inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, num_items_in_batch=n_items)
+    table = {
+        "headloss shift=True": lambda: headloss.head_loss(logits, ids, TRAINER_SPEC, shift=True,
+                                                          **inputs).loss.backward(),
+        "headloss shift=True, inplace_grad": lambda: headloss.head_loss(
+            logits, ids, TRAINER_SPEC, shift=True, inplace_grad=True, **inputs).loss.backward(),
+        "headloss on logits[:, :-1]": lambda: headloss.head_loss(logits[:, :-1], ids, TRAINER_SPEC,
+                                                                 **inputs).loss.backward(),
+    }
+    try:
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+        def liger():
+            loss, _ = triton_grpo_loss(logits, old, ref, ids, adv, mask, temperature=1.0, beta=BETA, eps_low=EPS,
+                                       eps_high=0.28, inplace=True, loss_type="dapo", reduce=True,
+                                       num_items_in_batch=n_items)
+            loss.backward()
+
+        table["liger triton_grpo_loss (no entropy)"] = liger
+    except Exception as exc:
+        print(f"liger unavailable: {exc}")
+    try:
+        fused = trl_logprob_entropy()
+
+        def trl():
+            per_token_logps, entropy = fused(logits[:, :-1], ids)
+            ratio = torch.exp(per_token_logps - old)
+            per_token = -torch.min(ratio * adv[:, None], torch.clamp(ratio, 1 - EPS, 1 + 0.28) * adv[:, None])
+            kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+            loss = ((per_token + BETA * kl) * mask).sum() / n_items
+            with torch.no_grad():
+                torch.stack([(entropy * mask).sum() / n_items, (kl * mask).sum() / n_items])
+            loss.backward()
+
+        table["TRL 1.16 logprob+entropy kernel + torch loss"] = trl
+    except Exception as exc:
+        print(f"TRL kernel unavailable: {type(exc).__name__}: {exc}")
+    for name, step in table.items():
+        if not names or name in names:
+            measure(rows, "trainer", name, "N", batch * length, step, setup,
+                    config={**cfg, "B": batch, "L": length, "V": V})
+            torch.cuda.empty_cache()
+
+
 def floor_ms(case: str, n: int, copy_gbs: float) -> float:
     streams = 5 if case == "distill" else 3  # distill: 2 student + 2 teacher reads + 1 write
     return streams * n * V * 2 / (copy_gbs * 1e9) * 1e3
@@ -163,12 +252,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--providers", nargs="*")
     parser.add_argument("--stem", default="bench_terms")
+    parser.add_argument("--cases", nargs="*", default=["distill", "grpo", "trainer"])
     args = parser.parse_args()
     copy_gbs = copy_bandwidth_gbs()
     cfg = {"dtype": "bf16", "copy_GBps": round(copy_gbs, 1), "headloss": headloss.__version__}
     rows: list[Row] = []
-    distill_case(rows, 8192, cfg, args.providers)
-    grpo_case(rows, 8, 1024, cfg, args.providers)
+    cases = {"distill": lambda: distill_case(rows, 8192, cfg, args.providers),
+             "grpo": lambda: grpo_case(rows, 8, 1024, cfg, args.providers),
+             "trainer": lambda: trainer_case(rows, 8, 1024, cfg, args.providers)}
+    for case in args.cases:
+        cases[case]()
     out = out_dir_default()
     js, cs = write_rows(rows, out, args.stem)
     mem = {(r.case, r.provider): r.p50 for r in rows if r.metric == "memory"}
@@ -189,15 +282,18 @@ def _plot(rows: list[Row], copy_gbs: float, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    for ax, case in zip(axes, ("distill", "grpo")):
+    fig, axes = plt.subplots(1, 3, figsize=(19, 4.5))
+    for ax, case in zip(axes, ("distill", "grpo", "trainer")):
         times = [r for r in rows if r.case == case and r.metric == "time" and r.p50]
+        if not times:
+            continue
         ax.barh([r.provider for r in times], [r.p50 for r in times], color="tab:blue")
         if times:
             ax.axvline(floor_ms(case, times[0].x, copy_gbs), color="k", ls="--", label="floor")
         ax.set_xscale("log")
         ax.set_xlabel("fwd+bwd ms (median)")
-        ax.set_title({"distill": "CE + forward KL, N=8192, V=128256", "grpo": "GRPO dapo+KL+entropy, B=8 T=1024"}[case])
+        ax.set_title({"distill": "CE + forward KL, N=8192, V=128256", "grpo": "GRPO dapo+KL+entropy, B=8 T=1024",
+                      "trainer": "GRPO from [B, L+1, V] logits"}[case])
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,9 +1,14 @@
-"""GPU tests: real compiled kernels at real sizes. Skipped without CUDA; run on the device machine:
+"""GPU tests: real compiled kernels at real sizes. Skipped without CUDA; run on a GPU machine:
 
     python -m pytest -m gpu tests/test_gpu.py
+
+They run the compiled kernels: with TRITON_INTERPRET=1 set they are skipped (the interpreter is the
+CPU test default only).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -14,6 +19,8 @@ from headloss.kernels.head import head_kernel
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                       reason="GPU tests run the compiled kernels: unset TRITON_INTERPRET"),
 ]
 
 FULL = headloss.LossSpec(
@@ -135,25 +142,29 @@ def test_unrequested_outputs_are_compiled_out():
     assert len(ce_only) < len(full)
 
 
-@pytest.mark.parametrize("case", ["full", "distill", "grpo"])
-def test_hot_path_has_no_host_sync_when_validation_is_off(case):
+@pytest.mark.parametrize("case", ["full", "distill", "grpo", "grpo-shift"])
+def test_hot_path_has_no_host_sync_with_default_arguments(case):
     logits, targets = _batch(128, 32000, torch.bfloat16, seed=6)
     spec, inputs = FULL, {}
     if case == "distill":
         spec = headloss.LossSpec(distillation={"divergence": "jsd", "temperature": 2.0})
         inputs = {"teacher_logits": logits.flip(-1).contiguous()}
-    if case == "grpo":
+    if case.startswith("grpo"):
         spec = headloss.LossSpec(cross_entropy=None, policy={"loss_type": "grpo", "kl_beta": 0.04})
         logits, targets = logits.view(4, 32, -1), targets.clamp(min=0).view(4, 32)
         inputs = dict(advantages=torch.randn(4, device="cuda"), old_logprobs=torch.full((4, 32), -10.0, device="cuda"),
                       ref_logprobs=torch.full((4, 32), -10.0, device="cuda"))
+        if case == "grpo-shift":
+            targets = targets[:, 1:]
+            inputs = {k: v[:, 1:] if v.dim() == 2 else v for k, v in inputs.items()}
+            inputs.update(shift=True, num_items_in_batch=torch.tensor(100.0, device="cuda"))
     x = logits.clone().requires_grad_()
-    headloss.head_loss(x, targets, spec, validate=False, **inputs).loss.backward()  # compile first
+    headloss.head_loss(x, targets, spec, **inputs).loss.backward()  # compile first
     x.grad = None
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = headloss.head_loss(x, targets, spec, validate=False, **inputs)
+        out = headloss.head_loss(x, targets, spec, **inputs)
         out.loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -287,3 +298,191 @@ def test_linear_head_with_teacher_hidden_and_policy_matches_eager():
     assert abs(out.loss.item() - ref.loss.item()) < 5e-3 * max(1.0, abs(ref.loss.item()))
     for got, leaf in zip(grads, (hidden, weight)):
         assert got.norm() > 0 and _rel(got, leaf.grad) < 3e-2
+
+
+# --- the kernel boundary: compile, CUDA graphs, shift, validation, the launch fast path ------------
+
+
+SFT = headloss.LossSpec(z_loss={"weight": 1e-4}, entropy={"weight": 0.0}, token_accuracy=True,
+                        outputs=("predicted_tokens",))
+
+
+@pytest.mark.parametrize("entry", ["logits", "hidden"])
+def test_torch_compile_fullgraph_inductor_matches_eager(entry):
+    torch._dynamo.reset()
+    gen = torch.Generator(device="cuda").manual_seed(20)
+    if entry == "logits":
+        x = (torch.randn(4, 257, 32000, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+        y = torch.randint(0, 32000, (4, 256), device="cuda", generator=gen)
+
+        def step(x, y):
+            out = headloss.head_loss(x, y, SFT.model_dump(), shift=True)
+            return out.loss * 1.0, out.metrics["token_accuracy"], out.metrics["z_loss"]
+
+        inputs = [x]
+    else:
+        x = torch.randn(1000, 512, device="cuda", generator=gen).to(torch.bfloat16)
+        w = (torch.randn(32000, 512, device="cuda", generator=gen) / 16).to(torch.bfloat16)
+        y = torch.randint(0, 32000, (1000,), device="cuda", generator=gen)
+
+        def step(x, w, y):
+            out = headloss.linear_head_loss(x, w, y, SFT, chunk_bytes=64 << 20)
+            return out.loss * 1.0, out.metrics["token_accuracy"], out.metrics["z_loss"]
+
+        inputs = [x, w]
+    eager = [t.clone().requires_grad_() for t in inputs]
+    compiled = [t.clone().requires_grad_() for t in inputs]
+    want = step(*eager, y)
+    got = torch.compile(step, fullgraph=True)(*compiled, y)
+    want[0].backward()
+    got[0].backward()
+    for a, b in zip(got, want):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6)
+    for a, b in zip(compiled, eager):
+        assert _rel(a.grad, b.grad) < 1e-6
+
+
+@pytest.mark.parametrize("entry", ["logits", "hidden"])
+def test_cuda_graph_capture_and_replay_with_default_arguments(entry):
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    if entry == "logits":
+        leaf = (torch.randn(2048, 32000, device="cuda", generator=gen) * 2).to(torch.bfloat16).requires_grad_()
+        w = None
+        y = torch.randint(0, 32000, (2048,), device="cuda", generator=gen)
+        y[::9] = -100
+
+        def step():
+            return headloss.head_loss(leaf, y, SFT)
+    else:
+        leaf = torch.randn(512, 256, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+        w = (torch.randn(32000, 256, device="cuda", generator=gen) / 16).to(torch.bfloat16).requires_grad_()
+        y = torch.randint(0, 32000, (512,), device="cuda", generator=gen)
+        y[::9] = -100
+
+        def step():
+            return headloss.linear_head_loss(leaf, w, y, SFT, chunk_bytes=16 << 20)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            leaf.grad = None
+            step().loss.backward()
+    torch.cuda.current_stream().wait_stream(side)
+    leaf.grad = None
+    if w is not None:
+        w.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+        out.loss.backward()
+    graph.replay()
+    torch.cuda.synchronize()
+    captured_loss, captured_grad = out.loss.clone(), leaf.grad.clone()
+    leaf.grad = None
+    eager = step()
+    eager.loss.backward()
+    assert torch.allclose(captured_loss, eager.loss, rtol=1e-6)
+    assert _rel(captured_grad, leaf.grad) < 1e-6
+    assert float(out.metrics["n_tokens"]) == float(eager.metrics["n_tokens"])
+
+
+def test_bad_targets_are_raised_by_the_next_call_without_a_host_wait():
+    logits, targets = _batch(64, 32000, torch.bfloat16, seed=22)
+    targets[5] = 40000
+    x = logits.clone().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = headloss.head_loss(x, targets)  # returns: the check runs on the device
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isnan(out.loss)
+    with pytest.raises(ValueError, match=r"targets: value 40000 at position \(5,\) .* after that call returned"):
+        headloss.head_loss(x, targets.clamp(max=31999))
+    with pytest.raises(ValueError, match=r"targets: value 40000 at position \(5,\) is outside \[0, 32000\)"):
+        headloss.head_loss(x, targets, validate="sync")
+    torch.cuda.synchronize()
+    headloss.check_pending()  # nothing left
+
+
+def test_bad_num_items_on_the_device_is_raised_by_check_pending():
+    logits, targets = _batch(64, 32000, torch.bfloat16, seed=23)
+    headloss.head_loss(logits, targets, num_items_in_batch=torch.tensor(0.0, device="cuda"))
+    with pytest.raises(ValueError, match="num_items_in_batch: expected a positive finite number, got 0.0"):
+        headloss.check_pending(wait=True)
+
+
+def test_a_bad_target_inside_a_captured_graph_is_raised_after_replay():
+    logits, targets = _batch(256, 32000, torch.bfloat16, seed=24)
+    x = logits.clone().requires_grad_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        headloss.head_loss(x, targets).loss.backward()
+    torch.cuda.current_stream().wait_stream(side)
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        headloss.head_loss(x, targets).loss.backward()
+    graph.replay()
+    headloss.check_pending(wait=True)  # good targets: nothing to raise
+    targets[7] = -3
+    graph.replay()
+    with pytest.raises(ValueError, match=r"targets: value -3 at position \(7,\)"):
+        headloss.check_pending(wait=True)
+
+
+def test_grpo_from_the_full_model_logits_equals_the_slice_and_adds_no_memory():
+    spec = headloss.LossSpec(cross_entropy=None, policy={"loss_type": "dapo", "kl_beta": 0.04, "eps_high": 0.28})
+    gen = torch.Generator(device="cuda").manual_seed(25)
+    b, k, v = 4, 256, 128256
+    logits = (torch.randn(b, k + 1, v, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+    ids = torch.randint(0, v, (b, k), device="cuda", generator=gen)
+    inputs = dict(advantages=torch.randn(b, device="cuda", generator=gen),
+                  old_logprobs=-torch.rand(b, k, device="cuda", generator=gen) - 10,
+                  ref_logprobs=-torch.rand(b, k, device="cuda", generator=gen) - 10)
+    a = logits.clone().requires_grad_()
+    sliced = logits.clone().requires_grad_()
+    headloss.head_loss(sliced[:, :-1], ids, spec, **inputs).loss.backward()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = headloss.head_loss(a, ids, spec, shift=True, inplace_grad=True, **inputs)
+    out.loss.backward()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < 64 << 20  # per-row buffers only, no [B, L, V] tensor
+    assert a.grad.data_ptr() == a.data_ptr() and torch.all(a.grad[:, -1] == 0)
+    assert _rel(a.grad, sliced.grad) < 1e-6
+
+
+def test_dft_matches_fp64_reference_at_llama3_vocab():
+    spec = headloss.LossSpec(cross_entropy={"weight": 0.5}, dft={"weight": 1.0}, token_accuracy=True)
+    logits, targets = _batch(257, 128256, torch.bfloat16, seed=26)
+    x = logits.clone().requires_grad_()
+    out = headloss.head_loss(x, targets, spec)
+    out.loss.backward()
+    r = logits.double().requires_grad_()
+    ref = headloss.reference_head_loss(r, targets, spec)
+    ref.loss.backward()
+    assert abs(out.loss.item() - ref.loss.item()) <= 1e-5 * max(1.0, abs(ref.loss.item()))
+    assert abs(out.metrics["dft"].item() - ref.metrics["dft"].item()) < 1e-5
+    assert _rel(x.grad, r.grad) < 8e-3
+
+
+def test_fast_launch_picks_the_variant_of_an_unaligned_view():
+    """The launch fast path keys variants as Triton does: a view whose rows start one element off a
+    16-byte boundary runs its own (unaligned) variant, with the same results."""
+    logits, targets = _batch(300, 32000, torch.float32, seed=27)
+    padded = torch.zeros(300, 32001, device="cuda")
+    padded[:, 1:] = logits
+    results = []
+    for x in (logits, padded[:, 1:], logits):  # aligned, unaligned, aligned again (all from the cache)
+        leaf = x.clone() if x.is_contiguous() else x.detach()
+        leaf.requires_grad_()
+        out = headloss.head_loss(leaf, targets, SFT)
+        out.loss.backward()
+        results.append((out.loss.item(), leaf.grad.float()))
+    for loss, grad in results[1:]:
+        assert abs(loss - results[0][0]) < 1e-6 and _rel(grad, results[0][1]) < 1e-6
