@@ -48,11 +48,11 @@ def main(argv: list[str] | None = None) -> None:
 
         compiled = torch.compile(loss_of, fullgraph=True)
 
-        def eager():
+        def eager(loss_of=loss_of):
             x.grad = None
             loss_of(x, y).backward()
 
-        def step_compiled():
+        def step_compiled(compiled=compiled):
             x.grad = None
             compiled(x, y).backward()
 
