@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .kernels.head import VERDICT, Geometry, row_strides
 from .plan import KernelPlan, compile_plan
-from .spec import LossSpec
+from .spec import FIELD_NAMES, LossSpec
 
 Backend = Literal["auto", "triton", "reference"]
 SpecLike = LossSpec | dict[str, Any] | str | Path
@@ -75,9 +75,15 @@ def _plan_of_data(frozen: Any, has_targets: bool) -> KernelPlan:
     return compile_plan(spec, has_targets=has_targets)
 
 
-@torch.compiler.assume_constant_result
-def _plan_of_spec(spec: LossSpec, has_targets: bool) -> KernelPlan:
-    return compile_plan(spec, has_targets=has_targets)
+def _spec_data(model: Any) -> Any:
+    """A LossSpec as plain data through attribute reads only (which torch.compile can trace and
+    guard on), without pydantic's serializer (which it cannot trace)."""
+    names = FIELD_NAMES.get(type(model))
+    if names is not None:
+        return {name: _spec_data(getattr(model, name)) for name in names}
+    if isinstance(model, tuple):
+        return list(model)
+    return model
 
 
 def as_spec(spec: SpecLike | None) -> LossSpec:
@@ -98,7 +104,7 @@ def plan_for(spec: SpecLike | None, has_targets: bool) -> KernelPlan:
         spec = _DEFAULT_SPEC
     if isinstance(spec, LossSpec):
         if torch.compiler.is_compiling():
-            return _plan_of_spec(spec, has_targets)
+            return _plan_of_data(_frozen(_spec_data(spec)), has_targets)
         hit = _PLANS_BY_ID.get((id(spec), has_targets))
         if hit is not None and hit[0] is spec:
             return hit[1]

@@ -287,3 +287,8 @@ def _parse_spec_text(path: Path, text: str) -> Any:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
         raise ValueError(f"{path}: invalid YAML{where}: {problem}") from None
+
+
+FIELD_NAMES: dict[type, tuple[str, ...]] = {cls: tuple(cls.model_fields) for cls in _Frozen.__subclasses__()}
+"""Field names of every spec model, as plain tuples (read where pydantic's own metadata cannot be, e.g.
+while torch.compile traces a call)."""

@@ -162,3 +162,13 @@ def test_opcheck_linear_ops(spec):
     backward_args = (hidden, weight, None, targets, None, None, None, None, rows, None, scratch, d_loss, None, key, 3,
                      False, -100, 0.0, [True, True, False])
     torch.library.opcheck(torch.ops.headloss.linear_backward.default, backward_args)
+
+
+@pytest.mark.slow
+def test_a_spec_object_held_anywhere_compiles():
+    """A LossSpec as a global, a default argument or a closure variable is read by attribute at trace
+    time (pydantic's serializer cannot be traced)."""
+    def step(x, y, spec=SFT):
+        return (head_loss(x, y, spec, backend="reference").loss,)
+
+    _compare(step, make_logits((6, V), seed=12).requires_grad_(), make_targets((6,), V, seed=12))
