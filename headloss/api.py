@@ -129,28 +129,36 @@ def head_loss(
         return _reference_head_loss(logits, targets, spec, teacher_logits, policy_given, num_items_in_batch, shift,
                                     validate)
     call = head_call(logits, targets, spec, kernel=True, teacher_logits=teacher_logits, policy_given=policy_given,
-                     num_items_in_batch=num_items_in_batch, shift=shift, validate=validate)
-    run = HeadRun(plan, call.geo, inplace_grad, call.validate, call.token_shape)
+                     num_items_in_batch=num_items_in_batch, shift=shift, validate=validate,
+                     policy_in_kernel=plan.flags.HAS_POLICY)
     pol = call.policy
+    rows_per_seq = pol.seq_len if pol is not None and isinstance(pol.seq_len, int) else 0
+    run = HeadRun(plan, call.geo, inplace_grad, call.validate, call.token_shape,
+                  adv_span=pol.adv_span if pol is not None else 1, seq_len=rows_per_seq)
     loss, rows, pred, means, scratch = HeadFunction.apply(
         logits, call.targets, call.teacher,
         *((pol.old_logprobs, pol.ref_logprobs, pol.advantages, pol.importance_weights, pol.weight)
           if pol is not None and plan.flags.HAS_POLICY else (None,) * 5),
         call.norm.tensor, None if pol is None else pol.sequence_ids, run,
     )
-    loss, extra = _policy_terms(plan, loss, rows, means, scratch, pol)
+    loss, extra = _policy_terms(plan, loss, rows, means, scratch, pol, kernel_sequences=rows_per_seq > 0)
     return assemble(plan, call.token_shape, loss, rows, pred, means, scratch, extra)
 
 
-def _policy_terms(plan: KernelPlan, loss, rows, means, scratch, pol) -> tuple[torch.Tensor, dict]:
-    """The policy term's share outside the kernel: with token-level ratios its metrics that are not
-    token means; with sequence-level ratios (GSPO) the whole objective, in torch, on the deferred
-    mode's differentiable log-probs."""
+def _policy_terms(plan: KernelPlan, loss, rows, means, scratch, pol, kernel_sequences: bool = False
+                  ) -> tuple[torch.Tensor, dict]:
+    """The policy term's share outside the kernel: with token-level ratios the metrics the kernel
+    did not reduce (per-sequence clip fractions of rows with sequence_ids, or of the chunked lm_head);
+    with sequence-level ratios (GSPO) the whole objective, in torch, on the deferred mode's
+    differentiable log-probs."""
     spec = plan.spec
     if spec.policy is None:
         return loss, {}
     if plan.flags.HAS_POLICY:
-        token_means = {name: means[getattr(plan.cols, col)] for name, col in plan.metrics}
+        if kernel_sequences:  # rows of [B, K]: the kernel's last program computed every metric
+            return loss, {}
+        # the per-sequence metrics in torch, from the kernel's columns
+        token_means = {name: means[index] for name, index in plan.metric_index}
         clip_low, clip_high = column(rows, plan, "clip_low"), column(rows, plan, "clip_high")
         return loss, policy_extremes(token_means, column(rows, plan, "ratio"), clip_low, clip_high, pol.mask,
                                      scratch[0], pol)

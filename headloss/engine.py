@@ -61,14 +61,17 @@ def _empty_outputs(plan: KernelPlan, n_out: int, device, token_shape: tuple[int,
     rows = torch.empty(n_out, plan.cols.N, **f32)
     pred = torch.empty(n_out if plan.flags.HAS_ARGMAX else 0, dtype=torch.int64, device=device)
     loss = torch.empty(token_shape if plan.reduction == "none" else (), **f32)
-    means = torch.empty(plan.cols.N + 1, **f32)  # column means, then the loss (the 'loss' metric)
+    means = torch.empty(plan.means_size, **f32)  # column means, the loss (the 'loss' metric), policy metrics
     return rows, pred, loss, means
 
 
-def _no_rows(loss: torch.Tensor, means: torch.Tensor) -> None:
-    """A call with no logits rows: the kernel never runs, the loss and every metric are 0."""
+def _no_rows(plan: KernelPlan, loss: torch.Tensor, means: torch.Tensor) -> None:
+    """A call with no logits rows: the kernel never runs, the loss and every metric are 0 (ratios 1)."""
     loss.zero_()
     means.zero_()
+    for name, index in plan.metric_index:
+        if name.startswith("ratio/"):
+            means[index] = 1.0
 
 
 def _grad_geometry(geo: Geometry, grad: torch.Tensor) -> Geometry:
@@ -92,6 +95,8 @@ class HeadRun:
     inplace: bool
     validate: str  # async, sync, off
     token_shape: tuple[int, ...]
+    adv_span: int = 1  # policy: slots per advantage (K: one per sequence)
+    seq_len: int = 0  # policy: K when sequences are the rows of [B, K] (see PolicyRows)
 
 
 def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, policy: PolicyRows | None, num_items,
@@ -109,7 +114,7 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
     elif grad_mode == "fresh":
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=device)
     if geo.n_rows == 0:
-        _no_rows(loss, means)
+        _no_rows(plan, loss, means)
     else:
         launch_head(plan, logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, pred=_opt(pred),
                     policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means, geo=geo)
@@ -138,11 +143,12 @@ class HeadFunction(torch.autograd.Function):
         grad_mode = "none"
         if fused and ctx.needs_input_grad[0]:
             grad_mode = "inplace" if run.inplace and not torch.compiler.is_compiling() else "fresh"
-        policy = PolicyRows(old, ref, adv, iw, weight) if adv is not None else None
+        policy = PolicyRows(old, ref, adv, iw, weight, run.adv_span, run.seq_len) if adv is not None else None
         if torch.compiler.is_compiling():
             loss, rows, pred, means, scratch, grad = torch.ops.headloss.head_forward(
                 logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_ids, plan.key,
                 list(run.geo[:-1]), run.geo.norm, grad_mode, run.validate, list(run.token_shape),
+                [run.adv_span, run.seq_len],
             )
             grad = grad if grad_mode != "none" else None
         else:
@@ -371,7 +377,7 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
         if fused:
             _accumulate(grads, logits, h_c, weight, index, start, stop)
     if computed == 0:
-        _no_rows(loss_c, means)
+        _no_rows(plan, loss_c, means)
     else:
         launch_finish(plan, rows=rows_c, loss=loss_c, means=means, scratch=scratch, num_items=num_items,
                       geo=full._replace(n_out=computed))
@@ -510,9 +516,9 @@ def _head_forward_op(
     logits: torch.Tensor, targets: torch.Tensor | None, teacher: torch.Tensor | None, old: torch.Tensor | None,
     ref: torch.Tensor | None, adv: torch.Tensor | None, iw: torch.Tensor | None, weight: torch.Tensor | None,
     num_items: torch.Tensor | None, sequence_ids: torch.Tensor | None, key: str, geo: list[int], norm: float,
-    grad_mode: str, validate: str, token_shape: list[int],
+    grad_mode: str, validate: str, token_shape: list[int], policy_layout: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    policy = PolicyRows(old, ref, adv, iw, weight) if adv is not None else None
+    policy = PolicyRows(old, ref, adv, iw, weight, *policy_layout) if adv is not None else None
     loss, rows, pred, means, scratch, grad = head_forward(
         plan_from_key(key), _geo(geo, norm), logits, targets, teacher, policy, num_items, sequence_ids,
         "fresh" if grad_mode != "none" else "none", validate, tuple(token_shape),
@@ -524,7 +530,7 @@ def _head_forward_op(
 
 @_head_forward_op.register_fake
 def _(logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_ids, key, geo, norm, grad_mode,
-      validate, token_shape):
+      validate, token_shape, policy_layout):
     plan = plan_from_key(key)
     rows, pred, loss, means = _empty_outputs(plan, _geo(geo, norm).n_out, logits.device, tuple(token_shape))
     scratch = torch.empty(SCRATCH, dtype=torch.int64, device=logits.device)

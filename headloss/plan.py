@@ -45,6 +45,7 @@ ROW_COLUMNS: dict[str, str] = {
     "lse_t2": "teacher log2-normaliser (deferred backward)",
     "jsd_s": "KL(p || mixture) of the JSD (deferred backward)",
     "policy_loss": "aggregation weight x per-token policy loss",
+    "counted": "1 where the token counts (the policy term's per-sequence metrics)",
     "ratio": "importance ratio",
     "kl": "per-token KL estimate",
     "clip_low": "1 where the ratio is clipped below (negative advantage)",
@@ -54,6 +55,11 @@ ROW_COLUMNS: dict[str, str] = {
 
 Columns = NamedTuple("Columns", [(name, int) for name in ROW_COLUMNS] + [("N", int)])
 Columns.__doc__ = "Column of each per-row value in the packed row buffer (-1 when absent); N columns in all."
+
+POLICY_EXTRA_METRICS = ("clip_ratio/low_min", "clip_ratio/high_max", "ratio/min", "ratio/max",
+                        "clip_ratio/region_mean", "ratio/mean")
+"""The token-level policy term's metrics that are not column means, in the order the kernel writes
+them after the loss (blocks.policy_metrics)."""
 
 DIFFERENTIABLE_COLUMNS = ("token_loss", "lse", "logp", "entropy")
 """Columns whose upstream gradient the deferred backward kernel folds into the gradient pass."""
@@ -115,16 +121,9 @@ class KernelPlan:
     metrics: tuple[tuple[str, str], ...]  # (metric name, column): metric = column mean over counted rows
     outputs: tuple[tuple[str, str], ...]  # (output name, column) of the per-token float outputs
     key: str  # JSON of what the plan was made from; plan_from_key(key) gives the plan back
-
-    @functools.cached_property
-    def metric_index(self) -> tuple[tuple[str, int], ...]:
-        """(metric name, column index), for reading the column means without name lookups."""
-        return tuple((name, getattr(self.cols, col)) for name, col in self.metrics)
-
-    @functools.cached_property
-    def output_index(self) -> tuple[tuple[str, int], ...]:
-        """(output name, column index) of the per-token float outputs."""
-        return tuple((name, getattr(self.cols, col)) for name, col in self.outputs)
+    metric_index: tuple[tuple[str, int], ...]  # (metric name, index into the means): no name lookups per call
+    means_size: int  # the column means, the loss, then the policy metrics the last program computes
+    output_index: tuple[tuple[str, int], ...]  # (output name, column index) of the per-token float outputs
 
     @property
     def reduction(self) -> str:
@@ -247,7 +246,7 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
         "accuracy": spec.token_accuracy,
         **{name: dist is not None for name in ("divergence", "teacher_entropy", "agreement", "lse_s2", "lse_t2",
                                                "jsd_s")},
-        **{name: fused_policy for name in ("policy_loss", "ratio", "clip_low", "clip_high")},
+        **{name: fused_policy for name in ("policy_loss", "counted", "ratio", "clip_low", "clip_high")},
         "kl": flags.KL_EST != 0,
     }
     packed = [name for name in ROW_COLUMNS if present[name]]
@@ -262,8 +261,10 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
         metric_columns["entropy"] = "entropy"
     if fused_policy:
         metric_columns.update({"clip_ratio/low_mean": "clip_low", "clip_ratio/high_mean": "clip_high",
-                               "ratio/mean": "ratio", "logprob/mean": "logp", "kl": "kl"})
+                               "logprob/mean": "logp", "kl": "kl"})
     metrics = tuple((name, col) for name, col in metric_columns.items() if getattr(cols, col) >= 0)
+    # values the last program computes beyond the column means: means[cols.N] is the loss, then these
+    extra = POLICY_EXTRA_METRICS if fused_policy else ()
     outputs = tuple(
         (name, col) for name, col in (("logprobs", "logp"), ("lse", "lse"), ("token_loss", "token_loss"),
                                       ("entropy", "entropy"))
@@ -294,6 +295,10 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
         metrics=metrics,
         outputs=outputs,
         key=key,
+        metric_index=tuple((name, getattr(cols, col)) for name, col in metrics)
+        + tuple((name, cols.N + 1 + i) for i, name in enumerate(extra)),
+        means_size=cols.N + 1 + len(extra),
+        output_index=tuple((name, getattr(cols, col)) for name, col in outputs),
     )
     _BY_KEY[key] = plan
     return plan

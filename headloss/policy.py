@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.head import PolicyRows
 from .spec import Policy
 
 
@@ -49,13 +48,7 @@ class PolicyInputs:
     mask: torch.Tensor | None = None  # (N,) fp32, 1 where a token counts
     weight: torch.Tensor | None = None  # (N,) fp32 aggregation weight (aggregation_weights)
     sequence_ids: torch.Tensor | None = None  # (N,) as given, for the device-side range check
-
-    def rows(self, pick=None) -> PolicyRows:
-        """The kernel's per-row inputs (of the rows ``pick`` selects, e.g. a chunk)."""
-        pick = pick or (lambda t: t)
-        opt = lambda t: None if t is None else pick(t)  # noqa: E731
-        return PolicyRows(old=opt(self.old_logprobs), ref=opt(self.ref_logprobs), adv=pick(self.advantages),
-                          iw=opt(self.importance_weights), weight=pick(self.weight))
+    adv_span: int = 1  # tokens per entry of ``advantages`` (K: one per sequence of [B, K], kernel only)
 
 
 def _seq_sum(values: torch.Tensor, seq: torch.Tensor, n_seq: int) -> torch.Tensor:
@@ -200,12 +193,16 @@ def policy_inputs(
     num_items_in_batch: float | torch.Tensor | None,
     validate: str,
     given: dict[str, torch.Tensor | None],
+    in_kernel: bool = False,
 ) -> tuple[PolicyInputs | None, torch.Tensor | None]:
     """Check and flatten the policy term's per-call inputs; returns (inputs, effective targets).
 
     Tokens outside ``loss_mask`` become ``ignore_index`` in the effective targets, so the kernel
     skips them and every term sees the same mask. Errors name the offending argument. No device
     value is read: sequence_ids in range is checked on the device with the targets (``validate``).
+    ``in_kernel``: the token-level objective runs in the kernel, which reads the inputs as they are
+    (any float dtype, per-sequence advantages by index) and never at a masked token: no copies.
+    Otherwise the objective runs in torch, on copies whose masked tokens hold 0.
     """
     present = {k: v for k, v in given.items() if v is not None}
     if spec_policy is None:
@@ -228,6 +225,7 @@ def policy_inputs(
         if t.device != device:
             raise ValueError(f"{name}: on {t.device}, targets on {device}")
     sequence_ids = None
+    seq_len = 0
     if len(token_shape) == 2:
         batch, seq_len = token_shape
         seq = torch.arange(batch, device=device).repeat_interleave(seq_len)
@@ -245,7 +243,7 @@ def policy_inputs(
             raise ValueError(f"sequence_ids: expected integer shape ({rows},), got {got}")
         if sequence_ids.device != device:
             raise ValueError(f"sequence_ids: on {sequence_ids.device}, targets on {device}")
-        if validate != "off" and device.type == "cpu" and rows and bool(
+        if validate != "off" and device.type == "cpu" and rows and not torch.compiler.is_compiling() and bool(
             ((sequence_ids < 0) | (sequence_ids >= rows)).any()
         ):
             raise ValueError(f"sequence_ids: values must lie in [0, {rows})")
@@ -257,9 +255,8 @@ def policy_inputs(
     advantages = present["advantages"]
     if not isinstance(advantages, torch.Tensor) or advantages.device != device:
         raise ValueError(f"advantages: expected a tensor on {device}")
-    if len(token_shape) == 2 and tuple(advantages.shape) == (token_shape[0],):
-        advantages = advantages[seq]
-    elif tuple(advantages.shape) != tuple(token_shape):
+    per_sequence = len(token_shape) == 2 and tuple(advantages.shape) == (token_shape[0],)
+    if not per_sequence and tuple(advantages.shape) != tuple(token_shape):
         per_seq = f"[{token_shape[0]}] per sequence or " if len(token_shape) == 2 else ""
         raise ValueError(
             f"advantages: expected {per_seq}{tuple(token_shape)} per token, got {tuple(advantages.shape)}"
@@ -270,11 +267,21 @@ def policy_inputs(
     flat_mask = mask.reshape(-1)
 
     def flat(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        if in_kernel:  # read as they are, never at a masked token
+            return t.reshape(-1).contiguous()
         # masked tokens are skipped: whatever they hold (padding NaN, -inf) never reaches the loss
-        return None if t is None else torch.where(flat_mask, t.reshape(-1).float(), 0.0)
+        return torch.where(flat_mask, t.reshape(-1).float(), 0.0)
 
+    adv_span = 1
+    if per_sequence and in_kernel:
+        adv_span = token_shape[1]
+        advantages = advantages.contiguous()
+    else:
+        advantages = flat(advantages[seq] if per_sequence else advantages)
     inputs = PolicyInputs(
-        advantages=flat(advantages),
+        advantages=advantages,
         old_logprobs=flat(present.get("old_logprobs")),
         ref_logprobs=flat(present.get("ref_logprobs")),
         importance_weights=flat(present.get("importance_weights")),
@@ -284,6 +291,7 @@ def policy_inputs(
         seq_len=seq_len,
         num_items_in_batch=num_items_in_batch,
         sequence_ids=sequence_ids,
+        adv_span=max(adv_span, 1),
     )
     inputs.mask = flat_mask.float()
     inputs.weight = aggregation_weights(inputs.mask, spec_policy, inputs)

@@ -283,13 +283,16 @@ def token_scale(scratch, num_items, geo, F: tl.constexpr):
 
 
 @triton.jit
-def reduce_rows(rows, loss, means, scratch, num_items, geo, F: tl.constexpr, C: tl.constexpr,
-                COLS_P2: tl.constexpr, BLOCK_R: tl.constexpr):
+def reduce_rows(rows, loss, means, scratch, num_items, policy, geo, F: tl.constexpr, C: tl.constexpr,
+                R: tl.constexpr):
     """Column sums of the packed row buffer in a fixed order (deterministic), then
     means[c] = sum / max(counted rows, 1) for c < C.N (the metrics) and
     means[C.N] = sum(token_loss) * token_scale + sum(policy_loss) (the policy term is already
-    weighted): the loss, also stored in ``loss`` for a mean or sum reduction. Reads with .cg: the
-    rows were written by other programs (L1 is not coherent)."""
+    weighted): the loss, also stored in ``loss`` for a mean or sum reduction. With a token-level
+    policy term, means[C.N + 1 ...] hold its metrics that are not token means (policy_metrics).
+    Reads with .cg: the rows were written by other programs (L1 is not coherent)."""
+    COLS_P2: tl.constexpr = R.COLS_P2
+    BLOCK_R: tl.constexpr = R.BLOCK_R
     cols = tl.arange(0, COLS_P2)[None, :]
     acc = tl.zeros([BLOCK_R, COLS_P2], tl.float32)
     for start in range(0, geo.n_out, BLOCK_R):
@@ -297,12 +300,66 @@ def reduce_rows(rows, loss, means, scratch, num_items, geo, F: tl.constexpr, C: 
         acc += tl.load(rows + r * C.N + cols, mask=(r < geo.n_out) & (cols < C.N), other=0.0,
                        cache_modifier=".cg")
     sums = tl.sum(acc, axis=0)
-    count = tl.maximum(tl.load(scratch, cache_modifier=".cg"), 1).to(tl.float32)
+    counted = tl.load(scratch, cache_modifier=".cg")
+    count = tl.maximum(counted, 1).to(tl.float32)
     col = tl.arange(0, COLS_P2)
     tl.store(means + col, sums / count, mask=col < C.N)
     total = tl.sum(tl.where(col == C.token_loss, sums, 0.0), axis=0) * token_scale(scratch, num_items, geo, F)
     if C.policy_loss >= 0:
         total += tl.sum(tl.where(col == C.policy_loss, sums, 0.0), axis=0)
+        policy_metrics(rows, means, sums, counted, count, policy, geo, C, R)
     tl.store(means + C.N, total)
     if F.REDUCTION != 2:
         tl.store(loss, total)
+
+
+@triton.jit
+def policy_metrics(rows, means, sums, counted, count, policy, geo, C: tl.constexpr, R: tl.constexpr):
+    """TRL's policy metrics that are not token means, into means[C.N + 1 ...]: the smallest and the
+    largest of each sequence's clipped fraction (low / high), the ratio's min and max over counted
+    tokens, the clipped region, and the ratio's mean (1, not 0, when nothing counts). Sequences are
+    the rows of [B, K] (policy.seq_len = K); with sequence_ids (seq_len 0) the first four are left to
+    torch. Tiles of [SEQ_BLOCK_B sequences, SEQ_BLOCK_K slots]."""
+    COLS_P2: tl.constexpr = R.COLS_P2
+    SEQ_BLOCK_B: tl.constexpr = R.SEQ_BLOCK_B
+    SEQ_BLOCK_K: tl.constexpr = R.SEQ_BLOCK_K
+    col = tl.arange(0, COLS_P2)
+    low_mean = tl.sum(tl.where(col == C.clip_low, sums, 0.0), axis=0) / count
+    high_mean = tl.sum(tl.where(col == C.clip_high, sums, 0.0), axis=0) / count
+    ratio_mean = tl.sum(tl.where(col == C.ratio, sums, 0.0), axis=0) / count
+    low_min = tl.full([], float("inf"), tl.float32)
+    high_max = tl.full([], float("-inf"), tl.float32)
+    ratio_min = tl.full([], float("inf"), tl.float32)
+    ratio_max = tl.full([], float("-inf"), tl.float32)
+    HAS_SEQUENCES: tl.constexpr = policy is not None
+    if HAS_SEQUENCES:
+        seq_len = policy.seq_len
+        n_seq = geo.n_out // tl.maximum(seq_len, 1)
+        if seq_len == 0:
+            n_seq = 0
+        for b0 in range(0, n_seq, SEQ_BLOCK_B):
+            b = (b0 + tl.arange(0, SEQ_BLOCK_B))[:, None].to(tl.int64)
+            n = tl.zeros([SEQ_BLOCK_B], tl.float32)
+            low = tl.zeros([SEQ_BLOCK_B], tl.float32)
+            high = tl.zeros([SEQ_BLOCK_B], tl.float32)
+            for k0 in range(0, seq_len, SEQ_BLOCK_K):
+                k = (k0 + tl.arange(0, SEQ_BLOCK_K))[None, :]
+                inside = (b < n_seq) & (k < seq_len)
+                at = rows + (b * seq_len + k) * C.N
+                c = tl.load(at + C.counted, mask=inside, other=0.0, cache_modifier=".cg")
+                r = tl.load(at + C.ratio, mask=inside, other=0.0, cache_modifier=".cg")
+                n += tl.sum(c, axis=1)
+                low += tl.sum(tl.load(at + C.clip_low, mask=inside, other=0.0, cache_modifier=".cg"), axis=1)
+                high += tl.sum(tl.load(at + C.clip_high, mask=inside, other=0.0, cache_modifier=".cg"), axis=1)
+                ratio_min = tl.minimum(ratio_min, tl.min(tl.where(c > 0, r, float("inf"))))
+                ratio_max = tl.maximum(ratio_max, tl.max(tl.where(c > 0, r, float("-inf"))))
+            has = n > 0
+            low_min = tl.minimum(low_min, tl.min(tl.where(has, low / tl.maximum(n, 1.0), float("inf")), axis=0))
+            high_max = tl.maximum(high_max, tl.max(tl.where(has, high / tl.maximum(n, 1.0), float("-inf")), axis=0))
+    some = counted > 0
+    tl.store(means + C.N + 1, tl.where(some, low_min, 0.0))
+    tl.store(means + C.N + 2, tl.where(some, high_max, 0.0))
+    tl.store(means + C.N + 3, tl.where(some, ratio_min, 1.0))
+    tl.store(means + C.N + 4, tl.where(some, ratio_max, 1.0))
+    tl.store(means + C.N + 5, low_mean + high_mean)
+    tl.store(means + C.N + 6, tl.where(some, ratio_mean, 1.0))

@@ -72,13 +72,17 @@ class Geometry(NamedTuple):
 
 
 class PolicyRows(NamedTuple):
-    """Per-slot fp32 inputs of the token-level policy objective (old and iw may be None)."""
+    """Per-slot inputs of the token-level policy objective, any float dtype, read only at counted
+    slots (old, ref and iw may be None)."""
 
     old: torch.Tensor | None
     ref: torch.Tensor | None
-    adv: torch.Tensor
+    adv: torch.Tensor  # per slot, or per sequence: slot s reads adv[s // adv_span]
     iw: torch.Tensor | None
-    weight: torch.Tensor
+    weight: torch.Tensor  # aggregation weight per slot
+    adv_span: int = 1  # slots per advantage: 1, or K for one advantage per sequence of [B, K]
+    seq_len: int = 0  # K when sequences are the rows of [B, K] (the last program then reduces the
+    # per-sequence clip metrics); 0 for rows with sequence_ids (those metrics are left to torch)
 
 
 @triton.jit
@@ -155,8 +159,7 @@ def head_kernel(
     F: tl.constexpr,
     C: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    COLS_P2: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    R: tl.constexpr,  # Tiles of the last program's reduction
     FINISH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -221,6 +224,7 @@ def head_kernel(
                 put(row_out, C.entropy, sum_px2 * LN2)
     else:
         if has_slot:
+            COLS_P2: tl.constexpr = R.COLS_P2
             col = tl.arange(0, COLS_P2)
             tl.store(row_out + col, tl.zeros([COLS_P2], tl.float32), mask=col < C.N)
             if pred is not None:
@@ -234,7 +238,7 @@ def head_kernel(
         tl.debug_barrier()
         done = tl.atomic_add(scratch + 1, 1, sem="acq_rel")
         if done == geo.n_rows - 1:
-            reduce_rows(rows, loss, means, scratch, num_items, geo, F, C, COLS_P2, BLOCK_R)
+            reduce_rows(rows, loss, means, scratch, num_items, policy, geo, F, C, R)
 
 
 @triton.jit
@@ -309,9 +313,9 @@ def head_backward_kernel(
 
 
 @triton.jit
-def finish_kernel(rows, loss, means, scratch, num_items, geo, F: tl.constexpr, C: tl.constexpr,
-                  COLS_P2: tl.constexpr, BLOCK_R: tl.constexpr):
-    reduce_rows(rows, loss, means, scratch, num_items, geo, F, C, COLS_P2, BLOCK_R)
+def finish_kernel(rows, loss, means, scratch, num_items, policy, geo, F: tl.constexpr, C: tl.constexpr,
+                  R: tl.constexpr):
+    reduce_rows(rows, loss, means, scratch, num_items, policy, geo, F, C, R)
 
 
 @triton.jit
@@ -433,10 +437,22 @@ def row_strides(t: torch.Tensor | None) -> tuple[int, int]:
     return t.stride(0), t.stride(1)
 
 
+class Tiles(NamedTuple):
+    """Tiles of the last program's reduction (constexpr): [BLOCK_R, COLS_P2] over the packed rows,
+    [SEQ_BLOCK_B, SEQ_BLOCK_K] over [B, K] sequences for the per-sequence policy metrics."""
+
+    COLS_P2: int
+    BLOCK_R: int
+    SEQ_BLOCK_B: int
+    SEQ_BLOCK_K: int
+
+
 @functools.lru_cache(maxsize=256)
-def _reduction_meta(cols: int) -> dict:
+def _tiles(cols: int, seq_len: int = 0) -> Tiles:
     cols_p2 = 1 << (max(cols, 1) - 1).bit_length()
-    return {"COLS_P2": cols_p2, "BLOCK_R": max(16, 2048 // cols_p2)}
+    seq_k = min(1 << (max(seq_len, 1) - 1).bit_length(), 512) if seq_len else 1
+    return Tiles(COLS_P2=cols_p2, BLOCK_R=max(16, 2048 // cols_p2),
+                 SEQ_BLOCK_B=max(1, 2048 // seq_k) if seq_len else 1, SEQ_BLOCK_K=seq_k)
 
 
 def prepare(targets: torch.Tensor | None, num_items: torch.Tensor | None, sequence_ids: torch.Tensor | None,
@@ -460,14 +476,16 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
         head_kernel, geo.n_rows, cfg.num_warps,
         logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, pred=pred, policy=policy,
         num_items=num_items, scratch=scratch, loss=loss, means=means, geo=geo, S=plan.scalars,
-        F=plan.flags, C=plan.cols, BLOCK_V=cfg.block_v, FINISH=finish, **_reduction_meta(plan.cols.N),
+        F=plan.flags, C=plan.cols, BLOCK_V=cfg.block_v, FINISH=finish,
+        R=_tiles(plan.cols.N, policy.seq_len if policy is not None else 0),
     )
 
 
 def launch_finish(plan: KernelPlan, *, rows, loss, means, scratch, num_items, geo: Geometry) -> None:
-    """The reduction of launch_head's last program, as a launch of its own (chunked callers)."""
-    launch(finish_kernel, 1, 4, rows=rows, loss=loss, means=means, scratch=scratch, num_items=num_items, geo=geo,
-           F=plan.flags, C=plan.cols, **_reduction_meta(plan.cols.N))
+    """The reduction of launch_head's last program, as a launch of its own (chunked callers; their
+    per-sequence policy metrics are left to torch)."""
+    launch(finish_kernel, 1, 4, rows=rows, loss=loss, means=means, scratch=scratch, num_items=num_items, policy=None,
+           geo=geo, F=plan.flags, C=plan.cols, R=_tiles(plan.cols.N))
 
 
 def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d_loss, d_rows, num_items, scratch,

@@ -302,15 +302,15 @@ def policy_values(row_out, logp, entropy, policy, o, S, F: tl.constexpr, C: tl.c
     """
     old = logp
     if policy.old is not None:
-        old = tl.load(policy.old + o)
+        old = tl.load(policy.old + o).to(tl.float32)
     ref = logp
     if F.KL_EST != 0:
-        ref = tl.load(policy.ref + o)
+        ref = tl.load(policy.ref + o).to(tl.float32)
     iw = tl.full([], 1.0, tl.float32)
     if policy.iw is not None:
-        iw = tl.load(policy.iw + o)
-    adv = tl.load(policy.adv + o)
-    w = tl.load(policy.weight + o)
+        iw = tl.load(policy.iw + o).to(tl.float32)
+    adv = tl.load(policy.adv + o // policy.adv_span).to(tl.float32)
+    w = tl.load(policy.weight + o).to(tl.float32)
     per_token, d_per_token, ratio, kl = policy_token(logp, old, ref, adv, iw, S, F)
     policy_loss = w * per_token
     d_entropy = tl.zeros([], tl.float32)
@@ -318,6 +318,7 @@ def policy_values(row_out, logp, entropy, policy, o, S, F: tl.constexpr, C: tl.c
         policy_loss -= S.entropy_coef * w * entropy
         d_entropy = -S.entropy_coef * w
     put(row_out, C.policy_loss, policy_loss)
+    put(row_out, C.counted, 1.0)
     put(row_out, C.ratio, ratio)
     put(row_out, C.kl, kl)
     put(row_out, C.clip_low, ((ratio < 1.0 - S.eps_low) & (adv < 0)).to(tl.float32))
