@@ -71,11 +71,11 @@ def main(argv: list[str] | None = None) -> None:
     _plot(rows, out / "bench_modes.png")
     ce = dict(table)["ce"]["eager"]
     print(f"\n{'case':8s} {'eager ms':>9s} {'compile':>9s} {'graph':>9s} {'/eager':>8s} {'/ce':>7s}")
+    cell = lambda v: f"{v:9.3f}" if v is not None else "        -"  # noqa: E731
     for case, t in table:
         comp, graph = t.get("compile"), t.get("graph")
         ratio = f"{comp / t['eager']:8.3f}" if comp else "       -"
-        print(f"{case:8s} {t['eager']:9.3f} {comp if comp is None else round(comp, 3):>9} "
-              f"{graph if graph is None else round(graph, 3):>9} {ratio} {t['eager'] / ce:7.3f}")
+        print(f"{case:8s} {t['eager']:9.3f} {cell(comp)} {cell(graph)} {ratio} {t['eager'] / ce:7.3f}")
 
 
 def _plot(rows: list[Row], path) -> None:
