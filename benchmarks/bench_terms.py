@@ -271,7 +271,8 @@ def main() -> None:
         if r.metric == "time":
             t = f"{r.p50:9.3f}{r.p50 / floor_ms(r.case, r.x, copy_gbs):9.2f}" if r.p50 else f"{'-':>9}{'-':>9}"
             m = mem.get((r.case, r.provider))
-            print(f"{r.case:<9}{r.provider:<36}{t}{m if m is None else round(m, 3):>10}  {r.note}")
+            mem_cell = f"{m:10.3f}" if m is not None else f"{'-':>10}"
+            print(f"{r.case:<9}{r.provider:<36}{t}{mem_cell}  {r.note}")
     _plot(rows, copy_gbs, out / f"{args.stem}.png")
     print(f"\nwrote {js}, {cs}")
 

@@ -345,7 +345,8 @@ def _compact_index(run: LinearRun, targets, scratch, rows: int, verdict):
 def _pick_rows(policy: PolicyRows | None, index, start: int, stop: int) -> PolicyRows | None:
     if policy is None:
         return None
-    return PolicyRows(*(_rows_of(t, index, start, stop) for t in policy))
+    tensors = (_rows_of(t, index, start, stop) for t in policy[:5])  # per-token rows of the chunk
+    return PolicyRows(*tensors, adv_span=1, seq_len=0)
 
 
 def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teacher, policy: PolicyRows | None,

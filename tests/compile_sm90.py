@@ -36,6 +36,9 @@ def _sig(value, path: tuple, constexprs: dict):
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):
+        if value == 1:  # the JIT makes an int equal to 1 a constexpr
+            constexprs[path] = 1
+            return "constexpr"
         return "i64" if not -(2**31) <= value < 2**31 else "i32"
     if isinstance(value, float):
         return "fp32"
@@ -118,13 +121,28 @@ def _head(spec, dtype=torch.bfloat16, backward=True, **kwargs):
     return call
 
 
-def _linear(spec, **kwargs):
+def _linear(spec, policy=False, **kwargs):
     def call():
-        hidden = torch.randn(7, 16).to(torch.bfloat16).requires_grad_()
+        hidden = torch.randn(2, 7, 16).to(torch.bfloat16).requires_grad_()
         weight = torch.randn(300, 16).to(torch.bfloat16).requires_grad_()
-        out = headloss.linear_head_loss(hidden, weight, torch.randint(0, 300, (7,)), spec, backend="triton",
-                                        validate=False, compact=False, chunk_bytes=3 * 300 * 2, **kwargs)
+        extra = dict(kwargs)
+        if policy:
+            extra.update(advantages=torch.randn(2), old_logprobs=torch.randn(2, 7))
+        out = headloss.linear_head_loss(hidden, weight, torch.randint(0, 300, (2, 7)), spec, backend="triton",
+                                        validate=False, compact=False, chunk_bytes=3 * 300 * 2, **extra)
         out.loss.sum().backward()
+
+    return call
+
+
+def _batched_policy(spec):
+    """[B, T, V] logits with one advantage per sequence (read by index in the kernel)."""
+    def call():
+        logits = torch.randn(2, 5, 300).to(torch.bfloat16).requires_grad_()
+        ids = torch.randint(0, 300, (2, 5))
+        out = headloss.head_loss(logits, ids, spec, backend="triton", advantages=torch.randn(2),
+                                 old_logprobs=torch.randn(2, 5), ref_logprobs=torch.randn(2, 5))
+        out.loss.backward()
 
     return call
 
@@ -149,6 +167,9 @@ VARIANTS = {
     "policy-token": _head(headloss.LossSpec(cross_entropy=None, policy={"loss_type": "dapo", "kl_beta": 0.04,
                                                                         "kl_importance_correction": True,
                                                                         "entropy_coef": 0.01}), policy=True),
+    "policy-batched": _batched_policy(headloss.LossSpec(cross_entropy=None, policy={"loss_type": "grpo",
+                                                                                   "kl_beta": 0.04})),
+    "linear-policy": _linear(headloss.LossSpec(cross_entropy=None, policy={"loss_type": "dapo"}), policy=True),
     "linear-fused": _linear(headloss.LossSpec(token_accuracy=True, outputs=("predicted_tokens",))),
     "linear-deferred": _linear(headloss.LossSpec(reduction="none")),
     "policy-sequence": _head(headloss.LossSpec(cross_entropy=None, policy={"importance_sampling": "sequence"}),

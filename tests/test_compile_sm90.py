@@ -19,7 +19,7 @@ import pytest
 SCRIPT = Path(__file__).with_name("compile_sm90.py")
 VARIANTS = ("ce-only", "all-bf16", "all-fp16", "all-fp32", "entropy-metric-no-targets", "deferred-all",
             "shift-labels", "distill-forward_kl", "distill-reverse_kl", "distill-jsd", "policy-token",
-            "policy-sequence", "linear-fused", "linear-deferred")
+            "policy-sequence", "policy-batched", "linear-policy", "linear-fused", "linear-deferred")
 
 
 @pytest.fixture(scope="module")

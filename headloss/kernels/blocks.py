@@ -331,31 +331,36 @@ def policy_metrics(rows, means, sums, counted, count, policy, geo, C: tl.constex
     high_max = tl.full([], float("-inf"), tl.float32)
     ratio_min = tl.full([], float("inf"), tl.float32)
     ratio_max = tl.full([], float("-inf"), tl.float32)
-    HAS_SEQUENCES: tl.constexpr = policy is not None
-    if HAS_SEQUENCES:
-        seq_len = policy.seq_len
-        n_seq = geo.n_out // tl.maximum(seq_len, 1)
-        if seq_len == 0:
-            n_seq = 0
+    seq_len = policy.seq_len
+    if seq_len > 0:
+        n_seq = geo.n_out // seq_len
         for b0 in range(0, n_seq, SEQ_BLOCK_B):
             b = (b0 + tl.arange(0, SEQ_BLOCK_B))[:, None].to(tl.int64)
-            n = tl.zeros([SEQ_BLOCK_B], tl.float32)
-            low = tl.zeros([SEQ_BLOCK_B], tl.float32)
-            high = tl.zeros([SEQ_BLOCK_B], tl.float32)
+            # whole tiles accumulate in the loop and are reduced after it (a reduction carried
+            # through the loop trips Triton 3.6's thread-locality pass)
+            n = tl.zeros([SEQ_BLOCK_B, SEQ_BLOCK_K], tl.float32)
+            low = tl.zeros([SEQ_BLOCK_B, SEQ_BLOCK_K], tl.float32)
+            high = tl.zeros([SEQ_BLOCK_B, SEQ_BLOCK_K], tl.float32)
+            r_min = tl.full([SEQ_BLOCK_B, SEQ_BLOCK_K], float("inf"), tl.float32)
+            r_max = tl.full([SEQ_BLOCK_B, SEQ_BLOCK_K], float("-inf"), tl.float32)
             for k0 in range(0, seq_len, SEQ_BLOCK_K):
                 k = (k0 + tl.arange(0, SEQ_BLOCK_K))[None, :]
                 inside = (b < n_seq) & (k < seq_len)
                 at = rows + (b * seq_len + k) * C.N
                 c = tl.load(at + C.counted, mask=inside, other=0.0, cache_modifier=".cg")
                 r = tl.load(at + C.ratio, mask=inside, other=0.0, cache_modifier=".cg")
-                n += tl.sum(c, axis=1)
-                low += tl.sum(tl.load(at + C.clip_low, mask=inside, other=0.0, cache_modifier=".cg"), axis=1)
-                high += tl.sum(tl.load(at + C.clip_high, mask=inside, other=0.0, cache_modifier=".cg"), axis=1)
-                ratio_min = tl.minimum(ratio_min, tl.min(tl.where(c > 0, r, float("inf"))))
-                ratio_max = tl.maximum(ratio_max, tl.max(tl.where(c > 0, r, float("-inf"))))
-            has = n > 0
-            low_min = tl.minimum(low_min, tl.min(tl.where(has, low / tl.maximum(n, 1.0), float("inf")), axis=0))
-            high_max = tl.maximum(high_max, tl.max(tl.where(has, high / tl.maximum(n, 1.0), float("-inf")), axis=0))
+                n += c
+                low += tl.load(at + C.clip_low, mask=inside, other=0.0, cache_modifier=".cg")
+                high += tl.load(at + C.clip_high, mask=inside, other=0.0, cache_modifier=".cg")
+                r_min = tl.minimum(r_min, tl.where(c > 0, r, float("inf")))
+                r_max = tl.maximum(r_max, tl.where(c > 0, r, float("-inf")))
+            tokens = tl.sum(n, axis=1)
+            has = tokens > 0
+            per = tl.maximum(tokens, 1.0)
+            low_min = tl.minimum(low_min, tl.min(tl.where(has, tl.sum(low, axis=1) / per, float("inf")), axis=0))
+            high_max = tl.maximum(high_max, tl.max(tl.where(has, tl.sum(high, axis=1) / per, float("-inf")), axis=0))
+            ratio_min = tl.minimum(ratio_min, tl.min(tl.min(r_min, axis=1), axis=0))
+            ratio_max = tl.maximum(ratio_max, tl.max(tl.max(r_max, axis=1), axis=0))
     some = counted > 0
     tl.store(means + C.N + 1, tl.where(some, low_min, 0.0))
     tl.store(means + C.N + 2, tl.where(some, high_max, 0.0))

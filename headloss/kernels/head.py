@@ -484,8 +484,9 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
 def launch_finish(plan: KernelPlan, *, rows, loss, means, scratch, num_items, geo: Geometry) -> None:
     """The reduction of launch_head's last program, as a launch of its own (chunked callers; their
     per-sequence policy metrics are left to torch)."""
-    launch(finish_kernel, 1, 4, rows=rows, loss=loss, means=means, scratch=scratch, num_items=num_items, policy=None,
-           geo=geo, F=plan.flags, C=plan.cols, R=_tiles(plan.cols.N))
+    policy = PolicyRows(None, None, None, None, None, 1, 0) if plan.flags.HAS_POLICY else None
+    launch(finish_kernel, 1, 4, rows=rows, loss=loss, means=means, scratch=scratch, num_items=num_items,
+           policy=policy, geo=geo, F=plan.flags, C=plan.cols, R=_tiles(plan.cols.N))
 
 
 def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d_loss, d_rows, num_items, scratch,
