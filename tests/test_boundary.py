@@ -63,7 +63,7 @@ def test_dft_value_and_gradient_equal_the_hand_computed_ones(backend):
     out.loss.backward()
     p = torch.softmax(logits.detach().double(), -1)[0]
     p_y = p[2]
-    assert float(out.loss) == pytest.approx(float(-p_y * torch.log(p_y)), rel=1e-6)
+    assert float(out.loss.detach()) == pytest.approx(float(-p_y * torch.log(p_y)), rel=1e-6)
     assert float(out.metrics["dft"]) == pytest.approx(float(-p_y * torch.log(p_y)), rel=1e-6)
     want = p_y * (p - torch.nn.functional.one_hot(torch.tensor(2), 4).double())
     assert torch.allclose(logits.grad[0].double(), want, atol=1e-6)
@@ -120,7 +120,7 @@ def test_shift_equals_slicing_the_logits_and_writes_a_full_size_gradient(spec, c
     else:
         assert_close_norm(out.logprobs, ref.logprobs, rtol=1e-6, atol=1e-7, name="logprobs")
     if spec.reduction != "none":
-        assert float(out.loss) == pytest.approx(float(ref.loss), rel=1e-6)
+        assert float(out.loss.detach()) == pytest.approx(float(ref.loss.detach()), rel=1e-6)
         assert int(out.metrics["n_tokens"]) == int(ref.metrics["n_tokens"])
 
 
@@ -141,7 +141,7 @@ def test_shift_reads_the_logits_in_place_for_a_policy_term():
     ref = reference_head_loss(r[:, :-1], ids, spec, **{k: v.double() if v.is_floating_point() else v
                                                        for k, v in inputs.items()})
     ref.loss.backward()
-    assert float(out.loss) == pytest.approx(float(ref.loss), rel=1e-5, abs=1e-6)
+    assert float(out.loss.detach()) == pytest.approx(float(ref.loss.detach()), rel=1e-5, abs=1e-6)
     assert_close_norm(a.grad, r.grad, rtol=1e-5, atol=1e-8, name="grad")
     for name in ("clip_ratio/high_mean", "kl", "entropy", "ratio/mean"):
         assert float(out.metrics[name]) == pytest.approx(float(ref.metrics[name]), rel=1e-5, abs=1e-6), name
@@ -170,7 +170,7 @@ def test_linear_head_takes_both_shift_conventions(convention):
     out = linear_head_loss(hidden, weight, targets, spec, shift=True, backend="triton")
     logits = torch.nn.functional.linear(hidden, weight)
     ref = head_loss(logits, targets, spec, shift=True, backend="reference")
-    assert float(out.loss) == pytest.approx(float(ref.loss), rel=1e-5)
+    assert float(out.loss.detach()) == pytest.approx(float(ref.loss.detach()), rel=1e-5)
     assert out.logprobs.shape == targets.shape
     assert_close_norm(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-6, name="logprobs")
 
@@ -231,7 +231,7 @@ def test_num_items_as_any_one_number_gives_a_scalar_loss(value, backend):
     out = head_loss(logits, targets, num_items_in_batch=value, backend=backend)
     ref = head_loss(logits, targets, LossSpec(reduction="sum"), backend=backend)
     assert out.loss.shape == ()
-    assert float(out.loss) == pytest.approx(float(ref.loss) / 8.0, rel=1e-6)
+    assert float(out.loss.detach()) == pytest.approx(float(ref.loss.detach()) / 8.0, rel=1e-6)
 
 
 @pytest.mark.parametrize("value", [torch.ones(2), True, "8", [8]], ids=["two_elements", "bool", "str", "list"])
@@ -323,7 +323,7 @@ def test_inf_logits_with_label_smoothing_give_an_infinite_loss_like_torch(backen
     targets[1] = 4
     out = head_loss(logits, targets, LossSpec(cross_entropy={"label_smoothing": 0.1}), backend=backend)
     want = torch.nn.functional.cross_entropy(logits, targets, label_smoothing=0.1)
-    assert math.isinf(float(want)) and math.isinf(float(out.loss))
+    assert math.isinf(float(want)) and math.isinf(float(out.loss.detach()))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -356,7 +356,7 @@ def test_nan_teacher_logits_give_nan_not_a_dropped_divergence(divergence, backen
     teacher = make_logits((3, V), seed=14)
     teacher[1, 4] = float("nan")
     out, grad = _distill_pair(backend, teacher, make_logits((3, V), seed=15), spec)
-    assert math.isnan(float(out.loss)) and math.isnan(float(out.metrics["distill/divergence"]))
+    assert math.isnan(float(out.loss.detach())) and math.isnan(float(out.metrics["distill/divergence"]))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -388,7 +388,7 @@ def test_policy_inputs_at_masked_positions_never_reach_the_loss(backend):
         leaf = logits.clone().requires_grad_()
         out = head_loss(leaf, ids, spec, loss_mask=mask, backend=backend, **inputs)
         out.loss.backward()
-        results.append((float(out.loss), leaf.grad, {k: float(v) for k, v in out.metrics.items()}))
+        results.append((float(out.loss.detach()), leaf.grad, {k: float(v) for k, v in out.metrics.items()}))
     assert math.isfinite(results[1][0]) and results[1][0] == pytest.approx(results[0][0], rel=1e-6)
     assert torch.equal(results[0][1], results[1][1])
     assert results[0][2] == results[1][2]
@@ -405,5 +405,5 @@ def test_policy_on_zero_rows_gives_loss_zero(shape, backend):
         inputs["sequence_ids"] = torch.zeros(0, dtype=torch.long)
     out = head_loss(logits, ids, spec, backend=backend, **inputs)
     out.loss.backward()
-    assert float(out.loss) == 0.0 and logits.grad.shape == logits.shape
+    assert float(out.loss.detach()) == 0.0 and logits.grad.shape == logits.shape
     assert float(out.metrics["ratio/mean"]) == 1.0 and int(out.metrics["n_tokens"]) == 0

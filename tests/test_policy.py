@@ -174,7 +174,7 @@ def test_clipped_surrogate_equals_the_hand_computed_value(backend, advantage, fi
     spec = policy_spec("grpo", **fields)
     out = head_loss(LOGITS_1x2.float() if backend == "triton" else LOGITS_1x2, TARGETS_1x2, spec, backend=backend,
                     advantages=torch.tensor([advantage]), old_logprobs=_old_for_ratios((1.5, 0.5)))
-    assert float(out.loss) == pytest.approx(want, rel=1e-6)
+    assert float(out.loss.detach()) == pytest.approx(want, rel=1e-6)
     assert float(out.metrics["ratio/min"]) == pytest.approx(0.5, rel=1e-6)
     assert float(out.metrics["ratio/max"]) == pytest.approx(1.5, rel=1e-6)
     assert float(out.metrics["ratio/mean"]) == pytest.approx(1.0, rel=1e-6)
@@ -212,7 +212,7 @@ def test_kl_penalty_and_metric_equal_the_hand_computed_estimators(backend, estim
     out = head_loss(LOGITS_1x2.float() if backend == "triton" else LOGITS_1x2, TARGETS_1x2, spec, backend=backend,
                     advantages=torch.tensor([1.0]), old_logprobs=_old_for_ratios(ratios), ref_logprobs=ref)
     surrogate = [-1.2, -0.5]
-    assert float(out.loss) == pytest.approx(sum(s + 0.1 * v for s, v in zip(surrogate, kl)) / 2, rel=1e-5)
+    assert float(out.loss.detach()) == pytest.approx(sum(s + 0.1 * v for s, v in zip(surrogate, kl)) / 2, rel=1e-5)
     assert float(out.metrics["kl"]) == pytest.approx(sum(kl) / 2, rel=1e-5)
 
 
@@ -225,7 +225,7 @@ def test_sequence_level_importance_ratio_is_the_exp_of_the_mean_log_ratio(backen
         spec = policy_spec("grpo", importance_sampling="sequence")
         out = head_loss(logits, TARGETS_1x2, spec, backend=backend, advantages=torch.tensor([advantage]),
                         old_logprobs=old)
-        assert float(out.loss) == pytest.approx(want, rel=1e-6)
+        assert float(out.loss.detach()) == pytest.approx(want, rel=1e-6)
         assert float(out.metrics["ratio/min"]) == pytest.approx(math.sqrt(2.0), rel=1e-6)
         assert float(out.metrics["ratio/max"]) == pytest.approx(math.sqrt(2.0), rel=1e-6)
 
@@ -258,7 +258,7 @@ def test_aggregation_equals_the_trainers_definition(backend, loss_type):
     logits = logits.float() if backend == "triton" else logits
     spec = policy_spec(loss_type, max_completion_length=4)
     out = head_loss(logits, targets, spec, backend=backend, advantages=torch.tensor([1.0, -3.0]), loss_mask=mask)
-    assert float(out.loss) == pytest.approx(AGGREGATED[loss_type], rel=1e-6)
+    assert float(out.loss.detach()) == pytest.approx(AGGREGATED[loss_type], rel=1e-6)
     assert int(out.metrics["n_tokens"]) == 3
 
 
@@ -271,7 +271,7 @@ def test_dapo_divides_by_num_items_in_batch_over_num_processes(backend, num_item
     for n in (num_items, torch.tensor(num_items)):
         out = head_loss(logits, targets, spec, backend=backend, advantages=torch.tensor([1.0, -3.0]),
                         loss_mask=mask, num_items_in_batch=n)
-        assert float(out.loss) == pytest.approx(want, rel=1e-6)
+        assert float(out.loss.detach()) == pytest.approx(want, rel=1e-6)
 
 
 @pytest.mark.parametrize("backend", _both_backends())
@@ -283,7 +283,7 @@ def test_entropy_bonus_subtracts_coef_times_the_aggregated_entropy(backend, loss
     spec = policy_spec(loss_type, entropy_coef=0.05)
     out = head_loss(logits, targets, spec, backend=backend, advantages=torch.tensor([1.0, -3.0]), loss_mask=mask)
     agg_h = (h[0][0] + h[0][1]) / 2 / 2 + h[1][0] / 2 if loss_type == "grpo" else (h[0][0] + h[0][1] + h[1][0]) / 3
-    assert float(out.loss) == pytest.approx(AGGREGATED[loss_type] - 0.05 * agg_h, rel=1e-6)
+    assert float(out.loss.detach()) == pytest.approx(AGGREGATED[loss_type] - 0.05 * agg_h, rel=1e-6)
     assert float(out.metrics["entropy"]) == pytest.approx((h[0][0] + h[0][1] + h[1][0]) / 3, rel=1e-6)
 
 
@@ -310,7 +310,7 @@ def test_importance_weights_scale_the_surrogate_but_not_the_kl(backend):
     out = head_loss(logits, TARGETS_1x2, spec, backend=backend, advantages=torch.tensor([1.0]),
                     old_logprobs=_old_for_ratios((1.5, 0.5)), ref_logprobs=ref,
                     importance_weights=torch.tensor([[2.0, 0.5]]))
-    assert float(out.loss) == pytest.approx((-1.2 * 2.0 - 0.5 * 0.5 + 2 * 0.2 * 0.125) / 2, rel=1e-5)
+    assert float(out.loss.detach()) == pytest.approx((-1.2 * 2.0 - 0.5 * 0.5 + 2 * 0.2 * 0.125) / 2, rel=1e-5)
 
 
 def test_temperature_divides_the_logits_before_the_log_probs():
@@ -321,7 +321,7 @@ def test_temperature_divides_the_logits_before_the_log_probs():
     old = torch.tensor([[lp - math.log(1.1)]], dtype=torch.float64)
     out = head_loss(torch.tensor([[row]], dtype=torch.float64), torch.tensor([[1]]), spec, backend="reference",
                     advantages=torch.tensor([1.0]), old_logprobs=old)
-    assert float(out.loss) == pytest.approx(-1.1, rel=1e-9)
+    assert float(out.loss.detach()) == pytest.approx(-1.1, rel=1e-9)
     assert float(out.metrics["logprob/mean"]) == pytest.approx(lp, rel=1e-9)
 
 
