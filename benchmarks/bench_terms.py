@@ -105,8 +105,10 @@ def distill_case(rows: list[Row], n: int, cfg: dict, names) -> None:
             torch.cuda.empty_cache()
 
 
-def grpo_case(rows: list[Row], batch: int, length: int, cfg: dict, names) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(1)
+def grpo_batch(seed: int, batch: int, length: int):
+    """The model's [B, L + 1, V] logits, completion ids, advantages, old / ref log-probs near the
+    current ones, and a completion mask ending each sequence at 90% of L."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     pristine = torch.randn(batch, length + 1, V, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
     ids = torch.randint(0, V, (batch, length), device="cuda", generator=gen)
     adv = torch.randn(batch, device="cuda", generator=gen)
@@ -116,6 +118,11 @@ def grpo_case(rows: list[Row], batch: int, length: int, cfg: dict, names) -> Non
     ref = logp + 0.1 * torch.randn(logp.shape, device="cuda", generator=gen)
     mask = torch.ones(batch, length, device="cuda")
     mask[:, int(length * 0.9):] = 0
+    return pristine, ids, adv, old, ref, mask
+
+
+def grpo_case(rows: list[Row], batch: int, length: int, cfg: dict, names) -> None:
+    pristine, ids, adv, old, ref, mask = grpo_batch(1, batch, length)
     x_full = torch.empty_like(pristine).requires_grad_()  # Liger wants [B, L + 1, V]
     x = torch.empty_like(pristine[:, :-1]).requires_grad_()
 
@@ -181,16 +188,7 @@ def trl_logprob_entropy():
 
 
 def trainer_case(rows: list[Row], batch: int, length: int, cfg: dict, names) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    pristine = torch.randn(batch, length + 1, V, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
-    ids = torch.randint(0, V, (batch, length), device="cuda", generator=gen)
-    adv = torch.randn(batch, device="cuda", generator=gen)
-    with torch.no_grad():
-        logp = torch.log_softmax(pristine[:, :-1].float(), -1).gather(-1, ids[..., None])[..., 0]
-    old = logp + 0.1 * torch.randn(logp.shape, device="cuda", generator=gen)
-    ref = logp + 0.1 * torch.randn(logp.shape, device="cuda", generator=gen)
-    mask = torch.ones(batch, length, device="cuda")
-    mask[:, int(length * 0.9):] = 0
+    pristine, ids, adv, old, ref, mask = grpo_batch(2, batch, length)
     logits = torch.empty_like(pristine).requires_grad_()  # the model's output: [B, L + 1, V]
 
     def setup():

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from .kernels.head import VERDICT, Geometry, row_strides
 from .plan import KernelPlan, compile_plan
+from .policy import policy_inputs
 from .spec import FIELD_NAMES, LossSpec
 
 Backend = Literal["auto", "triton", "reference"]
@@ -177,10 +178,9 @@ def check_logits(logits: Any) -> None:
 
 def check_targets(targets: Any, token_shape: tuple[int, ...], spec: LossSpec, device: torch.device,
                   shift: bool, source: str = "logits") -> None:
-    """targets: an integer tensor shaped like the rows (or, with shift, one of the two conventions)."""
+    """targets: an integer tensor shaped like the rows (or, with shift, one of the two conventions).
+    A spec that needs targets has already failed without them, when its plan was made."""
     if targets is None:
-        if spec.needs_targets:
-            compile_plan(spec, has_targets=False)  # raises, naming what needs them
         if shift:
             raise ValueError("targets: shift=True needs targets")
         return
@@ -323,8 +323,6 @@ def geometry(logits_shape: tuple[int, ...], logits_strides: tuple[int, int], slo
 def head_call(logits: Any, targets: Any, spec: LossSpec, *, kernel: bool, teacher_logits: Any, policy_given: dict,
               num_items_in_batch: Any, shift: bool, validate: Validate, policy_in_kernel: bool = False) -> HeadCall:
     """Check every input of head_loss and flatten it for the kernels; errors name the argument."""
-    from .policy import policy_inputs  # policy builds on the checks here
-
     check_logits(logits)
     token_rows = tuple(logits.shape[:-1])
     check_targets(targets, token_rows, spec, logits.device, shift)

@@ -22,7 +22,7 @@ Cost notes (the full variant is ALU-bound at 128K vocab if written naively):
 import triton
 import triton.language as tl
 
-from .primitives import LN2, LOG2E, NEG_BIG, to_x2, transform
+from .primitives import LN2, LOG2E, NEG_BIG, softmax_update, to_x2, transform
 from .terms import distill_grad, teacher_block
 
 
@@ -38,12 +38,7 @@ def _stats_block(z, start, V, m, d, sum_x, sum_ex, arg, S, BLOCK_V: tl.constexpr
         # only the block holding the first max is tracked here (a scalar select, no per-element
         # work); strict '>' keeps the earliest block on ties
         arg = tl.where(block_max > m, start, arg)
-    m_new = tl.maximum(m, block_max)
-    # a row that is all -inf so far keeps d = 0 instead of exp(-inf - -inf) = NaN
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_ref)
-    e = tl.exp2(x2 - m_ref)
-    d = d * alpha + e
+    m_new, d, e, alpha = softmax_update(m, d, x2, block_max)
     if NEED_SUM_EX:
         sum_ex = sum_ex * alpha + e * tl.maximum(x2, NEG_BIG)
     if NEED_SUM_X:

@@ -47,3 +47,17 @@ def to_x2(z, cols, V, S, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
     if MASKED:
         x2 = tl.where(cols < V, x2, float("-inf"))
     return x2, slope
+
+
+@triton.jit
+def softmax_update(m, d, x2, block_max):
+    """One block of the online softmax in base 2, written once for the student, the teacher and the
+    student at the distillation temperature: the running max m and per-lane sum d take the block
+    x2 (whose max is block_max). Returns (m_new, d_new, e = 2^(x2 - m_new), alpha = 2^(m - m_new)),
+    alpha rescaling every other per-lane sum kept against the same max. A row that is all -inf so
+    far keeps d = 0 instead of exp(-inf - -inf) = NaN."""
+    m_new = tl.maximum(m, block_max)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_ref)
+    e = tl.exp2(x2 - m_ref)
+    return m_new, d * alpha + e, e, alpha

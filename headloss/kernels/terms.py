@@ -16,7 +16,7 @@ per-row statistic adds it to ``blocks.online_stats``); the reference and the tes
 import triton
 import triton.language as tl
 
-from .primitives import LN2, LOG2E, NEG_BIG, log1p, to_x2
+from .primitives import LN2, LOG2E, NEG_BIG, log1p, softmax_update, to_x2
 
 
 @triton.jit
@@ -110,21 +110,11 @@ def teacher_block(zt, x2, e, alpha, start, V, tstats, S, BLOCK_V: tl.constexpr, 
         t2 = tl.where(cols < V, t2, float("-inf"))
     t_max = tl.max(t2, axis=0)
     t_arg = tl.where(t_max > mt, start, t_arg)
-    mt_new = tl.maximum(mt, t_max)
-    mt_ref = tl.where(mt_new == float("-inf"), 0.0, mt_new)
-    alpha_t = tl.exp2(mt - mt_ref)
-    et = tl.exp2(t2 - mt_ref)
-    dt = dt * alpha_t + et
+    mt_new, dt, et, alpha_t = softmax_update(mt, dt, t2, t_max)
     sum_t = sum_t * alpha_t + et * tl.maximum(t2, NEG_BIG)
     if F.OWN_TEMP:
         s2 = x2 * S.inv_distill_temp
-        s_max = tl.max(s2, axis=0)
-        ms_new = tl.maximum(ms, s_max)
-        ms_ref = tl.where(ms_new == float("-inf"), 0.0, ms_new)
-        alpha_s = tl.exp2(ms - ms_ref)
-        es = tl.exp2(s2 - ms_ref)
-        ds = ds * alpha_s + es
-        ms = ms_new
+        ms, ds, es, alpha_s = softmax_update(ms, ds, s2, tl.max(s2, axis=0))
     else:
         s2 = x2
         alpha_s = alpha
