@@ -26,6 +26,7 @@ import torch
 from .inputs import CheckContext, Normaliser, settle, verdict_slot
 from .kernels.head import (
     SCRATCH,
+    scratch_size,
     Geometry,
     PolicyRows,
     launch_backward,
@@ -105,7 +106,7 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
     device = logits.device
     verdict = verdict_slot(validate, device, CheckContext(token_shape, geo.V, geo.ignore_index,
                                                           Normaliser(geo.norm, num_items)))
-    scratch = prepare(targets, num_items, sequence_ids, geo, device, verdict)
+    scratch = prepare(targets, num_items, sequence_ids, geo, device, verdict, _sequences(geo, policy))
     rows, pred, loss, means = _empty_outputs(plan, geo.n_out, device, token_shape)
     grad = None
     if grad_mode == "inplace":
@@ -120,6 +121,11 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
                     policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means, geo=geo)
     settle(verdict, validate, device)
     return loss, rows, pred, means, scratch, grad
+
+
+def _sequences(geo: Geometry, policy: PolicyRows | None) -> int:
+    """Sequences whose policy metrics the head kernel counts in scratch (rows of [B, K]), or 0."""
+    return geo.n_out // policy.seq_len if policy is not None and policy.seq_len > 0 else 0
 
 
 def head_backward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch,
@@ -534,7 +540,9 @@ def _(logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_i
       validate, token_shape, policy_layout):
     plan = plan_from_key(key)
     rows, pred, loss, means = _empty_outputs(plan, _geo(geo, norm).n_out, logits.device, tuple(token_shape))
-    scratch = torch.empty(SCRATCH, dtype=torch.int64, device=logits.device)
+    layout = _geo(geo, norm)
+    n_seq = layout.n_out // policy_layout[1] if adv is not None and policy_layout[1] > 0 else 0
+    scratch = torch.empty(scratch_size(n_seq), dtype=torch.int64, device=logits.device)
     grad = torch.empty(logits.shape if grad_mode != "none" else (0,), dtype=logits.dtype, device=logits.device)
     return loss, rows, pred, means, scratch, grad
 

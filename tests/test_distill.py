@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from headloss import CrossEntropy, Entropy, HeadLoss, LogitTransform, LossSpec, ZLoss, head_loss, reference_head_loss
+from headloss.kernels.head import LAUNCH_OVERRIDES
 from headloss.reference import transformed_logits
 from headloss.spec import Distillation
 
@@ -252,7 +253,7 @@ def test_kernel_matches_reference_for_student_and_teacher_dtypes(divergence, dty
 @pytest.mark.parametrize("divergence", DIVERGENCES)
 def test_kernel_matches_reference_across_several_vocab_blocks(divergence, monkeypatch):
     """BLOCK_V=16 and V=53: three full blocks and a masked tail, for the teacher's online softmax too."""
-    monkeypatch.setenv("HEADLOSS_BLOCK_V", "16")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "block_v", 16)  # (HEADLOSS_BLOCK_V is read at import)
     seed = seed_of("blocks", divergence)
     student = make_logits((3, 53), torch.float32, seed=seed)
     teacher = make_teacher(student, torch.bfloat16, seed=seed)

@@ -35,7 +35,7 @@ from headloss import (
     head_loss,
     reference_head_loss,
 )
-from headloss.kernels.head import LaunchConfig, launch_config
+from headloss.kernels.head import LAUNCH_OVERRIDES, LaunchConfig, launch_config
 
 pytestmark = needs_kernel
 
@@ -202,7 +202,7 @@ def test_low_precision_strided_view_matches_reference(dtype):
 )
 @pytest.mark.parametrize("mode", list(MODES))
 def test_small_blocks_give_same_results_across_block_boundaries(mode, vocab, monkeypatch):
-    monkeypatch.setenv("HEADLOSS_BLOCK_V", "16")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "block_v", 16)  # (HEADLOSS_BLOCK_V is read at import)
     logits = make_logits((6, vocab), torch.float32, seed=seed_of("blocks", vocab))
     top = logits.abs().max() + 1.0
     logits[0, vocab - 1] = top  # max in the last column
@@ -215,6 +215,39 @@ def test_small_blocks_give_same_results_across_block_boundaries(mode, vocab, mon
     assert_matches_reference(pair)
     assert_nontrivial(pair)
     assert pair.out.predicted_tokens[:4].tolist() == [vocab - 1, 1, vocab // 2, 0]
+
+
+@pytest.mark.parametrize("order", ["reversed", "forward"])
+@pytest.mark.parametrize("vocab", [37, 48, 5], ids=["full_blocks_and_tail", "full_blocks_only", "tail_only"])
+def test_both_gradient_orders_match_reference(order, vocab, monkeypatch):
+    """Phase 3 walks a row last block first by default (L2 reuse); both orders give the same
+    gradient, including the target column written after the loop and an in-place gradient."""
+    import triton.language as tl
+
+    from headloss.kernels import blocks
+
+    monkeypatch.setattr(blocks, "GRAD_REVERSED", tl.constexpr(order == "reversed"))
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "block_v", 16)  # (HEADLOSS_BLOCK_V is read at import)
+    logits = make_logits((6, vocab), torch.float32, seed=seed_of("order", vocab))
+    targets = make_targets((6,), vocab, 22, 0.2)
+    targets[0] = vocab - 1  # the target in the tail block
+    pair = run_pair(logits, targets, RICH_FUSED)
+    assert_matches_reference(pair)
+    assert_nontrivial(pair)
+    x = logits.clone().requires_grad_()
+    head_loss(x, targets, RICH_FUSED, inplace_grad=True).loss.backward()
+    torch.testing.assert_close(x.grad, pair.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_scale_kernel_loops_over_more_rows_than_programs(monkeypatch):
+    from headloss.kernels import head as head_module
+
+    monkeypatch.setattr(head_module, "SCALE_PROGRAMS", 3)
+    logits = make_logits((11, 40), torch.float32, seed=16)
+    targets = make_targets((11,), 40, 16, 0.2)
+    pair = run_pair(logits, targets, MODES["fused"], upstream=-2.5)
+    assert_matches_reference(pair)
+    assert_nontrivial(pair)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

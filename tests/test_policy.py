@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from headloss import CrossEntropy, Entropy, LogitTransform, LossSpec, ZLoss, head_loss, reference_head_loss
+from headloss.kernels.head import LAUNCH_OVERRIDES
 from headloss.reference import transformed_logits
 from headloss.spec import Distillation, Policy
 
@@ -494,7 +495,7 @@ def test_kernel_matches_reference_for_tiny_shapes(token_shape, level):
 
 @needs_kernel
 def test_kernel_matches_reference_for_a_strided_view_and_several_vocab_blocks(monkeypatch):
-    monkeypatch.setenv("HEADLOSS_BLOCK_V", "16")
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "block_v", 16)  # (HEADLOSS_BLOCK_V is read at import)
     spec = policy_spec("grpo", kl_beta=0.05, entropy_coef=0.02, ce=CrossEntropy(weight=0.1))
     logits = make_logits((2, 4, 45), torch.float32, seed=17)
     targets = make_targets((2, 3), 45, seed=17)

@@ -44,7 +44,19 @@ from .primitives import LN2
 from .terms import distill_values, policy_values, put, row_coefficients, row_values
 
 SCRATCH = 2
-"""int64 scratch per call: [0] counted rows, [1] programs done (the last one reduces)."""
+"""int64 scratch per call: [0] counted rows, [1] programs done (the last one reduces); with a
+token-level policy term over [B, K] sequences, :data:`SEQ_SCRATCH` more (see scratch_size)."""
+
+SEQ_SCRATCH = 2
+"""[2], [3]: the smallest and largest ratio over counted tokens, as fp32 bit patterns (a ratio is
+>= 0, so its bits order like the float); then 3 counters per sequence from [4]: counted tokens,
+tokens clipped low, tokens clipped high. Row programs add to them with integer atomics (exact, in
+any order: deterministic), so the last program reads B x 3 values instead of the B x K rows."""
+
+
+def scratch_size(n_seq: int) -> int:
+    """Scratch entries of a call with ``n_seq`` sequences of per-sequence policy metrics (0: none)."""
+    return SCRATCH + (SEQ_SCRATCH + 3 * n_seq if n_seq else 0)
 
 VERDICT = 5
 """A verdict slot (int64, host memory the device writes through UVA, only when something is bad):
@@ -94,38 +106,47 @@ def prepare_kernel(
     verdict,  # (VERDICT,) int64 slot in pinned host memory, or None: no validation
     dirty,  # (1,) int64 in pinned host memory, set to 1 when any verdict is written
     geo,
+    n_seq,  # sequences with per-sequence policy counters in scratch (SEQ_SCRATCH), or 0
     BLOCK: tl.constexpr,
 ):
-    offs = tl.arange(0, BLOCK).to(tl.int64)
-    counted = tl.zeros([BLOCK], tl.int64)
-    bad_ids = tl.zeros([BLOCK], tl.int64)
+    offs = tl.arange(0, BLOCK)
+    counted = tl.zeros([BLOCK], tl.int32)
+    bad_ids = tl.zeros([BLOCK], tl.int32)
     big = 2**62
     first_bad = tl.full([BLOCK], big, tl.int64)
     for start in range(0, geo.n_out, BLOCK):
-        slot = start + offs
+        slot = start + offs  # the index type of n_out: int32 below 2**31 slots
         inside = slot < geo.n_out
         if targets is None:
-            counted += inside.to(tl.int64)
+            counted += inside.to(tl.int32)
         else:
-            scored = inside & (slot % geo.K + geo.shift < geo.K)
+            scored = inside
+            if geo.shift != 0:
+                scored = inside & (slot % geo.K + geo.shift < geo.K)
             y = tl.load(targets + slot + geo.shift, mask=scored, other=geo.ignore_index).to(tl.int64)
             valid = scored & (y != geo.ignore_index)
-            counted += valid.to(tl.int64)
+            counted += valid.to(tl.int32)
             if verdict is not None:
                 bad = valid & ((y < 0) | (y >= geo.V))
                 first_bad = tl.minimum(first_bad, tl.where(bad, slot + geo.shift, big))
         if verdict is not None and sequence_ids is not None:
             ids = tl.load(sequence_ids + slot, mask=inside, other=0)
-            bad_ids |= (inside & ((ids < 0) | (ids >= geo.n_out))).to(tl.int64)
-    tl.store(scratch, tl.sum(counted, axis=0))
+            bad_ids |= (inside & ((ids < 0) | (ids >= geo.n_out))).to(tl.int32)
+    tl.store(scratch, tl.sum(counted.to(tl.int64), axis=0))
     tl.store(scratch + 1, 0)
+    if n_seq > 0:
+        tl.store(scratch + 2, 0x7FFFFFFF)  # ratio min: above every finite fp32 bit pattern
+        tl.store(scratch + 3, -1)  # ratio max: below every one
+        for start in range(0, 3 * n_seq, BLOCK):
+            i = start + offs
+            tl.store(scratch + 4 + i, tl.zeros([BLOCK], tl.int64), mask=i < 3 * n_seq)
     if verdict is not None:
         where = tl.min(first_bad, axis=0)
         bad_items = tl.zeros([], tl.int64)
         if num_items is not None:
             n = tl.load(num_items).to(tl.float32)
             bad_items = ((n > 0.0) & (n < float("inf"))).to(tl.int64) ^ 1
-        any_ids = tl.max(bad_ids, axis=0)
+        any_ids = tl.max(bad_ids, axis=0).to(tl.int64)
         if (where < big) | (bad_items != 0) | (any_ids != 0):
             value = tl.zeros([], tl.int64)
             if targets is not None:
@@ -202,7 +223,7 @@ def head_kernel(
         d_logp = zero
         d_entropy = zero
         if F.HAS_POLICY:
-            d_logp, d_entropy = policy_values(row_out, logp, entropy, policy, slot, S, F, C)
+            d_logp, d_entropy = policy_values(row_out, scratch, logp, entropy, policy, slot, S, F, C)
         if F.HAS_ARGMAX:
             put(row_out, C.accuracy, (arg == y).to(tl.float32))
             if pred is not None:
@@ -327,19 +348,20 @@ def scale_grad_kernel(
 ):
     factor = tl.load(scale).to(tl.float32)
     if factor != 1.0:
-        row = tl.program_id(0).to(tl.int64)
-        row_ptr = grad + (row // geo.T) * geo.g_stride_b + (row % geo.T) * geo.g_stride_t
         offs = tl.arange(0, BLOCK_V)
-        for start in range(0, geo.V, BLOCK_V):
-            cols = start + offs
-            mask = cols < geo.V
-            g = tl.load(row_ptr + cols, mask=mask).to(tl.float32)
-            tl.store(row_ptr + cols, (g * factor).to(grad.dtype.element_ty), mask=mask)
+        for row in range(tl.program_id(0).to(tl.int64), geo.n_rows, tl.num_programs(0)):
+            row_ptr = grad + (row // geo.T) * geo.g_stride_b + (row % geo.T) * geo.g_stride_t
+            for start in range(0, geo.V, BLOCK_V):
+                cols = start + offs
+                mask = cols < geo.V
+                g = tl.load(row_ptr + cols, mask=mask).to(tl.float32)
+                tl.store(row_ptr + cols, (g * factor).to(grad.dtype.element_ty), mask=mask)
 
 
 # --- launchers -------------------------------------------------------------------------------
 
 _COMPILED: dict[tuple, object] = {}
+SCALE_PROGRAMS = 2048  # scale_grad_kernel's programs loop over the rows: fewer early exits when scale == 1
 _PARAMS: dict[object, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {}
 
 
@@ -439,32 +461,29 @@ def row_strides(t: torch.Tensor | None) -> tuple[int, int]:
 
 class Tiles(NamedTuple):
     """Tiles of the last program's reduction (constexpr): [BLOCK_R, COLS_P2] over the packed rows,
-    [SEQ_BLOCK_B, SEQ_BLOCK_K] over [B, K] sequences for the per-sequence policy metrics."""
+    SEQ_BLOCK sequences at a time for the per-sequence policy metrics."""
 
     COLS_P2: int
     BLOCK_R: int
-    SEQ_BLOCK_B: int
-    SEQ_BLOCK_K: int
+    SEQ_BLOCK: int
 
 
 @functools.lru_cache(maxsize=256)
-def _tiles(cols: int, seq_len: int = 0) -> Tiles:
+def _tiles(cols: int) -> Tiles:
     """Small tiles: this code runs once per call, but the registers it takes are reserved for the
     whole kernel (5 tiles of 2048 values slowed the GRPO head kernel from 1.47 to 2.54 ms on an H200)."""
     cols_p2 = 1 << (max(cols, 1) - 1).bit_length()
-    seq_k = min(1 << (max(seq_len, 1) - 1).bit_length(), 256) if seq_len else 1
-    return Tiles(COLS_P2=cols_p2, BLOCK_R=max(16, 2048 // cols_p2),
-                 SEQ_BLOCK_B=max(1, 256 // seq_k) if seq_len else 1, SEQ_BLOCK_K=seq_k)
+    return Tiles(COLS_P2=cols_p2, BLOCK_R=max(16, 2048 // cols_p2), SEQ_BLOCK=256)
 
 
 def prepare(targets: torch.Tensor | None, num_items: torch.Tensor | None, sequence_ids: torch.Tensor | None,
-            geo: Geometry, device: torch.device, verdict: tuple | None) -> torch.Tensor:
+            geo: Geometry, device: torch.device, verdict: tuple | None, n_seq: int = 0) -> torch.Tensor:
     """Launch prepare_kernel; returns the call's scratch (counted rows first). ``verdict`` is a
     (slot, dirty) pair of host tensors the device writes when a value is bad, or None (no checks)."""
-    scratch = torch.empty(SCRATCH, dtype=torch.int64, device=device)
+    scratch = torch.empty(scratch_size(n_seq), dtype=torch.int64, device=device)
     slot, dirty = verdict if verdict is not None else (None, None)
-    launch(prepare_kernel, 1, 4, targets=targets, num_items=num_items, sequence_ids=sequence_ids, scratch=scratch,
-           verdict=slot, dirty=dirty, geo=geo, BLOCK=1024)
+    launch(prepare_kernel, 1, 8, targets=targets, num_items=num_items, sequence_ids=sequence_ids, scratch=scratch,
+           verdict=slot, dirty=dirty, geo=geo, n_seq=n_seq, BLOCK=4096)
     return scratch
 
 
@@ -479,7 +498,7 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
         logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, pred=pred, policy=policy,
         num_items=num_items, scratch=scratch, loss=loss, means=means, geo=geo, S=plan.scalars,
         F=plan.flags, C=plan.cols, BLOCK_V=cfg.block_v, FINISH=finish,
-        R=_tiles(plan.cols.N, policy.seq_len if policy is not None else 0),
+        R=_tiles(plan.cols.N),
     )
 
 
@@ -510,5 +529,6 @@ def scale_grad_(grad: torch.Tensor, scale: torch.Tensor, geo: Geometry) -> torch
     device when scale == 1 (no host sync)."""
     if geo.n_rows > 0:
         cfg = launch_config(geo.V)
-        launch(scale_grad_kernel, geo.n_rows, cfg.num_warps, grad=grad, scale=scale, geo=geo, BLOCK_V=cfg.block_v)
+        launch(scale_grad_kernel, min(geo.n_rows, SCALE_PROGRAMS), cfg.num_warps, grad=grad, scale=scale, geo=geo,
+               BLOCK_V=cfg.block_v)
     return grad

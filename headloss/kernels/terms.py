@@ -282,13 +282,15 @@ def policy_token(logp, old, ref, adv, iw, S, F: tl.constexpr):
 
 
 @triton.jit
-def policy_values(row_out, logp, entropy, policy, o, S, F: tl.constexpr, C: tl.constexpr):
+def policy_values(row_out, scratch, logp, entropy, policy, o, S, F: tl.constexpr, C: tl.constexpr):
     """The token-level policy objective of slot ``o`` (weighted by its aggregation weight), stored
     in its columns with the ratio, the KL and the clip indicators; returns (d_logp, d_entropy).
 
     ``policy`` holds per-slot pointers (old, ref, adv, iw, weight); old / iw may be None
     (on-policy: ratio 1 with gradient; no rollout weights). verl's entropy bonus
-    ``-entropy_coef * H`` is aggregated like the loss.
+    ``-entropy_coef * H`` is aggregated like the loss. With sequences of ``policy.seq_len`` slots,
+    the slot's sequence counters and the ratio's extremes in ``scratch`` (head.SEQ_SCRATCH) take
+    its share, for the last program's per-sequence metrics.
     """
     old = logp
     if policy.old is not None:
@@ -311,6 +313,19 @@ def policy_values(row_out, logp, entropy, policy, o, S, F: tl.constexpr, C: tl.c
     put(row_out, C.counted, 1.0)
     put(row_out, C.ratio, ratio)
     put(row_out, C.kl, kl)
-    put(row_out, C.clip_low, ((ratio < 1.0 - S.eps_low) & (adv < 0)).to(tl.float32))
-    put(row_out, C.clip_high, ((ratio > 1.0 + S.eps_high) & (adv > 0)).to(tl.float32))
+    low = (ratio < 1.0 - S.eps_low) & (adv < 0)
+    high = (ratio > 1.0 + S.eps_high) & (adv > 0)
+    put(row_out, C.clip_low, low.to(tl.float32))
+    put(row_out, C.clip_high, high.to(tl.float32))
+    if policy.seq_len > 0:
+        at = scratch + 4 + (o // policy.seq_len) * 3
+        tl.atomic_add(at, 1, sem="relaxed")
+        if low:
+            tl.atomic_add(at + 1, 1, sem="relaxed")
+        if high:
+            tl.atomic_add(at + 2, 1, sem="relaxed")
+        if ratio == ratio:  # NaN ratios are left out of the extremes, as tl.minimum leaves them
+            bits = ratio.to(tl.int32, bitcast=True).to(tl.int64)
+            tl.atomic_min(scratch + 2, bits, sem="relaxed")
+            tl.atomic_max(scratch + 3, bits, sem="relaxed")
     return w * d_per_token, d_entropy
