@@ -26,7 +26,6 @@ import torch
 from .inputs import CheckContext, Normaliser, settle, verdict_slot
 from .kernels.head import (
     SCRATCH,
-    scratch_size,
     Geometry,
     PolicyRows,
     launch_backward,
@@ -35,6 +34,7 @@ from .kernels.head import (
     prepare,
     row_strides,
     scale_grad_,
+    scratch_size,
 )
 from .plan import KernelPlan, plan_from_key
 

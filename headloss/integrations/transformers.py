@@ -1,0 +1,498 @@
+"""One reversible patch for any Hugging Face causal LM, and a Trainer callback for its metrics.
+
+::
+
+    from headloss.integrations.transformers import patch
+
+    handle = patch(model, LossSpec(z_loss=ZLoss(weight=1e-4), entropy=Entropy(), token_accuracy=True))
+    out = model(input_ids=ids, labels=labels)      # loss through linear_head_loss, no full logits
+    out.loss.backward(); out.metrics["token_accuracy"]
+    handle.undo()                                   # the model's own forward again
+
+How it works, the same for every ``*ForCausalLM`` / ``*ForConditionalGeneration`` (no per-model
+forward copies): with ``labels`` (or ``shift_labels``) the model's forward runs as written, but its
+output embedding (``model.get_output_embeddings()``) computes the spec's loss from the hidden
+states it receives with :func:`headloss.linear_head_loss` and returns an empty ``[B, T, 0]``
+placeholder instead of the logits; the model's ``loss_function`` returns that loss. Whatever the
+model adds to the loss (a MoE router's auxiliary loss) is kept. Without labels (generation,
+evaluation of logits) nothing changes. Because the loss is computed inside the head's own call,
+FSDP2 has the weight gathered there, and a tied embedding gets its gradient as usual.
+
+The head's transform is read from the config -- Gemma 2/3 ``final_logit_softcapping``, Cohere
+``logit_scale``, Granite ``logits_scaling``, Falcon-H1 ``lm_head_multiplier`` -- and checked: at patch
+time a short probe compares the model's own logits and loss with the patched ones, and a model
+whose head headloss cannot reproduce (another transform, a LoRA or quantised lm_head, a loss that
+is not the causal-LM cross-entropy) is refused with an error, never scored wrongly.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..api import DEFAULT_CHUNK_BYTES, head_loss, linear_head_loss
+from ..inputs import SpecLike, as_spec
+from ..metrics import MetricsAccumulator
+from ..output import HeadLossOutput
+from ..spec import LogitTransform, LossSpec
+
+__all__ = ["HeadLossCallback", "HeadPatch", "head_transform", "patch"]
+
+
+class PatchError(ValueError):
+    """The model's head cannot be reproduced by headloss (the message says why)."""
+
+
+@dataclass
+class _Call:
+    """One forward with labels, between the model's forward and its head."""
+
+    labels: torch.Tensor | None
+    shift_labels: torch.Tensor | None
+    num_items_in_batch: Any
+    ignore_index: int | None
+    result: HeadLossOutput | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def head_transform(model) -> LogitTransform:
+    """The transform a model applies to its lm_head's output, from its config (and attributes)."""
+    config = _text_config(model.config)
+    scale = 1.0
+    softcap = getattr(config, "final_logit_softcapping", None)
+    cohere = getattr(model, "logit_scale", None)
+    if isinstance(cohere, (int, float)) and not isinstance(cohere, bool):
+        scale *= float(cohere)
+    elif isinstance(getattr(config, "logit_scale", None), (int, float)) and config.model_type.startswith("cohere"):
+        scale *= float(config.logit_scale)
+    granite = getattr(config, "logits_scaling", None)
+    if isinstance(granite, (int, float)) and not isinstance(granite, bool) and granite != 1.0:
+        scale /= float(granite)
+    inner = getattr(model, "model", None)
+    falcon = getattr(inner, "lm_head_multiplier", None)
+    if falcon is None:
+        falcon = getattr(config, "lm_head_multiplier", None)
+    if isinstance(falcon, (int, float)) and not isinstance(falcon, bool):
+        scale *= float(falcon)
+    return LogitTransform(logit_scale=scale, softcap=float(softcap) if softcap else None)
+
+
+def _causal_lm(model):
+    """The model whose forward takes labels: a PEFT wrapper's base model, else the model."""
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base) and not hasattr(model, "get_output_embeddings"):
+        return get_base()
+    if callable(get_base) and type(model).__name__.startswith("Peft"):
+        return get_base()
+    return model
+
+
+def _check_head(head) -> None:
+    if head is None:
+        raise PatchError("model: get_output_embeddings() is None; headloss patches causal LMs with an lm_head")
+    for name in ("lora_A", "base_layer", "lora_embedding_A"):
+        if hasattr(head, name):
+            raise PatchError(
+                "model: the lm_head carries LoRA adapters; merge them (merge_and_unload) or leave lm_head out "
+                "of target_modules -- headloss reads the plain weight"
+            )
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise PatchError(f"model: the lm_head ({type(head).__name__}) has no 2-D weight")
+    if not (weight.is_floating_point() and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        raise PatchError(f"model: the lm_head weight is {weight.dtype} (quantised?); headloss needs a float weight")
+
+
+def _full(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A DTensor (FSDP2 outside its forward, tensor parallel) as a full tensor; others as they are."""
+    if t is not None and hasattr(t, "full_tensor") and type(t).__name__ == "DTensor":
+        return t.full_tensor()
+    return t
+
+
+class HeadPatch:
+    """A patched model (see the module doc); undo with :meth:`undo` or use as a context manager.
+
+    Attributes:
+        spec: the LossSpec in use (the model's transform merged in).
+        metrics: :class:`~headloss.metrics.MetricsAccumulator` fed by every training forward with
+            labels (device tensors; no sync until ``metrics.compute()``).
+        eval_metrics: the same for forwards in eval mode.
+        last: the last call's :class:`~headloss.HeadLossOutput` (loss, metrics, per-token outputs).
+    """
+
+    def __init__(self, model, spec: SpecLike | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 keep_logits: bool = False, fp32_weight_grad: bool = False, verify: bool = True,
+                 validate=None, backend: str = "auto", metric_names: dict[str, str] | None = None) -> None:
+        self.model = _causal_lm(model)
+        self.head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        _check_head(self.head)
+        if getattr(self.model, "_headloss_patch", None) is not None:
+            raise PatchError("model: already patched by headloss; undo() the earlier patch first")
+        self.spec = _merged_spec(as_spec(spec), head_transform(self.model))
+        self.chunk_bytes = chunk_bytes
+        self.keep_logits = keep_logits
+        self.fp32_weight_grad = fp32_weight_grad
+        self.validate = validate
+        self.backend = backend
+        self.metrics = MetricsAccumulator(names=metric_names)
+        self.eval_metrics = MetricsAccumulator(names=metric_names, prefix="eval_")
+        self.last: HeadLossOutput | None = None
+        self._pending: _Call | None = None
+        self._specs: dict[int, LossSpec] = {}
+        self._active = False
+        if verify:
+            self._verify()
+        self._apply()
+
+    # --- installing and removing -----------------------------------------------------------------
+
+    def _apply(self) -> None:
+        model, head = self.model, self.head
+        self._had_forward = "forward" in model.__dict__
+        self._saved_forward = model.__dict__.get("forward")
+        self._had_head_forward = "forward" in head.__dict__
+        self._saved_head_forward = head.__dict__.get("forward")
+        self._had_loss_function = "_loss_function" in model.__dict__
+        self._saved_loss_function = model.__dict__.get("_loss_function")
+        original_forward = model.forward
+        original_head = head.forward
+        original_loss = model.loss_function
+        self._original_loss = original_loss
+        labels_at = _labels_position(original_forward)
+
+        @functools.wraps(original_forward)
+        def forward(*args, **kwargs):
+            labels = kwargs.get("labels")
+            if labels is None and labels_at is not None and len(args) > labels_at:
+                labels = args[labels_at]
+            shift_labels = kwargs.get("shift_labels")
+            if (labels is None and shift_labels is None) or self._pending is not None:
+                return original_forward(*args, **kwargs)
+            call = _Call(labels=labels, shift_labels=shift_labels,
+                         num_items_in_batch=kwargs.get("num_items_in_batch"), ignore_index=kwargs.get("ignore_index"))
+            self._pending = call
+            try:
+                out = original_forward(*args, **kwargs)
+            finally:
+                self._pending = None
+            if call.result is None:
+                raise RuntimeError(
+                    f"{type(model).__name__}: the forward took labels but never called its lm_head; "
+                    "headloss cannot compute its loss (undo() the patch for this model)"
+                )
+            return self._finish(out, call)
+
+        def head_forward(hidden, *args, **kwargs):
+            call = self._pending
+            if call is None or call.result is not None or args or kwargs:
+                return original_head(hidden, *args, **kwargs)
+            return self._head_loss(call, hidden, original_head)
+
+        def loss_function(logits=None, labels=None, vocab_size=None, **kwargs):
+            call = self._pending
+            if call is None or call.result is None:
+                return original_loss(logits, labels, vocab_size, **kwargs)
+            call.extra["loss_calls"] = call.extra.get("loss_calls", 0) + 1
+            return call.result.loss
+
+        model.forward = forward
+        head.forward = head_forward
+        model.loss_function = loss_function
+        model._headloss_patch = self
+        self._active = True
+
+    def undo(self) -> None:
+        """Restore the model's own forward, head and loss function (idempotent)."""
+        if not self._active:
+            return
+        model, head = self.model, self.head
+        _restore(model, "forward", self._had_forward, self._saved_forward)
+        _restore(head, "forward", self._had_head_forward, self._saved_head_forward)
+        _restore(model, "_loss_function", self._had_loss_function, self._saved_loss_function)
+        model.__dict__.pop("_headloss_patch", None)
+        self._active = False
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def __enter__(self) -> HeadPatch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+    # --- one forward -------------------------------------------------------------------------------
+
+    def _spec_for(self, ignore_index: int | None) -> LossSpec:
+        if ignore_index is None or ignore_index == self.spec.ignore_index:
+            return self.spec
+        spec = self._specs.get(ignore_index)
+        if spec is None:
+            spec = LossSpec.model_validate({**dict(self.spec), "ignore_index": int(ignore_index)})
+            self._specs[ignore_index] = spec
+        return spec
+
+    def _head_loss(self, call: _Call, hidden: torch.Tensor, original_head) -> torch.Tensor:
+        spec = self._spec_for(call.ignore_index)
+        if call.shift_labels is not None:
+            targets, shift = call.shift_labels, False
+        else:
+            targets, shift = call.labels, True
+        if targets.device != hidden.device:
+            targets = targets.to(hidden.device)
+        num_items = call.num_items_in_batch
+        if isinstance(num_items, torch.Tensor) and num_items.device != hidden.device:
+            num_items = num_items.to(hidden.device)
+        if self.keep_logits:
+            logits = original_head(hidden)
+            call.result = head_loss(logits, targets, spec, shift=shift, num_items_in_batch=num_items,
+                                    validate=self.validate, backend=self.backend)
+            return logits
+        weight, bias = _full(self.head.weight), _full(getattr(self.head, "bias", None))
+        call.result = linear_head_loss(
+            hidden, weight, targets, spec, bias=bias, shift=shift, num_items_in_batch=num_items,
+            chunk_bytes=self.chunk_bytes, fp32_weight_grad=self.fp32_weight_grad, validate=self.validate,
+            backend=self.backend,
+        )
+        return hidden.new_empty(*hidden.shape[:-1], 0)
+
+    def _finish(self, out, call: _Call):
+        result = call.result
+        self.last = result
+        accumulator = self.metrics if self.model.training else self.eval_metrics
+        if torch.is_grad_enabled() or not self.model.training:
+            accumulator.update(result, num_items_in_batch=call.num_items_in_batch,
+                               reduction="sum" if self.spec.reduction == "sum" else "mean")
+        if isinstance(out, tuple):
+            return out
+        if not self.keep_logits and "logits" in out:
+            out["logits"] = None
+        out["metrics"] = dict(result.metrics)
+        out["headloss"] = result
+        return out
+
+    # --- the check at patch time ------------------------------------------------------------------
+
+    def _verify(self) -> None:
+        """Run a short probe through the stock model and through the patch, and compare logits and loss."""
+        model, head = self.model, self.head
+        vocab = head.weight.shape[0]
+        device = head.weight.device
+        if device.type == "meta":
+            raise PatchError("model: its weights are on the meta device; load them first, or pass verify=False")
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (1, 6), generator=gen).to(device)
+        labels = ids.clone()
+        labels[0, 0] = -100
+        seen: dict[str, torch.Tensor] = {}
+
+        def hook(_module, inputs, output):
+            seen["hidden"], seen["z"] = inputs[0].detach(), output.detach()
+
+        was_training = model.training
+        model.eval()
+        handle = head.register_forward_hook(hook)
+        try:
+            with torch.no_grad():
+                stock = model(input_ids=ids, labels=labels, use_cache=False)
+        except TypeError:
+            with torch.no_grad():
+                stock = model(input_ids=ids, labels=labels)
+        finally:
+            handle.remove()
+        if "hidden" not in seen:
+            model.train(was_training)
+            raise PatchError(f"{type(model).__name__}: its forward never called get_output_embeddings()")
+        hidden, z = seen["hidden"], seen["z"]
+        name = type(model).__name__
+        try:
+            plain = F.linear(hidden, head.weight, getattr(head, "bias", None))
+            if not torch.allclose(plain.float(), z.float(), **_tolerance(z.dtype)):
+                raise PatchError(
+                    f"{name}: its lm_head ({type(head).__name__}) is not hidden @ weight.T + bias; headloss cannot "
+                    "reproduce it"
+                )
+            logits = getattr(stock, "logits", None)
+            if logits is None:
+                raise PatchError(f"{name}: its output has no logits to check the head's transform against")
+            from ..reference import transformed_logits
+
+            expected = transformed_logits(z.float(), self.spec, torch.float32) * self.spec.transform.temperature
+            if not torch.allclose(logits.float(), expected, **_tolerance(logits.dtype)):
+                raise PatchError(
+                    f"{name}: its logits are not the lm_head's output under the transform headloss read from its "
+                    f"config ({self.spec.transform}); it applies something else to them, so it is refused rather "
+                    "than mis-scored"
+                )
+            self._probe_loss(stock, ids, labels)
+        finally:
+            model.train(was_training)
+
+    def _probe_loss(self, stock, ids, labels) -> None:
+        """The patched loss of the probe equals the model's own cross-entropy (CE-only spec)."""
+        name = type(self.model).__name__
+        if stock.loss is None:
+            raise PatchError(f"{name}: its forward returned no loss for labels")
+        logits = stock.logits[:, :-1].double()
+        target = labels[:, 1:].to(logits.device)
+        expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+        aux = getattr(stock, "aux_loss", None)
+        if aux is not None:  # a MoE router's auxiliary loss, added by the model
+            expected = expected + getattr(self.model, "router_aux_loss_coef", 0.0) * aux.double()
+        if not torch.allclose(stock.loss.double(), expected, **_tolerance(stock.logits.dtype)):
+            raise PatchError(
+                f"{name}: its loss for labels ({float(stock.loss):.6g}) is not the causal-LM cross-entropy of its "
+                f"logits ({float(expected):.6g}); refused rather than mis-scored"
+            )
+        t = self.spec.transform
+        probe = LossSpec(transform=LogitTransform(logit_scale=t.logit_scale, softcap=t.softcap), ignore_index=-100)
+        full, self.spec = self.spec, probe
+        self._apply()
+        try:
+            with torch.no_grad():
+                try:
+                    mine = self.model(input_ids=ids, labels=labels, use_cache=False)
+                except TypeError:
+                    mine = self.model(input_ids=ids, labels=labels)
+        finally:
+            self.undo()
+            self.spec = full
+            self.metrics.reset()
+            self.eval_metrics.reset()
+            self.last = None
+        if not torch.allclose(mine.loss.float(), stock.loss.float(), **_tolerance(stock.logits.dtype)):
+            raise PatchError(
+                f"{name}: the patched loss of a probe ({float(mine.loss):.6g}) differs from the model's own "
+                f"({float(stock.loss):.6g}); refused rather than mis-scored"
+            )
+
+
+def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+
+
+def _labels_position(forward) -> int | None:
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    for i, p in enumerate(params):
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        if p.name == "labels" and p.kind in positional:
+            return i
+    return None
+
+
+def _restore(obj, name: str, had: bool, value) -> None:
+    if had:
+        setattr(obj, name, value)
+    else:
+        obj.__dict__.pop(name, None)
+
+
+def _merged_spec(spec: LossSpec, model_transform: LogitTransform) -> LossSpec:
+    """The user's spec with the model's head transform; a conflicting transform is an error."""
+    mine = spec.transform
+    if model_transform.logit_scale == 1.0 and model_transform.softcap is None:
+        return spec
+    if mine.logit_scale != 1.0 or mine.softcap is not None:
+        if (mine.logit_scale, mine.softcap) != (model_transform.logit_scale, model_transform.softcap):
+            raise PatchError(
+                f"spec: its transform ({mine}) differs from the model's head (logit_scale="
+                f"{model_transform.logit_scale}, softcap={model_transform.softcap}); leave logit_scale and "
+                "softcap unset, the patch reads them from the model"
+            )
+        return spec
+    transform = LogitTransform(logit_scale=model_transform.logit_scale, softcap=model_transform.softcap,
+                               temperature=mine.temperature)
+    return LossSpec.model_validate({**dict(spec), "transform": transform})
+
+
+def patch(model, spec: SpecLike | None = None, **options) -> HeadPatch:
+    """Patch ``model`` (any HF causal LM, or a PEFT model around one) to compute ``spec`` (default:
+    mean cross-entropy) through headloss whenever it gets labels. Returns a :class:`HeadPatch`
+    (``.undo()``, context manager, ``.metrics``).
+
+    Options: ``chunk_bytes`` (the logits chunk of linear_head_loss), ``keep_logits`` (also return
+    the logits: materialises them and uses head_loss on them), ``fp32_weight_grad``, ``verify``
+    (the probe at patch time; False for weights that cannot run yet), ``validate``, ``backend``,
+    ``metric_names`` (e.g. :data:`headloss.metrics.TRL_NAMES`).
+    """
+    return HeadPatch(model, spec, **options)
+
+
+def _trainer_callback_base():
+    try:
+        from transformers import TrainerCallback
+    except ImportError as exc:  # pragma: no cover - the callback needs transformers
+        raise ImportError("HeadLossCallback needs transformers") from exc
+    return TrainerCallback
+
+
+class _LazyCallbackMeta(type):
+    """Builds HeadLossCallback on transformers' TrainerCallback on first use (no import before)."""
+
+    _cls = None
+
+    def __call__(cls, *args, **kwargs):
+        if _LazyCallbackMeta._cls is None:
+            base = _trainer_callback_base()
+
+            class _HeadLossCallback(base):
+                __doc__ = cls.__doc__
+
+                def __init__(self, source, drop: tuple[str, ...] = ("loss",)) -> None:
+                    self.train = source.metrics if isinstance(source, HeadPatch) else source
+                    self.eval = source.eval_metrics if isinstance(source, HeadPatch) else None
+                    self.drop = set(drop)
+
+                def on_log(self, args, state, control, logs=None, **kwargs):
+                    if logs is None:
+                        return
+                    is_eval = any(k.startswith("eval_") for k in logs)
+                    accumulator = self.eval if is_eval else self.train
+                    if accumulator is None:
+                        return
+                    values = {k: v for k, v in accumulator.compute().items()
+                              if k.removeprefix("eval_") not in self.drop}
+                    logs.update(values)
+                    if state.log_history and state.log_history[-1] is not logs:
+                        state.log_history[-1].update(values)
+
+            _LazyCallbackMeta._cls = _HeadLossCallback
+        return _LazyCallbackMeta._cls(*args, **kwargs)
+
+
+class HeadLossCallback(metaclass=_LazyCallbackMeta):
+    """A ``transformers.TrainerCallback`` that adds a patch's metrics to the Trainer's logs.
+
+    ``HeadLossCallback(handle)`` (a :class:`HeadPatch`, or a MetricsAccumulator): at each log, the
+    metrics accumulated since the last one -- token-weighted over micro-batches, reduced over the
+    data-parallel ranks with one collective, read with one host sync -- join the logged values
+    (the Trainer's own ``loss`` is kept; ``drop`` names ours to leave out). Put it first so that
+    reporting callbacks see the values: ``trainer.callback_handler.callbacks.insert(0, cb)`` or
+    :func:`attach`.
+    """
+
+
+def attach(trainer, handle: HeadPatch, **options):
+    """Add a :class:`HeadLossCallback` for ``handle`` in front of the Trainer's callbacks (so that
+    the reporters -- console, W&B, TensorBoard -- log its values); returns the callback."""
+    callback = HeadLossCallback(handle, **options)
+    trainer.callback_handler.callbacks.insert(0, callback)
+    return callback
+
+
+__all__ += ["PatchError", "attach"]

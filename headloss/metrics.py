@@ -1,0 +1,218 @@
+"""Step metrics from many head-loss calls, kept on the device until someone logs them.
+
+A training step is often several micro-batches (gradient accumulation) on several data-parallel
+ranks. Each call's metrics are means over *its* tokens, and with ``num_items_in_batch`` its
+``loss`` is a share of the step's loss, not a mean. :class:`MetricsAccumulator` turns them into
+the step's values:
+
+* token means (``ce``, ``z_loss``, ``entropy``, ``token_accuracy``, ``kl``, ``clip_ratio/*_mean``,
+  ...) are weighted by each call's ``n_tokens``, so uneven micro-batches count per token;
+* ``loss`` is the summed loss over the summed tokens (with ``num_items_in_batch`` given to
+  :meth:`update`, the call's loss times it; without, its mean times its tokens);
+* names ending in ``min`` / ``max`` are the smallest / largest over calls and ranks (calls without
+  tokens are left out);
+* ``n_tokens`` is the total.
+
+:meth:`update` adds a call with 3 small device ops and no host sync; :meth:`compute` reduces
+across the process group with one ``all_gather`` and reads everything with one host sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+TRL_NAMES: dict[str, str] = {"token_accuracy": "mean_token_accuracy", "n_tokens": "num_tokens"}
+"""headloss metric names -> TRL's, where they differ (the policy metrics already use TRL's names)."""
+
+_SPECIAL = ("loss", "n_tokens")
+
+
+def _kind(name: str) -> str:
+    if name.endswith("min"):
+        return "min"
+    if name.endswith("max"):
+        return "max"
+    return "mean"
+
+
+class MetricsAccumulator:
+    """Token-weighted step metrics across calls (micro-batches) and data-parallel ranks.
+
+    Args:
+        names: rename metrics when computing (e.g. :data:`TRL_NAMES`); others keep their name.
+        group: a ``torch.distributed`` process group to reduce over at :meth:`compute` (default:
+            the world when ``torch.distributed`` is initialised, else no reduction). ``False``:
+            never reduce.
+        prefix: prepended to every computed name (e.g. ``"train/"``).
+
+    Use::
+
+        acc = MetricsAccumulator()
+        for batch in micro_batches:
+            out = headloss.head_loss(logits, labels, spec, num_items_in_batch=n)
+            out.loss.backward()
+            acc.update(out, num_items_in_batch=n)
+        if step % log_every == 0:
+            log(acc.compute())   # one collective, one sync; resets
+    """
+
+    def __init__(self, names: Mapping[str, str] | None = None, group=None, prefix: str = "") -> None:
+        self.names = dict(names or {})
+        self.group = group
+        self.prefix = prefix
+        self.reset()
+
+    def reset(self) -> None:
+        self._keys: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None = None
+        self._sums: torch.Tensor | None = None  # [tokens, loss sum, token-weighted sums...] fp64
+        self._mins: torch.Tensor | None = None
+        self._maxs: torch.Tensor | None = None
+        self.calls = 0
+
+    def update(self, out, num_items_in_batch: int | float | torch.Tensor | None = None,
+               reduction: str = "mean") -> None:
+        """Add one call's metrics (a HeadLossOutput, or its ``metrics`` dict).
+
+        ``num_items_in_batch``: what the call divided its summed loss by (None: its own tokens).
+        ``reduction``: the spec's; with ``"sum"`` the loss is already a sum.
+        """
+        metrics = out.metrics if hasattr(out, "metrics") else out
+        if "n_tokens" not in metrics or "loss" not in metrics:
+            raise ValueError("out: expected headloss metrics with 'loss' and 'n_tokens'")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction: expected 'mean' or 'sum', got {reduction!r}")
+        keys = tuple(sorted(n for n in metrics if n not in _SPECIAL))
+        means = tuple(n for n in keys if _kind(n) == "mean")
+        mins = tuple(n for n in keys if _kind(n) == "min")
+        maxs = tuple(n for n in keys if _kind(n) == "max")
+        if self._keys is None:
+            self._keys = (means, mins, maxs)
+        elif self._keys != (means, mins, maxs):
+            raise ValueError(
+                f"out: metrics {sorted(keys)} differ from the earlier calls' "
+                f"{sorted(self._keys[0] + self._keys[1] + self._keys[2])}; call compute() or reset() between specs"
+            )
+        tokens = metrics["n_tokens"].detach().to(torch.float64)
+        loss = metrics["loss"].detach().to(torch.float64)
+        if reduction == "sum":
+            loss_sum = loss
+        elif num_items_in_batch is None:
+            loss_sum = loss * tokens
+        else:
+            denom = num_items_in_batch
+            if isinstance(denom, torch.Tensor):
+                denom = denom.detach().to(device=loss.device, dtype=torch.float64).reshape(())
+            loss_sum = loss * denom
+        parts = [tokens.reshape(1), loss_sum.reshape(1)]
+        if means:
+            parts.append(torch.stack([metrics[n].detach() for n in means]).to(torch.float64) * tokens)
+        row = torch.cat(parts)
+        self._sums = row if self._sums is None else self._sums + row
+        has = tokens > 0
+        if mins:
+            v = torch.where(has, torch.stack([metrics[n].detach() for n in mins]).to(torch.float64), float("inf"))
+            self._mins = v if self._mins is None else torch.minimum(self._mins, v)
+        if maxs:
+            v = torch.where(has, torch.stack([metrics[n].detach() for n in maxs]).to(torch.float64), float("-inf"))
+            self._maxs = v if self._maxs is None else torch.maximum(self._maxs, v)
+        self.calls += 1
+
+    def _group(self):
+        if self.group is False:
+            return None
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            if self.group is not None:
+                raise RuntimeError("group: given, but torch.distributed is not initialised")
+            return None
+        return self.group if self.group is not None else dist.group.WORLD
+
+    def compute(self, reset: bool = True) -> dict[str, float]:
+        """The step's metrics as floats: one all_gather over the group and one host sync. Every rank
+        of the group must call it; a rank without calls takes part in the collective, contributes
+        nothing and gets ``{}``. Metrics with no token anywhere are NaN."""
+        group = self._group()
+        if self._keys is None and group is None:
+            if reset:
+                self.reset()
+            return {}
+        means, mins, maxs = self._keys if self._keys is not None else ((), (), ())
+        packed = self._packed(means, mins, maxs)
+        if group is not None:
+            packed = self._all_gather(packed, group, means, mins, maxs)
+        values = packed.tolist()
+        if reset:
+            self.reset()
+        if not values:
+            return {}
+        tokens, loss_sum = values[0], values[1]
+        out: dict[str, float] = {}
+        nan = float("nan")
+        out["loss"] = loss_sum / tokens if tokens > 0 else nan
+        out["n_tokens"] = tokens
+        offset = 2
+        for i, name in enumerate(means):
+            out[name] = values[offset + i] / tokens if tokens > 0 else nan
+        offset += len(means)
+        for i, name in enumerate(mins):
+            v = values[offset + i]
+            out[name] = v if v != float("inf") else nan
+        offset += len(mins)
+        for i, name in enumerate(maxs):
+            v = values[offset + i]
+            out[name] = v if v != float("-inf") else nan
+        return {self.prefix + self.names.get(k, k): v for k, v in out.items()}
+
+    def _packed(self, means, mins, maxs) -> torch.Tensor:
+        if self._sums is None:
+            return torch.zeros(0, dtype=torch.float64)
+        parts = [self._sums]
+        if mins:
+            parts.append(self._mins)
+        if maxs:
+            parts.append(self._maxs)
+        return torch.cat(parts)
+
+    def _all_gather(self, packed: torch.Tensor, group, means, mins, maxs) -> torch.Tensor:
+        """One collective of a fixed-size row per rank ([width, values..., padding]: every rank sends
+        the same size whatever it holds, so a mismatch is an error here, never a hang), then the
+        reduction locally. A rank without calls sends width 0 and counts for nothing."""
+        import torch.distributed as dist
+
+        world = dist.get_world_size(group)
+        backend = dist.get_backend(group)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        width = packed.numel()
+        if width + 1 > _ROW:
+            raise ValueError(f"MetricsAccumulator: {width} values exceed the {_ROW - 1} one row holds")
+        row = torch.zeros(_ROW, dtype=torch.float64, device=device)
+        row[0] = width
+        row[1: 1 + width] = packed.to(device)
+        parts = [torch.empty_like(row) for _ in range(world)]
+        dist.all_gather(parts, row, group=group)
+        gathered = torch.stack(parts)
+        widths = set(gathered[:, 0].tolist()) - {0.0}
+        if not widths:
+            return torch.zeros(0, dtype=torch.float64)
+        if len(widths) > 1 or (width and widths != {float(width)}):
+            raise RuntimeError(
+                "MetricsAccumulator.compute: ranks hold different metric sets (each rank must "
+                "accumulate calls of the same spec, or none)"
+            )
+        if width == 0:  # no calls here: the names are unknown on this rank, which returns {}
+            return torch.zeros(0, dtype=torch.float64)
+        body = gathered[gathered[:, 0] > 0, 1: 1 + width]
+        n_sum = 2 + len(means)
+        parts = [body[:, :n_sum].sum(0)]
+        if mins:
+            parts.append(body[:, n_sum: n_sum + len(mins)].min(0).values)
+        if maxs:
+            parts.append(body[:, n_sum + len(mins):].max(0).values)
+        return torch.cat(parts)
+
+
+_ROW = 128
+"""Values one rank's row of the collective holds (sums, mins, maxs), plus its width."""

@@ -1,0 +1,148 @@
+"""MetricsAccumulator: token-weighted step metrics over uneven micro-batches and gloo ranks."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import make_logits, make_targets
+
+from headloss import Entropy, LossSpec, ZLoss, head_loss
+from headloss.metrics import TRL_NAMES, MetricsAccumulator
+
+SPEC = LossSpec(z_loss=ZLoss(weight=1e-3), entropy=Entropy(), token_accuracy=True)
+GRPO = LossSpec(cross_entropy=None, policy={"loss_type": "dapo", "kl_beta": 0.04, "eps_high": 0.28})
+
+
+def micro_batches(seed: int, sizes=(3, 8, 5), vocab=37, ignore=0.3):
+    """Micro-batches of uneven rows and uneven ignored fractions."""
+    out = []
+    for i, n in enumerate(sizes):
+        logits = make_logits((n, vocab), seed=seed * 10 + i)
+        targets = make_targets((n,), vocab, seed * 10 + i, ignore_frac=ignore * (i % 2))
+        out.append((logits, targets))
+    return out
+
+
+def test_token_weighted_means_equal_one_call_over_all_tokens():
+    batches = micro_batches(1)
+    whole = head_loss(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]), SPEC,
+                      backend="reference")
+    total = int(whole.metrics["n_tokens"])
+    acc = MetricsAccumulator()
+    naive = []
+    for logits, targets in batches:
+        out = head_loss(logits, targets, SPEC, num_items_in_batch=total, backend="reference")
+        acc.update(out, num_items_in_batch=total)
+        naive.append(float(out.metrics["ce"]))
+    values = acc.compute()
+    for name in ("ce", "z_loss", "entropy", "token_accuracy"):
+        assert values[name] == pytest.approx(float(whole.metrics[name]), rel=1e-6), name
+    assert values["loss"] == pytest.approx(float(whole.loss), rel=1e-6)
+    assert values["n_tokens"] == total
+    assert values["ce"] != pytest.approx(sum(naive) / len(naive), rel=1e-4)  # micro-batch means would differ
+    assert acc.compute() == {}  # compute() resets
+
+
+def test_loss_without_num_items_and_with_sum_reduction():
+    batches = micro_batches(2)
+    whole = head_loss(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]), SPEC,
+                      backend="reference")
+    acc = MetricsAccumulator()
+    for logits, targets in batches:
+        acc.update(head_loss(logits, targets, SPEC, backend="reference"))
+    assert acc.compute()["loss"] == pytest.approx(float(whole.loss), rel=1e-6)
+    summed = LossSpec.model_validate({**dict(SPEC), "reduction": "sum"})
+    acc = MetricsAccumulator(names=TRL_NAMES, prefix="train/")
+    for logits, targets in batches:
+        acc.update(head_loss(logits, targets, summed, backend="reference"), reduction="sum")
+    values = acc.compute()
+    assert values["train/loss"] == pytest.approx(float(whole.loss), rel=1e-6)
+    assert "train/mean_token_accuracy" in values and "train/num_tokens" in values
+
+
+def test_min_and_max_metrics_reduce_by_min_and_max_and_skip_empty_calls():
+    acc = MetricsAccumulator()
+    gen = torch.Generator().manual_seed(3)
+    seen_min, seen_max = [], []
+    for b, length in ((2, 6), (3, 4)):
+        logits = torch.randn(b, length, 23, generator=gen)
+        ids = torch.randint(0, 23, (b, length), generator=gen)
+        old = -torch.rand(b, length, generator=gen) * 3
+        out = head_loss(logits, ids, GRPO, advantages=torch.randn(b, generator=gen), old_logprobs=old,
+                        ref_logprobs=old, backend="reference")
+        acc.update(out)
+        seen_min.append(float(out.metrics["ratio/min"]))
+        seen_max.append(float(out.metrics["ratio/max"]))
+    empty = head_loss(torch.randn(1, 3, 23), torch.full((1, 3), -100), GRPO, advantages=torch.ones(1),
+                      old_logprobs=torch.zeros(1, 3), ref_logprobs=torch.zeros(1, 3), backend="reference")
+    acc.update(empty)  # no tokens: its ratio/min of 1 must not count
+    values = acc.compute()
+    assert values["ratio/min"] == pytest.approx(min(seen_min))
+    assert values["ratio/max"] == pytest.approx(max(seen_max))
+
+
+def test_bad_input_is_a_clear_error():
+    acc = MetricsAccumulator()
+    with pytest.raises(ValueError, match="n_tokens"):
+        acc.update({"ce": torch.tensor(1.0)})
+    logits, targets = micro_batches(4)[0]
+    acc.update(head_loss(logits, targets, SPEC, backend="reference"))
+    with pytest.raises(ValueError, match="differ"):
+        acc.update(head_loss(logits, targets, LossSpec(), backend="reference"))
+    with pytest.raises(ValueError, match="reduction"):
+        acc.update(head_loss(logits, targets, SPEC, backend="reference"), reduction="none")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        batches = micro_batches(5)
+        mine = batches[rank::world]  # uneven: rank 0 gets two micro-batches, rank 1 one, rank 2 none
+        acc = MetricsAccumulator()
+        calls = []
+
+        original = dist.all_gather
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs)
+
+        dist.all_gather = counted
+        for logits, targets in mine:
+            acc.update(head_loss(logits, targets, SPEC, backend="reference"))
+        values = acc.compute()
+        dist.all_gather = original
+        results[rank] = (values, len(calls))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_ranks_reduce_with_one_collective(world):
+    batches = micro_batches(5)
+    whole = head_loss(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]), SPEC,
+                      backend="reference")
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank, args=(world, _free_port(), results), nprocs=world, join=True)
+        results = dict(results)
+    for rank in range(world):
+        values, collectives = results[rank]
+        assert collectives == 1
+        if rank >= len(batches):  # no call on this rank: it took part and got nothing
+            assert values == {}
+            continue
+        for name in ("ce", "z_loss", "entropy", "token_accuracy", "loss"):
+            target = whole.loss if name == "loss" else whole.metrics[name]
+            assert values[name] == pytest.approx(float(target), rel=1e-6), (rank, name)
+        assert values["n_tokens"] == int(whole.metrics["n_tokens"])
