@@ -10,6 +10,8 @@ Providers, each in a process of its own (Liger patches the model classes):
   headloss       headloss.integrations.transformers.patch with the full SFT spec
                  (CE + z-loss 1e-4 + token accuracy + entropy metric)
   headloss-ce    the patch with plain CE
+  liger-body+headloss  Liger's RoPE, RMSNorm and SwiGLU kernels with the headloss patch as the head
+                 (what a user combining both gets; compare with ``liger``)
 
 Each process: 20 AdamW steps (lr 1e-5) from the same init on one fixed batch, recording the
 cross-entropy at every step (for headloss's full spec its ``ce`` metric: its loss adds the z-loss),
@@ -32,7 +34,7 @@ import torch
 
 from benchmarks.common import Row, gpu_name, out_dir_default, write_rows
 
-PROVIDERS = ("stock", "liger-flce", "liger", "trl-fused", "headloss", "headloss-ce")
+PROVIDERS = ("stock", "liger-flce", "liger", "trl-fused", "headloss", "headloss-ce", "liger-body+headloss")
 
 
 def build(args):
@@ -61,7 +63,9 @@ def run_provider(args) -> dict:
     if name.startswith("liger"):
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
-        if name == "liger-flce":
+        if name == "liger-body+headloss":
+            apply_liger_kernel_to_llama(cross_entropy=False, fused_linear_cross_entropy=False, model=model)
+        elif name == "liger-flce":
             apply_liger_kernel_to_llama(rope=False, rms_norm=False, swiglu=False, cross_entropy=False,
                                         fused_linear_cross_entropy=True, model=model)
         else:
@@ -82,13 +86,13 @@ def run_provider(args) -> dict:
 
         add_fused_lm_head(model)
         extra = {"fused_lm_head": True}
-    if name.startswith("headloss"):
+    if "headloss" in name:
         import headloss
         from headloss.integrations.transformers import patch
 
         spec = headloss.LossSpec() if name == "headloss-ce" else headloss.LossSpec(
             z_loss={"weight": 1e-4}, entropy={"weight": 0.0}, token_accuracy=True)
-        patch(model, spec)
+        patch(model, spec, **({"chunk_bytes": args.chunk_mb << 20} if args.chunk_mb else {}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
 
     def step():
@@ -125,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--chunk-mb", type=int, default=0, help="headloss patch chunk_bytes in MiB (0: default)")
+    parser.add_argument("--stem", default="bench_hf")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # one provider, in this process
     args = parser.parse_args(argv)
     if args.run:
@@ -133,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for name in args.providers:
         cmd = [sys.executable, "-m", "benchmarks.bench_hf", "--run", name, "--batch", str(args.batch), "--seq",
-               str(args.seq), "--layers", str(args.layers), "--steps", str(args.steps)]
+               str(args.seq), "--layers", str(args.layers), "--steps", str(args.steps), "--chunk-mb",
+               str(args.chunk_mb)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not found:
@@ -147,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     stock = next((r for r in results if r["provider"] == "stock"), None)
     rows: list[Row] = []
     config = {"batch": args.batch, "seq": args.seq, "layers": args.layers, "hidden": 2048, "vocab": 128256,
-              "dtype": "bf16", "optimizer": "AdamW"}
+              "dtype": "bf16", "optimizer": "AdamW", "chunk_mb": args.chunk_mb}
     print(f"\n{'provider':12s} {'step ms':>8s} {'x stock':>8s} {'peak GB':>8s} {'max |dloss| vs stock':>21s}")
     for r in results:
         drift = None
@@ -163,8 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(Row(case="train-step", provider=r["provider"], metric="memory", unit="GB", x_name="tokens",
                         x=args.batch * args.seq, p50=r["peak_gb"], config=config, gpu=gpu_name()))
     out = out_dir_default()
-    write_rows(rows, out, "bench_hf")
-    _plot(results, out / "bench_hf.png")
+    write_rows(rows, out, args.stem)
+    _plot(results, out / f"{args.stem}.png")
 
 
 def _plot(results: list[dict], path) -> None:

@@ -35,13 +35,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..api import DEFAULT_CHUNK_BYTES, head_loss, linear_head_loss
+from ..api import head_loss, linear_head_loss
 from ..inputs import SpecLike, as_spec
 from ..metrics import MetricsAccumulator
 from ..output import HeadLossOutput
 from ..spec import LogitTransform, LossSpec
 
 __all__ = ["HeadLossCallback", "HeadPatch", "head_transform", "patch"]
+
+
+PATCH_CHUNK_BYTES = 128 << 20
+"""The patch's logits chunk: half linear_head_loss's default. In a whole training step the head's
+working set adds to the body's activations; at 128 MiB a Llama-3.2-1B-shaped step (4 x 4096 tokens,
+H200) peaked at Liger's 28.28 GB and ran in 267 vs 271 ms; at 256 MiB, 263 ms but 28.38 GB
+(benchmarks/bench_hf.py, results/bench_hf*.json)."""
 
 
 class PatchError(ValueError):
@@ -131,7 +138,7 @@ class HeadPatch:
         last: the last call's :class:`~headloss.HeadLossOutput` (loss, metrics, per-token outputs).
     """
 
-    def __init__(self, model, spec: SpecLike | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    def __init__(self, model, spec: SpecLike | None = None, *, chunk_bytes: int = PATCH_CHUNK_BYTES,
                  keep_logits: bool = False, fp32_weight_grad: bool = False, verify: bool = True,
                  validate=None, backend: str = "auto", metric_names: dict[str, str] | None = None) -> None:
         self.model = _causal_lm(model)
@@ -425,8 +432,9 @@ def patch(model, spec: SpecLike | None = None, **options) -> HeadPatch:
     mean cross-entropy) through headloss whenever it gets labels. Returns a :class:`HeadPatch`
     (``.undo()``, context manager, ``.metrics``).
 
-    Options: ``chunk_bytes`` (the logits chunk of linear_head_loss), ``keep_logits`` (also return
-    the logits: materialises them and uses head_loss on them), ``fp32_weight_grad``, ``verify``
+    Options: ``chunk_bytes`` (the logits chunk of linear_head_loss; default :data:`PATCH_CHUNK_BYTES`),
+    ``keep_logits`` (also return the logits: materialises them and uses head_loss on them),
+    ``fp32_weight_grad``, ``verify``
     (the probe at patch time; False for weights that cannot run yet), ``validate``, ``backend``,
     ``metric_names`` (e.g. :data:`headloss.metrics.TRL_NAMES`).
     """
