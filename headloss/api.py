@@ -283,7 +283,35 @@ def linear_head_loss(
         advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, sequence_ids:
             the policy term's inputs, as in :func:`head_loss`.
         validate, backend, num_items_in_batch: as in :func:`head_loss`.
+
+    Under ``torch.autocast`` the GEMMs run in the autocast dtype, as ``F.linear`` would: hidden
+    states and weights (student and teacher) are cast to it, and their gradients flow back to
+    the original dtypes.
     """
+    kwargs = dict(bias=bias, shift=shift, teacher_logits=teacher_logits, teacher_hidden=teacher_hidden,
+                  teacher_weight=teacher_weight, teacher_bias=teacher_bias, advantages=advantages,
+                  old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_mask=loss_mask,
+                  importance_weights=importance_weights, sequence_ids=sequence_ids,
+                  num_items_in_batch=num_items_in_batch, chunk_bytes=chunk_bytes, fp32_weight_grad=fp32_weight_grad,
+                  compact=compact, validate=validate, backend=backend)
+    device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else None
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+
+        def cast(t):
+            return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+        for name in ("bias", "teacher_hidden", "teacher_weight", "teacher_bias"):
+            kwargs[name] = cast(kwargs[name])
+        with torch.autocast(device_type, enabled=False):
+            return _linear_head_loss(cast(hidden), cast(weight), targets, spec, **kwargs)
+    return _linear_head_loss(hidden, weight, targets, spec, **kwargs)
+
+
+def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_logits, teacher_hidden, teacher_weight,
+                      teacher_bias, advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights,
+                      sequence_ids, num_items_in_batch, chunk_bytes, fp32_weight_grad, compact, validate,
+                      backend) -> HeadLossOutput:
     if not torch.compiler.is_compiling():
         check_pending()
     plan = plan_for(spec, has_targets=targets is not None)

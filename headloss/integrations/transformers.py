@@ -27,6 +27,7 @@ is not the causal-LM cross-entropy) is refused with an error, never scored wrong
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from dataclasses import dataclass, field
@@ -156,6 +157,7 @@ class HeadPatch:
         self.eval_metrics = MetricsAccumulator(names=metric_names, prefix="eval_")
         self.last: HeadLossOutput | None = None
         self._pending: _Call | None = None
+        self._inputs: dict[str, Any] = {}
         self._specs: dict[int, LossSpec] = {}
         self._active = False
         if verify:
@@ -184,8 +186,8 @@ class HeadPatch:
             if labels is None and labels_at is not None and len(args) > labels_at:
                 labels = args[labels_at]
             shift_labels = kwargs.get("shift_labels")
-            if (labels is None and shift_labels is None) or self._pending is not None:
-                return original_forward(*args, **kwargs)
+            if (labels is None and shift_labels is None) or self._pending is not None or kwargs.get("fused_lm_head"):
+                return original_forward(*args, **kwargs)  # (fused_lm_head: TRL's own head, as TRL asks)
             call = _Call(labels=labels, shift_labels=shift_labels,
                          num_items_in_batch=kwargs.get("num_items_in_batch"), ignore_index=kwargs.get("ignore_index"))
             self._pending = call
@@ -230,6 +232,18 @@ class HeadPatch:
         model.__dict__.pop("_headloss_patch", None)
         self._active = False
 
+    @contextlib.contextmanager
+    def inputs(self, **tensors):
+        """Per-call inputs of the spec's terms for the forwards inside the block (the policy term's
+        advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights; teacher_logits),
+        passed to headloss as they are: shaped like the labels the forward gets."""
+        before = self._inputs
+        self._inputs = {k: v for k, v in tensors.items() if v is not None}
+        try:
+            yield self
+        finally:
+            self._inputs = before
+
     @property
     def active(self) -> bool:
         return self._active
@@ -265,13 +279,13 @@ class HeadPatch:
         if self.keep_logits:
             logits = original_head(hidden)
             call.result = head_loss(logits, targets, spec, shift=shift, num_items_in_batch=num_items,
-                                    validate=self.validate, backend=self.backend)
+                                    validate=self.validate, backend=self.backend, **self._inputs)
             return logits
         weight, bias = _full(self.head.weight), _full(getattr(self.head, "bias", None))
         call.result = linear_head_loss(
             hidden, weight, targets, spec, bias=bias, shift=shift, num_items_in_batch=num_items,
             chunk_bytes=self.chunk_bytes, fp32_weight_grad=self.fp32_weight_grad, validate=self.validate,
-            backend=self.backend,
+            backend=self.backend, **self._inputs,
         )
         return hidden.new_empty(*hidden.shape[:-1], 0)
 

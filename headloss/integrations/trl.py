@@ -1,0 +1,227 @@
+"""TRL's GRPOTrainer and SFTTrainer computing their loss through a headloss LossSpec.
+
+::
+
+    from headloss.integrations.trl import HeadLossGRPOTrainer, HeadLossSFTTrainer
+
+    trainer = HeadLossGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...), train_dataset=ds)
+    trainer.train()
+
+Both are subclasses that change one method: the loss (``GRPOTrainer._compute_loss``,
+``SFTTrainer.compute_loss``) runs through :func:`headloss.integrations.transformers.patch` on the
+policy model -- the model's forward, then :func:`headloss.linear_head_loss` on the hidden states,
+with the objective, the entropy, the clip statistics and the KL in the same pass. Generation,
+rewards, advantages, the old / reference log-probs and everything else stay TRL's. Losses,
+gradients and the logged metrics follow TRL's conventions, names and cross-process reductions:
+
+=============================  ===========================================================
+TRL option                     headloss
+=============================  ===========================================================
+GRPO ``loss_type``             ``Policy.loss_type`` for grpo, bnpo, dr_grpo, dapo (divided
+                               by the accumulation steps, or dapo's rescaled
+                               ``num_items_in_batch``, exactly as TRL does)
+``epsilon`` / ``epsilon_high``  ``Policy.eps_low`` / ``eps_high``
+``delta``                      ``Policy.delta``
+``beta``                       ``Policy.kl_beta`` with the k3 estimator
+``use_bias_correction_kl``     ``Policy.kl_importance_correction``
+``max_completion_length``      ``Policy.max_completion_length`` (dr_grpo)
+``temperature``                ``LogitTransform.temperature`` (the model's own head transform,
+                               e.g. Gemma's softcap, is read from its config)
+vLLM importance sampling       ``importance_weights`` = TRL's ``importance_sampling_ratio``
+MoE router aux loss            added as TRL adds it
+SFT ``loss_type`` nll / dft    ``CrossEntropy`` / ``DFT``
+SFT ``label_smoothing_factor`` ``CrossEntropy.label_smoothing``
+=============================  ===========================================================
+
+Refused with an error naming the option (no mapping yet): GRPO loss types cispo, sapo, vespo,
+luspo; ``importance_sampling_level="sequence"``; ``top_entropy_quantile < 1``;
+``off_policy_mask_threshold``; an entropy bonus (``entropy_coef``, adaptive entropy); SFT's
+``compute_loss_func`` and DeepSpeed sequence parallelism.
+
+Pass ``spec=`` to score more than TRL's loss (z-loss, say): its extra metrics are logged too.
+"""
+
+from __future__ import annotations
+
+import torch
+from trl import GRPOTrainer, SFTTrainer
+
+from ..spec import DFT, CrossEntropy, Entropy, LogitTransform, LossSpec, Policy
+from .transformers import HeadPatch, patch
+
+__all__ = ["HeadLossGRPOTrainer", "HeadLossSFTTrainer", "grpo_spec", "sft_spec"]
+
+_TRL_NAMES = {"token_accuracy": "mean_token_accuracy"}
+
+
+def grpo_spec(trainer) -> LossSpec:
+    """The LossSpec of a GRPOTrainer's objective (its attributes, as its __init__ set them)."""
+
+    def refuse(option: str, why: str) -> None:
+        raise ValueError(f"{option}: {why} has no headloss mapping yet; use trl.GRPOTrainer for it")
+
+    if trainer.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        refuse("loss_type", f"{trainer.loss_type!r}")
+    if trainer.importance_sampling_level != "token":
+        refuse("importance_sampling_level", f"{trainer.importance_sampling_level!r}")
+    if trainer.top_entropy_quantile < 1.0:
+        refuse("top_entropy_quantile", "an entropy mask")
+    if trainer.off_policy_mask_threshold is not None:
+        refuse("off_policy_mask_threshold", "the off-policy sequence mask")
+    if getattr(trainer, "_entropy_bonus_enabled", False):
+        refuse("entropy_coef", "TRL's entropy bonus")
+    args = trainer.args
+    policy = Policy(
+        loss_type=trainer.loss_type, eps_low=trainer.epsilon_low, eps_high=trainer.epsilon_high,
+        delta=getattr(args, "delta", None), kl_beta=trainer.beta, kl_estimator="k3",
+        kl_importance_correction=bool(getattr(args, "use_bias_correction_kl", False)),
+        max_completion_length=trainer.max_completion_length if trainer.loss_type == "dr_grpo" else None,
+        num_processes=1,
+    )
+    return LossSpec(cross_entropy=None, entropy=Entropy(weight=0.0), policy=policy,
+                    transform=LogitTransform(temperature=trainer.temperature))
+
+
+def sft_spec(args) -> LossSpec:
+    """The LossSpec of an SFTConfig's loss, with TRL's logged entropy and token accuracy."""
+    smoothing = float(getattr(args, "label_smoothing_factor", 0.0) or 0.0)
+    loss_type = getattr(args, "loss_type", "nll")
+    if loss_type == "dft":
+        if smoothing:
+            raise ValueError("label_smoothing_factor: TRL does not smooth the dft loss; set it to 0")
+        return LossSpec(cross_entropy=None, dft=DFT(), entropy=Entropy(weight=0.0), token_accuracy=True)
+    if loss_type != "nll":
+        raise ValueError(f"loss_type: {loss_type!r} has no headloss mapping yet; use trl.SFTTrainer for it")
+    return LossSpec(cross_entropy=CrossEntropy(label_smoothing=smoothing), entropy=Entropy(weight=0.0),
+                    token_accuracy=True)
+
+
+def _global_means(accelerator, metrics: dict[str, torch.Tensor], names) -> dict[str, float]:
+    """Token means over every process (TRL's global_masked_mean), all names with one reduce."""
+    n = metrics["n_tokens"].to(torch.float32)
+    stack = torch.stack([n] + [metrics[k].to(torch.float32) * n for k in names])
+    totals = accelerator.reduce(stack, reduction="sum").tolist()
+    count = max(totals[0], 1.0)
+    return {k: v / count for k, v in zip(names, totals[1:])}
+
+
+class HeadLossGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` whose loss is a headloss LossSpec (see the module doc for the mapping).
+
+    Extra arguments: ``spec`` (default: :func:`grpo_spec` of the config), ``patch_options`` (for
+    :func:`headloss.integrations.transformers.patch`, e.g. ``chunk_bytes``).
+    """
+
+    def __init__(self, *args, spec: LossSpec | None = None, patch_options: dict | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.headloss_spec = spec if spec is not None else grpo_spec(self)
+        if self.headloss_spec.policy is None:
+            raise ValueError("spec: HeadLossGRPOTrainer needs a spec with a policy term")
+        self.headloss: HeadPatch = patch(self.model, self.headloss_spec, **(patch_options or {}))
+
+    def _compute_loss(self, model, inputs):
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        keep = completion_ids.size(1)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        mode = "train" if self.model.training else "eval"
+        policy = self.headloss_spec.policy
+        num_items = None
+        if policy.loss_type == "dapo":  # TRL's rescaling of the generation batch's token count
+            num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                num_items = num_items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        weights = None
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            weights = inputs["importance_sampling_ratio"]
+            if weights.dim() == 2 and weights.shape[1] == 1:
+                weights = weights.expand_as(mask)
+        model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": completion_ids,
+                        "logits_to_keep": keep + 1, "use_cache": False}
+        if num_items is not None:
+            model_inputs["num_items_in_batch"] = num_items
+        if self.aux_loss_enabled:
+            model_inputs["output_router_logits"] = True
+        with self.headloss.inputs(
+            advantages=inputs["advantages"], old_logprobs=inputs.get("old_per_token_logps"),
+            ref_logprobs=inputs.get("ref_per_token_logps") if policy.kl_beta != 0.0 else None,
+            loss_mask=mask, importance_weights=weights,
+        ), self.accelerator.autocast():
+            outputs = model(**model_inputs)
+        result = self.headloss.last
+        loss = result.loss
+        if policy.loss_type in ("grpo", "bnpo", "dr_grpo") and mode == "train":
+            loss = loss / self.current_gradient_accumulation_steps
+        if self.aux_loss_enabled:
+            normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            loss = loss + self.router_aux_loss_coef * outputs.aux_loss / normalizer
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(outputs.aux_loss).mean().item())
+        self._log_metrics(mode, result.metrics, policy)
+        return loss
+
+    def _log_metrics(self, mode: str, metrics: dict[str, torch.Tensor], policy: Policy) -> None:
+        names = [k for k in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+                 if k in metrics and (k != "kl" or policy.kl_beta != 0.0)]
+        extra = [k for k in metrics if k not in names and k not in _POLICY_INTERNAL]
+        values = _global_means(self.accelerator, metrics, names + extra)
+        for k in names + extra:
+            self._metrics[mode][_TRL_NAMES.get(k, k)].append(values[k])
+        for k, reduce in (("clip_ratio/low_min", torch.min), ("clip_ratio/high_max", torch.max)):
+            if k in metrics:
+                gathered = self.accelerator.gather(metrics[k].reshape(1).float())
+                self._metrics[mode][k].append(float(reduce(gathered)))
+
+
+_POLICY_INTERNAL = ("loss", "n_tokens", "clip_ratio/low_min", "clip_ratio/high_max", "ratio/mean", "ratio/min",
+                    "ratio/max", "logprob/mean")
+
+
+class HeadLossSFTTrainer(SFTTrainer):
+    """``trl.SFTTrainer`` whose loss is a headloss LossSpec: TRL's nll or dft loss (and label
+    smoothing), its ``entropy`` and ``mean_token_accuracy`` from the same pass, no logits.
+
+    Extra arguments: ``spec`` (default: :func:`sft_spec` of the config; its other metrics are
+    logged too), ``patch_options``.
+    """
+
+    def __init__(self, *args, spec: LossSpec | None = None, patch_options: dict | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.compute_loss_func is not None:
+            raise ValueError("compute_loss_func: HeadLossSFTTrainer computes the loss itself; use trl.SFTTrainer")
+        self.headloss_spec = spec if spec is not None else sft_spec(self.args)
+        self.label_smoother = None  # the spec's CrossEntropy.label_smoothing does it
+        self.headloss: HeadPatch = patch(self.model, self.headloss_spec, **(patch_options or {}))
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if self.model.training else "eval"
+        inputs = {**inputs, "use_cache": False}
+        if self.aux_loss_enabled:
+            inputs["output_router_logits"] = True
+        if "labels" not in inputs:
+            raise ValueError("inputs: HeadLossSFTTrainer needs labels from the collator")
+        outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
+        result = self.headloss.last
+        loss = result.loss
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        if self.aux_loss_enabled:
+            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+            loss = loss + self.router_aux_loss_coef * outputs.aux_loss / steps
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(outputs.aux_loss).mean().item())
+        names = [k for k in result.metrics if k not in ("loss", "n_tokens")]
+        values = _global_means(self.accelerator, result.metrics, names)
+        for k in names:
+            self._metrics[mode][_TRL_NAMES.get(k, k)].append(values[k])
+        if mode == "train":
+            if "attention_mask" in inputs:
+                tokens = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
+            else:
+                tokens = self.accelerator.gather_for_metrics(
+                    torch.tensor(inputs["position_ids"].size(1), device=inputs["position_ids"].device)).sum().item()
+            self._total_train_tokens += tokens // self._tp_size
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        if return_outputs:
+            raise ValueError("return_outputs: the headloss head builds no logits; evaluate with prediction_loss_only")
+        return loss
