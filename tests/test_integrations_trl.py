@@ -191,8 +191,8 @@ def test_sft_with_a_richer_spec_logs_its_extra_metrics(tmp_path):
 
 
 def test_sft_spec_maps_the_config():
-    assert sft_spec(type("A", (), {"loss_type": "nll", "label_smoothing_factor": 0.1})()).cross_entropy.label_smoothing \
-        == 0.1
+    nll = sft_spec(type("A", (), {"loss_type": "nll", "label_smoothing_factor": 0.1})())
+    assert nll.cross_entropy.label_smoothing == 0.1
     assert sft_spec(type("A", (), {"loss_type": "dft", "label_smoothing_factor": 0.0})()).dft is not None
     with pytest.raises(ValueError, match="loss_type"):
         sft_spec(type("A", (), {"loss_type": "chunked_nll", "label_smoothing_factor": 0.0})())
