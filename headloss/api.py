@@ -18,6 +18,7 @@ from .inputs import (
     Backend,
     SpecLike,
     Validate,
+    check_logits,
     check_pending,
     check_targets,
     flat_targets,
@@ -29,6 +30,7 @@ from .inputs import (
     validation_mode,
 )
 from .output import HeadLossOutput, assemble, column
+from .parallel import dtensor_shard, gather_vocab, is_dtensor, shard_of
 from .plan import KernelPlan
 from .policy import policy_extremes, policy_inputs, policy_objective
 from .reference import reference_head_loss
@@ -75,6 +77,7 @@ def head_loss(
     inplace_grad: bool = False,
     validate: Validate = None,
     backend: Backend = "auto",
+    group: Any = None,
 ) -> HeadLossOutput:
     """Every loss, metric and per-token output of ``spec`` from one pass over ``logits``.
 
@@ -111,6 +114,13 @@ def head_loss(
             device-side assert.
         backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"reference"``
             (plain torch), or ``"auto"``: triton on CUDA or under the interpreter, else reference.
+        group: vocab-parallel logits: ``logits`` is this rank's contiguous slice of the vocabulary
+            ``[.., V_rank]`` (ranks in order, shards may be uneven), targets and the other inputs
+            are replicated. Every output is the same on every rank and equal to the single-device
+            result on the whole vocabulary; the gradient is this rank's slice. One all_gather per
+            call (see :mod:`headloss.parallel`). A DTensor sharded on its last dimension needs no
+            ``group``. Not yet: distillation, deferred mode (reduction ``none``,
+            differentiable outputs), torch.compile.
 
     Returns:
         :class:`HeadLossOutput`. NaN or +inf logits give NaN loss and gradient in their rows;
@@ -123,9 +133,14 @@ def head_loss(
                         loss_mask=loss_mask, importance_weights=importance_weights, sequence_ids=sequence_ids)
     plan = plan_for(spec, has_targets=targets is not None)
     spec = plan.spec
+    shard = None
+    if group is not None or is_dtensor(logits):
+        logits, targets, shard = _vocab_shard(logits, targets, group, plan, teacher_logits)
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
     dtype = logits.dtype if isinstance(logits, torch.Tensor) else torch.float32
     if resolve_backend(backend, device, dtype) == "reference":
+        if shard is not None:
+            logits = gather_vocab(logits, shard)
         return _reference_head_loss(logits, targets, spec, teacher_logits, policy_given, num_items_in_batch, shift,
                                     validate)
     call = head_call(logits, targets, spec, kernel=True, teacher_logits=teacher_logits, policy_given=policy_given,
@@ -133,8 +148,11 @@ def head_loss(
                      policy_in_kernel=plan.flags.HAS_POLICY)
     pol = call.policy
     rows_per_seq = pol.seq_len if pol is not None and isinstance(pol.seq_len, int) else 0
-    run = HeadRun(plan, call.geo, inplace_grad, call.validate, call.token_shape,
-                  adv_span=pol.adv_span if pol is not None else 1, seq_len=rows_per_seq)
+    geo = call.geo
+    if shard is not None:
+        geo = geo._replace(vocab_start=shard.vocab_start, V_total=shard.vocab_total)
+    run = HeadRun(plan, geo, inplace_grad, call.validate, call.token_shape,
+                  adv_span=pol.adv_span if pol is not None else 1, seq_len=rows_per_seq, shard=shard)
     loss, rows, pred, means, scratch = HeadFunction.apply(
         logits, call.targets, call.teacher,
         *((pol.old_logprobs, pol.ref_logprobs, pol.advantages, pol.importance_weights, pol.weight)
@@ -143,6 +161,27 @@ def head_loss(
     )
     loss, extra = _policy_terms(plan, loss, rows, means, scratch, pol, kernel_sequences=rows_per_seq > 0)
     return assemble(plan, call.token_shape, loss, rows, pred, means, scratch, extra)
+
+
+def _vocab_shard(logits, targets, group, plan: KernelPlan, teacher_logits):
+    """(local logits, local targets, VocabShard) of a vocab-parallel call; what it cannot do yet is
+    refused here, on every rank alike, before any collective."""
+    if plan.has_teacher or teacher_logits is not None:
+        raise ValueError("group: distillation over vocab-parallel logits is not supported yet")
+    if plan.mode != "fused":
+        raise ValueError(
+            "group: vocab-parallel logits need the fused mode for now (reduction 'mean' or 'sum', "
+            "differentiable_outputs off)"
+        )
+    if is_dtensor(targets):
+        targets = targets.full_tensor()
+    if is_dtensor(logits):
+        local, shard = dtensor_shard(logits)
+        if group is not None and group is not shard.group:
+            raise ValueError("group: differs from the DTensor's mesh group; pass one or the other")
+        return local, targets, shard
+    check_logits(logits)
+    return logits, targets, shard_of(group, logits.shape[-1], logits.device)
 
 
 def _policy_terms(plan: KernelPlan, loss, rows, means, scratch, pol, kernel_sequences: bool = False

@@ -20,17 +20,20 @@ which Inductor treats as opaque kernels (``register_fake`` gives their output sh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .inputs import CheckContext, Normaliser, settle, verdict_slot
 from .kernels.head import (
+    GEO_INTS,
     SCRATCH,
     Geometry,
     PolicyRows,
     launch_backward,
     launch_finish,
     launch_head,
+    launch_shard_stats,
     prepare,
     row_strides,
     scale_grad_,
@@ -98,15 +101,24 @@ class HeadRun:
     token_shape: tuple[int, ...]
     adv_span: int = 1  # policy: slots per advantage (K: one per sequence)
     seq_len: int = 0  # policy: K when sequences are the rows of [B, K] (see PolicyRows)
+    shard: Any = None  # vocab-parallel: a headloss.parallel.VocabShard
 
 
 def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, policy: PolicyRows | None, num_items,
-                 sequence_ids, grad_mode: str, validate: str, token_shape: tuple[int, ...]):
-    """prepare + head kernels: (loss, rows, pred, means, scratch, grad); grad_mode none/fresh/inplace."""
+                 sequence_ids, grad_mode: str, validate: str, token_shape: tuple[int, ...], shard=None):
+    """prepare + head kernels: (loss, rows, pred, means, scratch, grad); grad_mode none/fresh/inplace.
+    ``shard`` (a parallel.VocabShard): logits are this rank's vocabulary slice; the shard's
+    statistics are exchanged with one all_gather before the head kernel (headloss.parallel)."""
     device = logits.device
-    verdict = verdict_slot(validate, device, CheckContext(token_shape, geo.V, geo.ignore_index,
+    whole = geo._replace(V=geo.V_total) if shard is not None else geo  # targets are checked against all of V
+    verdict = verdict_slot(validate, device, CheckContext(token_shape, whole.V, geo.ignore_index,
                                                           Normaliser(geo.norm, num_items)))
-    scratch = prepare(targets, num_items, sequence_ids, geo, device, verdict, _sequences(geo, policy))
+    scratch = prepare(targets, num_items, sequence_ids, whole, device, verdict, _sequences(geo, policy))
+    stats = None
+    if shard is not None and geo.n_rows:
+        from .parallel import gather_merged
+
+        stats = gather_merged(launch_shard_stats(plan, logits=logits, targets=targets, geo=geo), shard)
     rows, pred, loss, means = _empty_outputs(plan, geo.n_out, device, token_shape)
     grad = None
     if grad_mode == "inplace":
@@ -118,7 +130,8 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
         _no_rows(plan, loss, means)
     else:
         launch_head(plan, logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, pred=_opt(pred),
-                    policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means, geo=geo)
+                    policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means, geo=geo,
+                    stats=stats)
     settle(verdict, validate, device)
     return loss, rows, pred, means, scratch, grad
 
@@ -151,16 +164,18 @@ class HeadFunction(torch.autograd.Function):
             grad_mode = "inplace" if run.inplace and not torch.compiler.is_compiling() else "fresh"
         policy = PolicyRows(old, ref, adv, iw, weight, run.adv_span, run.seq_len) if adv is not None else None
         if torch.compiler.is_compiling():
+            if run.shard is not None:
+                raise NotImplementedError("group: a vocab-parallel head_loss is not traceable by torch.compile yet")
             loss, rows, pred, means, scratch, grad = torch.ops.headloss.head_forward(
                 logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_ids, plan.key,
-                list(run.geo[:-1]), run.geo.norm, grad_mode, run.validate, list(run.token_shape),
+                _geo_ints(run.geo), run.geo.norm, grad_mode, run.validate, list(run.token_shape),
                 [run.adv_span, run.seq_len],
             )
             grad = grad if grad_mode != "none" else None
         else:
             loss, rows, pred, means, scratch, grad = head_forward(
                 plan, run.geo, logits, targets, teacher, policy, num_items, sequence_ids, grad_mode, run.validate,
-                run.token_shape,
+                run.token_shape, run.shard,
             )
         ctx.run = run
         ctx.set_materialize_grads(False)  # outputs without a gradient get None, not a zero tensor
@@ -190,7 +205,7 @@ class HeadFunction(torch.autograd.Function):
         if torch.compiler.is_compiling():
             grad = torch.ops.headloss.head_backward(
                 logits, targets, teacher, rows, d_loss if d_loss is not None else torch.zeros_like(scratch[:1]).float(),
-                d_rows, num_items, scratch, run.plan.key, list(run.geo[:-1]), run.geo.norm,
+                d_rows, num_items, scratch, run.plan.key, _geo_ints(run.geo), run.geo.norm,
             )
         else:
             grad = head_backward(run.plan, run.geo, logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch,
@@ -203,7 +218,7 @@ def _scale(grad: torch.Tensor, d_loss: torch.Tensor, geo: Geometry) -> torch.Ten
     if d_loss.dtype != torch.float32:
         d_loss = d_loss.float()
     if torch.compiler.is_compiling():
-        torch.ops.headloss.scale_grad_(grad, d_loss.reshape(1), list(geo[:-1]))
+        torch.ops.headloss.scale_grad_(grad, d_loss.reshape(1), _geo_ints(geo))
         return grad
     return scale_grad_(grad, d_loss, geo)
 
@@ -515,7 +530,11 @@ class LinearFunction(torch.autograd.Function):
 
 
 def _geo(values: list[int], norm: float) -> Geometry:
-    return Geometry(*values, norm=norm)
+    return Geometry(norm=norm, **dict(zip(GEO_INTS, values)))
+
+
+def _geo_ints(geo: Geometry) -> list[int]:
+    return [getattr(geo, name) for name in GEO_INTS]
 
 
 @torch.library.custom_op("headloss::head_forward", mutates_args=())

@@ -13,6 +13,7 @@ from conftest import assert_close_norm, make_logits, make_targets, needs_kernel
 
 import headloss
 from headloss import LossSpec, head_loss, linear_head_loss
+from headloss.engine import _geo_ints
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 V = 37
@@ -126,7 +127,7 @@ def test_opcheck_head_forward(grad_mode):
     spec = LossSpec(z_loss={"weight": 1e-3}, token_accuracy=True, outputs=("predicted_tokens",))
     logits, targets = make_logits((5, V), seed=9), make_targets((5,), V, seed=9)
     geo = geometry((5, V), (0, V), 5, 0, None, -100, Normaliser())
-    args = (logits, targets, None, None, None, None, None, None, None, None, _plan_key(spec), list(geo[:-1]),
+    args = (logits, targets, None, None, None, None, None, None, None, None, _plan_key(spec), _geo_ints(geo),
             geo.norm, grad_mode, "off", [5], [1, 0])
     torch.library.opcheck(torch.ops.headloss.head_forward.default, args)
 
@@ -140,12 +141,12 @@ def test_opcheck_head_backward_and_scale():
     geo = geometry((5, V), (0, V), 5, 0, None, -100, Normaliser())
     key = _plan_key(spec)
     loss, rows, pred, means, scratch, _ = torch.ops.headloss.head_forward(
-        logits, targets, None, None, None, None, None, None, None, None, key, list(geo[:-1]), 0.0, "none", "off", [5],
+        logits, targets, None, None, None, None, None, None, None, None, key, _geo_ints(geo), 0.0, "none", "off", [5],
         [1, 0])
-    args = (logits, targets, None, rows, torch.rand(5), torch.rand(rows.shape), None, scratch, key, list(geo[:-1]), 0.0)
+    args = (logits, targets, None, rows, torch.rand(5), torch.rand(rows.shape), None, scratch, key, _geo_ints(geo), 0.0)
     torch.library.opcheck(torch.ops.headloss.head_backward.default, args)
     torch.library.opcheck(torch.ops.headloss.scale_grad_.default, (torch.randn(5, V), torch.tensor([2.0]),
-                                                                    list(geo[:-1])))
+                                                                    _geo_ints(geo)))
 
 
 @needs_kernel

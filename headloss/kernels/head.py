@@ -81,6 +81,12 @@ class Geometry(NamedTuple):
     t_stride_t: int
     ignore_index: int
     norm: float  # num_items_in_batch given as a number (0: none)
+    vocab_start: int = 0  # vocab-parallel: the global id of this shard's column 0
+    V_total: int = 0  # vocab-parallel: the whole vocabulary (0: not sharded, V is all of it)
+
+
+GEO_INTS = tuple(name for name in Geometry._fields if name != "norm")
+"""Geometry's int fields, in order (the torch.library ops pass them as a list, norm apart)."""
 
 
 class PolicyRows(NamedTuple):
@@ -173,6 +179,7 @@ def head_kernel(
     scratch,  # (SCRATCH,) int64: counted rows (prepare_kernel), programs done
     loss,  # () fp32 reduced loss, or (n_out,) for reduction 'none'
     means,  # (C.N + 1,) fp32 column means and the loss, written with FINISH
+    stats,  # vocab-parallel: (n_rows, STATS) fp32 row statistics merged over the shards, or None
     # sizes, strides, runtime scalars
     geo,
     S,
@@ -184,6 +191,10 @@ def head_kernel(
     FINISH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    SHARDED: tl.constexpr = stats is not None
+    V_math = geo.V  # the vocabulary of the math (label smoothing's eps / V): the whole one when sharded
+    if SHARDED:
+        V_math = geo.V_total
     b = row // geo.T
     t = row % geo.T
     row_ptr = logits + b * geo.stride_b + t * geo.stride_t
@@ -196,25 +207,34 @@ def head_kernel(
     slot, has_slot, y, counted = row_slot(targets, row, geo)
     row_out = rows + slot * C.N
     # an entropy without gradient is summed in the gradient pass when there is one
-    ENTROPY_IN_PASS_1: tl.constexpr = F.HAS_ENTROPY and (F.ENTROPY_GRAD or grad is None)
+    # (sharded: from the merged sums, a gradient pass over one shard sums only its share)
+    ENTROPY_IN_PASS_1: tl.constexpr = F.HAS_ENTROPY and (F.ENTROPY_GRAD or grad is None or SHARDED)
     ENTROPY_IN_PASS_3: tl.constexpr = F.HAS_ENTROPY and not ENTROPY_IN_PASS_1
+    y_here = y  # the target's column in this row's logits (global id minus the shard's start)
+    if SHARDED:
+        y_here = y - geo.vocab_start
     if counted:
-        # --- 1. stats pass
-        m2, d, sum_x2, sum_ex2, arg, tstats = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V, ENTROPY_IN_PASS_1)
+        # --- 1. stats pass (sharded: this shard's pass ran in shard_stats_kernel; merged stats)
+        if SHARDED:
+            m2, d, sum_x2, sum_ex2, arg, x2_y, slope_y = merged_stats(stats, row, row_ptr, y_here, geo.V, S, F)
+            tstats = 0
+        else:
+            m2, d, sum_x2, sum_ex2, arg, tstats = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V,
+                                                               ENTROPY_IN_PASS_1)
+            x2_y = tl.zeros([], tl.float32)
+            slope_y = tl.zeros([], tl.float32)
+            if targets is not None:
+                # out-of-range targets (validation off) give NaN, never an out-of-bounds read
+                x2_y, slope_y = target_logit(row_ptr, y, geo.V, S, F.HAS_SOFTCAP)
         # --- 2. per-token values, term by term (natural units from here on)
         lse2 = m2 + tl.log2(d)
         lse = lse2 * LN2
-        x2_y = tl.zeros([], tl.float32)
-        slope_y = tl.zeros([], tl.float32)
-        if targets is not None:
-            # out-of-range targets (validation off) give NaN, never an out-of-bounds read
-            x2_y, slope_y = target_logit(row_ptr, y, geo.V, S, F.HAS_SOFTCAP)
         logp = (x2_y - lse2) * LN2
         entropy = tl.zeros([], tl.float32)
         if ENTROPY_IN_PASS_1:
             entropy = lse - sum_ex2 * LN2 / d
             put(row_out, C.entropy, entropy)
-        token_loss = row_values(row_out, lse, logp, sum_x2, entropy, geo.V, S, F, C)
+        token_loss = row_values(row_out, lse, logp, sum_x2, entropy, V_math, S, F, C)
         zero = tl.zeros([], tl.float32)
         dstate = (zero, zero, zero, zero)
         if teacher is not None:
@@ -236,9 +256,9 @@ def head_kernel(
         # --- 3. gradient pass
         if grad is not None:
             u = token_scale(scratch, num_items, geo, F)
-            A, B, Cc, D = row_coefficients(u, d_logp, d_entropy, zero, lse, logp, entropy, geo.V, S, F)
+            A, B, Cc, D = row_coefficients(u, d_logp, d_entropy, zero, lse, logp, entropy, V_math, S, F)
             sum_px2 = gradient_pass(
-                row_ptr, t_row, grad_row, geo.V, y, x2_y, slope_y, lse, A, B, Cc, D, dstate,
+                row_ptr, t_row, grad_row, geo.V, y_here, x2_y, slope_y, lse, A, B, Cc, D, dstate,
                 u * S.w_distill * S.inv_distill_temp, S, F, BLOCK_V, ENTROPY_IN_PASS_3,
             )
             if ENTROPY_IN_PASS_3:
@@ -260,6 +280,71 @@ def head_kernel(
         done = tl.atomic_add(scratch + 1, 1, sem="acq_rel")
         if done == geo.n_rows - 1:
             reduce_rows(rows, loss, means, scratch, num_items, policy, geo, F, C, R)
+
+
+STATS = 8
+"""Vocab-parallel row statistics (fp32): [0] max x2 (base-2 units), [1] sum 2^(x2 - max),
+[2] sum x2 (label smoothing), [3] sum 2^(x2 - max) x2 (entropy), [4] the argmax's global id,
+[5] the target's x2 where the shard holds it (else 0), [6] 1 where the shard holds it, [7] unused."""
+
+
+@triton.jit
+def shard_stats_kernel(
+    logits,  # (rows, V_shard) addressed through geo.stride_*
+    targets,  # (n_out,) global ids, or None
+    part,  # (n_rows, STATS) fp32 out: this shard's statistics
+    geo,
+    S,
+    F: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Phase 1 of a vocab-parallel head on one shard: the statistics every rank exchanges."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // geo.T
+    t = row % geo.T
+    row_ptr = logits + b * geo.stride_b + t * geo.stride_t
+    slot, has_slot, y, counted = row_slot(targets, row, geo)
+    out = part + row * 8
+    if counted:
+        m2, d, sum_x2, sum_ex2, arg, _ = online_stats(row_ptr, None, geo.V, S, F, BLOCK_V, F.HAS_ENTROPY)
+        x2_y = tl.zeros([], tl.float32)
+        owned = tl.zeros([], tl.float32)
+        if targets is not None:
+            y_here = y - geo.vocab_start
+            if (y_here >= 0) & (y_here < geo.V):
+                x2_y, _ = target_logit(row_ptr, y_here, geo.V, S, F.HAS_SOFTCAP)
+                owned = tl.full([], 1.0, tl.float32)
+        tl.store(out, m2)
+        tl.store(out + 1, d)
+        tl.store(out + 2, sum_x2)
+        tl.store(out + 3, sum_ex2)
+        tl.store(out + 4, (arg + geo.vocab_start).to(tl.float32))
+        tl.store(out + 5, x2_y)
+        tl.store(out + 6, owned)
+    else:
+        tl.store(out, float("-inf"))
+        tl.store(out + 1, 0.0)
+        tl.store(out + 2, 0.0)
+        tl.store(out + 3, 0.0)
+        tl.store(out + 4, 0.0)
+        tl.store(out + 5, 0.0)
+        tl.store(out + 6, 0.0)
+
+
+@triton.jit
+def merged_stats(stats, row, row_ptr, y_here, V, S, F: tl.constexpr):
+    """(m2, d, sum_x2, sum_ex2, arg, x2_y, slope_y) of a row from the merged statistics. x2_y is NaN
+    when no shard holds the target (out of range); slope_y (dx/dz at the target) is read here, and
+    used by the gradient pass only where this shard holds the target."""
+    at = stats + row * 8
+    m2 = tl.load(at)
+    d = tl.load(at + 1)
+    sum_x2 = tl.load(at + 2)
+    sum_ex2 = tl.load(at + 3)
+    arg = tl.load(at + 4).to(tl.int32)
+    x2_y = tl.where(tl.load(at + 6) > 0.5, tl.load(at + 5), float("nan"))
+    _, slope_y = target_logit(row_ptr, y_here, V, S, F.HAS_SOFTCAP)  # (masked: no read off this shard)
+    return m2, d, sum_x2, sum_ex2, arg, x2_y, slope_y
 
 
 @triton.jit
@@ -488,7 +573,7 @@ def prepare(targets: torch.Tensor | None, num_items: torch.Tensor | None, sequen
 
 
 def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred, policy, num_items, scratch, loss,
-                means, geo: Geometry, finish: bool = True) -> None:
+                means, geo: Geometry, finish: bool = True, stats: torch.Tensor | None = None) -> None:
     """One program per logits row; with ``finish`` the last one writes ``means`` and the reduced loss."""
     if geo.n_rows == 0:
         return
@@ -496,10 +581,20 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
     launch(
         head_kernel, geo.n_rows, cfg.num_warps,
         logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, pred=pred, policy=policy,
-        num_items=num_items, scratch=scratch, loss=loss, means=means, geo=geo, S=plan.scalars,
+        num_items=num_items, scratch=scratch, loss=loss, means=means, stats=stats, geo=geo, S=plan.scalars,
         F=plan.flags, C=plan.cols, BLOCK_V=cfg.block_v, FINISH=finish,
         R=_tiles(plan.cols.N),
     )
+
+
+def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry) -> torch.Tensor:
+    """This shard's (n_rows, STATS) statistics (vocab-parallel phase 1)."""
+    part = torch.empty(geo.n_rows, STATS, dtype=torch.float32, device=logits.device)
+    if geo.n_rows:
+        cfg = launch_config(geo.V, False, geo.n_rows)
+        launch(shard_stats_kernel, geo.n_rows, cfg.num_warps, logits=logits, targets=targets, part=part, geo=geo,
+               S=plan.scalars, F=plan.flags, BLOCK_V=cfg.block_v)
+    return part
 
 
 def launch_finish(plan: KernelPlan, *, rows, loss, means, scratch, num_items, geo: Geometry) -> None:

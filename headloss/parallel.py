@@ -1,0 +1,161 @@
+"""Vocab-parallel heads: logits (or an lm_head) sharded on the vocabulary over a process group.
+
+Each rank holds a contiguous slice of the vocabulary, in rank order; shards may be uneven. One
+call runs, on every rank:
+
+1. ``shard_stats_kernel`` on the local shard: per row, the running max and sum of exponentials,
+   the sums the spec needs (sum x for label smoothing, sum e*x for the entropy), the local argmax
+   as a global id, and the target's logit where this shard holds the target;
+2. **one** ``all_gather`` of those (n_rows x 8 fp32 per rank);
+3. the merge (max of maxes, rescaled sums, the first rank's argmax among equal maxima, the
+   owner's target logit) -- a few O(rows) device ops, no host sync;
+4. the head kernel on the local shard with the merged statistics: every per-token value, metric
+   and the loss (the same on every rank), and this rank's slice of the gradient.
+
+The backward needs no collective. A shard's start and the whole vocabulary are exchanged once per
+(group, shard width) and cached; a DTensor sharded on its last dimension carries them itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .kernels.head import STATS
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Where this rank's logits columns sit in the whole vocabulary."""
+
+    group: Any  # torch.distributed ProcessGroup
+    vocab_start: int
+    vocab_total: int
+    world: int
+
+
+_SHARDS: dict[tuple[int, int], tuple[Any, VocabShard]] = {}
+COLLECTIVES = {"stats": 0, "layout": 0}
+"""Collectives issued so far (``stats``: one per call; ``layout``: once per group and shard width)."""
+
+
+def _comm_device(group, device: torch.device) -> torch.device:
+    import torch.distributed as dist
+
+    return device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+
+
+def shard_of(group, local_vocab: int, device: torch.device) -> VocabShard:
+    """This rank's VocabShard in ``group`` (an all_gather of the shard widths the first time a
+    (group, width) pair is seen; cached after)."""
+    import torch.distributed as dist
+
+    key = (id(group), local_vocab)
+    hit = _SHARDS.get(key)
+    if hit is not None and hit[0] is group:
+        return hit[1]
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    mine = torch.tensor([local_vocab], dtype=torch.int64, device=_comm_device(group, device))
+    widths = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(widths, mine, group=group)
+    COLLECTIVES["layout"] += 1
+    sizes = [int(w.item()) for w in widths]
+    if min(sizes) <= 0:
+        raise ValueError(f"logits: every rank needs a non-empty vocabulary shard, got widths {sizes}")
+    shard = VocabShard(group=group, vocab_start=sum(sizes[:rank]), vocab_total=sum(sizes), world=world)
+    _SHARDS[key] = (group, shard)
+    return shard
+
+
+def dtensor_shard(logits) -> tuple[torch.Tensor, VocabShard]:
+    """(local tensor, VocabShard) of a DTensor sharded on its last dimension over a 1-D mesh."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = logits.device_mesh, logits.placements
+    last = logits.dim() - 1
+    if mesh.ndim != 1 or len(placements) != 1 or not (
+        isinstance(placements[0], Shard) and placements[0].dim in (-1, last)
+    ):
+        raise ValueError(
+            f"logits: a DTensor must be sharded on its last (vocabulary) dimension over a 1-D mesh, got "
+            f"placements {placements} on a {mesh.ndim}-D mesh"
+        )
+    _, offset = compute_local_shape_and_global_offset(logits.shape, mesh, placements)
+    group = mesh.get_group()
+    import torch.distributed as dist
+
+    shard = VocabShard(group=group, vocab_start=int(offset[last]), vocab_total=int(logits.shape[-1]),
+                       world=dist.get_world_size(group))
+    return logits.to_local(), shard
+
+
+def is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def gather_merged(part: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """All ranks' (n_rows, STATS) statistics, merged into the whole vocabulary's (one all_gather)."""
+    import torch.distributed as dist
+
+    device = _comm_device(shard.group, part.device)
+    mine = part.to(device)
+    parts = [torch.empty_like(mine) for _ in range(shard.world)]
+    dist.all_gather(parts, mine, group=shard.group)
+    COLLECTIVES["stats"] += 1
+    return merge(torch.stack(parts).to(part.device))
+
+
+def merge(parts: torch.Tensor) -> torch.Tensor:
+    """(W, n_rows, STATS) per-shard statistics -> (n_rows, STATS) for the whole vocabulary."""
+    m = parts[..., 0]
+    top = m.max(dim=0).values
+    scale = torch.where(m == float("-inf"), 0.0, torch.exp2(m - top))
+    out = torch.zeros(parts.shape[1:], dtype=parts.dtype, device=parts.device)
+    out[:, 0] = top
+    out[:, 1] = (parts[..., 1] * scale).sum(0)
+    out[:, 2] = parts[..., 2].sum(0)
+    out[:, 3] = (parts[..., 3] * scale).sum(0)
+    first = (m == top).to(torch.int8).argmax(dim=0)  # the lowest rank holding the max: its first index
+    out[:, 4] = parts[..., 4].gather(0, first[None]).squeeze(0)
+    owned = parts[..., 6]
+    out[:, 5] = torch.where(owned > 0.5, parts[..., 5], 0.0).sum(0)
+    out[:, 6] = owned.sum(0)
+    return out
+
+
+__all__ = ["COLLECTIVES", "STATS", "VocabShard", "dtensor_shard", "gather_merged", "gather_vocab", "is_dtensor",
+           "merge", "shard_of"]
+
+
+class _GatherVocab(torch.autograd.Function):
+    """The whole vocabulary's logits on every rank (the reference path of a vocab-parallel call);
+    backward keeps this rank's slice of the (replicated) gradient, no collective."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+        import torch.distributed as dist
+
+        width = local.shape[-1]
+        device = _comm_device(shard.group, local.device)
+        widths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(shard.world)]
+        dist.all_gather(widths, torch.tensor([width], dtype=torch.int64, device=device), group=shard.group)
+        sizes = [int(w.item()) for w in widths]
+        top = max(sizes)
+        padded = torch.nn.functional.pad(local.detach(), (0, top - width)).to(device).contiguous()
+        parts = [torch.empty_like(padded) for _ in range(shard.world)]
+        dist.all_gather(parts, padded, group=shard.group)
+        ctx.start, ctx.width = shard.vocab_start, width
+        return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1).to(local.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[..., ctx.start: ctx.start + ctx.width], None
+
+
+def gather_vocab(local: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """The whole [.., V] logits from every rank's slice (plain torch, for the reference path)."""
+    return _GatherVocab.apply(local, shard)

@@ -1,0 +1,186 @@
+"""Vocab-parallel head_loss on 2 and 3 gloo ranks (CPU; the kernels under the interpreter, and the
+reference path): every output equals the single-process result on the whole vocabulary, each
+rank's gradient is its slice, one collective per call."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import needs_kernel, seed_of
+
+from headloss import CrossEntropy, Entropy, LogitTransform, LossSpec, Policy, ZLoss, head_loss
+
+V = 53  # split unevenly below
+OUTPUTS = ("predicted_tokens", "logprobs", "lse", "token_loss", "entropy")
+SPECS = {
+    "full_sft": LossSpec(z_loss=ZLoss(weight=1e-2), entropy=Entropy(weight=0.0), token_accuracy=True,
+                         outputs=OUTPUTS),
+    "smoothing_softcap_temperature": LossSpec(
+        cross_entropy=CrossEntropy(label_smoothing=0.1), entropy=Entropy(weight=0.05), token_accuracy=True,
+        transform=LogitTransform(logit_scale=1.3, softcap=4.0, temperature=0.7), outputs=OUTPUTS),
+    "dft_sum": LossSpec(cross_entropy=None, dft={"weight": 1.0}, reduction="sum", outputs=("logprobs",)),
+    "grpo": LossSpec(cross_entropy=None, entropy=Entropy(weight=0.0),
+                     policy=Policy(loss_type="dapo", kl_beta=0.04, eps_high=0.28)),
+}
+
+
+def _splits(world: int) -> list[int]:
+    """Uneven contiguous shard widths summing to V."""
+    return {2: [30, 23], 3: [7, 31, 15]}[world]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _inputs(name: str, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(seed_of("parallel", name))  # (str hashes differ per process)
+    b, t = 3, 5
+    logits = (torch.randn(b, t, V, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    logits[0, 1, 40] = logits[0, 1].max() + 2.0  # a clear argmax in a later shard
+    ids = torch.randint(0, V, (b, t), generator=gen)
+    ids[1, 2] = -100
+    kwargs = {}
+    if name == "grpo":
+        old = -torch.rand(b, t, generator=gen) * 4
+        kwargs = dict(advantages=torch.randn(b, generator=gen), old_logprobs=old,
+                      ref_logprobs=old + 0.1 * torch.randn(b, t, generator=gen),
+                      loss_mask=(torch.rand(b, t, generator=gen) > 0.2).float())
+    return logits, ids, kwargs
+
+
+def _compare(full, sharded, grad_full, grad_local, start, width) -> dict[str, float]:
+    """Largest relative differences: loss, metrics, per-token outputs, the gradient slice."""
+    errs = {}
+
+    def rel(a, b):
+        a, b = a.double(), b.double()
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) if b.numel() else 0.0
+
+    errs["loss"] = rel(sharded.loss.detach(), full.loss.detach())
+    for k, v in full.metrics.items():
+        errs[f"metric {k}"] = rel(sharded.metrics[k], v)
+    for k in OUTPUTS:
+        if getattr(full, k) is not None:
+            errs[f"output {k}"] = rel(getattr(sharded, k), getattr(full, k))
+    errs["grad"] = rel(grad_local, grad_full[..., start: start + width])
+    return errs
+
+
+def _rank(rank: int, world: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from headloss.parallel import COLLECTIVES
+
+    try:
+        widths = _splits(world)
+        start = sum(widths[:rank])
+        out = {}
+        gathers = []
+        original = dist.all_gather
+
+        def counted(*args, **kwargs):
+            gathers.append(1)
+            return original(*args, **kwargs)
+
+        dist.all_gather = counted
+        head_loss(torch.randn(2, widths[rank]), torch.zeros(2, dtype=torch.long), group=dist.group.WORLD)
+        first = (len(gathers), COLLECTIVES["layout"])  # the shard layout, exchanged once and cached
+        for name, spec in SPECS.items():
+            for dtype in (torch.float32, torch.bfloat16):
+                for backend in ("triton", "reference"):
+                    for shift in (False, True):
+                        if shift and name == "grpo":
+                            continue
+                        logits, ids, kwargs = _inputs(name, dtype)
+                        x = logits.clone().requires_grad_()
+                        full = head_loss(x, ids, spec, shift=shift, backend=backend, **kwargs)
+                        full.loss.backward()
+                        local = logits[..., start: start + widths[rank]].clone().requires_grad_()
+                        before = len(gathers), COLLECTIVES["stats"]
+                        sharded = head_loss(local, ids, spec, shift=shift, backend=backend, group=dist.group.WORLD,
+                                            **kwargs)
+                        sharded.loss.backward()
+                        calls = (len(gathers) - before[0], COLLECTIVES["stats"] - before[1])
+                        errs = _compare(full, sharded, x.grad, local.grad, start, widths[rank])
+                        out[(name, str(dtype), backend, shift)] = (errs, calls)
+        # refusals are raised on every rank, before any collective
+        refusals = {}
+        for label, call in {
+            "distillation": lambda: head_loss(torch.randn(4, widths[rank]), torch.zeros(4, dtype=torch.long),
+                                              LossSpec(distillation={"divergence": "forward_kl"}),
+                                              teacher_logits=torch.randn(4, widths[rank]), group=dist.group.WORLD),
+            "deferred": lambda: head_loss(torch.randn(4, widths[rank]), torch.zeros(4, dtype=torch.long),
+                                          LossSpec(reduction="none"), group=dist.group.WORLD),
+            "target_out_of_range": lambda: head_loss(torch.randn(4, widths[rank]), torch.full((4,), V),
+                                                     LossSpec(), group=dist.group.WORLD, backend="triton"),
+        }.items():
+            try:
+                call()
+                refusals[label] = None
+            except ValueError as exc:
+                refusals[label] = str(exc)
+        dist.all_gather = original
+        results[rank] = (out, refusals, first, COLLECTIVES["layout"])
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_kernel
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocab_parallel_equals_the_whole_vocabulary(world):
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank, args=(world, _port(), results), nprocs=world, join=True)
+        results = dict(results)
+    for rank in range(world):
+        out, refusals, first, layouts = results[rank]
+        assert first == (2, 1) and layouts == 1  # the first call also learnt the layout; never again
+        assert len(out) == 28
+        for (name, dtype, backend, shift), (errs, calls) in out.items():
+            tol = 1e-5 if dtype == "torch.float32" else 2e-2  # bf16: the gradient's own rounding
+            for what, err in errs.items():
+                limit = tol if what == "grad" else 2e-5
+                assert err <= limit, (rank, name, dtype, backend, shift, what, err)
+            if backend == "triton":
+                assert calls == (1, 1), (name, calls)  # one all_gather per call
+        assert "distillation" in refusals["distillation"]
+        assert "fused" in refusals["deferred"]
+        assert "outside [0, 53)" in refusals["target_out_of_range"]
+
+
+def test_merge_matches_the_whole_row():
+    """The statistics merge alone, against one row's whole-vocabulary values (no processes)."""
+    from headloss.parallel import merge
+
+    gen = torch.Generator().manual_seed(3)
+    x2 = torch.randn(4, 10, generator=gen) * 3
+    x2[1, 7] = float("-inf")
+    x2[2, :4] = float("-inf")  # a shard with nothing but masked columns
+    parts = []
+    for lo, hi in ((0, 4), (4, 9), (9, 10)):
+        seg = x2[:, lo:hi]
+        m = seg.max(1).values
+        e = torch.where(seg == float("-inf"), 0.0, torch.exp2(seg - m[:, None]))
+        row = torch.zeros(4, 8)
+        row[:, 0], row[:, 1] = m, e.sum(1)
+        row[:, 2] = torch.where(seg == float("-inf"), 0.0, seg).sum(1)
+        row[:, 3] = (e * torch.where(seg == float("-inf"), 0.0, seg)).sum(1)
+        row[:, 4] = (seg.argmax(1) + lo).float()
+        owned = (torch.tensor([3, 5, 9, 0]) >= lo) & (torch.tensor([3, 5, 9, 0]) < hi)
+        row[:, 5] = torch.where(owned, seg.gather(1, (torch.tensor([3, 5, 9, 0]) - lo).clamp(0, hi - lo - 1)[:, None])[:, 0],
+                                0.0)
+        row[:, 6] = owned.float()
+        parts.append(row)
+    merged = merge(torch.stack(parts))
+    top = x2.max(1).values
+    torch.testing.assert_close(merged[:, 0], top)
+    torch.testing.assert_close(merged[:, 1], torch.exp2(x2 - top[:, None]).sum(1))
+    torch.testing.assert_close(merged[:, 4], x2.argmax(1).float())
+    torch.testing.assert_close(merged[:, 5], x2.gather(1, torch.tensor([[3], [5], [9], [0]]))[:, 0])
+    assert torch.equal(merged[:, 6], torch.ones(4))
