@@ -172,9 +172,10 @@ def test_merge_matches_the_whole_row():
         row[:, 2] = torch.where(seg == float("-inf"), 0.0, seg).sum(1)
         row[:, 3] = (e * torch.where(seg == float("-inf"), 0.0, seg)).sum(1)
         row[:, 4] = (seg.argmax(1) + lo).float()
-        owned = (torch.tensor([3, 5, 9, 0]) >= lo) & (torch.tensor([3, 5, 9, 0]) < hi)
-        row[:, 5] = torch.where(owned, seg.gather(1, (torch.tensor([3, 5, 9, 0]) - lo).clamp(0, hi - lo - 1)[:, None])[:, 0],
-                                0.0)
+        y = torch.tensor([3, 5, 9, 0])
+        owned = (y >= lo) & (y < hi)
+        at = (y - lo).clamp(0, hi - lo - 1)[:, None]
+        row[:, 5] = torch.where(owned, seg.gather(1, at)[:, 0], 0.0)
         row[:, 6] = owned.float()
         parts.append(row)
     merged = merge(torch.stack(parts))
