@@ -30,7 +30,7 @@ from .inputs import (
     validation_mode,
 )
 from .output import HeadLossOutput, assemble, column
-from .parallel import dtensor_shard, gather_vocab, is_dtensor, shard_of
+from .parallel import dtensor_shard, gather_vocab, is_dtensor, rows_shard, shard_of
 from .plan import KernelPlan
 from .policy import policy_extremes, policy_inputs, policy_objective
 from .reference import reference_head_loss
@@ -289,6 +289,7 @@ def linear_head_loss(
     compact: bool = True,
     validate: Validate = None,
     backend: Backend = "auto",
+    group: Any = None,
 ) -> HeadLossOutput:
     """:func:`head_loss` of ``hidden @ weight.T + bias`` without materialising the logits.
 
@@ -322,6 +323,11 @@ def linear_head_loss(
         advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, sequence_ids:
             the policy term's inputs, as in :func:`head_loss`.
         validate, backend, num_items_in_batch: as in :func:`head_loss`.
+        group: a vocab-parallel (column-parallel) lm_head: ``weight`` (and ``bias``) are this rank's
+            contiguous rows of the vocabulary, ``hidden`` and the targets are replicated. Outputs
+            are replicated, dW / db are this rank's rows, dh is summed over the group once (the
+            column-parallel layer's all-reduce); one all_gather of statistics per chunk. A DTensor
+            weight sharded on dim 0 needs no ``group``. Not yet: distillation, deferred mode.
 
     Under ``torch.autocast`` the GEMMs run in the autocast dtype, as ``F.linear`` would: hidden
     states and weights (student and teacher) are cast to it, and their gradients flow back to
@@ -332,7 +338,7 @@ def linear_head_loss(
                   old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_mask=loss_mask,
                   importance_weights=importance_weights, sequence_ids=sequence_ids,
                   num_items_in_batch=num_items_in_batch, chunk_bytes=chunk_bytes, fp32_weight_grad=fp32_weight_grad,
-                  compact=compact, validate=validate, backend=backend)
+                  compact=compact, validate=validate, backend=backend, group=group)
     device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else None
     if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
@@ -350,11 +356,27 @@ def linear_head_loss(
 def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_logits, teacher_hidden, teacher_weight,
                       teacher_bias, advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights,
                       sequence_ids, num_items_in_batch, chunk_bytes, fp32_weight_grad, compact, validate,
-                      backend) -> HeadLossOutput:
+                      backend, group) -> HeadLossOutput:
     if not torch.compiler.is_compiling():
         check_pending()
     plan = plan_for(spec, has_targets=targets is not None)
     spec = plan.spec
+    shard = None
+    if group is not None or is_dtensor(weight):
+        if plan.has_teacher:
+            raise ValueError("group: distillation over a vocab-parallel lm_head is not supported yet")
+        if plan.mode != "fused":
+            raise ValueError(
+                "group: a vocab-parallel lm_head needs the fused mode for now (reduction 'mean' or 'sum', "
+                "differentiable_outputs off)"
+            )
+        weight, shard = rows_shard(weight, group)
+        if is_dtensor(bias):
+            bias = bias.to_local()
+        if is_dtensor(hidden):
+            hidden = hidden.full_tensor()
+        if is_dtensor(targets):
+            targets = targets.full_tensor()
     _check_linear_inputs(hidden, weight, bias)
     token_rows = tuple(hidden.shape[:-1])
     check_targets(targets, token_rows, spec, hidden.device, shift, source="hidden")
@@ -374,11 +396,17 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
     policy, targets = policy_inputs(spec.policy, tuple(targets.shape) if targets is not None else token_rows, targets,
                                     spec.ignore_index, norm.as_torch(), mode, given)
     if backend == "reference":
+        if shard is not None:  # the whole weight on every rank; each keeps its rows' gradient
+            weight = gather_vocab(weight.t(), shard).t()
+            bias = None if bias is None else gather_vocab(bias[None], shard)[0]
         return _reference_linear(hidden, weight, bias, targets, spec, teacher, given, norm, mode, token_shape)
     rows = math.prod(token_rows)
     elem = hidden.element_size() * (2 if teacher[1] is not None else 1)  # a computed teacher shares the budget
-    run = LinearRun(plan, chunk_rows_for(chunk_bytes, weight.shape[0], elem), fp32_weight_grad, compact, mode,
-                    tuple(targets.shape) if targets is not None else token_rows, spec.ignore_index, norm.value)
+    # sharded: every rank must cut the same chunks (one collective each), so the width is the mean shard's
+    width = weight.shape[0] if shard is None else -(-shard.vocab_total // shard.world)
+    run = LinearRun(plan, chunk_rows_for(chunk_bytes, width, elem), fp32_weight_grad, compact, mode,
+                    tuple(targets.shape) if targets is not None else token_rows, spec.ignore_index, norm.value,
+                    shard=shard)
     has_policy = policy is not None and plan.flags.HAS_POLICY
     loss, rows_out, pred, means, scratch = LinearFunction.apply(
         hidden.reshape(rows, hidden.shape[-1]), weight, bias, flat_targets(targets), *teacher,

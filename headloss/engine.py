@@ -165,7 +165,7 @@ class HeadFunction(torch.autograd.Function):
         policy = PolicyRows(old, ref, adv, iw, weight, run.adv_span, run.seq_len) if adv is not None else None
         if torch.compiler.is_compiling():
             if run.shard is not None:
-                raise NotImplementedError("group: a vocab-parallel head_loss is not traceable by torch.compile yet")
+                raise NotImplementedError("group: a vocab-parallel head_loss is not traceable by torch.compile")
             loss, rows, pred, means, scratch, grad = torch.ops.headloss.head_forward(
                 logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_ids, plan.key,
                 _geo_ints(run.geo), run.geo.norm, grad_mode, run.validate, list(run.token_shape),
@@ -238,6 +238,7 @@ class LinearRun:
     token_shape: tuple[int, ...]
     ignore_index: int
     norm: float
+    shard: Any = None  # vocab-parallel: a headloss.parallel.VocabShard (the weight's rows)
 
 
 @dataclass
@@ -259,10 +260,12 @@ class _Teacher:
 
 
 def _chunk_geometry(rows: int, vocab: int, teacher: torch.Tensor | None, run: LinearRun) -> Geometry:
+    shard = run.shard
     return Geometry(n_rows=rows, n_out=rows, V=vocab, T=rows, K=rows, shift=0, stride_b=0, stride_t=vocab,
                     g_stride_b=0, g_stride_t=vocab, t_stride_b=0,
                     t_stride_t=0 if teacher is None else teacher.stride(0), ignore_index=run.ignore_index,
-                    norm=run.norm)
+                    norm=run.norm, vocab_start=0 if shard is None else shard.vocab_start,
+                    V_total=0 if shard is None else shard.vocab_total)
 
 
 def _rows_of(t: torch.Tensor | None, index: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
@@ -375,10 +378,11 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
     """(loss, rows, rows_computed, pred, means, scratch, index, dh, dw, db) of a chunked lm_head call."""
     plan = run.plan
     rows, vocab = hidden.shape[0], weight.shape[0]
-    full = Geometry(n_rows=rows, n_out=rows, V=vocab, T=rows, K=rows, shift=0, stride_b=0, stride_t=vocab,
+    whole = vocab if run.shard is None else run.shard.vocab_total  # targets are checked against all of V
+    full = Geometry(n_rows=rows, n_out=rows, V=whole, T=rows, K=rows, shift=0, stride_b=0, stride_t=vocab,
                     g_stride_b=0, g_stride_t=vocab, t_stride_b=0, t_stride_t=0, ignore_index=run.ignore_index,
                     norm=run.norm)
-    verdict = verdict_slot(run.validate, hidden.device, CheckContext(run.token_shape, vocab, run.ignore_index,
+    verdict = verdict_slot(run.validate, hidden.device, CheckContext(run.token_shape, whole, run.ignore_index,
                                                                      Normaliser(run.norm, num_items)))
     scratch = prepare(targets, num_items, sequence_ids, full, hidden.device, verdict)
     index = _compact_index(run, targets, scratch, rows, verdict)
@@ -389,12 +393,19 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
     fused = plan.mode == "fused" and any(wants)
     grads = _new_grads(hidden, weight, bias, wants, run.fp32_weight_grad, index, computed) if fused else None
     for start, stop, h_c, t_c, logits in _chunks(hidden, weight, bias, index, teacher, computed, run.chunk_rows):
+        geo = _chunk_geometry(stop - start, vocab, t_c, run)
+        y_c = None if y is None else y[start:stop]
+        stats = None
+        if run.shard is not None:  # this chunk's statistics over every shard: one all_gather
+            from .parallel import gather_merged
+
+            stats = gather_merged(launch_shard_stats(plan, logits=logits, targets=y_c, geo=geo), run.shard)
         launch_head(
-            plan, logits=logits, targets=None if y is None else y[start:stop], teacher=t_c,
+            plan, logits=logits, targets=y_c, teacher=t_c,
             grad=logits if fused else None, rows=rows_c[start:stop], pred=_opt(pred_c[start:stop]),
             policy=_pick_rows(policy, index, start, stop), num_items=num_items, scratch=scratch,
             loss=loss_c.view(-1)[start:stop] if plan.reduction == "none" else loss_c, means=means,
-            geo=_chunk_geometry(stop - start, vocab, t_c, run), finish=False,
+            geo=geo, finish=False, stats=stats,
         )
         if fused:
             _accumulate(grads, logits, h_c, weight, index, start, stop)
@@ -405,6 +416,10 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
                       geo=full._replace(n_out=computed))
     settle(verdict, run.validate, hidden.device)
     dh, dw, db = _finish_grads(grads, weight, bias) if grads is not None else (None, None, None)
+    if run.shard is not None and dh is not None:  # each shard's share of dh: the column-parallel all-reduce
+        from .parallel import all_reduce_sum
+
+        dh = all_reduce_sum(dh, run.shard)
     loss = loss_c
     if plan.reduction == "none" and index is not None:
         loss = torch.zeros(run.token_shape, dtype=loss_c.dtype, device=loss_c.device)
@@ -472,6 +487,8 @@ class LinearFunction(torch.autograd.Function):
         policy = (old, ref, adv, iw, policy_weight)
         wants = tuple(ctx.needs_input_grad[:3])
         if torch.compiler.is_compiling():
+            if run.shard is not None:
+                raise NotImplementedError("group: a vocab-parallel linear_head_loss is not traceable by torch.compile")
             loss, rows, pred, means, scratch, dh, dw, db = torch.ops.headloss.linear_forward(
                 hidden, weight, bias, targets, *teacher, *policy, num_items, sequence_ids, run.plan.key,
                 run.chunk_rows, run.fp32_weight_grad, run.validate, list(run.token_shape), run.ignore_index,

@@ -37,8 +37,10 @@ class VocabShard:
 
 
 _SHARDS: dict[tuple[int, int], tuple[Any, VocabShard]] = {}
-COLLECTIVES = {"stats": 0, "layout": 0}
-"""Collectives issued so far (``stats``: one per call; ``layout``: once per group and shard width)."""
+COLLECTIVES = {"stats": 0, "layout": 0, "dh": 0}
+"""Collectives issued so far: ``stats`` one per call (per chunk on the lm_head path); ``layout``
+once per group and shard width; ``dh`` the lm_head path's all-reduce of the hidden states'
+gradient (the column-parallel layer's own)."""
 
 
 def _comm_device(group, device: torch.device) -> torch.device:
@@ -127,8 +129,8 @@ def merge(parts: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["COLLECTIVES", "STATS", "VocabShard", "dtensor_shard", "gather_merged", "gather_vocab", "is_dtensor",
-           "merge", "shard_of"]
+__all__ = ["COLLECTIVES", "STATS", "VocabShard", "all_reduce_sum", "dtensor_shard", "gather_merged", "gather_vocab",
+           "is_dtensor", "merge", "rows_shard", "shard_of"]
 
 
 class _GatherVocab(torch.autograd.Function):
@@ -159,3 +161,38 @@ class _GatherVocab(torch.autograd.Function):
 def gather_vocab(local: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     """The whole [.., V] logits from every rank's slice (plain torch, for the reference path)."""
     return _GatherVocab.apply(local, shard)
+
+
+def all_reduce_sum(t: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """``t`` summed over the group (in place where the backend allows)."""
+    import torch.distributed as dist
+
+    device = _comm_device(shard.group, t.device)
+    buf = t if t.device == device else t.to(device)
+    dist.all_reduce(buf, group=shard.group)
+    COLLECTIVES["dh"] += 1
+    return buf if buf is t else buf.to(t.device)
+
+
+def rows_shard(weight, group) -> tuple[torch.Tensor, VocabShard]:
+    """(local weight, VocabShard) of an lm_head weight [V, H] sharded on its rows: a DTensor with
+    Shard(0) on a 1-D mesh, or this rank's rows with ``group``."""
+    if is_dtensor(weight):
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        mesh, placements = weight.device_mesh, weight.placements
+        if mesh.ndim != 1 or len(placements) != 1 or not (isinstance(placements[0], Shard) and placements[0].dim == 0):
+            raise ValueError(
+                f"weight: a DTensor lm_head must be sharded on its rows (the vocabulary) over a 1-D mesh, got "
+                f"placements {placements} on a {mesh.ndim}-D mesh"
+            )
+        if group is not None and group is not mesh.get_group():
+            raise ValueError("group: differs from the weight DTensor's mesh group; pass one or the other")
+        import torch.distributed as dist
+
+        _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, placements)
+        group = mesh.get_group()
+        return weight.to_local(), VocabShard(group=group, vocab_start=int(offset[0]),
+                                             vocab_total=int(weight.shape[0]), world=dist.get_world_size(group))
+    return weight, shard_of(group, weight.shape[0], weight.device)

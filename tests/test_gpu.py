@@ -490,3 +490,82 @@ def test_fast_launch_picks_the_variant_of_an_unaligned_view():
         results.append((out.loss.item(), leaf.grad.float()))
     for loss, grad in results[1:]:
         assert abs(loss - results[0][0]) < 1e-6 and _rel(grad, results[0][1]) < 1e-6
+
+
+# --- vocab-parallel over NCCL ----------------------------------------------------------------------
+
+
+def _nccl_rank(rank: int, world: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    try:
+        from headloss.parallel import COLLECTIVES
+
+        n, v, h = 1000, 50257, 256  # V odd, uneven shards
+        widths = [v // world + (1 if r < v % world else 0) for r in range(world)]
+        start, width = sum(widths[:rank]), widths[rank]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        logits = (torch.randn(n, v, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+        ids = torch.randint(0, v, (n,), device="cuda", generator=gen)
+        ids[::7] = -100
+        errs = {}
+        for name, spec in (("full", FULL), ("exotic", EXOTIC)):
+            x = logits.clone().requires_grad_()
+            whole = headloss.head_loss(x, ids, spec)
+            whole.loss.backward()
+            part = logits[:, start: start + width].contiguous().requires_grad_()
+            before = COLLECTIVES["stats"]
+            mine = headloss.head_loss(part, ids, spec, group=dist.group.WORLD)
+            mine.loss.backward()
+            errs[(name, "collectives")] = COLLECTIVES["stats"] - before
+            errs[(name, "loss")] = float((mine.loss - whole.loss).abs() / whole.loss.abs())
+            for k, value in whole.metrics.items():
+                diff = (mine.metrics[k].double() - value.double()).abs()
+                errs[(name, k)] = float(diff / value.double().abs().clamp_min(1e-6))
+            errs[(name, "grad")] = float((part.grad.float() - x.grad[:, start: start + width].float()).abs().max()
+                                         / x.grad.float().abs().max())
+            if spec.outputs:
+                errs[(name, "pred")] = float((mine.predicted_tokens != whole.predicted_tokens).sum())
+        hidden = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16)
+        weight = (torch.randn(v, h, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+        h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        whole = headloss.linear_head_loss(h1, w1, ids, FULL)
+        whole.loss.backward()
+        h2, w2 = hidden.clone().requires_grad_(), weight[start: start + width].clone().requires_grad_()
+        mine = headloss.linear_head_loss(h2, w2, ids, FULL, group=dist.group.WORLD)
+        mine.loss.backward()
+        errs[("linear", "loss")] = float((mine.loss - whole.loss).abs() / whole.loss.abs())
+        errs[("linear", "dh")] = float((h2.grad.float() - h1.grad.float()).abs().max() / h1.grad.float().abs().max())
+        errs[("linear", "dw")] = float((w2.grad.float() - w1.grad[start: start + width].float()).abs().max()
+                                       / w1.grad.float().abs().max())
+        results[rank] = errs
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_vocab_parallel_over_nccl_matches_one_gpu():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_nccl_rank, args=(2, port, results), nprocs=2, join=True)
+        results = dict(results)
+    for rank, errs in results.items():
+        for key, err in errs.items():
+            if key[1] == "collectives":
+                assert err == 1, (rank, key)
+            elif key[1] == "pred":
+                assert err == 0, (rank, key)
+            elif key[1] in ("grad", "dh", "dw"):
+                assert err <= 1e-2, (rank, key, err)  # bf16 storage of the gradient
+            else:
+                assert err <= 1e-5, (rank, key, err)

@@ -185,3 +185,91 @@ def test_merge_matches_the_whole_row():
     torch.testing.assert_close(merged[:, 4], x2.argmax(1).float())
     torch.testing.assert_close(merged[:, 5], x2.gather(1, torch.tensor([[3], [5], [9], [0]]))[:, 0])
     assert torch.equal(merged[:, 6], torch.ones(4))
+
+
+H = 12
+
+
+def _rank_linear_and_dtensor(rank: int, world: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from headloss import linear_head_loss
+    from headloss.parallel import COLLECTIVES
+
+    try:
+        widths = _splits(world)
+        start, width = sum(widths[:rank]), widths[rank]
+        out = {}
+        for name in ("full_sft", "smoothing_softcap_temperature", "grpo"):
+            spec = SPECS[name]
+            for backend in ("triton", "reference"):
+                gen = torch.Generator().manual_seed(seed_of("linear", name))
+                hidden = torch.randn(3, 5, H, generator=gen, dtype=torch.float64).float()
+                weight = torch.randn(V, H, generator=gen, dtype=torch.float64).float() * 0.5
+                bias = torch.randn(V, generator=gen, dtype=torch.float64).float() * 0.1
+                _, ids, kwargs = _inputs(name, torch.float32)
+                shift = name != "grpo"
+                h1, w1, b1 = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+                full = linear_head_loss(h1, w1, ids, spec, bias=b1, shift=shift, backend=backend, **kwargs)
+                full.loss.backward()
+                h2 = hidden.clone().requires_grad_()
+                w2 = weight[start: start + width].clone().requires_grad_()
+                b2 = bias[start: start + width].clone().requires_grad_()
+                before = dict(COLLECTIVES)
+                sharded = linear_head_loss(h2, w2, ids, spec, bias=b2, shift=shift, backend=backend,
+                                           group=dist.group.WORLD, chunk_bytes=4 * H * 4, **kwargs)
+                sharded.loss.backward()
+                counts = {k: COLLECTIVES[k] - before[k] for k in COLLECTIVES}
+                errs = _compare(full, sharded, w1.grad.t(), w2.grad.t(), start, width)
+                errs["dh"] = float((h2.grad - h1.grad).abs().max() / h1.grad.abs().max())
+                errs["db"] = float((b2.grad - b1.grad[start: start + width]).abs().max() / b1.grad.abs().max())
+                out[("linear", name, backend)] = (errs, counts)
+        # DTensors: logits sharded on the vocabulary, an lm_head weight sharded on its rows
+        mesh = init_device_mesh("cpu", (world,))
+        logits, ids, _ = _inputs("full_sft", torch.float32)
+        x = logits.clone().requires_grad_()
+        full = head_loss(x, ids, SPECS["full_sft"])
+        full.loss.backward()
+        dx = distribute_tensor(logits.clone(), mesh, [Shard(2)]).requires_grad_()
+        sharded = head_loss(dx, ids, SPECS["full_sft"])
+        sharded.loss.backward()
+        grad = dx.grad.full_tensor()
+        errs = _compare(full, sharded, x.grad, grad, 0, V)
+        out[("dtensor", "logits", "triton")] = (errs, {})
+        gen = torch.Generator().manual_seed(9)
+        hidden = torch.randn(3, 5, H, generator=gen)
+        weight = torch.randn(V, H, generator=gen) * 0.5
+        h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        full = linear_head_loss(h1, w1, ids, SPECS["full_sft"], shift=True)
+        full.loss.backward()
+        h2 = hidden.clone().requires_grad_()
+        dw = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_()
+        sharded = linear_head_loss(h2, dw, ids, SPECS["full_sft"], shift=True)
+        sharded.loss.backward()
+        errs = _compare(full, sharded, w1.grad.t(), dw.grad.full_tensor().t(), 0, V)
+        errs["dh"] = float((h2.grad - h1.grad).abs().max() / h1.grad.abs().max())
+        out[("dtensor", "weight", "triton")] = (errs, {})
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_kernel
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocab_parallel_lm_head_and_dtensors_equal_the_whole_vocabulary(world):
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank_linear_and_dtensor, args=(world, _port(), results), nprocs=world, join=True)
+        results = dict(results)
+    for rank in range(world):
+        out = results[rank]
+        assert len(out) == 8
+        for key, (errs, counts) in out.items():
+            for what, err in errs.items():
+                assert err <= 2e-5, (rank, key, what, err)
+            if key[0] == "linear" and key[2] == "triton":
+                assert counts["dh"] == 1, (key, counts)  # dh reduced once, in the forward
+                assert counts["stats"] >= 3, (key, counts)  # one per chunk: 4-row chunks here
