@@ -81,7 +81,8 @@ class Recorder:
 def launches(call) -> list:
     """(kernel, kwargs) of every launch ``call()`` makes."""
     log: list = []
-    names = ("prepare_kernel", "head_kernel", "head_backward_kernel", "finish_kernel", "scale_grad_kernel")
+    names = ("prepare_kernel", "head_kernel", "head_backward_kernel", "finish_kernel", "scale_grad_kernel",
+             "shard_stats_kernel")
     real = {name: getattr(head, name) for name in names}
     try:
         for name in names:
@@ -135,16 +136,38 @@ def _linear(spec, policy=False, **kwargs):
     return call
 
 
-def _batched_policy(spec):
+def _batched_policy(spec, **kwargs):
     """[B, T, V] logits with one advantage per sequence (read by index in the kernel)."""
     def call():
         logits = torch.randn(2, 5, 300).to(torch.bfloat16).requires_grad_()
         ids = torch.randint(0, 300, (2, 5))
         out = headloss.head_loss(logits, ids, spec, backend="triton", advantages=torch.randn(2),
-                                 old_logprobs=torch.randn(2, 5), ref_logprobs=torch.randn(2, 5))
+                                 old_logprobs=torch.randn(2, 5), ref_logprobs=torch.randn(2, 5), **kwargs)
         out.loss.backward()
 
     return call
+
+
+def _sharded(call):
+    """``call`` as rank 1 of 2 vocab-parallel ranks (columns 300..599 of 600), without a process
+    group: the layout and the statistics exchange are stood in for; the kernels are the real ones."""
+    def run():
+        import headloss.api
+        import headloss.parallel
+
+        shard = headloss.parallel.VocabShard(group=None, vocab_start=300, vocab_total=600, world=2)
+        p = headloss.parallel
+        saved = headloss.api.shard_of, headloss.api.rows_shard, p.gather_merged, p.all_reduce_sum
+        headloss.api.shard_of = lambda group, width, device: shard
+        headloss.api.rows_shard = lambda weight, group: (weight, shard)
+        p.gather_merged = lambda part, _shard: part
+        p.all_reduce_sum = lambda t, _shard: t
+        try:
+            call()
+        finally:
+            headloss.api.shard_of, headloss.api.rows_shard, p.gather_merged, p.all_reduce_sum = saved
+
+    return run
 
 
 FULL = headloss.LossSpec(
@@ -174,6 +197,12 @@ VARIANTS = {
     "linear-deferred": _linear(headloss.LossSpec(reduction="none")),
     "policy-sequence": _head(headloss.LossSpec(cross_entropy=None, policy={"importance_sampling": "sequence"}),
                              policy=True),
+    "sharded-all": _sharded(_head(FULL, group=object())),
+    "sharded-policy": _sharded(_batched_policy(headloss.LossSpec(cross_entropy=None, entropy={"weight": 0.0},
+                                                                 policy={"loss_type": "dapo", "kl_beta": 0.04}),
+                                               group=object())),
+    "sharded-linear": _sharded(_linear(headloss.LossSpec(token_accuracy=True, entropy={"weight": 0.0}),
+                                       group=object())),
 }
 
 

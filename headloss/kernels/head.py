@@ -306,13 +306,14 @@ def shard_stats_kernel(
     slot, has_slot, y, counted = row_slot(targets, row, geo)
     out = part + row * 8
     if counted:
-        m2, d, sum_x2, sum_ex2, arg, _ = online_stats(row_ptr, None, geo.V, S, F, BLOCK_V, F.HAS_ENTROPY)
+        m2, d, sum_x2, sum_ex2, arg, no_teacher = online_stats(row_ptr, None, geo.V, S, F, BLOCK_V,
+                                                               F.HAS_ENTROPY)
         x2_y = tl.zeros([], tl.float32)
         owned = tl.zeros([], tl.float32)
         if targets is not None:
             y_here = y - geo.vocab_start
             if (y_here >= 0) & (y_here < geo.V):
-                x2_y, _ = target_logit(row_ptr, y_here, geo.V, S, F.HAS_SOFTCAP)
+                x2_y, slope_unused = target_logit(row_ptr, y_here, geo.V, S, F.HAS_SOFTCAP)
                 owned = tl.full([], 1.0, tl.float32)
         tl.store(out, m2)
         tl.store(out + 1, d)
@@ -343,7 +344,7 @@ def merged_stats(stats, row, row_ptr, y_here, V, S, F: tl.constexpr):
     sum_ex2 = tl.load(at + 3)
     arg = tl.load(at + 4).to(tl.int32)
     x2_y = tl.where(tl.load(at + 6) > 0.5, tl.load(at + 5), float("nan"))
-    _, slope_y = target_logit(row_ptr, y_here, V, S, F.HAS_SOFTCAP)  # (masked: no read off this shard)
+    x2_unused, slope_y = target_logit(row_ptr, y_here, V, S, F.HAS_SOFTCAP)  # (masked: no read off this shard)
     return m2, d, sum_x2, sum_ex2, arg, x2_y, slope_y
 
 
