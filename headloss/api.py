@@ -402,8 +402,9 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
         return _reference_linear(hidden, weight, bias, targets, spec, teacher, given, norm, mode, token_shape)
     rows = math.prod(token_rows)
     elem = hidden.element_size() * (2 if teacher[1] is not None else 1)  # a computed teacher shares the budget
-    # sharded: every rank must cut the same chunks (one collective each), so the width is the mean shard's
-    width = weight.shape[0] if shard is None else -(-shard.vocab_total // shard.world)
+    # sharded: every rank must cut the same chunks (one collective each): rows by the whole vocabulary,
+    # so a chunk has the single-device row count (the same GEMM shapes, 1 / world of its memory)
+    width = weight.shape[0] if shard is None else shard.vocab_total
     run = LinearRun(plan, chunk_rows_for(chunk_bytes, width, elem), fp32_weight_grad, compact, mode,
                     tuple(targets.shape) if targets is not None else token_rows, spec.ignore_index, norm.value,
                     shard=shard)

@@ -43,7 +43,8 @@ def test_each_mode_launches_the_kernels_it_should(ptx):
     assert set(ptx["ce-only"]) == {"prepare_kernel", "head_kernel", "scale_grad_kernel"}
     assert set(ptx["deferred-all"]) == {"prepare_kernel", "head_kernel", "head_backward_kernel"}
     assert set(ptx["linear-fused"]) == {"prepare_kernel", "head_kernel", "finish_kernel", "scale_grad_kernel"}
-    assert set(ptx["sharded-all"]) == {"prepare_kernel", "shard_stats_kernel", "head_kernel", "scale_grad_kernel"}
+    assert set(ptx["sharded-all"]) == {"prepare_kernel", "shard_stats_kernel", "merge_stats_kernel", "head_kernel",
+                                       "scale_grad_kernel"}
     assert "shard_stats_kernel" in ptx["sharded-linear"]
 
 

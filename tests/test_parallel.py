@@ -273,3 +273,29 @@ def test_vocab_parallel_lm_head_and_dtensors_equal_the_whole_vocabulary(world):
             if key[0] == "linear" and key[2] == "triton":
                 assert counts["dh"] == 1, (key, counts)  # dh reduced once, in the forward
                 assert counts["stats"] >= 3, (key, counts)  # one per chunk: 4-row chunks here
+
+
+@needs_kernel
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_merge_kernel_equals_the_torch_merge(world):
+    from headloss.kernels.head import launch_merge
+    from headloss.parallel import merge
+
+    gen = torch.Generator().manual_seed(world)
+    n = 300  # more than one block of rows
+    parts = torch.randn(world, n, 8, generator=gen) * 3
+    parts[..., 1] = parts[..., 1].abs() + 0.5
+    parts[..., 4] = torch.randint(0, 1000, (world, n), generator=gen).float()
+    parts[..., 6] = 0.0
+    owner = torch.randint(0, world, (n,), generator=gen)
+    parts[owner, torch.arange(n), 6] = 1.0
+    parts[:, 5, 0] = float("-inf")  # an uncounted row everywhere
+    parts[0, 7, 0] = float("-inf")  # one shard fully masked
+    parts[:, 9, 0] = 2.5  # a tie: the lowest rank's argmax
+    parts[world - 1, 11, 0] = float("nan")  # NaN logits somewhere
+    expected = merge(parts)
+    got = launch_merge(parts.contiguous())
+    got[11, 4] = expected[11, 4] = 0.0  # the argmax of a NaN row means nothing
+    torch.testing.assert_close(got[:, :7], expected[:, :7], equal_nan=True)
+    assert got[9, 4] == parts[0, 9, 4]
+    assert torch.isnan(got[11, 0])

@@ -333,6 +333,55 @@ def shard_stats_kernel(
 
 
 @triton.jit
+def merge_stats_kernel(parts, merged, n_rows, world, BLOCK: tl.constexpr):
+    """(world, n_rows, STATS) per-shard statistics -> (n_rows, STATS) of the whole vocabulary: the max
+    of the maxima, the sums rescaled to it, the argmax of the lowest rank holding the max (its first
+    index: shards are in vocabulary order), the owner's target logit and the owner count."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = rows < n_rows
+    at = rows.to(tl.int64) * 8
+    stride = tl.full([], 8, tl.int64) * n_rows
+    top = tl.full([BLOCK], float("-inf"), tl.float32)
+    for r in range(world):
+        top = tl.maximum(top, tl.load(parts + r * stride + at, mask=inside, other=float("-inf")))
+    d = tl.zeros([BLOCK], tl.float32)
+    sum_x2 = tl.zeros([BLOCK], tl.float32)
+    sum_ex2 = tl.zeros([BLOCK], tl.float32)
+    arg = tl.zeros([BLOCK], tl.float32)
+    found = tl.zeros([BLOCK], tl.int1)
+    x2_y = tl.zeros([BLOCK], tl.float32)
+    owners = tl.zeros([BLOCK], tl.float32)
+    for r in range(world):
+        base = parts + r * stride + at
+        m = tl.load(base, mask=inside, other=float("-inf"))
+        scale = tl.where(m == float("-inf"), 0.0, tl.exp2(m - top))
+        d += tl.load(base + 1, mask=inside, other=0.0) * scale
+        sum_x2 += tl.load(base + 2, mask=inside, other=0.0)
+        sum_ex2 += tl.load(base + 3, mask=inside, other=0.0) * scale
+        first = (m == top) & (found == 0)
+        arg = tl.where(first, tl.load(base + 4, mask=inside, other=0.0), arg)
+        found = found | (m == top)
+        owned = tl.load(base + 6, mask=inside, other=0.0)
+        x2_y += tl.where(owned > 0.5, tl.load(base + 5, mask=inside, other=0.0), 0.0)
+        owners += owned
+    # a NaN max (NaN logits) propagates as tl.maximum would not: keep it
+    nan_top = tl.zeros([BLOCK], tl.int1)
+    for r in range(world):
+        m = tl.load(parts + r * stride + at, mask=inside, other=0.0)
+        nan_top = nan_top | (m != m)
+    top = tl.where(nan_top, float("nan"), top)
+    out = merged + at
+    tl.store(out, top, mask=inside)
+    tl.store(out + 1, d, mask=inside)
+    tl.store(out + 2, sum_x2, mask=inside)
+    tl.store(out + 3, sum_ex2, mask=inside)
+    tl.store(out + 4, arg, mask=inside)
+    tl.store(out + 5, x2_y, mask=inside)
+    tl.store(out + 6, owners, mask=inside)
+    tl.store(out + 7, tl.zeros([BLOCK], tl.float32), mask=inside)
+
+
+@triton.jit
 def merged_stats(stats, row, row_ptr, y_here, V, S, F: tl.constexpr):
     """(m2, d, sum_x2, sum_ex2, arg, x2_y, slope_y) of a row from the merged statistics. x2_y is NaN
     when no shard holds the target (out of range); slope_y (dx/dz at the target) is read here, and
@@ -596,6 +645,17 @@ def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry) -> t
         launch(shard_stats_kernel, geo.n_rows, cfg.num_warps, logits=logits, targets=targets, part=part, geo=geo,
                S=plan.scalars, F=plan.flags, BLOCK_V=cfg.block_v)
     return part
+
+
+def launch_merge(parts: torch.Tensor) -> torch.Tensor:
+    """merge_stats_kernel over (world, n_rows, STATS) gathered statistics: one launch."""
+    world, n_rows = parts.shape[0], parts.shape[1]
+    merged = torch.empty(n_rows, STATS, dtype=torch.float32, device=parts.device)
+    if n_rows:
+        block = 256
+        launch(merge_stats_kernel, triton.cdiv(n_rows, block), 4, parts=parts, merged=merged, n_rows=n_rows,
+               world=world, BLOCK=block)
+    return merged
 
 
 def launch_finish(plan: KernelPlan, *, rows, loss, means, scratch, num_items, geo: Geometry) -> None:
