@@ -40,7 +40,7 @@ class PolicyInputs:
     old_logprobs: torch.Tensor | None  # (N,); None: on-policy (ratio 1, with gradient)
     ref_logprobs: torch.Tensor | None  # (N,)
     importance_weights: torch.Tensor | None  # (N,)
-    seq: torch.Tensor  # (N,) long, sequence of each row, in [0, n_slots)
+    seq: torch.Tensor | None  # (N,) long, sequence of each row, in [0, n_slots); None: [B, T] rows, built by seq_of
     n_slots: int  # size of per-sequence buffers (B, or N for [N, V] logits)
     n_seq: int | torch.Tensor  # number of sequences (a device count for [N, V] logits)
     seq_len: int | torch.Tensor  # padded length T (verl's seq-mean-token-sum-norm divides by it)
@@ -49,6 +49,14 @@ class PolicyInputs:
     weight: torch.Tensor | None = None  # (N,) fp32 aggregation weight (aggregation_weights)
     sequence_ids: torch.Tensor | None = None  # (N,) as given, for the device-side range check
     adv_span: int = 1  # tokens per entry of ``advantages`` (K: one per sequence of [B, K], kernel only)
+
+
+def seq_of(inp: PolicyInputs) -> torch.Tensor:
+    """The sequence of each row, built on first use for [B, T] rows (the fused kernel needs none:
+    two launches fewer per call)."""
+    if inp.seq is None:
+        inp.seq = torch.arange(inp.n_slots, device=inp.advantages.device).repeat_interleave(inp.seq_len)
+    return inp.seq
 
 
 def _seq_sum(values: torch.Tensor, seq: torch.Tensor, n_seq: int) -> torch.Tensor:
@@ -71,17 +79,23 @@ def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -
     Depends on the mask and sequence layout only, so it is computed once, without gradient.
     """
     kind = policy.loss_type
-    n_seq = inp.n_seq if isinstance(inp.n_seq, torch.Tensor) else torch.full((), float(inp.n_seq), device=mask.device)
-    n_seq = n_seq.clamp(min=1).to(mask.dtype)
+    if isinstance(inp.n_seq, torch.Tensor):
+        n_seq = inp.n_seq.clamp(min=1).to(mask.dtype)
+    else:
+        n_seq = float(max(inp.n_seq, 1))
     if kind in ("grpo", "seq-mean-token-mean"):
-        tokens_per_seq = _seq_sum(mask, inp.seq, inp.n_slots).clamp(min=1.0)
-        return mask / (tokens_per_seq[inp.seq] * n_seq)
+        seq = seq_of(inp)
+        tokens_per_seq = _seq_sum(mask, seq, inp.n_slots).clamp(min=1.0)
+        return mask / (tokens_per_seq[seq] * n_seq)
     if kind in ("bnpo", "token-mean") or (kind == "dapo" and inp.num_items_in_batch is None):
         return mask / mask.sum().clamp(min=1.0)
     if kind == "dr_grpo":
         return mask / (n_seq * policy.max_completion_length)
     if kind == "dapo":
-        return mask / (inp.num_items_in_batch / policy.num_processes)
+        per_process = inp.num_items_in_batch
+        if policy.num_processes != 1:
+            per_process = per_process / policy.num_processes
+        return mask / per_process
     if kind == "seq-mean-token-sum":
         return mask / n_seq
     if kind == "seq-mean-token-sum-norm":
@@ -103,8 +117,9 @@ def policy_objective(
     old = inp.old_logprobs if inp.old_logprobs is not None else logp.detach()
     log_ratio = logp - old
     if policy.importance_sampling == "sequence":
-        tokens_per_seq = _seq_sum(mask, inp.seq, inp.n_slots).clamp(min=1.0)
-        log_weight = (_seq_sum(log_ratio * mask, inp.seq, inp.n_slots) / tokens_per_seq)[inp.seq]
+        seq = seq_of(inp)
+        tokens_per_seq = _seq_sum(mask, seq, inp.n_slots).clamp(min=1.0)
+        log_weight = (_seq_sum(log_ratio * mask, seq, inp.n_slots) / tokens_per_seq)[seq]
     else:
         log_weight = log_ratio
     ratio = torch.exp(log_weight)
@@ -161,7 +176,7 @@ def policy_extremes(means: dict[str, torch.Tensor], ratio, low, high, mask, coun
         ratio = ratio.detach()
         # per-sequence clipped fractions: one index_add over both indicators
         per_seq = torch.zeros(3, inp.n_slots, dtype=mask.dtype, device=mask.device).index_add_(
-            1, inp.seq, torch.stack([low * mask, high * mask, mask])
+            1, seq_of(inp), torch.stack([low * mask, high * mask, mask])
         )
         has_tokens = per_seq[2] > 0
         frac = per_seq[:2] / per_seq[2].clamp(min=1.0)
@@ -228,7 +243,7 @@ def policy_inputs(
     seq_len = 0
     if len(token_shape) == 2:
         batch, seq_len = token_shape
-        seq = torch.arange(batch, device=device).repeat_interleave(seq_len)
+        seq = None  # seq_of builds it when something needs it
         n_slots, n_seq = batch, batch
         if "sequence_ids" in present:
             raise ValueError("sequence_ids: only for [N, V] logits; [B, T, V] logits give the sequences")
@@ -279,7 +294,7 @@ def policy_inputs(
         adv_span = token_shape[1]
         advantages = advantages.contiguous()
     else:
-        advantages = flat(advantages[seq] if per_sequence else advantages)
+        advantages = flat(advantages.repeat_interleave(token_shape[1]) if per_sequence else advantages)
     inputs = PolicyInputs(
         advantages=advantages,
         old_logprobs=flat(present.get("old_logprobs")),
