@@ -38,6 +38,13 @@ def tiny(kind: str, **extra):
             output_router_logits=True, router_aux_loss_coef=0.1, **extra))
     elif kind == "granite":
         model = transformers.GraniteForCausalLM(transformers.GraniteConfig(**SIZES, logits_scaling=4.0, **extra))
+    elif kind == "gemma3_vlm":  # a *ForConditionalGeneration text head (whose forward skips the softcap)
+        text = transformers.Gemma3TextConfig(**SIZES, head_dim=8, final_logit_softcapping=3.0, **extra)
+        vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=28, patch_size=14)
+        model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+            text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1,
+            boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2))
     elif kind == "cohere":
         model = transformers.CohereForCausalLM(transformers.CohereConfig(**SIZES, logit_scale=0.25, **extra))
     else:
@@ -48,7 +55,7 @@ def tiny(kind: str, **extra):
 
 def batch(seed: int, b: int = 2, t: int = 9):
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (b, t), generator=gen)
+    ids = torch.randint(0, VOCAB - 3, (b, t), generator=gen)  # (the last ids are Gemma 3's image tokens)
     labels = ids.clone()
     labels[0, :3] = -100  # a prompt
     labels[1, -2:] = -100  # padding
@@ -76,7 +83,8 @@ def run(model, ids, labels, mask, **kwargs):
     return out, grads(model)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2_tied", "gemma2_softcap", "qwen2_moe", "granite", "cohere"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2_tied", "gemma2_softcap", "qwen2_moe", "granite", "cohere",
+                                  "gemma3_vlm"])
 @pytest.mark.parametrize("num_items", [None, 11])
 def test_patched_model_matches_stock_loss_and_gradients(kind, num_items):
     model = tiny(kind)

@@ -350,13 +350,22 @@ class HeadPatch:
                 raise PatchError(f"{name}: its output has no logits to check the head's transform against")
             from ..reference import transformed_logits
 
-            expected = transformed_logits(z.float(), self.spec, torch.float32) * self.spec.transform.temperature
-            if not torch.allclose(logits.float(), expected, **_tolerance(logits.dtype)):
-                raise PatchError(
-                    f"{name}: its logits are not the lm_head's output under the transform headloss read from its "
-                    f"config ({self.spec.transform}); it applies something else to them, so it is refused rather "
-                    "than mis-scored"
-                )
+            def matches(spec: LossSpec) -> bool:
+                expected = transformed_logits(z.float(), spec, torch.float32) * spec.transform.temperature
+                return torch.allclose(logits.float(), expected, **_tolerance(logits.dtype))
+
+            if not matches(self.spec):
+                # the config names a transform the model's forward does not apply (Gemma 3's
+                # multimodal wrapper ignores final_logit_softcapping): score what the model computes
+                plain = LossSpec.model_validate(
+                    {**dict(self.spec), "transform": LogitTransform(temperature=self.spec.transform.temperature)})
+                if self.spec.transform.logit_scale == 1.0 and self.spec.transform.softcap is None or not matches(plain):
+                    raise PatchError(
+                        f"{name}: its logits are not the lm_head's output under the transform headloss read from "
+                        f"its config ({self.spec.transform}); it applies something else to them, so it is refused "
+                        "rather than mis-scored"
+                    )
+                self.spec = plain
             self._probe_loss(stock, ids, labels)
         finally:
             model.train(was_training)
