@@ -423,3 +423,26 @@ def test_fsdp2_sharded_model_matches_stock(tied):
         assert weight_type == "DTensor"  # the weight is sharded outside the forward
         assert mine == pytest.approx(stock, rel=1e-6)
         assert err <= 1e-5, (rank, err)
+
+
+def test_ddp_trainer_on_two_processes_trains_like_stock(tmp_path):
+    """average_tokens_across_devices (the Trainer scales the loss in place by the world size), the
+    model output through DDP's pytree round trip, and the callback's cross-rank reduction."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "hf_ddp.py")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script,
+                           str(tmp_path)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and found, done.stderr[-3000:]
+    result = json.loads(found[0][len("RESULT "):])
+    assert result["world"] == 2
+    assert result["err"] <= 1e-6
+    assert result["mine"] == pytest.approx(result["stock"], rel=1e-6)
+    # the logged CE is the step's token mean over both ranks: the Trainer's own loss here
+    assert result["ce"] == pytest.approx(result["stock"], rel=1e-5)
+    assert all(0.0 <= a <= 1.0 for a in result["accuracy"])

@@ -28,6 +28,7 @@ is not the causal-LM cross-entropy) is refused with an error, never scored wrong
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass, field
@@ -298,11 +299,12 @@ class HeadPatch:
                                reduction="sum" if self.spec.reduction == "sum" else "mean")
         if isinstance(out, tuple):
             return out
-        if not self.keep_logits and "logits" in out:
-            out["logits"] = None
-        out["metrics"] = dict(result.metrics)
-        out["headloss"] = result
-        return out
+        fields = {k: v for k, v in out.items()}
+        if not self.keep_logits:
+            fields.pop("logits", None)
+        # a subclass of the model's output type with two more fields (not two more keys: DDP and
+        # pytree rebuild an output from its dataclass fields)
+        return _with_metrics(type(out))(**fields, metrics=dict(result.metrics), headloss=result)
 
     # --- the check at patch time ------------------------------------------------------------------
 
@@ -407,6 +409,25 @@ class HeadPatch:
                 f"{name}: the patched loss of a probe ({float(mine.loss):.6g}) differs from the model's own "
                 f"({float(stock.loss):.6g}); refused rather than mis-scored"
             )
+
+
+_OUTPUT_TYPES: dict[type, type] = {}
+
+
+def _with_metrics(cls: type) -> type:
+    """``cls`` (a transformers ModelOutput dataclass) with ``metrics`` and ``headloss`` fields."""
+    sub = _OUTPUT_TYPES.get(cls)
+    if sub is None:
+        sub = dataclasses.make_dataclass(
+            f"{cls.__name__}WithHeadLoss",
+            [("metrics", dict | None, dataclasses.field(default=None)),
+             ("headloss", Any, dataclasses.field(default=None))],
+            bases=(cls,),
+        )
+        sub.__module__ = __name__
+        sub.__doc__ = f"{cls.__name__} with headloss's metrics and HeadLossOutput (per-token outputs)."
+        _OUTPUT_TYPES[cls] = sub
+    return sub
 
 
 def _tolerance(dtype: torch.dtype) -> dict[str, float]:
