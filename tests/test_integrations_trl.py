@@ -196,3 +196,30 @@ def test_sft_spec_maps_the_config():
     assert sft_spec(type("A", (), {"loss_type": "dft", "label_smoothing_factor": 0.0})()).dft is not None
     with pytest.raises(ValueError, match="loss_type"):
         sft_spec(type("A", (), {"loss_type": "chunked_nll", "label_smoothing_factor": 0.0})())
+
+
+def test_two_processes_reduce_metrics_as_trl_does(tmp_path):
+    """GRPO and SFT on 2 gloo processes (DDP): weights and every logged value equal stock TRL's,
+    whose metrics are reduced across processes (gather / reduce) as it does."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    tiny_model().save_pretrained(tmp_path / "tiny")
+    script = os.path.join(os.path.dirname(__file__), "trl_ddp.py")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script,
+                           str(tmp_path)], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and found, done.stderr[-3000:]
+    result = json.loads(found[0][len("RESULT "):])
+    assert result["world"] == 2
+    for name in ("grpo", "sft"):
+        run = result[name]
+        assert run["err"] <= 1e-5, name
+        assert len(run["stock"]) == len(run["mine"]) == 2
+        for stock, mine in zip(run["stock"], run["mine"]):
+            assert set(mine) == set(stock), name
+            for key, value in stock.items():
+                assert mine[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, key)

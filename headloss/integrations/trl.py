@@ -191,6 +191,7 @@ class HeadLossSFTTrainer(SFTTrainer):
         if self.compute_loss_func is not None:
             raise ValueError("compute_loss_func: HeadLossSFTTrainer computes the loss itself; use trl.SFTTrainer")
         self.headloss_spec = spec if spec is not None else sft_spec(self.args)
+        self._log_all = spec is not None  # TRL's own metrics only, unless the user asked for more
         self.label_smoother = None  # the spec's CrossEntropy.label_smoothing does it
         self.headloss: HeadPatch = patch(self.model, self.headloss_spec, **(patch_options or {}))
 
@@ -210,7 +211,8 @@ class HeadLossSFTTrainer(SFTTrainer):
             steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
             loss = loss + self.router_aux_loss_coef * outputs.aux_loss / steps
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(outputs.aux_loss).mean().item())
-        names = [k for k in result.metrics if k not in ("loss", "n_tokens")]
+        names = [k for k in result.metrics if k not in ("loss", "n_tokens")
+                 and (self._log_all or k in ("entropy", "token_accuracy"))]
         values = _global_means(self.accelerator, result.metrics, names)
         for k in names:
             self._metrics[mode][_TRL_NAMES.get(k, k)].append(values[k])
