@@ -119,8 +119,7 @@ def head_loss(
             are replicated. Every output is the same on every rank and equal to the single-device
             result on the whole vocabulary; the gradient is this rank's slice. One all_gather per
             call (see :mod:`headloss.parallel`). A DTensor sharded on its last dimension needs no
-            ``group``. Not yet: distillation, deferred mode (reduction ``none``,
-            differentiable outputs), torch.compile.
+            ``group``. Not yet: distillation, torch.compile.
 
     Returns:
         :class:`HeadLossOutput`. NaN or +inf logits give NaN loss and gradient in their rows;
@@ -168,11 +167,6 @@ def _vocab_shard(logits, targets, group, plan: KernelPlan, teacher_logits):
     refused here, on every rank alike, before any collective."""
     if plan.has_teacher or teacher_logits is not None:
         raise ValueError("group: distillation over vocab-parallel logits is not supported yet")
-    if plan.mode != "fused":
-        raise ValueError(
-            "group: vocab-parallel logits need the fused mode for now (reduction 'mean' or 'sum', "
-            "differentiable_outputs off)"
-        )
     if is_dtensor(targets):
         targets = targets.full_tensor()
     if is_dtensor(logits):

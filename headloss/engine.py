@@ -133,6 +133,8 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
                     policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means, geo=geo,
                     stats=stats)
     settle(verdict, validate, device)
+    if shard is not None:
+        return loss, rows, pred, means, scratch, grad, stats
     return loss, rows, pred, means, scratch, grad
 
 
@@ -142,13 +144,14 @@ def _sequences(geo: Geometry, policy: PolicyRows | None) -> int:
 
 
 def head_backward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch,
-                  inplace: bool) -> torch.Tensor:
-    """Deferred mode's gradient pass (``d_loss`` or ``d_rows`` None: that output took no gradient)."""
+                  inplace: bool, stats: torch.Tensor | None = None) -> torch.Tensor:
+    """Deferred mode's gradient pass (``d_loss`` or ``d_rows`` None: that output took no gradient);
+    ``stats``: a vocab-parallel forward's merged statistics."""
     grad = logits.detach() if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     launch_backward(plan, logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows,
                     d_loss=None if d_loss is None else d_loss.float().reshape(-1).contiguous(),
                     d_rows=None if d_rows is None else d_rows.float().contiguous(), num_items=num_items,
-                    scratch=scratch, geo=_grad_geometry(geo, grad))
+                    scratch=scratch, geo=_grad_geometry(geo, grad), stats=stats)
     return grad
 
 
@@ -173,7 +176,7 @@ class HeadFunction(torch.autograd.Function):
             )
             grad = grad if grad_mode != "none" else None
         else:
-            loss, rows, pred, means, scratch, grad = head_forward(
+            loss, rows, pred, means, scratch, grad, *stats = head_forward(
                 plan, run.geo, logits, targets, teacher, policy, num_items, sequence_ids, grad_mode, run.validate,
                 run.token_shape, run.shard,
             )
@@ -184,7 +187,8 @@ class HeadFunction(torch.autograd.Function):
             ctx.save_for_backward(grad)
             ctx.mark_non_differentiable(rows, pred, means, scratch)
         else:
-            ctx.save_for_backward(logits, targets, teacher, rows, num_items, scratch)
+            ctx.save_for_backward(logits, targets, teacher, rows, num_items, scratch,
+                                  stats[0] if run.shard is not None and not torch.compiler.is_compiling() else None)
             ctx.mark_non_differentiable(pred, means, scratch)
         return loss, rows, pred, means, scratch
 
@@ -200,7 +204,7 @@ class HeadFunction(torch.autograd.Function):
             return _scale(grad, d_loss, ctx.grad_geo), *nones
         if d_loss is None and d_rows is None:
             return None, *nones
-        logits, targets, teacher, rows, num_items, scratch = ctx.saved_tensors
+        logits, targets, teacher, rows, num_items, scratch, stats = ctx.saved_tensors
         inplace = run.inplace and not torch.compiler.is_compiling()
         if torch.compiler.is_compiling():
             grad = torch.ops.headloss.head_backward(
@@ -209,7 +213,7 @@ class HeadFunction(torch.autograd.Function):
             )
         else:
             grad = head_backward(run.plan, run.geo, logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch,
-                                 inplace)
+                                 inplace, stats)
         return grad, *nones
 
 

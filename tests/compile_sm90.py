@@ -198,6 +198,7 @@ VARIANTS = {
     "policy-sequence": _head(headloss.LossSpec(cross_entropy=None, policy={"importance_sampling": "sequence"}),
                              policy=True),
     "sharded-all": _sharded(_head(FULL, group=object())),
+    "sharded-deferred": _sharded(_head(FULL.model_copy(update={"differentiable_outputs": True}), group=object())),
     "sharded-policy": _sharded(_batched_policy(headloss.LossSpec(cross_entropy=None, entropy={"weight": 0.0},
                                                                  policy={"loss_type": "dapo", "kl_beta": 0.04}),
                                                group=object())),

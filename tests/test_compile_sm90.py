@@ -19,7 +19,8 @@ import pytest
 SCRIPT = Path(__file__).with_name("compile_sm90.py")
 VARIANTS = ("ce-only", "all-bf16", "all-fp16", "all-fp32", "entropy-metric-no-targets", "deferred-all",
             "shift-labels", "distill-forward_kl", "distill-reverse_kl", "distill-jsd", "policy-token",
-            "policy-sequence", "policy-batched", "linear-policy", "linear-fused", "linear-deferred")
+            "policy-sequence", "policy-batched", "linear-policy", "linear-fused", "linear-deferred",
+            "sharded-all", "sharded-deferred", "sharded-policy", "sharded-linear")
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,7 @@ def test_each_mode_launches_the_kernels_it_should(ptx):
     assert set(ptx["sharded-all"]) == {"prepare_kernel", "shard_stats_kernel", "merge_stats_kernel", "head_kernel",
                                        "scale_grad_kernel"}
     assert "shard_stats_kernel" in ptx["sharded-linear"]
+    assert {"shard_stats_kernel", "head_backward_kernel"} <= set(ptx["sharded-deferred"])
 
 
 def test_unrequested_terms_are_compiled_out_of_the_ptx(ptx):

@@ -24,6 +24,9 @@ SPECS = {
     "dft_sum": LossSpec(cross_entropy=None, dft={"weight": 1.0}, reduction="sum", outputs=("logprobs",)),
     "grpo": LossSpec(cross_entropy=None, entropy=Entropy(weight=0.0),
                      policy=Policy(loss_type="dapo", kl_beta=0.04, eps_high=0.28)),
+    "deferred": LossSpec(cross_entropy=CrossEntropy(label_smoothing=0.05), z_loss=ZLoss(weight=1e-2),
+                         entropy=Entropy(weight=0.02), reduction="none", outputs=("logprobs", "lse", "entropy"),
+                         differentiable_outputs=True),
 }
 
 
@@ -72,6 +75,17 @@ def _compare(full, sharded, grad_full, grad_local, start, width) -> dict[str, fl
     return errs
 
 
+def _backward(out) -> None:
+    """The loss (summed when per-token) plus, with differentiable outputs, weighted per-token outputs:
+    every upstream gradient the deferred backward combines."""
+    total = out.loss.sum()
+    for name, w in (("logprobs", 0.3), ("lse", -0.2), ("entropy", 0.1)):
+        value = getattr(out, name)
+        if value is not None and value.requires_grad:
+            total = total + w * value.sum()
+    total.backward()
+
+
 def _rank(rank: int, world: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -100,12 +114,12 @@ def _rank(rank: int, world: int, port: int, results) -> None:
                         logits, ids, kwargs = _inputs(name, dtype)
                         x = logits.clone().requires_grad_()
                         full = head_loss(x, ids, spec, shift=shift, backend=backend, **kwargs)
-                        full.loss.backward()
+                        _backward(full)
                         local = logits[..., start: start + widths[rank]].clone().requires_grad_()
                         before = len(gathers), COLLECTIVES["stats"]
                         sharded = head_loss(local, ids, spec, shift=shift, backend=backend, group=dist.group.WORLD,
                                             **kwargs)
-                        sharded.loss.backward()
+                        _backward(sharded)
                         calls = (len(gathers) - before[0], COLLECTIVES["stats"] - before[1])
                         errs = _compare(full, sharded, x.grad, local.grad, start, widths[rank])
                         out[(name, str(dtype), backend, shift)] = (errs, calls)
@@ -115,8 +129,9 @@ def _rank(rank: int, world: int, port: int, results) -> None:
             "distillation": lambda: head_loss(torch.randn(4, widths[rank]), torch.zeros(4, dtype=torch.long),
                                               LossSpec(distillation={"divergence": "forward_kl"}),
                                               teacher_logits=torch.randn(4, widths[rank]), group=dist.group.WORLD),
-            "deferred": lambda: head_loss(torch.randn(4, widths[rank]), torch.zeros(4, dtype=torch.long),
-                                          LossSpec(reduction="none"), group=dist.group.WORLD),
+            "deferred_lm_head": lambda: __import__("headloss").linear_head_loss(
+                torch.randn(4, 8), torch.randn(widths[rank], 8), torch.zeros(4, dtype=torch.long),
+                LossSpec(reduction="none"), group=dist.group.WORLD),
             "target_out_of_range": lambda: head_loss(torch.randn(4, widths[rank]), torch.full((4,), V),
                                                      LossSpec(), group=dist.group.WORLD, backend="triton"),
         }.items():
@@ -141,7 +156,7 @@ def test_vocab_parallel_equals_the_whole_vocabulary(world):
     for rank in range(world):
         out, refusals, first, layouts = results[rank]
         assert first == (2, 1) and layouts == 1  # the first call also learnt the layout; never again
-        assert len(out) == 28
+        assert len(out) == 36
         for (name, dtype, backend, shift), (errs, calls) in out.items():
             tol = 1e-5 if dtype == "torch.float32" else 2e-2  # bf16: the gradient's own rounding
             for what, err in errs.items():
@@ -150,7 +165,7 @@ def test_vocab_parallel_equals_the_whole_vocabulary(world):
             if backend == "triton":
                 assert calls == (1, 1), (name, calls)  # one all_gather per call
         assert "distillation" in refusals["distillation"]
-        assert "fused" in refusals["deferred"]
+        assert "fused" in refusals["deferred_lm_head"]
         assert "outside [0, 53)" in refusals["target_out_of_range"]
 
 

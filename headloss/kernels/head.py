@@ -409,6 +409,7 @@ def head_backward_kernel(
     d_rows,  # (n_out, C.N) fp32 upstream gradients of the per-row outputs, or None
     num_items,  # (1,) or None
     scratch,  # (SCRATCH,) int64 from the forward
+    stats,  # vocab-parallel: the forward's merged (n_rows, STATS) statistics, or None
     # sizes, strides, runtime scalars
     geo,
     S,
@@ -418,6 +419,10 @@ def head_backward_kernel(
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    SHARDED: tl.constexpr = stats is not None
+    V_math = geo.V
+    if SHARDED:
+        V_math = geo.V_total
     b = row // geo.T
     t = row % geo.T
     row_ptr = logits + b * geo.stride_b + t * geo.stride_t
@@ -452,16 +457,22 @@ def head_backward_kernel(
                 d_entropy = tl.load(d_in + C.entropy)
         x2_y = zero
         slope_y = zero
+        y_here = y
         if targets is not None:
-            x2_y, slope_y = target_logit(row_ptr, y, geo.V, S, F.HAS_SOFTCAP)
+            if SHARDED:
+                y_here = y - geo.vocab_start
+                m2_unused, d_unused, sx_unused, sex_unused, arg_unused, x2_y, slope_y = merged_stats(
+                    stats, row, row_ptr, y_here, geo.V, S, F)
+            else:
+                x2_y, slope_y = target_logit(row_ptr, y, geo.V, S, F.HAS_SOFTCAP)
         logp = x2_y * LN2 - lse
-        A, B, Cc, D = row_coefficients(u, d_logp, d_entropy, d_lse, lse, logp, entropy, geo.V, S, F)
+        A, B, Cc, D = row_coefficients(u, d_logp, d_entropy, d_lse, lse, logp, entropy, V_math, S, F)
         dstate = (zero, zero, zero, zero)
         if teacher is not None:
             dstate = (tl.load(row_in + C.lse_s2), tl.load(row_in + C.lse_t2), tl.load(row_in + C.divergence),
                       tl.load(row_in + C.jsd_s))
         gradient_pass(
-            row_ptr, t_row, grad_row, geo.V, y, x2_y, slope_y, lse, A, B, Cc, D, dstate,
+            row_ptr, t_row, grad_row, geo.V, y_here, x2_y, slope_y, lse, A, B, Cc, D, dstate,
             u * S.w_distill * S.inv_distill_temp, S, F, BLOCK_V, False,
         )
     else:
@@ -667,7 +678,7 @@ def launch_finish(plan: KernelPlan, *, rows, loss, means, scratch, num_items, ge
 
 
 def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d_loss, d_rows, num_items, scratch,
-                    geo: Geometry) -> None:
+                    geo: Geometry, stats: torch.Tensor | None = None) -> None:
     """Deferred mode: d loss / d logits into ``grad`` from the saved rows and the upstream gradients."""
     if geo.n_rows == 0:
         return
@@ -675,7 +686,7 @@ def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d
     launch(
         head_backward_kernel, geo.n_rows, cfg.num_warps,
         logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, d_loss=d_loss, d_rows=d_rows,
-        num_items=num_items, scratch=scratch, geo=geo, S=plan.scalars, F=plan.flags, C=plan.cols,
+        num_items=num_items, scratch=scratch, stats=stats, geo=geo, S=plan.scalars, F=plan.flags, C=plan.cols,
         BLOCK_V=cfg.block_v,
     )
 
