@@ -119,7 +119,8 @@ def head_loss(
             are replicated. Every output is the same on every rank and equal to the single-device
             result on the whole vocabulary; the gradient is this rank's slice. One all_gather per
             call (see :mod:`headloss.parallel`). A DTensor sharded on its last dimension needs no
-            ``group``. Not yet: distillation, torch.compile.
+            ``group``. ``teacher_logits`` are sharded like ``logits``. Not yet: the mixture JSD,
+            torch.compile.
 
     Returns:
         :class:`HeadLossOutput`. NaN or +inf logits give NaN loss and gradient in their rows;
@@ -134,12 +135,14 @@ def head_loss(
     spec = plan.spec
     shard = None
     if group is not None or is_dtensor(logits):
-        logits, targets, shard = _vocab_shard(logits, targets, group, plan, teacher_logits)
+        logits, targets, teacher_logits, shard = _vocab_shard(logits, targets, group, plan, teacher_logits)
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
     dtype = logits.dtype if isinstance(logits, torch.Tensor) else torch.float32
     if resolve_backend(backend, device, dtype) == "reference":
         if shard is not None:
             logits = gather_vocab(logits, shard)
+            if teacher_logits is not None:
+                teacher_logits = gather_vocab(teacher_logits.detach(), shard)
         return _reference_head_loss(logits, targets, spec, teacher_logits, policy_given, num_items_in_batch, shift,
                                     validate)
     call = head_call(logits, targets, spec, kernel=True, teacher_logits=teacher_logits, policy_given=policy_given,
@@ -163,19 +166,21 @@ def head_loss(
 
 
 def _vocab_shard(logits, targets, group, plan: KernelPlan, teacher_logits):
-    """(local logits, local targets, VocabShard) of a vocab-parallel call; what it cannot do yet is
-    refused here, on every rank alike, before any collective."""
-    if plan.has_teacher or teacher_logits is not None:
-        raise ValueError("group: distillation over vocab-parallel logits is not supported yet")
+    """(local logits, local targets, local teacher logits, VocabShard) of a vocab-parallel call;
+    what it cannot do yet is refused here, on every rank alike, before any collective."""
+    if plan.flags.DISTILL_KIND == 2:
+        raise ValueError("group: the mixture JSD over vocab-parallel logits (a second collective) is not supported yet")
     if is_dtensor(targets):
         targets = targets.full_tensor()
+    if is_dtensor(teacher_logits):  # sharded like the student's
+        teacher_logits = teacher_logits.to_local()
     if is_dtensor(logits):
         local, shard = dtensor_shard(logits)
         if group is not None and group is not shard.group:
             raise ValueError("group: differs from the DTensor's mesh group; pass one or the other")
-        return local, targets, shard
+        return local, targets, teacher_logits, shard
     check_logits(logits)
-    return logits, targets, shard_of(group, logits.shape[-1], logits.device)
+    return logits, targets, teacher_logits, shard_of(group, logits.shape[-1], logits.device)
 
 
 def _policy_terms(plan: KernelPlan, loss, rows, means, scratch, pol, kernel_sequences: bool = False

@@ -118,7 +118,8 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
     if shard is not None and geo.n_rows:
         from .parallel import gather_merged
 
-        stats = gather_merged(launch_shard_stats(plan, logits=logits, targets=targets, geo=geo), shard)
+        part = launch_shard_stats(plan, logits=logits, targets=targets, geo=geo, teacher=teacher)
+        stats = gather_merged(part, shard, plan.flags.OWN_TEMP)
     rows, pred, loss, means = _empty_outputs(plan, geo.n_out, device, token_shape)
     grad = None
     if grad_mode == "inplace":

@@ -99,23 +99,25 @@ def is_dtensor(t: Any) -> bool:
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
 
-def gather_merged(part: torch.Tensor, shard: VocabShard) -> torch.Tensor:
-    """All ranks' (n_rows, STATS) statistics, merged into the whole vocabulary's (one all_gather)."""
+def gather_merged(part: torch.Tensor, shard: VocabShard, own_temp: bool = False) -> torch.Tensor:
+    """All ranks' (n_rows, STATS [+ TEACHER_STATS]) statistics, merged into the whole vocabulary's
+    (one all_gather). ``own_temp``: the student's sums at the distillation temperature are their own."""
     import torch.distributed as dist
 
     from .kernels.head import launch_merge
 
     device = _comm_device(shard.group, part.device)
     mine = part.to(device)
+    width = mine.shape[1]
     if device.type == "cuda":  # into one buffer, no stacking copy
-        gathered = torch.empty((shard.world * mine.shape[0], STATS), dtype=mine.dtype, device=device)
+        gathered = torch.empty((shard.world * mine.shape[0], width), dtype=mine.dtype, device=device)
         _all_gather_into(gathered, mine, shard.group)
     else:
         parts = [torch.empty_like(mine) for _ in range(shard.world)]
         dist.all_gather(parts, mine, group=shard.group)
         gathered = torch.cat(parts)
     COLLECTIVES["stats"] += 1
-    return launch_merge(gathered.view(shard.world, -1, STATS).to(part.device))
+    return launch_merge(gathered.view(shard.world, -1, width).to(part.device), own_temp)
 
 
 def _all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group) -> None:

@@ -160,7 +160,7 @@ def _sharded(call):
         saved = headloss.api.shard_of, headloss.api.rows_shard, p.gather_merged, p.all_reduce_sum
         headloss.api.shard_of = lambda group, width, device: shard
         headloss.api.rows_shard = lambda weight, group: (weight, shard)
-        p.gather_merged = lambda part, _shard: head.launch_merge(torch.stack([part, part]))
+        p.gather_merged = lambda part, _shard, own_temp=False: head.launch_merge(torch.stack([part, part]), own_temp)
         p.all_reduce_sum = lambda t, _shard: t
         try:
             call()
@@ -199,6 +199,9 @@ VARIANTS = {
                              policy=True),
     "sharded-all": _sharded(_head(FULL, group=object())),
     "sharded-deferred": _sharded(_head(FULL.model_copy(update={"differentiable_outputs": True}), group=object())),
+    **{f"sharded-distill-{kind}": _sharded(_head(headloss.LossSpec(
+        distillation={"divergence": kind, "temperature": temp}, token_accuracy=True), teacher=True, group=object()))
+       for kind, temp in (("forward_kl", 1.0), ("reverse_kl", 2.0))},
     "sharded-policy": _sharded(_batched_policy(headloss.LossSpec(cross_entropy=None, entropy={"weight": 0.0},
                                                                  policy={"loss_type": "dapo", "kl_beta": 0.04}),
                                                group=object())),

@@ -20,7 +20,8 @@ SCRIPT = Path(__file__).with_name("compile_sm90.py")
 VARIANTS = ("ce-only", "all-bf16", "all-fp16", "all-fp32", "entropy-metric-no-targets", "deferred-all",
             "shift-labels", "distill-forward_kl", "distill-reverse_kl", "distill-jsd", "policy-token",
             "policy-sequence", "policy-batched", "linear-policy", "linear-fused", "linear-deferred",
-            "sharded-all", "sharded-deferred", "sharded-policy", "sharded-linear")
+            "sharded-all", "sharded-deferred", "sharded-policy", "sharded-linear", "sharded-distill-forward_kl",
+            "sharded-distill-reverse_kl")
 
 
 @pytest.fixture(scope="module")

@@ -514,13 +514,17 @@ def _nccl_rank(rank: int, world: int, port: int, results) -> None:
         errs = {}
         deferred = headloss.LossSpec(z_loss={"weight": 1e-3}, entropy={"weight": 0.01}, reduction="none",
                                      outputs=("logprobs",), differentiable_outputs=True)
-        for name, spec in (("full", FULL), ("exotic", EXOTIC), ("deferred", deferred)):
+        teacher = (logits.float() + torch.randn(n, v, device="cuda", generator=gen)).to(torch.bfloat16)
+        distill = headloss.LossSpec(distillation={"divergence": "reverse_kl", "temperature": 2.0}, token_accuracy=True)
+        for name, spec in (("full", FULL), ("exotic", EXOTIC), ("deferred", deferred), ("distill", distill)):
+            extra = {"teacher_logits": teacher} if spec.distillation is not None else {}
+            mine_extra = {"teacher_logits": teacher[:, start: start + width]} if extra else {}
             x = logits.clone().requires_grad_()
-            whole = headloss.head_loss(x, ids, spec)
+            whole = headloss.head_loss(x, ids, spec, **extra)
             (whole.loss.sum() + (whole.logprobs.sum() if spec.differentiable_outputs else 0)).backward()
             part = logits[:, start: start + width].contiguous().requires_grad_()
             before = COLLECTIVES["stats"]
-            mine = headloss.head_loss(part, ids, spec, group=dist.group.WORLD)
+            mine = headloss.head_loss(part, ids, spec, group=dist.group.WORLD, **mine_extra)
             (mine.loss.sum() + (mine.logprobs.sum() if spec.differentiable_outputs else 0)).backward()
             errs[(name, "collectives")] = COLLECTIVES["stats"] - before
             errs[(name, "loss")] = float((mine.loss - whole.loss).abs().max() / whole.loss.abs().max())

@@ -24,6 +24,10 @@ SPECS = {
     "dft_sum": LossSpec(cross_entropy=None, dft={"weight": 1.0}, reduction="sum", outputs=("logprobs",)),
     "grpo": LossSpec(cross_entropy=None, entropy=Entropy(weight=0.0),
                      policy=Policy(loss_type="dapo", kl_beta=0.04, eps_high=0.28)),
+    "distill_forward_kl": LossSpec(distillation={"divergence": "forward_kl", "weight": 0.7}, token_accuracy=True,
+                                   outputs=("predicted_tokens",)),
+    "distill_reverse_kl_temperature": LossSpec(distillation={"divergence": "reverse_kl", "temperature": 2.0},
+                                               entropy=Entropy(weight=0.0)),
     "deferred": LossSpec(cross_entropy=CrossEntropy(label_smoothing=0.05), z_loss=ZLoss(weight=1e-2),
                          entropy=Entropy(weight=0.02), reduction="none", outputs=("logprobs", "lse", "entropy"),
                          differentiable_outputs=True),
@@ -49,6 +53,9 @@ def _inputs(name: str, dtype: torch.dtype):
     ids = torch.randint(0, V, (b, t), generator=gen)
     ids[1, 2] = -100
     kwargs = {}
+    if name.startswith("distill"):
+        noise = torch.randn(b, t, V, generator=gen, dtype=torch.float64)
+        kwargs["teacher_logits"] = (logits.double() + noise).to(dtype)
     if name == "grpo":
         old = -torch.rand(b, t, generator=gen) * 4
         kwargs = dict(advantages=torch.randn(b, generator=gen), old_logprobs=old,
@@ -116,9 +123,12 @@ def _rank(rank: int, world: int, port: int, results) -> None:
                         full = head_loss(x, ids, spec, shift=shift, backend=backend, **kwargs)
                         _backward(full)
                         local = logits[..., start: start + widths[rank]].clone().requires_grad_()
+                        mine = dict(kwargs)
+                        if "teacher_logits" in mine:  # sharded like the student's
+                            mine["teacher_logits"] = mine["teacher_logits"][..., start: start + widths[rank]]
                         before = len(gathers), COLLECTIVES["stats"]
                         sharded = head_loss(local, ids, spec, shift=shift, backend=backend, group=dist.group.WORLD,
-                                            **kwargs)
+                                            **mine)
                         _backward(sharded)
                         calls = (len(gathers) - before[0], COLLECTIVES["stats"] - before[1])
                         errs = _compare(full, sharded, x.grad, local.grad, start, widths[rank])
@@ -126,9 +136,9 @@ def _rank(rank: int, world: int, port: int, results) -> None:
         # refusals are raised on every rank, before any collective
         refusals = {}
         for label, call in {
-            "distillation": lambda: head_loss(torch.randn(4, widths[rank]), torch.zeros(4, dtype=torch.long),
-                                              LossSpec(distillation={"divergence": "forward_kl"}),
-                                              teacher_logits=torch.randn(4, widths[rank]), group=dist.group.WORLD),
+            "jsd": lambda: head_loss(torch.randn(4, widths[rank]), torch.zeros(4, dtype=torch.long),
+                                     LossSpec(distillation={"divergence": "jsd"}),
+                                     teacher_logits=torch.randn(4, widths[rank]), group=dist.group.WORLD),
             "deferred_lm_head": lambda: __import__("headloss").linear_head_loss(
                 torch.randn(4, 8), torch.randn(widths[rank], 8), torch.zeros(4, dtype=torch.long),
                 LossSpec(reduction="none"), group=dist.group.WORLD),
@@ -156,7 +166,7 @@ def test_vocab_parallel_equals_the_whole_vocabulary(world):
     for rank in range(world):
         out, refusals, first, layouts = results[rank]
         assert first == (2, 1) and layouts == 1  # the first call also learnt the layout; never again
-        assert len(out) == 36
+        assert len(out) == 52
         for (name, dtype, backend, shift), (errs, calls) in out.items():
             tol = 1e-5 if dtype == "torch.float32" else 2e-2  # bf16: the gradient's own rounding
             for what, err in errs.items():
@@ -164,7 +174,7 @@ def test_vocab_parallel_equals_the_whole_vocabulary(world):
                 assert err <= limit, (rank, name, dtype, backend, shift, what, err)
             if backend == "triton":
                 assert calls == (1, 1), (name, calls)  # one all_gather per call
-        assert "distillation" in refusals["distillation"]
+        assert "JSD" in refusals["jsd"]
         assert "fused" in refusals["deferred_lm_head"]
         assert "outside [0, 53)" in refusals["target_out_of_range"]
 

@@ -192,6 +192,7 @@ def head_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     SHARDED: tl.constexpr = stats is not None
+    NCOL: tl.constexpr = 16 if teacher is not None else 8  # merged statistics per row (sharded)
     V_math = geo.V  # the vocabulary of the math (label smoothing's eps / V): the whole one when sharded
     if SHARDED:
         V_math = geo.V_total
@@ -216,8 +217,11 @@ def head_kernel(
     if counted:
         # --- 1. stats pass (sharded: this shard's pass ran in shard_stats_kernel; merged stats)
         if SHARDED:
-            m2, d, sum_x2, sum_ex2, arg, x2_y, slope_y = merged_stats(stats, row, row_ptr, y_here, geo.V, S, F)
+            m2, d, sum_x2, sum_ex2, arg, x2_y, slope_y = merged_stats(stats, row, row_ptr, y_here, geo.V, S, F,
+                                                                     NCOL)
             tstats = 0
+            if teacher is not None:
+                tstats = merged_teacher(stats, row)
         else:
             m2, d, sum_x2, sum_ex2, arg, tstats = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V,
                                                                ENTROPY_IN_PASS_1)
@@ -287,27 +291,38 @@ STATS = 8
 [2] sum x2 (label smoothing), [3] sum 2^(x2 - max) x2 (entropy), [4] the argmax's global id,
 [5] the target's x2 where the shard holds it (else 0), [6] 1 where the shard holds it, [7] unused."""
 
+TEACHER_STATS = 8
+"""With a teacher, 8 more (terms.teacher_block's tstats): [8] the teacher's max, [9] its sum of
+exponentials, [10] its sum e_t t2, [11] the forward-KL cross sum (against the teacher's max),
+[12] / [13] the student's max and sum at the distillation temperature, [14] the reverse-KL cross
+sum (against the student's max at T_d, or its own max without a temperature), [15] the teacher's
+argmax as a global id."""
+
 
 @triton.jit
 def shard_stats_kernel(
     logits,  # (rows, V_shard) addressed through geo.stride_*
     targets,  # (n_out,) global ids, or None
-    part,  # (n_rows, STATS) fp32 out: this shard's statistics
+    teacher,  # the teacher's logits on the same columns (geo.t_stride_*), or None
+    part,  # (n_rows, NCOL) fp32 out: this shard's statistics (STATS, + TEACHER_STATS with a teacher)
     geo,
     S,
     F: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Phase 1 of a vocab-parallel head on one shard: the statistics every rank exchanges."""
+    NCOL: tl.constexpr = 16 if teacher is not None else 8
     row = tl.program_id(0).to(tl.int64)
     b = row // geo.T
     t = row % geo.T
     row_ptr = logits + b * geo.stride_b + t * geo.stride_t
+    t_row = teacher
+    if teacher is not None:
+        t_row = teacher + b * geo.t_stride_b + t * geo.t_stride_t
     slot, has_slot, y, counted = row_slot(targets, row, geo)
-    out = part + row * 8
+    out = part + row * NCOL
     if counted:
-        m2, d, sum_x2, sum_ex2, arg, no_teacher = online_stats(row_ptr, None, geo.V, S, F, BLOCK_V,
-                                                               F.HAS_ENTROPY)
+        m2, d, sum_x2, sum_ex2, arg, tstats = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V, F.HAS_ENTROPY)
         x2_y = tl.zeros([], tl.float32)
         owned = tl.zeros([], tl.float32)
         if targets is not None:
@@ -322,6 +337,16 @@ def shard_stats_kernel(
         tl.store(out + 4, (arg + geo.vocab_start).to(tl.float32))
         tl.store(out + 5, x2_y)
         tl.store(out + 6, owned)
+        if teacher is not None:
+            mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg = tstats
+            tl.store(out + 8, mt)
+            tl.store(out + 9, dt)
+            tl.store(out + 10, sum_t)
+            tl.store(out + 11, sum_ts)
+            tl.store(out + 12, ms)
+            tl.store(out + 13, ds)
+            tl.store(out + 14, sum_st)
+            tl.store(out + 15, (t_arg + geo.vocab_start).to(tl.float32))
     else:
         tl.store(out, float("-inf"))
         tl.store(out + 1, 0.0)
@@ -330,17 +355,27 @@ def shard_stats_kernel(
         tl.store(out + 4, 0.0)
         tl.store(out + 5, 0.0)
         tl.store(out + 6, 0.0)
+        if teacher is not None:
+            tl.store(out + 8, float("-inf"))
+            tl.store(out + 9, 0.0)
+            tl.store(out + 10, 0.0)
+            tl.store(out + 11, 0.0)
+            tl.store(out + 12, float("-inf"))
+            tl.store(out + 13, 0.0)
+            tl.store(out + 14, 0.0)
+            tl.store(out + 15, 0.0)
 
 
 @triton.jit
-def merge_stats_kernel(parts, merged, n_rows, world, BLOCK: tl.constexpr):
+def merge_stats_kernel(parts, merged, n_rows, world, BLOCK: tl.constexpr, NCOL: tl.constexpr,
+                       OWN_TEMP: tl.constexpr):
     """(world, n_rows, STATS) per-shard statistics -> (n_rows, STATS) of the whole vocabulary: the max
     of the maxima, the sums rescaled to it, the argmax of the lowest rank holding the max (its first
     index: shards are in vocabulary order), the owner's target logit and the owner count."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = rows < n_rows
-    at = rows.to(tl.int64) * 8
-    stride = tl.full([], 8, tl.int64) * n_rows
+    at = rows.to(tl.int64) * NCOL
+    stride = tl.full([], NCOL, tl.int64) * n_rows
     top = tl.full([BLOCK], float("-inf"), tl.float32)
     for r in range(world):
         top = tl.maximum(top, tl.load(parts + r * stride + at, mask=inside, other=float("-inf")))
@@ -379,14 +414,62 @@ def merge_stats_kernel(parts, merged, n_rows, world, BLOCK: tl.constexpr):
     tl.store(out + 5, x2_y, mask=inside)
     tl.store(out + 6, owners, mask=inside)
     tl.store(out + 7, tl.zeros([BLOCK], tl.float32), mask=inside)
+    if NCOL == 16:  # the teacher's sums against its max; the student's at T_d against theirs
+        top_t = tl.full([BLOCK], float("-inf"), tl.float32)
+        top_s = tl.full([BLOCK], float("-inf"), tl.float32)
+        for r in range(world):
+            base = parts + r * stride + at
+            top_t = tl.maximum(top_t, tl.load(base + 8, mask=inside, other=float("-inf")))
+            top_s = tl.maximum(top_s, tl.load(base + 12, mask=inside, other=float("-inf")))
+        dt = tl.zeros([BLOCK], tl.float32)
+        sum_t = tl.zeros([BLOCK], tl.float32)
+        sum_ts = tl.zeros([BLOCK], tl.float32)
+        ds = tl.zeros([BLOCK], tl.float32)
+        sum_st = tl.zeros([BLOCK], tl.float32)
+        t_arg = tl.zeros([BLOCK], tl.float32)
+        t_found = tl.zeros([BLOCK], tl.int1)
+        for r in range(world):
+            base = parts + r * stride + at
+            mt = tl.load(base + 8, mask=inside, other=float("-inf"))
+            scale_t = tl.where(mt == float("-inf"), 0.0, tl.exp2(mt - top_t))
+            dt += tl.load(base + 9, mask=inside, other=0.0) * scale_t
+            sum_t += tl.load(base + 10, mask=inside, other=0.0) * scale_t
+            sum_ts += tl.load(base + 11, mask=inside, other=0.0) * scale_t
+            if OWN_TEMP:
+                ms = tl.load(base + 12, mask=inside, other=float("-inf"))
+                scale_s = tl.where(ms == float("-inf"), 0.0, tl.exp2(ms - top_s))
+                ds += tl.load(base + 13, mask=inside, other=0.0) * scale_s
+            else:  # the reverse-KL sum runs against the student's own max (column 0)
+                m = tl.load(base, mask=inside, other=float("-inf"))
+                scale_s = tl.where(m == float("-inf"), 0.0, tl.exp2(m - top))
+            sum_st += tl.load(base + 14, mask=inside, other=0.0) * scale_s
+            first_t = (mt == top_t) & (t_found == 0)
+            t_arg = tl.where(first_t, tl.load(base + 15, mask=inside, other=0.0), t_arg)
+            t_found = t_found | (mt == top_t)
+        tl.store(out + 8, top_t, mask=inside)
+        tl.store(out + 9, dt, mask=inside)
+        tl.store(out + 10, sum_t, mask=inside)
+        tl.store(out + 11, sum_ts, mask=inside)
+        tl.store(out + 12, top_s, mask=inside)
+        tl.store(out + 13, ds, mask=inside)
+        tl.store(out + 14, sum_st, mask=inside)
+        tl.store(out + 15, t_arg, mask=inside)
 
 
 @triton.jit
-def merged_stats(stats, row, row_ptr, y_here, V, S, F: tl.constexpr):
+def merged_teacher(stats, row):
+    """The teacher's statistics of a row from the merged (n_rows, 16) statistics (tstats layout)."""
+    at = stats + row * 16
+    return (tl.load(at + 8), tl.load(at + 9), tl.load(at + 10), tl.load(at + 11), tl.load(at + 12),
+            tl.load(at + 13), tl.load(at + 14), tl.load(at + 15).to(tl.int32))
+
+
+@triton.jit
+def merged_stats(stats, row, row_ptr, y_here, V, S, F: tl.constexpr, NCOL: tl.constexpr):
     """(m2, d, sum_x2, sum_ex2, arg, x2_y, slope_y) of a row from the merged statistics. x2_y is NaN
     when no shard holds the target (out of range); slope_y (dx/dz at the target) is read here, and
     used by the gradient pass only where this shard holds the target."""
-    at = stats + row * 8
+    at = stats + row * NCOL
     m2 = tl.load(at)
     d = tl.load(at + 1)
     sum_x2 = tl.load(at + 2)
@@ -462,7 +545,7 @@ def head_backward_kernel(
             if SHARDED:
                 y_here = y - geo.vocab_start
                 m2_unused, d_unused, sx_unused, sex_unused, arg_unused, x2_y, slope_y = merged_stats(
-                    stats, row, row_ptr, y_here, geo.V, S, F)
+                    stats, row, row_ptr, y_here, geo.V, S, F, 16 if teacher is not None else 8)
             else:
                 x2_y, slope_y = target_logit(row_ptr, y, geo.V, S, F.HAS_SOFTCAP)
         logp = x2_y * LN2 - lse
@@ -648,24 +731,25 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
     )
 
 
-def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry) -> torch.Tensor:
-    """This shard's (n_rows, STATS) statistics (vocab-parallel phase 1)."""
-    part = torch.empty(geo.n_rows, STATS, dtype=torch.float32, device=logits.device)
+def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry, teacher=None) -> torch.Tensor:
+    """This shard's (n_rows, STATS [+ TEACHER_STATS]) statistics (vocab-parallel phase 1)."""
+    width = STATS + (TEACHER_STATS if teacher is not None else 0)
+    part = torch.empty(geo.n_rows, width, dtype=torch.float32, device=logits.device)
     if geo.n_rows:
-        cfg = launch_config(geo.V, False, geo.n_rows)
-        launch(shard_stats_kernel, geo.n_rows, cfg.num_warps, logits=logits, targets=targets, part=part, geo=geo,
-               S=plan.scalars, F=plan.flags, BLOCK_V=cfg.block_v)
+        cfg = launch_config(geo.V, teacher is not None, geo.n_rows)
+        launch(shard_stats_kernel, geo.n_rows, cfg.num_warps, logits=logits, targets=targets, teacher=teacher,
+               part=part, geo=geo, S=plan.scalars, F=plan.flags, BLOCK_V=cfg.block_v)
     return part
 
 
-def launch_merge(parts: torch.Tensor) -> torch.Tensor:
-    """merge_stats_kernel over (world, n_rows, STATS) gathered statistics: one launch."""
-    world, n_rows = parts.shape[0], parts.shape[1]
-    merged = torch.empty(n_rows, STATS, dtype=torch.float32, device=parts.device)
+def launch_merge(parts: torch.Tensor, own_temp: bool = False) -> torch.Tensor:
+    """merge_stats_kernel over (world, n_rows, STATS [+ TEACHER_STATS]) gathered statistics: one launch."""
+    world, n_rows, width = parts.shape
+    merged = torch.empty(n_rows, width, dtype=torch.float32, device=parts.device)
     if n_rows:
-        block = 256
+        block = 256 if width == STATS else 128
         launch(merge_stats_kernel, triton.cdiv(n_rows, block), 4, parts=parts, merged=merged, n_rows=n_rows,
-               world=world, BLOCK=block)
+               world=world, BLOCK=block, NCOL=width, OWN_TEMP=own_temp)
     return merged
 
 
