@@ -326,7 +326,8 @@ def linear_head_loss(
             contiguous rows of the vocabulary, ``hidden`` and the targets are replicated. Outputs
             are replicated, dW / db are this rank's rows, dh is summed over the group once (the
             column-parallel layer's all-reduce); one all_gather of statistics per chunk. A DTensor
-            weight sharded on dim 0 needs no ``group``. Not yet: distillation, deferred mode.
+            weight sharded on dim 0 needs no ``group``. A teacher is sharded the same way (its
+            logits' columns, or its weight's rows). Not yet: the mixture JSD, deferred mode.
 
     Under ``torch.autocast`` the GEMMs run in the autocast dtype, as ``F.linear`` would: hidden
     states and weights (student and teacher) are cast to it, and their gradients flow back to
@@ -362,16 +363,19 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
     spec = plan.spec
     shard = None
     if group is not None or is_dtensor(weight):
-        if plan.has_teacher:
-            raise ValueError("group: distillation over a vocab-parallel lm_head is not supported yet")
+        if plan.flags.DISTILL_KIND == 2:
+            raise ValueError("group: the mixture JSD over a vocab-parallel lm_head (a second collective) is not "
+                             "supported yet")
         if plan.mode != "fused":
             raise ValueError(
                 "group: a vocab-parallel lm_head needs the fused mode for now (reduction 'mean' or 'sum', "
                 "differentiable_outputs off)"
             )
         weight, shard = rows_shard(weight, group)
-        if is_dtensor(bias):
-            bias = bias.to_local()
+        bias, teacher_weight, teacher_bias, teacher_logits = (
+            t.to_local() if is_dtensor(t) else t for t in (bias, teacher_weight, teacher_bias, teacher_logits))
+        if is_dtensor(teacher_hidden):
+            teacher_hidden = teacher_hidden.full_tensor()
         if is_dtensor(hidden):
             hidden = hidden.full_tensor()
         if is_dtensor(targets):
@@ -395,9 +399,13 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
     policy, targets = policy_inputs(spec.policy, tuple(targets.shape) if targets is not None else token_rows, targets,
                                     spec.ignore_index, norm.as_torch(), mode, given)
     if backend == "reference":
-        if shard is not None:  # the whole weight on every rank; each keeps its rows' gradient
+        if shard is not None:  # the whole weight (and teacher) on every rank; each keeps its rows' gradient
             weight = gather_vocab(weight.t(), shard).t()
             bias = None if bias is None else gather_vocab(bias[None], shard)[0]
+            t_logits, t_hidden, t_weight, t_bias = teacher
+            teacher = (None if t_logits is None else gather_vocab(t_logits.detach(), shard), t_hidden,
+                       None if t_weight is None else gather_vocab(t_weight.detach().t(), shard).t(),
+                       None if t_bias is None else gather_vocab(t_bias.detach()[None], shard)[0])
         return _reference_linear(hidden, weight, bias, targets, spec, teacher, given, norm, mode, token_shape)
     rows = math.prod(token_rows)
     elem = hidden.element_size() * (2 if teacher[1] is not None else 1)  # a computed teacher shares the budget

@@ -404,7 +404,8 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
         if run.shard is not None:  # this chunk's statistics over every shard: one all_gather
             from .parallel import gather_merged
 
-            stats = gather_merged(launch_shard_stats(plan, logits=logits, targets=y_c, geo=geo), run.shard)
+            part = launch_shard_stats(plan, logits=logits, targets=y_c, geo=geo, teacher=t_c)
+            stats = gather_merged(part, run.shard, plan.flags.OWN_TEMP)
         launch_head(
             plan, logits=logits, targets=y_c, teacher=t_c,
             grad=logits if fused else None, rows=rows_c[start:stop], pred=_opt(pred_c[start:stop]),

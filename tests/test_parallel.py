@@ -228,14 +228,23 @@ def _rank_linear_and_dtensor(rank: int, world: int, port: int, results) -> None:
         widths = _splits(world)
         start, width = sum(widths[:rank]), widths[rank]
         out = {}
-        for name in ("full_sft", "smoothing_softcap_temperature", "grpo"):
-            spec = SPECS[name]
+        distill = LossSpec(distillation={"divergence": "reverse_kl", "temperature": 1.5}, token_accuracy=True)
+        for name in ("full_sft", "smoothing_softcap_temperature", "grpo", "teacher_weight", "teacher_logits"):
+            spec = SPECS.get(name, distill)
             for backend in ("triton", "reference"):
                 gen = torch.Generator().manual_seed(seed_of("linear", name))
                 hidden = torch.randn(3, 5, H, generator=gen, dtype=torch.float64).float()
                 weight = torch.randn(V, H, generator=gen, dtype=torch.float64).float() * 0.5
                 bias = torch.randn(V, generator=gen, dtype=torch.float64).float() * 0.1
                 _, ids, kwargs = _inputs(name, torch.float32)
+                mine = dict(kwargs)
+                if name == "teacher_weight":  # a teacher head: replicated hidden states, its weight's rows sharded
+                    t_weight = torch.randn(V, H + 2, generator=gen)
+                    kwargs["teacher_hidden"] = mine["teacher_hidden"] = torch.randn(3, 5, H + 2, generator=gen)
+                    kwargs["teacher_weight"], mine["teacher_weight"] = t_weight, t_weight[start: start + width]
+                if name == "teacher_logits":  # the teacher's logits, sharded on the vocabulary
+                    t_logits = torch.randn(3, 5, V, generator=gen) * 2
+                    kwargs["teacher_logits"], mine["teacher_logits"] = t_logits, t_logits[..., start: start + width]
                 shift = name != "grpo"
                 h1, w1, b1 = (t.clone().requires_grad_() for t in (hidden, weight, bias))
                 full = linear_head_loss(h1, w1, ids, spec, bias=b1, shift=shift, backend=backend, **kwargs)
@@ -245,7 +254,7 @@ def _rank_linear_and_dtensor(rank: int, world: int, port: int, results) -> None:
                 b2 = bias[start: start + width].clone().requires_grad_()
                 before = dict(COLLECTIVES)
                 sharded = linear_head_loss(h2, w2, ids, spec, bias=b2, shift=shift, backend=backend,
-                                           group=dist.group.WORLD, chunk_bytes=4 * H * 4, **kwargs)
+                                           group=dist.group.WORLD, chunk_bytes=4 * H * 4, **mine)
                 sharded.loss.backward()
                 counts = {k: COLLECTIVES[k] - before[k] for k in COLLECTIVES}
                 errs = _compare(full, sharded, w1.grad.t(), w2.grad.t(), start, width)
@@ -291,7 +300,7 @@ def test_vocab_parallel_lm_head_and_dtensors_equal_the_whole_vocabulary(world):
         results = dict(results)
     for rank in range(world):
         out = results[rank]
-        assert len(out) == 8
+        assert len(out) == 12
         for key, (errs, counts) in out.items():
             for what, err in errs.items():
                 assert err <= 2e-5, (rank, key, what, err)
