@@ -119,8 +119,8 @@ def head_loss(
             are replicated. Every output is the same on every rank and equal to the single-device
             result on the whole vocabulary; the gradient is this rank's slice. One all_gather per
             call (see :mod:`headloss.parallel`). A DTensor sharded on its last dimension needs no
-            ``group``. ``teacher_logits`` are sharded like ``logits``. Not yet: the mixture JSD,
-            torch.compile.
+            ``group``. ``teacher_logits`` are sharded like ``logits``; the mixture JSD costs a second
+            collective (an all-reduce of 2 fp32 per row). Not yet: torch.compile.
 
     Returns:
         :class:`HeadLossOutput`. NaN or +inf logits give NaN loss and gradient in their rows;
@@ -168,8 +168,6 @@ def head_loss(
 def _vocab_shard(logits, targets, group, plan: KernelPlan, teacher_logits):
     """(local logits, local targets, local teacher logits, VocabShard) of a vocab-parallel call;
     what it cannot do yet is refused here, on every rank alike, before any collective."""
-    if plan.flags.DISTILL_KIND == 2:
-        raise ValueError("group: the mixture JSD over vocab-parallel logits (a second collective) is not supported yet")
     if is_dtensor(targets):
         targets = targets.full_tensor()
     if is_dtensor(teacher_logits):  # sharded like the student's
@@ -327,7 +325,7 @@ def linear_head_loss(
             are replicated, dW / db are this rank's rows, dh is summed over the group once (the
             column-parallel layer's all-reduce); one all_gather of statistics per chunk. A DTensor
             weight sharded on dim 0 needs no ``group``. A teacher is sharded the same way (its
-            logits' columns, or its weight's rows). Not yet: the mixture JSD, deferred mode.
+            logits' columns, or its weight's rows). Not yet: deferred mode.
 
     Under ``torch.autocast`` the GEMMs run in the autocast dtype, as ``F.linear`` would: hidden
     states and weights (student and teacher) are cast to it, and their gradients flow back to
@@ -363,9 +361,6 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
     spec = plan.spec
     shard = None
     if group is not None or is_dtensor(weight):
-        if plan.flags.DISTILL_KIND == 2:
-            raise ValueError("group: the mixture JSD over a vocab-parallel lm_head (a second collective) is not "
-                             "supported yet")
         if plan.mode != "fused":
             raise ValueError(
                 "group: a vocab-parallel lm_head needs the fused mode for now (reduction 'mean' or 'sum', "

@@ -33,6 +33,7 @@ from .kernels.head import (
     launch_backward,
     launch_finish,
     launch_head,
+    launch_shard_jsd,
     launch_shard_stats,
     prepare,
     row_strides,
@@ -114,12 +115,9 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
     verdict = verdict_slot(validate, device, CheckContext(token_shape, whole.V, geo.ignore_index,
                                                           Normaliser(geo.norm, num_items)))
     scratch = prepare(targets, num_items, sequence_ids, whole, device, verdict, _sequences(geo, policy))
-    stats = None
+    stats = jsd = None
     if shard is not None and geo.n_rows:
-        from .parallel import gather_merged
-
-        part = launch_shard_stats(plan, logits=logits, targets=targets, geo=geo, teacher=teacher)
-        stats = gather_merged(part, shard, plan.flags.OWN_TEMP)
+        stats, jsd = _shard_statistics(plan, logits, targets, teacher, geo, shard)
     rows, pred, loss, means = _empty_outputs(plan, geo.n_out, device, token_shape)
     grad = None
     if grad_mode == "inplace":
@@ -132,11 +130,25 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
     else:
         launch_head(plan, logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, pred=_opt(pred),
                     policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means, geo=geo,
-                    stats=stats)
+                    stats=stats, jsd=jsd)
     settle(verdict, validate, device)
     if shard is not None:
         return loss, rows, pred, means, scratch, grad, stats
     return loss, rows, pred, means, scratch, grad
+
+
+def _shard_statistics(plan: KernelPlan, logits, targets, teacher, geo: Geometry, shard):
+    """Vocab-parallel: (merged statistics, summed mixture-JSD shares or None) of this shard's rows --
+    one all_gather, and for the mixture JSD one all-reduce more."""
+    from .parallel import all_reduce_sum, gather_merged
+
+    part = launch_shard_stats(plan, logits=logits, targets=targets, geo=geo, teacher=teacher)
+    stats = gather_merged(part, shard, plan.flags.OWN_TEMP)
+    jsd = None
+    if plan.flags.DISTILL_KIND == 2:
+        jsd = launch_shard_jsd(plan, logits=logits, targets=targets, teacher=teacher, stats=stats, geo=geo)
+        jsd = all_reduce_sum(jsd, shard, "jsd")
+    return stats, jsd
 
 
 def _sequences(geo: Geometry, policy: PolicyRows | None) -> int:
@@ -400,18 +412,15 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
     for start, stop, h_c, t_c, logits in _chunks(hidden, weight, bias, index, teacher, computed, run.chunk_rows):
         geo = _chunk_geometry(stop - start, vocab, t_c, run)
         y_c = None if y is None else y[start:stop]
-        stats = None
+        stats = jsd = None
         if run.shard is not None:  # this chunk's statistics over every shard: one all_gather
-            from .parallel import gather_merged
-
-            part = launch_shard_stats(plan, logits=logits, targets=y_c, geo=geo, teacher=t_c)
-            stats = gather_merged(part, run.shard, plan.flags.OWN_TEMP)
+            stats, jsd = _shard_statistics(plan, logits, y_c, t_c, geo, run.shard)
         launch_head(
             plan, logits=logits, targets=y_c, teacher=t_c,
             grad=logits if fused else None, rows=rows_c[start:stop], pred=_opt(pred_c[start:stop]),
             policy=_pick_rows(policy, index, start, stop), num_items=num_items, scratch=scratch,
             loss=loss_c.view(-1)[start:stop] if plan.reduction == "none" else loss_c, means=means,
-            geo=geo, finish=False, stats=stats,
+            geo=geo, finish=False, stats=stats, jsd=jsd,
         )
         if fused:
             _accumulate(grads, logits, h_c, weight, index, start, stop)

@@ -37,10 +37,11 @@ class VocabShard:
 
 
 _SHARDS: dict[tuple[int, int], tuple[Any, VocabShard]] = {}
-COLLECTIVES = {"stats": 0, "layout": 0, "dh": 0}
+COLLECTIVES = {"stats": 0, "layout": 0, "dh": 0, "jsd": 0}
 """Collectives issued so far: ``stats`` one per call (per chunk on the lm_head path); ``layout``
 once per group and shard width; ``dh`` the lm_head path's all-reduce of the hidden states'
-gradient (the column-parallel layer's own)."""
+gradient (the column-parallel layer's own); ``jsd`` the mixture JSD's second collective (its
+value is a sum over the vocabulary of terms that need the whole vocabulary's normalisers)."""
 
 
 def _comm_device(group, device: torch.device) -> torch.device:
@@ -183,14 +184,14 @@ def gather_vocab(local: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     return _GatherVocab.apply(local, shard)
 
 
-def all_reduce_sum(t: torch.Tensor, shard: VocabShard) -> torch.Tensor:
-    """``t`` summed over the group (in place where the backend allows)."""
+def all_reduce_sum(t: torch.Tensor, shard: VocabShard, what: str = "dh") -> torch.Tensor:
+    """``t`` summed over the group (in place where the backend allows); counted as ``what``."""
     import torch.distributed as dist
 
     device = _comm_device(shard.group, t.device)
     buf = t if t.device == device else t.to(device)
     dist.all_reduce(buf, group=shard.group)
-    COLLECTIVES["dh"] += 1
+    COLLECTIVES[what] += 1
     return buf if buf is t else buf.to(t.device)
 
 

@@ -82,7 +82,7 @@ def launches(call) -> list:
     """(kernel, kwargs) of every launch ``call()`` makes."""
     log: list = []
     names = ("prepare_kernel", "head_kernel", "head_backward_kernel", "finish_kernel", "scale_grad_kernel",
-             "shard_stats_kernel", "merge_stats_kernel")
+             "shard_stats_kernel", "merge_stats_kernel", "shard_jsd_kernel")
     real = {name: getattr(head, name) for name in names}
     try:
         for name in names:
@@ -161,7 +161,7 @@ def _sharded(call):
         headloss.api.shard_of = lambda group, width, device: shard
         headloss.api.rows_shard = lambda weight, group: (weight, shard)
         p.gather_merged = lambda part, _shard, own_temp=False: head.launch_merge(torch.stack([part, part]), own_temp)
-        p.all_reduce_sum = lambda t, _shard: t
+        p.all_reduce_sum = lambda t, _shard, what="dh": t
         try:
             call()
         finally:
@@ -201,7 +201,7 @@ VARIANTS = {
     "sharded-deferred": _sharded(_head(FULL.model_copy(update={"differentiable_outputs": True}), group=object())),
     **{f"sharded-distill-{kind}": _sharded(_head(headloss.LossSpec(
         distillation={"divergence": kind, "temperature": temp}, token_accuracy=True), teacher=True, group=object()))
-       for kind, temp in (("forward_kl", 1.0), ("reverse_kl", 2.0))},
+       for kind, temp in (("forward_kl", 1.0), ("reverse_kl", 2.0), ("jsd", 1.5))},
     "sharded-policy": _sharded(_batched_policy(headloss.LossSpec(cross_entropy=None, entropy={"weight": 0.0},
                                                                  policy={"loss_type": "dapo", "kl_beta": 0.04}),
                                                group=object())),

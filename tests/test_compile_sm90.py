@@ -21,7 +21,7 @@ VARIANTS = ("ce-only", "all-bf16", "all-fp16", "all-fp32", "entropy-metric-no-ta
             "shift-labels", "distill-forward_kl", "distill-reverse_kl", "distill-jsd", "policy-token",
             "policy-sequence", "policy-batched", "linear-policy", "linear-fused", "linear-deferred",
             "sharded-all", "sharded-deferred", "sharded-policy", "sharded-linear", "sharded-distill-forward_kl",
-            "sharded-distill-reverse_kl")
+            "sharded-distill-reverse_kl", "sharded-distill-jsd")
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,7 @@ def test_each_mode_launches_the_kernels_it_should(ptx):
                                        "scale_grad_kernel"}
     assert "shard_stats_kernel" in ptx["sharded-linear"]
     assert {"shard_stats_kernel", "head_backward_kernel"} <= set(ptx["sharded-deferred"])
+    assert "shard_jsd_kernel" in ptx["sharded-distill-jsd"]
 
 
 def test_unrequested_terms_are_compiled_out_of_the_ptx(ptx):

@@ -516,7 +516,9 @@ def _nccl_rank(rank: int, world: int, port: int, results) -> None:
                                      outputs=("logprobs",), differentiable_outputs=True)
         teacher = (logits.float() + torch.randn(n, v, device="cuda", generator=gen)).to(torch.bfloat16)
         distill = headloss.LossSpec(distillation={"divergence": "reverse_kl", "temperature": 2.0}, token_accuracy=True)
-        for name, spec in (("full", FULL), ("exotic", EXOTIC), ("deferred", deferred), ("distill", distill)):
+        jsd = headloss.LossSpec(distillation={"divergence": "jsd", "beta": 0.3})
+        for name, spec in (("full", FULL), ("exotic", EXOTIC), ("deferred", deferred), ("distill", distill),
+                           ("jsd", jsd)):
             extra = {"teacher_logits": teacher} if spec.distillation is not None else {}
             mine_extra = {"teacher_logits": teacher[:, start: start + width]} if extra else {}
             x = logits.clone().requires_grad_()

@@ -28,6 +28,7 @@ SPECS = {
                                    outputs=("predicted_tokens",)),
     "distill_reverse_kl_temperature": LossSpec(distillation={"divergence": "reverse_kl", "temperature": 2.0},
                                                entropy=Entropy(weight=0.0)),
+    "distill_jsd": LossSpec(distillation={"divergence": "jsd", "temperature": 1.5}),
     "deferred": LossSpec(cross_entropy=CrossEntropy(label_smoothing=0.05), z_loss=ZLoss(weight=1e-2),
                          entropy=Entropy(weight=0.02), reduction="none", outputs=("logprobs", "lse", "entropy"),
                          differentiable_outputs=True),
@@ -116,7 +117,10 @@ def _rank(rank: int, world: int, port: int, results) -> None:
             for dtype in (torch.float32, torch.bfloat16):
                 for backend in ("triton", "reference"):
                     for shift in (False, True):
-                        if shift and name == "grpo":
+                        # every spec in fp32 unshifted; bf16 and shift where they change the path (CI time)
+                        if shift and name not in ("full_sft", "deferred"):
+                            continue
+                        if dtype == torch.bfloat16 and name not in ("full_sft", "grpo", "distill_jsd"):
                             continue
                         logits, ids, kwargs = _inputs(name, dtype)
                         x = logits.clone().requires_grad_()
@@ -126,19 +130,17 @@ def _rank(rank: int, world: int, port: int, results) -> None:
                         mine = dict(kwargs)
                         if "teacher_logits" in mine:  # sharded like the student's
                             mine["teacher_logits"] = mine["teacher_logits"][..., start: start + widths[rank]]
-                        before = len(gathers), COLLECTIVES["stats"]
+                        before = len(gathers), COLLECTIVES["stats"], COLLECTIVES["jsd"]
                         sharded = head_loss(local, ids, spec, shift=shift, backend=backend, group=dist.group.WORLD,
                                             **mine)
                         _backward(sharded)
-                        calls = (len(gathers) - before[0], COLLECTIVES["stats"] - before[1])
+                        calls = (len(gathers) - before[0], COLLECTIVES["stats"] - before[1],
+                                 COLLECTIVES["jsd"] - before[2])
                         errs = _compare(full, sharded, x.grad, local.grad, start, widths[rank])
                         out[(name, str(dtype), backend, shift)] = (errs, calls)
         # refusals are raised on every rank, before any collective
         refusals = {}
         for label, call in {
-            "jsd": lambda: head_loss(torch.randn(4, widths[rank]), torch.zeros(4, dtype=torch.long),
-                                     LossSpec(distillation={"divergence": "jsd"}),
-                                     teacher_logits=torch.randn(4, widths[rank]), group=dist.group.WORLD),
             "deferred_lm_head": lambda: __import__("headloss").linear_head_loss(
                 torch.randn(4, 8), torch.randn(widths[rank], 8), torch.zeros(4, dtype=torch.long),
                 LossSpec(reduction="none"), group=dist.group.WORLD),
@@ -166,15 +168,14 @@ def test_vocab_parallel_equals_the_whole_vocabulary(world):
     for rank in range(world):
         out, refusals, first, layouts = results[rank]
         assert first == (2, 1) and layouts == 1  # the first call also learnt the layout; never again
-        assert len(out) == 52
+        assert len(out) == 28
         for (name, dtype, backend, shift), (errs, calls) in out.items():
             tol = 1e-5 if dtype == "torch.float32" else 2e-2  # bf16: the gradient's own rounding
             for what, err in errs.items():
                 limit = tol if what == "grad" else 2e-5
                 assert err <= limit, (rank, name, dtype, backend, shift, what, err)
-            if backend == "triton":
-                assert calls == (1, 1), (name, calls)  # one all_gather per call
-        assert "JSD" in refusals["jsd"]
+            if backend == "triton":  # one all_gather per call; the mixture JSD adds one all-reduce
+                assert calls == (1, 1, int(name == "distill_jsd")), (name, calls)
         assert "fused" in refusals["deferred_lm_head"]
         assert "outside [0, 53)" in refusals["target_out_of_range"]
 
@@ -229,8 +230,9 @@ def _rank_linear_and_dtensor(rank: int, world: int, port: int, results) -> None:
         start, width = sum(widths[:rank]), widths[rank]
         out = {}
         distill = LossSpec(distillation={"divergence": "reverse_kl", "temperature": 1.5}, token_accuracy=True)
+        jsd = LossSpec(distillation={"divergence": "jsd"}, token_accuracy=True)
         for name in ("full_sft", "smoothing_softcap_temperature", "grpo", "teacher_weight", "teacher_logits"):
-            spec = SPECS.get(name, distill)
+            spec = SPECS.get(name, distill if name == "teacher_weight" else jsd)
             for backend in ("triton", "reference"):
                 gen = torch.Generator().manual_seed(seed_of("linear", name))
                 hidden = torch.randn(3, 5, H, generator=gen, dtype=torch.float64).float()

@@ -41,7 +41,7 @@ from .blocks import (
     zero_row,
 )
 from .primitives import LN2
-from .terms import distill_values, policy_values, put, row_coefficients, row_values
+from .terms import distill_lse, distill_values, jsd_sums, policy_values, put, row_coefficients, row_values
 
 SCRATCH = 2
 """int64 scratch per call: [0] counted rows, [1] programs done (the last one reduces); with a
@@ -180,6 +180,7 @@ def head_kernel(
     loss,  # () fp32 reduced loss, or (n_out,) for reduction 'none'
     means,  # (C.N + 1,) fp32 column means and the loss, written with FINISH
     stats,  # vocab-parallel: (n_rows, STATS) fp32 row statistics merged over the shards, or None
+    jsd,  # vocab-parallel mixture JSD: (n_rows, 2) fp32 (JSD, KL(p_s || M)) summed over the shards, or None
     # sizes, strides, runtime scalars
     geo,
     S,
@@ -242,7 +243,11 @@ def head_kernel(
         zero = tl.zeros([], tl.float32)
         dstate = (zero, zero, zero, zero)
         if teacher is not None:
-            weighted, dstate = distill_values(row_out, row_ptr, t_row, m2, d, arg, tstats, geo.V, S, F, C, BLOCK_V)
+            jsd_row = jsd
+            if jsd is not None:
+                jsd_row = jsd + row * 2
+            weighted, dstate = distill_values(row_out, row_ptr, t_row, m2, d, arg, tstats, geo.V, S, F, C, BLOCK_V,
+                                              jsd_row)
             token_loss += weighted
         d_logp = zero
         d_entropy = zero
@@ -364,6 +369,36 @@ def shard_stats_kernel(
             tl.store(out + 13, 0.0)
             tl.store(out + 14, 0.0)
             tl.store(out + 15, 0.0)
+
+
+@triton.jit
+def shard_jsd_kernel(
+    logits,  # (rows, V_shard)
+    targets,  # (n_out,) global ids, or None
+    teacher,  # the teacher's logits on the same columns
+    stats,  # (n_rows, STATS + TEACHER_STATS) merged statistics
+    jsd,  # (n_rows, 2) fp32 out: this shard's share of (JSD, KL(p_s || M))
+    geo,
+    S,
+    F: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """The mixture JSD's extra pass on one shard, with the whole vocabulary's normalisers: its terms
+    are sums over the vocabulary, so the shards' shares add up (the second collective)."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // geo.T
+    t = row % geo.T
+    row_ptr = logits + b * geo.stride_b + t * geo.stride_t
+    t_row = teacher + b * geo.t_stride_b + t * geo.t_stride_t
+    slot, has_slot, y, counted = row_slot(targets, row, geo)
+    value = tl.zeros([], tl.float32)
+    kl_s = tl.zeros([], tl.float32)
+    if counted:
+        at = stats + row * 16
+        lse_s2, lse_t2, t_minus_s = distill_lse(tl.load(at), tl.load(at + 1), merged_teacher(stats, row), F)
+        value, kl_s = jsd_sums(row_ptr, t_row, geo.V, lse_s2, lse_t2, t_minus_s, S, BLOCK_V, F)
+    tl.store(jsd + row * 2, value)
+    tl.store(jsd + row * 2 + 1, kl_s)
 
 
 @triton.jit
@@ -717,7 +752,8 @@ def prepare(targets: torch.Tensor | None, num_items: torch.Tensor | None, sequen
 
 
 def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred, policy, num_items, scratch, loss,
-                means, geo: Geometry, finish: bool = True, stats: torch.Tensor | None = None) -> None:
+                means, geo: Geometry, finish: bool = True, stats: torch.Tensor | None = None,
+                jsd: torch.Tensor | None = None) -> None:
     """One program per logits row; with ``finish`` the last one writes ``means`` and the reduced loss."""
     if geo.n_rows == 0:
         return
@@ -725,7 +761,7 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
     launch(
         head_kernel, geo.n_rows, cfg.num_warps,
         logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, pred=pred, policy=policy,
-        num_items=num_items, scratch=scratch, loss=loss, means=means, stats=stats, geo=geo, S=plan.scalars,
+        num_items=num_items, scratch=scratch, loss=loss, means=means, stats=stats, jsd=jsd, geo=geo, S=plan.scalars,
         F=plan.flags, C=plan.cols, BLOCK_V=cfg.block_v, FINISH=finish,
         R=_tiles(plan.cols.N),
     )
@@ -740,6 +776,16 @@ def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry, teac
         launch(shard_stats_kernel, geo.n_rows, cfg.num_warps, logits=logits, targets=targets, teacher=teacher,
                part=part, geo=geo, S=plan.scalars, F=plan.flags, BLOCK_V=cfg.block_v)
     return part
+
+
+def launch_shard_jsd(plan: KernelPlan, *, logits, targets, teacher, stats, geo: Geometry) -> torch.Tensor:
+    """This shard's (n_rows, 2) share of the mixture JSD (summed over the group by the caller)."""
+    jsd = torch.empty(geo.n_rows, 2, dtype=torch.float32, device=logits.device)
+    if geo.n_rows:
+        cfg = launch_config(geo.V, True, geo.n_rows)
+        launch(shard_jsd_kernel, geo.n_rows, cfg.num_warps, logits=logits, targets=targets, teacher=teacher,
+               stats=stats, jsd=jsd, geo=geo, S=plan.scalars, F=plan.flags, BLOCK_V=cfg.block_v)
+    return jsd
 
 
 def launch_merge(parts: torch.Tensor, own_temp: bool = False) -> torch.Tensor:

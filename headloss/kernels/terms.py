@@ -127,26 +127,38 @@ def teacher_block(zt, x2, e, alpha, start, V, tstats, S, BLOCK_V: tl.constexpr, 
 
 
 @triton.jit
-def distill_values(row_out, row_ptr, t_row_ptr, m2, d, arg, tstats, V, S, F: tl.constexpr, C: tl.constexpr,
-                   BLOCK_V: tl.constexpr):
-    """The divergence and the teacher metrics of a row, stored in their columns.
-
-    Returns (weighted divergence, dstate) with dstate = (lse_s2, lse_t2, divergence, jsd_s), what
-    the gradient pass's :func:`distill_grad` needs. lse_t2 - lse_s2 comes from the maxima and the
-    ratio of the sums: no cancellation of two O(|x|) normalisers when the teacher is close.
-    """
+def distill_lse(m2, d, tstats, F: tl.constexpr):
+    """(lse_s2, lse_t2, t_minus_s) of the student at T_d and the teacher (base 2). lse_t2 - lse_s2
+    comes from the maxima and the ratio of the sums: no cancellation of two O(|x|) normalisers when
+    the teacher is close."""
     mt2, dt, sum_t, sum_ts, ms2, ds, sum_st, t_arg = tstats
     if not F.OWN_TEMP:
         ms2 = m2
         ds = d
-    lse_t2 = mt2 + tl.log2(dt)
-    lse_s2 = ms2 + tl.log2(ds)
-    t_minus_s = (mt2 - ms2) + tl.log2(dt / ds)
+    return ms2 + tl.log2(ds), mt2 + tl.log2(dt), (mt2 - ms2) + tl.log2(dt / ds)
+
+
+@triton.jit
+def distill_values(row_out, row_ptr, t_row_ptr, m2, d, arg, tstats, V, S, F: tl.constexpr, C: tl.constexpr,
+                   BLOCK_V: tl.constexpr, jsd_row):
+    """The divergence and the teacher metrics of a row, stored in their columns.
+
+    Returns (weighted divergence, dstate) with dstate = (lse_s2, lse_t2, divergence, jsd_s), what
+    the gradient pass's :func:`distill_grad` needs. ``jsd_row``: a vocab-parallel row's (JSD,
+    KL(p_s || M)) summed over the shards, or None (the mixture JSD's extra pass runs here).
+    """
+    mt2, dt, sum_t, sum_ts, ms2, ds, sum_st, t_arg = tstats
+    if not F.OWN_TEMP:
+        ds = d
+    lse_s2, lse_t2, t_minus_s = distill_lse(m2, d, tstats, F)
     jsd_s = tl.zeros([], tl.float32)
     if F.DISTILL_KIND == 0:
         divergence = LN2 * (sum_ts / dt - t_minus_s)
     elif F.DISTILL_KIND == 1:
         divergence = LN2 * (sum_st / ds + t_minus_s)
+    elif jsd_row is not None:
+        divergence = tl.load(jsd_row)
+        jsd_s = tl.load(jsd_row + 1)
     else:
         divergence, jsd_s = jsd_sums(row_ptr, t_row_ptr, V, lse_s2, lse_t2, t_minus_s, S, BLOCK_V, F)
     put(row_out, C.divergence, divergence)
