@@ -29,6 +29,7 @@ SPECS = {
     "distill_reverse_kl_temperature": LossSpec(distillation={"divergence": "reverse_kl", "temperature": 2.0},
                                                entropy=Entropy(weight=0.0)),
     "distill_jsd": LossSpec(distillation={"divergence": "jsd", "temperature": 1.5}),
+    "gspo": LossSpec(cross_entropy=None, policy=Policy(loss_type="grpo", importance_sampling="sequence")),
     "deferred": LossSpec(cross_entropy=CrossEntropy(label_smoothing=0.05), z_loss=ZLoss(weight=1e-2),
                          entropy=Entropy(weight=0.02), reduction="none", outputs=("logprobs", "lse", "entropy"),
                          differentiable_outputs=True),
@@ -57,7 +58,7 @@ def _inputs(name: str, dtype: torch.dtype):
     if name.startswith("distill"):
         noise = torch.randn(b, t, V, generator=gen, dtype=torch.float64)
         kwargs["teacher_logits"] = (logits.double() + noise).to(dtype)
-    if name == "grpo":
+    if name in ("grpo", "gspo"):  # GSPO: sequence-level ratios, the objective in torch (deferred mode)
         old = -torch.rand(b, t, generator=gen) * 4
         kwargs = dict(advantages=torch.randn(b, generator=gen), old_logprobs=old,
                       ref_logprobs=old + 0.1 * torch.randn(b, t, generator=gen),
@@ -168,7 +169,7 @@ def test_vocab_parallel_equals_the_whole_vocabulary(world):
     for rank in range(world):
         out, refusals, first, layouts = results[rank]
         assert first == (2, 1) and layouts == 1  # the first call also learnt the layout; never again
-        assert len(out) == 28
+        assert len(out) == 30
         for (name, dtype, backend, shift), (errs, calls) in out.items():
             tol = 1e-5 if dtype == "torch.float32" else 2e-2  # bf16: the gradient's own rounding
             for what, err in errs.items():
