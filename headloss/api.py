@@ -325,7 +325,7 @@ def linear_head_loss(
             are replicated, dW / db are this rank's rows, dh is summed over the group once (the
             column-parallel layer's all-reduce); one all_gather of statistics per chunk. A DTensor
             weight sharded on dim 0 needs no ``group``. A teacher is sharded the same way (its
-            logits' columns, or its weight's rows). Not yet: deferred mode.
+            logits' columns, or its weight's rows).
 
     Under ``torch.autocast`` the GEMMs run in the autocast dtype, as ``F.linear`` would: hidden
     states and weights (student and teacher) are cast to it, and their gradients flow back to
@@ -361,11 +361,6 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
     spec = plan.spec
     shard = None
     if group is not None or is_dtensor(weight):
-        if plan.mode != "fused":
-            raise ValueError(
-                "group: a vocab-parallel lm_head needs the fused mode for now (reduction 'mean' or 'sum', "
-                "differentiable_outputs off)"
-            )
         weight, shard = rows_shard(weight, group)
         bias, teacher_weight, teacher_bias, teacher_logits = (
             t.to_local() if is_dtensor(t) else t for t in (bias, teacher_weight, teacher_bias, teacher_logits))

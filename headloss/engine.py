@@ -409,12 +409,15 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
                                                    run.token_shape if index is None else (computed,))
     fused = plan.mode == "fused" and any(wants)
     grads = _new_grads(hidden, weight, bias, wants, run.fp32_weight_grad, index, computed) if fused else None
+    kept = [] if run.shard is not None and not fused else None  # deferred + sharded: the backward's statistics
     for start, stop, h_c, t_c, logits in _chunks(hidden, weight, bias, index, teacher, computed, run.chunk_rows):
         geo = _chunk_geometry(stop - start, vocab, t_c, run)
         y_c = None if y is None else y[start:stop]
         stats = jsd = None
         if run.shard is not None:  # this chunk's statistics over every shard: one all_gather
             stats, jsd = _shard_statistics(plan, logits, y_c, t_c, geo, run.shard)
+            if kept is not None:
+                kept.append(stats)
         launch_head(
             plan, logits=logits, targets=y_c, teacher=t_c,
             grad=logits if fused else None, rows=rows_c[start:stop], pred=_opt(pred_c[start:stop]),
@@ -440,7 +443,8 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
         loss = torch.zeros(run.token_shape, dtype=loss_c.dtype, device=loss_c.device)
         loss.view(-1).index_copy_(0, index, loss_c)
     pred = _spread(pred_c, index, rows, -1) if plan.flags.HAS_ARGMAX else pred_c
-    return loss, _spread(rows_c, index, rows, 0.0), rows_c, pred, means, scratch, index, dh, dw, db
+    stats = torch.cat(kept) if kept else None
+    return loss, _spread(rows_c, index, rows, 0.0), rows_c, pred, means, scratch, index, dh, dw, db, stats
 
 
 def chunk_head_(plan: KernelPlan, logits: torch.Tensor, targets: torch.Tensor | None) -> None:
@@ -455,7 +459,7 @@ def chunk_head_(plan: KernelPlan, logits: torch.Tensor, targets: torch.Tensor | 
 
 
 def linear_backward(run: LinearRun, wants, teacher: _Teacher, hidden, weight, bias, targets, index, rows_c, num_items,
-                    scratch, d_loss, d_rows):
+                    scratch, d_loss, d_rows, stats: torch.Tensor | None = None):
     """Deferred mode: recompute each chunk's logits, one gradient pass, the gradient GEMMs (4 GEMMs in all)."""
     plan = run.plan
     vocab = weight.shape[0]
@@ -478,10 +482,15 @@ def linear_backward(run: LinearRun, wants, teacher: _Teacher, hidden, weight, bi
             rows=rows_c[start:stop], d_loss=d_loss[start:stop] if plan.reduction == "none" and d_loss is not None
             else d_loss,
             d_rows=None if d_rows is None else d_rows[start:stop], num_items=num_items, scratch=scratch,
-            geo=_chunk_geometry(stop - start, vocab, t_c, run),
+            geo=_chunk_geometry(stop - start, vocab, t_c, run), stats=None if stats is None else stats[start:stop],
         )
         _accumulate(grads, logits, h_c, weight, index, start, stop)
-    return _finish_grads(grads, weight, bias)
+    dh, dw, db = _finish_grads(grads, weight, bias)
+    if run.shard is not None and dh is not None:  # the column-parallel all-reduce, in the backward here
+        from .parallel import all_reduce_sum
+
+        dh = all_reduce_sum(dh, run.shard)
+    return dh, dw, db
 
 
 def _flat_geometry(t: torch.Tensor) -> Geometry:
@@ -509,10 +518,10 @@ class LinearFunction(torch.autograd.Function):
                 run.chunk_rows, run.fp32_weight_grad, run.validate, list(run.token_shape), run.ignore_index,
                 run.norm, list(wants),
             )
-            rows_c, index = rows, None
+            rows_c, index, stats = rows, None, None
             dh, dw, db = (g if want else None for g, want in zip((dh, dw, db), wants))
         else:
-            loss, rows, rows_c, pred, means, scratch, index, dh, dw, db = linear_forward(
+            loss, rows, rows_c, pred, means, scratch, index, dh, dw, db, stats = linear_forward(
                 run, hidden, weight, bias, targets, _Teacher(*teacher),
                 PolicyRows(*policy) if adv is not None else None, num_items, sequence_ids, wants,
             )
@@ -522,7 +531,7 @@ class LinearFunction(torch.autograd.Function):
             ctx.save_for_backward(dh, dw, db)
             ctx.mark_non_differentiable(rows, pred, means, scratch)
         else:
-            ctx.save_for_backward(hidden, weight, bias, targets, *teacher, index, rows_c, num_items, scratch)
+            ctx.save_for_backward(hidden, weight, bias, targets, *teacher, index, rows_c, num_items, scratch, stats)
             ctx.mark_non_differentiable(pred, means, scratch)
         return loss, rows, pred, means, scratch
 
@@ -541,9 +550,8 @@ class LinearFunction(torch.autograd.Function):
                 None if db is None else _scale(db.view(1, -1), d_loss, _flat_geometry(db.view(1, -1))).view(-1),
                 *nones,
             )
-        hidden, weight, bias, targets, t_logits, t_hidden, t_weight, t_bias, index, rows_c, num_items, scratch = (
-            ctx.saved_tensors
-        )
+        (hidden, weight, bias, targets, t_logits, t_hidden, t_weight, t_bias, index, rows_c, num_items, scratch,
+         stats) = ctx.saved_tensors
         if torch.compiler.is_compiling():
             dh, dw, db = torch.ops.headloss.linear_backward(
                 hidden, weight, bias, targets, t_logits, t_hidden, t_weight, t_bias, rows_c, num_items, scratch,
@@ -554,7 +562,7 @@ class LinearFunction(torch.autograd.Function):
             dh, dw, db = (g if want else None for g, want in zip((dh, dw, db), ctx.wants))
         else:
             dh, dw, db = linear_backward(run, ctx.wants, _Teacher(t_logits, t_hidden, t_weight, t_bias), hidden, weight,
-                                         bias, targets, index, rows_c, num_items, scratch, d_loss, d_rows)
+                                         bias, targets, index, rows_c, num_items, scratch, d_loss, d_rows, stats)
         return dh, dw, db, *nones
 
 
@@ -636,7 +644,7 @@ def _linear_forward_op(
     run = LinearRun(plan_from_key(key), chunk_rows, fp32_weight_grad, False, validate, tuple(token_shape),
                     ignore_index, norm)
     policy = PolicyRows(old, ref, adv, iw, policy_weight) if adv is not None else None
-    loss, rows, _, pred, means, scratch, _, dh, dw, db = linear_forward(
+    loss, rows, _, pred, means, scratch, _, dh, dw, db, _ = linear_forward(
         run, hidden, weight, bias, targets, _Teacher(teacher_logits, teacher_hidden, teacher_weight, teacher_bias),
         policy, num_items, sequence_ids, tuple(wants),
     )
