@@ -30,7 +30,7 @@ from .inputs import (
     validation_mode,
 )
 from .output import HeadLossOutput, assemble, column
-from .parallel import dtensor_shard, gather_vocab, is_dtensor, rows_shard, shard_of
+from .parallel import dtensor_shard, gather_vocab, handshake, is_dtensor, rows_shard, shard_of
 from .plan import KernelPlan
 from .policy import policy_extremes, policy_inputs, policy_objective
 from .reference import reference_head_loss
@@ -120,7 +120,10 @@ def head_loss(
             result on the whole vocabulary; the gradient is this rank's slice. One all_gather per
             call (see :mod:`headloss.parallel`). A DTensor sharded on its last dimension needs no
             ``group``. ``teacher_logits`` are sharded like ``logits``; the mixture JSD costs a second
-            collective (an all-reduce of 2 fp32 per row). Not yet: torch.compile.
+            collective (an all-reduce of 2 fp32 per row). Inputs are expected replicated (targets,
+            policy inputs) and shaped alike on every rank: with ``validate="sync"`` one more small
+            collective checks that, so that a bad input on one rank raises on every rank. Not yet:
+            torch.compile.
 
     Returns:
         :class:`HeadLossOutput`. NaN or +inf logits give NaN loss and gradient in their rows;
@@ -145,9 +148,17 @@ def head_loss(
                 teacher_logits = gather_vocab(teacher_logits.detach(), shard)
         return _reference_head_loss(logits, targets, spec, teacher_logits, policy_given, num_items_in_batch, shift,
                                     validate)
-    call = head_call(logits, targets, spec, kernel=True, teacher_logits=teacher_logits, policy_given=policy_given,
-                     num_items_in_batch=num_items_in_batch, shift=shift, validate=validate,
-                     policy_in_kernel=plan.flags.HAS_POLICY)
+    try:
+        call = head_call(logits, targets, spec, kernel=True, teacher_logits=teacher_logits,
+                         policy_given=policy_given, num_items_in_batch=num_items_in_batch, shift=shift,
+                         validate=validate, policy_in_kernel=plan.flags.HAS_POLICY)
+        error = None
+    except (ValueError, TypeError) as exc:
+        if shard is None or validation_mode(validate) != "sync":
+            raise
+        error = exc
+    if shard is not None and validation_mode(validate) == "sync":  # every rank learns of any rank's error
+        handshake(shard, math.prod(logits.shape[:-1]), error)
     pol = call.policy
     rows_per_seq = pol.seq_len if pol is not None and isinstance(pol.seq_len, int) else 0
     geo = call.geo

@@ -115,6 +115,10 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
     verdict = verdict_slot(validate, device, CheckContext(token_shape, whole.V, geo.ignore_index,
                                                           Normaliser(geo.norm, num_items)))
     scratch = prepare(targets, num_items, sequence_ids, whole, device, verdict, _sequences(geo, policy))
+    if shard is not None and validate == "sync":
+        from .parallel import handshake_verdict
+
+        handshake_verdict(shard, verdict, device)
     stats = jsd = None
     if shard is not None and geo.n_rows:
         stats, jsd = _shard_statistics(plan, logits, targets, teacher, geo, shard)
@@ -402,6 +406,10 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
     verdict = verdict_slot(run.validate, hidden.device, CheckContext(run.token_shape, whole, run.ignore_index,
                                                                      Normaliser(run.norm, num_items)))
     scratch = prepare(targets, num_items, sequence_ids, full, hidden.device, verdict)
+    if run.shard is not None and run.validate == "sync":
+        from .parallel import handshake_verdict
+
+        handshake_verdict(run.shard, verdict, hidden.device)
     index = _compact_index(run, targets, scratch, rows, verdict)
     computed = rows if index is None else index.numel()
     y = targets if index is None or targets is None else targets.index_select(0, index)

@@ -37,11 +37,12 @@ class VocabShard:
 
 
 _SHARDS: dict[tuple[int, int], tuple[Any, VocabShard]] = {}
-COLLECTIVES = {"stats": 0, "layout": 0, "dh": 0, "jsd": 0}
+COLLECTIVES = {"stats": 0, "layout": 0, "dh": 0, "jsd": 0, "handshake": 0}
 """Collectives issued so far: ``stats`` one per call (per chunk on the lm_head path); ``layout``
 once per group and shard width; ``dh`` the lm_head path's all-reduce of the hidden states'
 gradient (the column-parallel layer's own); ``jsd`` the mixture JSD's second collective (its
-value is a sum over the vocabulary of terms that need the whole vocabulary's normalisers)."""
+value is a sum over the vocabulary of terms that need the whole vocabulary's normalisers);
+``handshake`` validate="sync"'s check that every rank's inputs passed (see :func:`handshake`)."""
 
 
 def _comm_device(group, device: torch.device) -> torch.device:
@@ -217,3 +218,53 @@ def rows_shard(weight, group) -> tuple[torch.Tensor, VocabShard]:
         return weight.to_local(), VocabShard(group=group, vocab_start=int(offset[0]),
                                              vocab_total=int(weight.shape[0]), world=dist.get_world_size(group))
     return weight, shard_of(group, weight.shape[0], weight.device)
+
+
+def handshake(shard: VocabShard, rows: int, error: BaseException | None) -> None:
+    """``validate="sync"``'s extra collective: every rank's row count, shard width and host-side
+    error, so that a bad input on one rank (or row counts that differ across ranks) raises on every
+    rank instead of leaving the others waiting in the statistics exchange. Raises the local error
+    itself where there is one."""
+    import torch.distributed as dist
+
+    device = _comm_device(shard.group, torch.device("cuda", torch.cuda.current_device())
+                          if dist.get_backend(shard.group) != "gloo" else torch.device("cpu"))
+    mine = torch.tensor([rows, int(error is not None)], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(shard.world)]
+    dist.all_gather(every, mine, group=shard.group)
+    COLLECTIVES["handshake"] += 1
+    values = [tuple(int(v) for v in t.tolist()) for t in every]
+    if error is not None:
+        raise error
+    failed = [rank for rank, (_, bad) in enumerate(values) if bad]
+    if failed:
+        raise ValueError(f"group: rank(s) {failed} rejected their inputs (their own error says why); no rank ran")
+    counts = sorted({n for n, _ in values})
+    if len(counts) > 1:
+        raise ValueError(f"logits: ranks hold different row counts {[n for n, _ in values]}; every rank needs the "
+                         "same rows (the vocabulary is what is sharded)")
+
+
+def handshake_verdict(shard: VocabShard, verdict, device: torch.device) -> None:
+    """``validate="sync"``: after the first kernel checked the values (targets in range, the
+    normaliser), wait for this rank's verdict and exchange it, so that a bad value on one rank
+    raises on every rank before any statistics are exchanged."""
+    import torch.distributed as dist
+
+    if verdict is None:
+        return
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    bad = int(verdict[0].numpy()[0]) != 0
+    mine = torch.tensor([int(bad)], dtype=torch.int64, device=_comm_device(shard.group, device))
+    every = [torch.empty_like(mine) for _ in range(shard.world)]
+    dist.all_gather(every, mine, group=shard.group)
+    COLLECTIVES["handshake"] += 1
+    if bad:
+        from .inputs import board_for
+
+        board_for(device).raise_slot(verdict[0], deferred=False)
+    failed = [rank for rank, t in enumerate(every) if int(t.item())]
+    if failed:
+        raise ValueError(f"group: rank(s) {failed} found bad input values on the device (their own error says "
+                         "which); no rank ran")

@@ -333,3 +333,52 @@ def test_merge_kernel_equals_the_torch_merge(world):
     torch.testing.assert_close(got[:, :7], expected[:, :7], equal_nan=True)
     assert got[9, 4] == parts[0, 9, 4]
     assert torch.isnan(got[11, 0])
+
+
+def _rank_errors(rank: int, world: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from headloss.parallel import COLLECTIVES
+
+    try:
+        widths = _splits(world)
+        gen = torch.Generator().manual_seed(1)
+        logits = torch.randn(6, V, generator=gen)[:, sum(widths[:rank]): sum(widths[: rank + 1])]
+        ids = torch.randint(0, V, (6,), generator=gen)
+        out = {}
+        cases = {
+            "good": (logits, ids),
+            "bad_targets_on_rank_1": (logits, ids[:5] if rank == 1 else ids),
+            "rows_differ": (logits[:5] if rank == 1 else logits, ids[:5] if rank == 1 else ids),
+            "target_out_of_range_on_rank_1": (logits, torch.where(torch.arange(6) == 2, V + 3, ids) if rank == 1
+                                              else ids),
+        }
+        for name, (x, y) in cases.items():
+            before = COLLECTIVES["handshake"]
+            try:
+                head_loss(x, y, LossSpec(), group=dist.group.WORLD, validate="sync", backend="triton")
+                out[name] = ("ok", COLLECTIVES["handshake"] - before)
+            except ValueError as exc:
+                out[name] = (str(exc), COLLECTIVES["handshake"] - before)
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_kernel
+def test_a_bad_input_on_one_rank_raises_on_every_rank_with_sync_validation():
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank_errors, args=(2, _port(), results), nprocs=2, join=True)
+        results = dict(results)
+    for rank in (0, 1):
+        out = results[rank]
+        assert out["good"] == ("ok", 2)
+        message, handshakes = out["bad_targets_on_rank_1"]
+        assert handshakes == 1  # the inputs' check: nothing ran
+        assert ("targets: shape" in message) if rank == 1 else ("rank(s) [1] rejected" in message)
+        message, _ = out["rows_differ"]
+        assert "different row counts" in message
+        message, handshakes = out["target_out_of_range_on_rank_1"]
+        assert handshakes == 2  # inputs, then the device's verdict
+        assert (f"value {V + 3} at position (2,)" in message) if rank == 1 else ("rank(s) [1] found bad" in message)
