@@ -228,7 +228,7 @@ def _rank_linear_and_dtensor(rank: int, world: int, port: int, results) -> None:
         out = {}
         distill = LossSpec(distillation={"divergence": "reverse_kl", "temperature": 1.5}, token_accuracy=True)
         jsd = LossSpec(distillation={"divergence": "jsd"}, token_accuracy=True)
-        for name in ("full_sft", "smoothing_softcap_temperature", "grpo", "deferred", "teacher_weight",
+        for name in ("full_sft", "smoothing_softcap_temperature", "grpo", "gspo", "deferred", "teacher_weight",
                      "teacher_logits"):
             spec = SPECS.get(name, distill if name == "teacher_weight" else jsd)
             for backend in ("triton", "reference"):
@@ -245,7 +245,7 @@ def _rank_linear_and_dtensor(rank: int, world: int, port: int, results) -> None:
                 if name == "teacher_logits":  # the teacher's logits, sharded on the vocabulary
                     t_logits = torch.randn(3, 5, V, generator=gen) * 2
                     kwargs["teacher_logits"], mine["teacher_logits"] = t_logits, t_logits[..., start: start + width]
-                shift = name != "grpo"
+                shift = name not in ("grpo", "gspo")
                 h1, w1, b1 = (t.clone().requires_grad_() for t in (hidden, weight, bias))
                 full = linear_head_loss(h1, w1, ids, spec, bias=b1, shift=shift, backend=backend, **kwargs)
                 _backward(full)
@@ -300,7 +300,7 @@ def test_vocab_parallel_lm_head_and_dtensors_equal_the_whole_vocabulary(world):
         results = dict(results)
     for rank in range(world):
         out = results[rank]
-        assert len(out) == 14
+        assert len(out) == 16
         for key, (errs, counts) in out.items():
             for what, err in errs.items():
                 assert err <= 2e-5, (rank, key, what, err)
