@@ -138,7 +138,7 @@ def head_loss(
     spec = plan.spec
     shard = None
     if group is not None or is_dtensor(logits):
-        logits, targets, teacher_logits, shard = _vocab_shard(logits, targets, group, plan, teacher_logits)
+        logits, targets, teacher_logits, shard = _vocab_shard(logits, targets, group, plan, teacher_logits, validate)
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
     dtype = logits.dtype if isinstance(logits, torch.Tensor) else torch.float32
     if resolve_backend(backend, device, dtype) == "reference":
@@ -158,7 +158,7 @@ def head_loss(
             raise
         error = exc
     if shard is not None and validation_mode(validate) == "sync":  # every rank learns of any rank's error
-        handshake(shard, math.prod(logits.shape[:-1]), error)
+        handshake(shard, math.prod(logits.shape[:-1]), error, logits.device)
     pol = call.policy
     rows_per_seq = pol.seq_len if pol is not None and isinstance(pol.seq_len, int) else 0
     geo = call.geo
@@ -176,7 +176,7 @@ def head_loss(
     return assemble(plan, call.token_shape, loss, rows, pred, means, scratch, extra)
 
 
-def _vocab_shard(logits, targets, group, plan: KernelPlan, teacher_logits):
+def _vocab_shard(logits, targets, group, plan: KernelPlan, teacher_logits, validate):
     """(local logits, local targets, local teacher logits, VocabShard) of a vocab-parallel call;
     what it cannot do yet is refused here, on every rank alike, before any collective."""
     if is_dtensor(targets):
@@ -188,8 +188,12 @@ def _vocab_shard(logits, targets, group, plan: KernelPlan, teacher_logits):
         if group is not None and group is not shard.group:
             raise ValueError("group: differs from the DTensor's mesh group; pass one or the other")
         return local, targets, teacher_logits, shard
+    if not isinstance(logits, torch.Tensor) or logits.dim() not in (2, 3):
+        check_logits(logits)  # (no shard width to exchange)
+    # every rank, before any local error; validate="sync" exchanges the layout even when cached
+    shard = shard_of(group, logits.shape[-1], logits.device, fresh=validation_mode(validate) == "sync")
     check_logits(logits)
-    return logits, targets, teacher_logits, shard_of(group, logits.shape[-1], logits.device)
+    return logits, targets, teacher_logits, shard
 
 
 def _policy_terms(plan: KernelPlan, loss, rows, means, scratch, pol, kernel_sequences: bool = False
@@ -372,7 +376,16 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
     spec = plan.spec
     shard = None
     if group is not None or is_dtensor(weight):
-        weight, shard = rows_shard(weight, group)
+        weight, shard = rows_shard(weight, group, fresh=validation_mode(validate) == "sync")
+        if validation_mode(validate) == "sync":  # every rank learns of any rank's bad inputs
+            error = None
+            try:
+                _check_linear_inputs(hidden, weight, bias)
+                check_targets(targets, tuple(hidden.shape[:-1]), spec, hidden.device, shift, source="hidden")
+            except (ValueError, TypeError) as exc:
+                error = exc
+            rows = math.prod(hidden.shape[:-1]) if isinstance(hidden, torch.Tensor) else -1
+            handshake(shard, rows, error, weight.device)
         bias, teacher_weight, teacher_bias, teacher_logits = (
             t.to_local() if is_dtensor(t) else t for t in (bias, teacher_weight, teacher_bias, teacher_logits))
         if is_dtensor(teacher_hidden):

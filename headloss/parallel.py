@@ -51,14 +51,17 @@ def _comm_device(group, device: torch.device) -> torch.device:
     return device if dist.get_backend(group) != "gloo" else torch.device("cpu")
 
 
-def shard_of(group, local_vocab: int, device: torch.device) -> VocabShard:
+def shard_of(group, local_vocab: int, device: torch.device, fresh: bool = False) -> VocabShard:
     """This rank's VocabShard in ``group`` (an all_gather of the shard widths the first time a
-    (group, width) pair is seen; cached after)."""
+    (group, width) pair is seen; cached after). The cache assumes a rank's width changes only when
+    every rank's does (one model's split, or a new model split the same way): a rank whose width
+    stays while another's changes would skip the exchange the other runs. ``fresh`` (what
+    ``validate="sync"`` does) exchanges the widths anyway; :func:`clear_layouts` resets the cache."""
     import torch.distributed as dist
 
     key = (id(group), local_vocab)
     hit = _SHARDS.get(key)
-    if hit is not None and hit[0] is group:
+    if hit is not None and hit[0] is group and not fresh:
         return hit[1]
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -72,6 +75,11 @@ def shard_of(group, local_vocab: int, device: torch.device) -> VocabShard:
     shard = VocabShard(group=group, vocab_start=sum(sizes[:rank]), vocab_total=sum(sizes), world=world)
     _SHARDS[key] = (group, shard)
     return shard
+
+
+def clear_layouts() -> None:
+    """Forget every cached shard layout (call on every rank, e.g. after re-sharding a model)."""
+    _SHARDS.clear()
 
 
 def dtensor_shard(logits) -> tuple[torch.Tensor, VocabShard]:
@@ -196,7 +204,7 @@ def all_reduce_sum(t: torch.Tensor, shard: VocabShard, what: str = "dh") -> torc
     return buf if buf is t else buf.to(t.device)
 
 
-def rows_shard(weight, group) -> tuple[torch.Tensor, VocabShard]:
+def rows_shard(weight, group, fresh: bool = False) -> tuple[torch.Tensor, VocabShard]:
     """(local weight, VocabShard) of an lm_head weight [V, H] sharded on its rows: a DTensor with
     Shard(0) on a 1-D mesh, or this rank's rows with ``group``."""
     if is_dtensor(weight):
@@ -217,32 +225,36 @@ def rows_shard(weight, group) -> tuple[torch.Tensor, VocabShard]:
         group = mesh.get_group()
         return weight.to_local(), VocabShard(group=group, vocab_start=int(offset[0]),
                                              vocab_total=int(weight.shape[0]), world=dist.get_world_size(group))
-    return weight, shard_of(group, weight.shape[0], weight.device)
+    return weight, shard_of(group, weight.shape[0], weight.device, fresh)
 
 
-def handshake(shard: VocabShard, rows: int, error: BaseException | None) -> None:
+def handshake(shard: VocabShard, rows: int, error: BaseException | None, device: torch.device) -> None:
     """``validate="sync"``'s extra collective: every rank's row count, shard width and host-side
     error, so that a bad input on one rank (or row counts that differ across ranks) raises on every
     rank instead of leaving the others waiting in the statistics exchange. Raises the local error
     itself where there is one."""
     import torch.distributed as dist
 
-    device = _comm_device(shard.group, torch.device("cuda", torch.cuda.current_device())
-                          if dist.get_backend(shard.group) != "gloo" else torch.device("cpu"))
-    mine = torch.tensor([rows, int(error is not None)], dtype=torch.int64, device=device)
+    mine = torch.tensor([rows, int(error is not None), shard.vocab_start, shard.vocab_total], dtype=torch.int64,
+                        device=_comm_device(shard.group, device))
     every = [torch.empty_like(mine) for _ in range(shard.world)]
     dist.all_gather(every, mine, group=shard.group)
     COLLECTIVES["handshake"] += 1
     values = [tuple(int(v) for v in t.tolist()) for t in every]
     if error is not None:
         raise error
-    failed = [rank for rank, (_, bad) in enumerate(values) if bad]
+    failed = [rank for rank, (_, bad, _, _) in enumerate(values) if bad]
     if failed:
         raise ValueError(f"group: rank(s) {failed} rejected their inputs (their own error says why); no rank ran")
-    counts = sorted({n for n, _ in values})
+    counts = sorted({v[0] for v in values})
     if len(counts) > 1:
-        raise ValueError(f"logits: ranks hold different row counts {[n for n, _ in values]}; every rank needs the "
+        raise ValueError(f"logits: ranks hold different row counts {[v[0] for v in values]}; every rank needs the "
                          "same rows (the vocabulary is what is sharded)")
+    starts, totals = [v[2] for v in values], {v[3] for v in values}
+    if len(totals) > 1 or starts != sorted(starts):  # a layout cached before a shard changed width
+        _SHARDS.clear()
+        raise ValueError(f"group: the ranks' cached vocabulary layouts disagree (starts {starts}, totals "
+                         f"{sorted(totals)}): a shard changed width; the cache is cleared, call again")
 
 
 def handshake_verdict(shard: VocabShard, verdict, device: torch.device) -> None:

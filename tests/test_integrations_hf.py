@@ -446,3 +446,52 @@ def test_ddp_trainer_on_two_processes_trains_like_stock(tmp_path):
     # the logged CE is the step's token mean over both ranks: the Trainer's own loss here
     assert result["ce"] == pytest.approx(result["stock"], rel=1e-5)
     assert all(0.0 <= a <= 1.0 for a in result["accuracy"])
+
+
+def test_trainer_evaluate_and_predict_work_on_a_patched_model(tmp_path):
+    model = tiny("llama")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=2, report_to=[],
+                                          use_cpu=True, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, eval_dataset=_Batches())
+    stock = trainer.evaluate()["eval_loss"]
+    handle = patch(model, FULL)
+    callback = attach(trainer, handle)
+    assert "metrics" in model.config.keys_to_ignore_at_inference
+    mine = trainer.evaluate()  # the callback adds the eval metrics to what evaluate() logs and returns
+    assert mine["eval_loss"] == pytest.approx(stock + 1e-3 * mine["eval_z_loss"], rel=1e-5)
+    assert 0.0 <= mine["eval_token_accuracy"] <= 1.0
+    # token-weighted over the eval set; the Trainer's eval_loss is a mean of batch means
+    assert mine["eval_ce"] == pytest.approx(stock, rel=1e-3) and mine["eval_ce"] != stock
+    trainer.predict(_Batches())  # collects outputs across batches: the extra fields stay out of "logits"
+    handle.undo()
+    assert "metrics" not in (getattr(model.config, "keys_to_ignore_at_inference", None) or [])
+    assert callback.eval is handle.eval_metrics
+
+
+def test_a_failing_probe_leaves_the_model_as_it_was():
+    model = tiny("llama")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    model.model.forward = broken
+    with pytest.raises(RuntimeError, match="device lost"):
+        patch(model)
+    assert model.training and "forward" not in model.lm_head.__dict__ and "_headloss_patch" not in model.__dict__
+
+
+def test_undo_keeps_a_wrapper_installed_over_the_patch():
+    model = tiny("llama")
+    ids, labels, mask = batch(8)
+    stock = model(input_ids=ids, attention_mask=mask, labels=labels)
+    handle = patch(model)
+    inner = model.forward
+
+    def outer(*args, **kwargs):  # what accelerate's autocast wrapper does to an instance
+        return inner(*args, **kwargs)
+
+    model.forward = outer
+    handle.undo()
+    assert model.forward is outer  # kept: undo does not drop someone else's wrapper
+    again = model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert again.logits is not None and torch.equal(again.loss, stock.loss)  # ours passes through now

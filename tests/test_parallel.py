@@ -382,3 +382,41 @@ def test_a_bad_input_on_one_rank_raises_on_every_rank_with_sync_validation():
         message, handshakes = out["target_out_of_range_on_rank_1"]
         assert handshakes == 2  # inputs, then the device's verdict
         assert (f"value {V + 3} at position (2,)" in message) if rank == 1 else ("rank(s) [1] found bad" in message)
+
+
+def _rank_more_errors(rank: int, world: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from headloss import linear_head_loss
+
+    try:
+        out = {}
+        try:  # an empty shard on rank 1: the layout exchange runs first, and fails on every rank
+            head_loss(torch.randn(3, 0 if rank == 1 else V), torch.zeros(3, dtype=torch.long), group=dist.group.WORLD)
+            out["empty_shard"] = "ok"
+        except ValueError as exc:
+            out["empty_shard"] = str(exc)
+        widths = _splits(world)
+        hidden, weight = torch.randn(4, H), torch.randn(widths[rank], H)
+        ids = torch.zeros(4 if rank == 0 else 3, dtype=torch.long)  # wrong on rank 1
+        try:
+            linear_head_loss(hidden, weight, ids, group=dist.group.WORLD, validate="sync", backend="triton")
+            out["linear_bad_targets"] = "ok"
+        except ValueError as exc:
+            out["linear_bad_targets"] = str(exc)
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_kernel
+def test_an_empty_shard_and_a_bad_lm_head_input_raise_on_every_rank():
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank_more_errors, args=(2, _port(), results), nprocs=2, join=True)
+        results = dict(results)
+    for rank in (0, 1):
+        out = results[rank]
+        assert "non-empty vocabulary shard" in out["empty_shard"]
+        assert ("targets: shape" in out["linear_bad_targets"]) if rank == 1 else \
+            ("rank(s) [1] rejected" in out["linear_bad_targets"])

@@ -187,7 +187,8 @@ class HeadPatch:
             if labels is None and labels_at is not None and len(args) > labels_at:
                 labels = args[labels_at]
             shift_labels = kwargs.get("shift_labels")
-            if (labels is None and shift_labels is None) or self._pending is not None or kwargs.get("fused_lm_head"):
+            if not self._active or (labels is None and shift_labels is None) or self._pending is not None \
+                    or kwargs.get("fused_lm_head"):
                 return original_forward(*args, **kwargs)  # (fused_lm_head: TRL's own head, as TRL asks)
             call = _Call(labels=labels, shift_labels=shift_labels,
                          num_items_in_batch=kwargs.get("num_items_in_batch"), ignore_index=kwargs.get("ignore_index"))
@@ -205,13 +206,13 @@ class HeadPatch:
 
         def head_forward(hidden, *args, **kwargs):
             call = self._pending
-            if call is None or call.result is not None or args or kwargs:
+            if not self._active or call is None or call.result is not None or args or kwargs:
                 return original_head(hidden, *args, **kwargs)
             return self._head_loss(call, hidden, original_head)
 
         def loss_function(logits=None, labels=None, vocab_size=None, **kwargs):
             call = self._pending
-            if call is None or call.result is None:
+            if not self._active or call is None or call.result is None:
                 return original_loss(logits, labels, vocab_size, **kwargs)
             call.extra["loss_calls"] = call.extra.get("loss_calls", 0) + 1
             return call.result.loss
@@ -220,6 +221,13 @@ class HeadPatch:
         head.forward = head_forward
         model.loss_function = loss_function
         model._headloss_patch = self
+        self._installed = (forward, head_forward, loss_function)
+        # the Trainer's evaluation collects every output key but these into its "logits"
+        config = model.config
+        self._had_ignore = "keys_to_ignore_at_inference" in config.__dict__
+        self._saved_ignore = config.__dict__.get("keys_to_ignore_at_inference")
+        ignore = list(getattr(config, "keys_to_ignore_at_inference", None) or ["past_key_values"])
+        config.keys_to_ignore_at_inference = ignore + [k for k in ("metrics", "headloss") if k not in ignore]
         self._active = True
 
     def undo(self) -> None:
@@ -227,11 +235,18 @@ class HeadPatch:
         if not self._active:
             return
         model, head = self.model, self.head
-        _restore(model, "forward", self._had_forward, self._saved_forward)
-        _restore(head, "forward", self._had_head_forward, self._saved_head_forward)
-        _restore(model, "_loss_function", self._had_loss_function, self._saved_loss_function)
+        forward, head_forward, loss_function = self._installed
+        self._active = False  # the wrappers pass everything through from here on
+        # restore only what is still ours: a wrapper installed over ours (accelerate's autocast
+        # forward, say) stays, and reaches the original through our now inactive one
+        if model.__dict__.get("forward") is forward:
+            _restore(model, "forward", self._had_forward, self._saved_forward)
+        if head.__dict__.get("forward") is head_forward:
+            _restore(head, "forward", self._had_head_forward, self._saved_head_forward)
+        if model.__dict__.get("_loss_function") is loss_function:
+            _restore(model, "_loss_function", self._had_loss_function, self._saved_loss_function)
+        _restore(model.config, "keys_to_ignore_at_inference", self._had_ignore, self._saved_ignore)
         model.__dict__.pop("_headloss_patch", None)
-        self._active = False
 
     @contextlib.contextmanager
     def inputs(self, **tensors):
@@ -325,7 +340,13 @@ class HeadPatch:
             seen["hidden"], seen["z"] = inputs[0].detach(), output.detach()
 
         was_training = model.training
-        model.eval()
+        try:
+            model.eval()
+            self._probe(model, head, ids, labels, seen, hook)
+        finally:
+            model.train(was_training)
+
+    def _probe(self, model, head, ids, labels, seen, hook) -> None:
         handle = head.register_forward_hook(hook)
         try:
             with torch.no_grad():
@@ -336,41 +357,37 @@ class HeadPatch:
         finally:
             handle.remove()
         if "hidden" not in seen:
-            model.train(was_training)
             raise PatchError(f"{type(model).__name__}: its forward never called get_output_embeddings()")
         hidden, z = seen["hidden"], seen["z"]
         name = type(model).__name__
-        try:
-            plain = F.linear(hidden, head.weight, getattr(head, "bias", None))
-            if not torch.allclose(plain.float(), z.float(), **_tolerance(z.dtype)):
+        plain = F.linear(hidden, head.weight, getattr(head, "bias", None))
+        if not torch.allclose(plain.float(), z.float(), **_tolerance(z.dtype)):
+            raise PatchError(
+                f"{name}: its lm_head ({type(head).__name__}) is not hidden @ weight.T + bias; headloss cannot "
+                "reproduce it"
+            )
+        logits = getattr(stock, "logits", None)
+        if logits is None:
+            raise PatchError(f"{name}: its output has no logits to check the head's transform against")
+        from ..reference import transformed_logits
+
+        def matches(spec: LossSpec) -> bool:
+            expected = transformed_logits(z.float(), spec, torch.float32) * spec.transform.temperature
+            return torch.allclose(logits.float(), expected, **_tolerance(logits.dtype))
+
+        if not matches(self.spec):
+            # the config names a transform the model's forward does not apply (Gemma 3's
+            # multimodal wrapper ignores final_logit_softcapping): score what the model computes
+            plain = LossSpec.model_validate(
+                {**dict(self.spec), "transform": LogitTransform(temperature=self.spec.transform.temperature)})
+            if self.spec.transform.logit_scale == 1.0 and self.spec.transform.softcap is None or not matches(plain):
                 raise PatchError(
-                    f"{name}: its lm_head ({type(head).__name__}) is not hidden @ weight.T + bias; headloss cannot "
-                    "reproduce it"
+                    f"{name}: its logits are not the lm_head's output under the transform headloss read from "
+                    f"its config ({self.spec.transform}); it applies something else to them, so it is refused "
+                    "rather than mis-scored"
                 )
-            logits = getattr(stock, "logits", None)
-            if logits is None:
-                raise PatchError(f"{name}: its output has no logits to check the head's transform against")
-            from ..reference import transformed_logits
-
-            def matches(spec: LossSpec) -> bool:
-                expected = transformed_logits(z.float(), spec, torch.float32) * spec.transform.temperature
-                return torch.allclose(logits.float(), expected, **_tolerance(logits.dtype))
-
-            if not matches(self.spec):
-                # the config names a transform the model's forward does not apply (Gemma 3's
-                # multimodal wrapper ignores final_logit_softcapping): score what the model computes
-                plain = LossSpec.model_validate(
-                    {**dict(self.spec), "transform": LogitTransform(temperature=self.spec.transform.temperature)})
-                if self.spec.transform.logit_scale == 1.0 and self.spec.transform.softcap is None or not matches(plain):
-                    raise PatchError(
-                        f"{name}: its logits are not the lm_head's output under the transform headloss read from "
-                        f"its config ({self.spec.transform}); it applies something else to them, so it is refused "
-                        "rather than mis-scored"
-                    )
-                self.spec = plain
-            self._probe_loss(stock, ids, labels)
-        finally:
-            model.train(was_training)
+            self.spec = plain
+        self._probe_loss(stock, ids, labels)
 
     def _probe_loss(self, stock, ids, labels) -> None:
         """The patched loss of the probe equals the model's own cross-entropy (CE-only spec)."""

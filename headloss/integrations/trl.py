@@ -52,6 +52,10 @@ from .transformers import HeadPatch, patch
 __all__ = ["HeadLossGRPOTrainer", "HeadLossSFTTrainer", "grpo_spec", "sft_spec"]
 
 _TRL_NAMES = {"token_accuracy": "mean_token_accuracy"}
+_MODEL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids",
+                 "mm_token_type_ids", "spatial_shapes", "image_position_ids")
+"""Extra model inputs of a generation batch that GRPOTrainer's own loss passes to the model (whole
+batch: this loss does not split it)."""
 
 
 def grpo_spec(trainer) -> LossSpec:
@@ -140,6 +144,9 @@ class HeadLossGRPOTrainer(GRPOTrainer):
                 weights = weights.expand_as(mask)
         model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": completion_ids,
                         "logits_to_keep": keep + 1, "use_cache": False}
+        for key in _MODEL_INPUTS:  # vision-language policies: their image inputs, as TRL passes them
+            if inputs.get(key) is not None:
+                model_inputs[key] = inputs[key]
         if num_items is not None:
             model_inputs["num_items_in_batch"] = num_items
         if self.aux_loss_enabled:
