@@ -19,6 +19,7 @@ across the process group with one ``all_gather`` and reads everything with one h
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 
 import torch
@@ -184,27 +185,33 @@ class MetricsAccumulator:
 
         world = dist.get_world_size(group)
         backend = dist.get_backend(group)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        device = torch.device("cpu")
+        if backend == "nccl":  # the accumulated tensors' GPU (this rank's), else the current one
+            device = packed.device if packed.device.type == "cuda" else \
+                torch.device("cuda", torch.cuda.current_device())
         width = packed.numel()
-        if width + 1 > _ROW:
-            raise ValueError(f"MetricsAccumulator: {width} values exceed the {_ROW - 1} one row holds")
+        if width + 2 > _ROW:
+            raise ValueError(f"MetricsAccumulator: {width} values exceed the {_ROW - 2} one row holds")
+        names = zlib.crc32("\0".join(means + ("|",) + mins + ("|",) + maxs).encode()) if width else 0
         row = torch.zeros(_ROW, dtype=torch.float64, device=device)
         row[0] = width
-        row[1: 1 + width] = packed.to(device)
+        row[1] = names
+        row[2: 2 + width] = packed.to(device)
         parts = [torch.empty_like(row) for _ in range(world)]
         dist.all_gather(parts, row, group=group)
         gathered = torch.stack(parts)
-        widths = set(gathered[:, 0].tolist()) - {0.0}
-        if not widths:
+        held = gathered[gathered[:, 0] > 0]
+        if held.shape[0] == 0:
             return torch.zeros(0, dtype=torch.float64)
-        if len(widths) > 1 or (width and widths != {float(width)}):
+        if len(set(held[:, 0].tolist())) > 1 or len(set(held[:, 1].tolist())) > 1 or (
+                width and float(names) != float(held[0, 1])):
             raise RuntimeError(
                 "MetricsAccumulator.compute: ranks hold different metric sets (each rank must "
                 "accumulate calls of the same spec, or none)"
             )
         if width == 0:  # no calls here: the names are unknown on this rank, which returns {}
             return torch.zeros(0, dtype=torch.float64)
-        body = gathered[gathered[:, 0] > 0, 1: 1 + width]
+        body = held[:, 2: 2 + width]
         n_sum = 2 + len(means)
         parts = [body[:, :n_sum].sum(0)]
         if mins:

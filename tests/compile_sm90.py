@@ -158,8 +158,8 @@ def _sharded(call):
         shard = headloss.parallel.VocabShard(group=None, vocab_start=300, vocab_total=600, world=2)
         p = headloss.parallel
         saved = headloss.api.shard_of, headloss.api.rows_shard, p.gather_merged, p.all_reduce_sum
-        headloss.api.shard_of = lambda group, width, device: shard
-        headloss.api.rows_shard = lambda weight, group: (weight, shard)
+        headloss.api.shard_of = lambda group, width, device, fresh=False: shard
+        headloss.api.rows_shard = lambda weight, group, fresh=False: (weight, shard)
         p.gather_merged = lambda part, _shard, own_temp=False: head.launch_merge(torch.stack([part, part]), own_temp)
         p.all_reduce_sum = lambda t, _shard, what="dh": t
         try:

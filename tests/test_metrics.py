@@ -146,3 +146,29 @@ def test_gloo_ranks_reduce_with_one_collective(world):
             target = whole.loss if name == "loss" else whole.metrics[name]
             assert values[name] == pytest.approx(float(target), rel=1e-6), (rank, name)
         assert values["n_tokens"] == int(whole.metrics["n_tokens"])
+
+
+def _rank_mismatch(rank: int, world: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        logits, targets = micro_batches(6)[0]
+        # as many metrics on both ranks, under different names
+        spec = LossSpec(z_loss=ZLoss(weight=1e-3)) if rank == 0 else LossSpec(dft={"weight": 1.0})
+        acc = MetricsAccumulator()
+        acc.update(head_loss(logits, targets, spec, backend="reference"))
+        try:
+            acc.compute()
+            results[rank] = "ok"
+        except RuntimeError as exc:
+            results[rank] = str(exc)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_with_different_metric_names_are_an_error_not_a_sum():
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank_mismatch, args=(2, _free_port(), results), nprocs=2, join=True)
+        results = dict(results)
+    assert all("different metric sets" in results[rank] for rank in (0, 1))

@@ -175,10 +175,13 @@ class HeadLossGRPOTrainer(GRPOTrainer):
         values = _global_means(self.accelerator, metrics, names + extra)
         for k in names + extra:
             self._metrics[mode][_TRL_NAMES.get(k, k)].append(values[k])
-        for k, reduce in (("clip_ratio/low_min", torch.min), ("clip_ratio/high_max", torch.max)):
-            if k in metrics:
-                gathered = self.accelerator.gather(metrics[k].reshape(1).float())
-                self._metrics[mode][k].append(float(reduce(gathered)))
+        has = metrics["n_tokens"].reshape(1) > 0
+        for k, reduce, empty in (("clip_ratio/low_min", torch.min, float("inf")),
+                                 ("clip_ratio/high_max", torch.max, float("-inf"))):
+            if k in metrics:  # TRL's nanmin / nanmax: a process without tokens has no sequence mean
+                value = torch.where(has, metrics[k].reshape(1).float(), empty)
+                result = float(reduce(self.accelerator.gather(value)))
+                self._metrics[mode][k].append(result if abs(result) != float("inf") else float("nan"))
 
 
 _POLICY_INTERNAL = ("loss", "n_tokens", "clip_ratio/low_min", "clip_ratio/high_max", "ratio/mean", "ratio/min",
