@@ -549,6 +549,17 @@ def _nccl_rank(rank: int, world: int, port: int, results) -> None:
         errs[("linear", "dh")] = float((h2.grad.float() - h1.grad.float()).abs().max() / h1.grad.float().abs().max())
         errs[("linear", "dw")] = float((w2.grad.float() - w1.grad[start: start + width].float()).abs().max()
                                        / w1.grad.float().abs().max())
+        # the deferred lm_head: statistics saved for the backward, dh all-reduced there
+        spec = headloss.LossSpec(reduction="none", outputs=("logprobs",), differentiable_outputs=True)
+        h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        whole = headloss.linear_head_loss(h1, w1, ids, spec)
+        (whole.loss.sum() + whole.logprobs.sum()).backward()
+        h2, w2 = hidden.clone().requires_grad_(), weight[start: start + width].clone().requires_grad_()
+        mine = headloss.linear_head_loss(h2, w2, ids, spec, group=dist.group.WORLD)
+        (mine.loss.sum() + mine.logprobs.sum()).backward()
+        errs[("linear-deferred", "loss")] = float((mine.loss - whole.loss).abs().max() / whole.loss.abs().max())
+        errs[("linear-deferred", "dh")] = float((h2.grad.float() - h1.grad.float()).abs().max()
+                                                / h1.grad.float().abs().max())
         results[rank] = errs
     finally:
         dist.destroy_process_group()
