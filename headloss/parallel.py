@@ -72,9 +72,16 @@ def shard_of(group, local_vocab: int, device: torch.device, fresh: bool = False)
     sizes = [int(w.item()) for w in widths]
     if min(sizes) <= 0:
         raise ValueError(f"logits: every rank needs a non-empty vocabulary shard, got widths {sizes}")
-    shard = VocabShard(group=group, vocab_start=sum(sizes[:rank]), vocab_total=sum(sizes), world=world)
+    shard = VocabShard(group=group, vocab_start=sum(sizes[:rank]), vocab_total=_whole(sum(sizes)), world=world)
     _SHARDS[key] = (group, shard)
     return shard
+
+
+def _whole(total: int) -> int:
+    """The whole vocabulary, checked: global ids travel as fp32 in the statistics."""
+    if total >= 1 << 24:
+        raise ValueError(f"logits: a vocab-parallel vocabulary must be below 2**24 ids, got {total}")
+    return total
 
 
 def clear_layouts() -> None:
@@ -100,7 +107,7 @@ def dtensor_shard(logits) -> tuple[torch.Tensor, VocabShard]:
     group = mesh.get_group()
     import torch.distributed as dist
 
-    shard = VocabShard(group=group, vocab_start=int(offset[last]), vocab_total=int(logits.shape[-1]),
+    shard = VocabShard(group=group, vocab_start=int(offset[last]), vocab_total=_whole(int(logits.shape[-1])),
                        world=dist.get_world_size(group))
     return logits.to_local(), shard
 
@@ -224,7 +231,8 @@ def rows_shard(weight, group, fresh: bool = False) -> tuple[torch.Tensor, VocabS
         _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, placements)
         group = mesh.get_group()
         return weight.to_local(), VocabShard(group=group, vocab_start=int(offset[0]),
-                                             vocab_total=int(weight.shape[0]), world=dist.get_world_size(group))
+                                             vocab_total=_whole(int(weight.shape[0])),
+                                             world=dist.get_world_size(group))
     return weight, shard_of(group, weight.shape[0], weight.device, fresh)
 
 

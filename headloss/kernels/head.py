@@ -294,7 +294,8 @@ def head_kernel(
 STATS = 8
 """Vocab-parallel row statistics (fp32): [0] max x2 (base-2 units), [1] sum 2^(x2 - max),
 [2] sum x2 (label smoothing), [3] sum 2^(x2 - max) x2 (entropy), [4] the argmax's global id,
-[5] the target's x2 where the shard holds it (else 0), [6] 1 where the shard holds it, [7] unused."""
+[5] the target's x2 where the shard holds it (else 0), [6] 1 where the shard holds it, [7] unused.
+Global ids travel as fp32: exact for vocabularies below 2**24."""
 
 TEACHER_STATS = 8
 """With a teacher, 8 more (terms.teacher_block's tstats): [8] the teacher's max, [9] its sum of
