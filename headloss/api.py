@@ -184,9 +184,7 @@ def _vocab_shard(logits, targets, group, plan: KernelPlan, teacher_logits, valid
     if is_dtensor(teacher_logits):  # sharded like the student's
         teacher_logits = teacher_logits.to_local()
     if is_dtensor(logits):
-        local, shard = dtensor_shard(logits)
-        if group is not None and group is not shard.group:
-            raise ValueError("group: differs from the DTensor's mesh group; pass one or the other")
+        local, shard = dtensor_shard(logits, -1, group)
         return local, targets, teacher_logits, shard
     if not isinstance(logits, torch.Tensor) or logits.dim() not in (2, 3):
         check_logits(logits)  # (no shard width to exchange)

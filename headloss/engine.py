@@ -40,6 +40,7 @@ from .kernels.head import (
     scale_grad_,
     scratch_size,
 )
+from .parallel import all_reduce_sum, gather_merged, handshake_verdict
 from .plan import KernelPlan, plan_from_key
 
 _RETAIN_GRAPH_ERROR = (
@@ -116,8 +117,6 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
                                                           Normaliser(geo.norm, num_items)))
     scratch = prepare(targets, num_items, sequence_ids, whole, device, verdict, _sequences(geo, policy))
     if shard is not None and validate == "sync":
-        from .parallel import handshake_verdict
-
         handshake_verdict(shard, verdict, device)
     stats = jsd = None
     if shard is not None and geo.n_rows:
@@ -144,8 +143,6 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
 def _shard_statistics(plan: KernelPlan, logits, targets, teacher, geo: Geometry, shard):
     """Vocab-parallel: (merged statistics, summed mixture-JSD shares or None) of this shard's rows --
     one all_gather, and for the mixture JSD one all-reduce more."""
-    from .parallel import all_reduce_sum, gather_merged
-
     part = launch_shard_stats(plan, logits=logits, targets=targets, geo=geo, teacher=teacher)
     stats = gather_merged(part, shard, plan.flags.OWN_TEMP)
     jsd = None
@@ -407,8 +404,6 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
                                                                      Normaliser(run.norm, num_items)))
     scratch = prepare(targets, num_items, sequence_ids, full, hidden.device, verdict)
     if run.shard is not None and run.validate == "sync":
-        from .parallel import handshake_verdict
-
         handshake_verdict(run.shard, verdict, hidden.device)
     index = _compact_index(run, targets, scratch, rows, verdict)
     computed = rows if index is None else index.numel()
@@ -443,8 +438,6 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
     settle(verdict, run.validate, hidden.device)
     dh, dw, db = _finish_grads(grads, weight, bias) if grads is not None else (None, None, None)
     if run.shard is not None and dh is not None:  # each shard's share of dh: the column-parallel all-reduce
-        from .parallel import all_reduce_sum
-
         dh = all_reduce_sum(dh, run.shard)
     loss = loss_c
     if plan.reduction == "none" and index is not None:
@@ -495,8 +488,6 @@ def linear_backward(run: LinearRun, wants, teacher: _Teacher, hidden, weight, bi
         _accumulate(grads, logits, h_c, weight, index, start, stop)
     dh, dw, db = _finish_grads(grads, weight, bias)
     if run.shard is not None and dh is not None:  # the column-parallel all-reduce, in the backward here
-        from .parallel import all_reduce_sum
-
         dh = all_reduce_sum(dh, run.shard)
     return dh, dw, db
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .kernels.head import STATS
 
@@ -46,9 +47,16 @@ value is a sum over the vocabulary of terms that need the whole vocabulary's nor
 
 
 def _comm_device(group, device: torch.device) -> torch.device:
-    import torch.distributed as dist
-
     return device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+
+
+def _gather_ints(values: list[int], group, device: torch.device) -> list[list[int]]:
+    """Every rank's ``values`` (a few ints, the same count on every rank): one all_gather, read on
+    the host."""
+    mine = torch.tensor(values, dtype=torch.int64, device=_comm_device(group, device))
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return [t.tolist() for t in every]
 
 
 def shard_of(group, local_vocab: int, device: torch.device, fresh: bool = False) -> VocabShard:
@@ -57,19 +65,14 @@ def shard_of(group, local_vocab: int, device: torch.device, fresh: bool = False)
     every rank's does (one model's split, or a new model split the same way): a rank whose width
     stays while another's changes would skip the exchange the other runs. ``fresh`` (what
     ``validate="sync"`` does) exchanges the widths anyway; :func:`clear_layouts` resets the cache."""
-    import torch.distributed as dist
-
     key = (id(group), local_vocab)
     hit = _SHARDS.get(key)
     if hit is not None and hit[0] is group and not fresh:
         return hit[1]
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    mine = torch.tensor([local_vocab], dtype=torch.int64, device=_comm_device(group, device))
-    widths = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(widths, mine, group=group)
+    sizes = [w for (w,) in _gather_ints([local_vocab], group, device)]
     COLLECTIVES["layout"] += 1
-    sizes = [int(w.item()) for w in widths]
     if min(sizes) <= 0:
         raise ValueError(f"logits: every rank needs a non-empty vocabulary shard, got widths {sizes}")
     shard = VocabShard(group=group, vocab_start=sum(sizes[:rank]), vocab_total=_whole(sum(sizes)), world=world)
@@ -89,27 +92,28 @@ def clear_layouts() -> None:
     _SHARDS.clear()
 
 
-def dtensor_shard(logits) -> tuple[torch.Tensor, VocabShard]:
-    """(local tensor, VocabShard) of a DTensor sharded on its last dimension over a 1-D mesh."""
+def dtensor_shard(t, dim: int = -1, group=None, name: str = "logits") -> tuple[torch.Tensor, VocabShard]:
+    """(local tensor, VocabShard) of a DTensor sharded on ``dim`` (the vocabulary: the logits' last
+    dimension, an lm_head weight's rows) over a 1-D mesh; ``group``, when given, must be its mesh's."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    mesh, placements = logits.device_mesh, logits.placements
-    last = logits.dim() - 1
+    mesh, placements = t.device_mesh, t.placements
+    dim = dim % t.dim()
     if mesh.ndim != 1 or len(placements) != 1 or not (
-        isinstance(placements[0], Shard) and placements[0].dim in (-1, last)
+        isinstance(placements[0], Shard) and placements[0].dim % t.dim() == dim
     ):
         raise ValueError(
-            f"logits: a DTensor must be sharded on its last (vocabulary) dimension over a 1-D mesh, got "
+            f"{name}: a DTensor must be sharded on its vocabulary dimension ({dim}) over a 1-D mesh, got "
             f"placements {placements} on a {mesh.ndim}-D mesh"
         )
-    _, offset = compute_local_shape_and_global_offset(logits.shape, mesh, placements)
+    if group is not None and group is not mesh.get_group():
+        raise ValueError(f"group: differs from the {name} DTensor's mesh group; pass one or the other")
+    _, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
     group = mesh.get_group()
-    import torch.distributed as dist
-
-    shard = VocabShard(group=group, vocab_start=int(offset[last]), vocab_total=_whole(int(logits.shape[-1])),
+    shard = VocabShard(group=group, vocab_start=int(offset[dim]), vocab_total=_whole(int(t.shape[dim])),
                        world=dist.get_world_size(group))
-    return logits.to_local(), shard
+    return t.to_local(), shard
 
 
 def is_dtensor(t: Any) -> bool:
@@ -119,8 +123,6 @@ def is_dtensor(t: Any) -> bool:
 def gather_merged(part: torch.Tensor, shard: VocabShard, own_temp: bool = False) -> torch.Tensor:
     """All ranks' (n_rows, STATS [+ TEACHER_STATS]) statistics, merged into the whole vocabulary's
     (one all_gather). ``own_temp``: the student's sums at the distillation temperature are their own."""
-    import torch.distributed as dist
-
     from .kernels.head import launch_merge
 
     device = _comm_device(shard.group, part.device)
@@ -138,8 +140,6 @@ def gather_merged(part: torch.Tensor, shard: VocabShard, own_temp: bool = False)
 
 
 def _all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
-    import torch.distributed as dist
-
     single = getattr(dist, "all_gather_single", None)  # torch >= 2.13's name
     if single is not None:
         single(out, tensor, group=group)
@@ -176,13 +176,9 @@ class _GatherVocab(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, shard: VocabShard) -> torch.Tensor:
-        import torch.distributed as dist
-
         width = local.shape[-1]
         device = _comm_device(shard.group, local.device)
-        widths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(shard.world)]
-        dist.all_gather(widths, torch.tensor([width], dtype=torch.int64, device=device), group=shard.group)
-        sizes = [int(w.item()) for w in widths]
+        sizes = [w for (w,) in _gather_ints([width], shard.group, local.device)]
         top = max(sizes)
         padded = torch.nn.functional.pad(local.detach(), (0, top - width)).to(device).contiguous()
         parts = [torch.empty_like(padded) for _ in range(shard.world)]
@@ -202,8 +198,6 @@ def gather_vocab(local: torch.Tensor, shard: VocabShard) -> torch.Tensor:
 
 def all_reduce_sum(t: torch.Tensor, shard: VocabShard, what: str = "dh") -> torch.Tensor:
     """``t`` summed over the group (in place where the backend allows); counted as ``what``."""
-    import torch.distributed as dist
-
     device = _comm_device(shard.group, t.device)
     buf = t if t.device == device else t.to(device)
     dist.all_reduce(buf, group=shard.group)
@@ -215,24 +209,7 @@ def rows_shard(weight, group, fresh: bool = False) -> tuple[torch.Tensor, VocabS
     """(local weight, VocabShard) of an lm_head weight [V, H] sharded on its rows: a DTensor with
     Shard(0) on a 1-D mesh, or this rank's rows with ``group``."""
     if is_dtensor(weight):
-        from torch.distributed.tensor import Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        mesh, placements = weight.device_mesh, weight.placements
-        if mesh.ndim != 1 or len(placements) != 1 or not (isinstance(placements[0], Shard) and placements[0].dim == 0):
-            raise ValueError(
-                f"weight: a DTensor lm_head must be sharded on its rows (the vocabulary) over a 1-D mesh, got "
-                f"placements {placements} on a {mesh.ndim}-D mesh"
-            )
-        if group is not None and group is not mesh.get_group():
-            raise ValueError("group: differs from the weight DTensor's mesh group; pass one or the other")
-        import torch.distributed as dist
-
-        _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, placements)
-        group = mesh.get_group()
-        return weight.to_local(), VocabShard(group=group, vocab_start=int(offset[0]),
-                                             vocab_total=_whole(int(weight.shape[0])),
-                                             world=dist.get_world_size(group))
+        return dtensor_shard(weight, 0, group, "weight")
     return weight, shard_of(group, weight.shape[0], weight.device, fresh)
 
 
@@ -241,14 +218,9 @@ def handshake(shard: VocabShard, rows: int, error: BaseException | None, device:
     error, so that a bad input on one rank (or row counts that differ across ranks) raises on every
     rank instead of leaving the others waiting in the statistics exchange. Raises the local error
     itself where there is one."""
-    import torch.distributed as dist
 
-    mine = torch.tensor([rows, int(error is not None), shard.vocab_start, shard.vocab_total], dtype=torch.int64,
-                        device=_comm_device(shard.group, device))
-    every = [torch.empty_like(mine) for _ in range(shard.world)]
-    dist.all_gather(every, mine, group=shard.group)
+    values = _gather_ints([rows, int(error is not None), shard.vocab_start, shard.vocab_total], shard.group, device)
     COLLECTIVES["handshake"] += 1
-    values = [tuple(int(v) for v in t.tolist()) for t in every]
     if error is not None:
         raise error
     failed = [rank for rank, (_, bad, _, _) in enumerate(values) if bad]
@@ -269,22 +241,19 @@ def handshake_verdict(shard: VocabShard, verdict, device: torch.device) -> None:
     """``validate="sync"``: after the first kernel checked the values (targets in range, the
     normaliser), wait for this rank's verdict and exchange it, so that a bad value on one rank
     raises on every rank before any statistics are exchanged."""
-    import torch.distributed as dist
 
     if verdict is None:
         return
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     bad = int(verdict[0].numpy()[0]) != 0
-    mine = torch.tensor([int(bad)], dtype=torch.int64, device=_comm_device(shard.group, device))
-    every = [torch.empty_like(mine) for _ in range(shard.world)]
-    dist.all_gather(every, mine, group=shard.group)
+    every = _gather_ints([int(bad)], shard.group, device)
     COLLECTIVES["handshake"] += 1
     if bad:
         from .inputs import board_for
 
         board_for(device).raise_slot(verdict[0], deferred=False)
-    failed = [rank for rank, t in enumerate(every) if int(t.item())]
+    failed = [rank for rank, (flag,) in enumerate(every) if flag]
     if failed:
         raise ValueError(f"group: rank(s) {failed} found bad input values on the device (their own error says "
                          "which); no rank ran")

@@ -153,19 +153,21 @@ def _sharded(call):
     group: the layout and the statistics exchange are stood in for; the kernels are the real ones."""
     def run():
         import headloss.api
+        import headloss.engine
         import headloss.parallel
 
         shard = headloss.parallel.VocabShard(group=None, vocab_start=300, vocab_total=600, world=2)
-        p = headloss.parallel
-        saved = headloss.api.shard_of, headloss.api.rows_shard, p.gather_merged, p.all_reduce_sum
-        headloss.api.shard_of = lambda group, width, device, fresh=False: shard
-        headloss.api.rows_shard = lambda weight, group, fresh=False: (weight, shard)
-        p.gather_merged = lambda part, _shard, own_temp=False: head.launch_merge(torch.stack([part, part]), own_temp)
-        p.all_reduce_sum = lambda t, _shard, what="dh": t
+        api, engine = headloss.api, headloss.engine
+        saved = api.shard_of, api.rows_shard, engine.gather_merged, engine.all_reduce_sum
+        api.shard_of = lambda group, width, device, fresh=False: shard
+        api.rows_shard = lambda weight, group, fresh=False: (weight, shard)
+        engine.gather_merged = lambda part, _shard, own_temp=False: head.launch_merge(torch.stack([part, part]),
+                                                                                      own_temp)
+        engine.all_reduce_sum = lambda t, _shard, what="dh": t
         try:
             call()
         finally:
-            headloss.api.shard_of, headloss.api.rows_shard, p.gather_merged, p.all_reduce_sum = saved
+            api.shard_of, api.rows_shard, engine.gather_merged, engine.all_reduce_sum = saved
 
     return run
 

@@ -245,3 +245,35 @@ def assert_nontrivial(pair: Pair) -> None:
     if pair.ref_grad is not None:
         assert float(pair.ref_grad.norm()) > 0
         assert float(pair.grad.double().norm()) > 0
+
+
+def spawn_ranks(fn: Callable, world: int, *args) -> dict:
+    """Run ``fn(rank, world, port, *args, results)`` in ``world`` spawned processes (a free local
+    port for their process group); returns ``results`` (a dict each rank writes into)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(fn, args=(world, port, *args, results), nprocs=world, join=True)
+        return dict(results)
+
+
+def torchrun(script: str, out_dir, timeout: int = 900) -> dict:
+    """Run ``tests/<script> OUT_DIR`` on 2 processes with torch.distributed.run and return the JSON
+    its rank 0 prints after ``RESULT ``; fails with the processes' stderr otherwise."""
+    import json
+    import subprocess
+    import sys
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", path,
+                           str(out_dir)], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and found, done.stderr[-3000:]
+    return json.loads(found[0][len("RESULT "):])

@@ -567,17 +567,9 @@ def _nccl_rank(rank: int, world: int, port: int, results) -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_vocab_parallel_over_nccl_matches_one_gpu():
-    import socket
+    from conftest import spawn_ranks
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_nccl_rank, args=(2, port, results), nprocs=2, join=True)
-        results = dict(results)
+    results = spawn_ranks(_nccl_rank, 2)
     for rank, errs in results.items():
         for key, err in errs.items():
             if key[1] == "collectives":

@@ -407,17 +407,9 @@ def _fsdp2_rank(rank: int, world: int, port: int, tied: bool, results) -> None:
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_fsdp2_sharded_model_matches_stock(tied):
-    import socket
+    from conftest import spawn_ranks
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_fsdp2_rank, args=(2, port, tied, results), nprocs=2, join=True)
-        results = dict(results)
+    results = spawn_ranks(_fsdp2_rank, 2, tied)
     for rank in (0, 1):
         stock, mine, err, weight_type = results[rank]
         assert weight_type == "DTensor"  # the weight is sharded outside the forward
@@ -428,18 +420,9 @@ def test_fsdp2_sharded_model_matches_stock(tied):
 def test_ddp_trainer_on_two_processes_trains_like_stock(tmp_path):
     """average_tokens_across_devices (the Trainer scales the loss in place by the world size), the
     model output through DDP's pytree round trip, and the callback's cross-rank reduction."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from conftest import torchrun
 
-    script = os.path.join(os.path.dirname(__file__), "hf_ddp.py")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script,
-                           str(tmp_path)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and found, done.stderr[-3000:]
-    result = json.loads(found[0][len("RESULT "):])
+    result = torchrun("hf_ddp.py", tmp_path, timeout=600)
     assert result["world"] == 2
     assert result["err"] <= 1e-6
     assert result["mine"] == pytest.approx(result["stock"], rel=1e-6)

@@ -201,19 +201,10 @@ def test_sft_spec_maps_the_config():
 def test_two_processes_reduce_metrics_as_trl_does(tmp_path):
     """GRPO and SFT on 2 gloo processes (DDP): weights and every logged value equal stock TRL's,
     whose metrics are reduced across processes (gather / reduce) as it does."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from conftest import torchrun
 
     tiny_model().save_pretrained(tmp_path / "tiny")
-    script = os.path.join(os.path.dirname(__file__), "trl_ddp.py")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script,
-                           str(tmp_path)], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and found, done.stderr[-3000:]
-    result = json.loads(found[0][len("RESULT "):])
+    result = torchrun("trl_ddp.py", tmp_path)
     assert result["world"] == 2
     for name in ("grpo", "sft"):
         run = result[name]

@@ -1,13 +1,11 @@
 """MetricsAccumulator: token-weighted step metrics over uneven micro-batches and gloo ranks."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import make_logits, make_targets
+from conftest import make_logits, make_targets, spawn_ranks
 
 from headloss import Entropy, LossSpec, ZLoss, head_loss
 from headloss.metrics import TRL_NAMES, MetricsAccumulator
@@ -96,11 +94,6 @@ def test_bad_input_is_a_clear_error():
         acc.update(head_loss(logits, targets, SPEC, backend="reference"), reduction="none")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _rank(rank: int, world: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -132,10 +125,7 @@ def test_gloo_ranks_reduce_with_one_collective(world):
     batches = micro_batches(5)
     whole = head_loss(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]), SPEC,
                       backend="reference")
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank, args=(world, _free_port(), results), nprocs=world, join=True)
-        results = dict(results)
+    results = spawn_ranks(_rank, world)
     for rank in range(world):
         values, collectives = results[rank]
         assert collectives == 1
@@ -167,8 +157,5 @@ def _rank_mismatch(rank: int, world: int, port: int, results) -> None:
 
 
 def test_ranks_with_different_metric_names_are_an_error_not_a_sum():
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank_mismatch, args=(2, _free_port(), results), nprocs=2, join=True)
-        results = dict(results)
+    results = spawn_ranks(_rank_mismatch, 2)
     assert all("different metric sets" in results[rank] for rank in (0, 1))

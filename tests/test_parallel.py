@@ -3,13 +3,11 @@ reference path): every output equals the single-process result on the whole voca
 rank's gradient is its slice, one collective per call."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import needs_kernel, seed_of
+from conftest import needs_kernel, seed_of, spawn_ranks
 
 from headloss import CrossEntropy, Entropy, LogitTransform, LossSpec, Policy, ZLoss, head_loss
 
@@ -40,11 +38,6 @@ def _splits(world: int) -> list[int]:
     """Uneven contiguous shard widths summing to V."""
     return {2: [30, 23], 3: [7, 31, 15]}[world]
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inputs(name: str, dtype: torch.dtype):
@@ -159,10 +152,7 @@ def _rank(rank: int, world: int, port: int, results) -> None:
 @needs_kernel
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_equals_the_whole_vocabulary(world):
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank, args=(world, _port(), results), nprocs=world, join=True)
-        results = dict(results)
+    results = spawn_ranks(_rank, world)
     for rank in range(world):
         out, refusals, first, layouts = results[rank]
         assert first == (2, 1) and layouts == 1  # the first call also learnt the layout; never again
@@ -294,10 +284,7 @@ def _rank_linear_and_dtensor(rank: int, world: int, port: int, results) -> None:
 @needs_kernel
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_lm_head_and_dtensors_equal_the_whole_vocabulary(world):
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank_linear_and_dtensor, args=(world, _port(), results), nprocs=world, join=True)
-        results = dict(results)
+    results = spawn_ranks(_rank_linear_and_dtensor, world)
     for rank in range(world):
         out = results[rank]
         assert len(out) == 16
@@ -367,10 +354,7 @@ def _rank_errors(rank: int, world: int, port: int, results) -> None:
 
 @needs_kernel
 def test_a_bad_input_on_one_rank_raises_on_every_rank_with_sync_validation():
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank_errors, args=(2, _port(), results), nprocs=2, join=True)
-        results = dict(results)
+    results = spawn_ranks(_rank_errors, 2)
     for rank in (0, 1):
         out = results[rank]
         assert out["good"] == ("ok", 2)
@@ -411,10 +395,7 @@ def _rank_more_errors(rank: int, world: int, port: int, results) -> None:
 
 @needs_kernel
 def test_an_empty_shard_and_a_bad_lm_head_input_raise_on_every_rank():
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank_more_errors, args=(2, _port(), results), nprocs=2, join=True)
-        results = dict(results)
+    results = spawn_ranks(_rank_more_errors, 2)
     for rank in (0, 1):
         out = results[rank]
         assert "non-empty vocabulary shard" in out["empty_shard"]
