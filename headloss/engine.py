@@ -19,6 +19,8 @@ which Inductor treats as opaque kernels (``register_fake`` gives their output sh
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,12 +54,65 @@ _RETAIN_GRAPH_ERROR = (
 
 
 def guard_second_backward(ctx) -> None:
-    """One retain-graph guard for every fused-mode Function (eager; a compiled graph has no ctx state)."""
+    """One retain-graph guard for every fused-mode Function (eager; under torch.compile the handoff
+    token carries it, see :func:`_hand_off`)."""
     if torch.compiler.is_compiling():
         return
     if getattr(ctx, "consumed", False):
         raise RuntimeError(_RETAIN_GRAPH_ERROR)
     ctx.consumed = True
+
+
+# --- fused mode under torch.compile: the gradient reaches backward beside the graph ----------------
+#
+# Saved for backward as a graph tensor, the fused gradient is an input of the backward graph, and
+# Inductor clones a backward input before an op mutates it (a full N x V copy: 2.54 ms against 1.55
+# eager for the full SFT case). So under compile the forward op hands the gradient over beside the
+# graph: it returns a one-element CPU "token" tensor holding the gradient buffers, the Function saves
+# the token, and backward's ``take_grad`` op takes each buffer back, scales it in place (a no-op on the
+# device when d loss == 1) and returns it as a fresh output. Nothing in the graph aliases the buffer,
+# so nothing is cloned; the buffers live exactly as long as the token (the autograd graph). A CPU
+# tensor in the graph makes mode="reduce-overhead" run these graphs without CUDA graphs, which keeps
+# replays correct (a replay would not run the hand-off).
+
+
+class _Handed:
+    """The buffers one forward op handed over; alive as long as its token (see _hand_off)."""
+
+    __slots__ = ("grads", "__weakref__")
+
+    def __init__(self, grads):
+        self.grads = grads
+
+
+_HANDED: weakref.WeakValueDictionary[int, _Handed] = weakref.WeakValueDictionary()
+_HANDED_IDS = itertools.count(1)
+
+
+def _hand_off(grads: list[tuple[torch.Tensor, Geometry] | None]) -> torch.Tensor:
+    """A one-element CPU int64 token naming ``grads`` (buffer, scale geometry); the token keeps them
+    alive, and a copy of the token (a functional wrapper, a checker) still names them."""
+    key = next(_HANDED_IDS)
+    token = torch.tensor([key], dtype=torch.int64)
+    token._headloss_handed = _HANDED[key] = _Handed(list(grads))
+    return token
+
+
+def _take(token: torch.Tensor, d_loss: torch.Tensor, index: int) -> torch.Tensor:
+    handed = _HANDED.get(int(token[0])) if token.numel() == 1 and not token.is_cuda else None
+    if handed is None:
+        raise RuntimeError("headloss: take_grad got a token that holds no gradient (it was not made by a headloss "
+                           "forward op, its autograd graph was freed, or a saved-tensor hook replaced it)")
+    entry = handed.grads[index]
+    if entry is None:
+        raise RuntimeError(_RETAIN_GRAPH_ERROR)
+    handed.grads[index] = None
+    grad, geo = entry
+    return scale_grad_(grad, d_loss, geo)
+
+
+def _token_fake() -> torch.Tensor:
+    return torch.empty(1, dtype=torch.int64)
 
 
 def _empty_outputs(plan: KernelPlan, n_out: int, device, token_shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
@@ -178,7 +233,9 @@ class HeadFunction(torch.autograd.Function):
         fused = plan.mode == "fused"
         grad_mode = "none"
         if fused and ctx.needs_input_grad[0]:
-            grad_mode = "inplace" if run.inplace and not torch.compiler.is_compiling() else "fresh"
+            grad_mode = "inplace" if run.inplace else "fresh"
+            if torch.compiler.is_compiling():
+                grad_mode = "handoff"
         policy = PolicyRows(old, ref, adv, iw, weight, run.adv_span, run.seq_len) if adv is not None else None
         if torch.compiler.is_compiling():
             if run.shard is not None:
@@ -188,7 +245,7 @@ class HeadFunction(torch.autograd.Function):
                 _geo_ints(run.geo), run.geo.norm, grad_mode, run.validate, list(run.token_shape),
                 [run.adv_span, run.seq_len],
             )
-            grad = grad if grad_mode != "none" else None
+            grad = grad if grad_mode == "handoff" else None  # the token
         else:
             loss, rows, pred, means, scratch, grad, *stats = head_forward(
                 plan, run.geo, logits, targets, teacher, policy, num_items, sequence_ids, grad_mode, run.validate,
@@ -198,6 +255,7 @@ class HeadFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # outputs without a gradient get None, not a zero tensor
         if fused:
             ctx.grad_geo = _grad_geometry(run.geo, grad) if grad_mode == "inplace" else run.geo
+            ctx.grad_like = (tuple(logits.shape), logits.dtype)
             ctx.save_for_backward(grad)
             ctx.mark_non_differentiable(rows, pred, means, scratch)
         else:
@@ -214,8 +272,11 @@ class HeadFunction(torch.autograd.Function):
             (grad,) = ctx.saved_tensors
             if grad is None or d_loss is None:
                 return None, *nones
+            if torch.compiler.is_compiling():
+                shape, dtype = ctx.grad_like
+                return torch.ops.headloss.take_grad(grad, d_loss.float().reshape(1), 0, list(shape), dtype), *nones
             guard_second_backward(ctx)
-            return _scale(grad, d_loss, ctx.grad_geo), *nones
+            return scale_grad_(grad, d_loss.float(), ctx.grad_geo), *nones
         if d_loss is None and d_rows is None:
             return None, *nones
         logits, targets, teacher, rows, num_items, scratch, stats = ctx.saved_tensors
@@ -229,16 +290,6 @@ class HeadFunction(torch.autograd.Function):
             grad = head_backward(run.plan, run.geo, logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch,
                                  inplace, stats)
         return grad, *nones
-
-
-def _scale(grad: torch.Tensor, d_loss: torch.Tensor, geo: Geometry) -> torch.Tensor:
-    """grad *= d_loss in place (a no-op on the device when d_loss == 1)."""
-    if d_loss.dtype != torch.float32:
-        d_loss = d_loss.float()
-    if torch.compiler.is_compiling():
-        torch.ops.headloss.scale_grad_(grad, d_loss.reshape(1), _geo_ints(geo))
-        return grad
-    return scale_grad_(grad, d_loss, geo)
 
 
 # --- the hidden-state entry point (fused lm_head) --------------------------------------------------
@@ -493,10 +544,10 @@ def linear_backward(run: LinearRun, wants, teacher: _Teacher, hidden, weight, bi
 
 
 def _flat_geometry(t: torch.Tensor) -> Geometry:
-    """A [R, C] tensor as R rows of C columns (for scale_grad_)."""
-    return Geometry(n_rows=t.shape[0], n_out=t.shape[0], V=t.shape[1], T=t.shape[0], K=t.shape[0], shift=0,
-                    stride_b=0, stride_t=t.stride(0), g_stride_b=0, g_stride_t=t.stride(0), t_stride_b=0,
-                    t_stride_t=0, ignore_index=0, norm=0.0)
+    """A contiguous [R, C] tensor as R rows of C columns, a [C] one as one row (for scale_grad_)."""
+    rows, cols = (1, t.shape[0]) if t.dim() == 1 else t.shape
+    return Geometry(n_rows=rows, n_out=rows, V=cols, T=rows, K=rows, shift=0, stride_b=0, stride_t=cols,
+                    g_stride_b=0, g_stride_t=cols, t_stride_b=0, t_stride_t=0, ignore_index=0, norm=0.0)
 
 
 class LinearFunction(torch.autograd.Function):
@@ -512,13 +563,17 @@ class LinearFunction(torch.autograd.Function):
         if torch.compiler.is_compiling():
             if run.shard is not None:
                 raise NotImplementedError("group: a vocab-parallel linear_head_loss is not traceable by torch.compile")
-            loss, rows, pred, means, scratch, dh, dw, db = torch.ops.headloss.linear_forward(
+            handoff = run.plan.mode == "fused" and any(wants)
+            loss, rows, pred, means, scratch, dh, dw, db, token = torch.ops.headloss.linear_forward(
                 hidden, weight, bias, targets, *teacher, *policy, num_items, sequence_ids, run.plan.key,
                 run.chunk_rows, run.fp32_weight_grad, run.validate, list(run.token_shape), run.ignore_index,
-                run.norm, list(wants),
+                run.norm, list(wants), handoff,
             )
             rows_c, index, stats = rows, None, None
             dh, dw, db = (g if want else None for g, want in zip((dh, dw, db), wants))
+            if handoff:
+                ctx.grad_like = [(list(t.shape), t.dtype) if t is not None else None for t in (hidden, weight, bias)]
+                dh, dw, db = token, None, None  # the token holds them (see _hand_off)
         else:
             loss, rows, rows_c, pred, means, scratch, index, dh, dw, db, stats = linear_forward(
                 run, hidden, weight, bias, targets, _Teacher(*teacher),
@@ -541,14 +596,14 @@ class LinearFunction(torch.autograd.Function):
         if d_loss is None and d_rows is None:
             return None, None, None, *nones
         if run.plan.mode == "fused":
+            d_loss = d_loss.float()
+            if torch.compiler.is_compiling():
+                token = ctx.saved_tensors[0]
+                return (*(torch.ops.headloss.take_grad(token, d_loss.reshape(1), i, *like) if want else None
+                          for i, (want, like) in enumerate(zip(ctx.wants, ctx.grad_like))), *nones)
             guard_second_backward(ctx)
-            dh, dw, db = ctx.saved_tensors
-            return (
-                None if dh is None else _scale(dh, d_loss, _flat_geometry(dh)),
-                None if dw is None else _scale(dw, d_loss, _flat_geometry(dw)),
-                None if db is None else _scale(db.view(1, -1), d_loss, _flat_geometry(db.view(1, -1))).view(-1),
-                *nones,
-            )
+            return (*(None if g is None else scale_grad_(g, d_loss, _flat_geometry(g)) for g in ctx.saved_tensors),
+                    *nones)
         (hidden, weight, bias, targets, t_logits, t_hidden, t_weight, t_bias, index, rows_c, num_items, scratch,
          stats) = ctx.saved_tensors
         if torch.compiler.is_compiling():
@@ -583,12 +638,17 @@ def _head_forward_op(
     num_items: torch.Tensor | None, sequence_ids: torch.Tensor | None, key: str, geo: list[int], norm: float,
     grad_mode: str, validate: str, token_shape: list[int], policy_layout: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """grad_mode none / fresh (the gradient is the last output) / handoff (the last output is a token
+    holding it, see _hand_off)."""
     policy = PolicyRows(old, ref, adv, iw, weight, *policy_layout) if adv is not None else None
+    layout = _geo(geo, norm)
     loss, rows, pred, means, scratch, grad = head_forward(
-        plan_from_key(key), _geo(geo, norm), logits, targets, teacher, policy, num_items, sequence_ids,
+        plan_from_key(key), layout, logits, targets, teacher, policy, num_items, sequence_ids,
         "fresh" if grad_mode != "none" else "none", validate, tuple(token_shape),
     )
-    if grad is None:
+    if grad_mode == "handoff":
+        grad = _hand_off([(grad, layout)])
+    elif grad is None:
         grad = logits.new_empty(0)
     return loss, rows, pred, means, scratch, grad
 
@@ -601,6 +661,8 @@ def _(logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_i
     layout = _geo(geo, norm)
     n_seq = layout.n_out // policy_layout[1] if adv is not None and policy_layout[1] > 0 else 0
     scratch = torch.empty(scratch_size(n_seq), dtype=torch.int64, device=logits.device)
+    if grad_mode == "handoff":
+        return loss, rows, pred, means, scratch, _token_fake()
     grad = torch.empty(logits.shape if grad_mode != "none" else (0,), dtype=logits.dtype, device=logits.device)
     return loss, rows, pred, means, scratch, grad
 
@@ -620,14 +682,17 @@ def _(logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch, key, g
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
-@torch.library.custom_op("headloss::scale_grad_", mutates_args=("grad",))
-def _scale_grad_op(grad: torch.Tensor, d_loss: torch.Tensor, geo: list[int]) -> None:
-    scale_grad_(grad, d_loss, _geo(geo, 0.0))
+@torch.library.custom_op("headloss::take_grad", mutates_args=())
+def _take_grad_op(token: torch.Tensor, d_loss: torch.Tensor, index: int, shape: list[int],
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The fused gradient a forward op handed over in ``token`` (its ``index``-th buffer), scaled in
+    place by ``d_loss``; ``shape`` and ``dtype`` are the buffer's (for the fake)."""
+    return _take(token, d_loss, index)
 
 
-@_scale_grad_op.register_fake
-def _(grad, d_loss, geo):
-    return None
+@_take_grad_op.register_fake
+def _(token, d_loss, index, shape, dtype):
+    return torch.empty(shape, dtype=dtype, device=d_loss.device)
 
 
 @torch.library.custom_op("headloss::linear_forward", mutates_args=())
@@ -637,9 +702,11 @@ def _linear_forward_op(
     teacher_bias: torch.Tensor | None, old: torch.Tensor | None, ref: torch.Tensor | None, adv: torch.Tensor | None,
     iw: torch.Tensor | None, policy_weight: torch.Tensor | None, num_items: torch.Tensor | None,
     sequence_ids: torch.Tensor | None, key: str, chunk_rows: int, fp32_weight_grad: bool, validate: str,
-    token_shape: list[int], ignore_index: int, norm: float, wants: list[bool],
+    token_shape: list[int], ignore_index: int, norm: float, wants: list[bool], handoff: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor]:
+           torch.Tensor, torch.Tensor]:
+    """Fused mode's (dh, dw, db), or with ``handoff`` empty ones and the last output a token holding
+    them (see _hand_off); otherwise the token is an empty tensor."""
     run = LinearRun(plan_from_key(key), chunk_rows, fp32_weight_grad, False, validate, tuple(token_shape),
                     ignore_index, norm)
     policy = PolicyRows(old, ref, adv, iw, policy_weight) if adv is not None else None
@@ -647,22 +714,28 @@ def _linear_forward_op(
         run, hidden, weight, bias, targets, _Teacher(teacher_logits, teacher_hidden, teacher_weight, teacher_bias),
         policy, num_items, sequence_ids, tuple(wants),
     )
-    return (loss, rows, pred, means, scratch, *(g if g is not None else hidden.new_empty(0) for g in (dh, dw, db)))
+    token = hidden.new_empty(0, dtype=torch.int64)
+    if handoff:
+        token = _hand_off([None if g is None else (g, _flat_geometry(g)) for g in (dh, dw, db)])
+        dh = dw = db = None
+    return (loss, rows, pred, means, scratch, *(g if g is not None else hidden.new_empty(0) for g in (dh, dw, db)),
+            token)
 
 
 @_linear_forward_op.register_fake
 def _(hidden, weight, bias, targets, teacher_logits, teacher_hidden, teacher_weight, teacher_bias, old, ref, adv, iw,
       policy_weight, num_items, sequence_ids, key, chunk_rows, fp32_weight_grad, validate, token_shape,
-      ignore_index, norm, wants):
+      ignore_index, norm, wants, handoff):
     plan = plan_from_key(key)
     rows, pred, loss, means = _empty_outputs(plan, hidden.shape[0], hidden.device, tuple(token_shape))
     scratch = torch.empty(SCRATCH, dtype=torch.int64, device=hidden.device)
-    fused = plan.mode == "fused"
+    fused = plan.mode == "fused" and not handoff
     dh, dw, db = (
         torch.empty(like.shape if fused and want else (0,), dtype=like.dtype, device=hidden.device)
         for like, want in zip((hidden, weight, bias if bias is not None else hidden.new_empty(0)), wants)
     )
-    return loss, rows, pred, means, scratch, dh, dw, db
+    token = _token_fake() if handoff else hidden.new_empty(0, dtype=torch.int64)
+    return loss, rows, pred, means, scratch, dh, dw, db, token
 
 
 @torch.library.custom_op("headloss::linear_backward", mutates_args=())

@@ -120,7 +120,7 @@ def _plan_key(spec: LossSpec) -> str:
 
 
 @needs_kernel
-@pytest.mark.parametrize("grad_mode", ["none", "fresh"])
+@pytest.mark.parametrize("grad_mode", ["none", "fresh", "handoff"])
 def test_opcheck_head_forward(grad_mode):
     from headloss.inputs import Normaliser, geometry
 
@@ -129,11 +129,15 @@ def test_opcheck_head_forward(grad_mode):
     geo = geometry((5, V), (0, V), 5, 0, None, -100, Normaliser())
     args = (logits, targets, None, None, None, None, None, None, None, None, _plan_key(spec), _geo_ints(geo),
             geo.norm, grad_mode, "off", [5], [1, 0])
-    torch.library.opcheck(torch.ops.headloss.head_forward.default, args)
+    # a handoff token names its own buffers, so two calls' tokens differ by design: the AOT check,
+    # which compares two calls' outputs, runs for the other modes (the compile tests cover handoff)
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(torch.ops.headloss.head_forward.default, args,
+                          **(dict(test_utils=utils) if grad_mode == "handoff" else {}))
 
 
 @needs_kernel
-def test_opcheck_head_backward_and_scale():
+def test_opcheck_head_backward():
     from headloss.inputs import Normaliser, geometry
 
     spec = LossSpec(reduction="none", outputs=("lse",), differentiable_outputs=True)
@@ -145,20 +149,95 @@ def test_opcheck_head_backward_and_scale():
         [1, 0])
     args = (logits, targets, None, rows, torch.rand(5), torch.rand(rows.shape), None, scratch, key, _geo_ints(geo), 0.0)
     torch.library.opcheck(torch.ops.headloss.head_backward.default, args)
-    torch.library.opcheck(torch.ops.headloss.scale_grad_.default, (torch.randn(5, V), torch.tensor([2.0]),
-                                                                    _geo_ints(geo)))
 
 
 @needs_kernel
-@pytest.mark.parametrize("spec", [LossSpec(), LossSpec(reduction="none")], ids=["fused", "deferred"])
-def test_opcheck_linear_ops(spec):
+@pytest.mark.parametrize("test_util", ["test_schema", "test_autograd_registration", "test_faketensor"])
+def test_opcheck_take_grad(test_util):
+    """take_grad consumes its token's buffer (a second call is the retain-graph error), so each check
+    gets a fresh token; test_aot_dispatch_dynamic calls the op twice and is covered by the compile
+    tests above instead."""
+    from headloss.engine import _flat_geometry, _hand_off
+
+    grad = torch.randn(5, V)
+    token = _hand_off([(grad.clone(), _flat_geometry(grad))])
+    torch.library.opcheck(torch.ops.headloss.take_grad.default, (token, torch.tensor([2.0]), 0, [5, V], grad.dtype),
+                          test_utils=test_util)
+
+
+@needs_kernel
+def test_take_grad_scales_once_and_refuses_a_second_take():
+    from headloss.engine import _RETAIN_GRAPH_ERROR, _flat_geometry, _hand_off
+
+    grad = torch.randn(5, V)
+    token = _hand_off([(grad.clone(), _flat_geometry(grad))])
+    got = torch.ops.headloss.take_grad(token, torch.tensor([2.0]), 0, [5, V], grad.dtype)
+    torch.testing.assert_close(got, 2 * grad)
+    with pytest.raises(RuntimeError, match="second backward"):
+        torch.ops.headloss.take_grad(token, torch.tensor([2.0]), 0, [5, V], grad.dtype)
+    with pytest.raises(RuntimeError, match="holds no gradient"):
+        torch.ops.headloss.take_grad(torch.zeros(1, dtype=torch.int64), torch.tensor([2.0]), 0, [5, V], grad.dtype)
+    assert "retain_graph" in _RETAIN_GRAPH_ERROR
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ["logits", "hidden"])
+def test_compiled_fused_backward_hands_over_the_forward_buffer_without_a_copy(entry, monkeypatch):
+    """Under compile the fused gradient reaches backward beside the graph: the gradient autograd
+    delivers is the very buffer the forward kernel wrote (Inductor would clone a backward-graph input
+    before scaling it), scaled by d loss; a second backward raises as in eager."""
+    import headloss.engine as engine
+
+    written = []
+    hand_off = engine._hand_off
+
+    def recording(grads):
+        written.extend(g.data_ptr() for g, _ in filter(None, grads))
+        return hand_off(grads)
+
+    monkeypatch.setattr(engine, "_hand_off", recording)
+    gen = torch.Generator().manual_seed(14)
+    if entry == "logits":
+        x = make_logits((6, V), seed=14).requires_grad_()
+        leaves = (x,)
+
+        def step(x, y):
+            return 3.0 * head_loss(x, y, SFT).loss
+    else:
+        x = torch.randn(6, 8, generator=gen).requires_grad_()
+        w = torch.randn(V, 8, generator=gen).requires_grad_()
+        leaves = (x, w)
+
+        def step(x, y):
+            return 3.0 * linear_head_loss(x, w, y, SFT).loss
+    y = make_targets((6,), V, seed=14)
+    loss = torch.compile(step, fullgraph=True)(x, y)
+    loss.backward(retain_graph=True)
+    assert written and all(leaf.grad.data_ptr() in written for leaf in leaves)
+    want = [leaf.grad.clone() for leaf in leaves]
+    for leaf in leaves:
+        leaf.grad = None
+    (step(*leaves[:1], y) if entry == "hidden" else step(x, y)).backward()
+    for got, ref in zip(want, (leaf.grad for leaf in leaves)):
+        assert_close_norm(got, ref, rtol=1e-5, atol=1e-7, name="grad")
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
+@needs_kernel
+@pytest.mark.parametrize("spec, handoff", [(LossSpec(), False), (LossSpec(), True), (LossSpec(reduction="none"), False)],
+                         ids=["fused", "fused-handoff", "deferred"])
+def test_opcheck_linear_ops(spec, handoff):
     gen = torch.Generator().manual_seed(11)
     hidden, weight = torch.randn(7, 8, generator=gen), torch.randn(V, 8, generator=gen)
     targets = make_targets((7,), V, seed=11)
     key = _plan_key(spec)
     forward_args = (hidden, weight, None, targets, None, None, None, None, None, None, None, None, None, None, None,
-                    key, 3, False, "off", [7], -100, 0.0, [True, True, False])
-    torch.library.opcheck(torch.ops.headloss.linear_forward.default, forward_args)
+                    key, 3, False, "off", [7], -100, 0.0, [True, True, False], handoff)
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")  # see test_opcheck_head_forward
+    torch.library.opcheck(torch.ops.headloss.linear_forward.default, forward_args,
+                          **(dict(test_utils=utils) if handoff else {}))
     loss, rows, pred, means, scratch, *_ = torch.ops.headloss.linear_forward(*forward_args)
     d_loss = torch.rand(loss.shape if spec.reduction == "none" else ())
     backward_args = (hidden, weight, None, targets, None, None, None, None, rows, None, scratch, d_loss, None, key, 3,
