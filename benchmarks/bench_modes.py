@@ -2,6 +2,7 @@
 
   eager     head_loss(...).loss.backward()
   compile   the step under torch.compile(fullgraph=True) (Inductor; headloss runs as torch.library ops)
+  compile-ro  the same with mode="reduce-overhead" (the headloss ops run between Inductor's CUDA graphs)
   graph     the eager step captured in a CUDA graph (default arguments, validation on), replayed
 
 Cases: ``full`` (CE + z-loss + accuracy + predicted tokens + entropy metric), ``ce``, ``ce+dft``
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
             return headloss.head_loss(x, y, spec).loss
 
         compiled = torch.compile(loss_of, fullgraph=True)
+        compiled_ro = torch.compile(loss_of, fullgraph=True, mode="reduce-overhead")
 
         def eager(loss_of=loss_of):
             x.grad = None
@@ -56,10 +58,17 @@ def main(argv: list[str] | None = None) -> None:
             x.grad = None
             compiled(x, y).backward()
 
+        def step_compiled_ro(compiled=compiled_ro):
+            x.grad = None
+            compiled(x, y).backward()
+
         times = {"eager": time_ms(eager, reps=30)[0]}
         if case in ("full", "ce"):
             step_compiled()
             times["compile"] = time_ms(step_compiled, reps=30)[0]
+            for _ in range(3):
+                step_compiled_ro()
+            times["compile-ro"] = time_ms(step_compiled_ro, reps=30)[0]
             times["graph"] = graph_ms(eager)
         for mode, ms in times.items():
             rows.append(Row(case=case, provider=f"headloss-{mode}", metric="time", unit="ms", x_name="N",
@@ -70,12 +79,13 @@ def main(argv: list[str] | None = None) -> None:
     write_rows(rows, out, "bench_modes")
     _plot(rows, out / "bench_modes.png")
     ce = dict(table)["ce"]["eager"]
-    print(f"\n{'case':8s} {'eager ms':>9s} {'compile':>9s} {'graph':>9s} {'/eager':>8s} {'/ce':>7s}")
+    print(f"\n{'case':8s} {'eager ms':>9s} {'compile':>9s} {'comp-ro':>9s} {'graph':>9s} {'/eager':>8s} {'/ce':>7s}")
     cell = lambda v: f"{v:9.3f}" if v is not None else "        -"  # noqa: E731
     for case, t in table:
         comp, graph = t.get("compile"), t.get("graph")
         ratio = f"{comp / t['eager']:8.3f}" if comp else "       -"
-        print(f"{case:8s} {t['eager']:9.3f} {cell(comp)} {cell(graph)} {ratio} {t['eager'] / ce:7.3f}")
+        print(f"{case:8s} {t['eager']:9.3f} {cell(comp)} {cell(t.get('compile-ro'))} {cell(graph)} {ratio} "
+              f"{t['eager'] / ce:7.3f}")
 
 
 def _plot(rows: list[Row], path) -> None:
@@ -85,7 +95,7 @@ def _plot(rows: list[Row], path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4))
-    labels = [f"{r.case} {r.provider.split('-')[1]}" for r in rows if r.p50]
+    labels = [f"{r.case} {r.provider.split('-', 1)[1]}" for r in rows if r.p50]
     ax.barh(labels, [r.p50 for r in rows if r.p50], color="tab:blue")
     ax.set_xlabel("fwd+bwd ms (median)")
     ax.set_title("eager vs torch.compile vs CUDA graph; DFT cost (N=8192, V=128256, bf16)")

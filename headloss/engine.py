@@ -71,9 +71,9 @@ def guard_second_backward(ctx) -> None:
 # graph: it returns a one-element CPU "token" tensor holding the gradient buffers, the Function saves
 # the token, and backward's ``take_grad`` op takes each buffer back, scales it in place (a no-op on the
 # device when d loss == 1) and returns it as a fresh output. Nothing in the graph aliases the buffer,
-# so nothing is cloned; the buffers live exactly as long as the token (the autograd graph). A CPU
-# tensor in the graph makes mode="reduce-overhead" run these graphs without CUDA graphs, which keeps
-# replays correct (a replay would not run the hand-off).
+# so nothing is cloned; the buffers live exactly as long as the token (the autograd graph). Under
+# mode="reduce-overhead" these ops run outside the CUDA graphs (tagged cudagraph_unsafe), so every
+# call hands over its own buffers.
 
 
 class _Handed:
@@ -631,7 +631,13 @@ def _geo_ints(geo: Geometry) -> list[int]:
     return [getattr(geo, name) for name in GEO_INTS]
 
 
-@torch.library.custom_op("headloss::head_forward", mutates_args=())
+# The ops that hand a gradient over beside the graph must run on every call: tagged
+# cudagraph_unsafe, Inductor's graph partitions keep them out of mode="reduce-overhead"'s CUDA graphs
+# (a replay would not run the hand-off).
+_BESIDE_GRAPH = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
+@torch.library.custom_op("headloss::head_forward", mutates_args=(), tags=_BESIDE_GRAPH)
 def _head_forward_op(
     logits: torch.Tensor, targets: torch.Tensor | None, teacher: torch.Tensor | None, old: torch.Tensor | None,
     ref: torch.Tensor | None, adv: torch.Tensor | None, iw: torch.Tensor | None, weight: torch.Tensor | None,
@@ -682,7 +688,7 @@ def _(logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch, key, g
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
-@torch.library.custom_op("headloss::take_grad", mutates_args=())
+@torch.library.custom_op("headloss::take_grad", mutates_args=(), tags=_BESIDE_GRAPH)
 def _take_grad_op(token: torch.Tensor, d_loss: torch.Tensor, index: int, shape: list[int],
                   dtype: torch.dtype) -> torch.Tensor:
     """The fused gradient a forward op handed over in ``token`` (its ``index``-th buffer), scaled in
@@ -695,7 +701,7 @@ def _(token, d_loss, index, shape, dtype):
     return torch.empty(shape, dtype=dtype, device=d_loss.device)
 
 
-@torch.library.custom_op("headloss::linear_forward", mutates_args=())
+@torch.library.custom_op("headloss::linear_forward", mutates_args=(), tags=_BESIDE_GRAPH)
 def _linear_forward_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor | None,
     teacher_logits: torch.Tensor | None, teacher_hidden: torch.Tensor | None, teacher_weight: torch.Tensor | None,
