@@ -24,6 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from .policy import VERL_CLAMPED
 from .spec import LossSpec
 
 Mode = Literal["fused", "deferred"]
@@ -48,8 +49,10 @@ ROW_COLUMNS: dict[str, str] = {
     "counted": "1 where the token counts (the policy term's per-sequence metrics)",
     "ratio": "importance ratio",
     "kl": "per-token KL estimate",
-    "clip_low": "1 where the ratio is clipped below (negative advantage)",
-    "clip_high": "1 where the ratio is clipped above (positive advantage)",
+    "clip_low": "1 where the objective clips the token below (clip: ratio < 1 - eps_low, A < 0)",
+    "clip_high": "1 where the objective clips the token above (clip: ratio > 1 + eps_high, A > 0)",
+    "clip_dual": "verl's pg_clipfrac_lower indicator (dual clip active; DPPO: ratio truncated, token kept)",
+    "ppo_kl": "old - logp (verl's ppo_kl is its mean)",
 }
 """Every value a kernel may store per row, by name. A plan uses a subset, packed in this order."""
 
@@ -78,7 +81,12 @@ class Flags(NamedTuple):
     HAS_ARGMAX: bool  # running argmax (accuracy, predicted tokens, teacher agreement)
     HAS_SOFTCAP: bool  # c * tanh(u / c) in the transform
     HAS_POLICY: bool  # token-level policy objective in the epilogue (fused mode)
-    KL_EST: int  # policy KL penalty: 0 none, 1 k1, 2 k2, 3 k3
+    OBJECTIVE: int  # policy objective: index into POLICY_OBJECTIVES (clip, cispo, sapo, gpg, dro, dppo_tv, dppo_kl)
+    CISPO_VERL: bool  # CISPO's coefficient clip(r, 1 - eps_low, 1 + eps_high), else TRL's min(r, eps_high)
+    LOG_RATIO_CLAMP: bool  # verl: log-ratio clamped to [-20, 20] before exp
+    KL_EST: int  # policy KL penalty: 0 none, 1 k1, 2 k2, 3 k3, 4 abs
+    KL_CLAMP: bool  # verl's k3 clamps (ref - logp to +-20, the value to +-10)
+    KL_K2_GRAD: bool  # the estimator's value with the k2 gradient (verl's "k3+")
     KL_IS_CORR: bool  # KL times the importance ratio
     DISTILL_KIND: int  # -1 none, 0 forward KL, 1 reverse KL, 2 mixture JSD (an extra pass)
     OWN_TEMP: bool  # distillation temperature != 1: the student's softmax at T_d is its own
@@ -104,6 +112,16 @@ class Scalars(NamedTuple):
     dual_c: float = float("inf")  # dual clip constant, inf when off
     kl_beta: float = 0.0
     entropy_coef: float = 0.0
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.0
+    dro_beta: float = 0.0
+    dppo_cap: float = float("inf")
+
+
+POLICY_OBJECTIVES = ("clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl")
+"""Flags.OBJECTIVE indexes this (the kernels compare against the same order: kernels/terms.py)."""
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+"""Flags.KL_EST - 1 indexes this."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +199,10 @@ def _term_scalars(spec: LossSpec) -> dict[str, dict[str, float]]:
             "dual_c": pol.dual_clip_c if pol.dual_clip_c is not None else float("inf"),
             "kl_beta": pol.kl_beta,
             "entropy_coef": pol.entropy_coef,
+            **({"sapo_tau_pos": pol.sapo_tau_pos, "sapo_tau_neg": pol.sapo_tau_neg} if pol.objective == "sapo"
+               else {}),
+            **({"dro_beta": pol.dro_beta} if pol.objective == "dro" else {}),
+            **({"dppo_cap": pol.dppo_ratio_cap} if pol.objective.startswith("dppo") else {}),
         }
     return out
 
@@ -229,7 +251,12 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
         HAS_ARGMAX=spec.token_accuracy or "predicted_tokens" in spec.outputs or dist is not None,
         HAS_SOFTCAP=spec.transform.softcap is not None,
         HAS_POLICY=fused_policy,
-        KL_EST=("k1", "k2", "k3").index(pol.kl_estimator) + 1 if fused_policy and pol.kl_beta != 0.0 else 0,
+        OBJECTIVE=POLICY_OBJECTIVES.index(pol.objective) if fused_policy else 0,
+        CISPO_VERL=fused_policy and pol.objective == "cispo" and pol.convention == "verl",
+        LOG_RATIO_CLAMP=fused_policy and pol.convention == "verl" and pol.objective in VERL_CLAMPED,
+        KL_EST=KL_ESTIMATORS.index(pol.kl_estimator) + 1 if fused_policy and pol.kl_beta != 0.0 else 0,
+        KL_CLAMP=fused_policy and pol.kl_beta != 0.0 and pol.kl_clamp and pol.kl_estimator == "k3",
+        KL_K2_GRAD=fused_policy and pol.kl_beta != 0.0 and pol.kl_grad == "k2" and pol.kl_estimator != "k2",
         KL_IS_CORR=fused_policy and pol.kl_importance_correction,
         DISTILL_KIND=dist.kind if dist is not None else -1,
         OWN_TEMP=dist is not None and dist.temperature != 1.0,
@@ -246,7 +273,8 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
         "accuracy": spec.token_accuracy,
         **{name: dist is not None for name in ("divergence", "teacher_entropy", "agreement", "lse_s2", "lse_t2",
                                                "jsd_s")},
-        **{name: fused_policy for name in ("policy_loss", "counted", "ratio", "clip_low", "clip_high")},
+        **{name: fused_policy for name in ("policy_loss", "counted", "ratio", "clip_low", "clip_high", "clip_dual",
+                                           "ppo_kl")},
         "kl": flags.KL_EST != 0,
     }
     packed = [name for name in ROW_COLUMNS if present[name]]
@@ -261,7 +289,8 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
         metric_columns["entropy"] = "entropy"
     if fused_policy:
         metric_columns.update({"clip_ratio/low_mean": "clip_low", "clip_ratio/high_mean": "clip_high",
-                               "logprob/mean": "logp", "kl": "kl"})
+                               "logprob/mean": "logp", "kl": "kl", "pg_clipfrac_lower": "clip_dual",
+                               "ppo_kl": "ppo_kl"})
     metrics = tuple((name, col) for name, col in metric_columns.items() if getattr(cols, col) >= 0)
     # values the last program computes beyond the column means: means[cols.N] is the loss, then these
     extra = POLICY_EXTRA_METRICS if fused_policy else ()
@@ -296,7 +325,8 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
         outputs=outputs,
         key=key,
         metric_index=tuple((name, getattr(cols, col)) for name, col in metrics)
-        + tuple((name, cols.N + 1 + i) for i, name in enumerate(extra)),
+        + tuple((name, cols.N + 1 + i) for i, name in enumerate(extra))
+        + ((("pg_clipfrac", cols.N + 1 + extra.index("clip_ratio/region_mean")),) if fused_policy else ()),
         means_size=cols.N + 1 + len(extra),
         output_index=tuple((name, getattr(cols, col)) for name, col in outputs),
     )

@@ -63,14 +63,99 @@ def _seq_sum(values: torch.Tensor, seq: torch.Tensor, n_seq: int) -> torch.Tenso
     return torch.zeros(n_seq, dtype=values.dtype, device=values.device).index_add(0, seq, values)
 
 
-def kl_estimate(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from the sampled token's log-probs."""
+def kl_estimate(logp: torch.Tensor, ref: torch.Tensor, policy: Policy) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from the sampled token's log-probs (verl kl_penalty):
+    k1, k2, k3, abs; ``kl_clamp`` clamps k3's ref - logp to +-20 and its value to +-10 (verl's
+    low_var_kl); ``kl_grad="k2"`` keeps the value with the k2 gradient (verl's "k3+")."""
+    gap = logp - ref
+    estimator = policy.kl_estimator
     if estimator == "k1":
-        return logp - ref
-    if estimator == "k2":
-        return 0.5 * (logp - ref) ** 2
-    delta = ref - logp
-    return torch.exp(delta) - delta - 1.0
+        kl = gap
+    elif estimator == "k2":
+        kl = 0.5 * gap * gap
+    elif estimator == "abs":
+        kl = gap.abs()
+    else:
+        delta = ref - logp
+        if policy.kl_clamp:
+            delta = torch.clamp(delta, -20.0, 20.0)
+        kl = torch.exp(delta) - delta - 1.0
+        if policy.kl_clamp:
+            kl = torch.clamp(kl, -10.0, 10.0)
+    if policy.kl_grad == "k2" and estimator != "k2":
+        k2 = 0.5 * gap * gap
+        kl = k2 - k2.detach() + kl.detach()
+    return kl
+
+
+VERL_CLAMPED = ("clip", "cispo", "sapo", "dppo_tv", "dppo_kl")
+"""Objectives whose log-ratio verl clamps to [-20, 20] before exp (convention="verl")."""
+
+
+@dataclass
+class TokenObjective:
+    """One objective's per-token values (torch, differentiable through ``loss``)."""
+
+    loss: torch.Tensor  # the surrogate per token, before rollout weights and KL
+    ratio: torch.Tensor  # the importance ratio (token or sequence level)
+    low: torch.Tensor  # clipped-low indicator (clip_ratio/low_mean)
+    high: torch.Tensor  # clipped-high indicator (clip_ratio/high_mean)
+    dual: torch.Tensor  # verl's pg_clipfrac_lower indicator (dual clip; DPPO: truncated and kept)
+    neg_log_ratio: torch.Tensor  # old - logp per token (verl's ppo_kl is its mean)
+
+
+def token_objective(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, policy: Policy,
+                    seq_log_ratio: torch.Tensor | None = None) -> TokenObjective:
+    """The spec's objective per token (see :class:`headloss.spec.Policy`). ``seq_log_ratio``: with
+    sequence-level importance sampling, each token's sequence log-ratio (with gradient)."""
+    log_ratio = logp - old
+    if policy.convention == "verl" and policy.objective in VERL_CLAMPED:
+        log_ratio = torch.clamp(log_ratio, -20.0, 20.0)
+    ratio = torch.exp(log_ratio if seq_log_ratio is None else seq_log_ratio)
+    lo, hi = 1.0 - policy.eps_low, 1.0 + policy.eps_high
+    zero = torch.zeros_like(ratio, dtype=torch.bool)
+    low, high, dual = zero, zero, zero
+    objective = policy.objective
+    if objective == "clip":
+        r1 = torch.clamp(ratio, max=policy.delta) if policy.delta is not None else ratio
+        loss = -torch.minimum(r1 * adv, torch.clamp(ratio, lo, hi) * adv)
+        if policy.dual_clip_c is not None:
+            floor = -adv * policy.dual_clip_c
+            dual = (adv < 0) & (loss > floor)
+            loss = torch.where(adv < 0, torch.minimum(loss, floor), loss)
+        low, high = (ratio < lo) & (adv < 0), (ratio > hi) & (adv > 0)
+    elif objective == "cispo":
+        if policy.convention == "trl":
+            coef = torch.clamp(ratio, max=policy.eps_high)
+            high = (ratio > policy.eps_high) & (adv > 0)
+        else:
+            coef = torch.clamp(ratio, lo, hi)
+            low, high = ratio < lo, ratio > hi
+        loss = -coef.detach() * adv * logp
+    elif objective == "sapo":
+        tau = torch.where(adv > 0, policy.sapo_tau_pos, policy.sapo_tau_neg)
+        loss = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv
+    elif objective == "gpg":
+        loss = -adv * logp
+    elif objective == "dro":
+        gap = logp - old
+        loss = -(logp * adv - 0.5 * policy.dro_beta * gap * gap)
+    else:  # dppo_tv, dppo_kl
+        prob, old_prob = torch.exp(logp.detach()), torch.exp(old)
+        if objective == "dppo_tv":
+            keep_pos = prob - old_prob <= policy.eps_high
+            keep_neg = prob - old_prob >= -policy.eps_low
+        else:
+            binary_kl = old_prob * (old - logp.detach()) + (1.0 - old_prob) * torch.log(
+                (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+            keep_pos = (binary_kl <= policy.eps_high) | (prob <= old_prob)
+            keep_neg = (binary_kl <= policy.eps_low) | (prob >= old_prob)
+        keep = torch.where(adv > 0, keep_pos, keep_neg)
+        truncated = torch.clamp(ratio, max=policy.dppo_ratio_cap).detach()
+        loss = -adv * truncated * logp * keep.to(logp.dtype)
+        low, high = ~keep & (adv <= 0), ~keep & (adv > 0)
+        dual = (ratio > policy.dppo_ratio_cap) & keep
+    return TokenObjective(loss, ratio, low, high, dual, -log_ratio.detach())
 
 
 def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -> torch.Tensor:
@@ -115,45 +200,37 @@ def policy_objective(
     Written for few device ops (each one is a launch on the host's critical path at 8K tokens).
     """
     old = inp.old_logprobs if inp.old_logprobs is not None else logp.detach()
-    log_ratio = logp - old
+    seq_log_ratio = None
     if policy.importance_sampling == "sequence":
         seq = seq_of(inp)
         tokens_per_seq = _seq_sum(mask, seq, inp.n_slots).clamp(min=1.0)
-        log_weight = (_seq_sum(log_ratio * mask, seq, inp.n_slots) / tokens_per_seq)[seq]
-    else:
-        log_weight = log_ratio
-    ratio = torch.exp(log_weight)
+        seq_log_ratio = (_seq_sum((logp - old) * mask, seq, inp.n_slots) / tokens_per_seq)[seq]
     adv = inp.advantages
-    clipped = torch.clamp(ratio, 1.0 - policy.eps_low, 1.0 + policy.eps_high)
-    r1 = torch.clamp(ratio, max=policy.delta) if policy.delta is not None else ratio
-    per_token = -torch.minimum(r1 * adv, clipped * adv)
-    if policy.dual_clip_c is not None:
-        per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * policy.dual_clip_c), per_token)
+    tok = token_objective(logp, old, adv, policy, seq_log_ratio)
+    per_token = tok.loss
     if inp.importance_weights is not None:
         per_token = per_token * inp.importance_weights
     kl = None
     if policy.kl_beta != 0.0:
-        kl = kl_estimate(logp, inp.ref_logprobs, policy.kl_estimator)
+        kl = kl_estimate(logp, inp.ref_logprobs, policy)
         if policy.kl_importance_correction:
-            kl = kl * ratio
+            kl = kl * tok.ratio
         per_token = per_token + policy.kl_beta * kl
     weight = inp.weight
     loss = (per_token * weight).sum()
     if policy.entropy_coef != 0.0:
         loss = loss - policy.entropy_coef * (entropy * weight).sum()
-    return loss, policy_metrics_of(logp, entropy, ratio, adv, kl, mask, policy, inp)
+    return loss, policy_metrics_of(logp, entropy, tok, kl, mask, inp)
 
 
-def policy_metrics_of(
-    logp, entropy, ratio, adv, kl, mask, policy: Policy, inp: PolicyInputs
-) -> dict[str, torch.Tensor]:
+def policy_metrics_of(logp, entropy, tok: TokenObjective, kl, mask, inp: PolicyInputs) -> dict[str, torch.Tensor]:
     """TRL / verl metric names: means over masked tokens; clip_ratio/low_min and high_max over
     sequences (of each sequence's clipped fraction); ratio/min and max over masked tokens."""
     with torch.no_grad():
-        low = ((ratio < 1.0 - policy.eps_low) & (adv < 0)).to(mask.dtype)
-        high = ((ratio > 1.0 + policy.eps_high) & (adv > 0)).to(mask.dtype)
-        names = ["clip_ratio/low_mean", "clip_ratio/high_mean", "ratio/mean", "logprob/mean"]
-        rows = [low, high, ratio.detach(), logp.detach()]
+        low, high = tok.low.to(mask.dtype), tok.high.to(mask.dtype)
+        names = ["clip_ratio/low_mean", "clip_ratio/high_mean", "ratio/mean", "logprob/mean", "pg_clipfrac_lower",
+                 "ppo_kl"]
+        rows = [low, high, tok.ratio.detach(), logp.detach(), tok.dual.to(mask.dtype), tok.neg_log_ratio]
         if entropy is not None:
             names.append("entropy")
             rows.append(entropy.detach())
@@ -163,7 +240,7 @@ def policy_metrics_of(
         count = mask.sum()
         means = (torch.stack(rows) * mask).sum(dim=1) / count.clamp(min=1.0)
     out = dict(zip(names, means.float().unbind()))
-    out.update(policy_extremes(out, ratio, low, high, mask, count, inp))
+    out.update(policy_extremes(out, tok.ratio, low, high, mask, count, inp))
     return out
 
 
@@ -196,6 +273,7 @@ def policy_extremes(means: dict[str, torch.Tensor], ratio, low, high, mask, coun
             extremes = defaults
     out = dict(zip(["clip_ratio/low_min", "clip_ratio/high_max", "ratio/min", "ratio/max"], extremes.float().unbind()))
     out["clip_ratio/region_mean"] = means["clip_ratio/low_mean"] + means["clip_ratio/high_mean"]
+    out["pg_clipfrac"] = out["clip_ratio/region_mean"]  # verl's name
     out["ratio/mean"] = torch.where(count > 0, means["ratio/mean"], 1.0)
     return out
 

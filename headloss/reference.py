@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from .engine import guard_second_backward
 from .inputs import Normaliser, raise_if_bad
 from .output import HeadLossOutput
+from .policy import kl_estimate, token_objective
 from .spec import LossSpec
 
 
@@ -285,29 +286,18 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
         adv = adv[:, None].expand(token_shape)  # one per sequence
     advantages = pad(adv)
     old = pad(inputs["old_logprobs"]) if "old_logprobs" in inputs else per_token_logps.detach()
-    log_ratio = per_token_logps - old
-    if pol.importance_sampling == "token":
-        log_importance_weights = log_ratio
-    else:
-        log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
-    coef_1 = torch.exp(log_importance_weights)
-    coef_2 = torch.clamp(coef_1, 1 - pol.eps_low, 1 + pol.eps_high)
-    capped = torch.clamp(coef_1, max=pol.delta) if pol.delta is not None else coef_1
-    per_token_loss = -torch.min(capped * advantages, coef_2 * advantages)
-    if pol.dual_clip_c is not None:
-        pg_losses3 = -advantages * pol.dual_clip_c
-        per_token_loss = torch.where(advantages < 0, torch.min(pg_losses3, per_token_loss), per_token_loss)
+    seq_log_ratio = None
+    if pol.importance_sampling == "sequence":
+        log_ratio = per_token_logps - old
+        seq_log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None].expand_as(mask)
+    tok = token_objective(per_token_logps, old, advantages, pol, seq_log_ratio)
+    coef_1 = tok.ratio
+    per_token_loss = tok.loss
     if "importance_weights" in inputs:
         per_token_loss = per_token_loss * pad(inputs["importance_weights"])
     per_token_kl = None
     if pol.kl_beta != 0.0:
-        ref = pad(inputs["ref_logprobs"])
-        if pol.kl_estimator == "k1":
-            per_token_kl = per_token_logps - ref
-        elif pol.kl_estimator == "k2":
-            per_token_kl = 0.5 * (per_token_logps - ref) ** 2
-        else:
-            per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+        per_token_kl = kl_estimate(per_token_logps, pad(inputs["ref_logprobs"]), pol)
         if pol.kl_importance_correction:
             per_token_kl = per_token_kl * coef_1
         per_token_loss = per_token_loss + pol.kl_beta * per_token_kl
@@ -335,8 +325,8 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
     with torch.no_grad():
         denom = mask.sum().clamp(min=1.0)
         ratio = coef_1.expand_as(mask)
-        low = ((ratio < 1 - pol.eps_low) & (advantages < 0)).to(mask.dtype) * mask
-        high = ((ratio > 1 + pol.eps_high) & (advantages > 0)).to(mask.dtype) * mask
+        low = tok.low.to(mask.dtype) * mask
+        high = tok.high.to(mask.dtype) * mask
         # branchless (no host reads): sequences without a counted token, and a batch without one,
         # fall back to TRL's defaults (clip fractions 0, ratios 1)
         has = mask.sum(-1) > 0
@@ -352,6 +342,9 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
             "clip_ratio/high_mean": high.sum() / denom,
             "clip_ratio/high_max": torch.where(any_token, highest(torch.where(has, frac(high), -inf)), 0.0),
             "clip_ratio/region_mean": (low + high).sum() / denom,
+            "pg_clipfrac": (low + high).sum() / denom,
+            "pg_clipfrac_lower": (tok.dual.to(mask.dtype) * mask).sum() / denom,
+            "ppo_kl": (tok.neg_log_ratio * mask).sum() / denom,
             "ratio/mean": torch.where(any_token, (ratio * mask).sum() / denom, one),
             "ratio/min": torch.where(any_token, lowest(torch.where(mask > 0, ratio, inf)), one),
             "ratio/max": torch.where(any_token, highest(torch.where(mask > 0, ratio, -inf)), one),

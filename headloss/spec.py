@@ -105,28 +105,57 @@ PolicyLossType = Literal[
 ]
 
 
+PolicyObjective = Literal["clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl"]
+
+
 class Policy(_Frozen):
-    """The GRPO family of clipped policy objectives (TRL GRPOTrainer, verl compute_policy_loss).
+    """The GRPO family of policy objectives (TRL GRPOTrainer, verl compute_policy_loss).
 
     Per-call inputs: ``advantages`` ([B] per sequence or [B, T] per token), ``old_logprobs``
     (absent: on-policy, ratio 1 with gradient), ``ref_logprobs`` (when kl_beta > 0),
     ``loss_mask`` (completion mask), ``importance_weights`` (rollout truncated-IS weights),
     ``sequence_ids`` for [N, V] logits. The logits' temperature is the spec's ``transform``.
 
-    loss types: ``grpo`` mean over sequences of the per-sequence token mean; ``bnpo`` /
+    objectives (per token; r the importance ratio, l = log p(y), A the advantage, sg stop-gradient):
+    ``clip`` PPO's -min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A), verl's dual clip
+    (TRL grpo/bnpo/dr_grpo/dapo/luspo, verl vanilla); ``cispo`` -sg(c) A l with c = min(r, eps_high)
+    (TRL: eps_high is the absolute cap, e.g. 5.0) or clip(r, 1 - eps_low, 1 + eps_high) (verl);
+    ``sapo`` -(4 / tau) sigmoid(tau (r - 1)) A, tau = sapo_tau_pos if A > 0 else sapo_tau_neg;
+    ``gpg`` -A l (verl); ``dro`` -(A l - dro_beta (log r)^2 / 2) (verl); ``dppo_tv`` / ``dppo_kl``
+    -A sg(min(r, dppo_ratio_cap)) l on tokens whose p - p_old (TV) or binary KL stays within
+    eps_high (A > 0) / eps_low (A <= 0) (verl). ``convention`` picks TRL's or verl's definitions where
+    they differ: CISPO's bounds, and verl's clamp of the log-ratio to +-20 before exp (clip, cispo,
+    sapo, dppo).
+
+    loss types (aggregation): ``grpo`` mean over sequences of the per-sequence token mean; ``bnpo`` /
     ``token-mean`` mean over all tokens; ``dr_grpo`` sum / (sequences x max_completion_length);
     ``dapo`` sum / (num_items_in_batch / num_processes), or the token count without it;
-    ``seq-mean-token-sum`` mean over sequences of the token sum; ``seq-mean-token-mean`` as grpo;
-    ``seq-mean-token-sum-norm`` sum / T (the padded length).
+    ``seq-mean-token-sum`` mean over sequences of the token sum (TRL's luspo); ``seq-mean-token-mean``
+    as grpo; ``seq-mean-token-sum-norm`` sum / T (the padded length).
+
+    KL penalty: ``kl_estimator`` k1 (logp - ref), k2 ((logp - ref)^2 / 2), k3 (exp(ref - logp) -
+    (ref - logp) - 1), abs (|logp - ref|); ``kl_clamp`` verl's clamps (ref - logp to +-20, k3 to
+    +-10: verl's ``low_var_kl`` is k3 with the clamps); ``kl_grad="k2"`` keeps the estimator's value
+    with the k2 gradient (verl's ``k3+`` etc.).
     """
 
+    objective: PolicyObjective = "clip"
+    convention: Literal["trl", "verl"] = "trl"
     loss_type: PolicyLossType = "dapo"
     eps_low: float = Field(0.2, ge=0.0, le=1.0, description="ratio clipped below at 1 - eps_low")
     eps_high: float = Field(0.2, ge=0.0, description="ratio clipped above at 1 + eps_high")
     delta: float | None = Field(None, gt=1.0, description="two-sided clip: ratio capped at delta (INTELLECT-2)")
     dual_clip_c: float | None = Field(None, gt=1.0, description="verl's dual clip for negative advantages")
+    sapo_tau_pos: float = Field(1.0, gt=0.0, description="SAPO's gate temperature for A > 0")
+    sapo_tau_neg: float = Field(1.05, gt=0.0, description="SAPO's gate temperature for A <= 0")
+    dro_beta: float | None = Field(None, gt=0.0, description="DRO's weight of (log r)^2 / 2 (required by dro)")
+    dppo_ratio_cap: float = Field(3.0, gt=0.0, description="DPPO's truncation of the detached ratio "
+                                  "(verl's clip_ratio_c, whose actor default is 3.0)")
     kl_beta: float = Field(0.0, ge=0.0, description="weight of the KL(pi || pi_ref) penalty")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k3"
+    kl_clamp: bool = Field(False, description="verl's clamps: ref - logp to [-20, 20], the k3 value to [-10, 10]")
+    kl_grad: Literal["estimator", "k2"] = Field("estimator", description="'k2': the estimator's value with the "
+                                                "k2 gradient (verl's 'k3+')")
     kl_importance_correction: bool = Field(False, description="KL times the importance ratio (DeepSeek-V3.2)")
     importance_sampling: Literal["token", "sequence"] = "token"
     max_completion_length: int | None = Field(None, gt=0, description="dr_grpo's normaliser")
@@ -137,6 +166,11 @@ class Policy(_Frozen):
     def _dr_grpo_needs_length(self) -> Policy:
         if self.loss_type == "dr_grpo" and self.max_completion_length is None:
             raise ValueError("max_completion_length: required by loss_type 'dr_grpo'")
+        if self.objective == "dro" and self.dro_beta is None:
+            raise ValueError("dro_beta: required by objective 'dro'")
+        if self.objective in ("gpg", "dro", "dppo_tv", "dppo_kl") and self.importance_sampling == "sequence":
+            raise ValueError(f"importance_sampling: 'sequence' has no meaning for objective {self.objective!r} "
+                             "(its ratio is per token)")
         return self
 
 

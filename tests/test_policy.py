@@ -40,7 +40,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "token-mean", "seq-mean-token-s
 POLICY_METRICS = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
                   "clip_ratio/high_max", "ratio/mean", "ratio/min", "ratio/max", "logprob/mean", "entropy"}
 HYPOTHESIS = settings(
-    max_examples=20, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=30, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 
@@ -678,16 +678,26 @@ def test_invalid_policy_field_is_a_validation_error_naming_it(fields, name):
 def policy_cases(draw):
     loss_type = draw(st.sampled_from(LOSS_TYPES))
     kl_beta = draw(st.sampled_from([0.0, 0.05, 0.3]))
+    objective = draw(st.sampled_from(["clip", "clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl"]))
+    per_token_ratio = objective in ("gpg", "dro", "dppo_tv", "dppo_kl")
     policy = Policy(
+        objective=objective,
+        convention=draw(st.sampled_from(["trl", "verl"])),
+        sapo_tau_pos=draw(st.sampled_from([1.0, 2.0])),
+        sapo_tau_neg=draw(st.sampled_from([1.05, 0.5])),
+        dro_beta=draw(st.sampled_from([0.1, 1.0])) if objective == "dro" else None,
+        dppo_ratio_cap=draw(st.sampled_from([3.0, 1.1])),
+        kl_clamp=draw(st.booleans()),
+        kl_grad=draw(st.sampled_from(["estimator", "k2"])),
         loss_type=loss_type,
         eps_low=draw(st.sampled_from([0.2, 0.1])),
         eps_high=draw(st.sampled_from([0.2, 0.28])),
         delta=draw(st.none() | st.just(1.4)),
         dual_clip_c=draw(st.none() | st.just(2.0)),
         kl_beta=kl_beta,
-        kl_estimator=draw(st.sampled_from(["k1", "k2", "k3"])),
+        kl_estimator=draw(st.sampled_from(["k1", "k2", "k3", "abs"])),
         kl_importance_correction=draw(st.booleans()),
-        importance_sampling=draw(st.sampled_from(["token", "sequence"])),
+        importance_sampling="token" if per_token_ratio else draw(st.sampled_from(["token", "sequence"])),
         max_completion_length=draw(st.integers(3, 8)) if loss_type == "dr_grpo" else None,
         num_processes=draw(st.sampled_from([1, 2])),
         entropy_coef=draw(st.sampled_from([0.0, 0.02])),

@@ -248,49 +248,131 @@ def _min_with_grad(a, da, b, db):
 
 
 @triton.jit
-def policy_token(logp, old, ref, adv, iw, S, F: tl.constexpr):
-    """(per_token_loss, d per_token_loss / d logp, ratio, kl) of one token.
+def _kl_penalty(logp, ref, S, F: tl.constexpr):
+    """(kl, d kl / d logp) of the KL(pi || ref) estimate (policy.kl_estimate's formulas)."""
+    gap = logp - ref
+    if F.KL_EST == 1:
+        kl = gap
+        d_kl = tl.full(logp.shape, 1.0, tl.float32)
+    elif F.KL_EST == 2:
+        kl = 0.5 * gap * gap
+        d_kl = gap
+    elif F.KL_EST == 4:
+        kl = tl.abs(gap)
+        d_kl = tl.where(gap > 0, 1.0, tl.where(gap < 0, -1.0, 0.0))
+    else:
+        delta = ref - logp
+        d_delta = tl.full(logp.shape, -1.0, tl.float32)
+        if F.KL_CLAMP:
+            d_delta = tl.where((delta >= -20.0) & (delta <= 20.0), d_delta, 0.0)
+            delta = tl.minimum(tl.maximum(delta, -20.0), 20.0)
+        kl = tl.exp(delta) - delta - 1.0
+        d_kl = (tl.exp(delta) - 1.0) * d_delta
+        if F.KL_CLAMP:
+            d_kl = tl.where((kl >= -10.0) & (kl <= 10.0), d_kl, 0.0)
+            kl = tl.minimum(tl.maximum(kl, -10.0), 10.0)
+    if F.KL_K2_GRAD:
+        d_kl = gap
+    return kl, d_kl
 
-    ratio = exp(logp - old); surrogate -min(min(ratio, delta) A, clip(ratio, 1 - eps_low,
-    1 + eps_high) A); for A < 0 verl's dual clip min(surrogate, -A c); times the rollout importance
-    weight; plus kl_beta times the k1/k2/k3 estimate of KL(pi || ref) (times the ratio with the
-    importance correction). Derivatives follow torch's autograd conventions, so both paths agree
-    at the kinks: clamp passes the gradient on its closed interval, minimum splits it on ties.
-    """
-    ratio = tl.exp(logp - old)
-    d_ratio = ratio
+
+@triton.jit
+def _objective(logp, old, adv, ratio, d_ratio, S, F: tl.constexpr):
+    """(per_token, d per_token / d logp, low, high, dual) of the spec's objective (OBJECTIVE indexes
+    plan.POLICY_OBJECTIVES: clip, cispo, sapo, gpg, dro, dppo_tv, dppo_kl); policy.token_objective
+    has the same formulas in torch."""
     lo = 1.0 - S.eps_low
     hi = 1.0 + S.eps_high
-    clipped = tl.minimum(tl.maximum(ratio, lo), hi)
-    d_clipped = tl.where((ratio >= lo) & (ratio <= hi), d_ratio, 0.0)
-    capped = tl.minimum(ratio, S.pol_delta)
-    d_capped = tl.where(ratio <= S.pol_delta, d_ratio, 0.0)
-    surrogate, d_surrogate = _min_with_grad(capped * adv, d_capped * adv, clipped * adv, d_clipped * adv)
-    per_token = -surrogate
-    d_per_token = -d_surrogate
-    dual, d_dual = _min_with_grad(per_token, d_per_token, -adv * S.dual_c, 0.0)
-    per_token = tl.where(adv < 0, dual, per_token)
-    d_per_token = tl.where(adv < 0, d_dual, d_per_token)
+    no = (adv > 0) & (adv <= 0)  # False, shaped like the values (also for a NaN advantage)
+    low, high, dual = no, no, no
+    if F.OBJECTIVE == 0:  # clip
+        clipped = tl.minimum(tl.maximum(ratio, lo), hi)
+        d_clipped = tl.where((ratio >= lo) & (ratio <= hi), d_ratio, 0.0)
+        capped = tl.minimum(ratio, S.pol_delta)
+        d_capped = tl.where(ratio <= S.pol_delta, d_ratio, 0.0)
+        surrogate, d_surrogate = _min_with_grad(capped * adv, d_capped * adv, clipped * adv, d_clipped * adv)
+        per_token = -surrogate
+        d_per_token = -d_surrogate
+        floor = -adv * S.dual_c
+        dual = (adv < 0) & (per_token > floor)
+        dualled, d_dualled = _min_with_grad(per_token, d_per_token, floor, 0.0)
+        per_token = tl.where(adv < 0, dualled, per_token)
+        d_per_token = tl.where(adv < 0, d_dualled, d_per_token)
+        low = (ratio < lo) & (adv < 0)
+        high = (ratio > hi) & (adv > 0)
+    elif F.OBJECTIVE == 1:  # cispo: -sg(c) A logp
+        if F.CISPO_VERL:
+            coef = tl.minimum(tl.maximum(ratio, lo), hi)
+            low = ratio < lo
+            high = ratio > hi
+        else:
+            coef = tl.minimum(ratio, S.eps_high)
+            high = (ratio > S.eps_high) & (adv > 0)
+        per_token = -coef * adv * logp
+        d_per_token = -coef * adv
+    elif F.OBJECTIVE == 2:  # sapo: -(4 / tau) sigmoid(tau (r - 1)) A
+        tau = tl.where(adv > 0, S.sapo_tau_pos, S.sapo_tau_neg)
+        gate = tl.sigmoid(tau * (ratio - 1.0))
+        per_token = -gate * (4.0 / tau) * adv
+        d_per_token = -4.0 * adv * gate * (1.0 - gate) * d_ratio
+    elif F.OBJECTIVE == 3:  # gpg: -A logp
+        per_token = -adv * logp
+        d_per_token = -adv
+    elif F.OBJECTIVE == 4:  # dro: -(A logp - beta (logp - old)^2 / 2)
+        gap = logp - old
+        per_token = -(logp * adv - 0.5 * S.dro_beta * gap * gap)
+        d_per_token = -adv + S.dro_beta * gap
+    else:  # dppo_tv, dppo_kl: -A sg(min(r, cap)) logp on the kept tokens
+        prob = tl.exp(logp)
+        old_prob = tl.exp(old)
+        if F.OBJECTIVE == 5:
+            keep_pos = prob - old_prob <= S.eps_high
+            keep_neg = prob - old_prob >= -S.eps_low
+        else:
+            binary_kl = old_prob * (old - logp) + (1.0 - old_prob) * tl.log(
+                (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+            keep_pos = (binary_kl <= S.eps_high) | (prob <= old_prob)
+            keep_neg = (binary_kl <= S.eps_low) | (prob >= old_prob)
+        keep = tl.where(adv > 0, keep_pos, keep_neg)
+        truncated = tl.minimum(ratio, S.dppo_cap)
+        kept = keep.to(tl.float32)
+        per_token = -adv * truncated * logp * kept
+        d_per_token = -adv * truncated * kept
+        low = (kept == 0.0) & (adv <= 0)
+        high = (kept == 0.0) & (adv > 0)
+        dual = (ratio > S.dppo_cap) & keep
+    return per_token, d_per_token, low, high, dual
+
+
+@triton.jit
+def policy_token(logp, old, ref, adv, iw, S, F: tl.constexpr):
+    """(per_token_loss, d per_token_loss / d logp, ratio, kl, low, high, dual, old - logp) of one token.
+
+    ratio = exp(logp - old) (verl's convention clamps the log-ratio to +-20 first); the objective
+    (:func:`_objective`); times the rollout importance weight; plus kl_beta times the KL estimate
+    (times the ratio with the importance correction). Derivatives follow torch's autograd
+    conventions, so both paths agree at the kinks: clamp passes the gradient on its closed interval,
+    minimum splits it on ties.
+    """
+    log_ratio = logp - old
+    d_log_ratio = tl.full(logp.shape, 1.0, tl.float32)
+    if F.LOG_RATIO_CLAMP:
+        d_log_ratio = tl.where((log_ratio >= -20.0) & (log_ratio <= 20.0), d_log_ratio, 0.0)
+        log_ratio = tl.minimum(tl.maximum(log_ratio, -20.0), 20.0)
+    ratio = tl.exp(log_ratio)
+    d_ratio = ratio * d_log_ratio
+    per_token, d_per_token, low, high, dual = _objective(logp, old, adv, ratio, d_ratio, S, F)
     per_token = per_token * iw
     d_per_token = d_per_token * iw
     kl = tl.zeros_like(logp)
     if F.KL_EST != 0:
-        if F.KL_EST == 1:
-            kl = logp - ref
-            d_kl = tl.full(logp.shape, 1.0, tl.float32)
-        elif F.KL_EST == 2:
-            kl = 0.5 * (logp - ref) * (logp - ref)
-            d_kl = logp - ref
-        else:
-            gap = ref - logp
-            kl = tl.exp(gap) - gap - 1.0
-            d_kl = 1.0 - tl.exp(gap)
+        kl, d_kl = _kl_penalty(logp, ref, S, F)
         if F.KL_IS_CORR:
             d_kl = d_kl * ratio + kl * d_ratio
             kl = kl * ratio
         per_token += S.kl_beta * kl
         d_per_token += S.kl_beta * d_kl
-    return per_token, d_per_token, ratio, kl
+    return per_token, d_per_token, ratio, kl, low, high, dual, -log_ratio
 
 
 @triton.jit
@@ -315,7 +397,7 @@ def policy_values(row_out, scratch, logp, entropy, policy, o, S, F: tl.constexpr
         iw = tl.load(policy.iw + o).to(tl.float32)
     adv = tl.load(policy.adv + o // policy.adv_span).to(tl.float32)
     w = tl.load(policy.weight + o).to(tl.float32)
-    per_token, d_per_token, ratio, kl = policy_token(logp, old, ref, adv, iw, S, F)
+    per_token, d_per_token, ratio, kl, low, high, dual, neg_log_ratio = policy_token(logp, old, ref, adv, iw, S, F)
     policy_loss = w * per_token
     d_entropy = tl.zeros([], tl.float32)
     if F.ENTROPY_GRAD:
@@ -325,10 +407,10 @@ def policy_values(row_out, scratch, logp, entropy, policy, o, S, F: tl.constexpr
     put(row_out, C.counted, 1.0)
     put(row_out, C.ratio, ratio)
     put(row_out, C.kl, kl)
-    low = (ratio < 1.0 - S.eps_low) & (adv < 0)
-    high = (ratio > 1.0 + S.eps_high) & (adv > 0)
     put(row_out, C.clip_low, low.to(tl.float32))
     put(row_out, C.clip_high, high.to(tl.float32))
+    put(row_out, C.clip_dual, dual.to(tl.float32))
+    put(row_out, C.ppo_kl, neg_log_ratio)
     if policy.seq_len > 0:
         at = scratch + 4 + (o // policy.seq_len) * 3
         tl.atomic_add(at, 1, sem="relaxed")

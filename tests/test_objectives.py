@@ -1,0 +1,373 @@
+"""The policy objectives beyond PPO's clip, and the KL variants, against fp64 oracles transcribed
+from the trainers' sources, on both paths (the Triton kernel under the interpreter, and the plain
+torch reference):
+
+* verl  verl/trainer/ppo/core_algos.py (verl-project/verl @ 1dda039b, 2026-08):
+        compute_policy_loss_vanilla / _cispo / _sapo / _gpg / _dro / _dppo_tv / _dppo_kl, agg_loss,
+        kl_penalty + kl_penalty_forward.
+* TRL   trl/trainer/grpo_trainer.py (TRL 1.16.0): GRPOTrainer._compute_loss, the loss_type branches
+        cispo and sapo, their aggregation and metrics.
+
+The oracles work on padded [B, T] fp64 tensors exactly as the sources do (mask multiplications,
+masked means with verl's +1e-8); the gradient is autograd's through log_softmax of fp64 logits.
+No sequence is fully masked here: verl's seq-mean modes drop such sequences, TRL's count them
+(headloss follows TRL, see test_policy.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_close_norm, generator, make_logits, make_targets, needs_kernel
+
+import headloss
+from headloss import LossSpec, head_loss
+from headloss.spec import Policy
+
+B, T, V = 3, 7, 37
+
+
+# --- oracles --------------------------------------------------------------------------------
+
+
+def masked_mean(values, mask):  # verl.utils.torch_functional.masked_mean
+    return (values * mask).sum() / (mask.sum() + 1e-8)
+
+
+def verl_agg_loss(loss_mat, loss_mask, mode):  # core_algos.agg_loss, dp_size = 1, no global counts
+    if mode == "token-mean":
+        return (loss_mat * loss_mask).sum() / loss_mask.sum()
+    if mode == "seq-mean-token-sum":
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+        seq_mask = (torch.sum(loss_mask, dim=-1) > 0).float().to(loss_mat.dtype)
+        return (seq_losses * seq_mask).sum() / seq_mask.sum()
+    if mode == "seq-mean-token-mean":
+        seq_count = torch.sum(loss_mask, dim=-1)
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_count + 1e-8)
+        seq_mask = (seq_count > 0).to(loss_mat.dtype)
+        return (seq_losses * seq_mask).sum() / seq_mask.sum()
+    raise AssertionError(mode)
+
+
+def verl_policy_loss(mode, old_log_prob, log_prob, advantages, response_mask, cfg, rollout_is_weights=None):
+    """core_algos.compute_policy_loss_<mode> (the registered 'vanilla', 'cispo', 'sapo', 'gpg', 'dro',
+    'dppo_tv', 'dppo_kl'): (pg_loss, metrics)."""
+    low, high = cfg["clip_ratio_low"], cfg["clip_ratio_high"]
+    agg = cfg["loss_agg_mode"]
+    metrics = {}
+    negative_approx_kl = log_prob - old_log_prob
+    if mode in ("vanilla", "cispo", "sapo", "dppo_tv", "dppo_kl"):
+        negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = masked_mean(-negative_approx_kl, response_mask)
+    if mode == "vanilla":
+        c = cfg["clip_ratio_c"]
+        pg_losses1 = -advantages * ratio
+        pg_losses2 = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
+        clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+        pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
+        pg_losses3 = -advantages * c
+        clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+        pg_clipfrac_lower = masked_mean(torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float(),
+                                        response_mask)
+        pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+        metrics = {"pg_clipfrac": pg_clipfrac, "pg_clipfrac_lower": pg_clipfrac_lower, "ppo_kl": ppo_kl}
+    elif mode == "cispo":
+        clipped_ratio = torch.clamp(ratio, 1 - low, 1 + high)
+        pg_losses = -clipped_ratio.detach() * advantages * log_prob
+        metrics = {"pg_clipfrac": masked_mean((ratio != clipped_ratio).float(), response_mask), "ppo_kl": ppo_kl}
+    elif mode == "sapo":
+        taus = torch.where(advantages > 0, torch.as_tensor(cfg["tau_pos"], dtype=advantages.dtype),
+                           torch.as_tensor(cfg["tau_neg"], dtype=advantages.dtype))
+        pg_losses = -(torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus)) * advantages
+        agg = "seq-mean-token-mean"  # sapo forces it
+        metrics = {"ppo_kl": ppo_kl}
+    elif mode == "gpg":
+        pg_losses = -log_prob * advantages
+    elif mode == "dro":
+        log_ratio = log_prob - old_log_prob
+        pg_losses = -(log_prob * advantages - 0.5 * cfg["dro_beta"] * log_ratio.square())
+        metrics = {"ppo_kl": masked_mean(-log_ratio, response_mask)}
+    else:  # dppo_tv, dppo_kl
+        truncated_ratio = torch.clamp(ratio, max=cfg["clip_ratio_c"]).detach()
+        prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
+        if mode == "dppo_tv":
+            valid_positive_mask = (prob - old_prob) <= high
+            valid_negative_mask = (prob - old_prob) >= -low
+        else:
+            binary_kl = old_prob * (old_log_prob - log_prob) + (1 - old_prob) * torch.log(
+                (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+            valid_positive_mask = (binary_kl <= high) | (prob <= old_prob)
+            valid_negative_mask = (binary_kl <= low) | (prob >= old_prob)
+        valid_mask = torch.where(advantages > 0, valid_positive_mask, valid_negative_mask).detach().to(log_prob.dtype)
+        pg_losses = -advantages * truncated_ratio * log_prob * valid_mask
+        metrics = {"pg_clipfrac": masked_mean(1.0 - valid_mask, response_mask),
+                   "pg_clipfrac_lower": masked_mean((ratio > cfg["clip_ratio_c"]).to(ratio.dtype) * valid_mask,
+                                                    response_mask),
+                   "ppo_kl": ppo_kl}
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    return verl_agg_loss(pg_losses, response_mask, agg), metrics
+
+
+def verl_kl_penalty(logprob, ref_logprob, kl_penalty):  # core_algos.kl_penalty (+ kl_penalty_forward)
+    def forward(name):
+        if name in ("kl", "k1"):
+            return logprob - ref_logprob
+        if name == "abs":
+            return (logprob - ref_logprob).abs()
+        if name in ("mse", "k2"):
+            return 0.5 * (logprob - ref_logprob).square()
+        kl = torch.clamp(ref_logprob - logprob, min=-20, max=20)  # low_var_kl, k3
+        return torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+
+    base = kl_penalty[:-1] if kl_penalty.endswith("+") else kl_penalty
+    forward_score = forward(base)
+    if not kl_penalty.endswith("+") or kl_penalty in ("mse", "k2"):
+        return forward_score
+    backward_score = 0.5 * (logprob - ref_logprob).square()
+    return backward_score - backward_score.detach() + forward_score.detach()
+
+
+def trl_compute_loss(loss_type, per_token_logps, old_per_token_logps, advantages, mask, cfg):
+    """GRPOTrainer._compute_loss for loss_type cispo / sapo, importance_sampling_level 'token' or
+    'sequence', beta 0, one process, one accumulation step: (loss, metrics)."""
+    log_ratio = per_token_logps - old_per_token_logps
+    if cfg["importance_sampling_level"] == "token":
+        log_importance_weights = log_ratio
+    else:
+        log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_importance_weights)
+    metrics = {}
+    if loss_type == "cispo":
+        clamped_ratios = torch.clamp(coef_1, max=cfg["epsilon_high"]).detach()
+        per_token_loss = -clamped_ratios * advantages * per_token_logps
+        normalizer = cfg["num_items_in_batch"].clamp(min=1.0)
+        loss = (per_token_loss * mask).sum() / normalizer
+        is_cispo_clipped = ((coef_1 > cfg["epsilon_high"]) & (advantages > 0)).expand_as(mask)
+        metrics["cispo_clip_ratio"] = (is_cispo_clipped * mask).sum() / mask.sum().clamp(min=1.0)
+    else:  # sapo
+        temperatures = torch.where(advantages > 0, cfg["sapo_temperature_pos"], cfg["sapo_temperature_neg"])
+        soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
+        per_token_loss = -soft_coef_1 * advantages
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    return loss, metrics
+
+
+# --- inputs ---------------------------------------------------------------------------------
+
+
+def make_case(seed, dtype=torch.float32, per_token_adv=False, noise=0.3):
+    logits = make_logits((B, T, V), dtype, seed=seed)
+    targets = make_targets((B, T), V, seed=seed)
+    gen = generator(seed + 7)
+    mask = (torch.rand(B, T, generator=gen) > 0.3).long()
+    mask[:, 0] = 1  # no sequence fully masked (see the module docstring)
+    logp = torch.log_softmax(logits.double(), -1).gather(-1, targets[..., None])[..., 0]
+    adv = torch.randn((B, T) if per_token_adv else (B,), generator=gen, dtype=torch.float64)
+    adv[0], adv[1] = adv[0].abs(), -adv[1].abs()  # both signs
+    old = logp + noise * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    ref = logp + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    iw = torch.rand(B, T, generator=gen, dtype=torch.float64) + 0.5
+    return logits, targets, mask, adv, old, ref, iw
+
+
+def run_both(logits, targets, spec, inputs):
+    """(output, logits gradient) for the kernel and the reference path, from the same stored logits."""
+    got = {}
+    for backend in ("triton", "reference"):
+        leaf = logits.detach().clone().requires_grad_()
+        out = head_loss(leaf, targets, spec, backend=backend, **{k: v.float() if v.is_floating_point() else v
+                                                                for k, v in inputs.items()})
+        out.loss.backward()
+        got[backend] = (out, leaf.grad)
+    return got
+
+
+def oracle_logp(logits, targets):
+    leaf = logits.detach().double().requires_grad_()
+    return leaf, torch.log_softmax(leaf, -1).gather(-1, targets[..., None])[..., 0]
+
+
+def tolerances(dtype):
+    return (1e-5, 1e-4) if dtype == torch.float32 else (1e-5, 2e-2)
+
+
+def compare(got, want_loss, want_grad, want_metrics, dtype):
+    rtol_value, rtol_grad = tolerances(dtype)
+    for backend, (out, grad) in got.items():
+        assert_close_norm(out.loss, want_loss, rtol=rtol_value, atol=3e-6, name=f"{backend} loss")  # sums cancel
+        assert_close_norm(grad.double(), want_grad, rtol=rtol_grad, atol=1e-9, name=f"{backend} grad")
+        for name, value in want_metrics.items():
+            assert_close_norm(out.metrics[name], value, rtol=1e-5, atol=1e-6, name=f"{backend} {name}")
+
+
+# --- verl -------------------------------------------------------------------------------------
+
+VERL_MODES = {  # verl loss_mode -> headloss objective
+    "vanilla": "clip", "cispo": "cispo", "sapo": "sapo", "gpg": "gpg", "dro": "dro", "dppo_tv": "dppo_tv",
+    "dppo_kl": "dppo_kl",
+}
+VERL_AGG = {"token-mean": "token-mean", "seq-mean-token-sum": "seq-mean-token-sum"}
+
+
+def verl_case(mode, seed, dtype, per_token_adv, agg, rollout_is):
+    logits, targets, mask, adv, old, ref, iw = make_case(seed, dtype, per_token_adv, noise=0.5)
+    # DPPO's thresholds bound p - p_old (or its binary KL): small enough to drop some tokens here
+    low, high = {"dppo_tv": (5e-4, 1e-3), "dppo_kl": (5e-5, 1e-4)}.get(mode, (0.2, 0.28))
+    cfg = dict(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=1.2,
+               loss_agg_mode=agg, tau_pos=1.0, tau_neg=1.05, dro_beta=0.3)
+    policy = Policy(objective=VERL_MODES[mode], convention="verl", loss_type=VERL_AGG[agg], eps_low=low,
+                    eps_high=high, dual_clip_c=cfg["clip_ratio_c"] if mode == "vanilla" else None,
+                    dppo_ratio_cap=cfg["clip_ratio_c"], sapo_tau_pos=1.0, sapo_tau_neg=1.05,
+                    dro_beta=0.3 if mode == "dro" else None)
+    if mode == "sapo":
+        policy = policy.model_copy(update={"loss_type": "seq-mean-token-mean"})  # verl's sapo forces it
+    inputs = dict(advantages=adv, old_logprobs=old, loss_mask=mask)
+    if rollout_is:
+        inputs["importance_weights"] = iw
+    return logits, targets, mask, cfg, LossSpec(cross_entropy=None, policy=policy), inputs
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("agg", list(VERL_AGG))
+@pytest.mark.parametrize("mode", list(VERL_MODES))
+def test_verl_objective_matches_core_algos(mode, agg, dtype):
+    seed = sum(map(ord, mode + agg))
+    for per_token_adv, rollout_is in ((False, False), (True, True)):
+        logits, targets, mask, cfg, spec, inputs = verl_case(mode, seed, dtype, per_token_adv, agg, rollout_is)
+        leaf, log_prob = oracle_logp(logits, targets)
+        adv = inputs["advantages"]
+        adv = adv if per_token_adv else adv[:, None].expand(B, T)
+        loss, metrics = verl_policy_loss(mode, inputs["old_logprobs"], log_prob, adv, mask.double(), cfg,
+                                         inputs.get("importance_weights"))
+        loss.backward()
+        if mode.startswith("dppo"):  # the case drops some tokens and keeps others
+            assert 0.0 < float(metrics["pg_clipfrac"]) < 1.0
+        if mode == "vanilla":  # and the dual clip acts
+            assert float(metrics["pg_clipfrac_lower"]) > 0.0 and float(metrics["pg_clipfrac"]) > 0.0
+        compare(run_both(logits, targets, spec, inputs), loss.detach(), leaf.grad, metrics, dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["vanilla", "cispo", "sapo", "dppo_tv"])
+def test_verl_clamps_the_log_ratio_to_plus_minus_20(mode):
+    """Tokens 25 nats off their old log-prob: verl's ratio is exp(+-20), its gradient there 0."""
+    logits, targets, mask, cfg, spec, inputs = verl_case(mode, 5, torch.float32, False, "token-mean", False)
+    mask = torch.ones_like(mask)
+    inputs["loss_mask"] = mask
+    leaf, log_prob = oracle_logp(logits, targets)
+    old = inputs["old_logprobs"].clone()
+    old[0, 1], old[1, 2] = log_prob[0, 1].detach() + 25.0, log_prob[1, 2].detach() - 25.0
+    inputs["old_logprobs"] = old
+    adv = inputs["advantages"][:, None].expand(B, T)
+    loss, metrics = verl_policy_loss(mode, old, log_prob, adv, mask.double(), cfg)
+    loss.backward()
+    compare(run_both(logits, targets, spec, inputs), loss.detach(), leaf.grad, metrics, torch.float32)
+
+
+VERL_KL = {  # verl kl_loss_type -> (kl_estimator, kl_clamp, kl_grad)
+    "k1": ("k1", False, "estimator"), "abs": ("abs", False, "estimator"), "k2": ("k2", False, "estimator"),
+    "low_var_kl": ("k3", True, "estimator"), "k3+": ("k3", True, "k2"), "abs+": ("abs", False, "k2"),
+    "k1+": ("k1", False, "k2"),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", list(VERL_KL))
+def test_verl_kl_losses_match_kl_penalty(name):
+    """The actor's KL loss: agg_loss(kl_penalty(log_prob, ref, kl_loss_type)) * kl_loss_coef, added to
+    the policy loss (here gpg's); refs 25 nats away and 3 below reach both of low_var_kl's clamps."""
+    logits, targets, mask, adv, old, ref, _ = make_case(17)
+    estimator, clamp, grad = VERL_KL[name]
+    leaf, log_prob = oracle_logp(logits, targets)
+    ref = ref.clone()
+    ref[0, 0], ref[1, 0], ref[2, 0] = log_prob[0, 0].detach() + 25.0, log_prob[1, 0].detach() - 3.0,         log_prob[2, 0].detach() + 2.5
+    advs = adv[:, None].expand(B, T)
+    pg, _ = verl_policy_loss("gpg", old, log_prob, advs, mask.double(),
+                             dict(clip_ratio_low=0.2, clip_ratio_high=0.2, loss_agg_mode="token-mean"))
+    kld = verl_kl_penalty(log_prob, ref, name)
+    loss = pg + verl_agg_loss(kld, mask.double(), "token-mean") * 0.1
+    loss.backward()
+    spec = LossSpec(cross_entropy=None, policy=Policy(objective="gpg", convention="verl", loss_type="token-mean",
+                                                      kl_beta=0.1, kl_estimator=estimator, kl_clamp=clamp,
+                                                      kl_grad=grad))
+    inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask)
+    kl_metric = masked_mean(kld.detach(), mask.double())
+    compare(run_both(logits, targets, spec, inputs), loss.detach(), leaf.grad, {"kl": kl_metric}, torch.float32)
+
+
+# --- TRL --------------------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_trl_cispo_and_sapo_match_compute_loss(loss_type, level, dtype):
+    logits, targets, mask, adv, old, _, _ = make_case(23, dtype, noise=0.6)
+    leaf, logp = oracle_logp(logits, targets)
+    m = mask.double()
+    eps_high = 1.3 if level == "token" else 1.02  # a sequence's ratio is a mean's exp: closer to 1
+    cfg = dict(importance_sampling_level=level, epsilon_high=eps_high, sapo_temperature_pos=2.0,
+               sapo_temperature_neg=1.05, num_items_in_batch=m.sum())
+    loss, metrics = trl_compute_loss(loss_type, logp, old, adv[:, None], m, cfg)
+    loss.backward()
+    # TRL's cispo aggregates like dapo (sum / num_items_in_batch), sapo like grpo
+    policy = Policy(objective=loss_type, loss_type="dapo" if loss_type == "cispo" else "grpo", eps_high=eps_high,
+                    sapo_tau_pos=2.0, sapo_tau_neg=1.05, importance_sampling=level)
+    want = {"clip_ratio/high_mean": metrics["cispo_clip_ratio"]} if loss_type == "cispo" else {}
+    if loss_type == "cispo":
+        assert 0.0 < float(metrics["cispo_clip_ratio"]) < 1.0
+    got = run_both(logits, targets, LossSpec(cross_entropy=None, policy=policy),
+                   dict(advantages=adv, old_logprobs=old, loss_mask=mask))
+    compare(got, loss.detach(), leaf.grad, want, dtype)
+
+
+# --- spec ---------------------------------------------------------------------------------------
+
+
+def test_dro_without_its_beta_is_a_spec_error_naming_it():
+    with pytest.raises(ValueError, match="dro_beta"):
+        Policy(objective="dro")
+
+
+@pytest.mark.parametrize("objective", ["gpg", "dro", "dppo_tv", "dppo_kl"])
+def test_sequence_level_ratios_with_a_per_token_objective_is_a_spec_error(objective):
+    with pytest.raises(ValueError, match="importance_sampling"):
+        Policy(objective=objective, importance_sampling="sequence", dro_beta=0.1)
+
+
+# --- the fused lm_head path ---------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("objective, level", [("cispo", "token"), ("sapo", "sequence"), ("gpg", "token"),
+                                              ("dro", "token"), ("dppo_tv", "token"), ("dppo_kl", "token"),
+                                              ("cispo", "sequence")])
+def test_linear_head_runs_every_objective_like_the_logits_path(objective, level):
+    """linear_head_loss (chunks of 5 rows over [B, T, H] hidden states) against the reference on the
+    fp64 logits hidden @ W.T: loss, metrics, and the gradients of hidden and weight."""
+    gen = generator(31)
+    hidden = torch.randn(B, T, 8, generator=gen, dtype=torch.float64)
+    weight = torch.randn(V, 8, generator=gen, dtype=torch.float64) / 2
+    _, targets, mask, adv, old, ref, iw = make_case(31, per_token_adv=objective == "dro")
+    policy = Policy(objective=objective, convention="verl" if objective == "cispo" else "trl", loss_type="grpo",
+                    importance_sampling=level, eps_low=5e-4 if objective.startswith("dppo") else 0.2,
+                    eps_high=1e-3 if objective.startswith("dppo") else 0.28, dro_beta=0.2 if objective == "dro" else
+                    None, kl_beta=0.05, kl_estimator="k3", kl_clamp=True, kl_grad="k2")
+    spec = LossSpec(cross_entropy=None, policy=policy)
+    inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, importance_weights=iw)
+    floats = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
+    h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    out = headloss.linear_head_loss(h, w, targets, spec, chunk_bytes=5 * V * 4, **floats)
+    out.loss.backward()
+    h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref_out = head_loss(h64 @ w64.T, targets, spec, backend="reference", **inputs)
+    ref_out.loss.backward()
+    assert_close_norm(out.loss, ref_out.loss, rtol=1e-5, atol=3e-6, name="loss")
+    assert_close_norm(h.grad, h64.grad, rtol=1e-4, atol=1e-9, name="hidden grad")
+    assert_close_norm(w.grad, w64.grad, rtol=1e-4, atol=1e-9, name="weight grad")
+    for name in ("ppo_kl", "pg_clipfrac", "pg_clipfrac_lower", "clip_ratio/high_mean", "kl", "ratio/mean"):
+        assert_close_norm(out.metrics[name], ref_out.metrics[name], rtol=1e-5, atol=1e-6, name=name)
