@@ -19,7 +19,11 @@ TRL option                     headloss
 =============================  ===========================================================
 GRPO ``loss_type``             ``Policy.loss_type`` for grpo, bnpo, dr_grpo, dapo (divided
                                by the accumulation steps, or dapo's rescaled
-                               ``num_items_in_batch``, exactly as TRL does)
+                               ``num_items_in_batch``, exactly as TRL does); cispo:
+                               ``objective="cispo"`` (``epsilon_high`` the absolute cap)
+                               aggregated as dapo; sapo: ``objective="sapo"``
+                               (``sapo_temperature_pos/neg``) aggregated as grpo; luspo:
+                               ``loss_type="seq-mean-token-sum"``
 ``epsilon`` / ``epsilon_high``  ``Policy.eps_low`` / ``eps_high``
 ``delta``                      ``Policy.delta``
 ``beta``                       ``Policy.kl_beta`` with the k3 estimator
@@ -33,8 +37,9 @@ SFT ``loss_type`` nll / dft    ``CrossEntropy`` / ``DFT``
 SFT ``label_smoothing_factor`` ``CrossEntropy.label_smoothing``
 =============================  ===========================================================
 
-Refused with an error naming the option (no mapping yet): GRPO loss types cispo, sapo, vespo,
-luspo; ``importance_sampling_level="sequence"``; ``top_entropy_quantile < 1``;
+Refused with an error naming the option (no mapping yet): GRPO loss type vespo;
+``importance_sampling_level="sequence"`` (TRL's metrics are then sequence means);
+``top_entropy_quantile < 1``;
 ``off_policy_mask_threshold``; an entropy bonus (``entropy_coef``, adaptive entropy); SFT's
 ``compute_loss_func`` and DeepSpeed sequence parallelism.
 
@@ -58,13 +63,21 @@ _MODEL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "imag
 batch: this loss does not split it)."""
 
 
+_LOSS_TYPES = {  # TRL loss_type -> (Policy.objective, Policy.loss_type)
+    "grpo": ("clip", "grpo"), "bnpo": ("clip", "bnpo"), "dr_grpo": ("clip", "dr_grpo"), "dapo": ("clip", "dapo"),
+    "cispo": ("cispo", "dapo"), "sapo": ("sapo", "grpo"), "luspo": ("clip", "seq-mean-token-sum"),
+}
+_PER_STEP = ("grpo", "bnpo", "dr_grpo", "seq-mean-token-sum")
+"""Policy loss types TRL divides by the accumulation steps (dapo's normaliser includes them)."""
+
+
 def grpo_spec(trainer) -> LossSpec:
     """The LossSpec of a GRPOTrainer's objective (its attributes, as its __init__ set them)."""
 
     def refuse(option: str, why: str) -> None:
         raise ValueError(f"{option}: {why} has no headloss mapping yet; use trl.GRPOTrainer for it")
 
-    if trainer.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo"):
+    if trainer.loss_type not in _LOSS_TYPES:
         refuse("loss_type", f"{trainer.loss_type!r}")
     if trainer.importance_sampling_level != "token":
         refuse("importance_sampling_level", f"{trainer.importance_sampling_level!r}")
@@ -75,8 +88,10 @@ def grpo_spec(trainer) -> LossSpec:
     if getattr(trainer, "_entropy_bonus_enabled", False):
         refuse("entropy_coef", "TRL's entropy bonus")
     args = trainer.args
+    objective, loss_type = _LOSS_TYPES[trainer.loss_type]
     policy = Policy(
-        loss_type=trainer.loss_type, eps_low=trainer.epsilon_low, eps_high=trainer.epsilon_high,
+        objective=objective, loss_type=loss_type, eps_low=trainer.epsilon_low, eps_high=trainer.epsilon_high,
+        sapo_tau_pos=getattr(args, "sapo_temperature_pos", 1.0), sapo_tau_neg=getattr(args, "sapo_temperature_neg", 1.05),
         delta=getattr(args, "delta", None), kl_beta=trainer.beta, kl_estimator="k3",
         kl_importance_correction=bool(getattr(args, "use_bias_correction_kl", False)),
         max_completion_length=trainer.max_completion_length if trainer.loss_type == "dr_grpo" else None,
@@ -159,7 +174,7 @@ class HeadLossGRPOTrainer(GRPOTrainer):
             outputs = model(**model_inputs)
         result = self.headloss.last
         loss = result.loss
-        if policy.loss_type in ("grpo", "bnpo", "dr_grpo") and mode == "train":
+        if policy.loss_type in _PER_STEP and mode == "train":
             loss = loss / self.current_gradient_accumulation_steps
         if self.aux_loss_enabled:
             normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
@@ -169,23 +184,31 @@ class HeadLossGRPOTrainer(GRPOTrainer):
         return loss
 
     def _log_metrics(self, mode: str, metrics: dict[str, torch.Tensor], policy: Policy) -> None:
-        names = [k for k in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-                 if k in metrics and (k != "kl" or policy.kl_beta != 0.0)]
+        """TRL's names per objective: the clip statistics for the clip family, cispo_clip_ratio for
+        cispo (the share of A > 0 tokens above the cap: clip_ratio/high_mean here), none for sapo."""
+        clip_family = policy.objective == "clip"
+        clip_names = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean") if clip_family else ()
+        names = [k for k in ("kl", "entropy", *clip_names) if k in metrics and (k != "kl" or policy.kl_beta != 0.0)]
         extra = [k for k in metrics if k not in names and k not in _POLICY_INTERNAL]
         values = _global_means(self.accelerator, metrics, names + extra)
         for k in names + extra:
             self._metrics[mode][_TRL_NAMES.get(k, k)].append(values[k])
+        if policy.objective == "cispo":
+            self._metrics[mode]["cispo_clip_ratio"].append(
+                _global_means(self.accelerator, metrics, ["clip_ratio/high_mean"])["clip_ratio/high_mean"])
         has = metrics["n_tokens"].reshape(1) > 0
         for k, reduce, empty in (("clip_ratio/low_min", torch.min, float("inf")),
                                  ("clip_ratio/high_max", torch.max, float("-inf"))):
-            if k in metrics:  # TRL's nanmin / nanmax: a process without tokens has no sequence mean
+            if k in metrics and clip_family:  # TRL's nanmin / nanmax: a process without tokens has no sequence mean
                 value = torch.where(has, metrics[k].reshape(1).float(), empty)
                 result = float(reduce(self.accelerator.gather(value)))
                 self._metrics[mode][k].append(result if abs(result) != float("inf") else float("nan"))
 
 
-_POLICY_INTERNAL = ("loss", "n_tokens", "clip_ratio/low_min", "clip_ratio/high_max", "ratio/mean", "ratio/min",
-                    "ratio/max", "logprob/mean")
+_POLICY_INTERNAL = ("loss", "n_tokens", "clip_ratio/low_min", "clip_ratio/high_max", "clip_ratio/low_mean",
+                    "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio/mean", "ratio/min", "ratio/max",
+                    "logprob/mean", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
+"""The policy metrics TRL does not log under these names (the ones it does are picked per objective)."""
 
 
 class HeadLossSFTTrainer(SFTTrainer):
