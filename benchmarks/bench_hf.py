@@ -72,19 +72,9 @@ def run_provider(args) -> dict:
             apply_liger_kernel_to_llama(model=model)
     extra = {}
     if name == "trl-fused":
-        try:
-            from trl.trainer.utils import add_fused_lm_head
-        except ModuleNotFoundError as exc:  # trl imports `datasets` for a type only; the GPU image lacks it
-            if exc.name != "datasets":
-                raise
-            import types
+        from benchmarks.common import import_trl
 
-            stub = types.ModuleType("datasets")
-            stub.IterableDataset = stub.Dataset = type("Dataset", (), {})
-            sys.modules["datasets"] = stub
-            from trl.trainer.utils import add_fused_lm_head
-
-        add_fused_lm_head(model)
+        import_trl("trl.trainer.utils").add_fused_lm_head(model)
         extra = {"fused_lm_head": True}
     if "headloss" in name:
         import headloss

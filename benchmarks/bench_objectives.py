@@ -23,7 +23,7 @@ import torch
 
 import headloss
 from benchmarks.bench_terms import grpo_batch
-from benchmarks.common import Row, measure, out_dir_default, write_rows
+from benchmarks.common import Row, import_trl, measure, out_dir_default, write_rows
 
 V, H = 128256, 4096
 TRL_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
@@ -42,21 +42,6 @@ OBJECTIVES = {  # name -> Policy fields over BASE
     "clip, sequence-level (deferred)": dict(importance_sampling="sequence"),
 }
 LIGER = {"clip": "dapo", "cispo": "cispo", "sapo": "sapo"}
-
-
-def trl_kernel(name: str):
-    """A module of TRL 1.16's trl/kernels, loaded from its file (importing the trl package pulls
-    accelerate and datasets)."""
-    import importlib.util
-
-    found = importlib.util.find_spec("trl")
-    if found is None or not found.submodule_search_locations:
-        raise ImportError("trl is not installed")
-    module_spec = importlib.util.spec_from_file_location(
-        f"trl_{name}", f"{found.submodule_search_locations[0]}/kernels/{name}.py")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
 
 
 def spec_of(name: str) -> headloss.LossSpec:
@@ -139,7 +124,7 @@ def linear_case(rows: list[Row], n: int, seq: int) -> None:
                 setup, config=cfg, cold_blas=True)
         torch.cuda.empty_cache()
     try:
-        ChunkedLogProbFunction = trl_kernel("chunked_logprob").ChunkedLogProbFunction
+        ChunkedLogProbFunction = import_trl("trl.kernels.chunked_logprob").ChunkedLogProbFunction
     except Exception as exc:
         print(f"TRL chunked log-prob unavailable: {type(exc).__name__}: {exc}")
         return

@@ -163,3 +163,21 @@ def write_rows(rows: list[Row], out_dir: Path, stem: str) -> tuple[Path, Path]:
 
 def out_dir_default() -> Path:
     return Path(os.environ.get("OUT", "results"))
+
+
+def import_trl(module: str):
+    """``importlib.import_module(module)`` for a trl module; trl imports ``datasets`` for a type
+    only, and the GPU image lacks it: a stub stands in."""
+    import importlib
+    import sys
+    import types
+
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != "datasets":
+            raise
+        stub = types.ModuleType("datasets")
+        stub.IterableDataset = stub.Dataset = type("Dataset", (), {})
+        sys.modules["datasets"] = stub
+        return importlib.import_module(module)

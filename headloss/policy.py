@@ -146,8 +146,9 @@ def token_objective(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, po
             keep_pos = prob - old_prob <= policy.eps_high
             keep_neg = prob - old_prob >= -policy.eps_low
         else:
-            binary_kl = old_prob * (old - logp.detach()) + (1.0 - old_prob) * torch.log(
-                (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+            # verl's log((1 - old_p + 1e-8) / (1 - p + 1e-8)) as a log1p (accurate for tiny p)
+            binary_kl = old_prob * (old - logp.detach()) + (1.0 - old_prob) * torch.log1p(
+                (prob - old_prob) / (1.0 - prob + 1e-8))
             keep_pos = (binary_kl <= policy.eps_high) | (prob <= old_prob)
             keep_neg = (binary_kl <= policy.eps_low) | (prob >= old_prob)
         keep = torch.where(adv > 0, keep_pos, keep_neg)

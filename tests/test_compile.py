@@ -226,7 +226,8 @@ def test_compiled_fused_backward_hands_over_the_forward_buffer_without_a_copy(en
 
 
 @needs_kernel
-@pytest.mark.parametrize("spec, handoff", [(LossSpec(), False), (LossSpec(), True), (LossSpec(reduction="none"), False)],
+@pytest.mark.parametrize("spec, handoff",
+                         [(LossSpec(), False), (LossSpec(), True), (LossSpec(reduction="none"), False)],
                          ids=["fused", "fused-handoff", "deferred"])
 def test_opcheck_linear_ops(spec, handoff):
     gen = torch.Generator().manual_seed(11)

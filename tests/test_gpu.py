@@ -239,7 +239,8 @@ OBJECTIVE_CASES = {
     "dapo": {"loss_type": "dapo"}, "grpo": {"loss_type": "grpo"},
     "cispo": {"objective": "cispo", "eps_high": 1.2}, "cispo-verl": {"objective": "cispo", "convention": "verl"},
     "sapo": {"objective": "sapo", "loss_type": "grpo"}, "gpg": {"objective": "gpg"},
-    "dro": {"objective": "dro", "dro_beta": 0.3}, "dppo_tv": {"objective": "dppo_tv", "eps_low": 1e-5, "eps_high": 2e-5},
+    "dro": {"objective": "dro", "dro_beta": 0.3},
+    "dppo_tv": {"objective": "dppo_tv", "eps_low": 1e-5, "eps_high": 2e-5},
     "dppo_kl": {"objective": "dppo_kl", "eps_low": 1e-9, "eps_high": 2e-9},
     "verl-k3+": {"convention": "verl", "dual_clip_c": 1.3, "kl_clamp": True, "kl_grad": "k2", "kl_estimator": "k3"},
 }

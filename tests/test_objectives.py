@@ -283,7 +283,9 @@ def test_verl_kl_losses_match_kl_penalty(name):
     estimator, clamp, grad = VERL_KL[name]
     leaf, log_prob = oracle_logp(logits, targets)
     ref = ref.clone()
-    ref[0, 0], ref[1, 0], ref[2, 0] = log_prob[0, 0].detach() + 25.0, log_prob[1, 0].detach() - 3.0,         log_prob[2, 0].detach() + 2.5
+    ref[0, 0] = log_prob[0, 0].detach() + 25.0
+    ref[1, 0] = log_prob[1, 0].detach() - 3.0
+    ref[2, 0] = log_prob[2, 0].detach() + 2.5
     advs = adv[:, None].expand(B, T)
     pg, _ = verl_policy_loss("gpg", old, log_prob, advs, mask.double(),
                              dict(clip_ratio_low=0.2, clip_ratio_high=0.2, loss_agg_mode="token-mean"))

@@ -91,7 +91,8 @@ def grpo_spec(trainer) -> LossSpec:
     objective, loss_type = _LOSS_TYPES[trainer.loss_type]
     policy = Policy(
         objective=objective, loss_type=loss_type, eps_low=trainer.epsilon_low, eps_high=trainer.epsilon_high,
-        sapo_tau_pos=getattr(args, "sapo_temperature_pos", 1.0), sapo_tau_neg=getattr(args, "sapo_temperature_neg", 1.05),
+        sapo_tau_pos=getattr(args, "sapo_temperature_pos", 1.0),
+        sapo_tau_neg=getattr(args, "sapo_temperature_neg", 1.05),
         delta=getattr(args, "delta", None), kl_beta=trainer.beta, kl_estimator="k3",
         kl_importance_correction=bool(getattr(args, "use_bias_correction_kl", False)),
         max_completion_length=trainer.max_completion_length if trainer.loss_type == "dr_grpo" else None,

@@ -329,8 +329,13 @@ def _objective(logp, old, adv, ratio, d_ratio, S, F: tl.constexpr):
             keep_pos = prob - old_prob <= S.eps_high
             keep_neg = prob - old_prob >= -S.eps_low
         else:
-            binary_kl = old_prob * (old - logp) + (1.0 - old_prob) * tl.log(
-                (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+            # verl's old_p (old - logp) + (1 - old_p) log((1 - old_p + 1e-8) / (1 - p + 1e-8)), with the
+            # log as log1p(u), u = (p - old_p) / (1 - p + 1e-8): the two terms are first-order small
+            # and cancel to second order, which a log of a ratio near 1 loses in fp32
+            u = (prob - old_prob) / (1.0 - prob + 1e-8)
+            w = 1.0 + u
+            log1p_u = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+            binary_kl = old_prob * (old - logp) + (1.0 - old_prob) * log1p_u
             keep_pos = (binary_kl <= S.eps_high) | (prob <= old_prob)
             keep_neg = (binary_kl <= S.eps_low) | (prob >= old_prob)
         keep = tl.where(adv > 0, keep_pos, keep_neg)
