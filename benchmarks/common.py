@@ -166,18 +166,15 @@ def out_dir_default() -> Path:
 
 
 def import_trl(module: str):
-    """``importlib.import_module(module)`` for a trl module; trl imports ``datasets`` for a type
-    only, and the GPU image lacks it: a stub stands in."""
+    """``importlib.import_module(module)`` for a trl module; trl imports ``datasets`` (for types),
+    which the GPU image lacks: a stub stands in when it is not installed."""
     import importlib
+    import importlib.util
     import sys
     import types
 
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name != "datasets":
-            raise
+    if importlib.util.find_spec("datasets") is None and "datasets" not in sys.modules:
         stub = types.ModuleType("datasets")
         stub.IterableDataset = stub.Dataset = type("Dataset", (), {})
         sys.modules["datasets"] = stub
-        return importlib.import_module(module)
+    return importlib.import_module(module)

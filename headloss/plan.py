@@ -231,7 +231,7 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
     # a token-level policy objective is row-local: the kernel's epilogue computes it (fused mode).
     # Sequence-level ratios need other rows: the objective runs in torch on the deferred mode's
     # per-token log-probs, whose gradient the backward kernel turns into the logits' gradient
-    sequence_policy = pol is not None and pol.importance_sampling == "sequence"
+    sequence_policy = pol is not None and not pol.row_local
     deferred = spec.reduction == "none" or spec.differentiable_outputs or sequence_policy
     fused_policy = pol is not None and not deferred
     wants_entropy = spec.entropy is not None or "entropy" in spec.outputs or pol is not None

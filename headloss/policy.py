@@ -101,7 +101,9 @@ class TokenObjective:
     low: torch.Tensor  # clipped-low indicator (clip_ratio/low_mean)
     high: torch.Tensor  # clipped-high indicator (clip_ratio/high_mean)
     dual: torch.Tensor  # verl's pg_clipfrac_lower indicator (dual clip; DPPO: truncated and kept)
-    neg_log_ratio: torch.Tensor  # old - logp per token (verl's ppo_kl is its mean)
+    ppo_kl: torch.Tensor  # per token, verl's ppo_kl is its mean: old - logp (kl_cov: |logp - old|)
+    clipfrac: torch.Tensor | None = None  # verl's pg_clipfrac indicator where it is not low | high
+    extra: dict | None = None  # metrics of the objective's own (already reduced)
 
 
 def token_objective(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, policy: Policy,
@@ -159,6 +161,7 @@ def token_objective(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, po
     return TokenObjective(loss, ratio, low, high, dual, -log_ratio.detach())
 
 
+
 def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -> torch.Tensor:
     """Per-token weight w with loss = sum(w * per_token), as TRL / verl aggregate each loss type.
 
@@ -189,6 +192,130 @@ def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -
     raise ValueError(f"policy.loss_type: unknown {kind!r}")
 
 
+def objective_of(logp: torch.Tensor, entropy: torch.Tensor | None, old: torch.Tensor, adv: torch.Tensor,
+                 iw: torch.Tensor | None, mask: torch.Tensor, seq: torch.Tensor, n_slots: int,
+                 policy: Policy) -> TokenObjective:
+    """The objective per token (N,) on flat rows, with its sequence and batch statistics (``seq``:
+    each row's sequence in [0, n_slots)), the rollout weights and the masks, without the KL. The
+    torch path of deferred mode and the reference path both run it; the fused kernel's epilogue
+    has the row-local objectives (:func:`token_objective`)."""
+    objective = policy.objective
+    count = _seq_sum(mask, seq, n_slots)
+    if objective == "gmpo":
+        tok = _gmpo(logp, old, adv, iw, mask, seq, n_slots, count, policy)
+    elif objective == "vespo":
+        tok = _vespo(logp, old, adv, iw, mask, seq, n_slots, policy)
+    elif objective in ("clip_cov", "kl_cov"):
+        tok = _covariance(logp, old, adv, mask, policy)
+    else:
+        seq_log_ratio = None
+        if policy.importance_sampling != "token":
+            mean = (_seq_sum((logp - old) * mask, seq, n_slots) / count.clamp(min=1.0))[seq]
+            if policy.importance_sampling == "sequence":  # TRL's GSPO
+                seq_log_ratio = mean
+            else:  # verl's gspo: the sequence's value, each token's own gradient
+                seq_log_ratio = torch.clamp(logp - logp.detach() + mean.detach(), max=10.0)
+        tok = token_objective(logp, old, adv, policy, seq_log_ratio)
+    if iw is not None and objective not in ("gmpo", "vespo"):  # those two fold the weights in themselves
+        tok.loss = tok.loss * iw
+    keep = None
+    if policy.off_policy_mask is not None:  # TRL get_off_policy_mask: a sequence-level mask
+        drift = torch.nan_to_num(old - logp.detach(), nan=0.0)
+        mean_drift = (_seq_sum(drift * mask, seq, n_slots) / count.clamp(min=1.0))[seq]
+        keep = (adv >= 0) | (mean_drift <= policy.off_policy_mask)
+    if policy.top_entropy_quantile < 1.0:  # TRL get_high_entropy_mask (this batch's quantile)
+        values = entropy.detach()
+        if values.dtype not in (torch.float32, torch.float64):
+            values = values.float()
+        counted = values[mask > 0]  # the quantile in the entropy's own precision: a token at it is kept
+        high = torch.zeros_like(mask, dtype=torch.bool)
+        if counted.numel():
+            threshold = torch.quantile(counted, 1.0 - policy.top_entropy_quantile)
+            high = ((values * mask) >= threshold) & (mask > 0)
+        keep = high if keep is None else keep & high
+    if keep is not None:
+        tok.loss = tok.loss * keep.to(tok.loss.dtype)
+    return tok
+
+
+def _gmpo(logp, old, adv, iw, mask, seq, n_slots, count, policy: Policy) -> TokenObjective:
+    """verl compute_policy_loss_geo_mean: per sequence -mean(A) exp(mean of the sign-aware clipped
+    log-ratios), as the same value on each of its tokens (the mean over sequences is the loss)."""
+    log_ratio = logp - old
+    sign = torch.sign(adv)
+    clamped = torch.clamp(log_ratio, -policy.eps_low, policy.eps_high)
+    chosen = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    denominator = count + 1e-8
+    seq_ratio = torch.exp(_seq_sum(chosen * mask, seq, n_slots) / denominator)
+    seq_adv = _seq_sum(adv * mask, seq, n_slots) / denominator
+    seq_loss = -seq_adv * seq_ratio
+    if iw is not None:  # the rollout weights' geometric mean over the sequence
+        seq_loss = seq_loss * torch.exp(_seq_sum(torch.log(iw + 1e-10) * mask, seq, n_slots) / denominator)
+    clipped = log_ratio.detach() != clamped.detach()
+    low, high = clipped & (adv < 0), clipped & (adv > 0)
+    return TokenObjective(seq_loss[seq], seq_ratio[seq], low, high, low, -log_ratio.detach(), clipfrac=high)
+
+
+def _vespo(logp, old, adv, iw, mask, seq, n_slots, policy: Policy) -> TokenObjective:
+    """TRL GRPOTrainer.get_gamma_weights: phi(w) of the sequence's ratio product w (rollout weights
+    included), by the sign of each token's advantage; the loss -sg(phi) A logp."""
+    with torch.no_grad():
+        lower = math.log(1e-8)
+        log_ratio = torch.clamp(logp - old, -20.0, 20.0)
+        seq_log_ratio = _seq_sum(log_ratio * mask, seq, n_slots)
+        if iw is not None:
+            seq_log_ratio = seq_log_ratio + _seq_sum(torch.clamp(torch.log(iw), lower, 20.0) * mask, seq, n_slots)
+        log_w = torch.clamp(seq_log_ratio, lower, 20.0)[seq]
+        nonneg = adv >= 0
+        k = torch.where(nonneg, policy.vespo_k_pos, policy.vespo_k_neg)
+        lam = torch.where(nonneg, policy.vespo_lambda_pos, policy.vespo_lambda_neg).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        has = _seq_sum(mask, seq, n_slots) > 0
+        per_seq = _seq_sum(phi * mask, seq, n_slots) / _seq_sum(mask, seq, n_slots).clamp(min=1.0)
+        phi_mean = (per_seq * has).sum() / has.sum().clamp(min=1)
+    no = torch.zeros_like(mask, dtype=torch.bool)
+    return TokenObjective(-phi * adv * logp, torch.exp(logp.detach() - old), no, no, no, (old - logp).detach(),
+                          extra={"vespo/phi_seq_mean": phi_mean})
+
+
+def _covariance(logp, old, adv, mask, policy: Policy) -> TokenObjective:
+    """verl compute_policy_loss_clip_cov / _kl_cov: the tokens whose (A - mean A)(logp - mean logp)
+    is largest (kl_cov: the top cov_ratio share; clip_cov: a random cov_ratio share of those with
+    cov in (lb, ub) and not clipped already) lose the clip objective's gradient (clip_cov) or get
+    kl_cov_coef |log r| added to -A r (kl_cov). Counts are read on the host, as verl does."""
+    log_ratio = logp - old
+    ratio = torch.exp(log_ratio)
+    valid = mask > 0
+    no = torch.zeros_like(valid)
+    pg1 = -adv * ratio
+    if policy.objective == "kl_cov":
+        flat_valid = torch.nonzero(valid, as_tuple=True)[0]
+        valid_adv, valid_logp = adv[valid].detach(), logp[valid].detach()
+        loss = pg1
+        if flat_valid.numel():
+            cov = (valid_adv - valid_adv.mean()) * (valid_logp - valid_logp.mean())
+            picked = flat_valid[torch.topk(cov, max(1, int(flat_valid.numel() * policy.cov_ratio))).indices]
+            chosen = torch.zeros_like(valid).index_fill_(0, picked, True)
+            loss = torch.where(chosen, pg1 + policy.kl_cov_coef * log_ratio.abs(), pg1)
+        return TokenObjective(loss, ratio, no, no, no, log_ratio.abs().detach(), clipfrac=no)
+    lo, hi = 1.0 - policy.eps_low, 1.0 + policy.eps_high
+    pg2 = -adv * torch.clamp(ratio, lo, hi)
+    clip_by_origin = (pg2 > pg1) & valid
+    weights = mask.to(adv.dtype)
+    mean_adv = (adv * weights).sum() / (weights.sum() + 1e-8)
+    mean_logp = (logp.detach() * weights).sum() / (weights.sum() + 1e-8)
+    cov = ((adv - mean_adv) * (logp.detach() - mean_logp)).masked_fill(~valid | clip_by_origin, -math.inf)
+    clip_num = max(int(policy.cov_ratio * float(mask.sum())), 1)
+    candidates = torch.nonzero((cov < policy.clip_cov_ub) & (cov > policy.clip_cov_lb) & valid, as_tuple=True)[0]
+    if candidates.numel():  # verl draws with torch.randperm on the default CPU generator
+        candidates = candidates[torch.randperm(candidates.numel())[:min(clip_num, candidates.numel())].to(
+            candidates.device)]
+    corr = torch.ones_like(ratio).index_fill_(0, candidates, 0.0)
+    low, high = clip_by_origin & (adv < 0), clip_by_origin & (adv > 0)
+    return TokenObjective(torch.maximum(pg1, pg2) * corr, ratio, low, high, no, -log_ratio.detach(),
+                          clipfrac=corr == 0)
+
+
 def policy_objective(
     logp: torch.Tensor,
     entropy: torch.Tensor | None,
@@ -201,16 +328,9 @@ def policy_objective(
     Written for few device ops (each one is a launch on the host's critical path at 8K tokens).
     """
     old = inp.old_logprobs if inp.old_logprobs is not None else logp.detach()
-    seq_log_ratio = None
-    if policy.importance_sampling == "sequence":
-        seq = seq_of(inp)
-        tokens_per_seq = _seq_sum(mask, seq, inp.n_slots).clamp(min=1.0)
-        seq_log_ratio = (_seq_sum((logp - old) * mask, seq, inp.n_slots) / tokens_per_seq)[seq]
-    adv = inp.advantages
-    tok = token_objective(logp, old, adv, policy, seq_log_ratio)
+    tok = objective_of(logp, entropy, old, inp.advantages, inp.importance_weights, mask, seq_of(inp), inp.n_slots,
+                       policy)
     per_token = tok.loss
-    if inp.importance_weights is not None:
-        per_token = per_token * inp.importance_weights
     kl = None
     if policy.kl_beta != 0.0:
         kl = kl_estimate(logp, inp.ref_logprobs, policy)
@@ -231,7 +351,10 @@ def policy_metrics_of(logp, entropy, tok: TokenObjective, kl, mask, inp: PolicyI
         low, high = tok.low.to(mask.dtype), tok.high.to(mask.dtype)
         names = ["clip_ratio/low_mean", "clip_ratio/high_mean", "ratio/mean", "logprob/mean", "pg_clipfrac_lower",
                  "ppo_kl"]
-        rows = [low, high, tok.ratio.detach(), logp.detach(), tok.dual.to(mask.dtype), tok.neg_log_ratio]
+        rows = [low, high, tok.ratio.detach(), logp.detach(), tok.dual.to(mask.dtype), tok.ppo_kl]
+        if tok.clipfrac is not None:
+            names.append("pg_clipfrac")
+            rows.append(tok.clipfrac.to(mask.dtype))
         if entropy is not None:
             names.append("entropy")
             rows.append(entropy.detach())
@@ -241,7 +364,11 @@ def policy_metrics_of(logp, entropy, tok: TokenObjective, kl, mask, inp: PolicyI
         count = mask.sum()
         means = (torch.stack(rows) * mask).sum(dim=1) / count.clamp(min=1.0)
     out = dict(zip(names, means.float().unbind()))
+    clipfrac = out.pop("pg_clipfrac", None)
     out.update(policy_extremes(out, tok.ratio, low, high, mask, count, inp))
+    if clipfrac is not None:
+        out["pg_clipfrac"] = clipfrac
+    out.update({k: v.float() for k, v in (tok.extra or {}).items()})
     return out
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from .engine import guard_second_backward
 from .inputs import Normaliser, raise_if_bad
 from .output import HeadLossOutput
-from .policy import kl_estimate, token_objective
+from .policy import kl_estimate, objective_of
 from .spec import LossSpec
 
 
@@ -158,7 +158,7 @@ def reference_head_loss(
 
     loss = loss.to(out_dtype)
     fused_mode = not (spec.reduction == "none" or spec.differentiable_outputs
-                      or (spec.policy is not None and spec.policy.importance_sampling == "sequence"))
+                      or (spec.policy is not None and not spec.policy.row_local))
     if fused_mode and loss.requires_grad:
         loss = _OneBackward.apply(loss)
     return HeadLossOutput(
@@ -286,15 +286,16 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
         adv = adv[:, None].expand(token_shape)  # one per sequence
     advantages = pad(adv)
     old = pad(inputs["old_logprobs"]) if "old_logprobs" in inputs else per_token_logps.detach()
-    seq_log_ratio = None
-    if pol.importance_sampling == "sequence":
-        log_ratio = per_token_logps - old
-        seq_log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None].expand_as(mask)
-    tok = token_objective(per_token_logps, old, advantages, pol, seq_log_ratio)
+    iw = pad(inputs["importance_weights"]) if "importance_weights" in inputs else None
+    n_seq, length = mask.shape
+    flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
+    tok = objective_of(flat(per_token_logps), flat(pad(entropy)), flat(old), flat(advantages), flat(iw), flat(mask),
+                       torch.arange(n_seq, device=mask.device).repeat_interleave(length), n_seq, pol)
+    for name in ("loss", "ratio", "low", "high", "dual", "ppo_kl", "clipfrac"):
+        if getattr(tok, name) is not None:
+            setattr(tok, name, getattr(tok, name).reshape(n_seq, length))
     coef_1 = tok.ratio
     per_token_loss = tok.loss
-    if "importance_weights" in inputs:
-        per_token_loss = per_token_loss * pad(inputs["importance_weights"])
     per_token_kl = None
     if pol.kl_beta != 0.0:
         per_token_kl = kl_estimate(per_token_logps, pad(inputs["ref_logprobs"]), pol)
@@ -342,9 +343,10 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
             "clip_ratio/high_mean": high.sum() / denom,
             "clip_ratio/high_max": torch.where(any_token, highest(torch.where(has, frac(high), -inf)), 0.0),
             "clip_ratio/region_mean": (low + high).sum() / denom,
-            "pg_clipfrac": (low + high).sum() / denom,
+            "pg_clipfrac": ((low + high) if tok.clipfrac is None else tok.clipfrac.to(mask.dtype) * mask).sum() / denom,
             "pg_clipfrac_lower": (tok.dual.to(mask.dtype) * mask).sum() / denom,
-            "ppo_kl": (tok.neg_log_ratio * mask).sum() / denom,
+            "ppo_kl": (tok.ppo_kl * mask).sum() / denom,
+            **(tok.extra or {}),
             "ratio/mean": torch.where(any_token, (ratio * mask).sum() / denom, one),
             "ratio/min": torch.where(any_token, lowest(torch.where(mask > 0, ratio, inf)), one),
             "ratio/max": torch.where(any_token, highest(torch.where(mask > 0, ratio, -inf)), one),

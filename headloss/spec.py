@@ -105,7 +105,10 @@ PolicyLossType = Literal[
 ]
 
 
-PolicyObjective = Literal["clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl"]
+PolicyObjective = Literal["clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl", "gmpo", "vespo", "clip_cov",
+                          "kl_cov"]
+ROW_LOCAL_OBJECTIVES = ("clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl")
+"""Objectives of one token's values alone: the fused kernel's epilogue computes them."""
 
 
 class Policy(_Frozen):
@@ -123,9 +126,28 @@ class Policy(_Frozen):
     ``sapo`` -(4 / tau) sigmoid(tau (r - 1)) A, tau = sapo_tau_pos if A > 0 else sapo_tau_neg;
     ``gpg`` -A l (verl); ``dro`` -(A l - dro_beta (log r)^2 / 2) (verl); ``dppo_tv`` / ``dppo_kl``
     -A sg(min(r, dppo_ratio_cap)) l on tokens whose p - p_old (TV) or binary KL stays within
-    eps_high (A > 0) / eps_low (A <= 0) (verl). ``convention`` picks TRL's or verl's definitions where
-    they differ: CISPO's bounds, and verl's clamp of the log-ratio to +-20 before exp (clip, cispo,
-    sapo, dppo).
+    eps_high (A > 0) / eps_low (A <= 0) (verl). Sequence and batch statistics (deferred mode, one
+    O(tokens) step in torch between the stats and the gradient pass): ``gmpo`` verl's geo_mean,
+    -mean_t(A) exp(mean_t of the sign-aware clip of log r to [-eps_low, eps_high]) per sequence,
+    averaged over sequences (loss_type grpo / seq-mean-token-mean); ``vespo`` TRL's -sg(phi(w)) A l,
+    phi(w) = exp(lambda + k log w - lambda w), w the sequence's ratio product (times the rollout
+    weights), (k, lambda) = vespo_k/lambda_pos if A >= 0 else _neg; ``clip_cov`` / ``kl_cov`` verl's
+    covariance-selected tokens (cov_ratio of the batch's tokens, ranked by (A - mean A)(l - mean l)):
+    clip_cov drops the clip objective's gradient on a random choice of them (cov in (clip_cov_lb,
+    clip_cov_ub), not already clipped), kl_cov adds kl_cov_coef |log r| to -A r on the top ones.
+    Both read counts on the host (a sync), as verl does. ``convention`` picks TRL's or verl's
+    definitions where they differ: CISPO's bounds, and verl's clamp of the log-ratio to +-20 before
+    exp (clip, cispo, sapo, dppo).
+
+    importance sampling: ``token`` r = pi / pi_old per token; ``sequence`` (TRL's GSPO) r =
+    exp(masked mean of log r over the sequence), gradient through every token; ``sequence_token``
+    (verl's gspo) r_t = exp(l_t - sg(l_t) + sg(mean log r)) clamped at exp(10): the sequence's value,
+    each token's own gradient.
+
+    masks (deferred mode; the KL term is not masked, as in TRL): ``off_policy_mask`` TRL's
+    off-policy sequence mask, keep a sequence if A >= 0 or the mean over its tokens of
+    old_logprobs - logp is at most this; ``top_entropy_quantile`` rho < 1 keeps the tokens whose
+    entropy is at least the batch's (1 - rho)-quantile (TRL; the quantile reads a host value).
 
     loss types (aggregation): ``grpo`` mean over sequences of the per-sequence token mean; ``bnpo`` /
     ``token-mean`` mean over all tokens; ``dr_grpo`` sum / (sequences x max_completion_length);
@@ -140,6 +162,16 @@ class Policy(_Frozen):
     """
 
     objective: PolicyObjective = "clip"
+    vespo_k_pos: float = Field(2.0, description="VESPO's k for A >= 0")
+    vespo_lambda_pos: float = Field(3.0, description="VESPO's lambda for A >= 0 (at least 1e-4)")
+    vespo_k_neg: float = Field(3.0, description="VESPO's k for A < 0")
+    vespo_lambda_neg: float = Field(2.0, description="VESPO's lambda for A < 0 (at least 1e-4)")
+    cov_ratio: float = Field(0.0002, gt=0.0, le=1.0, description="clip_cov / kl_cov: share of the batch's tokens")
+    clip_cov_lb: float = Field(1.0, description="clip_cov: covariance lower bound")
+    clip_cov_ub: float = Field(5.0, description="clip_cov: covariance upper bound")
+    kl_cov_coef: float = Field(0.1, ge=0.0, description="kl_cov: weight of |log r| (verl's ppo_kl_coef)")
+    off_policy_mask: float | None = Field(None, description="TRL's off_policy_mask_threshold")
+    top_entropy_quantile: float = Field(1.0, gt=0.0, le=1.0, description="TRL's top_entropy_quantile rho")
     convention: Literal["trl", "verl"] = "trl"
     loss_type: PolicyLossType = "dapo"
     eps_low: float = Field(0.2, ge=0.0, le=1.0, description="ratio clipped below at 1 - eps_low")
@@ -157,7 +189,7 @@ class Policy(_Frozen):
     kl_grad: Literal["estimator", "k2"] = Field("estimator", description="'k2': the estimator's value with the "
                                                 "k2 gradient (verl's 'k3+')")
     kl_importance_correction: bool = Field(False, description="KL times the importance ratio (DeepSeek-V3.2)")
-    importance_sampling: Literal["token", "sequence"] = "token"
+    importance_sampling: Literal["token", "sequence", "sequence_token"] = "token"
     max_completion_length: int | None = Field(None, gt=0, description="dr_grpo's normaliser")
     num_processes: int = Field(1, gt=0, description="dapo: num_items_in_batch / num_processes")
     entropy_coef: float = Field(0.0, ge=0.0, description="entropy bonus: loss -= coef * aggregated entropy")
@@ -168,10 +200,18 @@ class Policy(_Frozen):
             raise ValueError("max_completion_length: required by loss_type 'dr_grpo'")
         if self.objective == "dro" and self.dro_beta is None:
             raise ValueError("dro_beta: required by objective 'dro'")
-        if self.objective in ("gpg", "dro", "dppo_tv", "dppo_kl") and self.importance_sampling == "sequence":
-            raise ValueError(f"importance_sampling: 'sequence' has no meaning for objective {self.objective!r} "
-                             "(its ratio is per token)")
+        if self.objective not in ("clip", "cispo", "sapo") and self.importance_sampling != "token":
+            raise ValueError(f"importance_sampling: {self.importance_sampling!r} has no meaning for objective "
+                             f"{self.objective!r} (it defines its own ratio)")
+        if self.objective == "gmpo" and self.loss_type not in ("grpo", "seq-mean-token-mean"):
+            raise ValueError("loss_type: objective 'gmpo' is a mean over sequences ('grpo' or 'seq-mean-token-mean')")
         return self
+
+    @property
+    def row_local(self) -> bool:
+        """The objective needs nothing but each token's own values (the fused kernel computes it)."""
+        return (self.objective in ROW_LOCAL_OBJECTIVES and self.importance_sampling == "token"
+                and self.off_policy_mask is None and self.top_entropy_quantile == 1.0)
 
 
 class LogitTransform(_Frozen):

@@ -16,6 +16,8 @@ No sequence is fully masked here: verl's seq-mean modes drop such sequences, TRL
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import assert_close_norm, generator, make_logits, make_targets, needs_kernel
@@ -127,6 +129,122 @@ def verl_kl_penalty(logprob, ref_logprob, kl_penalty):  # core_algos.kl_penalty 
         return forward_score
     backward_score = 0.5 * (logprob - ref_logprob).square()
     return backward_score - backward_score.detach() + forward_score.detach()
+
+
+def verl_sequence_loss(mode, old_log_prob, log_prob, advantages, response_mask, cfg, rollout_is_weights=None):
+    """core_algos.compute_policy_loss_gspo / _geo_mean / _clip_cov / _kl_cov: (pg_loss, metrics)."""
+    low, high = cfg["clip_ratio_low"], cfg["clip_ratio_high"]
+    negative_approx_kl = log_prob - old_log_prob
+    ppo_kl = masked_mean(-negative_approx_kl, response_mask)
+    if mode == "gspo":
+        seq_lengths = torch.sum(response_mask, dim=-1).clamp(min=1)
+        negative_approx_kl_seq = torch.sum(negative_approx_kl * response_mask, dim=-1) / seq_lengths
+        log_seq_importance_ratio = log_prob - log_prob.detach() + negative_approx_kl_seq.detach().unsqueeze(-1)
+        log_seq_importance_ratio = torch.clamp(log_seq_importance_ratio, max=10.0)
+        seq_importance_ratio = torch.exp(log_seq_importance_ratio)
+        pg_losses1 = -advantages * seq_importance_ratio
+        pg_losses2 = -advantages * torch.clamp(seq_importance_ratio, 1 - low, 1 + high)
+        pg_losses = torch.maximum(pg_losses1, pg_losses2)
+        if rollout_is_weights is not None:
+            pg_losses = pg_losses * rollout_is_weights
+        pg_loss = verl_agg_loss(pg_losses, response_mask, "seq-mean-token-mean")
+        return pg_loss, {"pg_clipfrac": masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask),
+                         "ppo_kl": ppo_kl}
+    if mode == "geo_mean":
+        sgn_advantage = torch.sign(advantages)
+        negative_approx_kl_clamp = torch.clamp(negative_approx_kl, -low, high)
+        negative_approx_kl_min = torch.min(sgn_advantage * negative_approx_kl, sgn_advantage * negative_approx_kl_clamp)
+        negative_approx_kl_min = sgn_advantage * negative_approx_kl_min
+        response_mask_sum = response_mask.sum(dim=-1)
+        ratio = torch.exp((negative_approx_kl_min * response_mask).sum(dim=-1) / (response_mask_sum + 1e-8))
+        advantage = (advantages * response_mask).sum(dim=-1) / (response_mask_sum + 1e-8)
+        pg_losses = -advantage * ratio
+        if rollout_is_weights is not None:
+            seq_is_weights = torch.exp(
+                (torch.log(rollout_is_weights + 1e-10) * response_mask).sum(dim=-1) / (response_mask_sum + 1e-8))
+            pg_losses = pg_losses * seq_is_weights
+        pg_loss = torch.mean(pg_losses)
+        clipped = torch.ne(negative_approx_kl, negative_approx_kl_clamp)
+        return pg_loss, {"pg_clipfrac": masked_mean((clipped * (advantages > 0)).float(), response_mask),
+                         "pg_clipfrac_lower": masked_mean((clipped * (advantages < 0)).float(), response_mask),
+                         "ppo_kl": ppo_kl}
+    ratio = torch.exp(negative_approx_kl)
+    if mode == "clip_cov":
+        pg_losses1 = -advantages * ratio
+        corr = torch.ones_like(advantages)
+        pg_losses2 = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
+        clip_by_origin = (pg_losses2 > pg_losses1) & (response_mask > 0)
+        cov_all = (advantages - masked_mean(advantages, response_mask)) * (
+            log_prob - masked_mean(log_prob.detach(), response_mask))
+        cov_all[response_mask == 0] = -torch.inf
+        cov_all[clip_by_origin] = -torch.inf
+        clip_num = max(int(cfg["clip_cov_ratio"] * response_mask.sum().item()), 1)
+        top_k_idx = (cov_all < cfg["clip_cov_ub"]) & (cov_all > cfg["clip_cov_lb"]) & (response_mask > 0)
+        top_k_idx = torch.nonzero(top_k_idx)
+        if len(top_k_idx) > 0:
+            perm = torch.randperm(len(top_k_idx))
+            top_k_idx = top_k_idx[perm[: min(clip_num, len(top_k_idx))]]
+        else:
+            top_k_idx = torch.empty((0, 2), device=cov_all.device, dtype=torch.long)
+        corr[top_k_idx[:, 0], top_k_idx[:, 1]] = 0
+        pg_clipfrac = masked_mean((corr == 0).float(), response_mask)
+        pg_losses = torch.maximum(pg_losses1, pg_losses2) * corr
+        return verl_agg_loss(pg_losses, response_mask, cfg["loss_agg_mode"]), \
+            {"pg_clipfrac": pg_clipfrac, "ppo_kl": ppo_kl}
+    # kl_cov
+    abs_kl = negative_approx_kl.abs()
+    ppo_kl_abs = masked_mean(negative_approx_kl.abs(), response_mask)
+    pg_losses1 = -advantages * ratio
+    pg_losses_kl = -advantages * ratio + cfg["ppo_kl_coef"] * abs_kl
+    pg_losses = pg_losses1.clone()
+    all_valid = response_mask > 0
+    all_valid_idx = torch.nonzero(all_valid.reshape(-1), as_tuple=True)[0]
+    all_valid_adv = advantages[all_valid].detach().reshape(-1).cpu()
+    all_valid_logp = log_prob[all_valid].detach().reshape(-1).cpu()
+    cov_lst_all = (all_valid_adv - all_valid_adv.mean()) * (all_valid_logp - all_valid_logp.mean())
+    k_percent_nums = max(1, int(len(cov_lst_all) * cfg["kl_cov_ratio"]))
+    large_cov_idxs = all_valid_idx[torch.topk(cov_lst_all, k_percent_nums, largest=True).indices]
+    rows_, cols_ = large_cov_idxs // advantages.shape[1], large_cov_idxs % advantages.shape[1]
+    pg_losses[rows_, cols_] = pg_losses_kl[rows_, cols_]
+    return verl_agg_loss(pg_losses, response_mask, cfg["loss_agg_mode"]), {"ppo_kl": ppo_kl_abs}
+
+
+def trl_vespo_gamma_weights(advantages, log_ratio_per_token, mask, importance_sampling_ratio, k_pos=2.0,
+                            lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0):  # GRPOTrainer.get_gamma_weights
+    with torch.no_grad():
+        lower_clamp = math.log(1e-8)
+        log_ratio_clamped = torch.clamp(log_ratio_per_token, -20.0, 20.0)
+        seq_log_ratio = torch.sum(log_ratio_clamped * mask, dim=-1, keepdim=True)
+        if importance_sampling_ratio is not None:
+            log_is_ratio = torch.clamp(torch.log(importance_sampling_ratio), lower_clamp, 20.0)
+            seq_log_ratio += torch.sum(log_is_ratio, dim=-1, keepdim=True)
+        log_w_seq = torch.clamp(seq_log_ratio, lower_clamp, 20.0)
+        w_seq = torch.exp(log_w_seq)
+        is_nonneg_adv = advantages >= 0
+        k_seq = torch.where(is_nonneg_adv, k_pos, k_neg)
+        lambda_seq = torch.where(is_nonneg_adv, lambda_pos, lambda_neg).clamp(min=1e-4)
+        log_phi = lambda_seq + k_seq * log_w_seq - lambda_seq * w_seq
+        return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def trl_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
+    kl_div = sampling_per_token_logps - per_token_logps.detach()  # GRPOTrainer.get_off_policy_mask
+    kl_div = torch.nan_to_num(kl_div, nan=0.0)
+    seq_kl_sum = (kl_div * mask).sum(dim=1, keepdim=True)
+    avg_seq_kl = seq_kl_sum / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    is_pos_adv = advantages >= 0
+    is_low_kl = avg_seq_kl <= off_policy_threshold
+    return (is_pos_adv | is_low_kl).to(dtype=mask.dtype)
+
+
+def trl_high_entropy_mask(entropies, mask, threshold):  # GRPOTrainer.get_high_entropy_mask, one process
+    local = entropies[mask.bool()].float()
+    if local.numel() == 0:
+        return torch.zeros_like(entropies, dtype=torch.bool)
+    entropy_threshold = torch.quantile(local, threshold)
+    masked_entropies = entropies * mask.float()
+    entropy_mask = masked_entropies >= entropy_threshold
+    return entropy_mask & mask.bool()
 
 
 def trl_compute_loss(loss_type, per_token_logps, old_per_token_logps, advantages, mask, cfg):
@@ -347,7 +465,8 @@ def test_sequence_level_ratios_with_a_per_token_objective_is_a_spec_error(object
 @needs_kernel
 @pytest.mark.parametrize("objective, level", [("cispo", "token"), ("sapo", "sequence"), ("gpg", "token"),
                                               ("dro", "token"), ("dppo_tv", "token"), ("dppo_kl", "token"),
-                                              ("cispo", "sequence")])
+                                              ("cispo", "sequence"), ("clip", "sequence_token"), ("gmpo", "token"),
+                                              ("vespo", "token"), ("kl_cov", "token"), ("masks", "token")])
 def test_linear_head_runs_every_objective_like_the_logits_path(objective, level):
     """linear_head_loss (chunks of 5 rows over [B, T, H] hidden states) against the reference on the
     fp64 logits hidden @ W.T: loss, metrics, and the gradients of hidden and weight."""
@@ -355,7 +474,10 @@ def test_linear_head_runs_every_objective_like_the_logits_path(objective, level)
     hidden = torch.randn(B, T, 8, generator=gen, dtype=torch.float64)
     weight = torch.randn(V, 8, generator=gen, dtype=torch.float64) / 2
     _, targets, mask, adv, old, ref, iw = make_case(31, per_token_adv=objective == "dro")
+    masks = dict(off_policy_mask=0.05, top_entropy_quantile=0.5) if objective == "masks" else {}
+    objective = "clip" if objective == "masks" else objective
     policy = Policy(objective=objective, convention="verl" if objective == "cispo" else "trl", loss_type="grpo",
+                    cov_ratio=0.2, **masks,
                     importance_sampling=level, eps_low=5e-4 if objective.startswith("dppo") else 0.2,
                     eps_high=1e-3 if objective.startswith("dppo") else 0.28, dro_beta=0.2 if objective == "dro" else
                     None, kl_beta=0.05, kl_estimator="k3", kl_clamp=True, kl_grad="k2")
@@ -373,3 +495,108 @@ def test_linear_head_runs_every_objective_like_the_logits_path(objective, level)
     assert_close_norm(w.grad, w64.grad, rtol=1e-4, atol=1e-9, name="weight grad")
     for name in ("ppo_kl", "pg_clipfrac", "pg_clipfrac_lower", "clip_ratio/high_mean", "kl", "ratio/mean"):
         assert_close_norm(out.metrics[name], ref_out.metrics[name], rtol=1e-5, atol=1e-6, name=name)
+
+
+# --- sequence and batch statistics (deferred mode) ------------------------------------------
+
+
+def oracle_logp_entropy(logits, targets):
+    leaf = logits.detach().double().requires_grad_()
+    logp_all = torch.log_softmax(leaf, -1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1).detach()
+    return leaf, logp_all.gather(-1, targets[..., None])[..., 0], entropy
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["gspo", "geo_mean", "clip_cov", "kl_cov"])
+def test_verl_sequence_and_batch_objectives_match_core_algos(mode, dtype):
+    """verl's gspo (importance_sampling='sequence_token'), geo_mean (gmpo), clip_cov and kl_cov: the
+    random choice of clip_cov is verl's torch.randperm on the default CPU generator, seeded alike."""
+    for per_token_adv, rollout_is in ((False, False), (True, True)):
+        logits, targets, mask, adv, old, _, iw = make_case(41, dtype, per_token_adv, noise=0.4)
+        leaf, log_prob = oracle_logp(logits, targets)
+        advs = adv if per_token_adv else adv[:, None].expand(B, T)
+        cfg = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="token-mean", clip_cov_ratio=0.2,
+                   clip_cov_lb=-5.0, clip_cov_ub=5.0, kl_cov_ratio=0.2, ppo_kl_coef=0.5)
+        weights = iw if rollout_is and mode in ("gspo", "geo_mean") else None
+        torch.manual_seed(7)
+        loss, metrics = verl_sequence_loss(mode, old, log_prob, advs, mask.double(), cfg, weights)
+        loss.backward()
+        fields = dict(eps_low=0.2, eps_high=0.28, cov_ratio=0.2, clip_cov_lb=-5.0, clip_cov_ub=5.0, kl_cov_coef=0.5)
+        if mode == "gspo":
+            policy = Policy(importance_sampling="sequence_token", loss_type="seq-mean-token-mean", **fields)
+        else:
+            policy = Policy(objective={"geo_mean": "gmpo"}.get(mode, mode),
+                            loss_type="grpo" if mode == "geo_mean" else "token-mean", **fields)
+        inputs = dict(advantages=adv, old_logprobs=old, loss_mask=mask)
+        if weights is not None:
+            inputs["importance_weights"] = weights
+        spec = LossSpec(cross_entropy=None, policy=policy)
+        got = {}
+        for backend in ("triton", "reference"):
+            torch.manual_seed(7)
+            got.update(run_both_one(logits, targets, spec, inputs, backend))
+        if mode == "clip_cov":
+            assert 0.0 < float(metrics["pg_clipfrac"]) < 1.0
+        compare(got, loss.detach(), leaf.grad, metrics, dtype)
+
+
+def run_both_one(logits, targets, spec, inputs, backend):
+    leaf = logits.detach().clone().requires_grad_()
+    out = head_loss(leaf, targets, spec, backend=backend,
+                    **{k: v.float() if v.is_floating_point() else v for k, v in inputs.items()})
+    out.loss.backward()
+    return {backend: (out, leaf.grad)}
+
+
+@needs_kernel
+@pytest.mark.parametrize("rollout_is", [False, True], ids=["plain", "with_is_ratio"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_trl_vespo_matches_compute_loss(dtype, rollout_is):
+    logits, targets, mask, adv, old, _, iw = make_case(43, dtype, noise=0.05)
+    leaf, logp = oracle_logp(logits, targets)
+    m = mask.double()
+    weights = torch.where(mask > 0, iw, 1.0) if rollout_is else None  # TRL's token ratios are 1 off the mask
+    phi = trl_vespo_gamma_weights(adv[:, None], logp - old, m, weights)
+    per_token_loss = -phi * adv[:, None] * logp
+    loss = (per_token_loss * m).sum() / m.sum().clamp(min=1.0)  # dapo's normaliser, one process
+    loss.backward()
+    want = {"vespo/phi_seq_mean": phi.mean()}  # global_masked_mean of a (B, 1) tensor
+    assert float(phi.min()) > 0.0
+    inputs = dict(advantages=adv, old_logprobs=old, loss_mask=mask)
+    if rollout_is:
+        inputs["importance_weights"] = weights
+    spec = LossSpec(cross_entropy=None, policy=Policy(objective="vespo", loss_type="dapo"))
+    compare(run_both(logits, targets, spec, inputs), loss.detach(), leaf.grad, want, dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("mask_kind", ["off_policy", "top_entropy", "both"])
+def test_trl_off_policy_and_entropy_masks_match_compute_loss(mask_kind):
+    """The masks multiply the clipped objective (before the rollout weights and the KL, which they
+    leave alone), as TRL's _compute_loss does; dapo aggregation, beta 0.05 (k3)."""
+    logits, targets, mask, adv, old, ref, iw = make_case(47, noise=0.5)
+    leaf, logp, entropies = oracle_logp_entropy(logits, targets)
+    m = mask.double()
+    a = adv[:, None]
+    coef_1 = torch.exp(logp - old)
+    per_token_loss = -torch.min(coef_1 * a, torch.clamp(coef_1, 0.8, 1.28) * a)
+    fields = {}
+    if mask_kind in ("off_policy", "both"):
+        off = trl_off_policy_mask(a, logp, old, m, 0.05)
+        assert 0.0 < float(off.mean()) < 1.0
+        per_token_loss = per_token_loss * off
+        fields["off_policy_mask"] = 0.05
+    if mask_kind in ("top_entropy", "both"):
+        per_token_loss = per_token_loss * trl_high_entropy_mask(entropies, m, 1 - 0.4)
+        fields["top_entropy_quantile"] = 0.4
+    per_token_loss = per_token_loss * iw
+    per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+    per_token_loss = per_token_loss + 0.05 * per_token_kl
+    loss = (per_token_loss * m).sum() / m.sum()
+    loss.backward()
+    policy = Policy(loss_type="dapo", eps_low=0.2, eps_high=0.28, kl_beta=0.05, **fields)
+    inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, importance_weights=iw)
+    compare(run_both(logits, targets, LossSpec(cross_entropy=None, policy=policy), inputs), loss.detach(),
+            leaf.grad, {}, torch.float32)

@@ -678,8 +678,11 @@ def test_invalid_policy_field_is_a_validation_error_naming_it(fields, name):
 def policy_cases(draw):
     loss_type = draw(st.sampled_from(LOSS_TYPES))
     kl_beta = draw(st.sampled_from([0.0, 0.05, 0.3]))
-    objective = draw(st.sampled_from(["clip", "clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl"]))
-    per_token_ratio = objective in ("gpg", "dro", "dppo_tv", "dppo_kl")
+    objective = draw(st.sampled_from(["clip", "clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl", "gmpo",
+                                      "vespo", "kl_cov"]))
+    per_token_ratio = objective not in ("clip", "cispo", "sapo")
+    if objective == "gmpo":
+        loss_type = draw(st.sampled_from(["grpo", "seq-mean-token-mean"]))
     policy = Policy(
         objective=objective,
         convention=draw(st.sampled_from(["trl", "verl"])),
@@ -697,7 +700,11 @@ def policy_cases(draw):
         kl_beta=kl_beta,
         kl_estimator=draw(st.sampled_from(["k1", "k2", "k3", "abs"])),
         kl_importance_correction=draw(st.booleans()),
-        importance_sampling="token" if per_token_ratio else draw(st.sampled_from(["token", "sequence"])),
+        importance_sampling="token" if per_token_ratio else draw(st.sampled_from(["token", "sequence",
+                                                                                  "sequence_token"])),
+        off_policy_mask=draw(st.none() | st.just(0.05)),
+        top_entropy_quantile=draw(st.sampled_from([1.0, 1.0, 0.5])),
+        cov_ratio=0.3,
         max_completion_length=draw(st.integers(3, 8)) if loss_type == "dr_grpo" else None,
         num_processes=draw(st.sampled_from([1, 2])),
         entropy_coef=draw(st.sampled_from([0.0, 0.02])),
