@@ -71,6 +71,7 @@ def head_loss(
     ref_logprobs: torch.Tensor | None = None,
     loss_mask: torch.Tensor | None = None,
     importance_weights: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
     sequence_ids: torch.Tensor | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     shift: bool = False,
@@ -89,10 +90,12 @@ def head_loss(
         spec: a :class:`LossSpec`, a dict, or a YAML/JSON path (default: mean cross-entropy).
         teacher_logits: same shape as ``logits`` (any float dtype), for the distillation term.
             Read only; no gradient flows into it.
-        advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, sequence_ids:
-            the policy term's inputs (see :class:`headloss.spec.Policy`); per-token tensors are
-            shaped like the targets, advantages [B] or like the targets, sequence_ids [N] for
-            [N, V] logits. Tokens outside ``loss_mask`` are skipped by every term.
+        advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, rollout_logprobs,
+            sequence_ids: the policy term's inputs (see :class:`headloss.spec.Policy`); per-token
+            tensors are shaped like the targets, advantages [B] or like the targets, sequence_ids
+            [N] for [N, V] logits. Tokens outside ``loss_mask`` are skipped by every term.
+            ``rollout_logprobs`` (the rollout engine's log-probs) feed ``Policy.rollout_is`` and
+            the off-policy mask.
         num_items_in_batch: with ``reduction="mean"``, divide the summed loss by this instead
             of the number of non-ignored tokens (HF gradient accumulation). Number or tensor.
         shift: next-token scoring on the full model output, without slicing it. ``logits`` is
@@ -133,7 +136,8 @@ def head_loss(
     if not torch.compiler.is_compiling():
         check_pending()
     policy_given = dict(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                        loss_mask=loss_mask, importance_weights=importance_weights, sequence_ids=sequence_ids)
+                        loss_mask=loss_mask, importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
+                        sequence_ids=sequence_ids)
     plan = plan_for(spec, has_targets=targets is not None)
     spec = plan.spec
     shard = None
@@ -292,6 +296,7 @@ def linear_head_loss(
     ref_logprobs: torch.Tensor | None = None,
     loss_mask: torch.Tensor | None = None,
     importance_weights: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
     sequence_ids: torch.Tensor | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -330,8 +335,8 @@ def linear_head_loss(
         teacher_logits: [N, V] / [B, T, V] teacher logits for the distillation term, or instead
             teacher_hidden [.., Ht] with teacher_weight [V, Ht] (and teacher_bias): the teacher's
             logits are then computed chunk by chunk too (and recomputed in a deferred backward).
-        advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, sequence_ids:
-            the policy term's inputs, as in :func:`head_loss`.
+        advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, rollout_logprobs,
+            sequence_ids: the policy term's inputs, as in :func:`head_loss`.
         validate, backend, num_items_in_batch: as in :func:`head_loss`.
         group: a vocab-parallel (column-parallel) lm_head: ``weight`` (and ``bias``) are this rank's
             contiguous rows of the vocabulary, ``hidden`` and the targets are replicated. Outputs
@@ -347,8 +352,8 @@ def linear_head_loss(
     kwargs = dict(bias=bias, shift=shift, teacher_logits=teacher_logits, teacher_hidden=teacher_hidden,
                   teacher_weight=teacher_weight, teacher_bias=teacher_bias, advantages=advantages,
                   old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_mask=loss_mask,
-                  importance_weights=importance_weights, sequence_ids=sequence_ids,
-                  num_items_in_batch=num_items_in_batch, chunk_bytes=chunk_bytes, fp32_weight_grad=fp32_weight_grad,
+                  importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
+                  sequence_ids=sequence_ids, num_items_in_batch=num_items_in_batch, chunk_bytes=chunk_bytes, fp32_weight_grad=fp32_weight_grad,
                   compact=compact, validate=validate, backend=backend, group=group)
     device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else None
     if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
@@ -366,7 +371,7 @@ def linear_head_loss(
 
 def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_logits, teacher_hidden, teacher_weight,
                       teacher_bias, advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights,
-                      sequence_ids, num_items_in_batch, chunk_bytes, fp32_weight_grad, compact, validate,
+                      rollout_logprobs, sequence_ids, num_items_in_batch, chunk_bytes, fp32_weight_grad, compact, validate,
                       backend, group) -> HeadLossOutput:
     if not torch.compiler.is_compiling():
         check_pending()
@@ -404,7 +409,7 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
     norm = normaliser(num_items_in_batch, spec, hidden.device)
     mode = validation_mode(validate)
     given = dict(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_mask=loss_mask,
-                 importance_weights=importance_weights, sequence_ids=sequence_ids)
+                 importance_weights=importance_weights, rollout_logprobs=rollout_logprobs, sequence_ids=sequence_ids)
     if shift and targets.shape != token_shape:  # completion ids: per-token inputs get the unscored last row
         given = {k: _pad_last(v, k) for k, v in given.items()}
     backend = resolve_backend(backend, hidden.device, hidden.dtype, name="hidden")

@@ -308,7 +308,7 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
         requires += ("teacher_logits",)
     if pol is not None:
         requires += ("advantages",) + (("ref_logprobs",) if pol.kl_beta != 0.0 else ())
-        accepts += ("old_logprobs", "loss_mask", "importance_weights", "sequence_ids")
+        accepts += ("old_logprobs", "loss_mask", "importance_weights", "rollout_logprobs", "sequence_ids")
     if spec.reduction == "mean":
         accepts += ("num_items_in_batch",)
     key = json.dumps({"spec": spec.to_dict(), "has_targets": has_targets}, sort_keys=True)

@@ -48,6 +48,7 @@ class PolicyInputs:
     mask: torch.Tensor | None = None  # (N,) fp32, 1 where a token counts
     weight: torch.Tensor | None = None  # (N,) fp32 aggregation weight (aggregation_weights)
     sequence_ids: torch.Tensor | None = None  # (N,) as given, for the device-side range check
+    rollout_logprobs: torch.Tensor | None = None  # (N,) fp32, 0 at masked tokens
     adv_span: int = 1  # tokens per entry of ``advantages`` (K: one per sequence of [B, K], kernel only)
 
 
@@ -194,7 +195,7 @@ def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -
 
 def objective_of(logp: torch.Tensor, entropy: torch.Tensor | None, old: torch.Tensor, adv: torch.Tensor,
                  iw: torch.Tensor | None, mask: torch.Tensor, seq: torch.Tensor, n_slots: int,
-                 policy: Policy) -> TokenObjective:
+                 policy: Policy, rollout: torch.Tensor | None = None) -> TokenObjective:
     """The objective per token (N,) on flat rows, with its sequence and batch statistics (``seq``:
     each row's sequence in [0, n_slots)), the rollout weights and the masks, without the KL. The
     torch path of deferred mode and the reference path both run it; the fused kernel's epilogue
@@ -220,7 +221,8 @@ def objective_of(logp: torch.Tensor, entropy: torch.Tensor | None, old: torch.Te
         tok.loss = tok.loss * iw
     keep = None
     if policy.off_policy_mask is not None:  # TRL get_off_policy_mask: a sequence-level mask
-        drift = torch.nan_to_num(old - logp.detach(), nan=0.0)
+        sampled = rollout if rollout is not None else old  # TRL: sampling_per_token_logps, else old
+        drift = torch.nan_to_num(sampled - logp.detach(), nan=0.0)
         mean_drift = (_seq_sum(drift * mask, seq, n_slots) / count.clamp(min=1.0))[seq]
         keep = (adv >= 0) | (mean_drift <= policy.off_policy_mask)
     if policy.top_entropy_quantile < 1.0:  # TRL get_high_entropy_mask (this batch's quantile)
@@ -329,7 +331,7 @@ def policy_objective(
     """
     old = inp.old_logprobs if inp.old_logprobs is not None else logp.detach()
     tok = objective_of(logp, entropy, old, inp.advantages, inp.importance_weights, mask, seq_of(inp), inp.n_slots,
-                       policy)
+                       policy, inp.rollout_logprobs)
     per_token = tok.loss
     kl = None
     if policy.kl_beta != 0.0:
@@ -436,7 +438,14 @@ def policy_inputs(
         raise ValueError("ref_logprobs: required by policy.kl_beta > 0 but not given")
     device = targets.device
     rows = math.prod(token_shape)
-    for name in ("old_logprobs", "ref_logprobs", "loss_mask", "importance_weights"):
+    if spec_policy.rollout_is is not None:
+        for name in ("old_logprobs", "rollout_logprobs"):
+            if name not in present:
+                raise ValueError(f"{name}: required by policy.rollout_is but not given")
+        if "importance_weights" in present:
+            raise ValueError("importance_weights: given, but policy.rollout_is computes them (from old_logprobs "
+                             "and rollout_logprobs); pass one or the other")
+    for name in ("old_logprobs", "ref_logprobs", "loss_mask", "importance_weights", "rollout_logprobs"):
         t = present.get(name)
         if t is None:
             continue
@@ -516,4 +525,46 @@ def policy_inputs(
     )
     inputs.mask = flat_mask.float()
     inputs.weight = aggregation_weights(inputs.mask, spec_policy, inputs)
+    if "rollout_logprobs" in present:
+        masked = lambda t: torch.where(flat_mask, t.reshape(-1).float(), 0.0)  # noqa: E731
+        inputs.rollout_logprobs = masked(present["rollout_logprobs"])
+        if spec_policy.rollout_is is not None:
+            seq = seq_of(inputs) if spec_policy.rollout_is == "sequence" else None  # token mode: no index
+            inputs.importance_weights = rollout_weights(masked(present["old_logprobs"]), inputs.rollout_logprobs,
+                                                        inputs.mask, seq, inputs.n_slots, spec_policy)
     return inputs, torch.where(mask, targets, ignore_index)
+
+
+def rollout_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor | None,
+                    n_slots: int, policy: Policy) -> torch.Tensor:
+    """Rollout correction weights (N,), no gradient: exp(old - rollout) per token or exp of the
+    sequence's masked sum (TRL's vLLM importance sampling ratio, verl's rollout_is; verl's
+    convention clamps the log-ratio to +-20), truncated to [min, max] or zeroed outside it,
+    optionally divided by the batch mean (verl's rollout_is_batch_normalize)."""
+    with torch.no_grad():
+        log_ratio = torch.nan_to_num((old - rollout) * mask, nan=0.0)
+        if policy.rollout_is == "sequence":
+            log_ratio = _seq_sum(log_ratio, seq, n_slots)[seq]
+        if policy.convention == "verl":
+            log_ratio = torch.clamp(log_ratio, -20.0, 20.0)
+        weights = torch.exp(log_ratio)
+        low, high = policy.rollout_is_min, policy.rollout_is_max
+        if policy.rollout_is_mode == "truncate":
+            weights = torch.clamp(weights, min=low, max=high)
+        else:
+            keep = torch.ones_like(weights, dtype=torch.bool)
+            if low is not None:
+                keep = keep & (weights >= low)
+            if high is not None:
+                keep = keep & (weights <= high)
+            weights = torch.where(keep, weights, 0.0)
+        if policy.rollout_is_batch_normalize:
+            if policy.rollout_is == "token":
+                mean = (weights * mask).sum() / (mask.sum() + 1e-8)
+            else:
+                counts = _seq_sum(mask, seq, n_slots)
+                per_seq = _seq_sum(weights * mask, seq, n_slots) / (counts + 1e-8)
+                has = (counts > 0).to(weights.dtype)
+                mean = (per_seq * has).sum() / has.sum().clamp_min(1e-8)
+            weights = torch.where(mean > 1e-8, weights / mean, weights)
+    return weights.contiguous()

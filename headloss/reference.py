@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from .engine import guard_second_backward
 from .inputs import Normaliser, raise_if_bad
 from .output import HeadLossOutput
-from .policy import kl_estimate, objective_of
+from .policy import kl_estimate, objective_of, rollout_weights
 from .spec import LossSpec
 
 
@@ -287,10 +287,14 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
     advantages = pad(adv)
     old = pad(inputs["old_logprobs"]) if "old_logprobs" in inputs else per_token_logps.detach()
     iw = pad(inputs["importance_weights"]) if "importance_weights" in inputs else None
+    rollout = pad(inputs["rollout_logprobs"]) if "rollout_logprobs" in inputs else None
     n_seq, length = mask.shape
     flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
+    seq = torch.arange(n_seq, device=mask.device).repeat_interleave(length)
+    if pol.rollout_is is not None:
+        iw = rollout_weights(flat(old), flat(rollout), flat(mask), seq, n_seq, pol).reshape(n_seq, length)
     tok = objective_of(flat(per_token_logps), flat(pad(entropy)), flat(old), flat(advantages), flat(iw), flat(mask),
-                       torch.arange(n_seq, device=mask.device).repeat_interleave(length), n_seq, pol)
+                       seq, n_seq, pol, flat(rollout))
     for name in ("loss", "ratio", "low", "high", "dual", "ppo_kl", "clipfrac"):
         if getattr(tok, name) is not None:
             setattr(tok, name, getattr(tok, name).reshape(n_seq, length))

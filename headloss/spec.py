@@ -144,9 +144,15 @@ class Policy(_Frozen):
     (verl's gspo) r_t = exp(l_t - sg(l_t) + sg(mean log r)) clamped at exp(10): the sequence's value,
     each token's own gradient.
 
+    rollout correction (``rollout_is``, no gradient, computed before the kernel, fused mode
+    unchanged): w = exp(old_logprobs - rollout_logprobs) per token, or exp of the sequence's sum
+    (TRL's vLLM importance sampling, verl's rollout_is), truncated to or masked outside
+    [rollout_is_min, rollout_is_max]; verl's convention clamps the log-ratio (sum) to +-20 first.
+    The weights multiply the objective (VESPO and GMPO fold them in as their sources do).
+
     masks (deferred mode; the KL term is not masked, as in TRL): ``off_policy_mask`` TRL's
     off-policy sequence mask, keep a sequence if A >= 0 or the mean over its tokens of
-    old_logprobs - logp is at most this; ``top_entropy_quantile`` rho < 1 keeps the tokens whose
+    rollout_logprobs (else old_logprobs) - logp is at most this; ``top_entropy_quantile`` rho < 1 keeps the tokens whose
     entropy is at least the batch's (1 - rho)-quantile (TRL; the quantile reads a host value).
 
     loss types (aggregation): ``grpo`` mean over sequences of the per-sequence token mean; ``bnpo`` /
@@ -171,6 +177,14 @@ class Policy(_Frozen):
     clip_cov_ub: float = Field(5.0, description="clip_cov: covariance upper bound")
     kl_cov_coef: float = Field(0.1, ge=0.0, description="kl_cov: weight of |log r| (verl's ppo_kl_coef)")
     off_policy_mask: float | None = Field(None, description="TRL's off_policy_mask_threshold")
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        None, description="rollout correction weights from old_logprobs - rollout_logprobs (per token, or the "
+        "sequence's sum), replacing importance_weights")
+    rollout_is_mode: Literal["truncate", "mask"] = Field("truncate", description="clamp the weights to [min, max], "
+                                                         "or zero those outside it (IcePop)")
+    rollout_is_min: float | None = Field(None, ge=0.0, description="lower bound (None: none)")
+    rollout_is_max: float | None = Field(2.0, gt=0.0, description="upper bound (None: none)")
+    rollout_is_batch_normalize: bool = Field(False, description="verl: divide the weights by their batch mean")
     top_entropy_quantile: float = Field(1.0, gt=0.0, le=1.0, description="TRL's top_entropy_quantile rho")
     convention: Literal["trl", "verl"] = "trl"
     loss_type: PolicyLossType = "dapo"
@@ -203,6 +217,11 @@ class Policy(_Frozen):
         if self.objective not in ("clip", "cispo", "sapo") and self.importance_sampling != "token":
             raise ValueError(f"importance_sampling: {self.importance_sampling!r} has no meaning for objective "
                              f"{self.objective!r} (it defines its own ratio)")
+        if self.rollout_is_mode == "truncate" and self.rollout_is is not None and self.rollout_is_min is None \
+                and self.rollout_is_max is None:
+            raise ValueError("rollout_is_max: truncation needs a bound (rollout_is_min or rollout_is_max)")
+        if None not in (self.rollout_is_min, self.rollout_is_max) and self.rollout_is_min > self.rollout_is_max:
+            raise ValueError("rollout_is_min: larger than rollout_is_max")
         if self.objective == "gmpo" and self.loss_type not in ("grpo", "seq-mean-token-mean"):
             raise ValueError("loss_type: objective 'gmpo' is a mean over sequences ('grpo' or 'seq-mean-token-mean')")
         return self

@@ -600,3 +600,123 @@ def test_trl_off_policy_and_entropy_masks_match_compute_loss(mask_kind):
     inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, importance_weights=iw)
     compare(run_both(logits, targets, LossSpec(cross_entropy=None, policy=policy), inputs), loss.detach(),
             leaf.grad, {}, torch.float32)
+
+
+# --- rollout correction -----------------------------------------------------------------------
+
+
+def trl_vllm_is_ratio(old_per_token_logps, sampling_per_token_logps, mask, mode, clip_min, clip_max):
+    """GRPOTrainer._generate_and_score_completions' vllm_importance_sampling_ratio."""
+    per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask
+    per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)
+    if mode in ["sequence_mask", "sequence_truncate"]:
+        logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)
+    else:
+        logps_diff = per_token_logps_diff
+    ratio = torch.exp(logps_diff)
+    if mode in ["sequence_truncate", "token_truncate"]:
+        ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
+    else:
+        min_val = clip_min if clip_min is not None else -math.inf
+        max_val = clip_max if clip_max is not None else math.inf
+        ratio = ratio.masked_fill((ratio < min_val) | (ratio > max_val), value=0.0)
+    return ratio
+
+
+def verl_rollout_is_weights(old_log_prob, rollout_log_prob, response_mask, rollout_is, upper, lower, normalize):
+    """rollout_corr_helper.compute_rollout_correction_weights (one process)."""
+    log_ratio = old_log_prob - rollout_log_prob
+    if rollout_is == "token":
+        raw = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))
+    else:
+        log_ratio_sum = (torch.where(response_mask.bool(), log_ratio, 0.0) * response_mask).sum(-1).unsqueeze(-1)
+        raw = torch.exp(torch.clamp(log_ratio_sum, min=-20.0, max=20.0)).expand_as(log_ratio)
+    raw = raw * response_mask
+    if lower is None:
+        weights = raw.clamp(max=upper)
+    else:
+        kept = (raw >= lower) & (raw <= upper)
+        weights = torch.where(kept, raw, torch.zeros_like(raw))
+    weights = weights.detach()
+    if normalize:
+        if rollout_is == "token":
+            weights_mean = masked_mean(weights, response_mask)
+        else:
+            seq_weights = (weights * response_mask).sum(-1) / (response_mask.sum(-1) + 1e-8)
+            seq_mask = (response_mask.sum(dim=-1) > 0).to(dtype=weights.dtype)
+            weights_mean = (seq_weights * seq_mask).sum() / seq_mask.sum().clamp_min(1e-8)
+        if weights_mean > 1e-8:
+            weights = weights / weights_mean
+    return weights
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_trl_vllm_importance_sampling_modes_match(mode):
+    """TRL computes the ratio from old and sampling log-probs and multiplies the clipped objective by
+    it (dapo); headloss computes it from rollout_logprobs in the same call, fused mode."""
+    logits, targets, mask, adv, old, _, _ = make_case(53, noise=0.3)
+    leaf, logp = oracle_logp(logits, targets)
+    m = mask.double()
+    rollout = old + 0.05 * torch.randn(B, T, generator=generator(5), dtype=torch.float64)
+    clip_min, clip_max = (0.95, 1.05) if mode.startswith("token") else (0.96, 1.04)
+    ratio_is = trl_vllm_is_ratio(old, rollout, m, mode, clip_min, clip_max)
+    assert 0.0 < float((ratio_is * m).sum() / m.sum()) and (mode.endswith("mask") <= bool((ratio_is == 0).any()))
+    coef_1 = torch.exp(logp - old)
+    a = adv[:, None]
+    per_token_loss = -torch.min(coef_1 * a, torch.clamp(coef_1, 0.8, 1.2) * a) * ratio_is
+    loss = (per_token_loss * m).sum() / m.sum()
+    loss.backward()
+    level, how = mode.split("_")
+    policy = Policy(loss_type="dapo", rollout_is=level, rollout_is_mode=how, rollout_is_min=clip_min,
+                    rollout_is_max=clip_max)
+    inputs = dict(advantages=adv, old_logprobs=old, rollout_logprobs=rollout, loss_mask=mask)
+    got = run_both(logits, targets, LossSpec(cross_entropy=None, policy=policy), inputs)
+    assert next(iter(got.values()))[0].loss.requires_grad
+    compare(got, loss.detach(), leaf.grad, {}, torch.float32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("threshold", ["tis", "icepop", "tis-normalized"])
+@pytest.mark.parametrize("objective", ["clip", "gmpo"])
+def test_verl_rollout_correction_weights_match(level, threshold, objective):
+    """verl's rollout_is weights (TIS: truncated above; IcePop: zero outside [lower, upper]; batch
+    normalisation) fed to compute_policy_loss_vanilla and geo_mean (its geometric mean)."""
+    logits, targets, mask, adv, old, _, _ = make_case(59, noise=0.3)
+    leaf, log_prob = oracle_logp(logits, targets)
+    m = mask.double()
+    rollout = old + 0.05 * torch.randn(B, T, generator=generator(6), dtype=torch.float64)
+    upper, lower = (1.04, 0.96) if level == "token" else (1.3, 0.8)
+    weights = verl_rollout_is_weights(old, rollout, m, level, upper, lower if threshold == "icepop" else None,
+                                      threshold.endswith("normalized"))
+    advs = adv[:, None].expand(B, T)
+    cfg = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode="token-mean")
+    if objective == "clip":
+        loss, metrics = verl_policy_loss("vanilla", old, log_prob, advs, m, cfg, weights)
+    else:
+        loss, metrics = verl_sequence_loss("geo_mean", old, log_prob, advs, m, cfg, weights)
+    loss.backward()
+    policy = Policy(objective=objective, convention="verl", loss_type="token-mean" if objective == "clip" else "grpo",
+                    eps_low=0.2, eps_high=0.28, dual_clip_c=3.0 if objective == "clip" else None, rollout_is=level,
+                    rollout_is_mode="mask" if threshold == "icepop" else "truncate",
+                    rollout_is_min=lower if threshold == "icepop" else None, rollout_is_max=upper,
+                    rollout_is_batch_normalize=threshold.endswith("normalized"))
+    inputs = dict(advantages=adv, old_logprobs=old, rollout_logprobs=rollout, loss_mask=mask)
+    compare(run_both(logits, targets, LossSpec(cross_entropy=None, policy=policy), inputs), loss.detach(), leaf.grad,
+            metrics, torch.float32)
+
+
+def test_rollout_correction_input_errors_name_the_argument():
+    logits, targets, mask, adv, old, _, iw = make_case(61)
+    spec = LossSpec(cross_entropy=None, policy=Policy(rollout_is="token"))
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        head_loss(logits, targets, spec, advantages=adv.float(), old_logprobs=old.float(), backend="reference")
+    with pytest.raises(ValueError, match="importance_weights"):
+        head_loss(logits, targets, spec, advantages=adv.float(), old_logprobs=old.float(),
+                  rollout_logprobs=old.float(), importance_weights=iw.float(), backend="reference")
+    with pytest.raises(ValueError, match="rollout_logprobs: expected shape"):
+        head_loss(logits, targets, spec, advantages=adv.float(), old_logprobs=old.float(),
+                  rollout_logprobs=old[:, :2].float(), backend="reference")
+    with pytest.raises(ValueError, match="rollout_is_min"):
+        Policy(rollout_is="token", rollout_is_min=2.0, rollout_is_max=1.5)
