@@ -78,6 +78,7 @@ class Flags(NamedTuple):
     HAS_DFT: bool  # DFT term
     HAS_ENTROPY: bool  # entropy computed: needs sum(e * x) or the gradient pass's sum(p * (lse - x))
     ENTROPY_GRAD: bool  # entropy carries gradient (weight != 0, differentiable output, policy bonus)
+    ENTROPY_TOKEN_MEAN: bool  # the policy's entropy bonus is a mean over the counted tokens (TRL)
     HAS_ARGMAX: bool  # running argmax (accuracy, predicted tokens, teacher agreement)
     HAS_SOFTCAP: bool  # c * tanh(u / c) in the transform
     HAS_POLICY: bool  # token-level policy objective in the epilogue (fused mode)
@@ -248,6 +249,7 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
         HAS_DFT=spec.dft is not None,
         HAS_ENTROPY=wants_entropy,
         ENTROPY_GRAD=entropy_grad,
+        ENTROPY_TOKEN_MEAN=fused_policy and pol.entropy_coef != 0.0 and pol.entropy_aggregation == "token-mean",
         HAS_ARGMAX=spec.token_accuracy or "predicted_tokens" in spec.outputs or dist is not None,
         HAS_SOFTCAP=spec.transform.softcap is not None,
         HAS_POLICY=fused_policy,

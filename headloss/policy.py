@@ -105,6 +105,7 @@ class TokenObjective:
     ppo_kl: torch.Tensor  # per token, verl's ppo_kl is its mean: old - logp (kl_cov: |logp - old|)
     clipfrac: torch.Tensor | None = None  # verl's pg_clipfrac indicator where it is not low | high
     extra: dict | None = None  # metrics of the objective's own (already reduced)
+    high_entropy: torch.Tensor | None = None  # the top-entropy mask's kept tokens (None: no such mask)
 
 
 def token_objective(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, policy: Policy,
@@ -169,6 +170,15 @@ def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -
     Depends on the mask and sequence layout only, so it is computed once, without gradient.
     """
     kind = policy.loss_type
+    if policy.convention == "verl" and kind.startswith("seq-mean"):  # agg_loss: empty sequences do not count
+        seq = seq_of(inp)
+        tokens_per_seq = _seq_sum(mask, seq, inp.n_slots)
+        n_counted = (tokens_per_seq > 0).sum().clamp(min=1).to(mask.dtype)
+        if kind == "seq-mean-token-mean":
+            return mask / (tokens_per_seq.clamp(min=1.0)[seq] * n_counted)
+        if kind == "seq-mean-token-sum":
+            return mask / n_counted
+        return mask / (n_counted * inp.seq_len)
     if isinstance(inp.n_seq, torch.Tensor):
         n_seq = inp.n_seq.clamp(min=1).to(mask.dtype)
     else:
@@ -235,9 +245,20 @@ def objective_of(logp: torch.Tensor, entropy: torch.Tensor | None, old: torch.Te
             threshold = torch.quantile(counted, 1.0 - policy.top_entropy_quantile)
             high = ((values * mask) >= threshold) & (mask > 0)
         keep = high if keep is None else keep & high
+        tok.high_entropy = high
     if keep is not None:
         tok.loss = tok.loss * keep.to(tok.loss.dtype)
     return tok
+
+
+def entropy_bonus_weight(policy: Policy, weight: torch.Tensor, mask: torch.Tensor, tok: TokenObjective
+                         ) -> torch.Tensor:
+    """Per-token weight of the entropy in the bonus: the loss's (verl), or TRL's mean over the counted
+    tokens (those of the top-entropy mask when it is on: TRL's effective_mask)."""
+    if policy.entropy_aggregation == "loss":
+        return weight
+    counted = mask if tok.high_entropy is None else mask * tok.high_entropy.to(mask.dtype)
+    return counted / counted.sum().clamp(min=1.0)
 
 
 def _gmpo(logp, old, adv, iw, mask, seq, n_slots, count, policy: Policy) -> TokenObjective:
@@ -342,7 +363,7 @@ def policy_objective(
     weight = inp.weight
     loss = (per_token * weight).sum()
     if policy.entropy_coef != 0.0:
-        loss = loss - policy.entropy_coef * (entropy * weight).sum()
+        loss = loss - policy.entropy_coef * (entropy * entropy_bonus_weight(policy, weight, mask, tok)).sum()
     return loss, policy_metrics_of(logp, entropy, tok, kl, mask, inp)
 
 

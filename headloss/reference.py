@@ -295,7 +295,7 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
         iw = rollout_weights(flat(old), flat(rollout), flat(mask), seq, n_seq, pol).reshape(n_seq, length)
     tok = objective_of(flat(per_token_logps), flat(pad(entropy)), flat(old), flat(advantages), flat(iw), flat(mask),
                        seq, n_seq, pol, flat(rollout))
-    for name in ("loss", "ratio", "low", "high", "dual", "ppo_kl", "clipfrac"):
+    for name in ("loss", "ratio", "low", "high", "dual", "ppo_kl", "clipfrac", "high_entropy"):
         if getattr(tok, name) is not None:
             setattr(tok, name, getattr(tok, name).reshape(n_seq, length))
     coef_1 = tok.ratio
@@ -309,6 +309,13 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
 
     def agg(loss_mat):
         batch, length = loss_mat.shape
+        if pol.convention == "verl" and pol.loss_type.startswith("seq-mean"):  # verl agg_loss
+            counts = mask.sum(-1)
+            per_seq = (loss_mat * mask).sum(-1)
+            if pol.loss_type == "seq-mean-token-mean":
+                per_seq = per_seq / counts.clamp(min=1.0)
+            loss = (per_seq * (counts > 0)).sum() / (counts > 0).sum().clamp(min=1)
+            return loss / length if pol.loss_type == "seq-mean-token-sum-norm" else loss
         if pol.loss_type in ("grpo", "seq-mean-token-mean"):
             return ((loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
         if pol.loss_type in ("bnpo", "token-mean"):
@@ -325,7 +332,10 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
 
     loss = agg(per_token_loss)
     ent = pad(entropy)
-    if pol.entropy_coef != 0.0:
+    if pol.entropy_coef != 0.0 and pol.entropy_aggregation == "token-mean":  # TRL: over its effective mask
+        counted = mask if tok.high_entropy is None else mask * tok.high_entropy.to(mask.dtype)
+        loss = loss - pol.entropy_coef * (ent * counted).sum() / counted.sum().clamp(min=1.0)
+    elif pol.entropy_coef != 0.0:
         loss = loss - pol.entropy_coef * agg(ent)
     with torch.no_grad():
         denom = mask.sum().clamp(min=1.0)

@@ -159,7 +159,11 @@ class Policy(_Frozen):
     ``token-mean`` mean over all tokens; ``dr_grpo`` sum / (sequences x max_completion_length);
     ``dapo`` sum / (num_items_in_batch / num_processes), or the token count without it;
     ``seq-mean-token-sum`` mean over sequences of the token sum (TRL's luspo); ``seq-mean-token-mean``
-    as grpo; ``seq-mean-token-sum-norm`` sum / T (the padded length).
+    as grpo; ``seq-mean-token-sum-norm`` sum / T (the padded length). A sequence without counted
+    tokens counts in the mean over sequences (TRL); with ``convention="verl"`` it does not
+    (verl's agg_loss), and seq-mean-token-sum-norm is verl's current mean over sequences of the
+    token sum / T. verl's token-mean over a data-parallel batch (its batch_num_tokens and dp_size)
+    is ``dapo`` with num_items_in_batch = batch_num_tokens and num_processes = dp_size.
 
     KL penalty: ``kl_estimator`` k1 (logp - ref), k2 ((logp - ref)^2 / 2), k3 (exp(ref - logp) -
     (ref - logp) - 1), abs (|logp - ref|); ``kl_clamp`` verl's clamps (ref - logp to +-20, k3 to
@@ -207,6 +211,9 @@ class Policy(_Frozen):
     max_completion_length: int | None = Field(None, gt=0, description="dr_grpo's normaliser")
     num_processes: int = Field(1, gt=0, description="dapo: num_items_in_batch / num_processes")
     entropy_coef: float = Field(0.0, ge=0.0, description="entropy bonus: loss -= coef * aggregated entropy")
+    entropy_aggregation: Literal["loss", "token-mean"] = Field(
+        "loss", description="the bonus's entropy aggregated like the loss (verl) or as a mean over the counted "
+        "tokens (TRL, over the top-entropy mask's tokens when it is on)")
 
     @model_validator(mode="after")
     def _dr_grpo_needs_length(self) -> Policy:

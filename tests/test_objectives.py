@@ -39,10 +39,11 @@ def masked_mean(values, mask):  # verl.utils.torch_functional.masked_mean
 def verl_agg_loss(loss_mat, loss_mask, mode):  # core_algos.agg_loss, dp_size = 1, no global counts
     if mode == "token-mean":
         return (loss_mat * loss_mask).sum() / loss_mask.sum()
-    if mode == "seq-mean-token-sum":
+    if mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
         seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
         seq_mask = (torch.sum(loss_mask, dim=-1) > 0).float().to(loss_mat.dtype)
-        return (seq_losses * seq_mask).sum() / seq_mask.sum()
+        loss = (seq_losses * seq_mask).sum() / seq_mask.sum()
+        return loss / loss_mask.shape[-1] if mode == "seq-mean-token-sum-norm" else loss
     if mode == "seq-mean-token-mean":
         seq_count = torch.sum(loss_mask, dim=-1)
         seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_count + 1e-8)
@@ -720,3 +721,64 @@ def test_rollout_correction_input_errors_name_the_argument():
                   rollout_logprobs=old[:, :2].float(), backend="reference")
     with pytest.raises(ValueError, match="rollout_is_min"):
         Policy(rollout_is="token", rollout_is_min=2.0, rollout_is_max=1.5)
+
+
+
+# --- conventions --------------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_verl_convention_drops_fully_masked_sequences_from_the_mean(agg):
+    """agg_loss's seq_mask: a sequence without counted tokens is not in the denominator (verl), while
+    TRL's convention (the default) counts every sequence."""
+    logits, targets, mask, adv, old, _, _ = make_case(67)
+    mask[1] = 0  # sequence 1: nothing counted
+    leaf, log_prob = oracle_logp(logits, targets)
+    m = mask.double()
+    pg_losses = -adv[:, None] * log_prob  # gpg
+    loss = verl_agg_loss(pg_losses, m, agg)
+    loss.backward()
+    spec = LossSpec(cross_entropy=None, policy=Policy(objective="gpg", convention="verl", loss_type=agg))
+    inputs = dict(advantages=adv, old_logprobs=old, loss_mask=mask)
+    compare(run_both(logits, targets, spec, inputs), loss.detach(), leaf.grad, {}, torch.float32)
+    trl_style = run_both(logits, targets, LossSpec(cross_entropy=None, policy=Policy(objective="gpg", loss_type=agg)),
+                         inputs)
+    # the same sum over all 3 sequences instead of the 2 counted ones; the default sum-norm is verl's
+    # earlier sum / T, without the mean over sequences
+    ratio = 3.0 / 2.0 if agg != "seq-mean-token-sum-norm" else 1.0 / 2.0
+    for out, _ in trl_style.values():
+        assert abs(float(out.loss.detach()) * ratio - float(loss.detach())) <= 1e-5 * abs(float(loss.detach()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantile", [1.0, 0.5])
+@pytest.mark.parametrize("aggregation", ["loss", "token-mean"])
+def test_entropy_bonus_follows_trl_token_mean_or_verl_loss_aggregation(aggregation, quantile):
+    """TRL: loss - coef * sum(H * effective_mask) / sum(effective_mask) (the top-entropy mask's tokens);
+    verl: pg_loss - coef * agg_loss(H, mask, loss_agg_mode). grpo aggregation, fused mode when
+    nothing needs a batch statistic."""
+    logits, targets, mask, adv, old, _, _ = make_case(71, noise=0.3)
+    leaf, logp, _ = oracle_logp_entropy(logits, targets)
+    logp_all = torch.log_softmax(leaf, -1)
+    entropies = -(logp_all.exp() * logp_all).sum(-1)  # with gradient
+    m = mask.double()
+    a = adv[:, None]
+    coef_1 = torch.exp(logp - old)
+    per_token_loss = -torch.min(coef_1 * a, torch.clamp(coef_1, 0.8, 1.2) * a)
+    effective = m
+    if quantile < 1.0:
+        high = trl_high_entropy_mask(entropies.detach(), m, 1 - quantile)
+        per_token_loss = per_token_loss * high
+        effective = m * high
+    loss = ((per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    if aggregation == "token-mean":
+        loss = loss - 0.05 * (entropies * effective).sum() / effective.sum().clamp(min=1.0)
+    else:
+        loss = loss - 0.05 * verl_agg_loss(entropies, m, "seq-mean-token-mean")
+    loss.backward()
+    policy = Policy(loss_type="grpo", entropy_coef=0.05, entropy_aggregation=aggregation,
+                    top_entropy_quantile=quantile)
+    inputs = dict(advantages=adv, old_logprobs=old, loss_mask=mask)
+    compare(run_both(logits, targets, LossSpec(cross_entropy=None, policy=policy), inputs), loss.detach(),
+            leaf.grad, {}, torch.float32)

@@ -686,6 +686,7 @@ def policy_cases(draw):
     policy = Policy(
         objective=objective,
         convention=draw(st.sampled_from(["trl", "verl"])),
+        entropy_aggregation=draw(st.sampled_from(["loss", "token-mean"])),
         sapo_tau_pos=draw(st.sampled_from([1.0, 2.0])),
         sapo_tau_neg=draw(st.sampled_from([1.05, 0.5])),
         dro_beta=draw(st.sampled_from([0.1, 1.0])) if objective == "dro" else None,

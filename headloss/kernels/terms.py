@@ -387,7 +387,7 @@ def policy_values(row_out, scratch, logp, entropy, policy, o, S, F: tl.constexpr
 
     ``policy`` holds per-slot pointers (old, ref, adv, iw, weight); old / iw may be None
     (on-policy: ratio 1 with gradient; no rollout weights). verl's entropy bonus
-    ``-entropy_coef * H`` is aggregated like the loss. With sequences of ``policy.seq_len`` slots,
+    ``-entropy_coef * H`` is aggregated like the loss (or, ENTROPY_TOKEN_MEAN, as TRL's token mean). With sequences of ``policy.seq_len`` slots,
     the slot's sequence counters and the ratio's extremes in ``scratch`` (head.SEQ_SCRATCH) take
     its share, for the last program's per-sequence metrics.
     """
@@ -406,8 +406,11 @@ def policy_values(row_out, scratch, logp, entropy, policy, o, S, F: tl.constexpr
     policy_loss = w * per_token
     d_entropy = tl.zeros([], tl.float32)
     if F.ENTROPY_GRAD:
-        policy_loss -= S.entropy_coef * w * entropy
-        d_entropy = -S.entropy_coef * w
+        bonus_w = w
+        if F.ENTROPY_TOKEN_MEAN:  # TRL: a mean over the call's counted tokens (scratch[0])
+            bonus_w = 1.0 / tl.maximum(tl.load(scratch).to(tl.float32), 1.0)
+        policy_loss -= S.entropy_coef * bonus_w * entropy
+        d_entropy = -S.entropy_coef * bonus_w
     put(row_out, C.policy_loss, policy_loss)
     put(row_out, C.counted, 1.0)
     put(row_out, C.ratio, ratio)
