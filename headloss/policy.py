@@ -297,7 +297,8 @@ def _vespo(logp, old, adv, iw, mask, seq, n_slots, policy: Policy) -> TokenObjec
         per_seq = _seq_sum(phi * mask, seq, n_slots) / _seq_sum(mask, seq, n_slots).clamp(min=1.0)
         phi_mean = (per_seq * has).sum() / has.sum().clamp(min=1)
     no = torch.zeros_like(mask, dtype=torch.bool)
-    return TokenObjective(-phi * adv * logp, torch.exp(logp.detach() - old), no, no, no, (old - logp).detach(),
+    # the ratio keeps its gradient: TRL's bias-corrected KL multiplies by it
+    return TokenObjective(-phi * adv * logp, torch.exp(logp - old), no, no, no, (old - logp).detach(),
                           extra={"vespo/phi_seq_mean": phi_mean})
 
 

@@ -65,12 +65,23 @@ def grpo(tmp_path, cls=HeadLossGRPOTrainer, **changes):
                train_dataset=prompts(), processing_class=tokenizer())
 
 
+EXTRA = {  # case -> (loss_type, GRPOConfig changes)
+    "off_policy_mask": ("dapo", dict(off_policy_mask_threshold=0.002)),
+    "top_entropy_quantile": ("grpo", dict(top_entropy_quantile=0.5)),
+    "entropy_bonus-dapo": ("dapo", dict(entropy_coef=0.05)),
+    "entropy_bonus-grpo": ("grpo", dict(entropy_coef=0.05)),
+}
+
+
 @pytest.mark.parametrize("loss_type, bf16", [("dapo", False), ("grpo", False), ("bnpo", False), ("dr_grpo", False),
-                                             ("dapo", True), ("cispo", False), ("sapo", False), ("luspo", False)])
+                                             ("dapo", True), ("cispo", False), ("sapo", False), ("luspo", False),
+                                             ("vespo", False), *((case, False) for case in EXTRA)])
 def test_grpo_loss_gradient_and_metrics_equal_trls_on_the_same_batch(tmp_path, loss_type, bf16):
     """fp32, and under TRL's bf16 autocast (CPU): the GEMMs round to bf16 in a different order
     there, so gradients agree to bf16 precision only."""
-    options = dict(delta=1.5 if loss_type == "bnpo" else None)
+    case = loss_type
+    loss_type, extra = EXTRA.get(case, (case, {}))
+    options = dict(delta=1.5 if loss_type == "bnpo" else None, **extra)
     if loss_type == "cispo":
         options["epsilon_high"] = 1.05  # CISPO's cap is absolute (TRL recommends 5.0): some tokens above it
     if loss_type == "sapo":
@@ -105,7 +116,8 @@ def test_grpo_loss_gradient_and_metrics_equal_trls_on_the_same_batch(tmp_path, l
     assert set(mine_metrics) == set(stock_metrics)
     for name, values in stock_metrics.items():
         assert mine_metrics[name] == pytest.approx(values, rel=tol / 10, abs=1e-6), name
-    clipped = {"cispo": "cispo_clip_ratio", "sapo": "entropy"}.get(loss_type, "clip_ratio/region_mean")
+    clipped = {"cispo": "cispo_clip_ratio", "sapo": "entropy", "vespo": "vespo/phi_seq_mean"}.get(
+        loss_type, "clip_ratio/region_mean")
     assert stock_metrics[clipped][0] > 0, "the batch should clip some ratios, or the test is weak"
 
 
@@ -129,8 +141,7 @@ def test_grpo_two_training_steps_match_trl(tmp_path):
 
 
 @pytest.mark.parametrize("option, value", [
-    ("loss_type", "vespo"), ("importance_sampling_level", "sequence"), ("top_entropy_quantile", 0.5),
-    ("off_policy_mask_threshold", 0.5), ("entropy_coef", 0.01),
+    ("importance_sampling_level", "sequence"), ("use_adaptive_entropy", True),
 ])
 def test_grpo_options_without_a_mapping_are_refused(tmp_path, option, value):
     with pytest.raises(ValueError, match=option):

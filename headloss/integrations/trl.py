@@ -37,11 +37,17 @@ SFT ``loss_type`` nll / dft    ``CrossEntropy`` / ``DFT``
 SFT ``label_smoothing_factor`` ``CrossEntropy.label_smoothing``
 =============================  ===========================================================
 
-Refused with an error naming the option (no mapping yet): GRPO loss type vespo;
-``importance_sampling_level="sequence"`` (TRL's metrics are then sequence means);
-``top_entropy_quantile < 1``;
-``off_policy_mask_threshold``; an entropy bonus (``entropy_coef``, adaptive entropy); SFT's
-``compute_loss_func`` and DeepSpeed sequence parallelism.
+Also mapped: vespo (``objective="vespo"``, ``vespo_k/lambda_pos/neg``, the vLLM ratio folded
+into phi as TRL does, aggregated as dapo); ``off_policy_mask_threshold`` (``Policy.off_policy_mask``,
+with TRL's ``sampling_per_token_logps`` as ``rollout_logprobs``); ``top_entropy_quantile``
+(``Policy.top_entropy_quantile``, one process: TRL's quantile is over all of them); a static entropy
+bonus (``entropy_coef``: ``entropy_aggregation="token-mean"``, divided by the accumulation steps as
+TRL does; ``policy_loss`` and ``entropy_coef`` logged as TRL logs them).
+
+Refused with an error naming the option (no mapping yet): ``importance_sampling_level="sequence"``
+(TRL's metrics are then sequence means); ``top_entropy_quantile < 1`` over several processes or
+with the entropy bonus; ``use_adaptive_entropy``; SFT's ``compute_loss_func`` and DeepSpeed sequence
+parallelism.
 
 Pass ``spec=`` to score more than TRL's loss (z-loss, say): its extra metrics are logged too.
 """
@@ -66,6 +72,7 @@ batch: this loss does not split it)."""
 _LOSS_TYPES = {  # TRL loss_type -> (Policy.objective, Policy.loss_type)
     "grpo": ("clip", "grpo"), "bnpo": ("clip", "bnpo"), "dr_grpo": ("clip", "dr_grpo"), "dapo": ("clip", "dapo"),
     "cispo": ("cispo", "dapo"), "sapo": ("sapo", "grpo"), "luspo": ("clip", "seq-mean-token-sum"),
+    "vespo": ("vespo", "dapo"),
 }
 _PER_STEP = ("grpo", "bnpo", "dr_grpo", "seq-mean-token-sum")
 """Policy loss types TRL divides by the accumulation steps (dapo's normaliser includes them)."""
@@ -80,16 +87,23 @@ def grpo_spec(trainer) -> LossSpec:
     if trainer.loss_type not in _LOSS_TYPES:
         refuse("loss_type", f"{trainer.loss_type!r}")
     if trainer.importance_sampling_level != "token":
-        refuse("importance_sampling_level", f"{trainer.importance_sampling_level!r}")
-    if trainer.top_entropy_quantile < 1.0:
-        refuse("top_entropy_quantile", "an entropy mask")
-    if trainer.off_policy_mask_threshold is not None:
-        refuse("off_policy_mask_threshold", "the off-policy sequence mask")
-    if getattr(trainer, "_entropy_bonus_enabled", False):
-        refuse("entropy_coef", "TRL's entropy bonus")
+        refuse("importance_sampling_level", f"{trainer.importance_sampling_level!r} (TRL's metrics are then "
+               "sequence means)")
     args = trainer.args
+    processes = getattr(getattr(trainer, "accelerator", None), "num_processes", 1)
+    if trainer.top_entropy_quantile < 1.0 and processes > 1:
+        refuse("top_entropy_quantile", "an entropy mask over several processes (TRL's quantile is global)")
+    bonus = getattr(trainer, "_entropy_bonus_enabled", False)
+    if bonus and getattr(args, "use_adaptive_entropy", False):
+        refuse("use_adaptive_entropy", "TRL's adaptive entropy controller")
+    if bonus and trainer.top_entropy_quantile < 1.0:
+        refuse("top_entropy_quantile", "an entropy mask together with the entropy bonus")
     objective, loss_type = _LOSS_TYPES[trainer.loss_type]
     policy = Policy(
+        vespo_k_pos=getattr(args, "vespo_k_pos", 2.0), vespo_lambda_pos=getattr(args, "vespo_lambda_pos", 3.0),
+        vespo_k_neg=getattr(args, "vespo_k_neg", 3.0), vespo_lambda_neg=getattr(args, "vespo_lambda_neg", 2.0),
+        off_policy_mask=trainer.off_policy_mask_threshold, top_entropy_quantile=trainer.top_entropy_quantile,
+        entropy_coef=float(trainer.entropy_coef) if bonus else 0.0, entropy_aggregation="token-mean",
         objective=objective, loss_type=loss_type, eps_low=trainer.epsilon_low, eps_high=trainer.epsilon_high,
         sapo_tau_pos=getattr(args, "sapo_temperature_pos", 1.0),
         sapo_tau_neg=getattr(args, "sapo_temperature_neg", 1.05),
@@ -138,6 +152,7 @@ class HeadLossGRPOTrainer(GRPOTrainer):
         if self.headloss_spec.policy is None:
             raise ValueError("spec: HeadLossGRPOTrainer needs a spec with a policy term")
         self.headloss: HeadPatch = patch(self.model, self.headloss_spec, **(patch_options or {}))
+        self._call_specs: dict = {}
 
     def _compute_loss(self, model, inputs):
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
@@ -145,9 +160,12 @@ class HeadLossGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         keep = completion_ids.size(1)
+        self._sequences = completion_ids.size(0)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         mode = "train" if self.model.training else "eval"
-        policy = self.headloss_spec.policy
+        spec = self._spec_for_call(mode)
+        self.headloss.spec = spec
+        policy = spec.policy
         num_items = None
         if policy.loss_type == "dapo":  # TRL's rescaling of the generation batch's token count
             num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
@@ -171,10 +189,16 @@ class HeadLossGRPOTrainer(GRPOTrainer):
             advantages=inputs["advantages"], old_logprobs=inputs.get("old_per_token_logps"),
             ref_logprobs=inputs.get("ref_per_token_logps") if policy.kl_beta != 0.0 else None,
             loss_mask=mask, importance_weights=weights,
+            rollout_logprobs=inputs.get("sampling_per_token_logps") if policy.off_policy_mask is not None else None,
         ), self.accelerator.autocast():
             outputs = model(**model_inputs)
         result = self.headloss.last
         loss = result.loss
+        if policy.entropy_coef:  # TRL logs the loss before the bonus, and the coefficient per optimizer step
+            policy_loss = result.loss.detach() + policy.entropy_coef * result.metrics["entropy"]
+            self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+            if mode == "train" and self.accelerator.sync_gradients:
+                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         if policy.loss_type in _PER_STEP and mode == "train":
             loss = loss / self.current_gradient_accumulation_steps
         if self.aux_loss_enabled:
@@ -183,6 +207,20 @@ class HeadLossGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(outputs.aux_loss).mean().item())
         self._log_metrics(mode, result.metrics, policy)
         return loss
+
+    def _spec_for_call(self, mode: str) -> LossSpec:
+        """The spec of this call: TRL divides the entropy bonus by the accumulation steps in training,
+        which the whole loss gets for the per-step loss types but dapo's normaliser does not have."""
+        spec = self.headloss_spec
+        policy = spec.policy
+        if not policy.entropy_coef or policy.loss_type in _PER_STEP or mode != "train":
+            return spec
+        steps = self.current_gradient_accumulation_steps
+        key = (spec, steps)
+        if key not in self._call_specs:
+            self._call_specs[key] = spec.model_copy(
+                update={"policy": policy.model_copy(update={"entropy_coef": policy.entropy_coef / steps})})
+        return self._call_specs[key]
 
     def _log_metrics(self, mode: str, metrics: dict[str, torch.Tensor], policy: Policy) -> None:
         """TRL's names per objective: the clip statistics for the clip family, cispo_clip_ratio for
@@ -197,6 +235,11 @@ class HeadLossGRPOTrainer(GRPOTrainer):
         if policy.objective == "cispo":
             self._metrics[mode]["cispo_clip_ratio"].append(
                 _global_means(self.accelerator, metrics, ["clip_ratio/high_mean"])["clip_ratio/high_mean"])
+        if policy.objective == "vespo":  # TRL: a mean over the sequences of every process
+            count = torch.tensor(float(self._sequences), device=metrics["n_tokens"].device)
+            totals = self.accelerator.reduce(torch.stack([metrics["vespo/phi_seq_mean"].float() * count, count]),
+                                             reduction="sum")
+            self._metrics[mode]["vespo/phi_seq_mean"].append(float(totals[0] / totals[1].clamp(min=1.0)))
         has = metrics["n_tokens"].reshape(1) > 0
         for k, reduce, empty in (("clip_ratio/low_min", torch.min, float("inf")),
                                  ("clip_ratio/high_max", torch.max, float("-inf"))):
@@ -208,7 +251,7 @@ class HeadLossGRPOTrainer(GRPOTrainer):
 
 _POLICY_INTERNAL = ("loss", "n_tokens", "clip_ratio/low_min", "clip_ratio/high_max", "clip_ratio/low_mean",
                     "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio/mean", "ratio/min", "ratio/max",
-                    "logprob/mean", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
+                    "logprob/mean", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "vespo/phi_seq_mean")
 """The policy metrics TRL does not log under these names (the ones it does are picked per objective)."""
 
 
