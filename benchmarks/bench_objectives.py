@@ -6,7 +6,8 @@
           clip/dapo), sequence-level ones (GSPO-style ratios) in deferred mode.
           Peer: Liger triton_grpo_loss (full logits, no entropy) for the loss types it has.
   linear  the fused lm_head: hidden [8192, 4096] x weight [128256, 4096] (target: <= 1.20 x the
-          3-GEMM floor, measured in the same run). Peer: TRL 1.16's ChunkedLogProbFunction (its
+          3-GEMM floor, measured in the same run; deferred mode recomputes the logits in backward:
+          a fourth GEMM). Peer: TRL 1.16's ChunkedLogProbFunction (its
           fused-head log-probs + entropy) with the objective in torch, for clip and cispo.
 
   python -m benchmarks.bench_objectives [--cases logits linear]
@@ -39,7 +40,17 @@ OBJECTIVES = {  # name -> Policy fields over BASE
     "dppo_tv": dict(objective="dppo_tv", eps_low=0.15, eps_high=0.15),
     "dppo_kl": dict(objective="dppo_kl", eps_low=0.05, eps_high=0.05),
     "clip, verl k3+ (clamped)": dict(convention="verl", dual_clip_c=3.0, kl_clamp=True, kl_grad="k2"),
-    "clip, sequence-level (deferred)": dict(importance_sampling="sequence"),
+    "clip, rollout IS token truncate": dict(rollout_is="token", rollout_is_max=2.0),
+    "clip, TRL entropy bonus": dict(entropy_coef=0.01, entropy_aggregation="token-mean"),
+    # deferred mode: a sequence or batch statistic between the stats and the gradient pass
+    "clip, sequence-level (GSPO, deferred)": dict(importance_sampling="sequence"),
+    "clip, sequence_token (verl gspo, deferred)": dict(importance_sampling="sequence_token", loss_type="grpo"),
+    "gmpo (deferred)": dict(objective="gmpo", loss_type="grpo"),
+    "vespo (deferred)": dict(objective="vespo"),
+    "kl_cov (deferred)": dict(objective="kl_cov"),
+    "clip_cov (deferred)": dict(objective="clip_cov"),
+    "clip, off-policy mask (deferred)": dict(off_policy_mask=0.5),
+    "clip, top entropy 0.2 (deferred)": dict(top_entropy_quantile=0.2),
 }
 LIGER = {"clip": "dapo", "cispo": "cispo", "sapo": "sapo"}
 
@@ -58,7 +69,8 @@ def logits_case(rows: list[Row], batch: int, length: int) -> None:
             logits.copy_(pristine)
 
     n_items = mask.sum()
-    inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, num_items_in_batch=n_items)
+    inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, num_items_in_batch=n_items,
+                  rollout_logprobs=old + 0.01)
     cfg = {"B": batch, "L": length, "V": V, "dtype": "bf16"}
     for name in OBJECTIVES:
         spec = spec_of(name)
@@ -114,10 +126,9 @@ def linear_case(rows: list[Row], n: int, seq: int) -> None:
             weight.grad = logits.t() @ hidden
 
     measure(rows, "linear", "3-gemm-floor", "N", n, floor, setup, config=cfg, cold_blas=True)
-    inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, num_items_in_batch=n_items)
+    inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, num_items_in_batch=n_items,
+                  rollout_logprobs=old + 0.01)
     for name in OBJECTIVES:
-        if "sequence" in name:
-            continue
         spec = spec_of(name)
         measure(rows, "linear", f"headloss {name}", "N", n,
                 lambda spec=spec: headloss.linear_head_loss(h3, weight, y2, spec, **inputs).loss.backward(),

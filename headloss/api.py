@@ -429,9 +429,13 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
     # sharded: every rank must cut the same chunks (one collective each): rows by the whole vocabulary,
     # so a chunk has the single-device row count (the same GEMM shapes, 1 / world of its memory)
     width = weight.shape[0] if shard is None else shard.vocab_total
-    run = LinearRun(plan, chunk_rows_for(chunk_bytes, width, elem), fp32_weight_grad, compact, mode,
+    chunk_rows = chunk_rows_for(chunk_bytes, width, elem)
+    seq_len = _sequence_chunks(plan, policy, token_rows, chunk_rows, chunk_bytes, width * elem, shard)
+    if seq_len:  # chunks of whole sequences, every row computed (sequences stay contiguous)
+        chunk_rows, compact = max(seq_len, chunk_rows // seq_len * seq_len), False
+    run = LinearRun(plan, chunk_rows, fp32_weight_grad, compact, mode,
                     tuple(targets.shape) if targets is not None else token_rows, spec.ignore_index, norm.value,
-                    shard=shard)
+                    shard=shard, seq_len=seq_len, seq_policy=policy if seq_len else None)
     has_policy = policy is not None and plan.flags.HAS_POLICY
     loss, rows_out, pred, means, scratch = LinearFunction.apply(
         hidden.reshape(rows, hidden.shape[-1]), weight, bias, flat_targets(targets), *teacher,
@@ -442,6 +446,29 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
     loss, extra = _policy_terms(plan, loss, rows_out, means, scratch, policy)
     out = assemble(plan, run.token_shape, loss, rows_out, pred, means, scratch, extra)
     return _trim(out, token_shape) if token_shape != run.token_shape else out
+
+
+SEQUENCE_CHUNK_SLACK = 4
+"""Sequence-chunked mode takes chunks of whole sequences up to this many times chunk_bytes."""
+
+
+def _sequence_chunks(plan: KernelPlan, policy, token_rows: tuple[int, ...], chunk_rows: int, chunk_bytes: int,
+                     row_bytes: int, shard) -> int:
+    """Rows per sequence when the lm_head can run sequence-chunked (0: it cannot): the plan is
+    deferred only for a sequence statistic of the policy term (GSPO, GMPO, VESPO, the off-policy
+    mask, ...), rows are [B, T] sequences, and a sequence's logits fit the chunk budget (times
+    SEQUENCE_CHUNK_SLACK). Batch statistics (clip_cov, kl_cov, the entropy quantile, TRL's
+    token-mean entropy bonus) and everything else keep deferred mode."""
+    spec = plan.spec
+    pol = spec.policy
+    if (pol is None or plan.mode != "deferred" or spec.reduction == "none" or spec.differentiable_outputs
+            or pol.objective in ("clip_cov", "kl_cov") or pol.top_entropy_quantile < 1.0
+            or (pol.entropy_coef != 0.0 and pol.entropy_aggregation == "token-mean")
+            or shard is not None or len(token_rows) != 2 or policy is None or policy.sequence_ids is not None
+            or torch.compiler.is_compiling()):
+        return 0
+    seq_len = token_rows[1]
+    return seq_len if seq_len * row_bytes <= SEQUENCE_CHUNK_SLACK * chunk_bytes else 0
 
 
 def _pad_last(t: torch.Tensor | None, name: str) -> torch.Tensor | None:

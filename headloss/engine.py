@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ from .kernels.head import (
 )
 from .parallel import all_reduce_sum, gather_merged, handshake_verdict
 from .plan import KernelPlan, plan_from_key
+from .policy import policy_objective
 
 _RETAIN_GRAPH_ERROR = (
     "headloss: a second backward through the same fused-mode loss (retain_graph=True). The fused mode "
@@ -308,6 +309,15 @@ class LinearRun:
     ignore_index: int
     norm: float
     shard: Any = None  # vocab-parallel: a headloss.parallel.VocabShard (the weight's rows)
+    # sequence-chunked fused mode (a deferred plan whose only need is a sequence statistic of the
+    # policy term): chunks of whole sequences of seq_len rows; seq_policy is the call's PolicyInputs
+    seq_len: int = 0
+    seq_policy: Any = None
+
+    @property
+    def grads_in_forward(self) -> bool:
+        """The gradient is computed in forward (fused, or sequence-chunked) and scaled in backward."""
+        return self.plan.mode == "fused" or self.seq_len > 0
 
 
 @dataclass
@@ -435,6 +445,39 @@ def _compact_index(run: LinearRun, targets, scratch, rows: int, verdict):
     return (targets != run.ignore_index).nonzero().squeeze(1)
 
 
+def _sequence_chunk_grad(run: LinearRun, logits, targets, teacher, rows, num_items, scratch, geo: Geometry,
+                         start: int, stop: int) -> None:
+    """Sequence-chunked fused mode, one chunk of whole sequences: the policy objective in torch on the
+    chunk's log-probs (its sequence statistics need nothing outside the chunk), autograd's d loss /
+    d logp (and d entropy) per row, then the deferred gradient pass over the chunk's logits, in
+    place. Three GEMMs per chunk, as in fused mode; deferred mode recomputes the logits (four)."""
+    plan, pol = run.plan, run.seq_policy
+    cols = plan.cols
+    part = lambda t: None if t is None else t[start:stop]  # noqa: E731
+    n_seq = (stop - start) // run.seq_len
+    inp = replace(pol, advantages=pol.advantages[start:stop], old_logprobs=part(pol.old_logprobs),
+                  ref_logprobs=part(pol.ref_logprobs), importance_weights=part(pol.importance_weights), seq=None,
+                  n_slots=n_seq, n_seq=n_seq, mask=pol.mask[start:stop], weight=pol.weight[start:stop],
+                  rollout_logprobs=part(pol.rollout_logprobs), sequence_ids=None)
+    policy = plan.spec.policy
+    with torch.enable_grad():
+        logp = rows[:, cols.logp].detach().requires_grad_()
+        entropy = rows[:, cols.entropy].detach()
+        wanted = [logp]
+        if policy.entropy_coef != 0.0:
+            entropy.requires_grad_()
+            wanted.append(entropy)
+        loss, _ = policy_objective(logp, entropy, inp.mask, policy, inp, with_metrics=False)
+        found = torch.autograd.grad(loss, wanted, allow_unused=True)
+    d_rows = torch.zeros(stop - start, cols.N, dtype=torch.float32, device=logits.device)
+    for col, g in zip((cols.logp, cols.entropy), found):
+        if g is not None:
+            d_rows[:, col] = g
+    launch_backward(plan, logits=logits, targets=targets, teacher=teacher, grad=logits, rows=rows,
+                    d_loss=torch.ones(1, dtype=torch.float32, device=logits.device), d_rows=d_rows,
+                    num_items=num_items, scratch=scratch, geo=geo)
+
+
 def _pick_rows(policy: PolicyRows | None, index, start: int, stop: int) -> PolicyRows | None:
     if policy is None:
         return None
@@ -461,7 +504,8 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
     y = targets if index is None or targets is None else targets.index_select(0, index)
     rows_c, pred_c, loss_c, means = _empty_outputs(plan, computed, hidden.device,
                                                    run.token_shape if index is None else (computed,))
-    fused = plan.mode == "fused" and any(wants)
+    fused = run.grads_in_forward and any(wants)
+    by_sequence = fused and run.seq_len > 0  # the gradient pass after each chunk's sequence statistics
     grads = _new_grads(hidden, weight, bias, wants, run.fp32_weight_grad, index, computed) if fused else None
     kept = [] if run.shard is not None and not fused else None  # deferred + sharded: the backward's statistics
     for start, stop, h_c, t_c, logits in _chunks(hidden, weight, bias, index, teacher, computed, run.chunk_rows):
@@ -474,11 +518,14 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
                 kept.append(stats)
         launch_head(
             plan, logits=logits, targets=y_c, teacher=t_c,
-            grad=logits if fused else None, rows=rows_c[start:stop], pred=_opt(pred_c[start:stop]),
+            grad=logits if fused and not by_sequence else None, rows=rows_c[start:stop],
+            pred=_opt(pred_c[start:stop]),
             policy=_pick_rows(policy, index, start, stop), num_items=num_items, scratch=scratch,
             loss=loss_c.view(-1)[start:stop] if plan.reduction == "none" else loss_c, means=means,
             geo=geo, finish=False, stats=stats, jsd=jsd,
         )
+        if by_sequence:
+            _sequence_chunk_grad(run, logits, y_c, t_c, rows_c[start:stop], num_items, scratch, geo, start, stop)
         if fused:
             _accumulate(grads, logits, h_c, weight, index, start, stop)
     if computed == 0:
@@ -581,7 +628,7 @@ class LinearFunction(torch.autograd.Function):
             )
         ctx.run, ctx.wants = run, wants
         ctx.set_materialize_grads(False)
-        if run.plan.mode == "fused":
+        if run.grads_in_forward:
             ctx.save_for_backward(dh, dw, db)
             ctx.mark_non_differentiable(rows, pred, means, scratch)
         else:
@@ -595,7 +642,7 @@ class LinearFunction(torch.autograd.Function):
         nones = (None,) * 13
         if d_loss is None and d_rows is None:
             return None, None, None, *nones
-        if run.plan.mode == "fused":
+        if run.grads_in_forward:
             d_loss = d_loss.float()
             if torch.compiler.is_compiling():
                 token = ctx.saved_tensors[0]

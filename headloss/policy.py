@@ -346,8 +346,10 @@ def policy_objective(
     mask: torch.Tensor,
     policy: Policy,
     inp: PolicyInputs,
+    with_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(loss, metrics) of the policy term from per-token log-probs ``logp`` (N,) with gradient.
+    """(loss, metrics) of the policy term from per-token log-probs ``logp`` (N,) with gradient
+    (``with_metrics=False``: no metrics, an empty dict).
 
     Written for few device ops (each one is a launch on the host's critical path at 8K tokens).
     """
@@ -365,7 +367,7 @@ def policy_objective(
     loss = (per_token * weight).sum()
     if policy.entropy_coef != 0.0:
         loss = loss - policy.entropy_coef * (entropy * entropy_bonus_weight(policy, weight, mask, tok)).sum()
-    return loss, policy_metrics_of(logp, entropy, tok, kl, mask, inp)
+    return loss, policy_metrics_of(logp, entropy, tok, kl, mask, inp) if with_metrics else {}
 
 
 def policy_metrics_of(logp, entropy, tok: TokenObjective, kl, mask, inp: PolicyInputs) -> dict[str, torch.Tensor]:

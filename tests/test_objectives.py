@@ -782,3 +782,42 @@ def test_entropy_bonus_follows_trl_token_mean_or_verl_loss_aggregation(aggregati
     inputs = dict(advantages=adv, old_logprobs=old, loss_mask=mask)
     compare(run_both(logits, targets, LossSpec(cross_entropy=None, policy=policy), inputs), loss.detach(),
             leaf.grad, {}, torch.float32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("objective, level, masks, chunked", [
+    ("clip", "sequence", {}, True), ("vespo", "token", {}, True), ("gmpo", "token", {}, True),
+    ("clip", "token", {"off_policy_mask": 0.05}, True), ("clip", "sequence_token", {}, True),
+    ("kl_cov", "token", {}, False), ("clip", "token", {"top_entropy_quantile": 0.5}, False),
+])
+def test_lm_head_runs_sequence_statistics_chunk_by_chunk_of_whole_sequences(objective, level, masks, chunked,
+                                                                          monkeypatch):
+    """A sequence statistic needs only its sequence: the lm_head cuts chunks of whole sequences and
+    computes each chunk's gradient in forward (three GEMMs); batch statistics keep deferred mode.
+    Both give the reference's loss and gradients, also when the loss is scaled before backward."""
+    import headloss.engine as engine
+
+    calls = []
+    original = engine._sequence_chunk_grad
+    monkeypatch.setattr(engine, "_sequence_chunk_grad", lambda *a, **k: calls.append(a[-2:]) or original(*a, **k))
+    gen = generator(73)
+    hidden = torch.randn(B, T, 8, generator=gen, dtype=torch.float64)
+    weight = torch.randn(V, 8, generator=gen, dtype=torch.float64) / 2
+    _, targets, mask, adv, old, ref, _ = make_case(73)
+    policy = Policy(objective=objective, importance_sampling=level, loss_type="grpo", kl_beta=0.05, cov_ratio=0.2,
+                    entropy_coef=0.01, **masks)
+    spec = LossSpec(cross_entropy={"weight": 0.3}, policy=policy)
+    inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask)
+    h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    out = headloss.linear_head_loss(h, w, targets, spec, chunk_bytes=5 * V * 4,
+                                    **{k: v.float() if v.is_floating_point() else v for k, v in inputs.items()})
+    (3.0 * out.loss).backward()
+    assert calls == ([(0, T), (T, 2 * T), (2 * T, 3 * T)] if chunked else [])
+    h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref_out = head_loss(h64 @ w64.T, targets, spec, backend="reference", **inputs)
+    (3.0 * ref_out.loss).backward()
+    assert_close_norm(out.loss, ref_out.loss, rtol=1e-5, atol=3e-6, name="loss")
+    assert_close_norm(h.grad, h64.grad, rtol=1e-4, atol=1e-9, name="hidden grad")
+    assert_close_norm(w.grad, w64.grad, rtol=1e-4, atol=1e-9, name="weight grad")
+    for name, value in ref_out.metrics.items():
+        assert_close_norm(out.metrics[name], value, rtol=1e-5, atol=1e-6, name=name)
