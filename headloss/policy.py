@@ -239,11 +239,9 @@ def objective_of(logp: torch.Tensor, entropy: torch.Tensor | None, old: torch.Te
         values = entropy.detach()
         if values.dtype not in (torch.float32, torch.float64):
             values = values.float()
-        counted = values[mask > 0]  # the quantile in the entropy's own precision: a token at it is kept
-        high = torch.zeros_like(mask, dtype=torch.bool)
-        if counted.numel():
-            threshold = torch.quantile(counted, 1.0 - policy.top_entropy_quantile)
-            high = ((values * mask) >= threshold) & (mask > 0)
+        # the quantile in the entropy's own precision (a token at it is kept), on the device
+        threshold = masked_quantile(values, mask > 0, 1.0 - policy.top_entropy_quantile)
+        high = ((values * mask) >= threshold) & (mask > 0)
         keep = high if keep is None else keep & high
         tok.high_entropy = high
     if keep is not None:
@@ -259,6 +257,18 @@ def entropy_bonus_weight(policy: Policy, weight: torch.Tensor, mask: torch.Tenso
         return weight
     counted = mask if tok.high_entropy is None else mask * tok.high_entropy.to(mask.dtype)
     return counted / counted.sum().clamp(min=1.0)
+
+
+def masked_quantile(values: torch.Tensor, keep: torch.Tensor, q: float) -> torch.Tensor:
+    """torch.quantile(values[keep], q) (linear interpolation) without reading the count on the host;
+    +inf when nothing is kept (so nothing passes a >= test)."""
+    ordered = torch.sort(torch.where(keep, values, math.inf)).values
+    n = keep.sum()
+    rank = q * (n - 1).clamp(min=0).to(values.dtype)
+    below = rank.floor()
+    low = ordered.gather(0, below.long().reshape(1))
+    high = ordered.gather(0, rank.ceil().long().reshape(1))
+    return torch.where(n > 0, torch.lerp(low, high, rank - below), math.inf)[0]
 
 
 def _gmpo(logp, old, adv, iw, mask, seq, n_slots, count, policy: Policy) -> TokenObjective:
@@ -312,15 +322,16 @@ def _covariance(logp, old, adv, mask, policy: Policy) -> TokenObjective:
     valid = mask > 0
     no = torch.zeros_like(valid)
     pg1 = -adv * ratio
-    if policy.objective == "kl_cov":
-        flat_valid = torch.nonzero(valid, as_tuple=True)[0]
-        valid_adv, valid_logp = adv[valid].detach(), logp[valid].detach()
-        loss = pg1
-        if flat_valid.numel():
-            cov = (valid_adv - valid_adv.mean()) * (valid_logp - valid_logp.mean())
-            picked = flat_valid[torch.topk(cov, max(1, int(flat_valid.numel() * policy.cov_ratio))).indices]
-            chosen = torch.zeros_like(valid).index_fill_(0, picked, True)
-            loss = torch.where(chosen, pg1 + policy.kl_cov_coef * log_ratio.abs(), pg1)
+    if policy.objective == "kl_cov":  # the top max(1, int(n * ratio)) covariances: a sort, no host read
+        n = valid.sum()
+        weights = valid.to(adv.dtype)
+        mean_adv = (adv.detach() * weights).sum() / n.clamp(min=1)
+        mean_logp = (logp.detach() * weights).sum() / n.clamp(min=1)
+        cov = torch.where(valid, (adv.detach() - mean_adv) * (logp.detach() - mean_logp), -math.inf)
+        order = torch.sort(cov, descending=True, stable=True).indices
+        k = torch.clamp((n.to(torch.float64) * policy.cov_ratio).floor().long(), min=1)
+        chosen = torch.zeros_like(valid).scatter_(0, order, torch.arange(order.numel(), device=order.device) < k)
+        loss = torch.where(chosen & valid, pg1 + policy.kl_cov_coef * log_ratio.abs(), pg1)
         return TokenObjective(loss, ratio, no, no, no, log_ratio.abs().detach(), clipfrac=no)
     lo, hi = 1.0 - policy.eps_low, 1.0 + policy.eps_high
     pg2 = -adv * torch.clamp(ratio, lo, hi)

@@ -622,3 +622,32 @@ def test_vocab_parallel_over_nccl_matches_one_gpu():
                 assert err <= 1e-2, (rank, key, err)  # bf16 storage of the gradient
             else:
                 assert err <= 1e-5, (rank, key, err)
+
+
+@pytest.mark.parametrize("objective", [{"importance_sampling": "sequence"}, {"objective": "vespo"},
+                                       {"objective": "gmpo", "loss_type": "grpo"}, {"objective": "kl_cov"}])
+def test_lm_head_sequence_statistics_match_fp64_reference(objective):
+    """Sequence statistics on the fused lm_head (chunks of whole sequences, gradient in forward) and a
+    batch statistic (kl_cov, deferred), through the compiled kernels, against fp64 logits."""
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    b, t, h, v = 4, 256, 256, 32000
+    hidden = torch.randn(b, t, h, device="cuda", generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, h, device="cuda", generator=gen, dtype=torch.float64) / h**0.5 * 2
+    ids = torch.randint(0, v, (b, t), device="cuda", generator=gen)
+    with torch.no_grad():
+        logp = torch.log_softmax(hidden @ weight.T, -1).gather(-1, ids[..., None])[..., 0]
+    inputs = dict(advantages=torch.randn(b, device="cuda", generator=gen, dtype=torch.float64),
+                  old_logprobs=logp + 0.2 * torch.randn(logp.shape, device="cuda", generator=gen, dtype=torch.float64),
+                  loss_mask=(torch.rand(b, t, device="cuda", generator=gen) > 0.1).long())
+    spec = headloss.LossSpec(cross_entropy=None, policy={"loss_type": "dapo", "eps_high": 0.28, **objective})
+    x, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    out = headloss.linear_head_loss(x, w, ids, spec, chunk_bytes=300 * v * 4,
+                                    **{k: (t_.float() if t_.is_floating_point() else t_) for k, t_ in inputs.items()})
+    out.loss.backward()
+    x64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = headloss.head_loss(x64 @ w64.T, ids, spec, backend="reference", **inputs)
+    ref.loss.backward()
+    assert abs(out.loss.item() - ref.loss.item()) <= 1e-4 * max(1.0, abs(ref.loss.item()))
+    assert _rel(x.grad, x64.grad) < 1e-4 and _rel(w.grad, w64.grad) < 1e-4
+    for name, value in ref.metrics.items():
+        assert torch.allclose(out.metrics[name].double(), value.double(), rtol=1e-4, atol=1e-5), name

@@ -821,3 +821,15 @@ def test_lm_head_runs_sequence_statistics_chunk_by_chunk_of_whole_sequences(obje
     assert_close_norm(w.grad, w64.grad, rtol=1e-4, atol=1e-9, name="weight grad")
     for name, value in ref_out.metrics.items():
         assert_close_norm(out.metrics[name], value, rtol=1e-5, atol=1e-6, name=name)
+
+
+@pytest.mark.parametrize("n, kept, q", [(50, 0.6, 0.8), (7, 1.0, 0.5), (9, 0.3, 0.0), (5, 0.5, 1.0), (1, 1.0, 0.3)])
+def test_masked_quantile_equals_torch_quantile_without_a_host_read(n, kept, q):
+    from headloss.policy import masked_quantile
+
+    gen = generator(n)
+    values = torch.randn(n, generator=gen).round(decimals=1)  # ties included
+    keep = torch.rand(n, generator=gen) < kept
+    keep[0] = True
+    torch.testing.assert_close(masked_quantile(values, keep, q), torch.quantile(values[keep], q), rtol=0, atol=0)
+    assert masked_quantile(values, torch.zeros_like(keep), q) == math.inf
