@@ -353,8 +353,8 @@ def linear_head_loss(
                   teacher_weight=teacher_weight, teacher_bias=teacher_bias, advantages=advantages,
                   old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_mask=loss_mask,
                   importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
-                  sequence_ids=sequence_ids, num_items_in_batch=num_items_in_batch, chunk_bytes=chunk_bytes, fp32_weight_grad=fp32_weight_grad,
-                  compact=compact, validate=validate, backend=backend, group=group)
+                  sequence_ids=sequence_ids, num_items_in_batch=num_items_in_batch, chunk_bytes=chunk_bytes,
+                  fp32_weight_grad=fp32_weight_grad, compact=compact, validate=validate, backend=backend, group=group)
     device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else None
     if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
@@ -371,8 +371,8 @@ def linear_head_loss(
 
 def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_logits, teacher_hidden, teacher_weight,
                       teacher_bias, advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights,
-                      rollout_logprobs, sequence_ids, num_items_in_batch, chunk_bytes, fp32_weight_grad, compact, validate,
-                      backend, group) -> HeadLossOutput:
+                      rollout_logprobs, sequence_ids, num_items_in_batch, chunk_bytes, fp32_weight_grad, compact,
+                      validate, backend, group) -> HeadLossOutput:
     if not torch.compiler.is_compiling():
         check_pending()
     plan = plan_for(spec, has_targets=targets is not None)
