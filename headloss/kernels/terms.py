@@ -388,8 +388,9 @@ def policy_values(row_out, scratch, logp, entropy, policy, o, S, F: tl.constexpr
     ``policy`` holds per-slot pointers (old, ref, adv, iw, weight); old / iw may be None
     (on-policy: ratio 1 with gradient; no rollout weights). verl's entropy bonus
     ``-entropy_coef * H`` is aggregated like the loss (or, ENTROPY_TOKEN_MEAN, as TRL's token mean).
-    With sequences of ``policy.seq_len`` slots, the slot's sequence counters and the ratio's extremes in ``scratch`` (head.SEQ_SCRATCH) take
-    its share, for the last program's per-sequence metrics.
+    With sequences of ``policy.seq_len`` slots, the slot's sequence counters and the ratio's
+    extremes in ``scratch`` (head.SEQ_SCRATCH) take its share, for the last program's per-sequence
+    metrics.
     """
     old = logp
     if policy.old is not None:
