@@ -49,6 +49,7 @@ class PolicyInputs:
     weight: torch.Tensor | None = None  # (N,) fp32 aggregation weight (aggregation_weights)
     sequence_ids: torch.Tensor | None = None  # (N,) as given, for the device-side range check
     rollout_logprobs: torch.Tensor | None = None  # (N,) fp32, 0 at masked tokens
+    sequence_level: bool = False  # TRL's sequence-level ratios: clip fractions are means over sequences
     adv_span: int = 1  # tokens per entry of ``advantages`` (K: one per sequence of [B, K], kernel only)
 
 
@@ -401,6 +402,13 @@ def policy_metrics_of(logp, entropy, tok: TokenObjective, kl, mask, inp: PolicyI
         count = mask.sum()
         means = (torch.stack(rows) * mask).sum(dim=1) / count.clamp(min=1.0)
     out = dict(zip(names, means.float().unbind()))
+    if inp.sequence_level:  # TRL: one ratio per sequence, its clip fractions are means over sequences
+        with torch.no_grad():
+            seq = seq_of(inp)
+            tokens = _seq_sum(mask, seq, inp.n_slots).clamp(min=1.0)
+            n_seq = inp.n_seq.clamp(min=1) if isinstance(inp.n_seq, torch.Tensor) else max(inp.n_seq, 1)
+            for name, t in (("clip_ratio/low_mean", low), ("clip_ratio/high_mean", high)):
+                out[name] = ((_seq_sum(t * mask, seq, inp.n_slots) / tokens).sum() / n_seq).float()
     clipfrac = out.pop("pg_clipfrac", None)
     out.update(policy_extremes(out, tok.ratio, low, high, mask, count, inp))
     if clipfrac is not None:
@@ -560,6 +568,7 @@ def policy_inputs(
     )
     inputs.mask = flat_mask.float()
     inputs.weight = aggregation_weights(inputs.mask, spec_policy, inputs)
+    inputs.sequence_level = spec_policy.importance_sampling == "sequence"
     if "rollout_logprobs" in present:
         masked = lambda t: torch.where(flat_mask, t.reshape(-1).float(), 0.0)  # noqa: E731
         inputs.rollout_logprobs = masked(present["rollout_logprobs"])

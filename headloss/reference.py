@@ -351,13 +351,18 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
         one = torch.ones((), dtype=mask.dtype, device=mask.device)
         lowest = lambda t: torch.cat([t.reshape(-1), inf]).amin()  # noqa: E731  (defined when empty)
         highest = lambda t: torch.cat([t.reshape(-1), -inf]).amax()  # noqa: E731
+        # TRL's sequence-level ratios: clip fractions are means over the (padded) sequences
+        seq_mean = lambda t: (t.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / max(mask.shape[0], 1)  # noqa: E731
         metrics = {
-            "clip_ratio/low_mean": low.sum() / denom,
+            "clip_ratio/low_mean": seq_mean(low) if pol.importance_sampling == "sequence" else low.sum() / denom,
             "clip_ratio/low_min": torch.where(any_token, lowest(torch.where(has, frac(low), inf)), 0.0),
-            "clip_ratio/high_mean": high.sum() / denom,
+            "clip_ratio/high_mean": seq_mean(high) if pol.importance_sampling == "sequence" else high.sum() / denom,
             "clip_ratio/high_max": torch.where(any_token, highest(torch.where(has, frac(high), -inf)), 0.0),
-            "clip_ratio/region_mean": (low + high).sum() / denom,
-            "pg_clipfrac": ((low + high) if tok.clipfrac is None else tok.clipfrac.to(mask.dtype) * mask).sum() / denom,
+        }
+        metrics["clip_ratio/region_mean"] = metrics["clip_ratio/low_mean"] + metrics["clip_ratio/high_mean"]
+        metrics["pg_clipfrac"] = metrics["clip_ratio/region_mean"] if tok.clipfrac is None else \
+            (tok.clipfrac.to(mask.dtype) * mask).sum() / denom
+        metrics |= {
             "pg_clipfrac_lower": (tok.dual.to(mask.dtype) * mask).sum() / denom,
             "ppo_kl": (tok.ppo_kl * mask).sum() / denom,
             **(tok.extra or {}),

@@ -70,6 +70,9 @@ EXTRA = {  # case -> (loss_type, GRPOConfig changes)
     "top_entropy_quantile": ("grpo", dict(top_entropy_quantile=0.5)),
     "entropy_bonus-dapo": ("dapo", dict(entropy_coef=0.05)),
     "entropy_bonus-grpo": ("grpo", dict(entropy_coef=0.05)),
+    "gspo": ("grpo", dict(importance_sampling_level="sequence", epsilon=0.02, epsilon_high=0.03)),
+    "luspo-sequence": ("luspo", dict(importance_sampling_level="sequence", epsilon=0.02, epsilon_high=0.03)),
+    "cispo-sequence": ("cispo", dict(importance_sampling_level="sequence", epsilon_high=0.3)),
 }
 
 
@@ -83,7 +86,7 @@ def test_grpo_loss_gradient_and_metrics_equal_trls_on_the_same_batch(tmp_path, l
     loss_type, extra = EXTRA.get(case, (case, {}))
     options = dict(delta=1.5 if loss_type == "bnpo" else None, **extra)
     if loss_type == "cispo":
-        options["epsilon_high"] = 1.05  # CISPO's cap is absolute (TRL recommends 5.0): some tokens above it
+        options.setdefault("epsilon_high", 1.05)  # CISPO's cap is absolute (TRL recommends 5.0): some above it
     if loss_type == "sapo":
         options.update(sapo_temperature_pos=2.0, sapo_temperature_neg=0.7)
     trainer = grpo(tmp_path, loss_type=loss_type, bf16=bf16, **options)
@@ -141,7 +144,7 @@ def test_grpo_two_training_steps_match_trl(tmp_path):
 
 
 @pytest.mark.parametrize("option, value", [
-    ("importance_sampling_level", "sequence"), ("use_adaptive_entropy", True),
+    ("use_adaptive_entropy", True),
 ])
 def test_grpo_options_without_a_mapping_are_refused(tmp_path, option, value):
     with pytest.raises(ValueError, match=option):
@@ -222,7 +225,7 @@ def test_two_processes_reduce_metrics_as_trl_does(tmp_path):
     tiny_model().save_pretrained(tmp_path / "tiny")
     result = torchrun("trl_ddp.py", tmp_path)
     assert result["world"] == 2
-    for name in ("grpo", "sft"):
+    for name in ("grpo", "gspo", "vespo", "sft"):  # gspo, vespo: sequence means across processes
         run = result[name]
         assert run["err"] <= 1e-5, name
         assert len(run["stock"]) == len(run["mine"]) == 2

@@ -248,6 +248,12 @@ def trl_high_entropy_mask(entropies, mask, threshold):  # GRPOTrainer.get_high_e
     return entropy_mask & mask.bool()
 
 
+def global_masked_mean(x, mask):  # _compute_loss's global_masked_mean, one process
+    if x.shape[1] == 1:  # importance_sampling_level == "sequence": one value per sequence
+        return x.sum() / float(x.shape[0])
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
 def trl_compute_loss(loss_type, per_token_logps, old_per_token_logps, advantages, mask, cfg):
     """GRPOTrainer._compute_loss for loss_type cispo / sapo, importance_sampling_level 'token' or
     'sequence', beta 0, one process, one accumulation step: (loss, metrics)."""
@@ -263,8 +269,8 @@ def trl_compute_loss(loss_type, per_token_logps, old_per_token_logps, advantages
         per_token_loss = -clamped_ratios * advantages * per_token_logps
         normalizer = cfg["num_items_in_batch"].clamp(min=1.0)
         loss = (per_token_loss * mask).sum() / normalizer
-        is_cispo_clipped = ((coef_1 > cfg["epsilon_high"]) & (advantages > 0)).expand_as(mask)
-        metrics["cispo_clip_ratio"] = (is_cispo_clipped * mask).sum() / mask.sum().clamp(min=1.0)
+        is_cispo_clipped = ((coef_1 > cfg["epsilon_high"]) & (advantages > 0)).float()
+        metrics["cispo_clip_ratio"] = global_masked_mean(is_cispo_clipped, mask)
     else:  # sapo
         temperatures = torch.where(advantages > 0, cfg["sapo_temperature_pos"], cfg["sapo_temperature_neg"])
         soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures

@@ -341,9 +341,8 @@ def test_clip_ratio_low_min_is_the_min_over_sequences_of_their_clipped_fraction(
 
 
 @pytest.mark.parametrize("backend", _both_backends())
-def test_sequence_level_clip_ratios_are_token_weighted_means(backend):
-    """Documented choice: clip fractions are over masked tokens at both levels (TRL averages the
-    sequence-level [B, 1] indicators over sequences instead)."""
+def test_sequence_level_clip_ratios_are_means_over_sequences(backend):
+    """As TRL's global_masked_mean of the [B, 1] sequence-level indicators: over sequences."""
     logits, targets, mask = _aggregation_case()
     logits = logits.float() if backend == "triton" else logits
     logp = true_logprobs(logits, targets, LossSpec())
@@ -351,7 +350,7 @@ def test_sequence_level_clip_ratios_are_token_weighted_means(backend):
     spec = policy_spec("grpo", importance_sampling="sequence")
     out = head_loss(logits, targets, spec, backend=backend, advantages=torch.tensor([1.0, -3.0]), loss_mask=mask,
                     old_logprobs=old)
-    assert float(out.metrics["clip_ratio/high_mean"]) == pytest.approx(2.0 / 3)  # 2 of the 3 masked tokens
+    assert float(out.metrics["clip_ratio/high_mean"]) == pytest.approx(1.0 / 2)  # 1 of the 2 sequences
 
 
 # --- kernel vs fp64 reference -----------------------------------------------------------------

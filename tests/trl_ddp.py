@@ -30,12 +30,14 @@ if __name__ == "__main__":
     # the tiny model was saved by the launching test: under torch.distributed only rank 0 would write it
     test_integrations_trl.saved_model = lambda _path: str(Path(sys.argv[1]) / "tiny")
     result = {}
-    for name, make in (("grpo", grpo), ("sft", sft)):
+    extra = {"grpo": {}, "gspo": dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=0.02,
+                                      epsilon_high=0.03), "vespo": dict(loss_type="vespo")}
+    for name, make in (("grpo", grpo), ("gspo", grpo), ("vespo", grpo), ("sft", sft)):
         runs = {}
-        for label, cls in (("stock", trl.GRPOTrainer if name == "grpo" else trl.SFTTrainer),
-                           ("mine", HeadLossGRPOTrainer if name == "grpo" else HeadLossSFTTrainer)):
-            if name == "grpo":
-                trainer = make(out / name / label, cls=cls, ddp_backend="gloo", max_steps=2)
+        for label, cls in (("stock", trl.GRPOTrainer if name != "sft" else trl.SFTTrainer),
+                           ("mine", HeadLossGRPOTrainer if name != "sft" else HeadLossSFTTrainer)):
+            if name != "sft":
+                trainer = make(out / name / label, cls=cls, ddp_backend="gloo", max_steps=2, **extra[name])
             else:
                 trainer = make(out / name / label, cls, ddp_backend="gloo", max_steps=2)
             trainer.train()

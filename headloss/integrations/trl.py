@@ -44,9 +44,11 @@ with TRL's ``sampling_per_token_logps`` as ``rollout_logprobs``); ``top_entropy_
 bonus (``entropy_coef``: ``entropy_aggregation="token-mean"``, divided by the accumulation steps as
 TRL does; ``policy_loss`` and ``entropy_coef`` logged as TRL logs them).
 
-Refused with an error naming the option (no mapping yet): ``importance_sampling_level="sequence"``
-(TRL's metrics are then sequence means); ``top_entropy_quantile < 1`` over several processes or
-with the entropy bonus; ``use_adaptive_entropy``; SFT's ``compute_loss_func`` and DeepSpeed sequence
+``importance_sampling_level="sequence"`` (GSPO): ``Policy.importance_sampling="sequence"``, its clip
+fractions means over sequences as TRL's.
+
+Refused with an error naming the option (no mapping yet): ``top_entropy_quantile < 1`` over several
+processes or with the entropy bonus; ``use_adaptive_entropy``; SFT's ``compute_loss_func`` and DeepSpeed sequence
 parallelism.
 
 Pass ``spec=`` to score more than TRL's loss (z-loss, say): its extra metrics are logged too.
@@ -86,9 +88,8 @@ def grpo_spec(trainer) -> LossSpec:
 
     if trainer.loss_type not in _LOSS_TYPES:
         refuse("loss_type", f"{trainer.loss_type!r}")
-    if trainer.importance_sampling_level != "token":
-        refuse("importance_sampling_level", f"{trainer.importance_sampling_level!r} (TRL's metrics are then "
-               "sequence means)")
+    if trainer.importance_sampling_level not in ("token", "sequence"):
+        refuse("importance_sampling_level", f"{trainer.importance_sampling_level!r}")
     args = trainer.args
     processes = getattr(getattr(trainer, "accelerator", None), "num_processes", 1)
     if trainer.top_entropy_quantile < 1.0 and processes > 1:
@@ -104,6 +105,7 @@ def grpo_spec(trainer) -> LossSpec:
         vespo_k_neg=getattr(args, "vespo_k_neg", 3.0), vespo_lambda_neg=getattr(args, "vespo_lambda_neg", 2.0),
         off_policy_mask=trainer.off_policy_mask_threshold, top_entropy_quantile=trainer.top_entropy_quantile,
         entropy_coef=float(trainer.entropy_coef) if bonus else 0.0, entropy_aggregation="token-mean",
+        importance_sampling=trainer.importance_sampling_level,
         objective=objective, loss_type=loss_type, eps_low=trainer.epsilon_low, eps_high=trainer.epsilon_high,
         sapo_tau_pos=getattr(args, "sapo_temperature_pos", 1.0),
         sapo_tau_neg=getattr(args, "sapo_temperature_neg", 1.05),
@@ -208,6 +210,13 @@ class HeadLossGRPOTrainer(GRPOTrainer):
         self._log_metrics(mode, result.metrics, policy)
         return loss
 
+    def _sequence_means(self, metrics: dict[str, torch.Tensor], names) -> dict[str, float]:
+        """Means over the sequences of every process (TRL's global_masked_mean of [B, 1] values)."""
+        count = torch.tensor(float(self._sequences), device=metrics["n_tokens"].device)
+        stack = torch.stack([count] + [metrics[k].float() * count for k in names])
+        totals = self.accelerator.reduce(stack, reduction="sum").tolist()
+        return {k: v / max(totals[0], 1.0) for k, v in zip(names, totals[1:])}
+
     def _spec_for_call(self, mode: str) -> LossSpec:
         """The spec of this call: TRL divides the entropy bonus by the accumulation steps in training,
         which the whole loss gets for the per-step loss types but dapo's normaliser does not have."""
@@ -227,19 +236,20 @@ class HeadLossGRPOTrainer(GRPOTrainer):
         cispo (the share of A > 0 tokens above the cap: clip_ratio/high_mean here), none for sapo."""
         clip_family = policy.objective == "clip"
         clip_names = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean") if clip_family else ()
-        names = [k for k in ("kl", "entropy", *clip_names) if k in metrics and (k != "kl" or policy.kl_beta != 0.0)]
+        by_sequence = policy.importance_sampling == "sequence"  # TRL: those clip means are over sequences
+        names = [k for k in ("kl", "entropy") if k in metrics and (k != "kl" or policy.kl_beta != 0.0)]
         extra = [k for k in metrics if k not in names and k not in _POLICY_INTERNAL]
-        values = _global_means(self.accelerator, metrics, names + extra)
-        for k in names + extra:
+        clip_means = list(clip_names) + (["clip_ratio/high_mean"] if policy.objective == "cispo" else [])
+        values = _global_means(self.accelerator, metrics, names + extra + ([] if by_sequence else clip_means))
+        if by_sequence:
+            values.update(self._sequence_means(metrics, clip_means))
+        for k in names + extra + list(clip_names):
             self._metrics[mode][_TRL_NAMES.get(k, k)].append(values[k])
         if policy.objective == "cispo":
-            self._metrics[mode]["cispo_clip_ratio"].append(
-                _global_means(self.accelerator, metrics, ["clip_ratio/high_mean"])["clip_ratio/high_mean"])
+            self._metrics[mode]["cispo_clip_ratio"].append(values["clip_ratio/high_mean"])
         if policy.objective == "vespo":  # TRL: a mean over the sequences of every process
-            count = torch.tensor(float(self._sequences), device=metrics["n_tokens"].device)
-            totals = self.accelerator.reduce(torch.stack([metrics["vespo/phi_seq_mean"].float() * count, count]),
-                                             reduction="sum")
-            self._metrics[mode]["vespo/phi_seq_mean"].append(float(totals[0] / totals[1].clamp(min=1.0)))
+            self._metrics[mode]["vespo/phi_seq_mean"].append(
+                self._sequence_means(metrics, ["vespo/phi_seq_mean"])["vespo/phi_seq_mean"])
         has = metrics["n_tokens"].reshape(1) > 0
         for k, reduce, empty in (("clip_ratio/low_min", torch.min, float("inf")),
                                  ("clip_ratio/high_max", torch.max, float("-inf"))):
