@@ -42,15 +42,16 @@ OBJECTIVES = {  # name -> Policy fields over BASE
     "clip, verl k3+ (clamped)": dict(convention="verl", dual_clip_c=3.0, kl_clamp=True, kl_grad="k2"),
     "clip, rollout IS token truncate": dict(rollout_is="token", rollout_is_max=2.0),
     "clip, TRL entropy bonus": dict(entropy_coef=0.01, entropy_aggregation="token-mean"),
-    # deferred mode: a sequence or batch statistic between the stats and the gradient pass
-    "clip, sequence-level (GSPO, deferred)": dict(importance_sampling="sequence"),
-    "clip, sequence_token (verl gspo, deferred)": dict(importance_sampling="sequence_token", loss_type="grpo"),
-    "gmpo (deferred)": dict(objective="gmpo", loss_type="grpo"),
-    "vespo (deferred)": dict(objective="vespo"),
-    "kl_cov (deferred)": dict(objective="kl_cov"),
-    "clip_cov (deferred)": dict(objective="clip_cov"),
-    "clip, off-policy mask (deferred)": dict(off_policy_mask=0.5),
-    "clip, top entropy 0.2 (deferred)": dict(top_entropy_quantile=0.2),
+    # a sequence or batch statistic between the stats and the gradient pass: deferred mode on the
+    # logits; on the lm_head, sequence statistics run chunk by chunk of whole sequences
+    "clip, sequence-level (GSPO, sequence statistic)": dict(importance_sampling="sequence"),
+    "clip, sequence_token (verl gspo, sequence statistic)": dict(importance_sampling="sequence_token", loss_type="grpo"),
+    "gmpo (sequence statistic)": dict(objective="gmpo", loss_type="grpo"),
+    "vespo (sequence statistic)": dict(objective="vespo"),
+    "kl_cov (batch statistic)": dict(objective="kl_cov"),
+    "clip_cov (batch statistic)": dict(objective="clip_cov"),
+    "clip, off-policy mask (sequence statistic)": dict(off_policy_mask=0.5),
+    "clip, top entropy 0.2 (batch statistic)": dict(top_entropy_quantile=0.2),
 }
 LIGER = {"clip": "dapo", "cispo": "cispo", "sapo": "sapo"}
 
