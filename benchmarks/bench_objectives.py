@@ -45,7 +45,8 @@ OBJECTIVES = {  # name -> Policy fields over BASE
     # a sequence or batch statistic between the stats and the gradient pass: deferred mode on the
     # logits; on the lm_head, sequence statistics run chunk by chunk of whole sequences
     "clip, sequence-level (GSPO, sequence statistic)": dict(importance_sampling="sequence"),
-    "clip, sequence_token (verl gspo, sequence statistic)": dict(importance_sampling="sequence_token", loss_type="grpo"),
+    "clip, sequence_token (verl gspo, sequence statistic)": dict(importance_sampling="sequence_token",
+                                                                 loss_type="grpo"),
     "gmpo (sequence statistic)": dict(objective="gmpo", loss_type="grpo"),
     "vespo (sequence statistic)": dict(objective="vespo"),
     "kl_cov (batch statistic)": dict(objective="kl_cov"),
