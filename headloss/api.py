@@ -413,8 +413,10 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
     if shift and targets.shape != token_shape:  # completion ids: per-token inputs get the unscored last row
         given = {k: _pad_last(v, k) for k, v in given.items()}
     backend = resolve_backend(backend, hidden.device, hidden.dtype, name="hidden")
+    completion = shift and targets.shape != token_shape  # rows padded by one: T - 1 scored positions
     policy, targets = policy_inputs(spec.policy, tuple(targets.shape) if targets is not None else token_rows, targets,
-                                    spec.ignore_index, norm.as_torch(), mode, given)
+                                    spec.ignore_index, norm.as_torch(), mode, given,
+                                    norm_length=token_shape[1] if completion else None)
     if backend == "reference":
         if shard is not None:  # the whole weight (and teacher) on every rank; each keeps its rows' gradient
             weight = gather_vocab(weight.t(), shard).t()

@@ -20,6 +20,7 @@ which Inductor treats as opaque kernels (``register_fake`` gives their output sh
 from __future__ import annotations
 
 import itertools
+import os
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any
@@ -88,6 +89,13 @@ class _Handed:
 
 _HANDED: weakref.WeakValueDictionary[int, _Handed] = weakref.WeakValueDictionary()
 _HANDED_IDS = itertools.count(1)
+
+
+COMPILE_HANDOFF = os.environ.get("HEADLOSS_COMPILE_HANDOFF", "1") != "0"
+"""Under torch.compile, hand the fused gradient over beside the graph (default). Off
+(``HEADLOSS_COMPILE_HANDOFF=0``): it is a saved graph tensor, which Inductor clones before the scale
+in backward (one more pass over it), but which saved-tensor hooks that copy saved tensors
+(offloading, ``torch.autograd.graph.save_on_cpu``) can carry."""
 
 
 def _hand_off(grads: list[tuple[torch.Tensor, Geometry] | None]) -> torch.Tensor:
@@ -236,7 +244,7 @@ class HeadFunction(torch.autograd.Function):
         if fused and ctx.needs_input_grad[0]:
             grad_mode = "inplace" if run.inplace else "fresh"
             if torch.compiler.is_compiling():
-                grad_mode = "handoff"
+                grad_mode = "handoff" if COMPILE_HANDOFF else "fresh"
         policy = PolicyRows(old, ref, adv, iw, weight, run.adv_span, run.seq_len) if adv is not None else None
         if torch.compiler.is_compiling():
             if run.shard is not None:
@@ -246,7 +254,7 @@ class HeadFunction(torch.autograd.Function):
                 _geo_ints(run.geo), run.geo.norm, grad_mode, run.validate, list(run.token_shape),
                 [run.adv_span, run.seq_len],
             )
-            grad = grad if grad_mode == "handoff" else None  # the token
+            grad = grad if grad_mode != "none" else None  # the token (handoff), or the gradient
         else:
             loss, rows, pred, means, scratch, grad, *stats = head_forward(
                 plan, run.geo, logits, targets, teacher, policy, num_items, sequence_ids, grad_mode, run.validate,
@@ -257,6 +265,7 @@ class HeadFunction(torch.autograd.Function):
         if fused:
             ctx.grad_geo = _grad_geometry(run.geo, grad) if grad_mode == "inplace" else run.geo
             ctx.grad_like = (tuple(logits.shape), logits.dtype)
+            ctx.handoff = grad_mode == "handoff"
             ctx.save_for_backward(grad)
             ctx.mark_non_differentiable(rows, pred, means, scratch)
         else:
@@ -274,8 +283,11 @@ class HeadFunction(torch.autograd.Function):
             if grad is None or d_loss is None:
                 return None, *nones
             if torch.compiler.is_compiling():
-                shape, dtype = ctx.grad_like
-                return torch.ops.headloss.take_grad(grad, d_loss.float().reshape(1), 0, list(shape), dtype), *nones
+                if ctx.handoff:
+                    shape, dtype = ctx.grad_like
+                    return torch.ops.headloss.take_grad(grad, d_loss.float().reshape(1), 0, list(shape), dtype), *nones
+                torch.ops.headloss.scale_grad_(grad, d_loss.float().reshape(1), _geo_ints(ctx.grad_geo))
+                return grad, *nones
             guard_second_backward(ctx)
             return scale_grad_(grad, d_loss.float(), ctx.grad_geo), *nones
         if d_loss is None and d_rows is None:
@@ -607,10 +619,11 @@ class LinearFunction(torch.autograd.Function):
         teacher = (teacher_logits, teacher_hidden, teacher_weight, teacher_bias)
         policy = (old, ref, adv, iw, policy_weight)
         wants = tuple(ctx.needs_input_grad[:3])
+        handoff = False
         if torch.compiler.is_compiling():
             if run.shard is not None:
                 raise NotImplementedError("group: a vocab-parallel linear_head_loss is not traceable by torch.compile")
-            handoff = run.plan.mode == "fused" and any(wants)
+            handoff = run.plan.mode == "fused" and any(wants) and COMPILE_HANDOFF
             loss, rows, pred, means, scratch, dh, dw, db, token = torch.ops.headloss.linear_forward(
                 hidden, weight, bias, targets, *teacher, *policy, num_items, sequence_ids, run.plan.key,
                 run.chunk_rows, run.fp32_weight_grad, run.validate, list(run.token_shape), run.ignore_index,
@@ -627,6 +640,7 @@ class LinearFunction(torch.autograd.Function):
                 PolicyRows(*policy) if adv is not None else None, num_items, sequence_ids, wants,
             )
         ctx.run, ctx.wants = run, wants
+        ctx.handoff = handoff
         ctx.set_materialize_grads(False)
         if run.grads_in_forward:
             ctx.save_for_backward(dh, dw, db)
@@ -644,10 +658,17 @@ class LinearFunction(torch.autograd.Function):
             return None, None, None, *nones
         if run.grads_in_forward:
             d_loss = d_loss.float()
-            if torch.compiler.is_compiling():
+            if torch.compiler.is_compiling() and ctx.handoff:
                 token = ctx.saved_tensors[0]
                 return (*(torch.ops.headloss.take_grad(token, d_loss.reshape(1), i, *like) if want else None
                           for i, (want, like) in enumerate(zip(ctx.wants, ctx.grad_like))), *nones)
+            if torch.compiler.is_compiling():  # COMPILE_HANDOFF off: Inductor clones each before the scale
+                grads = []
+                for g in ctx.saved_tensors:
+                    if g is not None:
+                        torch.ops.headloss.scale_grad_(g, d_loss.reshape(1), _geo_ints(_flat_geometry(g)))
+                    grads.append(g)
+                return (*grads, *nones)
             guard_second_backward(ctx)
             return (*(None if g is None else scale_grad_(g, d_loss, _flat_geometry(g)) for g in ctx.saved_tensors),
                     *nones)
@@ -733,6 +754,17 @@ def _head_backward_op(
 @_head_backward_op.register_fake
 def _(logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch, key, geo, norm):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+@torch.library.custom_op("headloss::scale_grad_", mutates_args=("grad",))
+def _scale_grad_op(grad: torch.Tensor, d_loss: torch.Tensor, geo: list[int]) -> None:
+    """grad *= d_loss in place: the compiled backward with HEADLOSS_COMPILE_HANDOFF=0."""
+    scale_grad_(grad, d_loss, _geo(geo, 0.0))
+
+
+@_scale_grad_op.register_fake
+def _(grad, d_loss, geo):
+    return None
 
 
 @torch.library.custom_op("headloss::take_grad", mutates_args=(), tags=_BESIDE_GRAPH)

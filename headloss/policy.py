@@ -50,6 +50,8 @@ class PolicyInputs:
     sequence_ids: torch.Tensor | None = None  # (N,) as given, for the device-side range check
     rollout_logprobs: torch.Tensor | None = None  # (N,) fp32, 0 at masked tokens
     sequence_level: bool = False  # TRL's sequence-level ratios: clip fractions are means over sequences
+    per_sequence_adv: bool = True  # advantages were given one per sequence ([B] for [B, T] tokens)
+    norm_length: int | None = None  # seq-mean-token-sum-norm's T when the rows are longer (padded)
     adv_span: int = 1  # tokens per entry of ``advantages`` (K: one per sequence of [B, K], kernel only)
 
 
@@ -171,7 +173,8 @@ def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -
     Depends on the mask and sequence layout only, so it is computed once, without gradient.
     """
     kind = policy.loss_type
-    if policy.convention == "verl" and kind.startswith("seq-mean"):  # agg_loss: empty sequences do not count
+    if policy.convention == "verl" and kind.startswith("seq-mean") and policy.objective != "gmpo":
+        # agg_loss: empty sequences do not count (geo_mean's torch.mean counts every sequence)
         seq = seq_of(inp)
         tokens_per_seq = _seq_sum(mask, seq, inp.n_slots)
         n_counted = (tokens_per_seq > 0).sum().clamp(min=1).to(mask.dtype)
@@ -179,7 +182,7 @@ def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -
             return mask / (tokens_per_seq.clamp(min=1.0)[seq] * n_counted)
         if kind == "seq-mean-token-sum":
             return mask / n_counted
-        return mask / (n_counted * inp.seq_len)
+        return mask / (n_counted * (inp.norm_length or inp.seq_len))
     if isinstance(inp.n_seq, torch.Tensor):
         n_seq = inp.n_seq.clamp(min=1).to(mask.dtype)
     else:
@@ -200,13 +203,14 @@ def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -
     if kind == "seq-mean-token-sum":
         return mask / n_seq
     if kind == "seq-mean-token-sum-norm":
-        return mask / inp.seq_len
+        return mask / (inp.norm_length or inp.seq_len)
     raise ValueError(f"policy.loss_type: unknown {kind!r}")
 
 
 def objective_of(logp: torch.Tensor, entropy: torch.Tensor | None, old: torch.Tensor, adv: torch.Tensor,
                  iw: torch.Tensor | None, mask: torch.Tensor, seq: torch.Tensor, n_slots: int,
-                 policy: Policy, rollout: torch.Tensor | None = None) -> TokenObjective:
+                 policy: Policy, rollout: torch.Tensor | None = None, per_sequence_adv: bool = True
+                 ) -> TokenObjective:
     """The objective per token (N,) on flat rows, with its sequence and batch statistics (``seq``:
     each row's sequence in [0, n_slots)), the rollout weights and the masks, without the KL. The
     torch path of deferred mode and the reference path both run it; the fused kernel's epilogue
@@ -216,7 +220,7 @@ def objective_of(logp: torch.Tensor, entropy: torch.Tensor | None, old: torch.Te
     if objective == "gmpo":
         tok = _gmpo(logp, old, adv, iw, mask, seq, n_slots, count, policy)
     elif objective == "vespo":
-        tok = _vespo(logp, old, adv, iw, mask, seq, n_slots, policy)
+        tok = _vespo(logp, old, adv, iw, mask, seq, n_slots, policy, per_sequence_adv)
     elif objective in ("clip_cov", "kl_cov"):
         tok = _covariance(logp, old, adv, mask, policy)
     else:
@@ -290,23 +294,36 @@ def _gmpo(logp, old, adv, iw, mask, seq, n_slots, count, policy: Policy) -> Toke
     return TokenObjective(seq_loss[seq], seq_ratio[seq], low, high, low, -log_ratio.detach(), clipfrac=high)
 
 
-def _vespo(logp, old, adv, iw, mask, seq, n_slots, policy: Policy) -> TokenObjective:
+def _vespo(logp, old, adv, iw, mask, seq, n_slots, policy: Policy, per_sequence_adv: bool = True
+           ) -> TokenObjective:
     """TRL GRPOTrainer.get_gamma_weights: phi(w) of the sequence's ratio product w (rollout weights
-    included), by the sign of each token's advantage; the loss -sg(phi) A logp."""
+    included: per token, their product; a sequence-level rollout weight, once), by the sign of each
+    token's advantage; the loss -sg(phi) A logp. vespo/phi_seq_mean as TRL's global_masked_mean:
+    over the sequences (an empty one has w = 1) with one advantage per sequence, else over tokens."""
     with torch.no_grad():
         lower = math.log(1e-8)
         log_ratio = torch.clamp(logp - old, -20.0, 20.0)
         seq_log_ratio = _seq_sum(log_ratio * mask, seq, n_slots)
         if iw is not None:
-            seq_log_ratio = seq_log_ratio + _seq_sum(torch.clamp(torch.log(iw), lower, 20.0) * mask, seq, n_slots)
-        log_w = torch.clamp(seq_log_ratio, lower, 20.0)[seq]
-        nonneg = adv >= 0
-        k = torch.where(nonneg, policy.vespo_k_pos, policy.vespo_k_neg)
-        lam = torch.where(nonneg, policy.vespo_lambda_pos, policy.vespo_lambda_neg).clamp(min=1e-4)
-        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-        has = _seq_sum(mask, seq, n_slots) > 0
-        per_seq = _seq_sum(phi * mask, seq, n_slots) / _seq_sum(mask, seq, n_slots).clamp(min=1.0)
-        phi_mean = (per_seq * has).sum() / has.sum().clamp(min=1)
+            log_iw = _seq_sum(torch.clamp(torch.log(iw), lower, 20.0) * mask, seq, n_slots)
+            if policy.rollout_is == "sequence":  # the sequence's weight sits on each of its tokens
+                log_iw = log_iw / _seq_sum(mask, seq, n_slots).clamp(min=1.0)
+            seq_log_ratio = seq_log_ratio + log_iw
+        seq_log_w = torch.clamp(seq_log_ratio, lower, 20.0)
+
+        def phi_of(log_w, a):
+            nonneg = a >= 0
+            k = torch.where(nonneg, policy.vespo_k_pos, policy.vespo_k_neg)
+            lam = torch.where(nonneg, policy.vespo_lambda_pos, policy.vespo_lambda_neg).clamp(min=1e-4)
+            return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+        phi = phi_of(seq_log_w[seq], adv)
+        if per_sequence_adv:
+            present = _seq_sum(torch.ones_like(mask), seq, n_slots) > 0  # rows of the sequence, counted or not
+            seq_adv = torch.zeros(n_slots, dtype=adv.dtype, device=adv.device).index_copy(0, seq, adv)
+            phi_mean = (phi_of(seq_log_w, seq_adv) * present).sum() / present.sum().clamp(min=1)
+        else:
+            phi_mean = (phi * mask).sum() / mask.sum().clamp(min=1.0)
     no = torch.zeros_like(mask, dtype=torch.bool)
     # the ratio keeps its gradient: TRL's bias-corrected KL multiplies by it
     return TokenObjective(-phi * adv * logp, torch.exp(logp - old), no, no, no, (old - logp).detach(),
@@ -367,7 +384,7 @@ def policy_objective(
     """
     old = inp.old_logprobs if inp.old_logprobs is not None else logp.detach()
     tok = objective_of(logp, entropy, old, inp.advantages, inp.importance_weights, mask, seq_of(inp), inp.n_slots,
-                       policy, inp.rollout_logprobs)
+                       policy, inp.rollout_logprobs, inp.per_sequence_adv)
     per_token = tok.loss
     kl = None
     if policy.kl_beta != 0.0:
@@ -460,6 +477,7 @@ def policy_inputs(
     validate: str,
     given: dict[str, torch.Tensor | None],
     in_kernel: bool = False,
+    norm_length: int | None = None,
 ) -> tuple[PolicyInputs | None, torch.Tensor | None]:
     """Check and flatten the policy term's per-call inputs; returns (inputs, effective targets).
 
@@ -567,8 +585,10 @@ def policy_inputs(
         adv_span=max(adv_span, 1),
     )
     inputs.mask = flat_mask.float()
+    inputs.norm_length = norm_length
     inputs.weight = aggregation_weights(inputs.mask, spec_policy, inputs)
     inputs.sequence_level = spec_policy.importance_sampling == "sequence"
+    inputs.per_sequence_adv = per_sequence
     if "rollout_logprobs" in present:
         masked = lambda t: torch.where(flat_mask, t.reshape(-1).float(), 0.0)  # noqa: E731
         inputs.rollout_logprobs = masked(present["rollout_logprobs"])

@@ -282,7 +282,8 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
     per_token_logps = pad(logp)
     mask = pad(valid.to(logp.dtype))
     adv = inputs["advantages"].to(logp.dtype)
-    if adv.dim() == 1 and len(token_shape) == 2 and adv.shape[0] == token_shape[0]:
+    per_sequence_adv = adv.dim() == 1 and len(token_shape) == 2 and adv.shape[0] == token_shape[0]
+    if per_sequence_adv:
         adv = adv[:, None].expand(token_shape)  # one per sequence
     advantages = pad(adv)
     old = pad(inputs["old_logprobs"]) if "old_logprobs" in inputs else per_token_logps.detach()
@@ -294,7 +295,7 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
     if pol.rollout_is is not None:
         iw = rollout_weights(flat(old), flat(rollout), flat(mask), seq, n_seq, pol).reshape(n_seq, length)
     tok = objective_of(flat(per_token_logps), flat(pad(entropy)), flat(old), flat(advantages), flat(iw), flat(mask),
-                       seq, n_seq, pol, flat(rollout))
+                       seq, n_seq, pol, flat(rollout), per_sequence_adv)
     for name in ("loss", "ratio", "low", "high", "dual", "ppo_kl", "clipfrac", "high_entropy"):
         if getattr(tok, name) is not None:
             setattr(tok, name, getattr(tok, name).reshape(n_seq, length))
@@ -309,7 +310,7 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
 
     def agg(loss_mat):
         batch, length = loss_mat.shape
-        if pol.convention == "verl" and pol.loss_type.startswith("seq-mean"):  # verl agg_loss
+        if pol.convention == "verl" and pol.loss_type.startswith("seq-mean") and pol.objective != "gmpo":
             counts = mask.sum(-1)
             per_seq = (loss_mat * mask).sum(-1)
             if pol.loss_type == "seq-mean-token-mean":

@@ -149,6 +149,8 @@ def test_opcheck_head_backward():
         [1, 0])
     args = (logits, targets, None, rows, torch.rand(5), torch.rand(rows.shape), None, scratch, key, _geo_ints(geo), 0.0)
     torch.library.opcheck(torch.ops.headloss.head_backward.default, args)
+    torch.library.opcheck(torch.ops.headloss.scale_grad_.default, (torch.randn(5, V), torch.tensor([2.0]),
+                                                                    _geo_ints(geo)))  # HEADLOSS_COMPILE_HANDOFF=0
 
 
 @needs_kernel
@@ -254,3 +256,39 @@ def test_a_spec_object_held_anywhere_compiles():
         return (head_loss(x, y, spec, backend="reference").loss,)
 
     _compare(step, make_logits((6, V), seed=12).requires_grad_(), make_targets((6,), V, seed=12))
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ["logits", "hidden"])
+def test_offloading_saved_tensors_under_compile_needs_the_handoff_off(entry, monkeypatch):
+    """A saved-tensor hook that copies saved tensors (as save_on_cpu(pin_memory=True) does; here a
+    clone) cannot carry the hand-off token:
+    backward raises naming the cause; HEADLOSS_COMPILE_HANDOFF=0 (a saved gradient, cloned by
+    Inductor before its scale) works, equal to eager."""
+    import headloss.engine as engine
+
+    gen = torch.Generator().manual_seed(15)
+    x = make_logits((6, V), seed=15) if entry == "logits" else torch.randn(6, 8, generator=gen)
+    w = torch.randn(V, 8, generator=gen)
+    y = make_targets((6,), V, seed=15)
+
+    def step(x, w, y):
+        out = head_loss(x, y, SFT) if entry == "logits" else linear_head_loss(x, w, y, SFT)
+        return 2.0 * out.loss
+
+    def run(compiled):
+        leaves = [x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()]
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+            loss = (torch.compile(step, fullgraph=True) if compiled else step)(*leaves, y)
+        loss.backward()
+        return [leaf.grad for leaf in leaves]
+
+    want = run(False)
+    with pytest.raises(RuntimeError, match="saved-tensor hook"):
+        run(True)
+    torch._dynamo.reset()
+    monkeypatch.setattr(engine, "COMPILE_HANDOFF", False)
+    for got, ref in zip(run(True), want):
+        if ref is not None:
+            assert_close_norm(got, ref, rtol=1e-5, atol=1e-7, name="grad")

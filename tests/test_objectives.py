@@ -839,3 +839,65 @@ def test_masked_quantile_equals_torch_quantile_without_a_host_read(n, kept, q):
     keep[0] = True
     torch.testing.assert_close(masked_quantile(values, keep, q), torch.quantile(values[keep], q), rtol=0, atol=0)
     assert masked_quantile(values, torch.zeros_like(keep), q) == math.inf
+
+
+# --- found in review ------------------------------------------------------------------------------
+
+
+@needs_kernel
+def test_vespo_takes_a_sequence_level_rollout_weight_once():
+    """rollout_is='sequence' puts the sequence's weight on each token; VESPO's w multiplies it in once,
+    so without truncation the token and sequence modes give the same w (a product of the same ratios)."""
+    logits, targets, mask, adv, old, _, _ = make_case(79)
+    rollout = old + 0.05 * torch.randn(B, T, generator=generator(8), dtype=torch.float64)
+    inputs = dict(advantages=adv, old_logprobs=old, rollout_logprobs=rollout, loss_mask=mask)
+    got = {level: run_both(logits, targets, LossSpec(cross_entropy=None, policy=Policy(
+        objective="vespo", rollout_is=level, rollout_is_max=None, rollout_is_min=0.0)), inputs)
+        for level in ("token", "sequence")}
+    for backend in ("triton", "reference"):
+        (tok_out, tok_grad), (seq_out, seq_grad) = got["token"][backend], got["sequence"][backend]
+        assert_close_norm(seq_out.loss, tok_out.loss, rtol=1e-5, atol=1e-7, name=f"{backend} loss")
+        assert_close_norm(seq_grad, tok_grad, rtol=1e-5, atol=1e-9, name=f"{backend} grad")
+
+
+@needs_kernel
+def test_verl_gmpo_averages_over_every_sequence_even_with_the_verl_convention():
+    """geo_mean's torch.mean counts a fully masked response (its loss is 0), unlike agg_loss."""
+    logits, targets, mask, adv, old, _, _ = make_case(83)
+    mask[2] = 0
+    leaf, log_prob = oracle_logp(logits, targets)
+    cfg = dict(clip_ratio_low=0.2, clip_ratio_high=0.28)
+    loss, metrics = verl_sequence_loss("geo_mean", old, log_prob, adv[:, None].expand(B, T), mask.double(), cfg)
+    loss.backward()
+    policy = Policy(objective="gmpo", convention="verl", loss_type="seq-mean-token-mean", eps_low=0.2, eps_high=0.28)
+    compare(run_both(logits, targets, LossSpec(cross_entropy=None, policy=policy),
+                     dict(advantages=adv, old_logprobs=old, loss_mask=mask)), loss.detach(), leaf.grad, {},
+            torch.float32)
+
+
+@needs_kernel
+def test_vespo_phi_metric_counts_a_fully_masked_sequence_as_trl_does():
+    logits, targets, mask, adv, old, _, _ = make_case(89, noise=0.05)
+    mask[1] = 0
+    _, logp = oracle_logp(logits, targets)
+    phi = trl_vespo_gamma_weights(adv[:, None], logp - old, mask.double(), None)
+    got = run_both(logits, targets, LossSpec(cross_entropy=None, policy=Policy(objective="vespo")),
+                   dict(advantages=adv, old_logprobs=old, loss_mask=mask))
+    for out, _ in got.values():
+        assert_close_norm(out.metrics["vespo/phi_seq_mean"], phi.mean(), rtol=1e-5, atol=1e-6, name="phi mean")
+
+
+@needs_kernel
+@pytest.mark.parametrize("convention", ["trl", "verl"])
+def test_lm_head_sum_norm_divides_by_the_completion_length_with_completion_ids(convention):
+    """shift=True with TRL's completion ids [B, T - 1]: the rows are padded to [B, T], the
+    normaliser of seq-mean-token-sum-norm stays the completion length, as on the logits path."""
+    gen = generator(97)
+    hidden = torch.randn(B, T + 1, 8, generator=gen)
+    weight = torch.randn(V, 8, generator=gen) / 2
+    _, targets, mask, adv, old, _, _ = make_case(97)
+    spec = LossSpec(cross_entropy=None, policy=Policy(loss_type="seq-mean-token-sum-norm", convention=convention))
+    inputs = dict(advantages=adv.float(), old_logprobs=old.float(), loss_mask=mask)
+    out = headloss.linear_head_loss(hidden, weight, targets, spec, shift=True, **inputs)
+    want = head_loss(hidden @ weight.T, targets, spec, shift=True, backend="reference", **inputs)
+    assert_close_norm(out.loss, want.loss, rtol=1e-5, atol=1e-7, name="loss")
