@@ -50,7 +50,7 @@ class PolicyInputs:
     sequence_ids: torch.Tensor | None = None  # (N,) as given, for the device-side range check
     rollout_logprobs: torch.Tensor | None = None  # (N,) fp32, 0 at masked tokens
     sequence_level: bool = False  # TRL's sequence-level ratios: clip fractions are means over sequences
-    per_sequence_adv: bool = True  # advantages were given one per sequence ([B] for [B, T] tokens)
+    seq_advantages: torch.Tensor | None = None  # (B,) as given, when one per sequence of [B, T] tokens
     norm_length: int | None = None  # seq-mean-token-sum-norm's T when the rows are longer (padded)
     adv_span: int = 1  # tokens per entry of ``advantages`` (K: one per sequence of [B, K], kernel only)
 
@@ -209,7 +209,7 @@ def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -
 
 def objective_of(logp: torch.Tensor, entropy: torch.Tensor | None, old: torch.Tensor, adv: torch.Tensor,
                  iw: torch.Tensor | None, mask: torch.Tensor, seq: torch.Tensor, n_slots: int,
-                 policy: Policy, rollout: torch.Tensor | None = None, per_sequence_adv: bool = True
+                 policy: Policy, rollout: torch.Tensor | None = None, seq_adv: torch.Tensor | None = None
                  ) -> TokenObjective:
     """The objective per token (N,) on flat rows, with its sequence and batch statistics (``seq``:
     each row's sequence in [0, n_slots)), the rollout weights and the masks, without the KL. The
@@ -220,7 +220,7 @@ def objective_of(logp: torch.Tensor, entropy: torch.Tensor | None, old: torch.Te
     if objective == "gmpo":
         tok = _gmpo(logp, old, adv, iw, mask, seq, n_slots, count, policy)
     elif objective == "vespo":
-        tok = _vespo(logp, old, adv, iw, mask, seq, n_slots, policy, per_sequence_adv)
+        tok = _vespo(logp, old, adv, iw, mask, seq, n_slots, policy, seq_adv)
     elif objective in ("clip_cov", "kl_cov"):
         tok = _covariance(logp, old, adv, mask, policy)
     else:
@@ -294,12 +294,13 @@ def _gmpo(logp, old, adv, iw, mask, seq, n_slots, count, policy: Policy) -> Toke
     return TokenObjective(seq_loss[seq], seq_ratio[seq], low, high, low, -log_ratio.detach(), clipfrac=high)
 
 
-def _vespo(logp, old, adv, iw, mask, seq, n_slots, policy: Policy, per_sequence_adv: bool = True
+def _vespo(logp, old, adv, iw, mask, seq, n_slots, policy: Policy, seq_adv: torch.Tensor | None = None
            ) -> TokenObjective:
     """TRL GRPOTrainer.get_gamma_weights: phi(w) of the sequence's ratio product w (rollout weights
     included: per token, their product; a sequence-level rollout weight, once), by the sign of each
     token's advantage; the loss -sg(phi) A logp. vespo/phi_seq_mean as TRL's global_masked_mean:
-    over the sequences (an empty one has w = 1) with one advantage per sequence, else over tokens."""
+    over the sequences (an empty one has w = 1) with one advantage per sequence (``seq_adv``, as
+    given: a masked token's advantage is 0 here), else over tokens."""
     with torch.no_grad():
         lower = math.log(1e-8)
         log_ratio = torch.clamp(logp - old, -20.0, 20.0)
@@ -318,10 +319,8 @@ def _vespo(logp, old, adv, iw, mask, seq, n_slots, policy: Policy, per_sequence_
             return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
         phi = phi_of(seq_log_w[seq], adv)
-        if per_sequence_adv:
-            present = _seq_sum(torch.ones_like(mask), seq, n_slots) > 0  # rows of the sequence, counted or not
-            seq_adv = torch.zeros(n_slots, dtype=adv.dtype, device=adv.device).index_copy(0, seq, adv)
-            phi_mean = (phi_of(seq_log_w, seq_adv) * present).sum() / present.sum().clamp(min=1)
+        if seq_adv is not None:
+            phi_mean = phi_of(seq_log_w, seq_adv.to(seq_log_w.dtype)).mean()
         else:
             phi_mean = (phi * mask).sum() / mask.sum().clamp(min=1.0)
     no = torch.zeros_like(mask, dtype=torch.bool)
@@ -384,7 +383,7 @@ def policy_objective(
     """
     old = inp.old_logprobs if inp.old_logprobs is not None else logp.detach()
     tok = objective_of(logp, entropy, old, inp.advantages, inp.importance_weights, mask, seq_of(inp), inp.n_slots,
-                       policy, inp.rollout_logprobs, inp.per_sequence_adv)
+                       policy, inp.rollout_logprobs, inp.seq_advantages)
     per_token = tok.loss
     kl = None
     if policy.kl_beta != 0.0:
@@ -588,7 +587,7 @@ def policy_inputs(
     inputs.norm_length = norm_length
     inputs.weight = aggregation_weights(inputs.mask, spec_policy, inputs)
     inputs.sequence_level = spec_policy.importance_sampling == "sequence"
-    inputs.per_sequence_adv = per_sequence
+    inputs.seq_advantages = present["advantages"] if per_sequence else None
     if "rollout_logprobs" in present:
         masked = lambda t: torch.where(flat_mask, t.reshape(-1).float(), 0.0)  # noqa: E731
         inputs.rollout_logprobs = masked(present["rollout_logprobs"])

@@ -295,7 +295,7 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
     if pol.rollout_is is not None:
         iw = rollout_weights(flat(old), flat(rollout), flat(mask), seq, n_seq, pol).reshape(n_seq, length)
     tok = objective_of(flat(per_token_logps), flat(pad(entropy)), flat(old), flat(advantages), flat(iw), flat(mask),
-                       seq, n_seq, pol, flat(rollout), per_sequence_adv)
+                       seq, n_seq, pol, flat(rollout), inputs["advantages"] if per_sequence_adv else None)
     for name in ("loss", "ratio", "low", "high", "dual", "ppo_kl", "clipfrac", "high_entropy"):
         if getattr(tok, name) is not None:
             setattr(tok, name, getattr(tok, name).reshape(n_seq, length))

@@ -143,12 +143,33 @@ def test_grpo_two_training_steps_match_trl(tmp_path):
             assert m[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
-@pytest.mark.parametrize("option, value", [
-    ("use_adaptive_entropy", True),
+@pytest.mark.parametrize("changes, option", [
+    (dict(top_entropy_quantile=0.5, entropy_coef=0.01), "top_entropy_quantile"),
 ])
-def test_grpo_options_without_a_mapping_are_refused(tmp_path, option, value):
+def test_grpo_options_without_a_mapping_are_refused(tmp_path, changes, option):
     with pytest.raises(ValueError, match=option):
-        grpo(tmp_path, **{option: value})
+        grpo(tmp_path, **changes)
+
+
+def test_grpo_adaptive_entropy_training_matches_trl(tmp_path):
+    """TRL's adaptive entropy controller: two optimizer steps (accumulation 2), the coefficient moved
+    by the window's entropy against the target, the same weights and logs as stock TRL."""
+    options = dict(use_adaptive_entropy=True, entropy_coef=0.05, entropy_target=4.5, entropy_coef_delta=0.02,
+                   max_steps=3)
+    stock = grpo(tmp_path / "stock", cls=trl.GRPOTrainer, **options)
+    stock.train()
+    mine = grpo(tmp_path / "mine", **options)
+    mine.train()
+    assert mine.entropy_coef == pytest.approx(stock.entropy_coef) and stock.entropy_coef != 0.05
+    for (name, p), q in zip(stock.model.named_parameters(), mine.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)
+    stock_logs = [h for h in stock.state.log_history if "loss" in h]
+    mine_logs = [h for h in mine.state.log_history if "loss" in h]
+    for s, m in zip(stock_logs, mine_logs):
+        assert set(m) == set(s)
+        for key, value in s.items():
+            if key != "step_time" and isinstance(value, (int, float)):
+                assert m[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
 def test_grpo_spec_maps_the_config():

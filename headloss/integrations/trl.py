@@ -41,14 +41,15 @@ Also mapped: vespo (``objective="vespo"``, ``vespo_k/lambda_pos/neg``, the vLLM 
 into phi as TRL does, aggregated as dapo); ``off_policy_mask_threshold`` (``Policy.off_policy_mask``,
 with TRL's ``sampling_per_token_logps`` as ``rollout_logprobs``); ``top_entropy_quantile``
 (``Policy.top_entropy_quantile``, one process: TRL's quantile is over all of them); a static entropy
-bonus (``entropy_coef``: ``entropy_aggregation="token-mean"``, divided by the accumulation steps as
-TRL does; ``policy_loss`` and ``entropy_coef`` logged as TRL logs them).
+bonus (``entropy_coef``, and ``use_adaptive_entropy``'s controller: ``entropy_aggregation=
+"token-mean"``, divided by the accumulation steps as TRL does; ``policy_loss`` and ``entropy_coef``
+logged as TRL logs them).
 
 ``importance_sampling_level="sequence"`` (GSPO): ``Policy.importance_sampling="sequence"``, its clip
 fractions means over sequences as TRL's.
 
 Refused with an error naming the option (no mapping yet): ``top_entropy_quantile < 1`` over several
-processes or with the entropy bonus; ``use_adaptive_entropy``; SFT's ``compute_loss_func`` and DeepSpeed sequence
+processes or with the entropy bonus; SFT's ``compute_loss_func`` and DeepSpeed sequence
 parallelism.
 
 Pass ``spec=`` to score more than TRL's loss (z-loss, say): its extra metrics are logged too.
@@ -95,8 +96,6 @@ def grpo_spec(trainer) -> LossSpec:
     if trainer.top_entropy_quantile < 1.0 and processes > 1:
         refuse("top_entropy_quantile", "an entropy mask over several processes (TRL's quantile is global)")
     bonus = getattr(trainer, "_entropy_bonus_enabled", False)
-    if bonus and getattr(args, "use_adaptive_entropy", False):
-        refuse("use_adaptive_entropy", "TRL's adaptive entropy controller")
     if bonus and trainer.top_entropy_quantile < 1.0:
         refuse("top_entropy_quantile", "an entropy mask together with the entropy bonus")
     objective, loss_type = _LOSS_TYPES[trainer.loss_type]
@@ -165,7 +164,8 @@ class HeadLossGRPOTrainer(GRPOTrainer):
         self._sequences = completion_ids.size(0)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         mode = "train" if self.model.training else "eval"
-        spec = self._spec_for_call(mode)
+        bonus = getattr(self, "_entropy_bonus_enabled", False)
+        spec = self._spec_for_call(mode, self._bonus_coef() if bonus else None)
         self.headloss.spec = spec
         policy = spec.policy
         num_items = None
@@ -196,9 +196,11 @@ class HeadLossGRPOTrainer(GRPOTrainer):
             outputs = model(**model_inputs)
         result = self.headloss.last
         loss = result.loss
-        if policy.entropy_coef:  # TRL logs the loss before the bonus, and the coefficient per optimizer step
+        if bonus:  # TRL logs the loss before the bonus, and the coefficient per optimizer step
             policy_loss = result.loss.detach() + policy.entropy_coef * result.metrics["entropy"]
             self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+            if self.use_adaptive_entropy and mode == "train":
+                self._adapt_entropy_coef(result.metrics)
             if mode == "train" and self.accelerator.sync_gradients:
                 self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         if policy.loss_type in _PER_STEP and mode == "train":
@@ -217,18 +219,44 @@ class HeadLossGRPOTrainer(GRPOTrainer):
         totals = self.accelerator.reduce(stack, reduction="sum").tolist()
         return {k: v / max(totals[0], 1.0) for k, v in zip(names, totals[1:])}
 
-    def _spec_for_call(self, mode: str) -> LossSpec:
-        """The spec of this call: TRL divides the entropy bonus by the accumulation steps in training,
-        which the whole loss gets for the per-step loss types but dapo's normaliser does not have."""
+    def _bonus_coef(self) -> float:
+        """TRL's applied entropy coefficient: the static one, or the adaptive controller's when the
+        last window's entropy was at or below the target (0 otherwise)."""
+        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
+            return 0.0
+        return float(self.entropy_coef)
+
+    def _adapt_entropy_coef(self, metrics: dict[str, torch.Tensor]) -> None:
+        """TRL's adaptive controller: the window's token-weighted entropy over every process, at each
+        optimizer-step boundary, moves the coefficient by entropy_coef_delta within [min, max]."""
+        n = metrics["n_tokens"].to(torch.float32)
+        stats = torch.stack([metrics["entropy"].float() * n, n]).detach()
+        self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+        if self.accelerator.sync_gradients:
+            window = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+            world_entropy = (window[0] / window[1].clamp(min=1.0)).item()
+            args = self.args
+            if world_entropy <= args.entropy_target:
+                self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+            else:
+                self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+            self._last_world_entropy = world_entropy
+            self._entropy_window_stats = None
+
+    def _spec_for_call(self, mode: str, coef: float | None) -> LossSpec:
+        """The spec of this call. With TRL's entropy bonus (``coef``: its applied coefficient), the
+        bonus is divided by the accumulation steps in training: the whole loss is for the per-step
+        loss types, dapo's normaliser is not."""
         spec = self.headloss_spec
-        policy = spec.policy
-        if not policy.entropy_coef or policy.loss_type in _PER_STEP or mode != "train":
+        if coef is None:
             return spec
-        steps = self.current_gradient_accumulation_steps
-        key = (spec, steps)
+        policy = spec.policy
+        if policy.loss_type not in _PER_STEP and mode == "train":
+            coef = coef / self.current_gradient_accumulation_steps
+        key = (spec, coef)
         if key not in self._call_specs:
             self._call_specs[key] = spec.model_copy(
-                update={"policy": policy.model_copy(update={"entropy_coef": policy.entropy_coef / steps})})
+                update={"policy": policy.model_copy(update={"entropy_coef": coef})})
         return self._call_specs[key]
 
     def _log_metrics(self, mode: str, metrics: dict[str, torch.Tensor], policy: Policy) -> None:
