@@ -31,8 +31,8 @@ from .inputs import (
 )
 from .output import HeadLossOutput, assemble, column
 from .parallel import dtensor_shard, gather_vocab, handshake, is_dtensor, rows_shard, shard_of
-from .plan import KernelPlan
-from .policy import policy_extremes, policy_inputs, policy_objective
+from .plan import KernelPlan, compile_plan
+from .policy import cov_base_policy, policy_extremes, policy_inputs, policy_objective
 from .reference import reference_head_loss
 from .spec import LossSpec
 
@@ -435,18 +435,24 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
     seq_len = _sequence_chunks(plan, policy, token_rows, chunk_rows, chunk_bytes, width * elem, shard)
     if seq_len:  # chunks of whole sequences, every row computed (sequences stay contiguous)
         chunk_rows, compact = max(seq_len, chunk_rows // seq_len * seq_len), False
-    run = LinearRun(plan, chunk_rows, fp32_weight_grad, compact, mode,
+    base = _cov_base_plan(plan, policy, shard)
+    if base is not None:  # clip_cov / kl_cov: the base objective fused, then the selected rows corrected
+        compact = False
+    run = LinearRun(plan if base is None else base, chunk_rows, fp32_weight_grad, compact, mode,
                     tuple(targets.shape) if targets is not None else token_rows, spec.ignore_index, norm.value,
-                    shard=shard, seq_len=seq_len, seq_policy=policy if seq_len else None)
-    has_policy = policy is not None and plan.flags.HAS_POLICY
+                    shard=shard, seq_len=seq_len, seq_policy=policy if seq_len else None,
+                    cov_policy=policy if base is not None else None,
+                    cov_objective=spec.policy if base is not None else None)
+    has_policy = policy is not None and run.plan.flags.HAS_POLICY
     loss, rows_out, pred, means, scratch = LinearFunction.apply(
         hidden.reshape(rows, hidden.shape[-1]), weight, bias, flat_targets(targets), *teacher,
         *((policy.old_logprobs, policy.ref_logprobs, policy.advantages, policy.importance_weights, policy.weight)
           if has_policy else (None,) * 5),
         norm.tensor, None if policy is None else policy.sequence_ids, run,
     )
-    loss, extra = _policy_terms(plan, loss, rows_out, means, scratch, policy)
-    out = assemble(plan, run.token_shape, loss, rows_out, pred, means, scratch, extra)
+    loss, extra = _policy_terms(run.plan, loss, rows_out, means, scratch, policy)
+    extra.update(getattr(policy, "cov_metrics", None) or {})
+    out = assemble(run.plan, run.token_shape, loss, rows_out, pred, means, scratch, extra)
     return _trim(out, token_shape) if token_shape != run.token_shape else out
 
 
@@ -471,6 +477,21 @@ def _sequence_chunks(plan: KernelPlan, policy, token_rows: tuple[int, ...], chun
         return 0
     seq_len = token_rows[1]
     return seq_len if seq_len * row_bytes <= SEQUENCE_CHUNK_SLACK * chunk_bytes else 0
+
+
+def _cov_base_plan(plan: KernelPlan, policy, shard) -> KernelPlan | None:
+    """clip_cov / kl_cov on the lm_head: the plan of their row-local base objective (fused), when
+    nothing else needs deferred mode; their selected tokens are then corrected after the chunks
+    (engine._cov_correction): three GEMMs and a small one instead of deferred mode's four."""
+    spec = plan.spec
+    pol = spec.policy
+    if (pol is None or pol.objective not in ("clip_cov", "kl_cov") or policy is None or shard is not None
+            or pol.importance_sampling != "token" or pol.off_policy_mask is not None
+            or pol.top_entropy_quantile < 1.0 or spec.reduction == "none" or spec.differentiable_outputs
+            or torch.compiler.is_compiling()):
+        return None
+    base = compile_plan(spec.model_copy(update={"policy": cov_base_policy(pol)}), has_targets=True)
+    return base if base.mode == "fused" else None
 
 
 def _pad_last(t: torch.Tensor | None, name: str) -> torch.Tensor | None:

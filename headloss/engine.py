@@ -45,7 +45,7 @@ from .kernels.head import (
 )
 from .parallel import all_reduce_sum, gather_merged, handshake_verdict
 from .plan import KernelPlan, plan_from_key
-from .policy import policy_objective
+from .policy import clip_cov_chosen, cov_base_policy, kl_cov_chosen, policy_objective, token_objective
 
 _RETAIN_GRAPH_ERROR = (
     "headloss: a second backward through the same fused-mode loss (retain_graph=True). The fused mode "
@@ -325,6 +325,10 @@ class LinearRun:
     # policy term): chunks of whole sequences of seq_len rows; seq_policy is the call's PolicyInputs
     seq_len: int = 0
     seq_policy: Any = None
+    # clip_cov / kl_cov: ``plan`` runs their row-local base objective fused; cov_policy (the call's
+    # PolicyInputs) and cov_objective (the spec's Policy) drive the correction of the selected rows
+    cov_policy: Any = None
+    cov_objective: Any = None
 
     @property
     def grads_in_forward(self) -> bool:
@@ -492,6 +496,60 @@ def _sequence_chunk_grad(run: LinearRun, logits, targets, teacher, rows, num_ite
                     num_items=num_items, scratch=scratch, geo=geo)
 
 
+def _cov_correction(run: LinearRun, hidden, weight, bias, targets, rows, grads: _Grads | None, loss, means) -> None:
+    """clip_cov / kl_cov on the lm_head: the chunks ran the base objective fused (three GEMMs); the
+    few selected tokens (cov_ratio of them, verl's 2e-4 by default) then change: kl_cov adds
+    coef |log r| to theirs, clip_cov drops the base objective's. Their loss and metrics change on
+    the device, and their gradient by a GEMM over those rows only: logits recomputed, the change
+    of d loss / d logp carried through log_softmax (and the logit transform) to dh, dW and db.
+    The metrics the base does not have go on the call's PolicyInputs (``cov_metrics``)."""
+    from .reference import transformed_logits  # (reference imports this module)
+
+    plan, pol, policy = run.plan, run.cov_policy, run.cov_objective
+    logp = rows[:, plan.cols.logp].detach()
+    mask, adv = pol.mask, pol.advantages
+    valid = mask > 0
+    old = pol.old_logprobs if pol.old_logprobs is not None else logp
+    scale = pol.weight * (pol.importance_weights if pol.importance_weights is not None else 1.0)
+    log_ratio = logp - old
+    count = mask.sum().clamp(min=1.0)
+    if policy.objective == "kl_cov":
+        chosen = kl_cov_chosen(adv, logp, valid, policy)
+        d_logp = scale * policy.kl_cov_coef * torch.sign(log_ratio)
+        added = scale * policy.kl_cov_coef * log_ratio.abs()
+        pol.cov_metrics = {"ppo_kl": ((log_ratio.abs() * mask).sum() / count).float()}
+    else:
+        chosen = clip_cov_chosen(adv, logp, old, valid, policy)
+        with torch.enable_grad():
+            x = logp.clone().requires_grad_()
+            base = token_objective(x, old, adv, cov_base_policy(policy)).loss * scale
+            (d_base,) = torch.autograd.grad(base.sum(), x)
+        d_logp, added = -d_base, -base.detach()
+        pol.cov_metrics = {"pg_clipfrac": ((chosen.to(mask.dtype) * mask).sum() / count).float()}
+    total = torch.where(chosen, added, 0.0).sum()
+    loss += total
+    means[plan.cols.N] += total  # the 'loss' metric
+    picked = torch.nonzero(chosen).squeeze(1)  # a host read (clip_cov's draw already made one)
+    if picked.numel() == 0 or grads is None:
+        return
+    h = hidden.index_select(0, picked)
+    with torch.no_grad():
+        logits = _linear_into(torch.empty(picked.numel(), weight.shape[0], dtype=hidden.dtype, device=hidden.device),
+                              h, weight, bias)
+    with torch.enable_grad():
+        z = logits.float().requires_grad_()
+        lp = torch.log_softmax(transformed_logits(z, plan.spec, torch.float32), -1)
+        lp = lp.gather(1, targets.index_select(0, picked)[:, None])[:, 0]
+        (g,) = torch.autograd.grad((d_logp.index_select(0, picked) * lp).sum(), z)
+    g = g.to(hidden.dtype)
+    if grads.dh is not None:
+        grads.dh.index_add_(0, picked, torch.mm(g, weight))
+    if grads.dw is not None:
+        grads.dw += torch.mm(g.t(), h).to(grads.dw.dtype)
+    if grads.db is not None:
+        grads.db += g.sum(dim=0, dtype=torch.float32)
+
+
 def _pick_rows(policy: PolicyRows | None, index, start: int, stop: int) -> PolicyRows | None:
     if policy is None:
         return None
@@ -547,6 +605,8 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
     else:
         launch_finish(plan, rows=rows_c, loss=loss_c, means=means, scratch=scratch, num_items=num_items,
                       geo=full._replace(n_out=computed))
+        if run.cov_policy is not None:  # after the finish, which writes the loss and the metrics
+            _cov_correction(run, hidden, weight, bias, y, rows_c, grads, loss_c, means)
     settle(verdict, run.validate, hidden.device)
     dh, dw, db = _finish_grads(grads, weight, bias) if grads is not None else (None, None, None)
     if run.shard is not None and dh is not None:  # each shard's share of dh: the column-parallel all-reduce

@@ -51,6 +51,7 @@ class PolicyInputs:
     rollout_logprobs: torch.Tensor | None = None  # (N,) fp32, 0 at masked tokens
     sequence_level: bool = False  # TRL's sequence-level ratios: clip fractions are means over sequences
     seq_advantages: torch.Tensor | None = None  # (B,) as given, when one per sequence of [B, T] tokens
+    cov_metrics: dict | None = None  # clip_cov / kl_cov on the lm_head: the metrics their correction sets
     norm_length: int | None = None  # seq-mean-token-sum-norm's T when the rows are longer (padded)
     adv_span: int = 1  # tokens per entry of ``advantages`` (K: one per sequence of [B, K], kernel only)
 
@@ -329,43 +330,67 @@ def _vespo(logp, old, adv, iw, mask, seq, n_slots, policy: Policy, seq_adv: torc
                           extra={"vespo/phi_seq_mean": phi_mean})
 
 
+def kl_cov_chosen(adv, logp, valid, policy: Policy) -> torch.Tensor:
+    """verl compute_policy_loss_kl_cov's tokens: the top max(1, int(n * cov_ratio)) covariances
+    (A - mean A)(logp - mean logp) over the n counted tokens; a sort, no host read."""
+    n = valid.sum()
+    weights = valid.to(adv.dtype)
+    mean_adv = (adv.detach() * weights).sum() / n.clamp(min=1)
+    mean_logp = (logp.detach() * weights).sum() / n.clamp(min=1)
+    cov = torch.where(valid, (adv.detach() - mean_adv) * (logp.detach() - mean_logp), -math.inf)
+    order = torch.sort(cov, descending=True, stable=True).indices
+    k = torch.clamp((n.to(torch.float64) * policy.cov_ratio).floor().long(), min=1)
+    return torch.zeros_like(valid).scatter_(0, order, torch.arange(order.numel(), device=order.device) < k) & valid
+
+
+def clip_cov_chosen(adv, logp, old, valid, policy: Policy) -> torch.Tensor:
+    """verl compute_policy_loss_clip_cov's tokens: a random max(1, int(n * cov_ratio)) of those
+    not clipped already whose covariance lies in (clip_cov_lb, clip_cov_ub), drawn with
+    torch.randperm on the default CPU generator, as verl draws them (one host read)."""
+    ratio = torch.exp(logp.detach() - old)
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1.0 - policy.eps_low, 1.0 + policy.eps_high)
+    weights = valid.to(adv.dtype)
+    mean_adv = (adv * weights).sum() / (weights.sum() + 1e-8)
+    mean_logp = (logp.detach() * weights).sum() / (weights.sum() + 1e-8)
+    cov = ((adv - mean_adv) * (logp.detach() - mean_logp)).masked_fill(~valid | ((pg2 > pg1) & valid), -math.inf)
+    clip_num = max(int(policy.cov_ratio * float(weights.sum())), 1)
+    candidates = torch.nonzero((cov < policy.clip_cov_ub) & (cov > policy.clip_cov_lb) & valid, as_tuple=True)[0]
+    if candidates.numel():
+        candidates = candidates[torch.randperm(candidates.numel())[:min(clip_num, candidates.numel())].to(
+            candidates.device)]
+    return torch.zeros_like(valid).index_fill_(0, candidates, True)
+
+
+def cov_base_policy(policy: Policy) -> Policy:
+    """The row-local objective under clip_cov / kl_cov before their selected tokens change: the clip
+    objective (no dual clip, no cap, no +-20 clamp), for kl_cov unclipped (-A r)."""
+    update = dict(objective="clip", convention="trl", delta=None, dual_clip_c=None)
+    if policy.objective == "kl_cov":
+        update.update(eps_low=1.0, eps_high=math.inf)  # clip(r, 0, inf) = r
+    return policy.model_copy(update=update)
+
+
 def _covariance(logp, old, adv, mask, policy: Policy) -> TokenObjective:
     """verl compute_policy_loss_clip_cov / _kl_cov: the tokens whose (A - mean A)(logp - mean logp)
     is largest (kl_cov: the top cov_ratio share; clip_cov: a random cov_ratio share of those with
     cov in (lb, ub) and not clipped already) lose the clip objective's gradient (clip_cov) or get
-    kl_cov_coef |log r| added to -A r (kl_cov). Counts are read on the host, as verl does."""
+    kl_cov_coef |log r| added to -A r (kl_cov)."""
     log_ratio = logp - old
     ratio = torch.exp(log_ratio)
     valid = mask > 0
     no = torch.zeros_like(valid)
     pg1 = -adv * ratio
-    if policy.objective == "kl_cov":  # the top max(1, int(n * ratio)) covariances: a sort, no host read
-        n = valid.sum()
-        weights = valid.to(adv.dtype)
-        mean_adv = (adv.detach() * weights).sum() / n.clamp(min=1)
-        mean_logp = (logp.detach() * weights).sum() / n.clamp(min=1)
-        cov = torch.where(valid, (adv.detach() - mean_adv) * (logp.detach() - mean_logp), -math.inf)
-        order = torch.sort(cov, descending=True, stable=True).indices
-        k = torch.clamp((n.to(torch.float64) * policy.cov_ratio).floor().long(), min=1)
-        chosen = torch.zeros_like(valid).scatter_(0, order, torch.arange(order.numel(), device=order.device) < k)
-        loss = torch.where(chosen & valid, pg1 + policy.kl_cov_coef * log_ratio.abs(), pg1)
+    if policy.objective == "kl_cov":
+        chosen = kl_cov_chosen(adv, logp, valid, policy)
+        loss = torch.where(chosen, pg1 + policy.kl_cov_coef * log_ratio.abs(), pg1)
         return TokenObjective(loss, ratio, no, no, no, log_ratio.abs().detach(), clipfrac=no)
-    lo, hi = 1.0 - policy.eps_low, 1.0 + policy.eps_high
-    pg2 = -adv * torch.clamp(ratio, lo, hi)
+    chosen = clip_cov_chosen(adv, logp, old, valid, policy)
+    pg2 = -adv * torch.clamp(ratio, 1.0 - policy.eps_low, 1.0 + policy.eps_high)
     clip_by_origin = (pg2 > pg1) & valid
-    weights = mask.to(adv.dtype)
-    mean_adv = (adv * weights).sum() / (weights.sum() + 1e-8)
-    mean_logp = (logp.detach() * weights).sum() / (weights.sum() + 1e-8)
-    cov = ((adv - mean_adv) * (logp.detach() - mean_logp)).masked_fill(~valid | clip_by_origin, -math.inf)
-    clip_num = max(int(policy.cov_ratio * float(mask.sum())), 1)
-    candidates = torch.nonzero((cov < policy.clip_cov_ub) & (cov > policy.clip_cov_lb) & valid, as_tuple=True)[0]
-    if candidates.numel():  # verl draws with torch.randperm on the default CPU generator
-        candidates = candidates[torch.randperm(candidates.numel())[:min(clip_num, candidates.numel())].to(
-            candidates.device)]
-    corr = torch.ones_like(ratio).index_fill_(0, candidates, 0.0)
     low, high = clip_by_origin & (adv < 0), clip_by_origin & (adv > 0)
-    return TokenObjective(torch.maximum(pg1, pg2) * corr, ratio, low, high, no, -log_ratio.detach(),
-                          clipfrac=corr == 0)
+    return TokenObjective(torch.maximum(pg1, pg2) * (~chosen).to(ratio.dtype), ratio, low, high, no,
+                          -log_ratio.detach(), clipfrac=chosen)
 
 
 def policy_objective(

@@ -794,18 +794,22 @@ def test_entropy_bonus_follows_trl_token_mean_or_verl_loss_aggregation(aggregati
 @pytest.mark.parametrize("objective, level, masks, chunked", [
     ("clip", "sequence", {}, True), ("vespo", "token", {}, True), ("gmpo", "token", {}, True),
     ("clip", "token", {"off_policy_mask": 0.05}, True), ("clip", "sequence_token", {}, True),
-    ("kl_cov", "token", {}, False), ("clip", "token", {"top_entropy_quantile": 0.5}, False),
+    ("kl_cov", "token", {}, False), ("clip_cov", "token", {}, False),
+    ("clip", "token", {"top_entropy_quantile": 0.5}, False),
 ])
 def test_lm_head_runs_sequence_statistics_chunk_by_chunk_of_whole_sequences(objective, level, masks, chunked,
                                                                           monkeypatch):
     """A sequence statistic needs only its sequence: the lm_head cuts chunks of whole sequences and
-    computes each chunk's gradient in forward (three GEMMs); batch statistics keep deferred mode.
+    computes each chunk's gradient in forward (three GEMMs); clip_cov and kl_cov run their base
+    objective fused and correct their few selected rows; the entropy quantile keeps deferred mode.
     Both give the reference's loss and gradients, also when the loss is scaled before backward."""
     import headloss.engine as engine
 
-    calls = []
+    calls, corrections = [], []
     original = engine._sequence_chunk_grad
     monkeypatch.setattr(engine, "_sequence_chunk_grad", lambda *a, **k: calls.append(a[-2:]) or original(*a, **k))
+    correct = engine._cov_correction
+    monkeypatch.setattr(engine, "_cov_correction", lambda *a, **k: corrections.append(1) or correct(*a, **k))
     gen = generator(73)
     hidden = torch.randn(B, T, 8, generator=gen, dtype=torch.float64)
     weight = torch.randn(V, 8, generator=gen, dtype=torch.float64) / 2
@@ -815,11 +819,15 @@ def test_lm_head_runs_sequence_statistics_chunk_by_chunk_of_whole_sequences(obje
     spec = LossSpec(cross_entropy={"weight": 0.3}, policy=policy)
     inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask)
     h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    torch.manual_seed(5)  # clip_cov's draw
     out = headloss.linear_head_loss(h, w, targets, spec, chunk_bytes=5 * V * 4,
                                     **{k: v.float() if v.is_floating_point() else v for k, v in inputs.items()})
     (3.0 * out.loss).backward()
     assert calls == ([(0, T), (T, 2 * T), (2 * T, 3 * T)] if chunked else [])
+    # clip_cov / kl_cov: the base objective fused, then one correction of the selected rows
+    assert corrections == ([1] if objective in ("clip_cov", "kl_cov") else [])
     h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    torch.manual_seed(5)
     ref_out = head_loss(h64 @ w64.T, targets, spec, backend="reference", **inputs)
     (3.0 * ref_out.loss).backward()
     assert_close_norm(out.loss, ref_out.loss, rtol=1e-5, atol=3e-6, name="loss")
