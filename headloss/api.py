@@ -435,9 +435,7 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
     seq_len = _sequence_chunks(plan, policy, token_rows, chunk_rows, chunk_bytes, width * elem, shard)
     if seq_len:  # chunks of whole sequences, every row computed (sequences stay contiguous)
         chunk_rows, compact = max(seq_len, chunk_rows // seq_len * seq_len), False
-    base = _cov_base_plan(plan, policy, shard)
-    if base is not None:  # clip_cov / kl_cov: the base objective fused, then the selected rows corrected
-        compact = False
+    base = _cov_base_plan(plan, policy, shard)  # clip_cov / kl_cov: the base fused, the selected rows corrected
     run = LinearRun(plan if base is None else base, chunk_rows, fp32_weight_grad, compact, mode,
                     tuple(targets.shape) if targets is not None else token_rows, spec.ignore_index, norm.value,
                     shard=shard, seq_len=seq_len, seq_policy=policy if seq_len else None,

@@ -497,6 +497,7 @@ def _sequence_chunk_grad(run: LinearRun, logits, targets, teacher, rows, num_ite
 
 
 def _cov_correction(run: LinearRun, hidden, weight, bias, targets, rows, grads: _Grads | None, loss, means) -> None:
+    # rows, targets, hidden: every row of the call (ignored rows were skipped: their rows hold 0)
     """clip_cov / kl_cov on the lm_head: the chunks ran the base objective fused (three GEMMs); the
     few selected tokens (cov_ratio of them, verl's 2e-4 by default) then change: kl_cov adds
     coef |log r| to theirs, clip_cov drops the base objective's. Their loss and metrics change on
@@ -606,7 +607,8 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
         launch_finish(plan, rows=rows_c, loss=loss_c, means=means, scratch=scratch, num_items=num_items,
                       geo=full._replace(n_out=computed))
         if run.cov_policy is not None:  # after the finish, which writes the loss and the metrics
-            _cov_correction(run, hidden, weight, bias, y, rows_c, grads, loss_c, means)
+            _cov_correction(run, hidden, weight, bias, targets, _spread(rows_c, index, rows, 0.0), grads, loss_c,
+                            means)
     settle(verdict, run.validate, hidden.device)
     dh, dw, db = _finish_grads(grads, weight, bias) if grads is not None else (None, None, None)
     if run.shard is not None and dh is not None:  # each shard's share of dh: the column-parallel all-reduce
