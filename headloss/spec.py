@@ -135,7 +135,9 @@ class Policy(_Frozen):
     covariance-selected tokens (cov_ratio of the batch's tokens, ranked by (A - mean A)(l - mean l)):
     clip_cov drops the clip objective's gradient on a random choice of them (cov in (clip_cov_lb,
     clip_cov_ub), not already clipped), kl_cov adds kl_cov_coef |log r| to -A r on the top ones.
-    Both read counts on the host (a sync), as verl does. ``convention`` picks TRL's or verl's
+    clip_cov's random draw reads a count on the host (verl's torch.randperm, so a seed picks verl's
+    tokens); on the fused lm_head both read the selected rows' count to correct them (the base
+    objective runs fused). ``convention`` picks TRL's or verl's
     definitions where they differ: CISPO's bounds, and verl's clamp of the log-ratio to +-20 before
     exp (clip, cispo, sapo, dppo).
 
@@ -152,8 +154,9 @@ class Policy(_Frozen):
 
     masks (deferred mode; the KL term is not masked, as in TRL): ``off_policy_mask`` TRL's
     off-policy sequence mask, keep a sequence if A >= 0 or the mean over its tokens of
-    rollout_logprobs (else old_logprobs) - logp is at most this; ``top_entropy_quantile`` rho < 1 keeps the tokens whose
-    entropy is at least the batch's (1 - rho)-quantile (TRL; the quantile reads a host value).
+    rollout_logprobs (else old_logprobs) - logp is at most this; ``top_entropy_quantile`` rho < 1
+    keeps the tokens whose entropy is at least the batch's (1 - rho)-quantile (TRL; computed on
+    the device).
 
     loss types (aggregation): ``grpo`` mean over sequences of the per-sequence token mean; ``bnpo`` /
     ``token-mean`` mean over all tokens; ``dr_grpo`` sum / (sequences x max_completion_length);
