@@ -282,14 +282,11 @@ class HeadFunction(torch.autograd.Function):
             (grad,) = ctx.saved_tensors
             if grad is None or d_loss is None:
                 return None, *nones
-            if torch.compiler.is_compiling():
-                if ctx.handoff:
-                    shape, dtype = ctx.grad_like
-                    return torch.ops.headloss.take_grad(grad, d_loss.float().reshape(1), 0, list(shape), dtype), *nones
-                torch.ops.headloss.scale_grad_(grad, d_loss.float().reshape(1), _geo_ints(ctx.grad_geo))
-                return grad, *nones
+            if torch.compiler.is_compiling() and ctx.handoff:
+                shape, dtype = ctx.grad_like
+                return torch.ops.headloss.take_grad(grad, d_loss.float().reshape(1), 0, list(shape), dtype), *nones
             guard_second_backward(ctx)
-            return scale_grad_(grad, d_loss.float(), ctx.grad_geo), *nones
+            return _scale(grad, d_loss.float(), ctx.grad_geo), *nones
         if d_loss is None and d_rows is None:
             return None, *nones
         logits, targets, teacher, rows, num_items, scratch, stats = ctx.saved_tensors
@@ -303,6 +300,15 @@ class HeadFunction(torch.autograd.Function):
             grad = head_backward(run.plan, run.geo, logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch,
                                  inplace, stats)
         return grad, *nones
+
+
+def _scale(grad: torch.Tensor, d_loss: torch.Tensor, geo: Geometry) -> torch.Tensor:
+    """grad *= d_loss in place (a no-op on the device when d_loss == 1); under torch.compile through
+    the ``scale_grad_`` op (HEADLOSS_COMPILE_HANDOFF=0: Inductor clones ``grad`` before it)."""
+    if torch.compiler.is_compiling():
+        torch.ops.headloss.scale_grad_(grad, d_loss.reshape(1), _geo_ints(geo))
+        return grad
+    return scale_grad_(grad, d_loss, geo)
 
 
 # --- the hidden-state entry point (fused lm_head) --------------------------------------------------
@@ -726,15 +732,8 @@ class LinearFunction(torch.autograd.Function):
                 token = ctx.saved_tensors[0]
                 return (*(torch.ops.headloss.take_grad(token, d_loss.reshape(1), i, *like) if want else None
                           for i, (want, like) in enumerate(zip(ctx.wants, ctx.grad_like))), *nones)
-            if torch.compiler.is_compiling():  # COMPILE_HANDOFF off: Inductor clones each before the scale
-                grads = []
-                for g in ctx.saved_tensors:
-                    if g is not None:
-                        torch.ops.headloss.scale_grad_(g, d_loss.reshape(1), _geo_ints(_flat_geometry(g)))
-                    grads.append(g)
-                return (*grads, *nones)
             guard_second_backward(ctx)
-            return (*(None if g is None else scale_grad_(g, d_loss, _flat_geometry(g)) for g in ctx.saved_tensors),
+            return (*(None if g is None else _scale(g, d_loss, _flat_geometry(g)) for g in ctx.saved_tensors),
                     *nones)
         (hidden, weight, bias, targets, t_logits, t_hidden, t_weight, t_bias, index, rows_c, num_items, scratch,
          stats) = ctx.saved_tensors
