@@ -131,9 +131,11 @@ def sft_spec(args) -> LossSpec:
                     token_accuracy=True)
 
 
-def _global_means(accelerator, metrics: dict[str, torch.Tensor], names) -> dict[str, float]:
-    """Token means over every process (TRL's global_masked_mean), all names with one reduce."""
-    n = metrics["n_tokens"].to(torch.float32)
+def _global_means(accelerator, metrics: dict[str, torch.Tensor], names, count=None) -> dict[str, float]:
+    """Means over every process (TRL's global_masked_mean), all names with one reduce: of this
+    process's means weighted by its token count, or by ``count`` (its sequences, say)."""
+    n = (metrics["n_tokens"] if count is None else torch.as_tensor(count, device=metrics["n_tokens"].device)
+         ).to(torch.float32)
     stack = torch.stack([n] + [metrics[k].to(torch.float32) * n for k in names])
     totals = accelerator.reduce(stack, reduction="sum").tolist()
     count = max(totals[0], 1.0)
@@ -212,13 +214,6 @@ class HeadLossGRPOTrainer(GRPOTrainer):
         self._log_metrics(mode, result.metrics, policy)
         return loss
 
-    def _sequence_means(self, metrics: dict[str, torch.Tensor], names) -> dict[str, float]:
-        """Means over the sequences of every process (TRL's global_masked_mean of [B, 1] values)."""
-        count = torch.tensor(float(self._sequences), device=metrics["n_tokens"].device)
-        stack = torch.stack([count] + [metrics[k].float() * count for k in names])
-        totals = self.accelerator.reduce(stack, reduction="sum").tolist()
-        return {k: v / max(totals[0], 1.0) for k, v in zip(names, totals[1:])}
-
     def _bonus_coef(self) -> float:
         """TRL's applied entropy coefficient: the static one, or the adaptive controller's when the
         last window's entropy was at or below the target (0 otherwise)."""
@@ -270,14 +265,15 @@ class HeadLossGRPOTrainer(GRPOTrainer):
         clip_means = list(clip_names) + (["clip_ratio/high_mean"] if policy.objective == "cispo" else [])
         values = _global_means(self.accelerator, metrics, names + extra + ([] if by_sequence else clip_means))
         if by_sequence:
-            values.update(self._sequence_means(metrics, clip_means))
+            values.update(_global_means(self.accelerator, metrics, clip_means, count=self._sequences))
         for k in names + extra + list(clip_names):
             self._metrics[mode][_TRL_NAMES.get(k, k)].append(values[k])
         if policy.objective == "cispo":
             self._metrics[mode]["cispo_clip_ratio"].append(values["clip_ratio/high_mean"])
         if policy.objective == "vespo":  # TRL: a mean over the sequences of every process
             self._metrics[mode]["vespo/phi_seq_mean"].append(
-                self._sequence_means(metrics, ["vespo/phi_seq_mean"])["vespo/phi_seq_mean"])
+                _global_means(self.accelerator, metrics, ["vespo/phi_seq_mean"], count=self._sequences)[
+                    "vespo/phi_seq_mean"])
         has = metrics["n_tokens"].reshape(1) > 0
         for k, reduce, empty in (("clip_ratio/low_min", torch.min, float("inf")),
                                  ("clip_ratio/high_max", torch.max, float("-inf"))):
