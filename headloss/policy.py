@@ -221,7 +221,7 @@ def objective_of(logp: torch.Tensor, entropy: torch.Tensor | None, old: torch.Te
     if objective == "gmpo":
         tok = _gmpo(logp, old, adv, iw, mask, seq, n_slots, count, policy)
     elif objective == "vespo":
-        tok = _vespo(logp, old, adv, iw, mask, seq, n_slots, policy, seq_adv)
+        tok = _vespo(logp, old, adv, iw, mask, seq, n_slots, count, policy, seq_adv)
     elif objective in ("clip_cov", "kl_cov"):
         tok = _covariance(logp, old, adv, mask, policy)
     else:
@@ -295,7 +295,7 @@ def _gmpo(logp, old, adv, iw, mask, seq, n_slots, count, policy: Policy) -> Toke
     return TokenObjective(seq_loss[seq], seq_ratio[seq], low, high, low, -log_ratio.detach(), clipfrac=high)
 
 
-def _vespo(logp, old, adv, iw, mask, seq, n_slots, policy: Policy, seq_adv: torch.Tensor | None = None
+def _vespo(logp, old, adv, iw, mask, seq, n_slots, count, policy: Policy, seq_adv: torch.Tensor | None = None
            ) -> TokenObjective:
     """TRL GRPOTrainer.get_gamma_weights: phi(w) of the sequence's ratio product w (rollout weights
     included: per token, their product; a sequence-level rollout weight, once), by the sign of each
@@ -309,7 +309,7 @@ def _vespo(logp, old, adv, iw, mask, seq, n_slots, policy: Policy, seq_adv: torc
         if iw is not None:
             log_iw = _seq_sum(torch.clamp(torch.log(iw), lower, 20.0) * mask, seq, n_slots)
             if policy.rollout_is == "sequence":  # the sequence's weight sits on each of its tokens
-                log_iw = log_iw / _seq_sum(mask, seq, n_slots).clamp(min=1.0)
+                log_iw = log_iw / count.clamp(min=1.0)
             seq_log_ratio = seq_log_ratio + log_iw
         seq_log_w = torch.clamp(seq_log_ratio, lower, 20.0)
 
