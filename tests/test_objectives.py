@@ -297,16 +297,19 @@ def make_case(seed, dtype=torch.float32, per_token_adv=False, noise=0.3):
     return logits, targets, mask, adv, old, ref, iw
 
 
+def run_both_one(logits, targets, spec, inputs, backend):
+    """{backend: (output, logits gradient)} of one path, from the stored logits (fp32 inputs)."""
+    leaf = logits.detach().clone().requires_grad_()
+    out = head_loss(leaf, targets, spec, backend=backend,
+                    **{k: v.float() if v.is_floating_point() else v for k, v in inputs.items()})
+    out.loss.backward()
+    return {backend: (out, leaf.grad)}
+
+
 def run_both(logits, targets, spec, inputs):
     """(output, logits gradient) for the kernel and the reference path, from the same stored logits."""
-    got = {}
-    for backend in ("triton", "reference"):
-        leaf = logits.detach().clone().requires_grad_()
-        out = head_loss(leaf, targets, spec, backend=backend, **{k: v.float() if v.is_floating_point() else v
-                                                                for k, v in inputs.items()})
-        out.loss.backward()
-        got[backend] = (out, leaf.grad)
-    return got
+    return {**run_both_one(logits, targets, spec, inputs, "triton"),
+            **run_both_one(logits, targets, spec, inputs, "reference")}
 
 
 def oracle_logp(logits, targets):
@@ -547,14 +550,6 @@ def test_verl_sequence_and_batch_objectives_match_core_algos(mode, dtype):
         if mode == "clip_cov":
             assert 0.0 < float(metrics["pg_clipfrac"]) < 1.0
         compare(got, loss.detach(), leaf.grad, metrics, dtype)
-
-
-def run_both_one(logits, targets, spec, inputs, backend):
-    leaf = logits.detach().clone().requires_grad_()
-    out = head_loss(leaf, targets, spec, backend=backend,
-                    **{k: v.float() if v.is_floating_point() else v for k, v in inputs.items()})
-    out.loss.backward()
-    return {backend: (out, leaf.grad)}
 
 
 @needs_kernel
