@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import headloss
-from benchmarks.common import Row, copy_bandwidth_gbs, measure, out_dir_default, write_rows
+from benchmarks.common import Row, copy_bandwidth_gbs, measure, out_dir_default, pyplot, write_rows
 from headloss.kernels.head import LAUNCH_OVERRIDES
 
 IGNORE = -100
@@ -195,10 +195,7 @@ def print_table(rows: list[Row], copy_gbs: float, n: int) -> None:
 
 
 def plot(rows: list[Row], copy_gbs: float, n: int, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, case in zip(axes, ("full", "ce")):

@@ -32,7 +32,7 @@ import sys
 
 import torch
 
-from benchmarks.common import Row, gpu_name, out_dir_default, write_rows
+from benchmarks.common import Row, gpu_name, out_dir_default, pyplot, write_rows
 
 PROVIDERS = ("stock", "liger-flce", "liger", "trl-fused", "headloss", "headloss-ce", "liger-body+headloss")
 
@@ -166,10 +166,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _plot(results: list[dict], path) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except Exception as exc:
         print(f"no plot: {exc}")
         return

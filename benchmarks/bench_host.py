@@ -25,7 +25,7 @@ import torch
 
 import headloss
 from benchmarks.bench_head import CE_SPEC, FULL_SPEC, IGNORE, Z_WEIGHT, liger_ce_fn
-from benchmarks.common import Row, gpu_name, out_dir_default, time_ms, write_rows
+from benchmarks.common import Row, gpu_name, out_dir_default, pyplot, time_ms, write_rows
 
 ROWS = (512, 1024, 2048, 8192)
 VOCABS = (32000, 128256, 151936)
@@ -141,10 +141,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _plot(rows: list[Row], path) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except Exception as exc:
         print(f"no plot: {exc}")
         return

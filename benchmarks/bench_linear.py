@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import headloss
-from benchmarks.common import Row, measure, out_dir_default, write_rows
+from benchmarks.common import Row, measure, out_dir_default, pyplot, write_rows
 from headloss import linear_head_loss
 
 IGNORE = -100
@@ -147,10 +147,7 @@ def print_table(rows: list[Row]) -> None:
 
 
 def plot(rows: list[Row], path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 5))
     sweep = [r for r in rows if r.case == "sweep-N" and r.p50 is not None]

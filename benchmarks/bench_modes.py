@@ -22,7 +22,7 @@ import torch
 import headloss
 from benchmarks.bench_head import CE_SPEC, FULL_SPEC
 from benchmarks.bench_host import graph_ms
-from benchmarks.common import Row, gpu_name, out_dir_default, time_ms, write_rows
+from benchmarks.common import Row, gpu_name, out_dir_default, pyplot, time_ms, write_rows
 
 SPECS = {
     "full": FULL_SPEC,
@@ -89,10 +89,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _plot(rows: list[Row], path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"{r.case} {r.provider.split('-', 1)[1]}" for r in rows if r.p50]

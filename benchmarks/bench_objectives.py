@@ -24,7 +24,7 @@ import torch
 
 import headloss
 from benchmarks.bench_terms import grpo_batch
-from benchmarks.common import Row, import_trl, measure, out_dir_default, write_rows
+from benchmarks.common import Row, import_trl, measure, out_dir_default, pyplot, write_rows
 
 V, H = 128256, 4096
 TRL_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
@@ -178,10 +178,7 @@ def print_table(rows: list[Row]) -> None:
 
 
 def plot(rows: list[Row], path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, case in zip(axes, ("logits", "linear")):

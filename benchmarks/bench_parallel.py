@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import Row, gpu_name, out_dir_default, peak_extra_gb, time_ms, write_rows
+from benchmarks.common import Row, gpu_name, out_dir_default, peak_extra_gb, pyplot, time_ms, write_rows
 
 FULL = dict(z_loss={"weight": 1e-4}, entropy={"weight": 0.0}, token_accuracy=True, outputs=("predicted_tokens",))
 GRPO = dict(cross_entropy=None, entropy={"weight": 0.0},
@@ -216,10 +216,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _plot(rows: list[Row], path) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except Exception as exc:
         print(f"no plot: {exc}")
         return

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import headloss
 from benchmarks.bench_head import chunked_entropy, restorable_leaf
-from benchmarks.common import Row, copy_bandwidth_gbs, measure, out_dir_default, write_rows
+from benchmarks.common import Row, copy_bandwidth_gbs, measure, out_dir_default, pyplot, write_rows
 
 V = 128256
 BETA, EPS = 0.04, 0.2
@@ -276,10 +276,7 @@ def main() -> None:
 
 
 def _plot(rows: list[Row], copy_gbs: float, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(19, 4.5))
     for ax, case in zip(axes, ("distill", "grpo", "trainer")):

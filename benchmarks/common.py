@@ -178,3 +178,13 @@ def import_trl(module: str):
         stub.IterableDataset = stub.Dataset = type("Dataset", (), {})
         sys.modules["datasets"] = stub
     return importlib.import_module(module)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (the plots are files; no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
