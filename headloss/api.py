@@ -458,6 +458,16 @@ SEQUENCE_CHUNK_SLACK = 4
 """Sequence-chunked mode takes chunks of whole sequences up to this many times chunk_bytes."""
 
 
+def _policy_grad_in_forward(plan: KernelPlan, policy, shard) -> bool:
+    """What both lm_head routes that compute a deferred policy term's gradient in forward need: a
+    policy term (and its inputs), no other reason for deferred mode (reduction 'none', per-token
+    outputs with gradient), no top-entropy mask (a statistic of most tokens), one device, eager."""
+    spec = plan.spec
+    pol = spec.policy
+    return (pol is not None and policy is not None and spec.reduction != "none" and not spec.differentiable_outputs
+            and pol.top_entropy_quantile == 1.0 and shard is None and not torch.compiler.is_compiling())
+
+
 def _sequence_chunks(plan: KernelPlan, policy, token_rows: tuple[int, ...], chunk_rows: int, chunk_bytes: int,
                      row_bytes: int, shard) -> int:
     """Rows per sequence when the lm_head can run sequence-chunked (0: it cannot): the plan is
@@ -465,13 +475,11 @@ def _sequence_chunks(plan: KernelPlan, policy, token_rows: tuple[int, ...], chun
     mask, ...), rows are [B, T] sequences, and a sequence's logits fit the chunk budget (times
     SEQUENCE_CHUNK_SLACK). Batch statistics (clip_cov, kl_cov, the entropy quantile, TRL's
     token-mean entropy bonus) and everything else keep deferred mode."""
-    spec = plan.spec
-    pol = spec.policy
-    if (pol is None or plan.mode != "deferred" or spec.reduction == "none" or spec.differentiable_outputs
-            or pol.objective in ("clip_cov", "kl_cov") or pol.top_entropy_quantile < 1.0
+    pol = plan.spec.policy
+    if (not _policy_grad_in_forward(plan, policy, shard) or plan.mode != "deferred"
+            or pol.objective in ("clip_cov", "kl_cov")
             or (pol.entropy_coef != 0.0 and pol.entropy_aggregation == "token-mean")
-            or shard is not None or len(token_rows) != 2 or policy is None or policy.sequence_ids is not None
-            or torch.compiler.is_compiling()):
+            or len(token_rows) != 2 or policy.sequence_ids is not None):
         return 0
     seq_len = token_rows[1]
     return seq_len if seq_len * row_bytes <= SEQUENCE_CHUNK_SLACK * chunk_bytes else 0
@@ -483,10 +491,8 @@ def _cov_base_plan(plan: KernelPlan, policy, shard) -> KernelPlan | None:
     (engine._cov_correction): three GEMMs and a small one instead of deferred mode's four."""
     spec = plan.spec
     pol = spec.policy
-    if (pol is None or pol.objective not in ("clip_cov", "kl_cov") or policy is None or shard is not None
-            or pol.importance_sampling != "token" or pol.off_policy_mask is not None
-            or pol.top_entropy_quantile < 1.0 or spec.reduction == "none" or spec.differentiable_outputs
-            or torch.compiler.is_compiling()):
+    if (not _policy_grad_in_forward(plan, policy, shard) or pol.objective not in ("clip_cov", "kl_cov")
+            or pol.importance_sampling != "token" or pol.off_policy_mask is not None):
         return None
     base = compile_plan(spec.model_copy(update={"policy": cov_base_policy(pol)}), has_targets=True)
     return base if base.mode == "fused" else None
