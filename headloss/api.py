@@ -7,7 +7,9 @@ on hidden states x lm_head weight (the fused lm_head, no full logits).
 from __future__ import annotations
 
 import math
-from typing import Any
+import os
+from dataclasses import replace
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -140,6 +142,12 @@ def head_loss(
                         sequence_ids=sequence_ids)
     plan = plan_for(spec, has_targets=targets is not None)
     spec = plan.spec
+    if (group is None and spec.policy is None and advantages is None and old_logprobs is None and ref_logprobs is None
+            and loss_mask is None and importance_weights is None and rollout_logprobs is None and sequence_ids is None
+            and not torch.compiler.is_compiling()):
+        recipe = _recipe_of(plan, logits, targets, teacher_logits, shift, inplace_grad, validate, backend)
+        if recipe is not None:
+            return _run_recipe(recipe, logits, targets, teacher_logits, num_items_in_batch)
     shard = None
     if group is not None or is_dtensor(logits):
         logits, targets, teacher_logits, shard = _vocab_shard(logits, targets, group, plan, teacher_logits, validate)
@@ -178,6 +186,69 @@ def head_loss(
     )
     loss, extra = _policy_terms(plan, loss, rows, means, scratch, pol, kernel_sequences=rows_per_seq > 0)
     return assemble(plan, call.token_shape, loss, rows, pred, means, scratch, extra)
+
+
+class _Recipe(NamedTuple):
+    """What a head_loss call without policy inputs or a group runs with, apart from its tensors and its
+    num_items_in_batch: found again by the call's signature (the plan, and every input's type, shape,
+    strides, dtype and device), so a repeated call skips the input checks, which its signature
+    decides, and the geometry (host time, see benchmarks/bench_host.py)."""
+
+    plan: KernelPlan
+    run: HeadRun  # the kernel run (its geometry without num_items_in_batch)
+    flat_targets: bool  # the targets are the dense int vector the kernels read
+
+
+_RECIPES: dict[tuple, _Recipe] = {}
+_VALIDATE_VALUES = (None, True, False, "sync")
+_BACKENDS = ("auto", "triton", "reference")
+
+
+def _signature(t: Any) -> tuple | None:
+    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _recipe_of(plan: KernelPlan, logits, targets, teacher_logits, shift, inplace_grad, validate, backend
+               ) -> _Recipe | None:
+    """The cached recipe of a call's signature (made, after every check, on its first call); None
+    where the call is not one (unusual argument types take the checked path, which names them)."""
+    if type(logits) is not torch.Tensor or not (targets is None or type(targets) is torch.Tensor) or \
+            not (teacher_logits is None or type(teacher_logits) is torch.Tensor) or \
+            not any(validate is v for v in _VALIDATE_VALUES) or backend not in _BACKENDS:
+        return None
+    key = (id(plan), _signature(logits), _signature(targets), _signature(teacher_logits), bool(shift),
+           bool(inplace_grad), validate, os.environ.get("HEADLOSS_VALIDATE") if validate is None else None, backend)
+    recipe = _RECIPES.get(key)
+    if recipe is not None and recipe.plan is plan:
+        return recipe
+    if resolve_backend(backend, logits.device, logits.dtype) == "reference":
+        return None  # (not kept: the plain-torch path has no host cost to save)
+    none = dict.fromkeys(("advantages", "old_logprobs", "ref_logprobs", "loss_mask", "importance_weights",
+                          "rollout_logprobs", "sequence_ids"))
+    call = head_call(logits, targets, plan.spec, kernel=True, teacher_logits=teacher_logits, policy_given=none,
+                     num_items_in_batch=None, shift=shift, validate=validate)
+    flat = targets is None or (targets.dim() == 1 and targets.dtype in (torch.int64, torch.int32)
+                               and targets.is_contiguous())
+    recipe = _Recipe(plan, HeadRun(plan, call.geo, inplace_grad, call.validate, call.token_shape), flat)
+    if len(_RECIPES) >= 1024:
+        _RECIPES.clear()
+    _RECIPES[key] = recipe
+    return recipe
+
+
+def _run_recipe(recipe: _Recipe, logits, targets, teacher_logits, num_items_in_batch) -> HeadLossOutput:
+    """head_loss of a call whose recipe is known: only num_items_in_batch is checked per call."""
+    plan = recipe.plan
+    run = recipe.run
+    norm = normaliser(num_items_in_batch, plan.spec, logits.device)
+    if norm.value:
+        run = replace(run, geo=run.geo._replace(norm=norm.value))
+    loss, rows, pred, means, scratch = HeadFunction.apply(
+        logits, targets if recipe.flat_targets else flat_targets(targets),
+        None if teacher_logits is None else teacher_logits.detach(), None, None, None, None, None, norm.tensor, None,
+        run,
+    )
+    return assemble(plan, run.token_shape, loss, rows, pred, means, scratch)
 
 
 def _vocab_shard(logits, targets, group, plan: KernelPlan, teacher_logits, validate):

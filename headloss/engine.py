@@ -124,12 +124,15 @@ def _token_fake() -> torch.Tensor:
     return torch.empty(1, dtype=torch.int64)
 
 
-def _empty_outputs(plan: KernelPlan, n_out: int, device, token_shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+def _empty_outputs(plan: KernelPlan, n_out: int, device, token_shape: tuple[int, ...], empty_pred: bool = True
+                   ) -> tuple[torch.Tensor, ...]:
     """(rows, pred, loss, means); the loss of reduction 'none' is token-shaped from the start, so
-    the Function never returns a view."""
+    the Function never returns a view. Without argmax pred is empty, or None with ``empty_pred=False``
+    (one allocation less per call)."""
     f32 = dict(dtype=torch.float32, device=device)
     rows = torch.empty(n_out, plan.cols.N, **f32)
-    pred = torch.empty(n_out if plan.flags.HAS_ARGMAX else 0, dtype=torch.int64, device=device)
+    pred = torch.empty(n_out, dtype=torch.int64, device=device) if plan.flags.HAS_ARGMAX else \
+        (torch.empty(0, dtype=torch.int64, device=device) if empty_pred else None)
     loss = torch.empty(token_shape if plan.reduction == "none" else (), **f32)
     means = torch.empty(plan.means_size, **f32)  # column means, the loss (the 'loss' metric), policy metrics
     return rows, pred, loss, means
@@ -185,7 +188,7 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
     stats = jsd = None
     if shard is not None and geo.n_rows:
         stats, jsd = _shard_statistics(plan, logits, targets, teacher, geo, shard)
-    rows, pred, loss, means = _empty_outputs(plan, geo.n_out, device, token_shape)
+    rows, pred, loss, means = _empty_outputs(plan, geo.n_out, device, token_shape, empty_pred=False)
     grad = None
     if grad_mode == "inplace":
         grad = logits.detach()  # a tensor of its own over the logits' storage: autograd adopts it as .grad
@@ -267,11 +270,11 @@ class HeadFunction(torch.autograd.Function):
             ctx.grad_like = (tuple(logits.shape), logits.dtype)
             ctx.handoff = grad_mode == "handoff"
             ctx.save_for_backward(grad)
-            ctx.mark_non_differentiable(rows, pred, means, scratch)
+            ctx.mark_non_differentiable(rows, means, scratch, *(() if pred is None else (pred,)))
         else:
             ctx.save_for_backward(logits, targets, teacher, rows, num_items, scratch,
                                   stats[0] if run.shard is not None and not torch.compiler.is_compiling() else None)
-            ctx.mark_non_differentiable(pred, means, scratch)
+            ctx.mark_non_differentiable(means, scratch, *(() if pred is None else (pred,)))
         return loss, rows, pred, means, scratch
 
     @staticmethod
@@ -787,6 +790,8 @@ def _head_forward_op(
         grad = _hand_off([(grad, layout)])
     elif grad is None:
         grad = logits.new_empty(0)
+    if pred is None:
+        pred = torch.empty(0, dtype=torch.int64, device=logits.device)
     return loss, rows, pred, means, scratch, grad
 
 

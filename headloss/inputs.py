@@ -21,7 +21,7 @@ import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -234,8 +234,7 @@ def check_teacher(logits_shape: tuple[int, ...], device: torch.device, teacher_l
         raise TypeError(f"teacher_logits: the kernel takes float32, bfloat16 or float16, got {teacher_logits.dtype}")
 
 
-@dataclass(frozen=True)
-class Normaliser:
+class Normaliser(NamedTuple):
     """num_items_in_batch as the kernels take it: a number (``value``) or a device tensor."""
 
     value: float = 0.0  # 0: not given
@@ -354,8 +353,7 @@ def head_call(logits: Any, targets: Any, spec: LossSpec, *, kernel: bool, teache
 # --- device-side verdicts -----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CheckContext:
+class CheckContext(NamedTuple):
     """What a verdict's error message needs to know about the call that produced it."""
 
     token_shape: tuple[int, ...]
@@ -385,13 +383,13 @@ class ErrorBoard:
 
     def take(self, context: CheckContext) -> tuple[torch.Tensor, torch.Tensor]:
         """A cleared slot for one call (and the dirty word)."""
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if self.pinned and torch.cuda.is_current_stream_capturing():
             slot = torch.zeros(VERDICT, dtype=torch.int64, pin_memory=self.pinned)
             self.captured.append((slot, context))
             return slot, self.dirty
         i = self.calls % self.SLOTS
         self.calls += 1
-        self.host[i] = 0
+        self.host[i, 0] = 0  # the flag: the kernel writes every other field before it sets the flag
         self.contexts[i] = context
         self.order[i] = self.calls
         return self.rows[i], self.dirty

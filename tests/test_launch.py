@@ -47,3 +47,79 @@ def test_one_call_key_separates_exactly_what_the_binder_separates():
     ]
     for a, b in itertools.combinations(candidates, 2):
         assert (one_call(a) == one_call(b)) == (per_argument(a) == per_argument(b)), (a, b)
+
+
+# --- the per-signature recipe of head_loss ----------------------------------------------------------
+#
+# A call without policy inputs or a group looks its checks' outcome and geometry up by its signature
+# (plan; every input's type, shape, strides, dtype and device; shift, inplace_grad, validate and
+# HEADLOSS_VALIDATE, backend). A change of any of these must not reuse a recipe made for another.
+
+import pytest  # noqa: E402
+
+from headloss import LossSpec, head_loss  # noqa: E402
+from headloss import api as api_module  # noqa: E402
+from tests.conftest import (  # noqa: E402
+    assert_matches_reference,
+    assert_nontrivial,
+    make_logits,
+    make_targets,
+    needs_kernel,
+    run_pair,
+)
+
+SPEC = LossSpec(z_loss={"weight": 1e-2}, token_accuracy=True, entropy={"weight": 0.0},
+                outputs=("predicted_tokens", "logprobs"))
+
+
+@needs_kernel
+def test_a_repeated_call_reuses_its_recipe_and_every_changed_signature_gets_its_own():
+    api_module._RECIPES.clear()
+    wide = make_logits((6, 45), seed=1)
+    dense = wide[:, :37].contiguous()
+    targets = make_targets((6,), 37, seed=1, ignore_frac=0.3)
+    cut = lambda t: t[:, :37]  # noqa: E731  (strided rows, the same shape)
+    calls = [
+        ("contiguous", dense, lambda t: t, targets, {}),
+        ("again", dense, lambda t: t, targets, {}),
+        ("strided rows, same shape", wide, cut, targets, {}),
+        ("int32 targets", wide, cut, targets.int(), {}),
+        ("uint8 targets", wide, cut, targets.clamp(min=0).to(torch.uint8), {}),
+        ("strided targets", wide, cut, torch.stack([targets, targets], 1)[:, 0], {}),
+        ("num_items 3", wide, cut, targets, {"num_items_in_batch": 3}),
+        ("num_items 5", wide, cut, targets, {"num_items_in_batch": 5.0}),
+        ("num_items tensor", wide, cut, targets, {"num_items_in_batch": torch.tensor(7)}),
+        ("[B, T, V]", wide, lambda t: t[:, :37].reshape(2, 3, 37), targets.reshape(2, 3), {}),
+    ]
+    sizes = []
+    for _name, leaf, view, y, kwargs in calls:
+        pair = run_pair(leaf, y, SPEC, view=view, **kwargs)
+        assert_matches_reference(pair)
+        assert_nontrivial(pair)
+        sizes.append(len(api_module._RECIPES))
+    # one recipe per signature: the repeated call and the num_items_in_batch changes add none
+    assert sizes == [1, 1, 2, 3, 4, 5, 5, 5, 5, 6], sizes
+
+
+@needs_kernel
+def test_a_cached_signature_still_checks_num_items_and_values_and_rereads_headloss_validate(monkeypatch):
+    logits = make_logits((5, 11), seed=2)
+    good = make_targets((5,), 11, seed=2)
+    head_loss(logits, good, SPEC)
+    head_loss(logits, good, SPEC)  # cached now
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        head_loss(logits, good, SPEC, num_items_in_batch=0)
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        head_loss(logits, good, SPEC, num_items_in_batch=torch.tensor([1, 2]))
+    bad = good.clone()
+    bad[3] = 11
+    with pytest.raises(ValueError, match=r"targets: value 11 at position \(3,\)"):
+        head_loss(logits, bad, SPEC)
+    monkeypatch.setenv("HEADLOSS_VALIDATE", "0")  # the same signature, validation now off: no error, NaN row
+    out = head_loss(logits, bad, SPEC)
+    assert torch.isnan(out.loss)
+    monkeypatch.setenv("HEADLOSS_VALIDATE", "1")
+    with pytest.raises(ValueError, match="targets: value 11"):
+        head_loss(logits, bad, SPEC)
+    with pytest.raises(ValueError, match="targets: shape"):  # a new signature is checked in full
+        head_loss(logits, good[:4], SPEC)

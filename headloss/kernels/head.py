@@ -21,6 +21,7 @@ axis 0 (up to 2**31 - 1).
 from __future__ import annotations
 
 import functools
+import operator
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -625,26 +626,55 @@ def scale_grad_kernel(
 
 # --- launchers -------------------------------------------------------------------------------
 
-_COMPILED: dict[tuple, object] = {}
+_COMPILED: dict[tuple, tuple] = {}
 SCALE_PROGRAMS = 2048  # scale_grad_kernel's programs loop over the rows: fewer early exits when scale == 1
-_PARAMS: dict[object, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {}
 
 
-def _params_of(kernel) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    """(runtime parameter names, constexpr parameter names, all names in order) of a kernel."""
+class _Params(NamedTuple):
+    """A kernel's parameters, as C-level getters over a launch's keyword arguments."""
+
+    runtime: operator.itemgetter  # -> tuple of the runtime arguments
+    constexprs: operator.itemgetter  # -> tuple of the constexpr values
+    every: operator.itemgetter  # -> tuple of every argument, in order
+
+
+_PARAMS: dict[object, _Params] = {}
+
+
+def _getter(names: tuple[str, ...]) -> operator.itemgetter:
+    """itemgetter that returns a tuple for any number of names (itemgetter of one name returns the item)."""
+    if len(names) == 1:
+        name = names[0]
+        return lambda kwargs: (kwargs[name],)  # type: ignore[return-value]
+    return operator.itemgetter(*names) if names else (lambda kwargs: ())  # type: ignore[return-value]
+
+
+def _params_of(kernel) -> _Params:
     params = _PARAMS.get(kernel)
     if params is None:
-        params = _PARAMS[kernel] = (
-            tuple(p.name for p in kernel.params if not p.is_constexpr),
-            tuple(p.name for p in kernel.params if p.is_constexpr),
-            tuple(p.name for p in kernel.params),
+        params = _PARAMS[kernel] = _Params(
+            _getter(tuple(p.name for p in kernel.params if not p.is_constexpr)),
+            _getter(tuple(p.name for p in kernel.params if p.is_constexpr)),
+            _getter(tuple(p.name for p in kernel.params)),
         )
     return params
 
 
+def _compiled_entry(compiled) -> tuple:
+    """(C launch function, its fixed leading arguments) of a compiled variant: later launches call
+    Triton's generated C launcher directly (its Python wrapper only allocates scratch, which these
+    kernels never use), or (compiled.run, fixed arguments) when a variant does use scratch."""
+    run = compiled.run
+    fixed_meta = (compiled.packed_metadata, None, None, None)
+    if getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0 \
+            and hasattr(run, "launch"):
+        return run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, *fixed_meta)
+    return run, (compiled.function, *fixed_meta)
+
+
 def launch(kernel, grid: int, num_warps: int, **kwargs) -> None:
     """``kernel[(grid,)](**kwargs)``. After a variant's first launch, later launches of the same
-    variant call its compiled launcher directly. The variant is found the way Triton finds it
+    variant call its compiled C launcher directly. The variant is found the way Triton finds it
     (``native_specialize_impl`` over the runtime arguments, plus the constexpr values), in one call:
     Triton's own per-launch binding, cache key and launch metadata cost 20-50 us of host time per
     launch on an H200 host, this ~10 (benchmarks/bench_host.py). A profiler's launch hooks, the
@@ -654,21 +684,22 @@ def launch(kernel, grid: int, num_warps: int, **kwargs) -> None:
             (hooks is not None and getattr(hooks, "calls", True)):
         kernel[(grid,)](**kwargs, num_warps=num_warps)
         return
-    runtime, constexprs, names = _params_of(kernel)
+    params = _params_of(kernel)
     device = torch.cuda.current_device()
     caches = kernel.device_caches.get(device) if kernel.device_caches else None
     if caches is None:  # first launch on this device: Triton builds its caches and the backend
         kernel[(grid,)](**kwargs, num_warps=num_warps)
         return
-    backend = caches[3]
-    key = (kernel, device, num_warps, tuple(kwargs[n] for n in constexprs),
-           native_specialize_impl(backend, tuple(kwargs[n] for n in runtime), False, True, True))
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        _COMPILED[key] = kernel[(grid,)](**kwargs, num_warps=num_warps)
+    key = (kernel, device, num_warps, params.constexprs(kwargs),
+           native_specialize_impl(caches[3], params.runtime(kwargs), False, True, True))
+    entry = _COMPILED.get(key)
+    if entry is None:
+        compiled = kernel[(grid,)](**kwargs, num_warps=num_warps)
+        if compiled is not None:
+            _COMPILED[key] = _compiled_entry(compiled)
         return
-    compiled.run(grid, 1, 1, _raw_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
-                 *(kwargs[n] for n in names))
+    run, fixed = entry
+    run(grid, 1, 1, _raw_stream(device), *fixed, *params.every(kwargs))
 
 
 _FAST_LAUNCH = os.environ.get("HEADLOSS_FAST_LAUNCH", "1") != "0"
