@@ -173,6 +173,14 @@ class HeadRun:
     shard: Any = None  # vocab-parallel: a headloss.parallel.VocabShard
 
 
+INLINE_PREPARE_SLOTS = 1 << 16
+"""Up to this many slots, head_forward leaves prepare's work (count the scored rows, check the
+targets: O(slots), one program) to the head kernel's program 0 instead of a launch of its own:
+~20-40 us of host time less per call (benchmarks/bench_host.py). Other programs wait for it only
+before their gradient pass and their completion count, so with rows of any real vocabulary it is
+done long before. Above this, a separate launch keeps one program's serial pass off the critical path."""
+
+
 def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, policy: PolicyRows | None, num_items,
                  sequence_ids, grad_mode: str, validate: str, token_shape: tuple[int, ...], shard=None):
     """prepare + head kernels: (loss, rows, pred, means, scratch, grad); grad_mode none/fresh/inplace.
@@ -182,7 +190,13 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
     whole = geo._replace(V=geo.V_total) if shard is not None else geo  # targets are checked against all of V
     verdict = verdict_slot(validate, device, CheckContext(token_shape, whole.V, geo.ignore_index,
                                                           Normaliser(geo.norm, num_items)))
-    scratch = prepare(targets, num_items, sequence_ids, whole, device, verdict, _sequences(geo, policy))
+    # without a policy term or a shard, the head kernel's program 0 prepares (one launch fewer)
+    inline = shard is None and policy is None and sequence_ids is None and 0 < geo.n_rows and \
+        geo.n_out <= INLINE_PREPARE_SLOTS
+    if inline:
+        scratch = torch.empty(SCRATCH, dtype=torch.int64, device=device)
+    else:
+        scratch = prepare(targets, num_items, sequence_ids, whole, device, verdict, _sequences(geo, policy))
     if shard is not None and validate == "sync":
         handshake_verdict(shard, verdict, device)
     stats = jsd = None
@@ -200,7 +214,7 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
     else:
         launch_head(plan, logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, pred=_opt(pred),
                     policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means, geo=geo,
-                    stats=stats, jsd=jsd)
+                    stats=stats, jsd=jsd, verdict=verdict, prepared=not inline)
     settle(verdict, validate, device)
     if shard is not None:
         return loss, rows, pred, means, scratch, grad, stats

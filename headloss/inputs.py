@@ -372,9 +372,11 @@ class ErrorBoard:
 
     def __init__(self, pinned: bool) -> None:
         self.pinned = pinned
-        self.table = torch.zeros(self.SLOTS + 1, VERDICT, dtype=torch.int64, pin_memory=pinned)
+        # rows padded to 16 bytes: every slot has the alignment Triton specialises the kernels on
+        width = VERDICT + (-VERDICT) % 2
+        self.table = torch.zeros(self.SLOTS + 1, width, dtype=torch.int64, pin_memory=pinned)
         self.host = self.table.numpy()  # reads and writes of host memory without a torch op
-        self.rows = list(self.table.unbind(0))
+        self.rows = list(self.table[:, :VERDICT].unbind(0))
         self.dirty = self.rows[self.SLOTS][:1]
         self.contexts: list[CheckContext | None] = [None] * self.SLOTS
         self.order = [0] * self.SLOTS

@@ -72,10 +72,13 @@ def assemble(plan: KernelPlan, token_shape: tuple[int, ...], loss: torch.Tensor,
         metrics.update(extra_metrics)
     metrics["n_tokens"] = scratch[0]
     out = HeadLossOutput(loss=loss, metrics=metrics)
-    detach = not plan.spec.differentiable_outputs
-    for name, index in plan.output_index:
-        value = rows[:, index].view(token_shape)
-        setattr(out, name, value.detach() if detach else value)
+    if plan.output_index:
+        flat = len(token_shape) == 1
+        detach = rows.requires_grad and not plan.spec.differentiable_outputs
+        for name, index in plan.output_index:
+            value = rows.select(1, index)
+            value = value if flat else value.view(token_shape)
+            setattr(out, name, value.detach() if detach else value)
     if plan.flags.HAS_ARGMAX and "predicted_tokens" in plan.spec.outputs:
-        out.predicted_tokens = pred.view(token_shape)
+        out.predicted_tokens = pred if len(token_shape) == 1 else pred.view(token_shape)
     return out

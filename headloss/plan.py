@@ -94,7 +94,8 @@ class Flags(NamedTuple):
 
 
 class Scalars(NamedTuple):
-    """Runtime values (fp32 in the kernels): changing one never recompiles."""
+    """Runtime values (fp32 in the kernels): changing one never recompiles. Python floats only
+    (kernels.head.spec_key keys a Scalars by its type)."""
 
     w_ce: float = 0.0
     smoothing: float = 0.0
@@ -319,7 +320,7 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
         mode="deferred" if deferred else "fused",
         flags=flags,
         cols=cols,
-        scalars=Scalars(**used),
+        scalars=Scalars(**{name: float(value) for name, value in used.items()}),  # floats only (launch keys)
         used_scalars=tuple(used),
         requires=requires,
         accepts=accepts,

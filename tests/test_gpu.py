@@ -433,6 +433,59 @@ def test_cuda_graph_capture_and_replay_with_default_arguments(entry):
     assert float(out.metrics["n_tokens"]) == float(eager.metrics["n_tokens"])
 
 
+def test_graph_replays_with_new_targets_each_prepare_their_own_count():
+    """The head kernel's program 0 prepares the call (counted rows) and tags it with a nonce baked
+    into the graph: every replay must wait for its own count, never read the last replay's."""
+    logits, targets = _batch(4096, 32000, torch.bfloat16, seed=31)
+    x = logits.clone().requires_grad_()
+    y = targets.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            x.grad = None
+            headloss.head_loss(x, y, FULL).loss.backward()
+    torch.cuda.current_stream().wait_stream(side)
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = headloss.head_loss(x, y, FULL)
+        out.loss.backward()
+    gen = torch.Generator(device="cuda").manual_seed(32)
+    for ignore_frac in (0.05, 0.6, 0.0, 0.95):
+        fresh = torch.randint(0, 32000, (4096,), device="cuda", generator=gen)
+        fresh[torch.rand(4096, device="cuda", generator=gen) < ignore_frac] = -100
+        y.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        got_loss, got_grad, got_n = out.loss.clone(), x.grad.clone(), int(out.metrics["n_tokens"])
+        ref = torch.nn.functional.cross_entropy(logits.double(), fresh, ignore_index=-100)
+        eager_x = logits.clone().requires_grad_()
+        eager = headloss.head_loss(eager_x, fresh, FULL)
+        eager.loss.backward()
+        assert got_n == int((fresh != -100).sum())
+        assert torch.allclose(got_loss, eager.loss, rtol=1e-6)
+        assert _rel(got_grad, eager_x.grad) < 1e-6
+        assert abs(float(out.metrics["ce"]) - float(ref)) <= 1e-4 * float(ref)
+
+
+@pytest.mark.parametrize("rows", [1 << 16, (1 << 16) + 1])
+def test_in_kernel_prepare_with_a_tiny_vocabulary(rows):
+    """V = 8: every row's stats pass ends long before program 0 has counted 65536 targets, so the
+    other programs really wait for it (65537 slots: a prepare launch of its own)."""
+    logits, targets = _batch(rows, 8, torch.float32, seed=33, ignore_frac=0.3)
+    x = logits.clone().requires_grad_()
+    out = headloss.head_loss(x, targets, FULL)
+    out.loss.backward()
+    x64 = logits.double().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(x64, targets, ignore_index=-100)
+    ref_z = (torch.logsumexp(x64, -1)[targets != -100] ** 2).mean()
+    (ref + 1e-4 * ref_z).backward()
+    assert int(out.metrics["n_tokens"]) == int((targets != -100).sum())
+    assert abs(float(out.metrics["ce"]) - float(ref)) <= 1e-5 * float(ref)
+    assert _rel(x.grad, x64.grad) < 1e-5
+
+
 def test_bad_targets_are_raised_by_the_next_call_without_a_host_wait():
     logits, targets = _batch(64, 32000, torch.bfloat16, seed=22)
     targets[5] = 40000

@@ -12,7 +12,8 @@ import torch
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 
-from headloss.kernels.head import Geometry, PolicyRows
+from headloss.kernels.head import Geometry, PolicyRows, spec_key
+from headloss.plan import Scalars, compile_plan
 
 
 def one_call(args: tuple):
@@ -47,6 +48,46 @@ def test_one_call_key_separates_exactly_what_the_binder_separates():
     ]
     for a, b in itertools.combinations(candidates, 2):
         assert (one_call(a) == one_call(b)) == (per_argument(a) == per_argument(b)), (a, b)
+
+
+def test_the_python_launch_key_never_merges_what_triton_specialises_apart():
+    """launch() looks compiled variants up by spec_key (Python, cheap); equal keys must mean equal
+    specialisations, or a kernel compiled for aligned pointers or for an int of 1 could run on others."""
+    t = torch.empty(64)
+    s1 = Scalars(w_ce=1.0)
+    candidates = [
+        (t, None, _geo(), s1),
+        (t[1:], None, _geo(), s1),  # unaligned pointer
+        (t[4:], None, _geo(), s1),  # 16-byte aligned again
+        (t.to(torch.bfloat16), None, _geo(), s1),
+        (t.to(torch.int64), None, _geo(), s1),
+        (t, t, _geo(), s1),  # an optional input present
+        (t, t[1:], _geo(), s1),
+        (t, None, _geo(T=1, K=1), s1),  # ints equal to 1 are constexprs in Triton
+        (t, None, _geo(T=16, K=16), s1),
+        (t, None, _geo(V=32001, stride_t=32001), s1),  # not a multiple of 16
+        (t, None, _geo(stride_b=2**33), s1),  # needs 64 bits
+        (t, None, _geo(norm=3.0), s1),  # floats: by type only
+        (t, None, _geo(), Scalars(w_ce=2.0, eps_low=0.2)),
+        (t, None, _geo(), Scalars(pol_delta=float("inf"))),
+        (t, PolicyRows(t, None, t, None, t), _geo(), s1),
+        (t, PolicyRows(t, t, t, None, t), _geo(), s1),
+        (t, PolicyRows(t, None, t, None, t, 1, 0), _geo(), s1),
+        (t, PolicyRows(t, None, t, None, t, 8, 8), _geo(), s1),
+        (t, PolicyRows(t[1:], None, t, None, t, 8, 8), _geo(), s1),
+        (t, 1, _geo(), s1),
+        (t, 2, _geo(), s1),
+        (t, True, _geo(), s1),
+        (t, False, _geo(), s1),
+        (t, 1.0, _geo(), s1),
+        (t, 2.5, _geo(), s1),
+    ]
+    for a, b in itertools.combinations(candidates, 2):
+        if spec_key(a) == spec_key(b):
+            assert one_call(a) == one_call(b), (a, b)
+    # and it is not coarser than needed where calls repeat: the same layout, another num_items_in_batch
+    assert spec_key((t, None, _geo(norm=3.0), s1)) == spec_key((t, None, _geo(norm=5.0), s1))
+    assert all(isinstance(v, float) for v in compile_plan(LossSpec(z_loss={"weight": 1}), has_targets=True).scalars)
 
 
 # --- the per-signature recipe of head_loss ----------------------------------------------------------

@@ -21,6 +21,7 @@ axis 0 (up to 2**31 - 1).
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import os
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ import triton
 import triton.language as tl
 from triton._C.libtriton import native_specialize_impl
 
-from ..plan import KernelPlan
+from ..plan import KernelPlan, Scalars
 from .blocks import (
     gradient_pass,
     online_stats,
@@ -104,6 +105,21 @@ class PolicyRows(NamedTuple):
     # per-sequence clip metrics); 0 for rows with sequence_ids (those metrics are left to torch)
 
 
+class ShardRows(NamedTuple):
+    """head_kernel's vocab-parallel inputs."""
+
+    stats: torch.Tensor | None  # (n_rows, STATS [+ TEACHER_STATS]) fp32 row statistics merged over the shards
+    jsd: torch.Tensor | None  # (n_rows, 2) fp32 mixture-JSD shares (JSD, KL(p_s || M)) summed over the shards
+
+
+class Prepare(NamedTuple):
+    """head_kernel's program 0 does prepare_kernel's work (see launch_head(prepared=False))."""
+
+    verdict: torch.Tensor | None  # prepare_kernel's verdict slot and dirty word, or None: no validation
+    dirty: torch.Tensor | None
+    nonce: int | None  # this call's tag (next_nonce); None: prepare_kernel ran
+
+
 @triton.jit
 def prepare_kernel(
     targets,  # (n_out + shift,) int, or None
@@ -116,6 +132,13 @@ def prepare_kernel(
     n_seq,  # sequences with per-sequence policy counters in scratch (SEQ_SCRATCH), or 0
     BLOCK: tl.constexpr,
 ):
+    prepare_call(targets, num_items, sequence_ids, scratch, verdict, dirty, geo, n_seq, BLOCK)
+    tl.store(scratch + 1, 0)
+
+
+@triton.jit
+def prepare_call(targets, num_items, sequence_ids, scratch, verdict, dirty, geo, n_seq, BLOCK: tl.constexpr):
+    """prepare_kernel's work but the completion counter (scratch[1]): by one program."""
     offs = tl.arange(0, BLOCK)
     counted = tl.zeros([BLOCK], tl.int32)
     bad_ids = tl.zeros([BLOCK], tl.int32)
@@ -140,7 +163,6 @@ def prepare_kernel(
             ids = tl.load(sequence_ids + slot, mask=inside, other=0)
             bad_ids |= (inside & ((ids < 0) | (ids >= geo.n_out))).to(tl.int32)
     tl.store(scratch, tl.sum(counted.to(tl.int64), axis=0))
-    tl.store(scratch + 1, 0)
     if n_seq > 0:
         tl.store(scratch + 2, 0x7FFFFFFF)  # ratio min: above every finite fp32 bit pattern
         tl.store(scratch + 3, -1)  # ratio max: below every one
@@ -180,8 +202,8 @@ def head_kernel(
     scratch,  # (SCRATCH,) int64: counted rows (prepare_kernel), programs done
     loss,  # () fp32 reduced loss, or (n_out,) for reduction 'none'
     means,  # (C.N + 1,) fp32 column means and the loss, written with FINISH
-    stats,  # vocab-parallel: (n_rows, STATS) fp32 row statistics merged over the shards, or None
-    jsd,  # vocab-parallel mixture JSD: (n_rows, 2) fp32 (JSD, KL(p_s || M)) summed over the shards, or None
+    shard,  # ShardRows: vocab-parallel merged row statistics and summed mixture-JSD shares (None: not sharded)
+    prep,  # Prepare: with a nonce, program 0 does prepare_kernel's work first (calls without a policy term)
     # sizes, strides, runtime scalars
     geo,
     S,
@@ -193,6 +215,13 @@ def head_kernel(
     FINISH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    PREPARE: tl.constexpr = prep.nonce is not None  # (a tuple holding None cannot be compared with None)
+    if PREPARE:
+        if row == 0:
+            prepare_call(targets, num_items, None, scratch, prep.verdict, prep.dirty, geo, 0, BLOCK_V)
+            tl.atomic_xchg(scratch + 1, prep.nonce, sem="release")  # counted rows (and verdicts) published
+    stats = shard.stats
+    jsd = shard.jsd
     SHARDED: tl.constexpr = stats is not None
     NCOL: tl.constexpr = 16 if teacher is not None else 8  # merged statistics per row (sharded)
     V_math = geo.V  # the vocabulary of the math (label smoothing's eps / V): the whole one when sharded
@@ -265,6 +294,8 @@ def head_kernel(
             tl.store(loss + slot, token_loss)
         # --- 3. gradient pass
         if grad is not None:
+            if PREPARE:
+                await_prepared(scratch, prep.nonce, geo.n_rows)
             u = token_scale(scratch, num_items, geo, F)
             A, B, Cc, D = row_coefficients(u, d_logp, d_entropy, zero, lse, logp, entropy, V_math, S, F)
             sum_px2 = gradient_pass(
@@ -287,9 +318,25 @@ def head_kernel(
     if FINISH:
         # the last program to get here reduces every row: one launch for the whole call
         tl.debug_barrier()
+        if PREPARE:
+            await_prepared(scratch, prep.nonce, geo.n_rows)
         done = tl.atomic_add(scratch + 1, 1, sem="acq_rel")
+        if PREPARE:
+            done -= prep.nonce
         if done == geo.n_rows - 1:
             reduce_rows(rows, loss, means, scratch, num_items, policy, geo, F, C, R)
+            if PREPARE:
+                tl.store(scratch + 1, geo.n_rows)  # what a prepared call leaves: no trace of the nonce
+
+
+@triton.jit
+def await_prepared(scratch, nonce, n_rows):
+    """Wait until program 0 has published this call's counted rows: scratch[1] then counts finished
+    programs up from ``nonce``. A value outside [nonce, nonce + n_rows) is another call's (a stale
+    buffer; a finished call, the last replay of a CUDA graph included, leaves n_rows < 2**32)."""
+    seen = tl.atomic_add(scratch + 1, 0, sem="acquire")
+    while (seen < nonce) | (seen >= nonce + n_rows):
+        seen = tl.atomic_add(scratch + 1, 0, sem="acquire")
 
 
 STATS = 8
@@ -672,36 +719,74 @@ def _compiled_entry(compiled) -> tuple:
     return run, (compiled.function, *fixed_meta)
 
 
+_NORM_AT = Geometry._fields.index("norm")
+_FLOATS_ONLY = {Scalars}  # NamedTuples of floats only: Triton specialises a float by its type, never its value
+
+
+def _spec_of(arg):
+    """What Triton's specialisation of one runtime argument depends on, cheaply: a tensor's dtype and
+    16-byte alignment, an int's value, a float's type (see tests/test_launch.py)."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, not arg.data_ptr() & 15
+    kind = type(arg)
+    if kind is int or arg is None:
+        return arg
+    if kind is Geometry:  # ints, and norm (a float)
+        return arg[:_NORM_AT] + arg[_NORM_AT + 1:]
+    if kind in _FLOATS_ONLY:
+        return kind
+    if kind is float:
+        return float
+    if isinstance(arg, tuple):
+        return kind, tuple([_spec_of(a) for a in arg])
+    return kind, arg  # bools and anything else: by type and value
+
+
+def spec_key(args: tuple) -> tuple:
+    """A key at least as fine as ``native_specialize_impl(args)``: equal keys, equal specialisations."""
+    return tuple([_spec_of(a) for a in args])
+
+
 def launch(kernel, grid: int, num_warps: int, **kwargs) -> None:
     """``kernel[(grid,)](**kwargs)``. After a variant's first launch, later launches of the same
-    variant call its compiled C launcher directly. The variant is found the way Triton finds it
-    (``native_specialize_impl`` over the runtime arguments, plus the constexpr values), in one call:
-    Triton's own per-launch binding, cache key and launch metadata cost 20-50 us of host time per
-    launch on an H200 host, this ~10 (benchmarks/bench_host.py). A profiler's launch hooks, the
-    interpreter and ``HEADLOSS_FAST_LAUNCH=0`` take Triton's path."""
+    variant call its compiled C launcher directly, found by :func:`spec_key` over the runtime
+    arguments (what Triton specialises on, computed in Python at a third of the cost of Triton's
+    ``native_specialize_impl``; a new key falls back to that and to Triton's launch). Triton's own
+    per-launch binding, cache key and launch metadata cost 20-50 us of host time per launch on an
+    H200 host (benchmarks/bench_host.py). A profiler's launch hooks, the interpreter and
+    ``HEADLOSS_FAST_LAUNCH=0`` take Triton's path."""
     hooks = triton.knobs.runtime.launch_enter_hook
-    if not _FAST_LAUNCH or not isinstance(kernel, triton.runtime.jit.JITFunction) or \
-            (hooks is not None and getattr(hooks, "calls", True)):
+    if not _FAST_LAUNCH or not isinstance(kernel, _JIT) or (hooks is not None and getattr(hooks, "calls", True)):
         kernel[(grid,)](**kwargs, num_warps=num_warps)
         return
     params = _params_of(kernel)
-    device = torch.cuda.current_device()
-    caches = kernel.device_caches.get(device) if kernel.device_caches else None
-    if caches is None:  # first launch on this device: Triton builds its caches and the backend
-        kernel[(grid,)](**kwargs, num_warps=num_warps)
-        return
-    key = (kernel, device, num_warps, params.constexprs(kwargs),
-           native_specialize_impl(caches[3], params.runtime(kwargs), False, True, True))
-    entry = _COMPILED.get(key)
+    device = _current_device()
+    runtime = params.runtime(kwargs)
+    constexprs = params.constexprs(kwargs)
+    fast_key = (kernel, device, num_warps, constexprs, spec_key(runtime))
+    entry = _FAST.get(fast_key)
     if entry is None:
-        compiled = kernel[(grid,)](**kwargs, num_warps=num_warps)
-        if compiled is not None:
-            _COMPILED[key] = _compiled_entry(compiled)
-        return
+        caches = kernel.device_caches.get(device) if kernel.device_caches else None
+        if caches is None:  # first launch on this device: Triton builds its caches and the backend
+            kernel[(grid,)](**kwargs, num_warps=num_warps)
+            return
+        key = (kernel, device, num_warps, constexprs, native_specialize_impl(caches[3], runtime, False, True, True))
+        entry = _COMPILED.get(key)
+        if entry is None:
+            compiled = kernel[(grid,)](**kwargs, num_warps=num_warps)
+            if compiled is not None:
+                _COMPILED[key] = _compiled_entry(compiled)
+            return
+        if len(_FAST) >= 4096:
+            _FAST.clear()
+        _FAST[fast_key] = entry
     run, fixed = entry
     run(grid, 1, 1, _raw_stream(device), *fixed, *params.every(kwargs))
 
 
+_FAST: dict[tuple, tuple] = {}
+_JIT = triton.runtime.jit.JITFunction
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 _FAST_LAUNCH = os.environ.get("HEADLOSS_FAST_LAUNCH", "1") != "0"
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -785,18 +870,35 @@ def prepare(targets: torch.Tensor | None, num_items: torch.Tensor | None, sequen
 
 def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred, policy, num_items, scratch, loss,
                 means, geo: Geometry, finish: bool = True, stats: torch.Tensor | None = None,
-                jsd: torch.Tensor | None = None) -> None:
-    """One program per logits row; with ``finish`` the last one writes ``means`` and the reduced loss."""
+                jsd: torch.Tensor | None = None, verdict: tuple | None = None, prepared: bool = True) -> None:
+    """One program per logits row; with ``finish`` the last one writes ``means`` and the reduced loss.
+    ``prepared=False``: ``scratch`` (SCRATCH words, any content) was not filled by :func:`prepare`;
+    program 0 does that work first (``verdict`` as prepare takes it), and the other programs wait for
+    it only where they read what it writes -- one launch fewer per call (calls without a policy term)."""
     if geo.n_rows == 0:
         return
     cfg = launch_config(geo.V, plan.has_teacher, geo.n_rows)
+    prep = _PREPARED
+    if not prepared:
+        prep = Prepare(*(verdict if verdict is not None else (None, None)), next_nonce())
     launch(
         head_kernel, geo.n_rows, cfg.num_warps,
         logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, pred=pred, policy=policy,
-        num_items=num_items, scratch=scratch, loss=loss, means=means, stats=stats, jsd=jsd, geo=geo, S=plan.scalars,
-        F=plan.flags, C=plan.cols, BLOCK_V=cfg.block_v, FINISH=finish,
-        R=_tiles(plan.cols.N),
+        num_items=num_items, scratch=scratch, loss=loss, means=means,
+        shard=ShardRows(stats, jsd), prep=prep, geo=geo, S=plan.scalars,
+        F=plan.flags, C=plan.cols, BLOCK_V=cfg.block_v, FINISH=finish, R=_tiles(plan.cols.N),
     )
+
+
+_PREPARED = Prepare(None, None, None)
+_NONCES = itertools.count(int.from_bytes(os.urandom(3), "little"))
+
+
+def next_nonce() -> int:
+    """A tag unique to one in-kernel prepare (``launch_head(prepared=False)``): a multiple of 2**32
+    (so no count of finished programs reaches the next tag) above 2**32 (one int64 specialisation),
+    from a random start (another process's stale buffer holds another tag)."""
+    return (next(_NONCES) % (1 << 30) + 1) << 32
 
 
 def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry, teacher=None) -> torch.Tensor:
