@@ -173,12 +173,13 @@ class HeadRun:
     shard: Any = None  # vocab-parallel: a headloss.parallel.VocabShard
 
 
-INLINE_PREPARE_SLOTS = 1 << 16
+INLINE_PREPARE_SLOTS = 1 << 14
 """Up to this many slots, head_forward leaves prepare's work (count the scored rows, check the
-targets: O(slots), one program) to the head kernel's program 0 instead of a launch of its own:
-~20-40 us of host time less per call (benchmarks/bench_host.py). Other programs wait for it only
-before their gradient pass and their completion count, so with rows of any real vocabulary it is
-done long before. Above this, a separate launch keeps one program's serial pass off the critical path."""
+targets: O(slots), one program, 512 targets a step) to the head kernel's program 0 instead of a
+launch of its own: one launch less, 20-40 us of host time per call (benchmarks/bench_host.py). Other
+programs wait for it only before their gradient pass and their completion count, so with rows of any
+real vocabulary it is done long before. Above this, prepare_kernel (4096 targets a step, 8 warps)
+keeps one program's longer serial pass off the critical path."""
 
 
 def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, policy: PolicyRows | None, num_items,

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import headloss
+from headloss.engine import INLINE_PREPARE_SLOTS
 from headloss.kernels.head import head_kernel
 
 pytestmark = [
@@ -469,10 +470,10 @@ def test_graph_replays_with_new_targets_each_prepare_their_own_count():
         assert abs(float(out.metrics["ce"]) - float(ref)) <= 1e-4 * float(ref)
 
 
-@pytest.mark.parametrize("rows", [1 << 16, (1 << 16) + 1])
+@pytest.mark.parametrize("rows", [INLINE_PREPARE_SLOTS, INLINE_PREPARE_SLOTS + 1])
 def test_in_kernel_prepare_with_a_tiny_vocabulary(rows):
-    """V = 8: every row's stats pass ends long before program 0 has counted 65536 targets, so the
-    other programs really wait for it (65537 slots: a prepare launch of its own)."""
+    """V = 8: every row's stats pass ends long before program 0 has counted all the targets, so the
+    other programs really wait for it (one slot more: a prepare launch of its own)."""
     logits, targets = _batch(rows, 8, torch.float32, seed=33, ignore_frac=0.3)
     x = logits.clone().requires_grad_()
     out = headloss.head_loss(x, targets, FULL)

@@ -164,3 +164,31 @@ def test_a_cached_signature_still_checks_num_items_and_values_and_rereads_headlo
         head_loss(logits, bad, SPEC)
     with pytest.raises(ValueError, match="targets: shape"):  # a new signature is checked in full
         head_loss(logits, good[:4], SPEC)
+
+
+@needs_kernel
+@pytest.mark.parametrize("inline", [True, False], ids=["program-0-prepares", "prepare-launch"])
+def test_both_prepare_routes_give_the_reference_and_the_same_errors(inline, monkeypatch):
+    """Calls without a policy term up to INLINE_PREPARE_SLOTS slots leave prepare's work (counted rows,
+    target and num_items checks) to the head kernel's program 0; above, prepare_kernel runs first."""
+    from headloss import engine
+
+    monkeypatch.setattr(engine, "INLINE_PREPARE_SLOTS", 1 << 14 if inline else 0)
+    launched = []
+    real = engine.prepare
+    monkeypatch.setattr(engine, "prepare", lambda *a, **k: launched.append(1) or real(*a, **k))
+    for spec in (SPEC, SPEC.model_copy(update={"differentiable_outputs": True})):  # fused, deferred
+        logits = make_logits((2, 5, 29), seed=3)
+        targets = make_targets((2, 5), 29, seed=3, ignore_frac=0.4)
+        pair = run_pair(logits, targets, spec, num_items_in_batch=torch.tensor(6.0))
+        assert_matches_reference(pair)
+        assert_nontrivial(pair)
+        pair = run_pair(logits, targets, spec)
+        assert_matches_reference(pair)
+    assert bool(launched) != inline
+    bad = targets.clone()
+    bad[1, 2] = -7
+    with pytest.raises(ValueError, match=r"targets: value -7 at position \(1, 2\)"):
+        head_loss(logits, bad, SPEC)
+    with pytest.raises(ValueError, match="num_items_in_batch: expected a positive finite number, got 0.0"):
+        head_loss(logits, targets, SPEC, num_items_in_batch=torch.tensor(0.0))

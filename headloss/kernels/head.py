@@ -218,7 +218,7 @@ def head_kernel(
     PREPARE: tl.constexpr = prep.nonce is not None  # (a tuple holding None cannot be compared with None)
     if PREPARE:
         if row == 0:
-            prepare_call(targets, num_items, None, scratch, prep.verdict, prep.dirty, geo, 0, BLOCK_V)
+            prepare_call(targets, num_items, None, scratch, prep.verdict, prep.dirty, geo, 0, R.PREP_BLOCK)
             tl.atomic_xchg(scratch + 1, prep.nonce, sem="release")  # counted rows (and verdicts) published
     stats = shard.stats
     jsd = shard.jsd
@@ -847,6 +847,9 @@ class Tiles(NamedTuple):
     COLS_P2: int
     BLOCK_R: int
     SEQ_BLOCK: int
+    PREP_BLOCK: int  # targets per step of the head kernel's in-kernel prepare (program 0): 2048 took the
+    # head kernel from 72 to 125 registers and 1.57 to 1.90 ms at N=8192, V=128256 on an H200; 512, 69-71
+    # registers and no slower than with a prepare launch (.scratch A/B, this change's closing note)
 
 
 @functools.lru_cache(maxsize=256)
@@ -854,7 +857,7 @@ def _tiles(cols: int) -> Tiles:
     """Small tiles: this code runs once per call, but the registers it takes are reserved for the
     whole kernel (5 tiles of 2048 values slowed the GRPO head kernel from 1.47 to 2.54 ms on an H200)."""
     cols_p2 = 1 << (max(cols, 1) - 1).bit_length()
-    return Tiles(COLS_P2=cols_p2, BLOCK_R=max(16, 2048 // cols_p2), SEQ_BLOCK=256)
+    return Tiles(COLS_P2=cols_p2, BLOCK_R=max(16, 2048 // cols_p2), SEQ_BLOCK=256, PREP_BLOCK=512)
 
 
 def prepare(targets: torch.Tensor | None, num_items: torch.Tensor | None, sequence_ids: torch.Tensor | None,
