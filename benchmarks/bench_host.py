@@ -9,6 +9,8 @@
 Cases (bf16 logits [N, V], 5% of targets ignored): ``ce`` (CE only) and ``full`` (CE + z-loss +
 token accuracy + predicted tokens + entropy metric; Liger: its CE with z-loss, accuracy and
 predicted tokens, without entropy). N in {512, 1024, 2048, 8192}, V in {32000, 128256, 151936}.
+``floor``: an autograd Function with one Triton launch in forward and one in backward, computing
+nothing -- what any autograd-based fused loss pays per call on this host (hosts differ ~2x).
 
   python -m benchmarks.bench_host [--rows 1024 8192] [--vocab 32000]
 
@@ -22,6 +24,8 @@ import time
 from collections.abc import Callable
 
 import torch
+import triton
+import triton.language as tl
 
 import headloss
 from benchmarks.bench_head import CE_SPEC, FULL_SPEC, IGNORE, Z_WEIGHT, liger_ce_fn
@@ -74,6 +78,29 @@ def graph_ms(step: Callable[[], object]) -> float | None:
     return p50
 
 
+@triton.jit
+def _one_store(out):
+    tl.store(out, 0.0)
+
+
+class _Floor(torch.autograd.Function):
+    """What any autograd-based fused loss pays per call at least: the autograd Function's forward and
+    backward, one Triton launch in each, the loss and the N x V gradient allocated (nothing computed)."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        loss = torch.empty((), dtype=torch.float32, device=logits.device)
+        _one_store[(1,)](loss)
+        ctx.like = logits
+        return loss
+
+    @staticmethod
+    def backward(ctx, d_loss):
+        grad = torch.empty_like(ctx.like)
+        _one_store[(1,)](grad)
+        return grad
+
+
 def providers(case: str) -> dict[str, Callable[[torch.Tensor, torch.Tensor], None]]:
     spec = FULL_SPEC if case == "full" else CE_SPEC
     liger = liger_ce_fn()
@@ -82,7 +109,13 @@ def providers(case: str) -> dict[str, Callable[[torch.Tensor, torch.Tensor], Non
         x.grad = None
         headloss.head_loss(x, y, spec).loss.backward()
 
+    def floor(x, y):
+        x.grad = None
+        _Floor.apply(x).backward()
+
     table = {"headloss": ours}
+    if case == "ce":  # (the floor does not depend on the spec)
+        table["floor"] = floor
     if liger is not None:
         def liger_step(x, y):
             x.grad = None
