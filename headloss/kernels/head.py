@@ -1,7 +1,8 @@
 """The head kernels and their launchers (every launch by keyword, options as named tuples).
 
 ``prepare_kernel``        one program: counts the rows that are scored, checks the targets' range
-                          and num_items_in_batch, zeroes the completion counter. O(rows).
+                          and num_items_in_batch, zeroes the completion counter. O(rows). Calls
+                          without a policy term leave this to head_kernel's program 0 (``prep``).
 ``head_kernel``           one program per logits row: phase 1 (stats), phase 2 (per-token values,
                           gradient coefficients, term by term), phase 3 (gradient, when ``grad`` is
                           given); the last program to finish reduces the packed per-row buffer to
