@@ -1,17 +1,21 @@
 """The launch fast path: after a variant's first launch, later launches reuse its compiled
-launcher, keyed by Triton's own specialisation of the runtime arguments taken in one call over
-their tuple. If that key merged two variants Triton tells apart, a kernel compiled for 16-byte
-aligned pointers could run on unaligned ones: these tests compare the one-call key with the
-per-argument specialisation Triton's binder computes, on this machine (no GPU needed)."""
+launcher, keyed by a Python key of what Triton specialises on (spec_key). If that key merged two
+variants Triton tells apart, a kernel compiled for 16-byte aligned pointers could run on unaligned
+ones: these tests compare it with the specialisation Triton's binder computes, on this machine (no
+GPU needed). Then head_loss's per-signature recipes and the two routes of prepare's work."""
 
 from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
+from conftest import assert_matches_reference, assert_nontrivial, make_logits, make_targets, needs_kernel, run_pair
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 
+from headloss import LossSpec, head_loss
+from headloss import api as api_module
 from headloss.kernels.head import Geometry, PolicyRows, spec_key
 from headloss.plan import Scalars, compile_plan
 
@@ -95,19 +99,6 @@ def test_the_python_launch_key_never_merges_what_triton_specialises_apart():
 # A call without policy inputs or a group looks its checks' outcome and geometry up by its signature
 # (plan; every input's type, shape, strides, dtype and device; shift, inplace_grad, validate and
 # HEADLOSS_VALIDATE, backend). A change of any of these must not reuse a recipe made for another.
-
-import pytest  # noqa: E402
-
-from headloss import LossSpec, head_loss  # noqa: E402
-from headloss import api as api_module  # noqa: E402
-from tests.conftest import (  # noqa: E402
-    assert_matches_reference,
-    assert_nontrivial,
-    make_logits,
-    make_targets,
-    needs_kernel,
-    run_pair,
-)
 
 SPEC = LossSpec(z_loss={"weight": 1e-2}, token_accuracy=True, entropy={"weight": 0.0},
                 outputs=("predicted_tokens", "logprobs"))
