@@ -31,7 +31,7 @@ from .inputs import (
     resolve_backend,
     validation_mode,
 )
-from .output import HeadLossOutput, assemble, column
+from .output import HeadLossOutput, assemble, assemble_deferred, column
 from .parallel import dtensor_shard, gather_vocab, handshake, is_dtensor, rows_shard, shard_of
 from .plan import KernelPlan, compile_plan
 from .policy import cov_base_policy, policy_extremes, policy_inputs, policy_objective
@@ -200,7 +200,6 @@ class _Recipe(NamedTuple):
 
 
 _RECIPES: dict[tuple, _Recipe] = {}
-_VALIDATE_VALUES = (None, True, False, "sync")
 _BACKENDS = ("auto", "triton", "reference")
 
 
@@ -212,9 +211,11 @@ def _recipe_of(plan: KernelPlan, logits, targets, teacher_logits, shift, inplace
                ) -> _Recipe | None:
     """The cached recipe of a call's signature (made, after every check, on its first call); None
     where the call is not one (unusual argument types take the checked path, which names them)."""
+    known_validate = validate is None or validate is True or validate is False or \
+        (type(validate) is str and validate == "sync")
     if type(logits) is not torch.Tensor or not (targets is None or type(targets) is torch.Tensor) or \
-            not (teacher_logits is None or type(teacher_logits) is torch.Tensor) or \
-            not any(validate is v for v in _VALIDATE_VALUES) or backend not in _BACKENDS:
+            not (teacher_logits is None or type(teacher_logits) is torch.Tensor) or not known_validate or \
+            type(backend) is not str or backend not in _BACKENDS:
         return None
     key = (id(plan), _signature(logits), _signature(targets), _signature(teacher_logits), bool(shift),
            bool(inplace_grad), validate, os.environ.get("HEADLOSS_VALIDATE") if validate is None else None, backend)
@@ -248,7 +249,7 @@ def _run_recipe(recipe: _Recipe, logits, targets, teacher_logits, num_items_in_b
         None if teacher_logits is None else teacher_logits.detach(), None, None, None, None, None, norm.tensor, None,
         run,
     )
-    return assemble(plan, run.token_shape, loss, rows, pred, means, scratch)
+    return assemble_deferred(plan, run.token_shape, loss, rows, pred, means, scratch)
 
 
 def _vocab_shard(logits, targets, group, plan: KernelPlan, teacher_logits, validate):

@@ -82,3 +82,49 @@ def assemble(plan: KernelPlan, token_shape: tuple[int, ...], loss: torch.Tensor,
     if plan.flags.HAS_ARGMAX and "predicted_tokens" in plan.spec.outputs:
         out.predicted_tokens = pred if len(token_shape) == 1 else pred.view(token_shape)
     return out
+
+
+_DEFERRED_FIELDS = ("metrics", "predicted_tokens", "logprobs", "lse", "token_loss", "entropy")
+
+
+class _Deferred(HeadLossOutput):
+    """A HeadLossOutput whose metrics and per-token views are made on first access of any of them:
+    a training step that reads only the loss does not pay their host time (benchmarks/NOTES.md).
+    Equal in everything else (it is a HeadLossOutput; assigning a field works)."""
+
+    def __init__(self, loss: torch.Tensor, _parts: tuple | None = None, **fields) -> None:
+        if _parts is None:  # as HeadLossOutput(...) (dataclasses.replace)
+            HeadLossOutput.__init__(self, loss, **fields)
+            return
+        self.__dict__["loss"] = loss
+        self.__dict__["_parts"] = _parts
+
+    def __repr__(self) -> str:
+        return "HeadLossOutput" + HeadLossOutput.__repr__(self)[len(type(self).__qualname__):]
+
+    def _made(self) -> dict:
+        parts = self.__dict__.pop("_parts", None)
+        if parts is not None:
+            out = assemble(*parts)
+            self.__dict__.update({"_" + name: getattr(out, name) for name in _DEFERRED_FIELDS})
+        return self.__dict__
+
+
+def _deferred_field(name: str) -> property:
+    def get(self):
+        return self._made()["_" + name]
+
+    def put(self, value):
+        self._made()["_" + name] = value
+
+    return property(get, put)
+
+
+for _name in _DEFERRED_FIELDS:
+    setattr(_Deferred, _name, _deferred_field(_name))
+
+
+def assemble_deferred(plan: KernelPlan, token_shape: tuple[int, ...], loss: torch.Tensor, rows: torch.Tensor,
+                      pred: torch.Tensor | None, means: torch.Tensor, scratch: torch.Tensor) -> HeadLossOutput:
+    """:func:`assemble`, made when the metrics or a per-token output are first read."""
+    return _Deferred(loss, (plan, token_shape, loss, rows, pred, means, scratch))

@@ -14,6 +14,7 @@ from conftest import assert_matches_reference, assert_nontrivial, make_logits, m
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 
+import headloss
 from headloss import LossSpec, head_loss
 from headloss import api as api_module
 from headloss.kernels.head import Geometry, PolicyRows, spec_key
@@ -183,3 +184,35 @@ def test_both_prepare_routes_give_the_reference_and_the_same_errors(inline, monk
         head_loss(logits, bad, SPEC)
     with pytest.raises(ValueError, match="num_items_in_batch: expected a positive finite number, got 0.0"):
         head_loss(logits, targets, SPEC, num_items_in_batch=torch.tensor(0.0))
+
+
+@needs_kernel
+def test_a_recipe_call_makes_its_metrics_and_views_on_first_read_and_they_are_the_same():
+    """The recipe path returns a HeadLossOutput whose metrics and per-token views are made on first
+    access: the same values, read before or after backward, and fields can still be assigned."""
+    import dataclasses
+
+    spec = LossSpec(z_loss={"weight": 1e-2}, token_accuracy=True, entropy={"weight": 0.0},
+                    outputs=("predicted_tokens", "logprobs", "lse", "token_loss", "entropy"))
+    logits = make_logits((2, 3, 17), seed=4)
+    targets = make_targets((2, 3), 17, seed=4, ignore_frac=0.3)
+    x = logits.clone().requires_grad_()
+    late = head_loss(x, targets, spec)
+    late.loss.backward()  # read after backward
+    early = head_loss(logits, targets, spec)
+    ref = head_loss(logits, targets, spec, backend="reference")
+    for out in (late, early):
+        assert isinstance(out, headloss.HeadLossOutput) and repr(out).startswith("HeadLossOutput(loss=")
+        assert sorted(out.metrics) == sorted(ref.metrics)
+        for name, value in ref.metrics.items():
+            assert torch.allclose(out.metrics[name].double(), value.double(), rtol=1e-5, atol=1e-6), name
+        for name in ("predicted_tokens", "logprobs", "lse", "token_loss", "entropy"):
+            got, want = getattr(out, name), getattr(ref, name)
+            assert got.shape == want.shape == (2, 3) and not got.requires_grad, name
+            assert torch.allclose(got.double(), want.double(), rtol=1e-5, atol=1e-6), name
+    assert [f.name for f in dataclasses.fields(late)] == [f.name for f in dataclasses.fields(ref)]
+    fresh = head_loss(logits, targets, spec)
+    fresh.entropy = None  # assignment before any read
+    assert fresh.entropy is None and fresh.logprobs is not None
+    swapped = dataclasses.replace(head_loss(logits, targets, spec), loss=torch.tensor(1.0))
+    assert float(swapped.loss) == 1.0 and "token_accuracy" in swapped.metrics

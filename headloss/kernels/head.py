@@ -684,6 +684,7 @@ class _Params(NamedTuple):
     runtime: operator.itemgetter  # -> tuple of the runtime arguments
     constexprs: operator.itemgetter  # -> tuple of the constexpr values
     every: operator.itemgetter  # -> tuple of every argument, in order
+    runtime_at: tuple[int, ...]  # where the runtime arguments sit among every argument
 
 
 _PARAMS: dict[object, _Params] = {}
@@ -704,6 +705,7 @@ def _params_of(kernel) -> _Params:
             _getter(tuple(p.name for p in kernel.params if not p.is_constexpr)),
             _getter(tuple(p.name for p in kernel.params if p.is_constexpr)),
             _getter(tuple(p.name for p in kernel.params)),
+            tuple(i for i, p in enumerate(kernel.params) if not p.is_constexpr),
         )
     return params
 
@@ -762,11 +764,20 @@ def launch(kernel, grid: int, num_warps: int, **kwargs) -> None:
         return
     params = _params_of(kernel)
     device = _current_device()
-    runtime = params.runtime(kwargs)
+    args = list(params.every(kwargs))
+    spec = []
+    for i in params.runtime_at:  # spec_key, and a CUDA tensor's address as an int: the C launcher then
+        arg = args[i]  # skips its cuPointerGetAttribute per tensor (inputs were checked to be on the device)
+        if isinstance(arg, torch.Tensor) and arg.is_cuda:
+            address = args[i] = arg.data_ptr()
+            spec.append((arg.dtype, not address & 15))
+        else:
+            spec.append(_spec_of(arg))
     constexprs = params.constexprs(kwargs)
-    fast_key = (kernel, device, num_warps, constexprs, spec_key(runtime))
+    fast_key = (kernel, device, num_warps, constexprs, tuple(spec))
     entry = _FAST.get(fast_key)
     if entry is None:
+        runtime = params.runtime(kwargs)
         caches = kernel.device_caches.get(device) if kernel.device_caches else None
         if caches is None:  # first launch on this device: Triton builds its caches and the backend
             kernel[(grid,)](**kwargs, num_warps=num_warps)
@@ -782,7 +793,7 @@ def launch(kernel, grid: int, num_warps: int, **kwargs) -> None:
             _FAST.clear()
         _FAST[fast_key] = entry
     run, fixed = entry
-    run(grid, 1, 1, _raw_stream(device), *fixed, *params.every(kwargs))
+    run(grid, 1, 1, _raw_stream(device), *fixed, *args)
 
 
 _FAST: dict[tuple, tuple] = {}
