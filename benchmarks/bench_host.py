@@ -4,6 +4,9 @@
   synced        one call at a time: synchronize, call, synchronize (a step that logs with .item(),
                 a validation wait, an RL rollout loop); wall time
   host          wall time from the call to its return (the GPU may still be working), then sync
+                (synced and host: medians of 100 calls of one provider in a row -- its best case:
+                other Python between calls, or another provider's calls interleaved, makes every
+                provider's host time longer, the floor's included)
   graph         replay of the step captured in a CUDA graph, back-to-back
 
 Cases (bf16 logits [N, V], 5% of targets ignored): ``ce`` (CE only) and ``full`` (CE + z-loss +
@@ -13,6 +16,7 @@ predicted tokens, without entropy). N in {512, 1024, 2048, 8192}, V in {32000, 1
 nothing -- what any autograd-based fused loss pays per call on this host (hosts differ ~2x).
 
   python -m benchmarks.bench_host [--rows 1024 8192] [--vocab 32000]
+  taskset -c 4,5 python -m benchmarks.bench_host   # the results file: host times vary ~2x run to run unpinned
 
 Writes $OUT (or ./results)/bench_host.{json,csv,png}; prints a table.
 """
@@ -35,7 +39,7 @@ ROWS = (512, 1024, 2048, 8192)
 VOCABS = (32000, 128256, 151936)
 
 
-def synced_ms(step: Callable[[], object], reps: int = 50) -> float:
+def synced_ms(step: Callable[[], object], reps: int = 100) -> float:
     """Median wall time of one call between two synchronisations."""
     times = []
     for _ in range(reps):
@@ -47,7 +51,7 @@ def synced_ms(step: Callable[[], object], reps: int = 50) -> float:
     return sorted(times)[reps // 2] * 1e3
 
 
-def host_ms(step: Callable[[], object], reps: int = 50) -> float:
+def host_ms(step: Callable[[], object], reps: int = 100) -> float:
     """Median wall time from the call to its return (the GPU may still run), synchronised between calls."""
     times = []
     for _ in range(reps):
