@@ -17,7 +17,7 @@ from triton.backends.compiler import BaseBackend
 import headloss
 from headloss import LossSpec, head_loss
 from headloss import api as api_module
-from headloss.kernels.head import Geometry, PolicyRows, spec_key
+from headloss.kernels.head import Geometry, PolicyRows, Prepare, next_nonce, spec_key
 from headloss.plan import Scalars, compile_plan
 
 
@@ -90,8 +90,13 @@ def test_the_python_launch_key_never_merges_what_triton_specialises_apart():
     for a, b in itertools.combinations(candidates, 2):
         if spec_key(a) == spec_key(b):
             assert one_call(a) == one_call(b), (a, b)
-    # and it is not coarser than needed where calls repeat: the same layout, another num_items_in_batch
+    # and it is not coarser than needed where calls repeat: the same layout, another num_items_in_batch,
+    # another call's nonce (the in-kernel prepare's tag: every call has its own)
     assert spec_key((t, None, _geo(norm=3.0), s1)) == spec_key((t, None, _geo(norm=5.0), s1))
+    calls = [(t, Prepare(t, t[:1], next_nonce()), _geo()) for _ in range(3)]
+    assert len({spec_key(c) for c in calls}) == 1 and len({one_call(c) for c in calls}) == 1
+    assert spec_key(calls[0]) != spec_key((t, Prepare(t, t[:1], None), _geo()))
+    assert spec_key(calls[0]) != spec_key((t, Prepare(t[1:], t[:1], next_nonce()), _geo()))
     assert all(isinstance(v, float) for v in compile_plan(LossSpec(z_loss={"weight": 1}), has_targets=True).scalars)
 
 

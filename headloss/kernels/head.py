@@ -216,6 +216,8 @@ def head_kernel(
     FINISH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    # Program 0 prepares and the others wait for it (await_prepared): this relies on program 0 running,
+    # which CUDA does not promise but does (blocks start in index order; the interpreter runs them in order)
     PREPARE: tl.constexpr = prep.nonce is not None  # (a tuple holding None cannot be compared with None)
     if PREPARE:
         if row == 0:
@@ -738,6 +740,8 @@ def _spec_of(arg):
         return arg[:_NORM_AT] + arg[_NORM_AT + 1:]
     if kind in _FLOATS_ONLY:
         return kind
+    if kind is Prepare:  # its nonce changes every call; next_nonce fixes how Triton specialises it
+        return kind, _spec_of(arg.verdict), _spec_of(arg.dirty), arg.nonce is None
     if kind is float:
         return float
     if isinstance(arg, tuple):
