@@ -175,11 +175,12 @@ class HeadRun:
 
 INLINE_PREPARE_SLOTS = 1 << 14
 """Up to this many slots, head_forward leaves prepare's work (count the scored rows, check the
-targets: O(slots), one program, 512 targets a step) to the head kernel's program 0 instead of a
-launch of its own: one launch less, 20-40 us of host time per call (benchmarks/bench_host.py). Other
-programs wait for it only before their gradient pass and their completion count, so with rows of any
-real vocabulary it is done long before. Above this, prepare_kernel (4096 targets a step, 8 warps)
-keeps one program's longer serial pass off the critical path."""
+targets and sequence ids, zero the policy term's counters: O(slots), one program, 512 targets a step)
+to the head kernel's program 0 instead of a launch of its own: one launch less, 20-40 us of host time
+per call (benchmarks/bench_host.py). Other programs wait for it only before their policy values,
+their gradient pass and their completion count, so with rows of any real vocabulary it is done long
+before. Above this (and vocab-parallel), prepare_kernel (4096 targets a step, 8 warps) keeps one
+program's longer serial pass off the critical path."""
 
 
 def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, policy: PolicyRows | None, num_items,
@@ -191,13 +192,13 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
     whole = geo._replace(V=geo.V_total) if shard is not None else geo  # targets are checked against all of V
     verdict = verdict_slot(validate, device, CheckContext(token_shape, whole.V, geo.ignore_index,
                                                           Normaliser(geo.norm, num_items)))
-    # without a policy term or a shard, the head kernel's program 0 prepares (one launch fewer)
-    inline = shard is None and policy is None and sequence_ids is None and 0 < geo.n_rows and \
-        geo.n_out <= INLINE_PREPARE_SLOTS
+    # on one device, the head kernel's program 0 prepares (one launch fewer)
+    inline = shard is None and 0 < geo.n_rows and geo.n_out <= INLINE_PREPARE_SLOTS
+    n_seq = _sequences(geo, policy)
     if inline:
-        scratch = torch.empty(SCRATCH, dtype=torch.int64, device=device)
+        scratch = torch.empty(scratch_size(n_seq), dtype=torch.int64, device=device)
     else:
-        scratch = prepare(targets, num_items, sequence_ids, whole, device, verdict, _sequences(geo, policy))
+        scratch = prepare(targets, num_items, sequence_ids, whole, device, verdict, n_seq)
     if shard is not None and validate == "sync":
         handshake_verdict(shard, verdict, device)
     stats = jsd = None
@@ -215,7 +216,8 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
     else:
         launch_head(plan, logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, pred=_opt(pred),
                     policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means, geo=geo,
-                    stats=stats, jsd=jsd, verdict=verdict, prepared=not inline)
+                    stats=stats, jsd=jsd, verdict=verdict, prepared=not inline, sequence_ids=sequence_ids,
+                    n_seq=n_seq)
     settle(verdict, validate, device)
     if shard is not None:
         return loss, rows, pred, means, scratch, grad, stats

@@ -166,22 +166,32 @@ def test_a_cached_signature_still_checks_num_items_and_values_and_rereads_headlo
 @needs_kernel
 @pytest.mark.parametrize("inline", [True, False], ids=["program-0-prepares", "prepare-launch"])
 def test_both_prepare_routes_give_the_reference_and_the_same_errors(inline, monkeypatch):
-    """Calls without a policy term up to INLINE_PREPARE_SLOTS slots leave prepare's work (counted rows,
-    target and num_items checks) to the head kernel's program 0; above, prepare_kernel runs first."""
+    """Calls up to INLINE_PREPARE_SLOTS slots leave prepare's work (counted rows, target, num_items and
+    sequence id checks, the policy term's counters) to the head kernel's program 0; above,
+    prepare_kernel runs first."""
     from headloss import engine
 
     monkeypatch.setattr(engine, "INLINE_PREPARE_SLOTS", 1 << 14 if inline else 0)
     launched = []
     real = engine.prepare
     monkeypatch.setattr(engine, "prepare", lambda *a, **k: launched.append(1) or real(*a, **k))
+    logits = make_logits((2, 5, 29), seed=3)
+    targets = make_targets((2, 5), 29, seed=3, ignore_frac=0.4)
     for spec in (SPEC, SPEC.model_copy(update={"differentiable_outputs": True})):  # fused, deferred
-        logits = make_logits((2, 5, 29), seed=3)
-        targets = make_targets((2, 5), 29, seed=3, ignore_frac=0.4)
         pair = run_pair(logits, targets, spec, num_items_in_batch=torch.tensor(6.0))
         assert_matches_reference(pair)
         assert_nontrivial(pair)
         pair = run_pair(logits, targets, spec)
         assert_matches_reference(pair)
+    # a policy term: program 0 also zeroes the per-sequence clip counters and ratio extremes
+    grpo = LossSpec(cross_entropy=None, entropy={"weight": 0.0}, policy={"loss_type": "grpo", "kl_beta": 0.04})
+    gen = torch.Generator().manual_seed(5)
+    inputs = dict(advantages=torch.randn(2, generator=gen), old_logprobs=-torch.rand(2, 5, generator=gen) * 3,
+                  ref_logprobs=-torch.rand(2, 5, generator=gen) * 3)
+    for _ in range(2):  # the second call's scratch may hold the first's counters
+        pair = run_pair(logits, targets, grpo, inputs=inputs)
+        assert_matches_reference(pair)
+        assert_nontrivial(pair)
     assert bool(launched) != inline
     bad = targets.clone()
     bad[1, 2] = -7

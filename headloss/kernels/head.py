@@ -2,7 +2,7 @@
 
 ``prepare_kernel``        one program: counts the rows that are scored, checks the targets' range
                           and num_items_in_batch, zeroes the completion counter. O(rows). Calls
-                          without a policy term leave this to head_kernel's program 0 (``prep``).
+                          on one device leave this to head_kernel's program 0 (``prep``).
 ``head_kernel``           one program per logits row: phase 1 (stats), phase 2 (per-token values,
                           gradient coefficients, term by term), phase 3 (gradient, when ``grad`` is
                           given); the last program to finish reduces the packed per-row buffer to
@@ -119,6 +119,8 @@ class Prepare(NamedTuple):
     verdict: torch.Tensor | None  # prepare_kernel's verdict slot and dirty word, or None: no validation
     dirty: torch.Tensor | None
     nonce: int | None  # this call's tag (next_nonce); None: prepare_kernel ran
+    sequence_ids: torch.Tensor | None = None  # prepare_kernel's: checked in range
+    n_seq: int = 0  # sequences whose policy counters program 0 zeroes (scratch_size)
 
 
 @triton.jit
@@ -204,7 +206,7 @@ def head_kernel(
     loss,  # () fp32 reduced loss, or (n_out,) for reduction 'none'
     means,  # (C.N + 1,) fp32 column means and the loss, written with FINISH
     shard,  # ShardRows: vocab-parallel merged row statistics and summed mixture-JSD shares (None: not sharded)
-    prep,  # Prepare: with a nonce, program 0 does prepare_kernel's work first (calls without a policy term)
+    prep,  # Prepare: with a nonce, program 0 does prepare_kernel's work first (see launch_head)
     # sizes, strides, runtime scalars
     geo,
     S,
@@ -221,7 +223,8 @@ def head_kernel(
     PREPARE: tl.constexpr = prep.nonce is not None  # (a tuple holding None cannot be compared with None)
     if PREPARE:
         if row == 0:
-            prepare_call(targets, num_items, None, scratch, prep.verdict, prep.dirty, geo, 0, R.PREP_BLOCK)
+            prepare_call(targets, num_items, prep.sequence_ids, scratch, prep.verdict, prep.dirty, geo, prep.n_seq,
+                         R.PREP_BLOCK)
             tl.atomic_xchg(scratch + 1, prep.nonce, sem="release")  # counted rows (and verdicts) published
     stats = shard.stats
     jsd = shard.jsd
@@ -285,6 +288,8 @@ def head_kernel(
         d_logp = zero
         d_entropy = zero
         if F.HAS_POLICY:
+            if PREPARE:  # its counters and extremes in scratch (and the token count) are program 0's
+                await_prepared(scratch, prep.nonce, geo.n_rows)
             d_logp, d_entropy = policy_values(row_out, scratch, logp, entropy, policy, slot, S, F, C)
         if F.HAS_ARGMAX:
             put(row_out, C.accuracy, (arg == y).to(tl.float32))
@@ -741,7 +746,8 @@ def _spec_of(arg):
     if kind in _FLOATS_ONLY:
         return kind
     if kind is Prepare:  # its nonce changes every call; next_nonce fixes how Triton specialises it
-        return kind, _spec_of(arg.verdict), _spec_of(arg.dirty), arg.nonce is None
+        return kind, _spec_of(arg.verdict), _spec_of(arg.dirty), arg.nonce is None, _spec_of(arg.sequence_ids), \
+            arg.n_seq
     if kind is float:
         return float
     if isinstance(arg, tuple):
@@ -889,17 +895,19 @@ def prepare(targets: torch.Tensor | None, num_items: torch.Tensor | None, sequen
 
 def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred, policy, num_items, scratch, loss,
                 means, geo: Geometry, finish: bool = True, stats: torch.Tensor | None = None,
-                jsd: torch.Tensor | None = None, verdict: tuple | None = None, prepared: bool = True) -> None:
+                jsd: torch.Tensor | None = None, verdict: tuple | None = None, prepared: bool = True,
+                sequence_ids: torch.Tensor | None = None, n_seq: int = 0) -> None:
     """One program per logits row; with ``finish`` the last one writes ``means`` and the reduced loss.
-    ``prepared=False``: ``scratch`` (SCRATCH words, any content) was not filled by :func:`prepare`;
-    program 0 does that work first (``verdict`` as prepare takes it), and the other programs wait for
-    it only where they read what it writes -- one launch fewer per call (calls without a policy term)."""
+    ``prepared=False``: ``scratch`` (scratch_size(n_seq) words, any content) was not filled by
+    :func:`prepare`; program 0 does that work first (``verdict``, ``sequence_ids`` and ``n_seq`` as
+    prepare takes them), and the other programs wait for it only where they read what it writes --
+    one launch fewer per call."""
     if geo.n_rows == 0:
         return
     cfg = launch_config(geo.V, plan.has_teacher, geo.n_rows)
     prep = _PREPARED
     if not prepared:
-        prep = Prepare(*(verdict if verdict is not None else (None, None)), next_nonce())
+        prep = Prepare(*(verdict if verdict is not None else (None, None)), next_nonce(), sequence_ids, n_seq)
     launch(
         head_kernel, geo.n_rows, cfg.num_warps,
         logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, pred=pred, policy=policy,
