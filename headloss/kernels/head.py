@@ -221,6 +221,8 @@ def head_kernel(
     # Program 0 prepares and the others wait for it (await_prepared): this relies on program 0 running,
     # which CUDA does not promise but does (blocks start in index order; the interpreter runs them in order)
     PREPARE: tl.constexpr = prep.nonce is not None  # (a tuple holding None cannot be compared with None)
+    # a counted row waits once, before its first read of scratch; other rows before the completion count
+    WAIT_IN_ROW: tl.constexpr = PREPARE and (F.HAS_POLICY or grad is not None)
     if PREPARE:
         if row == 0:
             prepare_call(targets, num_items, prep.sequence_ids, scratch, prep.verdict, prep.dirty, geo, prep.n_seq,
@@ -287,9 +289,9 @@ def head_kernel(
             token_loss += weighted
         d_logp = zero
         d_entropy = zero
+        if WAIT_IN_ROW:  # the policy counters and extremes in scratch, the token count: program 0's
+            await_prepared(scratch, prep.nonce, geo.n_rows)
         if F.HAS_POLICY:
-            if PREPARE:  # its counters and extremes in scratch (and the token count) are program 0's
-                await_prepared(scratch, prep.nonce, geo.n_rows)
             d_logp, d_entropy = policy_values(row_out, scratch, logp, entropy, policy, slot, S, F, C)
         if F.HAS_ARGMAX:
             put(row_out, C.accuracy, (arg == y).to(tl.float32))
@@ -302,8 +304,6 @@ def head_kernel(
             tl.store(loss + slot, token_loss)
         # --- 3. gradient pass
         if grad is not None:
-            if PREPARE:
-                await_prepared(scratch, prep.nonce, geo.n_rows)
             u = token_scale(scratch, num_items, geo, F)
             A, B, Cc, D = row_coefficients(u, d_logp, d_entropy, zero, lse, logp, entropy, V_math, S, F)
             sum_px2 = gradient_pass(
@@ -327,7 +327,11 @@ def head_kernel(
         # the last program to get here reduces every row: one launch for the whole call
         tl.debug_barrier()
         if PREPARE:
-            await_prepared(scratch, prep.nonce, geo.n_rows)
+            if WAIT_IN_ROW:
+                if not counted:
+                    await_prepared(scratch, prep.nonce, geo.n_rows)
+            else:
+                await_prepared(scratch, prep.nonce, geo.n_rows)
         done = tl.atomic_add(scratch + 1, 1, sem="acq_rel")
         if PREPARE:
             done -= prep.nonce
