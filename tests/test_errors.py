@@ -254,3 +254,25 @@ def test_spec_file_with_a_bad_field_raises_naming_the_field(tmp_path):
     path.write_text("# bad\ntransform:\n  temperature: 0\n")
     with pytest.raises(ValidationError, match="temperature"):
         head_loss(_logits(), _targets(), str(path))
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_a_lazily_negated_view_is_read_with_its_sign(backend):
+    """torch._neg_view(x) stores x and a negative bit: the kernels read stored values, so head_loss
+    resolves the sign first; both backends equal the loss of -x, gradient included."""
+    if backend == "triton" and not headloss.inputs._INTERPRETER:
+        pytest.skip("the Triton kernel runs on CPU only under TRITON_INTERPRET=1")
+    spec = LossSpec(z_loss={"weight": 1e-2}, token_accuracy=True)
+    x = torch.randn(5, 13, generator=torch.Generator().manual_seed(3))
+    y = torch.randint(0, 13, (5,), generator=torch.Generator().manual_seed(4))
+    plain = (-x).requires_grad_()
+    want = head_loss(plain, y, spec, backend=backend)
+    want.loss.backward()
+    leaf = x.clone().requires_grad_()
+    for _ in range(2):  # the second call has the signature of a plain tensor's call
+        leaf.grad = None
+        got = head_loss(torch._neg_view(leaf), y, spec, backend=backend)
+        got.loss.backward()
+        assert torch.allclose(got.loss, want.loss, rtol=1e-6)
+        assert torch.allclose(got.metrics["token_accuracy"], want.metrics["token_accuracy"])
+        assert torch.allclose(leaf.grad, -plain.grad, rtol=1e-5, atol=1e-7)
