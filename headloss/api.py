@@ -137,11 +137,12 @@ def head_loss(
     """
     if not torch.compiler.is_compiling():
         check_pending()
-    # a lazily negated view (torch._neg_view): the kernels read the stored values, torch applies the sign
-    if isinstance(logits, torch.Tensor) and logits.is_neg():
-        logits = logits.resolve_neg()
-    if isinstance(teacher_logits, torch.Tensor) and teacher_logits.is_neg():
-        teacher_logits = teacher_logits.resolve_neg()
+        # a lazily negated view (torch._neg_view): the kernels read the stored values, torch applies
+        # the sign (under torch.compile, tensors reach the ops functionalised)
+        if isinstance(logits, torch.Tensor) and logits.is_neg():
+            logits = logits.resolve_neg()
+        if isinstance(teacher_logits, torch.Tensor) and teacher_logits.is_neg():
+            teacher_logits = teacher_logits.resolve_neg()
     policy_given = dict(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                         loss_mask=loss_mask, importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
                         sequence_ids=sequence_ids)
