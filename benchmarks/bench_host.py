@@ -14,6 +14,8 @@ token accuracy + predicted tokens + entropy metric; Liger: its CE with z-loss, a
 predicted tokens, without entropy). N in {512, 1024, 2048, 8192}, V in {32000, 128256, 151936}.
 ``floor``: an autograd Function with one Triton launch in forward and one in backward, computing
 nothing -- what any autograd-based fused loss pays per call on this host (hosts differ ~2x).
+``headloss-1t``: the same call inside ``torch.autograd.set_multithreading_enabled(False)``, which
+runs the backward on the calling thread (no hand-off to autograd's CUDA device thread).
 
   python -m benchmarks.bench_host [--rows 1024 8192] [--vocab 32000]
   taskset -c 4,5 python -m benchmarks.bench_host   # the results file: host times vary ~2x run to run unpinned
@@ -117,8 +119,13 @@ def providers(case: str) -> dict[str, Callable[[torch.Tensor, torch.Tensor], Non
         x.grad = None
         _Floor.apply(x).backward()
 
+    def ours_one_thread(x, y):  # the backward on the calling thread: no hand-off to autograd's device thread
+        with torch.autograd.set_multithreading_enabled(False):
+            ours(x, y)
+
     table = {"headloss": ours}
     if case == "ce":  # (the floor does not depend on the spec)
+        table["headloss-1t"] = ours_one_thread
         table["floor"] = floor
     if liger is not None:
         def liger_step(x, y):
