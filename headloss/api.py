@@ -76,6 +76,7 @@ def head_loss(
     rollout_logprobs: torch.Tensor | None = None,
     sequence_ids: torch.Tensor | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
+    num_sequences_in_batch: int | float | torch.Tensor | None = None,
     shift: bool = False,
     inplace_grad: bool = False,
     validate: Validate = None,
@@ -100,6 +101,9 @@ def head_loss(
             the off-policy mask.
         num_items_in_batch: with ``reduction="mean"``, divide the summed loss by this instead
             of the number of non-ignored tokens (HF gradient accumulation). Number or tensor.
+        num_sequences_in_batch: a policy term whose loss type is a mean over sequences divides by
+            this / ``policy.num_processes`` instead of this call's sequence count: verl's agg_loss
+            with ``global_batch_size`` and ``dp_size``. Number or one-element tensor.
         shift: next-token scoring on the full model output, without slicing it. ``logits`` is
             [B, T, V] and row t predicts token t + 1. ``targets`` is either the HF labels [B, T]
             (row t is scored against ``labels[:, t + 1]``) or TRL's completion ids [B, T - 1]
@@ -145,12 +149,12 @@ def head_loss(
             teacher_logits = teacher_logits.resolve_neg()
     policy_given = dict(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                         loss_mask=loss_mask, importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
-                        sequence_ids=sequence_ids)
+                        sequence_ids=sequence_ids, num_sequences_in_batch=num_sequences_in_batch)
     plan = plan_for(spec, has_targets=targets is not None)
     spec = plan.spec
     if (group is None and spec.policy is None and advantages is None and old_logprobs is None and ref_logprobs is None
             and loss_mask is None and importance_weights is None and rollout_logprobs is None and sequence_ids is None
-            and not torch.compiler.is_compiling()):
+            and num_sequences_in_batch is None and not torch.compiler.is_compiling()):
         recipe = _recipe_of(plan, logits, targets, teacher_logits, shift, inplace_grad, validate, backend)
         if recipe is not None:
             return _run_recipe(recipe, logits, targets, teacher_logits, num_items_in_batch)
@@ -377,6 +381,7 @@ def linear_head_loss(
     rollout_logprobs: torch.Tensor | None = None,
     sequence_ids: torch.Tensor | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
+    num_sequences_in_batch: int | float | torch.Tensor | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     fp32_weight_grad: bool = False,
     compact: bool = True,
@@ -415,7 +420,7 @@ def linear_head_loss(
             logits are then computed chunk by chunk too (and recomputed in a deferred backward).
         advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, rollout_logprobs,
             sequence_ids: the policy term's inputs, as in :func:`head_loss`.
-        validate, backend, num_items_in_batch: as in :func:`head_loss`.
+        validate, backend, num_items_in_batch, num_sequences_in_batch: as in :func:`head_loss`.
         group: a vocab-parallel (column-parallel) lm_head: ``weight`` (and ``bias``) are this rank's
             contiguous rows of the vocabulary, ``hidden`` and the targets are replicated. Outputs
             are replicated, dW / db are this rank's rows, dh is summed over the group once (the
@@ -431,7 +436,8 @@ def linear_head_loss(
                   teacher_weight=teacher_weight, teacher_bias=teacher_bias, advantages=advantages,
                   old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_mask=loss_mask,
                   importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
-                  sequence_ids=sequence_ids, num_items_in_batch=num_items_in_batch, chunk_bytes=chunk_bytes,
+                  sequence_ids=sequence_ids, num_items_in_batch=num_items_in_batch,
+                  num_sequences_in_batch=num_sequences_in_batch, chunk_bytes=chunk_bytes,
                   fp32_weight_grad=fp32_weight_grad, compact=compact, validate=validate, backend=backend, group=group)
     device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else None
     if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
@@ -449,8 +455,8 @@ def linear_head_loss(
 
 def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_logits, teacher_hidden, teacher_weight,
                       teacher_bias, advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights,
-                      rollout_logprobs, sequence_ids, num_items_in_batch, chunk_bytes, fp32_weight_grad, compact,
-                      validate, backend, group) -> HeadLossOutput:
+                      rollout_logprobs, sequence_ids, num_items_in_batch, num_sequences_in_batch, chunk_bytes,
+                      fp32_weight_grad, compact, validate, backend, group) -> HeadLossOutput:
     if not torch.compiler.is_compiling():
         check_pending()
     plan = plan_for(spec, has_targets=targets is not None)
@@ -490,6 +496,7 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
                  importance_weights=importance_weights, rollout_logprobs=rollout_logprobs, sequence_ids=sequence_ids)
     if shift and targets.shape != token_shape:  # completion ids: per-token inputs get the unscored last row
         given = {k: _pad_last(v, k) for k, v in given.items()}
+    given["num_sequences_in_batch"] = num_sequences_in_batch
     backend = resolve_backend(backend, hidden.device, hidden.dtype, name="hidden")
     completion = shift and targets.shape != token_shape  # rows padded by one: T - 1 scored positions
     policy, targets = policy_inputs(spec.policy, tuple(targets.shape) if targets is not None else token_rows, targets,

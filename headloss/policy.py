@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -53,6 +54,7 @@ class PolicyInputs:
     seq_advantages: torch.Tensor | None = None  # (B,) as given, when one per sequence of [B, T] tokens
     cov_metrics: dict | None = None  # clip_cov / kl_cov on the lm_head: the metrics their correction sets
     norm_length: int | None = None  # seq-mean-token-sum-norm's T when the rows are longer (padded)
+    num_sequences_in_batch: float | torch.Tensor | None = None  # verl's global_batch_size (seq-mean modes)
     adv_span: int = 1  # tokens per entry of ``advantages`` (K: one per sequence of [B, K], kernel only)
 
 
@@ -174,6 +176,16 @@ def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -
     Depends on the mask and sequence layout only, so it is computed once, without gradient.
     """
     kind = policy.loss_type
+    if inp.num_sequences_in_batch is not None:  # verl's agg_loss with global_batch_size and dp_size
+        per_process = inp.num_sequences_in_batch
+        if policy.num_processes != 1:
+            per_process = per_process / policy.num_processes
+        if kind in ("grpo", "seq-mean-token-mean"):
+            tokens_per_seq = _seq_sum(mask, seq_of(inp), inp.n_slots).clamp(min=1.0)
+            return mask / (tokens_per_seq[seq_of(inp)] * per_process)
+        if kind == "seq-mean-token-sum":
+            return mask / per_process
+        return mask / (per_process * (inp.norm_length or inp.seq_len))  # verl's seq-mean-token-sum-norm
     if policy.convention == "verl" and kind.startswith("seq-mean") and policy.objective != "gmpo":
         # agg_loss: empty sequences do not count (geo_mean's torch.mean counts every sequence)
         seq = seq_of(inp)
@@ -517,6 +529,7 @@ def policy_inputs(
         if present:
             raise ValueError(f"{sorted(present)[0]}: given, but the spec has no policy term")
         return None, targets
+    num_sequences = sequences_in_batch(present.pop("num_sequences_in_batch", None), spec_policy)
     if "advantages" not in present:
         raise ValueError("advantages: required by policy but not given")
     if spec_policy.kl_beta != 0.0 and "ref_logprobs" not in present:
@@ -610,6 +623,7 @@ def policy_inputs(
     )
     inputs.mask = flat_mask.float()
     inputs.norm_length = norm_length
+    inputs.num_sequences_in_batch = num_sequences
     inputs.weight = aggregation_weights(inputs.mask, spec_policy, inputs)
     inputs.sequence_level = spec_policy.importance_sampling == "sequence"
     inputs.seq_advantages = present["advantages"] if per_sequence else None
@@ -621,6 +635,35 @@ def policy_inputs(
             inputs.importance_weights = rollout_weights(masked(present["old_logprobs"]), inputs.rollout_logprobs,
                                                         inputs.mask, seq, inputs.n_slots, spec_policy)
     return inputs, torch.where(mask, targets, ignore_index)
+
+
+SEQUENCE_MEAN_TYPES = ("grpo", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def sequences_in_batch(value: Any, policy: Policy) -> float | torch.Tensor | None:
+    """Check num_sequences_in_batch (verl's global_batch_size: the sequences of the whole batch over
+    the data-parallel ranks): a positive number or a one-element tensor, for a loss type that is a
+    mean over sequences. The mean's denominator becomes it / num_processes (verl's dp_size)."""
+    if value is None:
+        return None
+    name = "num_sequences_in_batch"
+    if policy.loss_type not in SEQUENCE_MEAN_TYPES or (
+            policy.loss_type == "seq-mean-token-sum-norm" and policy.convention != "verl"):
+        raise ValueError(f"{name}: only for a mean over sequences (loss_type grpo, seq-mean-token-mean, "
+                         f"seq-mean-token-sum, or seq-mean-token-sum-norm with convention='verl'), the spec has "
+                         f"loss_type={policy.loss_type!r} and convention={policy.convention!r}")
+    if policy.objective in ("gmpo",):
+        raise ValueError(f"{name}: objective 'gmpo' is verl's geo_mean, a mean over this call's sequences")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            raise ValueError(f"{name}: expected a positive number or a one-element real tensor, got "
+                             f"{value.dtype} {tuple(value.shape)}")
+        if value.device.type != "cpu" or torch.compiler.is_compiling():
+            return value.reshape(()).float()  # (its value is not read on the host)
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
+    return float(value)
 
 
 def rollout_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor | None,

@@ -308,8 +308,17 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
             per_token_kl = per_token_kl * coef_1
         per_token_loss = per_token_loss + pol.kl_beta * per_token_kl
 
+    num_sequences = inputs.get("num_sequences_in_batch")
+
     def agg(loss_mat):
         batch, length = loss_mat.shape
+        if num_sequences is not None:  # verl agg_loss: sum over sequences / global_batch_size * dp_size
+            counts = mask.sum(-1)
+            per_seq = (loss_mat * mask).sum(-1)
+            if pol.loss_type in ("grpo", "seq-mean-token-mean"):
+                per_seq = per_seq / counts.clamp(min=1.0)
+            loss = per_seq.sum() / num_sequences * pol.num_processes
+            return loss / length if pol.loss_type == "seq-mean-token-sum-norm" else loss
         if pol.convention == "verl" and pol.loss_type.startswith("seq-mean") and pol.objective != "gmpo":
             counts = mask.sum(-1)
             per_seq = (loss_mat * mask).sum(-1)

@@ -166,7 +166,9 @@ class Policy(_Frozen):
     tokens counts in the mean over sequences (TRL); with ``convention="verl"`` it does not
     (verl's agg_loss), and seq-mean-token-sum-norm is verl's current mean over sequences of the
     token sum / T. verl's token-mean over a data-parallel batch (its batch_num_tokens and dp_size)
-    is ``dapo`` with num_items_in_batch = batch_num_tokens and num_processes = dp_size.
+    is ``dapo`` with num_items_in_batch = batch_num_tokens and num_processes = dp_size; its seq-mean
+    modes (global_batch_size and dp_size) take the call's num_sequences_in_batch = global_batch_size
+    and num_processes = dp_size (the mean over sequences divides by their ratio).
 
     KL penalty: ``kl_estimator`` k1 (logp - ref), k2 ((logp - ref)^2 / 2), k3 (exp(ref - logp) -
     (ref - logp) - 1), abs (|logp - ref|); ``kl_clamp`` verl's clamps (ref - logp to +-20, k3 to
@@ -212,7 +214,8 @@ class Policy(_Frozen):
     kl_importance_correction: bool = Field(False, description="KL times the importance ratio (DeepSeek-V3.2)")
     importance_sampling: Literal["token", "sequence", "sequence_token"] = "token"
     max_completion_length: int | None = Field(None, gt=0, description="dr_grpo's normaliser")
-    num_processes: int = Field(1, gt=0, description="dapo: num_items_in_batch / num_processes")
+    num_processes: int = Field(1, gt=0, description="dapo: num_items_in_batch / num_processes; a mean over "
+                               "sequences: num_sequences_in_batch / num_processes")
     entropy_coef: float = Field(0.0, ge=0.0, description="entropy bonus: loss -= coef * aggregated entropy")
     entropy_aggregation: Literal["loss", "token-mean"] = Field(
         "loss", description="the bonus's entropy aggregated like the loss (verl) or as a mean over the counted "

@@ -52,6 +52,23 @@ def verl_agg_loss(loss_mat, loss_mask, mode):  # core_algos.agg_loss, dp_size = 
     raise AssertionError(mode)
 
 
+def verl_agg_loss_global(loss_mat, loss_mask, mode, dp_size, global_batch_size, batch_num_tokens=None):
+    """core_algos.agg_loss with dp_size, global_batch_size (and batch_num_tokens) given, @ 1dda039b."""
+    if mode == "token-mean":
+        return (loss_mat * loss_mask).sum() / batch_num_tokens * dp_size
+    if mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+        seq_mask = (torch.sum(loss_mask, dim=-1) > 0).float().to(loss_mat.dtype)
+        loss = (seq_losses * seq_mask).sum() / global_batch_size * dp_size
+        return loss / loss_mask.shape[-1] if mode == "seq-mean-token-sum-norm" else loss
+    if mode == "seq-mean-token-mean":
+        seq_count = torch.sum(loss_mask, dim=-1)
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_count + 1e-8)
+        seq_mask = (seq_count > 0).to(loss_mat.dtype)
+        return (seq_losses * seq_mask).sum() / global_batch_size * dp_size
+    raise AssertionError(mode)
+
+
 def verl_policy_loss(mode, old_log_prob, log_prob, advantages, response_mask, cfg, rollout_is_weights=None):
     """core_algos.compute_policy_loss_<mode> (the registered 'vanilla', 'cispo', 'sapo', 'gpg', 'dro',
     'dppo_tv', 'dppo_kl'): (pg_loss, metrics)."""
@@ -297,11 +314,15 @@ def make_case(seed, dtype=torch.float32, per_token_adv=False, noise=0.3):
     return logits, targets, mask, adv, old, ref, iw
 
 
+def floats(inputs):
+    """The per-call inputs with fp64 tensors as fp32 (the kernel's precision); numbers as they are."""
+    return {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+
+
 def run_both_one(logits, targets, spec, inputs, backend):
     """{backend: (output, logits gradient)} of one path, from the stored logits (fp32 inputs)."""
     leaf = logits.detach().clone().requires_grad_()
-    out = head_loss(leaf, targets, spec, backend=backend,
-                    **{k: v.float() if v.is_floating_point() else v for k, v in inputs.items()})
+    out = head_loss(leaf, targets, spec, backend=backend, **floats(inputs))
     out.loss.backward()
     return {backend: (out, leaf.grad)}
 
@@ -750,6 +771,65 @@ def test_verl_convention_drops_fully_masked_sequences_from_the_mean(agg):
     ratio = 3.0 / 2.0 if agg != "seq-mean-token-sum-norm" else 1.0 / 2.0
     for out, _ in trl_style.values():
         assert abs(float(out.loss.detach()) * ratio - float(loss.detach())) <= 1e-5 * abs(float(loss.detach()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("form", ["number", "tensor"])
+@pytest.mark.parametrize("agg, loss_type, convention", [
+    ("seq-mean-token-mean", "seq-mean-token-mean", "verl"), ("seq-mean-token-sum", "seq-mean-token-sum", "verl"),
+    ("seq-mean-token-sum-norm", "seq-mean-token-sum-norm", "verl"), ("seq-mean-token-mean", "grpo", "trl"),
+])
+def test_verl_seq_mean_over_data_parallel_ranks_takes_the_global_batch_size(agg, loss_type, convention, form):
+    """agg_loss(..., dp_size, global_batch_size): num_sequences_in_batch = global_batch_size and
+    policy.num_processes = dp_size; the kernel, the reference and the lm_head alike."""
+    logits, targets, mask, adv, old, ref, _ = make_case(71)
+    mask[1] = 0  # a sequence with nothing counted adds nothing (and its count is the caller's business)
+    leaf, log_prob = oracle_logp(logits, targets)
+    ratio = torch.exp(log_prob - old)
+    pg_losses = torch.maximum(-adv[:, None] * ratio, -adv[:, None] * torch.clamp(ratio, 0.8, 1.28))
+    kl = torch.exp(ref - log_prob) - (ref - log_prob) - 1  # k3, inside agg_loss with the policy loss
+    loss = verl_agg_loss_global(pg_losses + 0.04 * kl, mask.double(), agg, dp_size=4, global_batch_size=11)
+    loss.backward()
+    spec = LossSpec(cross_entropy=None, policy=Policy(
+        loss_type=loss_type, convention=convention, num_processes=4, eps_low=0.2, eps_high=0.28, kl_beta=0.04))
+    given = 11 if form == "number" else torch.tensor(11.0)
+    inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, num_sequences_in_batch=given)
+    got = run_both(logits, targets, spec, inputs)
+    compare(got, loss.detach(), leaf.grad, {}, torch.float32)
+    hidden = torch.randn(B, T, 16, generator=generator(72), dtype=torch.float64)
+    weight = torch.randn(V, 16, generator=generator(73), dtype=torch.float64)
+    h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp = torch.log_softmax(h64 @ w64.t(), -1).gather(-1, targets[..., None])[..., 0]
+    r = torch.exp(lp - old)
+    oracle = verl_agg_loss_global(
+        torch.maximum(-adv[:, None] * r, -adv[:, None] * torch.clamp(r, 0.8, 1.28))
+        + 0.04 * (torch.exp(ref - lp) - (ref - lp) - 1), mask.double(), agg, dp_size=4, global_batch_size=11)
+    oracle.backward()
+    for backend in ("triton", "reference"):
+        h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+        out = headloss.linear_head_loss(h, w, targets, spec, backend=backend, chunk_bytes=2 * V * 4,
+                                        **floats(inputs))
+        out.loss.backward()
+        assert_close_norm(out.loss, oracle.detach(), rtol=1e-5, atol=3e-6, name=f"lm_head {backend} loss")
+        assert_close_norm(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-9, name=f"lm_head {backend} dh")
+        assert_close_norm(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-9, name=f"lm_head {backend} dw")
+
+
+def test_num_sequences_in_batch_errors_name_it():
+    logits, targets, mask, adv, old, _, _ = make_case(74)
+    for policy, value, match in (
+        (Policy(loss_type="dapo"), 4, "only for a mean over sequences"),
+        (Policy(loss_type="seq-mean-token-sum-norm"), 4, "convention='verl'"),
+        (Policy(loss_type="grpo"), 0, "positive finite number"),
+        (Policy(loss_type="grpo"), torch.tensor([1.0, 2.0]), "one-element"),
+        (Policy(objective="gmpo", loss_type="grpo"), 4, "geo_mean"),
+    ):
+        for backend in ("triton", "reference") if headloss.inputs._INTERPRETER else ("reference",):
+            with pytest.raises(ValueError, match=f"num_sequences_in_batch: .*{match}"):
+                head_loss(logits, targets, LossSpec(cross_entropy=None, policy=policy), advantages=adv,
+                          old_logprobs=old, num_sequences_in_batch=value, backend=backend)
+    with pytest.raises(ValueError, match="num_sequences_in_batch: given, but the spec has no policy term"):
+        head_loss(logits, targets, num_sequences_in_batch=4)
 
 
 @needs_kernel
