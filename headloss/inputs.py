@@ -255,22 +255,30 @@ def normaliser(num_items: Any, spec: LossSpec, device: torch.device) -> Normalis
         return Normaliser()
     if spec.reduction != "mean":
         raise ValueError(f"num_items_in_batch: only valid with reduction='mean', spec has reduction={spec.reduction!r}")
-    if isinstance(num_items, torch.Tensor):
-        if num_items.numel() != 1:
-            raise ValueError(f"num_items_in_batch: expected one element, got shape {tuple(num_items.shape)}")
-        if num_items.dtype == torch.bool or num_items.is_complex():
-            raise TypeError(f"num_items_in_batch: expected a real number, got a {num_items.dtype} tensor")
-        if num_items.device == device and device.type != "cpu":
-            return Normaliser(tensor=num_items.reshape(1))
+    value = count_value(num_items, "num_items_in_batch", device)
+    return Normaliser(tensor=value) if isinstance(value, torch.Tensor) else Normaliser(value=value)
+
+
+def count_value(value: Any, name: str, device: torch.device) -> float | torch.Tensor:
+    """A count given as a positive finite number or a one-element real tensor: the float, or the
+    tensor as (1,) where it lives on ``device`` (CUDA: its value is not read on the host, the caller
+    checks it on the device or trusts it) or under torch.compile (moved there)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name}: expected one element, got shape {tuple(value.shape)}")
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{name}: expected a real number, got a {value.dtype} tensor")
+        if value.device == device and device.type != "cpu":
+            return value.reshape(1)
         if torch.compiler.is_compiling():
-            return Normaliser(tensor=num_items.reshape(1).to(device))
-        num_items = num_items.item()  # a CPU tensor: reading it costs no device wait
-    if isinstance(num_items, bool) or not isinstance(num_items, numbers.Real):
-        raise ValueError(f"num_items_in_batch: expected a positive number or tensor, got {num_items!r}")
-    value = float(num_items)
-    if not (value > 0 and value != float("inf")):
-        raise ValueError(f"num_items_in_batch: expected a positive finite number, got {num_items!r}")
-    return Normaliser(value=value)
+            return value.reshape(1).to(device)
+        value = value.item()  # a CPU tensor: reading it costs no device wait
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}: expected a positive number or tensor, got {value!r}")
+    number = float(value)
+    if not (number > 0 and number != float("inf")):
+        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
+    return number
 
 
 def flat_targets(targets: torch.Tensor | None) -> torch.Tensor | None:

@@ -176,26 +176,22 @@ def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -
     Depends on the mask and sequence layout only, so it is computed once, without gradient.
     """
     kind = policy.loss_type
-    if inp.num_sequences_in_batch is not None:  # verl's agg_loss with global_batch_size and dp_size
-        per_process = inp.num_sequences_in_batch
-        if policy.num_processes != 1:
-            per_process = per_process / policy.num_processes
-        if kind in ("grpo", "seq-mean-token-mean"):
-            tokens_per_seq = _seq_sum(mask, seq_of(inp), inp.n_slots).clamp(min=1.0)
-            return mask / (tokens_per_seq[seq_of(inp)] * per_process)
-        if kind == "seq-mean-token-sum":
-            return mask / per_process
-        return mask / (per_process * (inp.norm_length or inp.seq_len))  # verl's seq-mean-token-sum-norm
-    if policy.convention == "verl" and kind.startswith("seq-mean") and policy.objective != "gmpo":
-        # agg_loss: empty sequences do not count (geo_mean's torch.mean counts every sequence)
+    global_count = inp.num_sequences_in_batch
+    if global_count is not None or (policy.convention == "verl" and kind.startswith("seq-mean")
+                                    and policy.objective != "gmpo"):
+        # verl's agg_loss: over global_batch_size / dp_size sequences when given, else over the
+        # sequences with counted tokens (geo_mean's torch.mean counts every sequence)
         seq = seq_of(inp)
         tokens_per_seq = _seq_sum(mask, seq, inp.n_slots)
-        n_counted = (tokens_per_seq > 0).sum().clamp(min=1).to(mask.dtype)
-        if kind == "seq-mean-token-mean":
-            return mask / (tokens_per_seq.clamp(min=1.0)[seq] * n_counted)
+        if global_count is not None:
+            n = global_count / policy.num_processes
+        else:
+            n = (tokens_per_seq > 0).sum().clamp(min=1).to(mask.dtype)
+        if kind in ("grpo", "seq-mean-token-mean"):
+            return mask / (tokens_per_seq.clamp(min=1.0)[seq] * n)
         if kind == "seq-mean-token-sum":
-            return mask / n_counted
-        return mask / (n_counted * (inp.norm_length or inp.seq_len))
+            return mask / n
+        return mask / (n * (inp.norm_length or inp.seq_len))
     if isinstance(inp.n_seq, torch.Tensor):
         n_seq = inp.n_seq.clamp(min=1).to(mask.dtype)
     else:
@@ -529,12 +525,13 @@ def policy_inputs(
         if present:
             raise ValueError(f"{sorted(present)[0]}: given, but the spec has no policy term")
         return None, targets
-    num_sequences = sequences_in_batch(present.pop("num_sequences_in_batch", None), spec_policy)
+    num_sequences = present.pop("num_sequences_in_batch", None)
     if "advantages" not in present:
         raise ValueError("advantages: required by policy but not given")
     if spec_policy.kl_beta != 0.0 and "ref_logprobs" not in present:
         raise ValueError("ref_logprobs: required by policy.kl_beta > 0 but not given")
     device = targets.device
+    num_sequences = sequences_in_batch(num_sequences, spec_policy, device)
     rows = math.prod(token_shape)
     if spec_policy.rollout_is is not None:
         for name in ("old_logprobs", "rollout_logprobs"):
@@ -640,10 +637,13 @@ def policy_inputs(
 SEQUENCE_MEAN_TYPES = ("grpo", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-def sequences_in_batch(value: Any, policy: Policy) -> float | torch.Tensor | None:
+def sequences_in_batch(value: Any, policy: Policy, device: torch.device) -> float | torch.Tensor | None:
     """Check num_sequences_in_batch (verl's global_batch_size: the sequences of the whole batch over
-    the data-parallel ranks): a positive number or a one-element tensor, for a loss type that is a
-    mean over sequences. The mean's denominator becomes it / num_processes (verl's dp_size)."""
+    the data-parallel ranks): a positive number or a one-element tensor (inputs.count_value), for a
+    loss type that is a mean over sequences. The mean's denominator becomes it / num_processes
+    (verl's dp_size)."""
+    from .inputs import count_value  # (inputs imports this module)
+
     if value is None:
         return None
     name = "num_sequences_in_batch"
@@ -654,16 +654,8 @@ def sequences_in_batch(value: Any, policy: Policy) -> float | torch.Tensor | Non
                          f"loss_type={policy.loss_type!r} and convention={policy.convention!r}")
     if policy.objective in ("gmpo",):
         raise ValueError(f"{name}: objective 'gmpo' is verl's geo_mean, a mean over this call's sequences")
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
-            raise ValueError(f"{name}: expected a positive number or a one-element real tensor, got "
-                             f"{value.dtype} {tuple(value.shape)}")
-        if value.device.type != "cpu" or torch.compiler.is_compiling():
-            return value.reshape(()).float()  # (its value is not read on the host)
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
-        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
-    return float(value)
+    count = count_value(value, name, device)
+    return count.float() if isinstance(count, torch.Tensor) else count
 
 
 def rollout_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor | None,

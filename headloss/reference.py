@@ -312,19 +312,16 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
 
     def agg(loss_mat):
         batch, length = loss_mat.shape
-        if num_sequences is not None:  # verl agg_loss: sum over sequences / global_batch_size * dp_size
+        if num_sequences is not None or (pol.convention == "verl" and pol.loss_type.startswith("seq-mean")
+                                         and pol.objective != "gmpo"):
+            # verl agg_loss: the sequences' sum over global_batch_size / dp_size when given, else
+            # over the sequences with counted tokens
             counts = mask.sum(-1)
             per_seq = (loss_mat * mask).sum(-1)
             if pol.loss_type in ("grpo", "seq-mean-token-mean"):
                 per_seq = per_seq / counts.clamp(min=1.0)
-            loss = per_seq.sum() / num_sequences * pol.num_processes
-            return loss / length if pol.loss_type == "seq-mean-token-sum-norm" else loss
-        if pol.convention == "verl" and pol.loss_type.startswith("seq-mean") and pol.objective != "gmpo":
-            counts = mask.sum(-1)
-            per_seq = (loss_mat * mask).sum(-1)
-            if pol.loss_type == "seq-mean-token-mean":
-                per_seq = per_seq / counts.clamp(min=1.0)
-            loss = (per_seq * (counts > 0)).sum() / (counts > 0).sum().clamp(min=1)
+            n = num_sequences / pol.num_processes if num_sequences is not None else (counts > 0).sum().clamp(min=1)
+            loss = (per_seq * (counts > 0)).sum() / n
             return loss / length if pol.loss_type == "seq-mean-token-sum-norm" else loss
         if pol.loss_type in ("grpo", "seq-mean-token-mean"):
             return ((loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
