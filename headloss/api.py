@@ -155,7 +155,8 @@ def head_loss(
     if (group is None and spec.policy is None and advantages is None and old_logprobs is None and ref_logprobs is None
             and loss_mask is None and importance_weights is None and rollout_logprobs is None and sequence_ids is None
             and num_sequences_in_batch is None and not torch.compiler.is_compiling()):
-        recipe = _recipe_of(plan, logits, targets, teacher_logits, shift, inplace_grad, validate, backend)
+        recipe = _recipe_of(plan, logits, targets, teacher_logits, shift, inplace_grad, validate, backend,
+                            policy_given)
         if recipe is not None:
             return _run_recipe(recipe, logits, targets, teacher_logits, num_items_in_batch)
     shard = None
@@ -217,10 +218,11 @@ def _signature(t: Any) -> tuple | None:
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
 
 
-def _recipe_of(plan: KernelPlan, logits, targets, teacher_logits, shift, inplace_grad, validate, backend
-               ) -> _Recipe | None:
+def _recipe_of(plan: KernelPlan, logits, targets, teacher_logits, shift, inplace_grad, validate, backend,
+               policy_given: dict) -> _Recipe | None:
     """The cached recipe of a call's signature (made, after every check, on its first call); None
-    where the call is not one (unusual argument types take the checked path, which names them)."""
+    where the call is not one (unusual argument types take the checked path, which names them).
+    ``policy_given``: head_loss's policy inputs, every one None here."""
     known_validate = validate is None or validate is True or validate is False or \
         (type(validate) is str and validate == "sync")
     if type(logits) is not torch.Tensor or not (targets is None or type(targets) is torch.Tensor) or \
@@ -234,10 +236,8 @@ def _recipe_of(plan: KernelPlan, logits, targets, teacher_logits, shift, inplace
         return recipe
     if resolve_backend(backend, logits.device, logits.dtype) == "reference":
         return None  # (not kept: the plain-torch path has no host cost to save)
-    none = dict.fromkeys(("advantages", "old_logprobs", "ref_logprobs", "loss_mask", "importance_weights",
-                          "rollout_logprobs", "sequence_ids"))
-    call = head_call(logits, targets, plan.spec, kernel=True, teacher_logits=teacher_logits, policy_given=none,
-                     num_items_in_batch=None, shift=shift, validate=validate)
+    call = head_call(logits, targets, plan.spec, kernel=True, teacher_logits=teacher_logits,
+                     policy_given=policy_given, num_items_in_batch=None, shift=shift, validate=validate)
     flat = targets is None or (targets.dim() == 1 and targets.dtype in (torch.int64, torch.int32)
                                and targets.is_contiguous())
     recipe = _Recipe(plan, HeadRun(plan, call.geo, inplace_grad, call.validate, call.token_shape), flat)
@@ -579,8 +579,14 @@ def _cov_base_plan(plan: KernelPlan, policy, shard) -> KernelPlan | None:
     if (not _policy_grad_in_forward(plan, policy, shard) or pol.objective not in ("clip_cov", "kl_cov")
             or pol.importance_sampling != "token" or pol.off_policy_mask is not None):
         return None
-    base = compile_plan(spec.model_copy(update={"policy": cov_base_policy(pol)}), has_targets=True)
-    return base if base.mode == "fused" else None
+    if plan.key not in _COV_BASES:
+        base = compile_plan(spec.model_copy(update={"policy": cov_base_policy(pol)}), has_targets=True)
+        _COV_BASES[plan.key] = base if base.mode == "fused" else None
+    return _COV_BASES[plan.key]
+
+
+_COV_BASES: dict[str, KernelPlan | None] = {}
+"""_cov_base_plan's plans by the spec's plan key: made once, not on every call."""
 
 
 def _pad_last(t: torch.Tensor | None, name: str) -> torch.Tensor | None:

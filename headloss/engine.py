@@ -185,7 +185,8 @@ program's longer serial pass off the critical path."""
 
 def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, policy: PolicyRows | None, num_items,
                  sequence_ids, grad_mode: str, validate: str, token_shape: tuple[int, ...], shard=None):
-    """prepare + head kernels: (loss, rows, pred, means, scratch, grad); grad_mode none/fresh/inplace.
+    """The head kernel (its program 0 prepares, see INLINE_PREPARE_SLOTS; else prepare_kernel first):
+    (loss, rows, pred, means, scratch, grad); grad_mode none/fresh/inplace.
     ``shard`` (a parallel.VocabShard): logits are this rank's vocabulary slice; the shard's
     statistics are exchanged with one all_gather before the head kernel (headloss.parallel)."""
     device = logits.device

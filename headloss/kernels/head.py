@@ -916,12 +916,13 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
         head_kernel, geo.n_rows, cfg.num_warps,
         logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, pred=pred, policy=policy,
         num_items=num_items, scratch=scratch, loss=loss, means=means,
-        shard=ShardRows(stats, jsd), prep=prep, geo=geo, S=plan.scalars,
+        shard=_UNSHARDED if stats is None else ShardRows(stats, jsd), prep=prep, geo=geo, S=plan.scalars,
         F=plan.flags, C=plan.cols, BLOCK_V=cfg.block_v, FINISH=finish, R=_tiles(plan.cols.N),
     )
 
 
 _PREPARED = Prepare(None, None, None)
+_UNSHARDED = ShardRows(None, None)
 _NONCES = itertools.count(int.from_bytes(os.urandom(3), "little"))
 
 
