@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-import torch  # noqa: F401
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -31,8 +31,9 @@ if __name__ == "__main__":
     test_integrations_trl.saved_model = lambda _path: str(Path(sys.argv[1]) / "tiny")
     result = {}
     extra = {"grpo": {}, "gspo": dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=0.02,
-                                      epsilon_high=0.03), "vespo": dict(loss_type="vespo")}
-    for name, make in (("grpo", grpo), ("gspo", grpo), ("vespo", grpo), ("sft", sft)):
+                                      epsilon_high=0.03), "vespo": dict(loss_type="vespo"),
+             "top_entropy": dict(top_entropy_quantile=0.5, entropy_coef=0.05)}
+    for name, make in (("grpo", grpo), ("gspo", grpo), ("vespo", grpo), ("top_entropy", grpo), ("sft", sft)):
         runs = {}
         for label, cls in (("stock", trl.GRPOTrainer if name != "sft" else trl.SFTTrainer),
                            ("mine", HeadLossGRPOTrainer if name != "sft" else HeadLossSFTTrainer)):
@@ -46,3 +47,9 @@ if __name__ == "__main__":
         result[name] = {"err": err, "stock": runs["stock"][0], "mine": runs["mine"][0]}
     if int(os.environ.get("RANK", 0)) == 0:
         print("RESULT " + json.dumps({"world": int(os.environ.get("WORLD_SIZE", 1)), **result}))
+    # a clean shutdown: a process group left to interpreter exit can abort in the teardown of its
+    # threads ("terminate called without an active exception", about one run in ten)
+    sys.stdout.flush()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
