@@ -10,10 +10,12 @@
           a fourth GEMM). Peer: TRL 1.16's ChunkedLogProbFunction (its
           fused-head log-probs + entropy) with the objective in torch, for clip and cispo.
 
-  python -m benchmarks.bench_objectives [--cases logits linear]
+  python -m benchmarks.bench_objectives [--cases logits linear] [--only SUBSTRING ...] [--name STEM]
 
-Writes $OUT (or ./results)/bench_objectives.{json,csv,png}; prints a table (ratio to clip on the
-logits path, to the GEMM floor on the linear path).
+``--only``: the objectives whose name contains one of these (clip and the floor always run).
+On the lm_head, a top-entropy row's note says how many rows its guessed mask got wrong (the rows
+the correction recomputes). Writes $OUT (or ./results)/STEM.{json,csv,png} (STEM: bench_objectives);
+prints a table (ratio to clip on the logits path, to the GEMM floor on the linear path).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ OBJECTIVES = {  # name -> Policy fields over BASE
     "clip_cov (batch statistic)": dict(objective="clip_cov"),
     "clip, off-policy mask (sequence statistic)": dict(off_policy_mask=0.5),
     "clip, top entropy 0.2 (batch statistic)": dict(top_entropy_quantile=0.2),
+    "clip, top entropy 0.5 (batch statistic)": dict(top_entropy_quantile=0.5),
 }
 LIGER = {"clip": "dapo", "cispo": "cispo", "sapo": "sapo"}
 
@@ -61,7 +64,29 @@ def spec_of(name: str) -> headloss.LossSpec:
     return headloss.LossSpec(cross_entropy=None, entropy={"weight": 0.0}, policy={**BASE, **OBJECTIVES[name]})
 
 
-def logits_case(rows: list[Row], batch: int, length: int) -> None:
+def chosen(names: list[str] | None) -> list[str]:
+    return [n for n in OBJECTIVES if names is None or n == "clip" or any(part in n for part in names)]
+
+
+def corrected_rows(step) -> str:
+    """The rows one call's top-entropy correction recomputed (engine._correct_rows), as a note."""
+    import headloss.engine as engine
+
+    counts, original = [], engine._correct_rows
+
+    def counting(run, hidden, weight, bias, targets, rows, *rest):
+        counts.append(int(rows.sum()))
+        return original(run, hidden, weight, bias, targets, rows, *rest)
+
+    engine._correct_rows = counting
+    try:
+        step()
+    finally:
+        engine._correct_rows = original
+    return f"{counts[0]} rows corrected" if counts else "no correction (deferred)"
+
+
+def logits_case(rows: list[Row], batch: int, length: int, names: list[str] | None = None) -> None:
     pristine, ids, adv, old, ref, mask = grpo_batch(2, batch, length)
     logits = torch.empty_like(pristine).requires_grad_()
 
@@ -74,7 +99,7 @@ def logits_case(rows: list[Row], batch: int, length: int) -> None:
     inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, num_items_in_batch=n_items,
                   rollout_logprobs=old + 0.01)
     cfg = {"B": batch, "L": length, "V": V, "dtype": "bf16"}
-    for name in OBJECTIVES:
+    for name in chosen(names):
         spec = spec_of(name)
         measure(rows, "logits", f"headloss {name}", "N", batch * length,
                 lambda spec=spec: headloss.head_loss(logits, ids, spec, shift=True, **inputs).loss.backward(),
@@ -86,6 +111,8 @@ def logits_case(rows: list[Row], batch: int, length: int) -> None:
         print(f"liger unavailable: {exc}")
         return
     for name, loss_type in LIGER.items():
+        if name not in chosen(names):
+            continue
         fields = {**BASE, **OBJECTIVES[name]}
 
         def liger(loss_type=loss_type, fields=fields):
@@ -99,7 +126,7 @@ def logits_case(rows: list[Row], batch: int, length: int) -> None:
         torch.cuda.empty_cache()
 
 
-def linear_case(rows: list[Row], n: int, seq: int) -> None:
+def linear_case(rows: list[Row], n: int, seq: int, names: list[str] | None = None) -> None:
     gen = torch.Generator(device="cuda").manual_seed(3)
     hidden = torch.randn(n, H, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
     weight = (torch.randn(V, H, device="cuda", generator=gen) / H**0.5 * 2.0).to(torch.bfloat16).requires_grad_()
@@ -130,11 +157,14 @@ def linear_case(rows: list[Row], n: int, seq: int) -> None:
     measure(rows, "linear", "3-gemm-floor", "N", n, floor, setup, config=cfg, cold_blas=True)
     inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, num_items_in_batch=n_items,
                   rollout_logprobs=old + 0.01)
-    for name in OBJECTIVES:
+    for name in chosen(names):
         spec = spec_of(name)
-        measure(rows, "linear", f"headloss {name}", "N", n,
-                lambda spec=spec: headloss.linear_head_loss(h3, weight, y2, spec, **inputs).loss.backward(),
-                setup, config=cfg, cold_blas=True)
+
+        def step(spec=spec):
+            headloss.linear_head_loss(h3, weight, y2, spec, **inputs).loss.backward()
+
+        note = corrected_rows(step) if "top entropy" in name else ""
+        measure(rows, "linear", f"headloss {name}", "N", n, step, setup, config=cfg, cold_blas=True, note=note)
         torch.cuda.empty_cache()
     try:
         ChunkedLogProbFunction = import_trl("trl.kernels.chunked_logprob").ChunkedLogProbFunction
@@ -142,6 +172,8 @@ def linear_case(rows: list[Row], n: int, seq: int) -> None:
         print(f"TRL chunked log-prob unavailable: {type(exc).__name__}: {exc}")
         return
     for name in ("clip", "cispo"):
+        if name not in chosen(names):
+            continue
         fields = {**BASE, **OBJECTIVES[name]}
 
         def trl(fields=fields, name=name):
@@ -195,15 +227,17 @@ def plot(rows: list[Row], path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="*", default=["logits", "linear"])
+    parser.add_argument("--only", nargs="*", default=None, help="objectives whose name contains one of these")
+    parser.add_argument("--name", default="bench_objectives", help="the output files' stem")
     args = parser.parse_args()
     rows: list[Row] = []
     if "logits" in args.cases:
-        logits_case(rows, 8, 1024)
+        logits_case(rows, 8, 1024, args.only)
     if "linear" in args.cases:
-        linear_case(rows, 8192, 1024)
+        linear_case(rows, 8192, 1024, args.only)
     out = out_dir_default()
-    write_rows(rows, out, "bench_objectives")
-    plot(rows, out / "bench_objectives.png")
+    write_rows(rows, out, args.name)
+    plot(rows, out / f"{args.name}.png")
     print_table(rows)
 
 

@@ -36,7 +36,7 @@ from .parallel import dtensor_shard, gather_vocab, handshake, is_dtensor, rows_s
 from .plan import KernelPlan, compile_plan
 from .policy import cov_base_policy, policy_extremes, policy_inputs, policy_objective
 from .reference import reference_head_loss
-from .spec import LossSpec
+from .spec import ROW_LOCAL_OBJECTIVES, LossSpec
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 """Logits per chunk of the fused lm_head: 256 MiB = 1024 rows of a 128256-word bf16 vocabulary.
@@ -77,6 +77,7 @@ def head_loss(
     sequence_ids: torch.Tensor | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     num_sequences_in_batch: int | float | torch.Tensor | None = None,
+    entropy_quantile_group: Any = None,
     shift: bool = False,
     inplace_grad: bool = False,
     validate: Validate = None,
@@ -104,6 +105,10 @@ def head_loss(
         num_sequences_in_batch: a policy term whose loss type is a mean over sequences divides by
             this / ``policy.num_processes`` instead of this call's sequence count: verl's agg_loss
             with ``global_batch_size`` and ``dp_size``. Number or one-element tensor.
+        entropy_quantile_group: with ``policy.top_entropy_quantile`` < 1, take the quantile over
+            the counted tokens of every process of this torch.distributed group (TRL gathers them
+            from all processes: ``torch.distributed.group.WORLD``), not this call's alone. The
+            processes' token counts are exchanged first: one host wait per call.
         shift: next-token scoring on the full model output, without slicing it. ``logits`` is
             [B, T, V] and row t predicts token t + 1. ``targets`` is either the HF labels [B, T]
             (row t is scored against ``labels[:, t + 1]``) or TRL's completion ids [B, T - 1]
@@ -149,12 +154,14 @@ def head_loss(
             teacher_logits = teacher_logits.resolve_neg()
     policy_given = dict(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                         loss_mask=loss_mask, importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
-                        sequence_ids=sequence_ids, num_sequences_in_batch=num_sequences_in_batch)
+                        sequence_ids=sequence_ids, num_sequences_in_batch=num_sequences_in_batch,
+                        entropy_quantile_group=entropy_quantile_group)
     plan = plan_for(spec, has_targets=targets is not None)
     spec = plan.spec
     if (group is None and spec.policy is None and advantages is None and old_logprobs is None and ref_logprobs is None
             and loss_mask is None and importance_weights is None and rollout_logprobs is None and sequence_ids is None
-            and num_sequences_in_batch is None and not torch.compiler.is_compiling()):
+            and num_sequences_in_batch is None and entropy_quantile_group is None
+            and not torch.compiler.is_compiling()):
         recipe = _recipe_of(plan, logits, targets, teacher_logits, shift, inplace_grad, validate, backend,
                             policy_given)
         if recipe is not None:
@@ -382,6 +389,7 @@ def linear_head_loss(
     sequence_ids: torch.Tensor | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     num_sequences_in_batch: int | float | torch.Tensor | None = None,
+    entropy_quantile_group: Any = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     fp32_weight_grad: bool = False,
     compact: bool = True,
@@ -414,13 +422,16 @@ def linear_head_loss(
             V x H fp32 buffer); default bf16/fp16 accumulation in the weight's dtype.
         compact: skip ignored rows entirely (gather the others chunk by chunk); costs one host
             sync for their count (which also reads the validation verdict). Off under CUDA-graph
-            capture and torch.compile; ``compact=False`` makes the call sync-free.
+            capture and torch.compile; ``compact=False`` makes the call sync-free, except for
+            the policy statistics that read a count on the host (clip_cov, kl_cov, and the
+            top-entropy mask: the rows their correction recomputes).
         teacher_logits: [N, V] / [B, T, V] teacher logits for the distillation term, or instead
             teacher_hidden [.., Ht] with teacher_weight [V, Ht] (and teacher_bias): the teacher's
             logits are then computed chunk by chunk too (and recomputed in a deferred backward).
         advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, rollout_logprobs,
             sequence_ids: the policy term's inputs, as in :func:`head_loss`.
-        validate, backend, num_items_in_batch, num_sequences_in_batch: as in :func:`head_loss`.
+        validate, backend, num_items_in_batch, num_sequences_in_batch, entropy_quantile_group: as in
+            :func:`head_loss`.
         group: a vocab-parallel (column-parallel) lm_head: ``weight`` (and ``bias``) are this rank's
             contiguous rows of the vocabulary, ``hidden`` and the targets are replicated. Outputs
             are replicated, dW / db are this rank's rows, dh is summed over the group once (the
@@ -437,7 +448,8 @@ def linear_head_loss(
                   old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_mask=loss_mask,
                   importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
                   sequence_ids=sequence_ids, num_items_in_batch=num_items_in_batch,
-                  num_sequences_in_batch=num_sequences_in_batch, chunk_bytes=chunk_bytes,
+                  num_sequences_in_batch=num_sequences_in_batch, entropy_quantile_group=entropy_quantile_group,
+                  chunk_bytes=chunk_bytes,
                   fp32_weight_grad=fp32_weight_grad, compact=compact, validate=validate, backend=backend, group=group)
     device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else None
     if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
@@ -455,7 +467,8 @@ def linear_head_loss(
 
 def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_logits, teacher_hidden, teacher_weight,
                       teacher_bias, advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights,
-                      rollout_logprobs, sequence_ids, num_items_in_batch, num_sequences_in_batch, chunk_bytes,
+                      rollout_logprobs, sequence_ids, num_items_in_batch, num_sequences_in_batch,
+                      entropy_quantile_group, chunk_bytes,
                       fp32_weight_grad, compact, validate, backend, group) -> HeadLossOutput:
     if not torch.compiler.is_compiling():
         check_pending()
@@ -497,6 +510,7 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
     if shift and targets.shape != token_shape:  # completion ids: per-token inputs get the unscored last row
         given = {k: _pad_last(v, k) for k, v in given.items()}
     given["num_sequences_in_batch"] = num_sequences_in_batch
+    given["entropy_quantile_group"] = entropy_quantile_group
     backend = resolve_backend(backend, hidden.device, hidden.dtype, name="hidden")
     completion = shift and targets.shape != token_shape  # rows padded by one: T - 1 scored positions
     policy, targets = policy_inputs(spec.policy, tuple(targets.shape) if targets is not None else token_rows, targets,
@@ -520,12 +534,13 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
     seq_len = _sequence_chunks(plan, policy, token_rows, chunk_rows, chunk_bytes, width * elem, shard)
     if seq_len:  # chunks of whole sequences, every row computed (sequences stay contiguous)
         chunk_rows, compact = max(seq_len, chunk_rows // seq_len * seq_len), False
-    base = _cov_base_plan(plan, policy, shard)  # clip_cov / kl_cov: the base fused, the selected rows corrected
+    # clip_cov / kl_cov, a top-entropy mask: the base fused, the rows the batch statistic changes corrected
+    base = _base_plan(plan, policy, shard)
     run = LinearRun(plan if base is None else base, chunk_rows, fp32_weight_grad, compact, mode,
                     tuple(targets.shape) if targets is not None else token_rows, spec.ignore_index, norm.value,
                     shard=shard, seq_len=seq_len, seq_policy=policy if seq_len else None,
-                    cov_policy=policy if base is not None else None,
-                    cov_objective=spec.policy if base is not None else None)
+                    corrected=policy if base is not None else None,
+                    corrected_objective=spec.policy if base is not None else None)
     has_policy = policy is not None and run.plan.flags.HAS_POLICY
     loss, rows_out, pred, means, scratch = LinearFunction.apply(
         hidden.reshape(rows, hidden.shape[-1]), weight, bias, flat_targets(targets), *teacher,
@@ -534,7 +549,7 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
         norm.tensor, None if policy is None else policy.sequence_ids, run,
     )
     loss, extra = _policy_terms(run.plan, loss, rows_out, means, scratch, policy)
-    extra.update(getattr(policy, "cov_metrics", None) or {})
+    extra.update(getattr(policy, "correction_metrics", None) or {})
     out = assemble(run.plan, run.token_shape, loss, rows_out, pred, means, scratch, extra)
     return _trim(out, token_shape) if token_shape != run.token_shape else out
 
@@ -543,14 +558,16 @@ SEQUENCE_CHUNK_SLACK = 4
 """Sequence-chunked mode takes chunks of whole sequences up to this many times chunk_bytes."""
 
 
-def _policy_grad_in_forward(plan: KernelPlan, policy, shard) -> bool:
-    """What both lm_head routes that compute a deferred policy term's gradient in forward need: a
+def _policy_grad_in_forward(plan: KernelPlan, policy, shard, entropy_mask: bool = False) -> bool:
+    """What the lm_head routes that compute a deferred policy term's gradient in forward need: a
     policy term (and its inputs), no other reason for deferred mode (reduction 'none', per-token
-    outputs with gradient), no top-entropy mask (a statistic of most tokens), one device, eager."""
+    outputs with gradient), one device, eager; no top-entropy mask (a statistic of most tokens)
+    unless ``entropy_mask`` (the route that guesses it and corrects the rows it got wrong)."""
     spec = plan.spec
     pol = spec.policy
     return (pol is not None and policy is not None and spec.reduction != "none" and not spec.differentiable_outputs
-            and pol.top_entropy_quantile == 1.0 and shard is None and not torch.compiler.is_compiling())
+            and (entropy_mask or pol.top_entropy_quantile == 1.0) and shard is None
+            and not torch.compiler.is_compiling())
 
 
 def _sequence_chunks(plan: KernelPlan, policy, token_rows: tuple[int, ...], chunk_rows: int, chunk_bytes: int,
@@ -570,23 +587,40 @@ def _sequence_chunks(plan: KernelPlan, policy, token_rows: tuple[int, ...], chun
     return seq_len if seq_len * row_bytes <= SEQUENCE_CHUNK_SLACK * chunk_bytes else 0
 
 
-def _cov_base_plan(plan: KernelPlan, policy, shard) -> KernelPlan | None:
-    """clip_cov / kl_cov on the lm_head: the plan of their row-local base objective (fused), when
-    nothing else needs deferred mode; their selected tokens are then corrected after the chunks
-    (engine._cov_correction): three GEMMs and a small one instead of deferred mode's four."""
+def _base_plan(plan: KernelPlan, policy, shard) -> KernelPlan | None:
+    """The lm_head plan of a row-local base objective (fused) whose rows a batch statistic then
+    changes, when nothing else needs deferred mode: three GEMMs and a small one (over the changed
+    rows) instead of deferred mode's four.
+
+    * clip_cov / kl_cov: their base objective; the selected tokens are corrected after the chunks
+      (engine._cov_correction).
+    * a row-local objective under the top-entropy mask (no TRL token-mean entropy bonus, whose
+      weights depend on the mask): the objective under a mask guessed chunk by chunk, the rows
+      guessed wrong corrected once the batch quantile is known (engine._guess_mask and
+      _entropy_mask_correction)."""
     spec = plan.spec
     pol = spec.policy
-    if (not _policy_grad_in_forward(plan, policy, shard) or pol.objective not in ("clip_cov", "kl_cov")
-            or pol.importance_sampling != "token" or pol.off_policy_mask is not None):
+    if pol is None or pol.importance_sampling != "token" or pol.off_policy_mask is not None:
         return None
-    if plan.key not in _COV_BASES:
-        base = compile_plan(spec.model_copy(update={"policy": cov_base_policy(pol)}), has_targets=True)
-        _COV_BASES[plan.key] = base if base.mode == "fused" else None
-    return _COV_BASES[plan.key]
+    if pol.objective in ("clip_cov", "kl_cov"):
+        if not _policy_grad_in_forward(plan, policy, shard):
+            return None
+        base_policy = cov_base_policy(pol)
+    elif pol.top_entropy_quantile < 1.0 and pol.objective in ROW_LOCAL_OBJECTIVES:
+        if (not _policy_grad_in_forward(plan, policy, shard, entropy_mask=True)
+                or (pol.entropy_coef != 0.0 and pol.entropy_aggregation == "token-mean")):
+            return None
+        base_policy = pol.model_copy(update={"top_entropy_quantile": 1.0})
+    else:
+        return None
+    if plan.key not in _BASES:
+        base = compile_plan(spec.model_copy(update={"policy": base_policy}), has_targets=True)
+        _BASES[plan.key] = base if base.mode == "fused" else None
+    return _BASES[plan.key]
 
 
-_COV_BASES: dict[str, KernelPlan | None] = {}
-"""_cov_base_plan's plans by the spec's plan key: made once, not on every call."""
+_BASES: dict[str, KernelPlan | None] = {}
+"""_base_plan's plans by the spec's plan key: made once, not on every call."""
 
 
 def _pad_last(t: torch.Tensor | None, name: str) -> torch.Tensor | None:

@@ -20,6 +20,7 @@ which Inductor treats as opaque kernels (``register_fake`` gives their output sh
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import weakref
 from dataclasses import dataclass, replace
@@ -45,7 +46,15 @@ from .kernels.head import (
 )
 from .parallel import all_reduce_sum, gather_merged, handshake_verdict
 from .plan import KernelPlan, plan_from_key
-from .policy import clip_cov_chosen, cov_base_policy, kl_cov_chosen, policy_objective, token_objective
+from .policy import (
+    clip_cov_chosen,
+    cov_base_policy,
+    high_entropy_metrics,
+    kl_cov_chosen,
+    masked_quantile,
+    policy_objective,
+    token_objective,
+)
 
 _RETAIN_GRAPH_ERROR = (
     "headloss: a second backward through the same fused-mode loss (retain_graph=True). The fused mode "
@@ -352,10 +361,16 @@ class LinearRun:
     # policy term): chunks of whole sequences of seq_len rows; seq_policy is the call's PolicyInputs
     seq_len: int = 0
     seq_policy: Any = None
-    # clip_cov / kl_cov: ``plan`` runs their row-local base objective fused; cov_policy (the call's
-    # PolicyInputs) and cov_objective (the spec's Policy) drive the correction of the selected rows
-    cov_policy: Any = None
-    cov_objective: Any = None
+    # clip_cov / kl_cov, and the top-entropy mask of a row-local objective: ``plan`` runs the base
+    # objective fused; corrected (the call's PolicyInputs) and corrected_objective (the spec's Policy)
+    # drive the correction of the rows whose objective the batch statistic changes
+    corrected: Any = None
+    corrected_objective: Any = None
+
+    @property
+    def entropy_gate(self) -> bool:
+        """The base runs with a guessed top-entropy mask (see engine._guess_mask)."""
+        return self.corrected_objective is not None and self.corrected_objective.top_entropy_quantile < 1.0
 
     @property
     def grads_in_forward(self) -> bool:
@@ -445,19 +460,22 @@ def _accumulate(grads: _Grads, g, h_c, weight, index, start: int, stop: int) -> 
             grads.dh.index_copy_(0, index[start:stop], torch.mm(g, weight))
     first = start == 0  # the first chunk overwrites dW and db
     if grads.dw is not None:
-        dw = grads.dw
-        beta = 0.0 if first else 1.0  # beta = 0: cuBLAS reads nothing from the uninitialised dw
-        if dw.dtype == g.dtype:
-            torch.addmm(dw, g.t(), h_c, beta=beta, out=dw)
-        elif g.is_cuda:
-            torch.addmm(dw, g.t(), h_c, beta=beta, out_dtype=torch.float32, out=dw)
-        else:  # the CPU has no mixed-dtype addmm
-            torch.addmm(dw, g.t().float(), h_c.float(), beta=beta, out=dw)
+        _add_dw(grads.dw, g, h_c, beta=0.0 if first else 1.0)  # beta = 0: cuBLAS reads nothing from dw
     if grads.db is not None:
         if first:
             torch.sum(g, dim=0, dtype=torch.float32, out=grads.db)
         else:
             grads.db += g.sum(dim=0, dtype=torch.float32)
+
+
+def _add_dw(dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor, beta: float = 1.0) -> None:
+    """dw = beta dw + g.T @ h in place (dw in the weight's dtype, or fp32 while accumulating)."""
+    if dw.dtype == g.dtype:
+        torch.addmm(dw, g.t(), h, beta=beta, out=dw)
+    elif g.is_cuda:
+        torch.addmm(dw, g.t(), h, beta=beta, out_dtype=torch.float32, out=dw)
+    else:  # the CPU has no mixed-dtype addmm
+        torch.addmm(dw, g.t().float(), h.float(), beta=beta, out=dw)
 
 
 def _finish_grads(grads: _Grads, weight, bias) -> tuple:
@@ -527,13 +545,9 @@ def _cov_correction(run: LinearRun, hidden, weight, bias, targets, rows, grads: 
     # rows, targets, hidden: every row of the call (ignored rows were skipped: their rows hold 0)
     """clip_cov / kl_cov on the lm_head: the chunks ran the base objective fused (three GEMMs); the
     few selected tokens (cov_ratio of them, verl's 2e-4 by default) then change: kl_cov adds
-    coef |log r| to theirs, clip_cov drops the base objective's. Their loss and metrics change on
-    the device, and their gradient by a GEMM over those rows only: logits recomputed, the change
-    of d loss / d logp carried through log_softmax (and the logit transform) to dh, dW and db.
-    The metrics the base does not have go on the call's PolicyInputs (``cov_metrics``)."""
-    from .reference import transformed_logits  # (reference imports this module)
-
-    plan, pol, policy = run.plan, run.cov_policy, run.cov_objective
+    coef |log r| to theirs, clip_cov drops the base objective's (:func:`_correct_rows`). The metrics
+    the base does not have go on the call's PolicyInputs (``correction_metrics``)."""
+    plan, pol, policy = run.plan, run.corrected, run.corrected_objective
     logp = rows[:, plan.cols.logp].detach()
     mask, adv = pol.mask, pol.advantages
     valid = mask > 0
@@ -545,19 +559,38 @@ def _cov_correction(run: LinearRun, hidden, weight, bias, targets, rows, grads: 
         chosen = kl_cov_chosen(adv, logp, valid, policy)
         d_logp = scale * policy.kl_cov_coef * torch.sign(log_ratio)
         added = scale * policy.kl_cov_coef * log_ratio.abs()
-        pol.cov_metrics = {"ppo_kl": ((log_ratio.abs() * mask).sum() / count).float()}
+        pol.correction_metrics = {"ppo_kl": ((log_ratio.abs() * mask).sum() / count).float()}
     else:
         chosen = clip_cov_chosen(adv, logp, old, valid, policy)
-        with torch.enable_grad():
-            x = logp.clone().requires_grad_()
-            base = token_objective(x, old, adv, cov_base_policy(policy)).loss * scale
-            (d_base,) = torch.autograd.grad(base.sum(), x)
-        d_logp, added = -d_base, -base.detach()
-        pol.cov_metrics = {"pg_clipfrac": ((chosen.to(mask.dtype) * mask).sum() / count).float()}
-    total = torch.where(chosen, added, 0.0).sum()
-    loss += total
-    means[plan.cols.N] += total  # the 'loss' metric
-    picked = torch.nonzero(chosen).squeeze(1)  # a host read (clip_cov's draw already made one)
+        d_base, base = _objective_slope(logp, old, adv, scale, cov_base_policy(policy))
+        d_logp, added = -d_base, -base
+        pol.correction_metrics = {"pg_clipfrac": ((chosen.to(mask.dtype) * mask).sum() / count).float()}
+    # (clip_cov's draw already made a host read)
+    _correct_rows(run, hidden, weight, bias, targets, chosen, torch.where(chosen, d_logp, 0.0),
+                  torch.where(chosen, added, 0.0).sum(), grads, loss, means)
+
+
+def _objective_slope(logp, old, adv, scale, policy) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d / d logp, value) per token of the row-local objective ``policy`` times ``scale``."""
+    with torch.enable_grad():
+        x = logp.clone().requires_grad_()
+        value = token_objective(x, old, adv, policy).loss * scale
+        (slope,) = torch.autograd.grad(value.sum(), x)
+    return slope, value.detach()
+
+
+def _correct_rows(run: LinearRun, hidden, weight, bias, targets, chosen, d_logp, added, grads: _Grads | None, loss,
+                  means) -> None:
+    """Change the loss (and the 'loss' metric) by ``added`` and the gradient of the ``chosen`` rows by
+    ``d_logp`` (per row, d loss / d logp): their logits recomputed by a GEMM over those rows only,
+    the change carried through log_softmax (and the logit transform) to dh, dW and db. One host read
+    (the number of chosen rows)."""
+    from .reference import transformed_logits  # (reference imports this module)
+
+    plan = run.plan
+    loss += added
+    means[plan.cols.N] += added  # the 'loss' metric
+    picked = torch.nonzero(chosen).squeeze(1)
     if picked.numel() == 0 or grads is None:
         return
     h = hidden.index_select(0, picked)
@@ -572,10 +605,62 @@ def _cov_correction(run: LinearRun, hidden, weight, bias, targets, rows, grads: 
     g = g.to(hidden.dtype)
     if grads.dh is not None:
         grads.dh.index_add_(0, picked, torch.mm(g, weight))
-    if grads.dw is not None:
-        grads.dw += torch.mm(g.t(), h).to(grads.dw.dtype)
+    if grads.dw is not None:  # in place: no V x H temporary
+        _add_dw(grads.dw, g, h)
     if grads.db is not None:
         grads.db += g.sum(dim=0, dtype=torch.float32)
+
+
+LN2 = 0.6931471805599453
+
+
+def _guess_mask(run: LinearRun, logits, y_c, geo: Geometry, chunk: PolicyRows, guess: torch.Tensor,
+                seen: torch.Tensor, start: int, stop: int) -> PolicyRows:
+    """The top-entropy mask on the lm_head, before its batch quantile is known: this chunk's
+    entropies (one statistics pass over its logits, no gradient) against the quantile of the rows
+    seen so far. The guess multiplies the objective as importance weights do; the rows it gets
+    wrong are corrected at the end (:func:`_entropy_mask_correction`): a few percent of the rows,
+    where deferred mode would recompute every chunk's logits. ``seen`` holds the entropies of the
+    counted rows so far (NaN elsewhere), ``guess`` the guessed mask."""
+    part = launch_shard_stats(run.plan, logits=logits, targets=y_c, geo=geo)
+    valid = y_c != run.ignore_index
+    d = part[:, 1].clamp(min=1e-30)
+    # base-2 statistics (m2, sum 2^(x2 - m2), sum 2^(x2 - m2) x2) -> the entropy in nats
+    entropy = torch.where(valid, LN2 * (part[:, 0] + torch.log2(d) - part[:, 3] / d), math.nan)
+    seen[start:stop] = entropy
+    keep = (entropy >= _guess_threshold(seen[:stop], run.corrected_objective.top_entropy_quantile)) & valid
+    guess[start:stop] = keep
+    gate = keep.float() if chunk.iw is None else chunk.iw.float() * keep
+    return chunk._replace(iw=gate)
+
+
+def _guess_threshold(seen: torch.Tensor, quantile: float) -> torch.Tensor:
+    """The guessed top-entropy threshold: the quantile of the entropies seen so far (NaN: not counted)."""
+    return masked_quantile(seen, ~seen.isnan(), 1.0 - quantile)
+
+
+def _entropy_mask_correction(run: LinearRun, hidden, weight, bias, targets, rows, guess, grads: _Grads | None, loss,
+                             means) -> None:
+    # rows, targets, hidden, guess: every row of the call (ignored rows were skipped: their rows hold 0)
+    """The top-entropy mask on the lm_head: the chunks ran the objective fused with a guessed mask
+    (:func:`_guess_mask`); the batch quantile of the entropies (over ``entropy_quantile_group``
+    when given) now gives the true mask, and the rows whose guess was wrong gain or lose their
+    objective (:func:`_correct_rows`). The KL and a loss-aggregated entropy bonus never depend on
+    the mask. The mask's metrics go on the call's PolicyInputs (``correction_metrics``)."""
+    plan, pol, policy = run.plan, run.corrected, run.corrected_objective
+    logp = rows[:, plan.cols.logp].detach()
+    entropy = rows[:, plan.cols.entropy].detach()
+    mask = pol.mask
+    threshold = masked_quantile(entropy, mask > 0, 1.0 - policy.top_entropy_quantile, pol.quantile_group)
+    high = ((entropy * mask) >= threshold) & (mask > 0)  # as policy.objective_of has it
+    delta = high.to(guess.dtype) - guess
+    old = pol.old_logprobs if pol.old_logprobs is not None else logp
+    scale = pol.weight * (pol.importance_weights if pol.importance_weights is not None else 1.0)
+    d_base, base = _objective_slope(logp, old, pol.advantages, scale,
+                                    policy.model_copy(update={"top_entropy_quantile": 1.0}))
+    pol.correction_metrics = high_entropy_metrics(entropy, high, mask)
+    _correct_rows(run, hidden, weight, bias, targets, delta != 0, delta * d_base, (delta * base).sum(), grads, loss,
+                  means)
 
 
 def _pick_rows(policy: PolicyRows | None, index, start: int, stop: int) -> PolicyRows | None:
@@ -608,6 +693,10 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
     by_sequence = fused and run.seq_len > 0  # the gradient pass after each chunk's sequence statistics
     grads = _new_grads(hidden, weight, bias, wants, run.fp32_weight_grad, index, computed) if fused else None
     kept = [] if run.shard is not None and not fused else None  # deferred + sharded: the backward's statistics
+    gate = fused and run.entropy_gate and policy is not None
+    if gate:  # the guessed top-entropy mask, and the entropies of the rows seen so far
+        guess = torch.zeros(computed, dtype=torch.float32, device=hidden.device)
+        seen = torch.empty(computed, dtype=torch.float32, device=hidden.device)
     for start, stop, h_c, t_c, logits in _chunks(hidden, weight, bias, index, teacher, computed, run.chunk_rows):
         geo = _chunk_geometry(stop - start, vocab, t_c, run)
         y_c = None if y is None else y[start:stop]
@@ -616,11 +705,14 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
             stats, jsd = _shard_statistics(plan, logits, y_c, t_c, geo, run.shard)
             if kept is not None:
                 kept.append(stats)
+        chunk_policy = _pick_rows(policy, index, start, stop)
+        if gate:
+            chunk_policy = _guess_mask(run, logits, y_c, geo, chunk_policy, guess, seen, start, stop)
         launch_head(
             plan, logits=logits, targets=y_c, teacher=t_c,
             grad=logits if fused and not by_sequence else None, rows=rows_c[start:stop],
             pred=_opt(pred_c[start:stop]),
-            policy=_pick_rows(policy, index, start, stop), num_items=num_items, scratch=scratch,
+            policy=chunk_policy, num_items=num_items, scratch=scratch,
             loss=loss_c.view(-1)[start:stop] if plan.reduction == "none" else loss_c, means=means,
             geo=geo, finish=False, stats=stats, jsd=jsd,
         )
@@ -633,7 +725,10 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
     else:
         launch_finish(plan, rows=rows_c, loss=loss_c, means=means, scratch=scratch, num_items=num_items,
                       geo=full._replace(n_out=computed))
-        if run.cov_policy is not None:  # after the finish, which writes the loss and the metrics
+        if gate:  # after the finish, which writes the loss and the metrics
+            _entropy_mask_correction(run, hidden, weight, bias, targets, _spread(rows_c, index, rows, 0.0),
+                                     _spread(guess, index, rows, 0.0), grads, loss_c, means)
+        elif run.corrected is not None:
             _cov_correction(run, hidden, weight, bias, targets, _spread(rows_c, index, rows, 0.0), grads, loss_c,
                             means)
     settle(verdict, run.validate, hidden.device)

@@ -130,7 +130,7 @@ def gather_merged(part: torch.Tensor, shard: VocabShard, own_temp: bool = False)
     width = mine.shape[1]
     if device.type == "cuda":  # into one buffer, no stacking copy
         gathered = torch.empty((shard.world * mine.shape[0], width), dtype=mine.dtype, device=device)
-        _all_gather_into(gathered, mine, shard.group)
+        all_gather_into(gathered, mine, shard.group)
     else:
         parts = [torch.empty_like(mine) for _ in range(shard.world)]
         dist.all_gather(parts, mine, group=shard.group)
@@ -139,7 +139,7 @@ def gather_merged(part: torch.Tensor, shard: VocabShard, own_temp: bool = False)
     return launch_merge(gathered.view(shard.world, -1, width).to(part.device), own_temp)
 
 
-def _all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
+def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
     single = getattr(dist, "all_gather_single", None)  # torch >= 2.13's name
     if single is not None:
         single(out, tensor, group=group)

@@ -52,10 +52,11 @@ class PolicyInputs:
     rollout_logprobs: torch.Tensor | None = None  # (N,) fp32, 0 at masked tokens
     sequence_level: bool = False  # TRL's sequence-level ratios: clip fractions are means over sequences
     seq_advantages: torch.Tensor | None = None  # (B,) as given, when one per sequence of [B, T] tokens
-    cov_metrics: dict | None = None  # clip_cov / kl_cov on the lm_head: the metrics their correction sets
+    correction_metrics: dict | None = None  # lm_head base + correction (engine): the metrics the correction sets
     norm_length: int | None = None  # seq-mean-token-sum-norm's T when the rows are longer (padded)
     num_sequences_in_batch: float | torch.Tensor | None = None  # verl's global_batch_size (seq-mean modes)
     adv_span: int = 1  # tokens per entry of ``advantages`` (K: one per sequence of [B, K], kernel only)
+    quantile_group: Any = None  # the processes whose tokens form the top-entropy quantile's batch
 
 
 def seq_of(inp: PolicyInputs) -> torch.Tensor:
@@ -218,12 +219,13 @@ def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -
 
 def objective_of(logp: torch.Tensor, entropy: torch.Tensor | None, old: torch.Tensor, adv: torch.Tensor,
                  iw: torch.Tensor | None, mask: torch.Tensor, seq: torch.Tensor, n_slots: int,
-                 policy: Policy, rollout: torch.Tensor | None = None, seq_adv: torch.Tensor | None = None
-                 ) -> TokenObjective:
+                 policy: Policy, rollout: torch.Tensor | None = None, seq_adv: torch.Tensor | None = None,
+                 quantile_group: Any = None) -> TokenObjective:
     """The objective per token (N,) on flat rows, with its sequence and batch statistics (``seq``:
     each row's sequence in [0, n_slots)), the rollout weights and the masks, without the KL. The
     torch path of deferred mode and the reference path both run it; the fused kernel's epilogue
-    has the row-local objectives (:func:`token_objective`)."""
+    has the row-local objectives (:func:`token_objective`). ``quantile_group``: the top-entropy
+    quantile is over the counted tokens of every process of this group (None: these rows)."""
     objective = policy.objective
     count = _seq_sum(mask, seq, n_slots)
     if objective == "gmpo":
@@ -249,12 +251,12 @@ def objective_of(logp: torch.Tensor, entropy: torch.Tensor | None, old: torch.Te
         drift = torch.nan_to_num(sampled - logp.detach(), nan=0.0)
         mean_drift = (_seq_sum(drift * mask, seq, n_slots) / count.clamp(min=1.0))[seq]
         keep = (adv >= 0) | (mean_drift <= policy.off_policy_mask)
-    if policy.top_entropy_quantile < 1.0:  # TRL get_high_entropy_mask (this batch's quantile)
+    if policy.top_entropy_quantile < 1.0:  # TRL get_high_entropy_mask (the batch's quantile)
         values = entropy.detach()
         if values.dtype not in (torch.float32, torch.float64):
             values = values.float()
         # the quantile in the entropy's own precision (a token at it is kept), on the device
-        threshold = masked_quantile(values, mask > 0, 1.0 - policy.top_entropy_quantile)
+        threshold = masked_quantile(values, mask > 0, 1.0 - policy.top_entropy_quantile, quantile_group)
         high = ((values * mask) >= threshold) & (mask > 0)
         keep = high if keep is None else keep & high
         tok.high_entropy = high
@@ -273,11 +275,32 @@ def entropy_bonus_weight(policy: Policy, weight: torch.Tensor, mask: torch.Tenso
     return counted / counted.sum().clamp(min=1.0)
 
 
-def masked_quantile(values: torch.Tensor, keep: torch.Tensor, q: float) -> torch.Tensor:
+def masked_quantile(values: torch.Tensor, keep: torch.Tensor, q: float, group: Any = None) -> torch.Tensor:
     """torch.quantile(values[keep], q) (linear interpolation) without reading the count on the host;
-    +inf when nothing is kept (so nothing passes a >= test)."""
-    ordered = torch.sort(torch.where(keep, values, math.inf)).values
+    +inf when nothing is kept (so nothing passes a >= test).
+
+    ``group``: the quantile of the kept values of every process of this torch.distributed group
+    (TRL's gather across processes). Processes may hold different numbers of rows: their counts
+    are exchanged first, which makes the host wait once (as TRL's pad_across_processes does)."""
+    candidates = torch.where(keep, values, math.inf)
     n = keep.sum()
+    if group is not None:
+        import torch.distributed as dist
+
+        from .parallel import all_gather_into
+
+        world = dist.get_world_size(group)
+        if world > 1:
+            sizes = torch.stack([torch.tensor(candidates.numel(), device=values.device), n])
+            everyone = torch.empty(world * 2, device=values.device, dtype=sizes.dtype)
+            all_gather_into(everyone, sizes, group)
+            longest = int(everyone[0::2].max())  # the one host wait
+            padded = torch.full((longest,), math.inf, dtype=values.dtype, device=values.device)
+            padded[:candidates.numel()] = candidates
+            gathered = torch.empty(longest * world, dtype=values.dtype, device=values.device)
+            all_gather_into(gathered, padded, group)
+            candidates, n = gathered, everyone[1::2].sum()
+    ordered = torch.sort(candidates).values
     rank = q * (n - 1).clamp(min=0).to(values.dtype)
     below = rank.floor()
     low = ordered.gather(0, below.long().reshape(1))
@@ -416,7 +439,7 @@ def policy_objective(
     """
     old = inp.old_logprobs if inp.old_logprobs is not None else logp.detach()
     tok = objective_of(logp, entropy, old, inp.advantages, inp.importance_weights, mask, seq_of(inp), inp.n_slots,
-                       policy, inp.rollout_logprobs, inp.seq_advantages)
+                       policy, inp.rollout_logprobs, inp.seq_advantages, inp.quantile_group)
     per_token = tok.loss
     kl = None
     if policy.kl_beta != 0.0:
@@ -463,7 +486,19 @@ def policy_metrics_of(logp, entropy, tok: TokenObjective, kl, mask, inp: PolicyI
     if clipfrac is not None:
         out["pg_clipfrac"] = clipfrac
     out.update({k: v.float() for k, v in (tok.extra or {}).items()})
+    if tok.high_entropy is not None and entropy is not None:
+        out.update(high_entropy_metrics(entropy, tok.high_entropy, mask))
     return out
+
+
+def high_entropy_metrics(entropy: torch.Tensor, high: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The top-entropy mask's share of the counted tokens, and the mean entropy of the tokens it
+    keeps (what TRL's token-mean entropy bonus subtracts)."""
+    with torch.no_grad():
+        kept = high.to(mask.dtype) * mask
+        n = kept.sum()
+        return {"high_entropy/fraction": (n / mask.sum().clamp(min=1.0)).float(),
+                "high_entropy/entropy": ((entropy.detach() * kept).sum() / n.clamp(min=1.0)).float()}
 
 
 def policy_extremes(means: dict[str, torch.Tensor], ratio, low, high, mask, count, inp: PolicyInputs
@@ -526,6 +561,7 @@ def policy_inputs(
             raise ValueError(f"{sorted(present)[0]}: given, but the spec has no policy term")
         return None, targets
     num_sequences = present.pop("num_sequences_in_batch", None)
+    quantile_group = quantile_group_of(present.pop("entropy_quantile_group", None), spec_policy)
     if "advantages" not in present:
         raise ValueError("advantages: required by policy but not given")
     if spec_policy.kl_beta != 0.0 and "ref_logprobs" not in present:
@@ -621,6 +657,7 @@ def policy_inputs(
     inputs.mask = flat_mask.float()
     inputs.norm_length = norm_length
     inputs.num_sequences_in_batch = num_sequences
+    inputs.quantile_group = quantile_group
     inputs.weight = aggregation_weights(inputs.mask, spec_policy, inputs)
     inputs.sequence_level = spec_policy.importance_sampling == "sequence"
     inputs.seq_advantages = present["advantages"] if per_sequence else None
@@ -656,6 +693,23 @@ def sequences_in_batch(value: Any, policy: Policy, device: torch.device) -> floa
         raise ValueError(f"{name}: objective 'gmpo' is verl's geo_mean, a mean over this call's sequences")
     count = count_value(value, name, device)
     return count.float() if isinstance(count, torch.Tensor) else count
+
+
+def quantile_group_of(group: Any, policy: Policy) -> Any:
+    """Check entropy_quantile_group: a torch.distributed process group (or the default group's
+    ``torch.distributed.group.WORLD``), for a spec with a top-entropy mask."""
+    if group is None:
+        return None
+    name = "entropy_quantile_group"
+    if policy.top_entropy_quantile == 1.0:
+        raise ValueError(f"{name}: given, but the spec has no top-entropy mask (policy.top_entropy_quantile is 1)")
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"{name}: torch.distributed is not initialised")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{name}: expected a torch.distributed ProcessGroup, got {type(group).__name__}")
+    return group
 
 
 def rollout_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor | None,

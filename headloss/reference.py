@@ -295,7 +295,8 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
     if pol.rollout_is is not None:
         iw = rollout_weights(flat(old), flat(rollout), flat(mask), seq, n_seq, pol).reshape(n_seq, length)
     tok = objective_of(flat(per_token_logps), flat(pad(entropy)), flat(old), flat(advantages), flat(iw), flat(mask),
-                       seq, n_seq, pol, flat(rollout), inputs["advantages"] if per_sequence_adv else None)
+                       seq, n_seq, pol, flat(rollout), inputs["advantages"] if per_sequence_adv else None,
+                       inputs.get("entropy_quantile_group"))
     for name in ("loss", "ratio", "low", "high", "dual", "ppo_kl", "clipfrac", "high_entropy"):
         if getattr(tok, name) is not None:
             setattr(tok, name, getattr(tok, name).reshape(n_seq, length))
@@ -381,4 +382,8 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
         }
         if per_token_kl is not None:
             metrics["kl"] = (per_token_kl * mask).sum() / denom
+        if tok.high_entropy is not None:
+            kept = tok.high_entropy.to(mask.dtype) * mask
+            metrics["high_entropy/fraction"] = kept.sum() / denom
+            metrics["high_entropy/entropy"] = (ent * kept).sum() / kept.sum().clamp(min=1.0)
     return loss, {k: v.detach().to(logp.dtype).to(logp.device) for k, v in metrics.items()}

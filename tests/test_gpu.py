@@ -700,10 +700,15 @@ def test_vocab_parallel_over_nccl_matches_one_gpu():
 
 
 @pytest.mark.parametrize("objective", [{"importance_sampling": "sequence"}, {"objective": "vespo"},
-                                       {"objective": "gmpo", "loss_type": "grpo"}, {"objective": "kl_cov"}])
+                                       {"objective": "gmpo", "loss_type": "grpo"}, {"objective": "kl_cov"},
+                                       {"top_entropy_quantile": 0.2, "kl_beta": 0.04},
+                                       {"top_entropy_quantile": 0.5, "entropy_coef": 0.01,
+                                        "entropy_aggregation": "token-mean"}])
 def test_lm_head_sequence_statistics_match_fp64_reference(objective):
-    """Sequence statistics on the fused lm_head (chunks of whole sequences, gradient in forward) and a
-    batch statistic (kl_cov, deferred), through the compiled kernels, against fp64 logits."""
+    """Sequence statistics on the fused lm_head (chunks of whole sequences, gradient in forward) and
+    batch statistics (kl_cov and the top-entropy mask: the base fused, the changed rows corrected;
+    the top-entropy mask with TRL's bonus: deferred), through the compiled kernels, against fp64
+    logits."""
     gen = torch.Generator(device="cuda").manual_seed(23)
     b, t, h, v = 4, 256, 256, 32000
     hidden = torch.randn(b, t, h, device="cuda", generator=gen, dtype=torch.float64)
@@ -714,6 +719,9 @@ def test_lm_head_sequence_statistics_match_fp64_reference(objective):
     inputs = dict(advantages=torch.randn(b, device="cuda", generator=gen, dtype=torch.float64),
                   old_logprobs=logp + 0.2 * torch.randn(logp.shape, device="cuda", generator=gen, dtype=torch.float64),
                   loss_mask=(torch.rand(b, t, device="cuda", generator=gen) > 0.1).long())
+    if objective.get("kl_beta"):
+        inputs["ref_logprobs"] = logp + 0.1 * torch.randn(logp.shape, device="cuda", generator=gen,
+                                                          dtype=torch.float64)
     spec = headloss.LossSpec(cross_entropy=None, policy={"loss_type": "dapo", "eps_high": 0.28, **objective})
     x, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
     out = headloss.linear_head_loss(x, w, ids, spec, chunk_bytes=300 * v * 4,

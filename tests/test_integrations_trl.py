@@ -68,6 +68,7 @@ def grpo(tmp_path, cls=HeadLossGRPOTrainer, **changes):
 EXTRA = {  # case -> (loss_type, GRPOConfig changes)
     "off_policy_mask": ("dapo", dict(off_policy_mask_threshold=0.002)),
     "top_entropy_quantile": ("grpo", dict(top_entropy_quantile=0.5)),
+    "top_entropy_quantile+bonus": ("dapo", dict(top_entropy_quantile=0.5, entropy_coef=0.05)),
     "entropy_bonus-dapo": ("dapo", dict(entropy_coef=0.05)),
     "entropy_bonus-grpo": ("grpo", dict(entropy_coef=0.05)),
     "gspo": ("grpo", dict(importance_sampling_level="sequence", epsilon=0.02, epsilon_high=0.03)),
@@ -143,12 +144,22 @@ def test_grpo_two_training_steps_match_trl(tmp_path):
             assert m[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
+def fake_trainer(**changes):
+    """The attributes grpo_spec reads from a GRPOTrainer (no model)."""
+    attributes = dict(loss_type="dr_grpo", importance_sampling_level="token", top_entropy_quantile=1.0,
+                      off_policy_mask_threshold=None, _entropy_bonus_enabled=False, epsilon_low=0.1,
+                      epsilon_high=0.3, beta=0.02, max_completion_length=64, temperature=0.7,
+                      args=type("A", (), dict(delta=2.0, use_bias_correction_kl=True))())
+    return type("T", (), {**attributes, **changes})()
+
+
 @pytest.mark.parametrize("changes, option", [
-    (dict(top_entropy_quantile=0.5, entropy_coef=0.01), "top_entropy_quantile"),
+    (dict(loss_type="no-such-type"), "loss_type"),
+    (dict(importance_sampling_level="group"), "importance_sampling_level"),
 ])
-def test_grpo_options_without_a_mapping_are_refused(tmp_path, changes, option):
-    with pytest.raises(ValueError, match=option):
-        grpo(tmp_path, **changes)
+def test_grpo_options_without_a_mapping_are_refused(changes, option):
+    with pytest.raises(ValueError, match=f"{option}: .* has no headloss mapping yet"):
+        grpo_spec(fake_trainer(**changes))
 
 
 def test_grpo_adaptive_entropy_training_matches_trl(tmp_path):
@@ -173,11 +184,7 @@ def test_grpo_adaptive_entropy_training_matches_trl(tmp_path):
 
 
 def test_grpo_spec_maps_the_config():
-    trainer = type("T", (), dict(loss_type="dr_grpo", importance_sampling_level="token", top_entropy_quantile=1.0,
-                                 off_policy_mask_threshold=None, _entropy_bonus_enabled=False, epsilon_low=0.1,
-                                 epsilon_high=0.3, beta=0.02, max_completion_length=64, temperature=0.7,
-                                 args=type("A", (), dict(delta=2.0, use_bias_correction_kl=True))()))()
-    spec = grpo_spec(trainer)
+    spec = grpo_spec(fake_trainer())
     p = spec.policy
     assert (p.loss_type, p.eps_low, p.eps_high, p.delta, p.kl_beta, p.kl_importance_correction,
             p.max_completion_length) == ("dr_grpo", 0.1, 0.3, 2.0, 0.02, True, 64)
@@ -240,13 +247,15 @@ def test_sft_spec_maps_the_config():
 
 def test_two_processes_reduce_metrics_as_trl_does(tmp_path):
     """GRPO and SFT on 2 gloo processes (DDP): weights and every logged value equal stock TRL's,
-    whose metrics are reduced across processes (gather / reduce) as it does."""
+    whose metrics are reduced across processes (gather / reduce) as it does, and whose top-entropy
+    quantile is over both processes' tokens."""
     from conftest import torchrun
 
     tiny_model().save_pretrained(tmp_path / "tiny")
     result = torchrun("trl_ddp.py", tmp_path)
     assert result["world"] == 2
-    for name in ("grpo", "gspo", "vespo", "sft"):  # gspo, vespo: sequence means across processes
+    # gspo, vespo: sequence means across processes; top_entropy: TRL's quantile over both processes' tokens
+    for name in ("grpo", "gspo", "vespo", "top_entropy", "sft"):
         run = result[name]
         assert run["err"] <= 1e-5, name
         assert len(run["stock"]) == len(run["mine"]) == 2

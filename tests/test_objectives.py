@@ -611,9 +611,14 @@ def test_trl_off_policy_and_entropy_masks_match_compute_loss(mask_kind):
         assert 0.0 < float(off.mean()) < 1.0
         per_token_loss = per_token_loss * off
         fields["off_policy_mask"] = 0.05
+    want = {}
     if mask_kind in ("top_entropy", "both"):
-        per_token_loss = per_token_loss * trl_high_entropy_mask(entropies, m, 1 - 0.4)
+        high = trl_high_entropy_mask(entropies, m, 1 - 0.4)
+        per_token_loss = per_token_loss * high
         fields["top_entropy_quantile"] = 0.4
+        kept = high * m
+        want = {"high_entropy/fraction": kept.sum() / m.sum(),
+                "high_entropy/entropy": (entropies * kept).sum() / kept.sum()}
     per_token_loss = per_token_loss * iw
     per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
     per_token_loss = per_token_loss + 0.05 * per_token_kl
@@ -622,7 +627,139 @@ def test_trl_off_policy_and_entropy_masks_match_compute_loss(mask_kind):
     policy = Policy(loss_type="dapo", eps_low=0.2, eps_high=0.28, kl_beta=0.05, **fields)
     inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, importance_weights=iw)
     compare(run_both(logits, targets, LossSpec(cross_entropy=None, policy=policy), inputs), loss.detach(),
-            leaf.grad, {}, torch.float32)
+            leaf.grad, want, torch.float32)
+
+
+def trl_high_entropy_mask_gathered(entropies, mask, threshold, everyone):
+    """GRPOTrainer.get_high_entropy_mask over several processes: the quantile of every process's
+    counted entropies (``everyone``: their (entropies, mask) pairs, as accelerator.gather gives them)."""
+    gathered = torch.cat([e[m.bool()].float() for e, m in everyone])
+    if gathered.numel() == 0:
+        return torch.zeros_like(entropies, dtype=torch.bool)
+    entropy_threshold = torch.quantile(gathered, threshold)
+    return ((entropies * mask.float()) >= entropy_threshold) & mask.bool()
+
+
+QUANTILE_SHAPES = ((3, 7), (2, 5))  # each process's [B, T]: uneven, as trainers' micro-batches are
+
+
+def quantile_case(rank):
+    """Rank ``rank``'s batch: hidden states and a head (fp64), targets, mask (one rank's mask may
+    empty a sequence), per-sequence advantages, old log-probs."""
+    batch, length = QUANTILE_SHAPES[rank]
+    gen = generator(90 + rank)
+    hidden = torch.randn(batch, length, 8, generator=gen, dtype=torch.float64)
+    weight = torch.randn(V, 8, generator=gen, dtype=torch.float64) * (0.6 + 0.2 * rank)  # entropies differ
+    targets = torch.randint(0, V, (batch, length), generator=gen)
+    mask = (torch.rand(batch, length, generator=gen) > 0.3).long()
+    mask[:, 0] = 1
+    adv = torch.randn(batch, generator=gen, dtype=torch.float64)
+    adv[0], adv[1] = adv[0].abs(), -adv[1].abs()
+    logp = torch.log_softmax(hidden @ weight.T, -1).gather(-1, targets[..., None])[..., 0]
+    old = logp + 0.3 * torch.randn(batch, length, generator=gen, dtype=torch.float64)
+    return hidden, weight, targets, mask, adv, old
+
+
+def quantile_oracle(rank, world, quantile, bonus):
+    """(loss, d loss / d hidden) of TRL's grpo loss with its global top-entropy mask, and its entropy
+    bonus (the mean over the masked tokens) if ``bonus``, on rank ``rank``'s batch:
+    GRPOTrainer._compute_loss."""
+    everyone = []
+    for r in range(world):
+        hidden, weight, targets, mask, _, _ = quantile_case(r)
+        _, _, entropies = oracle_logp_entropy(hidden @ weight.T, targets)
+        everyone.append((entropies, mask.double()))
+    hidden, weight, targets, mask, adv, old = quantile_case(rank)
+    h = hidden.clone().requires_grad_()
+    logp_all = torch.log_softmax(h @ weight.T, -1)
+    logp = logp_all.gather(-1, targets[..., None])[..., 0]
+    entropies = -(logp_all.exp() * logp_all).sum(-1)
+    m = mask.double()
+    high = trl_high_entropy_mask_gathered(entropies.detach(), m, 1 - quantile, everyone)
+    assert 0 < int(high.sum()) < int(m.sum())  # some tokens kept, some dropped on every rank
+    coef_1 = torch.exp(logp - old)
+    a = adv[:, None]
+    per_token_loss = -torch.min(coef_1 * a, torch.clamp(coef_1, 0.8, 1.2) * a) * high
+    loss = ((per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    if bonus:
+        effective = m * high
+        loss = loss - 0.05 * (entropies * effective).sum() / effective.sum().clamp(min=1.0)
+    loss.backward()
+    return loss.detach(), h.grad
+
+
+def _rank_entropy_quantile(rank, world, port, results):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        quantile = 0.4
+        hidden, weight, targets, mask, adv, old = quantile_case(rank)
+        inputs = dict(advantages=adv.float(), old_logprobs=old.float(), loss_mask=mask,
+                      entropy_quantile_group=dist.group.WORLD)
+        errors = {}
+        # with TRL's bonus the lm_head runs deferred; without, fused under a guessed mask, then corrected
+        for bonus, backend in (("bonus", "triton"), ("bonus", "reference"), ("", "triton")):
+            want_loss, want_grad = quantile_oracle(rank, world, quantile, bool(bonus))
+            policy = Policy(loss_type="grpo", top_entropy_quantile=quantile, entropy_coef=0.05 if bonus else 0.0,
+                            entropy_aggregation="token-mean")
+            spec = LossSpec(cross_entropy=None, policy=policy)
+            h = hidden.float().requires_grad_()
+            logits = h @ weight.float().T
+            out = head_loss(logits, targets, spec, backend=backend, **inputs)
+            out.loss.backward()
+            errors[bonus + backend] = (abs(float(out.loss) - float(want_loss)) / abs(float(want_loss)),
+                                       float((h.grad.double() - want_grad).norm() / want_grad.norm()))
+            h = hidden.float().requires_grad_()
+            out = headloss.linear_head_loss(h, weight.float(), targets, spec, backend=backend,
+                                            chunk_bytes=4 * V * 4, **inputs)
+            out.loss.backward()
+            errors[f"lm_head-{bonus}{backend}"] = (abs(float(out.loss) - float(want_loss)) / abs(float(want_loss)),
+                                                   float((h.grad.double() - want_grad).norm() / want_grad.norm()))
+        alone = head_loss(hidden.float() @ weight.float().T, targets, spec, **{
+            k: v for k, v in inputs.items() if k != "entropy_quantile_group"})
+        errors["alone"] = (abs(float(alone.loss) - float(want_loss)) / abs(float(want_loss)), 0.0)
+        results[rank] = errors
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_kernel
+def test_top_entropy_quantile_over_processes_matches_trls_gathered_quantile():
+    """entropy_quantile_group: the quantile of every process's counted entropies (two gloo processes
+    with batches of different shapes), as TRL's get_high_entropy_mask gathers them; loss and
+    gradient of TRL's grpo loss with that mask, with the entropy bonus over it (the lm_head's
+    deferred mode) or without (its fused guess and correction), on the logits and the lm_head,
+    kernel and reference. Without the group each process's own quantile differs."""
+    from conftest import spawn_ranks
+
+    results = spawn_ranks(_rank_entropy_quantile, 2)
+    for rank, errors in results.items():
+        for path, (loss_err, grad_err) in errors.items():
+            if path == "alone":
+                assert loss_err > 1e-3, (rank, "the test needs ranks whose own quantiles differ from the global one")
+                continue
+            assert loss_err <= 1e-5 and grad_err <= 1e-4, (rank, path, loss_err, grad_err)
+
+
+def test_entropy_quantile_group_errors_name_the_argument():
+    logits, targets, mask, adv, old, _, _ = make_case(3)
+    masked = LossSpec(cross_entropy=None, policy=Policy(loss_type="grpo", top_entropy_quantile=0.5))
+    inputs = dict(advantages=adv.float(), old_logprobs=old.float(), loss_mask=mask)
+    for backend in ("triton", "reference") if headloss.inputs._INTERPRETER else ("reference",):
+        with pytest.raises(ValueError, match="entropy_quantile_group: given, but the spec has no top-entropy mask"):
+            head_loss(logits, targets, LossSpec(cross_entropy=None, policy=Policy(loss_type="grpo")),
+                      backend=backend, entropy_quantile_group=object(), **inputs)
+        with pytest.raises(ValueError, match="entropy_quantile_group: given, but the spec has no policy term"):
+            head_loss(logits, targets, backend=backend, entropy_quantile_group=object())
+        with pytest.raises(ValueError, match="entropy_quantile_group: torch.distributed is not initialised"):
+            head_loss(logits, targets, masked, backend=backend, entropy_quantile_group=object(), **inputs)
+        with pytest.raises(ValueError, match="entropy_quantile_group: torch.distributed is not initialised"):
+            headloss.linear_head_loss(torch.randn(B, T, 8), torch.randn(V, 8), targets, masked, backend=backend,
+                                      entropy_quantile_group=object(), **inputs)
 
 
 # --- rollout correction -----------------------------------------------------------------------
@@ -876,15 +1013,18 @@ def test_lm_head_runs_sequence_statistics_chunk_by_chunk_of_whole_sequences(obje
                                                                           monkeypatch):
     """A sequence statistic needs only its sequence: the lm_head cuts chunks of whole sequences and
     computes each chunk's gradient in forward (three GEMMs); clip_cov and kl_cov run their base
-    objective fused and correct their few selected rows; the entropy quantile keeps deferred mode.
+    objective fused and correct their few selected rows; so does the entropy quantile, under a
+    guessed mask.
     Both give the reference's loss and gradients, also when the loss is scaled before backward."""
     import headloss.engine as engine
 
     calls, corrections = [], []
     original = engine._sequence_chunk_grad
     monkeypatch.setattr(engine, "_sequence_chunk_grad", lambda *a, **k: calls.append(a[-2:]) or original(*a, **k))
-    correct = engine._cov_correction
-    monkeypatch.setattr(engine, "_cov_correction", lambda *a, **k: corrections.append(1) or correct(*a, **k))
+    for name in ("_cov_correction", "_entropy_mask_correction"):
+        correct = getattr(engine, name)
+        monkeypatch.setattr(engine, name, lambda *a, correct=correct, name=name, **k: corrections.append(name)
+                            or correct(*a, **k))
     gen = generator(73)
     hidden = torch.randn(B, T, 8, generator=gen, dtype=torch.float64)
     weight = torch.randn(V, 8, generator=gen, dtype=torch.float64) / 2
@@ -899,8 +1039,10 @@ def test_lm_head_runs_sequence_statistics_chunk_by_chunk_of_whole_sequences(obje
                                     **{k: v.float() if v.is_floating_point() else v for k, v in inputs.items()})
     (3.0 * out.loss).backward()
     assert calls == ([(0, T), (T, 2 * T), (2 * T, 3 * T)] if chunked else [])
-    # clip_cov / kl_cov: the base objective fused, then one correction of the selected rows
-    assert corrections == ([1] if objective in ("clip_cov", "kl_cov") else [])
+    # clip_cov / kl_cov: the base objective fused, then one correction of the selected rows; the
+    # top-entropy mask: the objective under a guessed mask, then one correction of the rows it got wrong
+    assert corrections == (["_cov_correction"] if objective in ("clip_cov", "kl_cov") else
+                           ["_entropy_mask_correction"] if masks.get("top_entropy_quantile") else [])
     h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     torch.manual_seed(5)
     ref_out = head_loss(h64 @ w64.T, targets, spec, backend="reference", **inputs)
@@ -910,6 +1052,75 @@ def test_lm_head_runs_sequence_statistics_chunk_by_chunk_of_whole_sequences(obje
     assert_close_norm(w.grad, w64.grad, rtol=1e-4, atol=1e-9, name="weight grad")
     for name, value in ref_out.metrics.items():
         assert_close_norm(out.metrics[name], value, rtol=1e-5, atol=1e-6, name=name)
+
+
+@needs_kernel
+@pytest.mark.parametrize("objective, quantile, extra", [
+    ("clip", 0.2, dict(kl_beta=0.05, entropy_coef=0.01)),  # verl's bonus (aggregated like the loss)
+    ("cispo", 0.5, dict(loss_type="dapo")),
+    ("sapo", 0.8, dict(loss_type="bnpo", kl_beta=0.02, kl_estimator="k1")),
+    ("dppo_tv", 0.3, dict(loss_type="dapo")),
+])
+@pytest.mark.parametrize("weights, compact", [(False, True), (True, False)])
+@pytest.mark.parametrize("guess", ["estimate", "keep none", "keep all"])
+def test_lm_head_top_entropy_mask_runs_fused_and_corrects_the_rows_it_guessed_wrong(objective, quantile, extra,
+                                                                                   weights, compact, guess,
+                                                                                   monkeypatch):
+    """The top-entropy mask on the lm_head: each chunk's objective runs fused under a mask guessed
+    from the entropies seen so far; once the batch quantile is known the rows guessed wrong gain or
+    lose their objective. Loss, dh, dW and every metric (the mask's too) equal the reference's,
+    with rollout weights or without, compact or not, and deferred mode never runs. The guess is
+    the running estimate, or forced wrong (every kept row gains its objective in the correction,
+    or every dropped row loses it)."""
+    import headloss.engine as engine
+
+    if guess != "estimate":
+        monkeypatch.setattr(engine, "_guess_threshold",
+                            lambda seen, q: torch.tensor(math.inf if guess == "keep none" else -math.inf))
+
+    changed = []
+    original = engine._correct_rows
+    monkeypatch.setattr(engine, "_correct_rows", lambda run, h, w, b, y, chosen, *a: changed.append(int(chosen.sum()))
+                        or original(run, h, w, b, y, chosen, *a))
+    monkeypatch.setattr(engine, "linear_backward", lambda *a, **k: pytest.fail("deferred mode ran"))
+    gen = generator(101)
+    batch, length, width = 6, 9, 8
+    hidden = torch.randn(batch, length, width, generator=gen, dtype=torch.float64)
+    weight = torch.randn(V, width, generator=gen, dtype=torch.float64)
+    weight = weight * torch.rand(V, 1, generator=gen, dtype=torch.float64) * 2  # entropies spread over rows
+    targets = torch.randint(0, V, (batch, length), generator=gen)
+    mask = (torch.rand(batch, length, generator=gen) > 0.25).long()
+    mask[:, 0] = 1
+    adv = torch.randn(batch, generator=gen, dtype=torch.float64)
+    logp = torch.log_softmax(hidden @ weight.T, -1).gather(-1, targets[..., None])[..., 0]
+    old = logp + 0.3 * torch.randn(batch, length, generator=gen, dtype=torch.float64)
+    inputs = dict(advantages=adv, old_logprobs=old, loss_mask=mask,
+                  ref_logprobs=logp + 0.2 * torch.randn(batch, length, generator=gen, dtype=torch.float64))
+    if weights:
+        inputs["importance_weights"] = torch.rand(batch, length, generator=gen, dtype=torch.float64) + 0.5
+    policy = Policy(objective=objective, top_entropy_quantile=quantile, **{"loss_type": "grpo", **extra})
+    spec = LossSpec(cross_entropy=None, policy=policy)
+    fp32 = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
+    h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    out = headloss.linear_head_loss(h, w, targets, spec, chunk_bytes=7 * V * 4, compact=compact, **fp32)
+    (2.0 * out.loss).backward()
+    h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref_out = head_loss(h64 @ w64.T, targets, spec, backend="reference", **inputs)
+    (2.0 * ref_out.loss).backward()
+    assert_close_norm(out.loss, ref_out.loss, rtol=1e-5, atol=3e-6, name="loss")
+    assert_close_norm(h.grad, h64.grad, rtol=1e-4, atol=1e-9, name="hidden grad")
+    assert_close_norm(w.grad, w64.grad, rtol=1e-4, atol=1e-9, name="weight grad")
+    assert set(out.metrics) == set(ref_out.metrics)
+    assert "high_entropy/fraction" in out.metrics
+    for name, value in ref_out.metrics.items():
+        assert_close_norm(out.metrics[name], value, rtol=1e-5, atol=1e-6, name=name)
+    assert len(changed) == 1
+    counted = int(mask.sum())
+    kept = round(float(out.metrics["high_entropy/fraction"]) * counted)
+    if guess != "estimate":  # every row the mask keeps, or every one it drops, was guessed wrong
+        assert changed[0] == (kept if guess == "keep none" else counted - kept) > 0
+    else:  # the running estimate is close: few rows wrong
+        assert changed[0] <= counted // 4
 
 
 @pytest.mark.parametrize("n, kept, q", [(50, 0.6, 0.8), (7, 1.0, 0.5), (9, 0.3, 0.0), (5, 0.5, 1.0), (1, 1.0, 0.3)])

@@ -40,7 +40,8 @@ SFT ``label_smoothing_factor`` ``CrossEntropy.label_smoothing``
 Also mapped: vespo (``objective="vespo"``, ``vespo_k/lambda_pos/neg``, the vLLM ratio folded
 into phi as TRL does, aggregated as dapo); ``off_policy_mask_threshold`` (``Policy.off_policy_mask``,
 with TRL's ``sampling_per_token_logps`` as ``rollout_logprobs``); ``top_entropy_quantile``
-(``Policy.top_entropy_quantile``, one process: TRL's quantile is over all of them); a static entropy
+(``Policy.top_entropy_quantile``; over several processes the quantile is of all their tokens, as
+TRL's, through ``entropy_quantile_group``: one host wait per step); a static entropy
 bonus (``entropy_coef``, and ``use_adaptive_entropy``'s controller: ``entropy_aggregation=
 "token-mean"``, divided by the accumulation steps as TRL does; ``policy_loss`` and ``entropy_coef``
 logged as TRL logs them).
@@ -48,9 +49,8 @@ logged as TRL logs them).
 ``importance_sampling_level="sequence"`` (GSPO): ``Policy.importance_sampling="sequence"``, its clip
 fractions means over sequences as TRL's.
 
-Refused with an error naming the option (no mapping yet): ``top_entropy_quantile < 1`` over several
-processes or with the entropy bonus; SFT's ``compute_loss_func`` and DeepSpeed sequence
-parallelism.
+Refused with an error naming the option (no mapping yet): SFT's ``compute_loss_func`` and DeepSpeed
+sequence parallelism.
 
 Pass ``spec=`` to score more than TRL's loss (z-loss, say): its extra metrics are logged too.
 """
@@ -92,12 +92,7 @@ def grpo_spec(trainer) -> LossSpec:
     if trainer.importance_sampling_level not in ("token", "sequence"):
         refuse("importance_sampling_level", f"{trainer.importance_sampling_level!r}")
     args = trainer.args
-    processes = getattr(getattr(trainer, "accelerator", None), "num_processes", 1)
-    if trainer.top_entropy_quantile < 1.0 and processes > 1:
-        refuse("top_entropy_quantile", "an entropy mask over several processes (TRL's quantile is global)")
     bonus = getattr(trainer, "_entropy_bonus_enabled", False)
-    if bonus and trainer.top_entropy_quantile < 1.0:
-        refuse("top_entropy_quantile", "an entropy mask together with the entropy bonus")
     objective, loss_type = _LOSS_TYPES[trainer.loss_type]
     policy = Policy(
         vespo_k_pos=getattr(args, "vespo_k_pos", 2.0), vespo_lambda_pos=getattr(args, "vespo_lambda_pos", 3.0),
@@ -190,6 +185,7 @@ class HeadLossGRPOTrainer(GRPOTrainer):
         if self.aux_loss_enabled:
             model_inputs["output_router_logits"] = True
         with self.headloss.inputs(
+            entropy_quantile_group=self._quantile_group(policy),
             advantages=inputs["advantages"], old_logprobs=inputs.get("old_per_token_logps"),
             ref_logprobs=inputs.get("ref_per_token_logps") if policy.kl_beta != 0.0 else None,
             loss_mask=mask, importance_weights=weights,
@@ -199,7 +195,8 @@ class HeadLossGRPOTrainer(GRPOTrainer):
         result = self.headloss.last
         loss = result.loss
         if bonus:  # TRL logs the loss before the bonus, and the coefficient per optimizer step
-            policy_loss = result.loss.detach() + policy.entropy_coef * result.metrics["entropy"]
+            bonus_entropy = result.metrics["high_entropy/entropy" if policy.top_entropy_quantile < 1.0 else "entropy"]
+            policy_loss = result.loss.detach() + policy.entropy_coef * bonus_entropy
             self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
             if self.use_adaptive_entropy and mode == "train":
                 self._adapt_entropy_coef(result.metrics)
@@ -213,6 +210,12 @@ class HeadLossGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(outputs.aux_loss).mean().item())
         self._log_metrics(mode, result.metrics, policy)
         return loss
+
+    def _quantile_group(self, policy: Policy):
+        """TRL's top-entropy quantile is over every process's tokens (accelerator.gather)."""
+        if policy.top_entropy_quantile == 1.0 or self.accelerator.num_processes == 1:
+            return None
+        return torch.distributed.group.WORLD
 
     def _bonus_coef(self) -> float:
         """TRL's applied entropy coefficient: the static one, or the adaptive controller's when the
@@ -285,7 +288,8 @@ class HeadLossGRPOTrainer(GRPOTrainer):
 
 _POLICY_INTERNAL = ("loss", "n_tokens", "clip_ratio/low_min", "clip_ratio/high_max", "clip_ratio/low_mean",
                     "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio/mean", "ratio/min", "ratio/max",
-                    "logprob/mean", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "vespo/phi_seq_mean")
+                    "logprob/mean", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "vespo/phi_seq_mean",
+                    "high_entropy/fraction", "high_entropy/entropy")
 """The policy metrics TRL does not log under these names (the ones it does are picked per objective)."""
 
 
