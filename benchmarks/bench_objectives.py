@@ -7,8 +7,9 @@
           Peer: Liger triton_grpo_loss (full logits, no entropy) for the loss types it has.
   linear  the fused lm_head: hidden [8192, 4096] x weight [128256, 4096] (target: <= 1.20 x the
           3-GEMM floor, measured in the same run; deferred mode recomputes the logits in backward:
-          a fourth GEMM). Peer: TRL 1.16's ChunkedLogProbFunction (its
-          fused-head log-probs + entropy) with the objective in torch, for clip and cispo.
+          a fourth GEMM). Peers: TRL 1.16's ChunkedLogProbFunction (its
+          fused-head log-probs + entropy) with the objective in torch, for clip and cispo; Liger's
+          LigerFusedLinearGRPOLoss (torch.compile'd chunks, no entropy) for the loss types it has.
 
   python -m benchmarks.bench_objectives [--cases logits linear] [--only SUBSTRING ...] [--name STEM]
 
@@ -58,6 +59,7 @@ OBJECTIVES = {  # name -> Policy fields over BASE
     "clip, top entropy 0.5 (batch statistic)": dict(top_entropy_quantile=0.5),
 }
 LIGER = {"clip": "dapo", "cispo": "cispo", "sapo": "sapo"}
+LIGER_LINEAR = {**LIGER, "vespo (sequence statistic)": "vespo"}  # LigerFusedLinearGRPOLoss's loss_type
 
 
 def spec_of(name: str) -> headloss.LossSpec:
@@ -194,6 +196,26 @@ def linear_case(rows: list[Row], n: int, seq: int, names: list[str] | None = Non
 
         measure(rows, "linear", f"TRL ChunkedLogProbFunction + torch {name}", "N", n, trl, setup, config=cfg,
                 cold_blas=True)
+        torch.cuda.empty_cache()
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+    except Exception as exc:
+        print(f"liger fused-linear GRPO unavailable: {type(exc).__name__}: {exc}")
+        return
+    for name, loss_type in LIGER_LINEAR.items():
+        if name not in chosen(names):
+            continue
+        fields = {**BASE, **OBJECTIVES[name]}
+        module = LigerFusedLinearGRPOLoss(beta=BETA, epsilon_low=fields["eps_low"], epsilon_high=fields["eps_high"],
+                                          loss_type=loss_type)
+
+        def liger(module=module):
+            loss, _ = module(h3, weight, y2, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old,
+                             num_items_in_batch=n_items)
+            loss.backward()
+
+        measure(rows, "linear", f"liger LigerFusedLinearGRPOLoss {name} (no entropy)", "N", n, liger, setup,
+                config=cfg, cold_blas=True)
         torch.cuda.empty_cache()
 
 
