@@ -1123,6 +1123,41 @@ def test_lm_head_top_entropy_mask_runs_fused_and_corrects_the_rows_it_guessed_wr
         assert changed[0] <= counted // 4
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_lm_head_top_entropy_guessed_route_equals_deferred_mode_in_half_precision(dtype, monkeypatch):
+    """Half-precision hidden states and head: the guessed-mask route (fused, then corrected) gives
+    deferred mode's loss, metrics and gradients on the same inputs (the same chunked logits, so the
+    same entropies and mask); the correction's dW update accumulates in the weight's dtype."""
+    import headloss.api as api
+
+    gen = generator(113)
+    batch, length, width = 4, 11, 16
+    hidden = torch.randn(batch, length, width, generator=gen).to(dtype)
+    weight = (torch.randn(V, width, generator=gen) * 0.7).to(dtype)
+    targets = torch.randint(0, V, (batch, length), generator=gen)
+    mask = (torch.rand(batch, length, generator=gen) > 0.2).long()
+    inputs = dict(advantages=torch.randn(batch, generator=gen), loss_mask=mask,
+                  old_logprobs=-3.6 + 0.3 * torch.randn(batch, length, generator=gen),
+                  ref_logprobs=-3.6 + 0.3 * torch.randn(batch, length, generator=gen))
+    spec = LossSpec(cross_entropy=None, policy=Policy(top_entropy_quantile=0.3, kl_beta=0.04, eps_high=0.28))
+
+    def run():
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = headloss.linear_head_loss(h, w, targets, spec, chunk_bytes=9 * V * 2, **inputs)
+        out.loss.backward()
+        return out, h.grad.float(), w.grad.float()
+
+    guessed = run()
+    monkeypatch.setattr(api, "_base_plan", lambda *a: None)  # deferred mode
+    deferred = run()
+    assert_close_norm(guessed[0].loss, deferred[0].loss, rtol=1e-5, atol=1e-6, name="loss")
+    for name, value in deferred[0].metrics.items():
+        assert_close_norm(guessed[0].metrics[name], value, rtol=1e-5, atol=1e-6, name=name)
+    assert_close_norm(guessed[1], deferred[1], rtol=2e-2, atol=1e-6, name="hidden grad")
+    assert_close_norm(guessed[2], deferred[2], rtol=2e-2, atol=1e-6, name="weight grad")
+
+
 @pytest.mark.parametrize("n, kept, q", [(50, 0.6, 0.8), (7, 1.0, 0.5), (9, 0.3, 0.0), (5, 0.5, 1.0), (1, 1.0, 0.3)])
 def test_masked_quantile_equals_torch_quantile_without_a_host_read(n, kept, q):
     from headloss.policy import masked_quantile
