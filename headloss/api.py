@@ -600,7 +600,9 @@ def _base_plan(plan: KernelPlan, policy, shard) -> KernelPlan | None:
       _entropy_mask_correction)."""
     spec = plan.spec
     pol = spec.policy
-    if pol is None or pol.importance_sampling != "token" or pol.off_policy_mask is not None:
+    if pol is None or policy is None or pol.importance_sampling != "token" or pol.off_policy_mask is not None:
+        return None
+    if policy.mask.is_cuda and torch.cuda.is_current_stream_capturing():  # the correction reads a count
         return None
     if pol.objective in ("clip_cov", "kl_cov"):
         if not _policy_grad_in_forward(plan, policy, shard):

@@ -590,8 +590,10 @@ def _correct_rows(run: LinearRun, hidden, weight, bias, targets, chosen, d_logp,
     plan = run.plan
     loss += added
     means[plan.cols.N] += added  # the 'loss' metric
+    if grads is None:
+        return
     picked = torch.nonzero(chosen).squeeze(1)
-    if picked.numel() == 0 or grads is None:
+    if picked.numel() == 0:
         return
     h = hidden.index_select(0, picked)
     with torch.no_grad():
@@ -693,7 +695,7 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
     by_sequence = fused and run.seq_len > 0  # the gradient pass after each chunk's sequence statistics
     grads = _new_grads(hidden, weight, bias, wants, run.fp32_weight_grad, index, computed) if fused else None
     kept = [] if run.shard is not None and not fused else None  # deferred + sharded: the backward's statistics
-    gate = fused and run.entropy_gate and policy is not None
+    gate = run.entropy_gate and policy is not None  # also without gradient: the mask changes the loss
     if gate:  # the guessed top-entropy mask, and the entropies of the rows seen so far
         guess = torch.zeros(computed, dtype=torch.float32, device=hidden.device)
         seen = torch.empty(computed, dtype=torch.float32, device=hidden.device)
@@ -725,12 +727,12 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
     else:
         launch_finish(plan, rows=rows_c, loss=loss_c, means=means, scratch=scratch, num_items=num_items,
                       geo=full._replace(n_out=computed))
-        if gate:  # after the finish, which writes the loss and the metrics
-            _entropy_mask_correction(run, hidden, weight, bias, targets, _spread(rows_c, index, rows, 0.0),
-                                     _spread(guess, index, rows, 0.0), grads, loss_c, means)
-        elif run.corrected is not None:
+        if not gate and run.corrected is not None:  # after the finish, which writes the loss and the metrics
             _cov_correction(run, hidden, weight, bias, targets, _spread(rows_c, index, rows, 0.0), grads, loss_c,
                             means)
+    if gate:  # with no row too: the quantile's collective (entropy_quantile_group) joins every process's
+        _entropy_mask_correction(run, hidden, weight, bias, targets, _spread(rows_c, index, rows, 0.0),
+                                 _spread(guess, index, rows, 0.0), grads, loss_c, means)
     settle(verdict, run.validate, hidden.device)
     dh, dw, db = _finish_grads(grads, weight, bias) if grads is not None else (None, None, None)
     if run.shard is not None and dh is not None:  # each shard's share of dh: the column-parallel all-reduce

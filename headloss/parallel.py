@@ -46,14 +46,15 @@ value is a sum over the vocabulary of terms that need the whole vocabulary's nor
 ``handshake`` validate="sync"'s check that every rank's inputs passed (see :func:`handshake`)."""
 
 
-def _comm_device(group, device: torch.device) -> torch.device:
+def comm_device(group, device: torch.device) -> torch.device:
+    """Where a collective of ``group`` takes its tensors: ``device``, or the CPU for gloo."""
     return device if dist.get_backend(group) != "gloo" else torch.device("cpu")
 
 
 def _gather_ints(values: list[int], group, device: torch.device) -> list[list[int]]:
     """Every rank's ``values`` (a few ints, the same count on every rank): one all_gather, read on
     the host."""
-    mine = torch.tensor(values, dtype=torch.int64, device=_comm_device(group, device))
+    mine = torch.tensor(values, dtype=torch.int64, device=comm_device(group, device))
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
     return [t.tolist() for t in every]
@@ -125,7 +126,7 @@ def gather_merged(part: torch.Tensor, shard: VocabShard, own_temp: bool = False)
     (one all_gather). ``own_temp``: the student's sums at the distillation temperature are their own."""
     from .kernels.head import launch_merge
 
-    device = _comm_device(shard.group, part.device)
+    device = comm_device(shard.group, part.device)
     mine = part.to(device)
     width = mine.shape[1]
     if device.type == "cuda":  # into one buffer, no stacking copy
@@ -177,7 +178,7 @@ class _GatherVocab(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, shard: VocabShard) -> torch.Tensor:
         width = local.shape[-1]
-        device = _comm_device(shard.group, local.device)
+        device = comm_device(shard.group, local.device)
         sizes = [w for (w,) in _gather_ints([width], shard.group, local.device)]
         top = max(sizes)
         padded = torch.nn.functional.pad(local.detach(), (0, top - width)).to(device).contiguous()
@@ -198,7 +199,7 @@ def gather_vocab(local: torch.Tensor, shard: VocabShard) -> torch.Tensor:
 
 def all_reduce_sum(t: torch.Tensor, shard: VocabShard, what: str = "dh") -> torch.Tensor:
     """``t`` summed over the group (in place where the backend allows); counted as ``what``."""
-    device = _comm_device(shard.group, t.device)
+    device = comm_device(shard.group, t.device)
     buf = t if t.device == device else t.to(device)
     dist.all_reduce(buf, group=shard.group)
     COLLECTIVES[what] += 1

@@ -280,26 +280,31 @@ def masked_quantile(values: torch.Tensor, keep: torch.Tensor, q: float, group: A
     +inf when nothing is kept (so nothing passes a >= test).
 
     ``group``: the quantile of the kept values of every process of this torch.distributed group
-    (TRL's gather across processes). Processes may hold different numbers of rows: their counts
-    are exchanged first, which makes the host wait once (as TRL's pad_across_processes does)."""
+    (TRL's gather across processes, in fp32 as TRL's). Processes may hold different numbers of
+    rows: their counts are exchanged first, which makes the host wait once (as TRL's
+    pad_across_processes does); a process with no rows still takes part. Tensors travel on the
+    group's device (a gloo group's on the CPU)."""
     candidates = torch.where(keep, values, math.inf)
     n = keep.sum()
     if group is not None:
         import torch.distributed as dist
 
-        from .parallel import all_gather_into
+        from .parallel import all_gather_into, comm_device
 
         world = dist.get_world_size(group)
         if world > 1:
-            sizes = torch.stack([torch.tensor(candidates.numel(), device=values.device), n])
-            everyone = torch.empty(world * 2, device=values.device, dtype=sizes.dtype)
+            here = comm_device(group, values.device)
+            sizes = torch.stack([torch.tensor(candidates.numel(), device=values.device), n]).to(here)
+            everyone = torch.empty(world * 2, device=here, dtype=sizes.dtype)
             all_gather_into(everyone, sizes, group)
             longest = int(everyone[0::2].max())  # the one host wait
-            padded = torch.full((longest,), math.inf, dtype=values.dtype, device=values.device)
+            padded = torch.full((longest,), math.inf, dtype=torch.float32, device=here)
             padded[:candidates.numel()] = candidates
-            gathered = torch.empty(longest * world, dtype=values.dtype, device=values.device)
+            gathered = torch.empty(longest * world, dtype=torch.float32, device=here)
             all_gather_into(gathered, padded, group)
-            candidates, n = gathered, everyone[1::2].sum()
+            candidates, n = gathered.to(values.device, values.dtype), everyone[1::2].sum().to(values.device)
+    if candidates.numel() == 0:  # no row anywhere
+        return torch.tensor(math.inf, dtype=values.dtype, device=values.device)
     ordered = torch.sort(candidates).values
     rank = q * (n - 1).clamp(min=0).to(values.dtype)
     below = rank.floor()

@@ -162,16 +162,19 @@ def test_grpo_options_without_a_mapping_are_refused(changes, option):
         grpo_spec(fake_trainer(**changes))
 
 
-def test_grpo_adaptive_entropy_training_matches_trl(tmp_path):
+@pytest.mark.parametrize("quantile", [1.0, 0.5])
+def test_grpo_adaptive_entropy_training_matches_trl(tmp_path, quantile):
     """TRL's adaptive entropy controller: two optimizer steps (accumulation 2), the coefficient moved
-    by the window's entropy against the target, the same weights and logs as stock TRL."""
+    by the window's entropy against the target (with the top-entropy mask: of its tokens), the same
+    weights and logs as stock TRL."""
     options = dict(use_adaptive_entropy=True, entropy_coef=0.05, entropy_target=4.5, entropy_coef_delta=0.02,
-                   max_steps=3)
+                   max_steps=3, top_entropy_quantile=quantile)
     stock = grpo(tmp_path / "stock", cls=trl.GRPOTrainer, **options)
     stock.train()
     mine = grpo(tmp_path / "mine", **options)
     mine.train()
     assert mine.entropy_coef == pytest.approx(stock.entropy_coef) and stock.entropy_coef != 0.05
+    assert mine._last_world_entropy == pytest.approx(stock._last_world_entropy, rel=1e-5)
     for (name, p), q in zip(stock.model.named_parameters(), mine.model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)
     stock_logs = [h for h in stock.state.log_history if "loss" in h]
@@ -254,8 +257,9 @@ def test_two_processes_reduce_metrics_as_trl_does(tmp_path):
     tiny_model().save_pretrained(tmp_path / "tiny")
     result = torchrun("trl_ddp.py", tmp_path)
     assert result["world"] == 2
-    # gspo, vespo: sequence means across processes; top_entropy: TRL's quantile over both processes' tokens
-    for name in ("grpo", "gspo", "vespo", "top_entropy", "sft"):
+    # gspo, vespo: sequence means across processes; top_entropy: TRL's quantile over both processes'
+    # tokens (the lm_head's guessed-mask route; with the bonus, deferred mode)
+    for name in ("grpo", "gspo", "vespo", "top_entropy", "top_entropy+bonus", "sft"):
         run = result[name]
         assert run["err"] <= 1e-5, name
         assert len(run["stock"]) == len(run["mine"]) == 2

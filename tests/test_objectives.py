@@ -745,6 +745,78 @@ def test_top_entropy_quantile_over_processes_matches_trls_gathered_quantile():
             assert loss_err <= 1e-5 and grad_err <= 1e-4, (rank, path, loss_err, grad_err)
 
 
+def _rank_entropy_quantile_one_rank_empty(rank, world, port, results):
+    """Rank 1 has no counted token: every route still joins the quantile's collective (a mismatch
+    fails within the group's timeout instead of hanging)."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        hidden, weight, targets, mask, adv, old = quantile_case(0)
+        if rank == 1:
+            mask = torch.zeros_like(mask)
+        policy = Policy(loss_type="dapo", top_entropy_quantile=0.4)
+        spec = LossSpec(cross_entropy=None, policy=policy)
+        inputs = dict(advantages=adv.float(), old_logprobs=old.float(), loss_mask=mask,
+                      entropy_quantile_group=dist.group.WORLD)
+        alone = head_loss(hidden.float() @ weight.float().T, targets, spec, backend="reference",
+                          **{k: v for k, v in inputs.items() if k != "entropy_quantile_group"})
+        losses = {}
+        for name in ("logits", "lm_head", "lm_head no grad"):
+            with torch.set_grad_enabled(name != "lm_head no grad"):
+                h = hidden.float().requires_grad_(torch.is_grad_enabled())
+                if name == "logits":
+                    out = head_loss(h @ weight.float().T, targets, spec, **inputs)
+                else:
+                    out = headloss.linear_head_loss(h, weight.float(), targets, spec, chunk_bytes=4 * V * 4, **inputs)
+                if out.loss.requires_grad:
+                    out.loss.backward()
+            losses[name] = (float(out.loss), float(alone.loss), sorted(out.metrics))
+        results[rank] = losses
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_kernel
+def test_top_entropy_quantile_over_processes_with_a_process_without_tokens():
+    """A process whose tokens are all masked still takes part in the quantile's collective (the
+    lm_head skips its rows: it joins anyway): no hang, its loss is 0, the other's quantile is over
+    its own tokens alone, and both report the same metrics."""
+    from conftest import spawn_ranks
+
+    results = spawn_ranks(_rank_entropy_quantile_one_rank_empty, 2)
+    for path in ("logits", "lm_head", "lm_head no grad"):
+        loss0, alone0, names0 = results[0][path]
+        loss1, _, names1 = results[1][path]
+        assert loss0 == pytest.approx(alone0, rel=1e-5, abs=1e-7), path
+        assert loss1 == 0.0 and names0 == names1, path
+        assert "high_entropy/fraction" in names0
+
+
+@needs_kernel
+def test_lm_head_top_entropy_mask_without_gradient_keeps_the_mask():
+    """Under torch.no_grad (evaluation) the lm_head's top-entropy mask still applies: the loss and
+    metrics are the reference's (the guessed route corrects the loss without a GEMM)."""
+    hidden, weight, targets, mask, adv, old = quantile_case(0)
+    spec = LossSpec(cross_entropy=None, policy=Policy(loss_type="grpo", top_entropy_quantile=0.3))
+    inputs = dict(advantages=adv.float(), old_logprobs=old.float(), loss_mask=mask)
+    with torch.no_grad():
+        out = headloss.linear_head_loss(hidden.float(), weight.float(), targets, spec, chunk_bytes=4 * V * 4,
+                                        **inputs)
+    ref = head_loss(hidden @ weight.T, targets, spec, backend="reference", **inputs)
+    masked = head_loss(hidden @ weight.T, targets, spec.model_copy(update={"policy": Policy(loss_type="grpo")}),
+                       backend="reference", **inputs)
+    assert abs(float(masked.loss) - float(ref.loss)) > 1e-3  # the mask matters here
+    assert_close_norm(out.loss, ref.loss, rtol=1e-5, atol=3e-6, name="loss")
+    assert set(out.metrics) == set(ref.metrics)
+    for name, value in ref.metrics.items():
+        assert_close_norm(out.metrics[name], value, rtol=1e-5, atol=1e-6, name=name)
+
+
 def test_entropy_quantile_group_errors_name_the_argument():
     logits, targets, mask, adv, old, _, _ = make_case(3)
     masked = LossSpec(cross_entropy=None, policy=Policy(loss_type="grpo", top_entropy_quantile=0.5))

@@ -32,8 +32,10 @@ if __name__ == "__main__":
     result = {}
     extra = {"grpo": {}, "gspo": dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=0.02,
                                       epsilon_high=0.03), "vespo": dict(loss_type="vespo"),
-             "top_entropy": dict(top_entropy_quantile=0.5, entropy_coef=0.05)}
-    for name, make in (("grpo", grpo), ("gspo", grpo), ("vespo", grpo), ("top_entropy", grpo), ("sft", sft)):
+             "top_entropy": dict(top_entropy_quantile=0.5),
+             "top_entropy+bonus": dict(top_entropy_quantile=0.5, entropy_coef=0.05)}
+    for name, make in (("grpo", grpo), ("gspo", grpo), ("vespo", grpo), ("top_entropy", grpo),
+                       ("top_entropy+bonus", grpo), ("sft", sft)):
         runs = {}
         for label, cls in (("stock", trl.GRPOTrainer if name != "sft" else trl.SFTTrainer),
                            ("mine", HeadLossGRPOTrainer if name != "sft" else HeadLossSFTTrainer)):

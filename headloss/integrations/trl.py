@@ -225,10 +225,15 @@ class HeadLossGRPOTrainer(GRPOTrainer):
         return float(self.entropy_coef)
 
     def _adapt_entropy_coef(self, metrics: dict[str, torch.Tensor]) -> None:
-        """TRL's adaptive controller: the window's token-weighted entropy over every process, at each
-        optimizer-step boundary, moves the coefficient by entropy_coef_delta within [min, max]."""
+        """TRL's adaptive controller: the window's token-weighted entropy over every process (of the
+        top-entropy mask's tokens when it is on, TRL's effective mask), at each optimizer-step
+        boundary, moves the coefficient by entropy_coef_delta within [min, max]."""
         n = metrics["n_tokens"].to(torch.float32)
-        stats = torch.stack([metrics["entropy"].float() * n, n]).detach()
+        entropy = metrics["entropy"].float()
+        if "high_entropy/fraction" in metrics:
+            n = n * metrics["high_entropy/fraction"].float()
+            entropy = metrics["high_entropy/entropy"].float()
+        stats = torch.stack([entropy * n, n]).detach()
         self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
         if self.accelerator.sync_gradients:
             window = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
