@@ -434,6 +434,44 @@ def test_cuda_graph_capture_and_replay_with_default_arguments(entry):
     assert float(out.metrics["n_tokens"]) == float(eager.metrics["n_tokens"])
 
 
+def test_cuda_graph_capture_of_the_lm_head_with_a_top_entropy_mask():
+    """Under capture the lm_head's top-entropy mask takes deferred mode (the guessed route's correction
+    reads a count on the host): a captured call replays to the eager loss and gradient."""
+    gen = torch.Generator(device="cuda").manual_seed(29)
+    b, t, h, v = 4, 128, 256, 32000
+    leaf = torch.randn(b, t, h, device="cuda", generator=gen).requires_grad_()
+    w = (torch.randn(v, h, device="cuda", generator=gen) / 16).requires_grad_()
+    y = torch.randint(0, v, (b, t), device="cuda", generator=gen)
+    inputs = dict(advantages=torch.randn(b, device="cuda", generator=gen),
+                  old_logprobs=-10.4 + 0.2 * torch.randn(b, t, device="cuda", generator=gen),
+                  loss_mask=(torch.rand(b, t, device="cuda", generator=gen) > 0.1).long())
+    spec = headloss.LossSpec(cross_entropy=None, policy={"top_entropy_quantile": 0.3, "eps_high": 0.28})
+
+    def step():
+        return headloss.linear_head_loss(leaf, w, y, spec, chunk_bytes=64 * v * 4, compact=False, **inputs)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            leaf.grad = w.grad = None
+            step().loss.backward()
+    torch.cuda.current_stream().wait_stream(side)
+    leaf.grad = w.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+        out.loss.backward()
+    graph.replay()
+    torch.cuda.synchronize()
+    captured_loss, captured_grad = out.loss.clone(), leaf.grad.clone()
+    leaf.grad = w.grad = None
+    eager = step()
+    eager.loss.backward()
+    assert torch.allclose(captured_loss, eager.loss, rtol=1e-5, atol=1e-7)
+    assert _rel(captured_grad, leaf.grad) < 1e-4
+
+
 def test_graph_replays_with_new_targets_each_prepare_their_own_count():
     """The head kernel's program 0 prepares the call (counted rows) and tags it with a nonce baked
     into the graph: every replay must wait for its own count, never read the last replay's."""
