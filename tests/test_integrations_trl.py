@@ -162,6 +162,19 @@ def test_grpo_options_without_a_mapping_are_refused(changes, option):
         grpo_spec(fake_trainer(**changes))
 
 
+def test_sft_refuses_deepspeed_sequence_parallelism():
+    from headloss.integrations.trl import refuse_sequence_parallel
+
+    def accelerator(**config):
+        return type("Acc", (), {"parallelism_config": type("P", (), config)() if config else None})()
+
+    refuse_sequence_parallel(accelerator())
+    refuse_sequence_parallel(accelerator(sp_enabled=False, sp_backend="deepspeed"))
+    refuse_sequence_parallel(accelerator(sp_enabled=True, sp_backend="other"))
+    with pytest.raises(ValueError, match="parallelism_config: DeepSpeed sequence parallelism"):
+        refuse_sequence_parallel(accelerator(sp_enabled=True, sp_backend="deepspeed"))
+
+
 @pytest.mark.parametrize("quantile", [1.0, 0.5])
 def test_grpo_adaptive_entropy_training_matches_trl(tmp_path, quantile):
     """TRL's adaptive entropy controller: two optimizer steps (accumulation 2), the coefficient moved

@@ -298,6 +298,15 @@ _POLICY_INTERNAL = ("loss", "n_tokens", "clip_ratio/low_min", "clip_ratio/high_m
 """The policy metrics TRL does not log under these names (the ones it does are picked per objective)."""
 
 
+def refuse_sequence_parallel(accelerator) -> None:
+    """DeepSpeed (Ulysses) sequence parallelism: TRL lets the model reduce its own loss across the
+    sequence shards, which a headloss head does not do yet."""
+    config = getattr(accelerator, "parallelism_config", None)
+    if getattr(config, "sp_enabled", False) and getattr(config, "sp_backend", None) == "deepspeed":
+        raise ValueError("parallelism_config: DeepSpeed sequence parallelism (sp_backend='deepspeed') has no headloss "
+                         "mapping yet; use trl.SFTTrainer")
+
+
 class HeadLossSFTTrainer(SFTTrainer):
     """``trl.SFTTrainer`` whose loss is a headloss LossSpec: TRL's nll or dft loss (and label
     smoothing), its ``entropy`` and ``mean_token_accuracy`` from the same pass, no logits.
@@ -310,6 +319,7 @@ class HeadLossSFTTrainer(SFTTrainer):
         super().__init__(*args, **kwargs)
         if self.compute_loss_func is not None:
             raise ValueError("compute_loss_func: HeadLossSFTTrainer computes the loss itself; use trl.SFTTrainer")
+        refuse_sequence_parallel(self.accelerator)
         self.headloss_spec = spec if spec is not None else sft_spec(self.args)
         self._log_all = spec is not None  # TRL's own metrics only, unless the user asked for more
         self.label_smoother = None  # the spec's CrossEntropy.label_smoothing does it
