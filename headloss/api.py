@@ -597,12 +597,12 @@ def _base_plan(plan: KernelPlan, policy, shard) -> KernelPlan | None:
     * a row-local objective under the top-entropy mask (no TRL token-mean entropy bonus, whose
       weights depend on the mask): the objective under a mask guessed chunk by chunk, the rows
       guessed wrong corrected once the batch quantile is known (engine._guess_mask and
-      _entropy_mask_correction)."""
+      _entropy_mask_correction).
+
+    Under CUDA-graph capture both keep deferred mode: the correction reads a count on the host."""
     spec = plan.spec
     pol = spec.policy
     if pol is None or policy is None or pol.importance_sampling != "token" or pol.off_policy_mask is not None:
-        return None
-    if policy.mask.is_cuda and torch.cuda.is_current_stream_capturing():  # the correction reads a count
         return None
     if pol.objective in ("clip_cov", "kl_cov"):
         if not _policy_grad_in_forward(plan, policy, shard):
@@ -614,6 +614,9 @@ def _base_plan(plan: KernelPlan, policy, shard) -> KernelPlan | None:
             return None
         base_policy = pol.model_copy(update={"top_entropy_quantile": 1.0})
     else:
+        return None
+    # (eager here: _policy_grad_in_forward refuses torch.compile) the correction reads a count on the host
+    if policy.mask.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
     if plan.key not in _BASES:
         base = compile_plan(spec.model_copy(update={"policy": base_policy}), has_targets=True)

@@ -280,7 +280,8 @@ def masked_quantile(values: torch.Tensor, keep: torch.Tensor, q: float, group: A
     +inf when nothing is kept (so nothing passes a >= test).
 
     ``group``: the quantile of the kept values of every process of this torch.distributed group
-    (TRL's gather across processes, in fp32 as TRL's). Processes may hold different numbers of
+    (TRL's gather across processes; in fp32 or the values' wider dtype, so that every process
+    compares its own values with the threshold it would get alone). Processes may hold different numbers of
     rows: their counts are exchanged first, which makes the host wait once (as TRL's
     pad_across_processes does); a process with no rows still takes part. Tensors travel on the
     group's device (a gloo group's on the CPU)."""
@@ -298,9 +299,10 @@ def masked_quantile(values: torch.Tensor, keep: torch.Tensor, q: float, group: A
             everyone = torch.empty(world * 2, device=here, dtype=sizes.dtype)
             all_gather_into(everyone, sizes, group)
             longest = int(everyone[0::2].max())  # the one host wait
-            padded = torch.full((longest,), math.inf, dtype=torch.float32, device=here)
+            wide = torch.promote_types(values.dtype, torch.float32)
+            padded = torch.full((longest,), math.inf, dtype=wide, device=here)
             padded[:candidates.numel()] = candidates
-            gathered = torch.empty(longest * world, dtype=torch.float32, device=here)
+            gathered = torch.empty(longest * world, dtype=wide, device=here)
             all_gather_into(gathered, padded, group)
             candidates, n = gathered.to(values.device, values.dtype), everyone[1::2].sum().to(values.device)
     if candidates.numel() == 0:  # no row anywhere

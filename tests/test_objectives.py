@@ -817,6 +817,38 @@ def test_lm_head_top_entropy_mask_without_gradient_keeps_the_mask():
         assert_close_norm(out.metrics[name], value, rtol=1e-5, atol=1e-6, name=name)
 
 
+def _rank_quantile_fp64(rank, world, port, results):
+    import os
+
+    import torch.distributed as dist
+
+    from headloss.policy import masked_quantile
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        # rank 0 holds the smallest value, 1 - 1e-9 (1.0 in fp32), and a value it does not keep
+        values = torch.tensor([[1 - 1e-9, 2.0, 0.5], [3.0, 4.0, 0.25]][rank], dtype=torch.float64)
+        keep = torch.tensor([True, True, False])
+        threshold = masked_quantile(values, keep, 0.0, dist.group.WORLD)
+        alone = masked_quantile(torch.tensor([1 - 1e-9, 2.0, 3.0, 4.0], dtype=torch.float64),
+                                torch.ones(4, dtype=torch.bool), 0.0)
+        results[rank] = (float(threshold), float(alone), int(((values >= threshold) & keep).sum()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_top_entropy_quantile_over_processes_keeps_fp64_values_exact():
+    """fp64 values (the reference backend on fp64 logits): the gathered quantile is the
+    single-process one over the union, not rounded to fp32, so the token at the threshold stays
+    in its own process's mask."""
+    from conftest import spawn_ranks
+
+    results = spawn_ranks(_rank_quantile_fp64, 2)
+    assert results[0][0] == results[0][1] == results[1][0] == 1 - 1e-9
+    assert results[0][2] == 2 and results[1][2] == 2
+
+
 def test_entropy_quantile_group_errors_name_the_argument():
     logits, targets, mask, adv, old, _, _ = make_case(3)
     masked = LossSpec(cross_entropy=None, policy=Policy(loss_type="grpo", top_entropy_quantile=0.5))
