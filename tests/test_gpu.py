@@ -320,7 +320,7 @@ SFT = headloss.LossSpec(z_loss={"weight": 1e-4}, entropy={"weight": 0.0}, token_
 SFT_AS_DICT = SFT.model_dump(mode="json")  # a plain dict spec: compiled once, at trace time
 
 
-@pytest.mark.parametrize("entry", ["logits", "hidden"])
+@pytest.mark.parametrize("entry", ["logits", "hidden", "hidden-grpo"])
 def test_torch_compile_fullgraph_inductor_matches_eager(entry):
     torch._dynamo.reset()
     gen = torch.Generator(device="cuda").manual_seed(20)
@@ -343,6 +343,17 @@ def test_torch_compile_fullgraph_inductor_matches_eager(entry):
             return out.loss * 1.0, out.metrics["token_accuracy"], out.metrics["z_loss"]
 
         inputs = [x, w]
+    if entry == "hidden-grpo":  # a token-level policy term on the lm_head (the eager routes' checks stay out)
+        policy_inputs = dict(advantages=torch.randn(4, device="cuda", generator=gen),
+                             old_logprobs=-10.4 + 0.1 * torch.randn(4, 250, device="cuda", generator=gen),
+                             ref_logprobs=-10.4 + 0.1 * torch.randn(4, 250, device="cuda", generator=gen))
+        spec = headloss.LossSpec(cross_entropy=None, policy={"kl_beta": 0.04, "eps_high": 0.28})
+
+        def step(x, w, y):
+            out = headloss.linear_head_loss(x.view(4, 250, 512), w, y.view(4, 250), spec, chunk_bytes=64 << 20,
+                                            **policy_inputs)
+            return out.loss * 1.0, out.metrics["kl"], out.metrics["clip_ratio/high_mean"]
+
     eager = [t.clone().requires_grad_() for t in inputs]
     compiled = [t.clone().requires_grad_() for t in inputs]
     want = step(*eager, y)
@@ -436,7 +447,8 @@ def test_cuda_graph_capture_and_replay_with_default_arguments(entry):
 
 def test_cuda_graph_capture_of_the_lm_head_with_a_top_entropy_mask():
     """Under capture the lm_head's top-entropy mask takes deferred mode (the guessed route's correction
-    reads a count on the host): a captured call replays to the eager loss and gradient."""
+    reads a count on the host): a captured call replays to the eager loss and gradient. The warmup
+    ran the guessed route, so the capture is the first deferred call."""
     gen = torch.Generator(device="cuda").manual_seed(29)
     b, t, h, v = 4, 128, 256, 32000
     leaf = torch.randn(b, t, h, device="cuda", generator=gen).requires_grad_()
@@ -456,6 +468,10 @@ def test_cuda_graph_capture_of_the_lm_head_with_a_top_entropy_mask():
         for _ in range(3):
             leaf.grad = w.grad = None
             step().loss.backward()
+            # a model's own backward GEMMs, as in any real warmup: they set up cuBLAS on autograd's
+            # device thread, where the captured deferred backward runs its GEMMs (without them the
+            # capture fails creating that handle: CUBLAS_STATUS_NOT_INITIALIZED)
+            (leaf.detach().requires_grad_() @ w.detach().T).sum().backward()
     torch.cuda.current_stream().wait_stream(side)
     leaf.grad = w.grad = None
     graph = torch.cuda.CUDAGraph()
