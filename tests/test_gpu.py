@@ -397,6 +397,23 @@ def test_torch_compile_hands_the_fused_gradient_over_without_a_copy(mode, monkey
         assert _rel(got, x.grad) < 1e-6
 
 
+def _replay(step, *leaves):
+    """(output, loss, the first leaf's gradient) of one replay of a CUDA graph of ``step()`` and its
+    backward, captured after the caller's warmup; the leaves' gradients are cleared before and after."""
+    for t in leaves:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+        out.loss.backward()
+    graph.replay()
+    torch.cuda.synchronize()
+    result = out, out.loss.clone(), leaves[0].grad.clone()
+    for t in leaves:
+        t.grad = None
+    return result
+
+
 @pytest.mark.parametrize("entry", ["logits", "hidden"])
 def test_cuda_graph_capture_and_replay_with_default_arguments(entry):
     gen = torch.Generator(device="cuda").manual_seed(21)
@@ -424,17 +441,7 @@ def test_cuda_graph_capture_and_replay_with_default_arguments(entry):
             leaf.grad = None
             step().loss.backward()
     torch.cuda.current_stream().wait_stream(side)
-    leaf.grad = None
-    if w is not None:
-        w.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-        out.loss.backward()
-    graph.replay()
-    torch.cuda.synchronize()
-    captured_loss, captured_grad = out.loss.clone(), leaf.grad.clone()
-    leaf.grad = None
+    out, captured_loss, captured_grad = _replay(step, *(t for t in (leaf, w) if t is not None))
     eager = step()
     eager.loss.backward()
     # eager lm_head skips ignored rows (one host read of their count), a captured one computes them
@@ -473,15 +480,7 @@ def test_cuda_graph_capture_of_the_lm_head_with_a_top_entropy_mask():
             # capture fails creating that handle: CUBLAS_STATUS_NOT_INITIALIZED)
             (leaf.detach().requires_grad_() @ w.detach().T).sum().backward()
     torch.cuda.current_stream().wait_stream(side)
-    leaf.grad = w.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-        out.loss.backward()
-    graph.replay()
-    torch.cuda.synchronize()
-    captured_loss, captured_grad = out.loss.clone(), leaf.grad.clone()
-    leaf.grad = w.grad = None
+    _, captured_loss, captured_grad = _replay(step, leaf, w)
     eager = step()
     eager.loss.backward()
     assert torch.allclose(captured_loss, eager.loss, rtol=1e-5, atol=1e-7)
