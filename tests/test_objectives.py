@@ -21,6 +21,8 @@ import math
 import pytest
 import torch
 from conftest import assert_close_norm, generator, make_logits, make_targets, needs_kernel
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import headloss
 from headloss import LossSpec, head_loss
@@ -1225,6 +1227,75 @@ def test_lm_head_top_entropy_mask_runs_fused_and_corrects_the_rows_it_guessed_wr
         assert changed[0] == (kept if guess == "keep none" else counted - kept) > 0
     else:  # the running estimate is close: few rows wrong
         assert changed[0] <= counted // 4
+
+
+@st.composite
+def lm_head_policy_cases(draw):
+    """A policy spec for the lm_head, one of its routes drawn first (fused; chunks of whole sequences;
+    clip_cov / kl_cov and the top-entropy mask as base fused + corrected rows; the top-entropy mask
+    with TRL's bonus, deferred), and a batch: [B, T] rows, odd vocabularies, chunks of a few rows."""
+    route = draw(st.sampled_from(["row-local", "sequence", "covariance", "entropy mask", "entropy mask, deferred"]))
+    row_local = st.sampled_from(["clip", "cispo", "sapo", "gpg", "dro", "dppo_kl"])
+    fields = dict(objective=draw(row_local), entropy_coef=draw(st.sampled_from([0.0, 0.02])),
+                  entropy_aggregation="loss")
+    if route == "sequence":
+        fields.update(draw(st.sampled_from([dict(objective="clip", importance_sampling="sequence"),
+                                            dict(objective="sapo", importance_sampling="sequence"),
+                                            dict(objective="vespo"), dict(off_policy_mask=0.05)])))
+    elif route == "covariance":
+        fields["objective"] = draw(st.sampled_from(["kl_cov", "clip_cov"]))
+    elif route.startswith("entropy mask"):
+        fields["top_entropy_quantile"] = draw(st.sampled_from([0.25, 0.6]))
+        if route.endswith("deferred"):
+            fields.update(entropy_coef=0.02, entropy_aggregation="token-mean")
+    policy = Policy(
+        loss_type=draw(st.sampled_from(["grpo", "bnpo", "dapo", "seq-mean-token-sum"])),
+        kl_beta=draw(st.sampled_from([0.0, 0.04])), kl_estimator=draw(st.sampled_from(["k1", "k3"])),
+        dro_beta=0.1, cov_ratio=0.2, eps_high=0.28, convention=draw(st.sampled_from(["trl", "verl"])), **fields)
+    spec = LossSpec(cross_entropy=draw(st.sampled_from([None, {"weight": 0.1}])), policy=policy,
+                    transform=draw(st.sampled_from([{}, {"temperature": 0.7}])))
+    shape = (draw(st.integers(1, 4)), draw(st.integers(1, 6)))
+    return spec, shape, draw(st.integers(3, 29)), draw(st.integers(1, 5)), draw(st.booleans()), \
+        draw(st.booleans()), draw(st.integers(0, 10_000))
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(case=lm_head_policy_cases())
+def test_lm_head_matches_the_reference_for_random_policy_specs(case):
+    """Hypothesis over policy specs and shapes on the fused lm_head, whichever route the spec takes
+    (the top-entropy mask's guess and correction among them): loss, dh, dW, db and every metric
+    against the fp64 reference on the materialised logits."""
+    spec, (batch, length), vocab, chunk, weights, compact, seed = case
+    gen = generator(seed)
+    hidden = torch.randn(batch, length, 6, generator=gen, dtype=torch.float64)
+    weight = torch.randn(vocab, 6, generator=gen, dtype=torch.float64) * (0.3 + torch.rand(vocab, 1, generator=gen))
+    bias = 0.1 * torch.randn(vocab, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, vocab, (batch, length), generator=gen)
+    mask = (torch.rand(batch, length, generator=gen) > 0.25).long()
+    logp = torch.log_softmax(hidden @ weight.T + bias, -1).gather(-1, targets[..., None])[..., 0]
+    inputs = dict(advantages=torch.randn(batch, generator=gen, dtype=torch.float64), loss_mask=mask,
+                  old_logprobs=logp + 0.2 * torch.randn(batch, length, generator=gen, dtype=torch.float64),
+                  ref_logprobs=logp + 0.2 * torch.randn(batch, length, generator=gen, dtype=torch.float64))
+    if weights:
+        inputs["importance_weights"] = 0.5 + torch.rand(batch, length, generator=gen, dtype=torch.float64)
+    leaves = [t.float().requires_grad_() for t in (hidden, weight, bias)]
+    torch.manual_seed(seed)  # clip_cov's draw
+    out = headloss.linear_head_loss(*leaves[:2], targets, spec, bias=leaves[2], chunk_bytes=chunk * vocab * 4,
+                                    compact=compact,
+                                    **{k: v.float() if v.is_floating_point() else v for k, v in inputs.items()})
+    (1.5 * out.loss).backward()
+    ref_leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    torch.manual_seed(seed)
+    ref = head_loss(ref_leaves[0] @ ref_leaves[1].T + ref_leaves[2], targets, spec, backend="reference", **inputs)
+    (1.5 * ref.loss).backward()
+    assert_close_norm(out.loss, ref.loss, rtol=1e-5, atol=3e-6, name="loss")
+    for name, got, want in zip(("dh", "dW", "db"), leaves, ref_leaves):
+        assert_close_norm(got.grad, want.grad, rtol=1e-4, atol=1e-8, name=name)
+    assert set(out.metrics) == set(ref.metrics)
+    for name, value in ref.metrics.items():
+        assert_close_norm(out.metrics[name], value, rtol=1e-5, atol=1e-6, name=name)
 
 
 @needs_kernel
