@@ -156,7 +156,9 @@ class Policy(_Frozen):
     off-policy sequence mask, keep a sequence if A >= 0 or the mean over its tokens of
     rollout_logprobs (else old_logprobs) - logp is at most this; ``top_entropy_quantile`` rho < 1
     keeps the tokens whose entropy is at least the batch's (1 - rho)-quantile (TRL; computed on
-    the device).
+    the device; over several processes' tokens with the call's ``entropy_quantile_group``; on the
+    fused lm_head a row-local objective runs fused under a guessed mask, the rows guessed wrong
+    corrected).
 
     loss types (aggregation): ``grpo`` mean over sequences of the per-sequence token mean; ``bnpo`` /
     ``token-mean`` mean over all tokens; ``dr_grpo`` sum / (sequences x max_completion_length);
