@@ -152,9 +152,10 @@ class Policy(_Frozen):
     [rollout_is_min, rollout_is_max]; verl's convention clamps the log-ratio (sum) to +-20 first.
     The weights multiply the objective (VESPO and GMPO fold them in as their sources do).
 
-    masks (deferred mode; the KL term is not masked, as in TRL): ``off_policy_mask`` TRL's
-    off-policy sequence mask, keep a sequence if A >= 0 or the mean over its tokens of
-    rollout_logprobs (else old_logprobs) - logp is at most this; ``top_entropy_quantile`` rho < 1
+    masks (sequence or batch statistics: deferred mode on the logits; the KL term is not masked,
+    as in TRL): ``off_policy_mask`` TRL's off-policy sequence mask, keep a sequence if A >= 0 or the
+    mean over its tokens of rollout_logprobs (else old_logprobs) - logp is at most this (on the
+    fused lm_head: chunks of whole sequences); ``top_entropy_quantile`` rho < 1
     keeps the tokens whose entropy is at least the batch's (1 - rho)-quantile (TRL; computed on
     the device; over several processes' tokens with the call's ``entropy_quantile_group``; on the
     fused lm_head a row-local objective runs fused under a guessed mask, the rows guessed wrong
