@@ -9,7 +9,8 @@
           3-GEMM floor, measured in the same run; deferred mode recomputes the logits in backward:
           a fourth GEMM). Peers: TRL 1.16's ChunkedLogProbFunction (its
           fused-head log-probs + entropy) with the objective in torch, for clip and cispo; Liger's
-          LigerFusedLinearGRPOLoss (torch.compile'd chunks, no entropy) for the loss types it has.
+          LigerFusedLinearGRPOLoss (its defaults: compiled loss math, an eager chunked log-prob
+          backward in fp32 GEMMs; no entropy) for the loss types it has.
 
   python -m benchmarks.bench_objectives [--cases logits linear] [--only SUBSTRING ...] [--name STEM]
 

@@ -159,7 +159,8 @@ class Policy(_Frozen):
     keeps the tokens whose entropy is at least the batch's (1 - rho)-quantile (TRL; computed on
     the device; over several processes' tokens with the call's ``entropy_quantile_group``; on the
     fused lm_head a row-local objective runs fused under a guessed mask, the rows guessed wrong
-    corrected).
+    corrected; deferred there with TRL's token-mean bonus, under CUDA-graph capture or torch.compile,
+    and vocab-parallel).
 
     loss types (aggregation): ``grpo`` mean over sequences of the per-sequence token mean; ``bnpo`` /
     ``token-mean`` mean over all tokens; ``dr_grpo`` sum / (sequences x max_completion_length);

@@ -162,7 +162,8 @@ def test_grpo_options_without_a_mapping_are_refused(changes, option):
         grpo_spec(fake_trainer(**changes))
 
 
-def test_sft_refuses_deepspeed_sequence_parallelism():
+def test_sft_refuses_deepspeed_sequence_parallelism(tmp_path, monkeypatch):
+    import headloss.integrations.trl as integration
     from headloss.integrations.trl import refuse_sequence_parallel
 
     def accelerator(**config):
@@ -173,6 +174,11 @@ def test_sft_refuses_deepspeed_sequence_parallelism():
     refuse_sequence_parallel(accelerator(sp_enabled=True, sp_backend="other"))
     with pytest.raises(ValueError, match="parallelism_config: DeepSpeed sequence parallelism"):
         refuse_sequence_parallel(accelerator(sp_enabled=True, sp_backend="deepspeed"))
+    # the trainer asks it about its own accelerator
+    seen = []
+    monkeypatch.setattr(integration, "refuse_sequence_parallel", seen.append)
+    trainer = sft(tmp_path, HeadLossSFTTrainer)
+    assert seen == [trainer.accelerator]
 
 
 @pytest.mark.parametrize("quantile", [1.0, 0.5])

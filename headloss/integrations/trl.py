@@ -41,7 +41,7 @@ Also mapped: vespo (``objective="vespo"``, ``vespo_k/lambda_pos/neg``, the vLLM 
 into phi as TRL does, aggregated as dapo); ``off_policy_mask_threshold`` (``Policy.off_policy_mask``,
 with TRL's ``sampling_per_token_logps`` as ``rollout_logprobs``); ``top_entropy_quantile``
 (``Policy.top_entropy_quantile``; over several processes the quantile is of all their tokens, as
-TRL's, through ``entropy_quantile_group``: one host wait per step); a static entropy
+TRL's, through ``entropy_quantile_group``: one host wait per call); a static entropy
 bonus (``entropy_coef``, and ``use_adaptive_entropy``'s controller: ``entropy_aggregation=
 "token-mean"``, divided by the accumulation steps as TRL does; ``policy_loss`` and ``entropy_coef``
 logged as TRL logs them).
