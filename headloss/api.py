@@ -604,21 +604,21 @@ def _base_plan(plan: KernelPlan, policy, shard) -> KernelPlan | None:
     pol = spec.policy
     if pol is None or policy is None or pol.importance_sampling != "token" or pol.off_policy_mask is not None:
         return None
-    if pol.objective in ("clip_cov", "kl_cov"):
+    covariance = pol.objective in ("clip_cov", "kl_cov")
+    if covariance:
         if not _policy_grad_in_forward(plan, policy, shard):
             return None
-        base_policy = cov_base_policy(pol)
     elif pol.top_entropy_quantile < 1.0 and pol.objective in ROW_LOCAL_OBJECTIVES:
         if (not _policy_grad_in_forward(plan, policy, shard, entropy_mask=True)
                 or (pol.entropy_coef != 0.0 and pol.entropy_aggregation == "token-mean")):
             return None
-        base_policy = pol.model_copy(update={"top_entropy_quantile": 1.0})
     else:
         return None
     # (eager here: _policy_grad_in_forward refuses torch.compile) the correction reads a count on the host
     if policy.mask.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
     if plan.key not in _BASES:
+        base_policy = cov_base_policy(pol) if covariance else pol.model_copy(update={"top_entropy_quantile": 1.0})
         base = compile_plan(spec.model_copy(update={"policy": base_policy}), has_targets=True)
         _BASES[plan.key] = base if base.mode == "fused" else None
     return _BASES[plan.key]

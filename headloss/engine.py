@@ -48,7 +48,6 @@ from .parallel import all_reduce_sum, gather_merged, handshake_verdict
 from .plan import KernelPlan, plan_from_key
 from .policy import (
     clip_cov_chosen,
-    cov_base_policy,
     high_entropy_metrics,
     kl_cov_chosen,
     masked_quantile,
@@ -562,7 +561,7 @@ def _cov_correction(run: LinearRun, hidden, weight, bias, targets, rows, grads: 
         pol.correction_metrics = {"ppo_kl": ((log_ratio.abs() * mask).sum() / count).float()}
     else:
         chosen = clip_cov_chosen(adv, logp, old, valid, policy)
-        d_base, base = _objective_slope(logp, old, adv, scale, cov_base_policy(policy))
+        d_base, base = _objective_slope(logp, old, adv, scale, plan.spec.policy)  # the base objective
         d_logp, added = -d_base, -base
         pol.correction_metrics = {"pg_clipfrac": ((chosen.to(mask.dtype) * mask).sum() / count).float()}
     # (clip_cov's draw already made a host read)
@@ -658,8 +657,7 @@ def _entropy_mask_correction(run: LinearRun, hidden, weight, bias, targets, rows
     delta = high.to(guess.dtype) - guess
     old = pol.old_logprobs if pol.old_logprobs is not None else logp
     scale = pol.weight * (pol.importance_weights if pol.importance_weights is not None else 1.0)
-    d_base, base = _objective_slope(logp, old, pol.advantages, scale,
-                                    policy.model_copy(update={"top_entropy_quantile": 1.0}))
+    d_base, base = _objective_slope(logp, old, pol.advantages, scale, plan.spec.policy)  # the unmasked one
     pol.correction_metrics = high_entropy_metrics(entropy, high, mask)
     _correct_rows(run, hidden, weight, bias, targets, delta != 0, delta * d_base, (delta * base).sum(), grads, loss,
                   means)

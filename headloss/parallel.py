@@ -177,19 +177,25 @@ class _GatherVocab(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, shard: VocabShard) -> torch.Tensor:
-        width = local.shape[-1]
-        device = comm_device(shard.group, local.device)
-        sizes = [w for (w,) in _gather_ints([width], shard.group, local.device)]
-        top = max(sizes)
-        padded = torch.nn.functional.pad(local.detach(), (0, top - width)).to(device).contiguous()
-        parts = [torch.empty_like(padded) for _ in range(shard.world)]
-        dist.all_gather(parts, padded, group=shard.group)
-        ctx.start, ctx.width = shard.vocab_start, width
+        parts, sizes = gather_padded(local.detach(), shard.group, 0.0)
+        ctx.start, ctx.width = shard.vocab_start, local.shape[-1]
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1).to(local.device)
 
     @staticmethod
     def backward(ctx, grad):
         return grad[..., ctx.start: ctx.start + ctx.width], None
+
+
+def gather_padded(local: torch.Tensor, group, fill: float) -> tuple[list[torch.Tensor], list[int]]:
+    """Every rank's ``local`` [..., n] (n may differ between ranks) padded with ``fill`` to the longest
+    on its last dimension, one tensor per rank on the group's device (the CPU for gloo), and each
+    rank's n: the widths are exchanged first (read on the host), then one all_gather."""
+    sizes = [n for (n,) in _gather_ints([local.shape[-1]], group, local.device)]
+    padded = torch.nn.functional.pad(local, (0, max(sizes) - local.shape[-1]), value=fill)
+    padded = padded.to(comm_device(group, local.device)).contiguous()
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return parts, sizes
 
 
 def gather_vocab(local: torch.Tensor, shard: VocabShard) -> torch.Tensor:

@@ -281,30 +281,23 @@ def masked_quantile(values: torch.Tensor, keep: torch.Tensor, q: float, group: A
 
     ``group``: the quantile of the kept values of every process of this torch.distributed group
     (TRL's gather across processes; in fp32 or the values' wider dtype, so that every process
-    compares its own values with the threshold it would get alone). Processes may hold different numbers of
-    rows: their counts are exchanged first, which makes the host wait once (as TRL's
-    pad_across_processes does); a process with no rows still takes part. Tensors travel on the
-    group's device (a gloo group's on the CPU)."""
+    compares its own values with the threshold it would get alone). Processes may hold different
+    numbers of rows: parallel.gather_padded exchanges their counts first, which makes the host wait
+    once (as TRL's pad_across_processes does), and pads with +inf (never kept); an all-reduce sums
+    the kept counts. A process with no rows still takes part."""
     candidates = torch.where(keep, values, math.inf)
     n = keep.sum()
     if group is not None:
         import torch.distributed as dist
 
-        from .parallel import all_gather_into, comm_device
+        from .parallel import comm_device, gather_padded
 
-        world = dist.get_world_size(group)
-        if world > 1:
-            here = comm_device(group, values.device)
-            sizes = torch.stack([torch.tensor(candidates.numel(), device=values.device), n]).to(here)
-            everyone = torch.empty(world * 2, device=here, dtype=sizes.dtype)
-            all_gather_into(everyone, sizes, group)
-            longest = int(everyone[0::2].max())  # the one host wait
+        if dist.get_world_size(group) > 1:
             wide = torch.promote_types(values.dtype, torch.float32)
-            padded = torch.full((longest,), math.inf, dtype=wide, device=here)
-            padded[:candidates.numel()] = candidates
-            gathered = torch.empty(longest * world, dtype=wide, device=here)
-            all_gather_into(gathered, padded, group)
-            candidates, n = gathered.to(values.device, values.dtype), everyone[1::2].sum().to(values.device)
+            parts, _ = gather_padded(candidates.to(wide), group, math.inf)
+            total = n.to(comm_device(group, values.device))
+            dist.all_reduce(total, group=group)
+            candidates, n = torch.cat(parts).to(values.device, values.dtype), total.to(values.device)
     if candidates.numel() == 0:  # no row anywhere
         return torch.tensor(math.inf, dtype=values.dtype, device=values.device)
     ordered = torch.sort(candidates).values
