@@ -12,15 +12,22 @@
 Cases (bf16 logits [N, V], 5% of targets ignored): ``ce`` (CE only) and ``full`` (CE + z-loss +
 token accuracy + predicted tokens + entropy metric; Liger: its CE with z-loss, accuracy and
 predicted tokens, without entropy). N in {512, 1024, 2048, 8192}, V in {32000, 128256, 151936}.
+RL-shaped cases, N = B x 256 completion tokens (the model's [B, 257, V] output, TRL's completion ids,
+per-sequence advantages, a loss mask ending each sequence at 90%):
+  ``grpo``         TRL's dapo loss with a k3 KL on the logits (shift=True; Liger: triton_grpo_loss)
+  ``gspo``         the same with sequence-level ratios: deferred mode, the objective in torch
+  ``score``        per-token log-probs and entropy without gradient (a rollout's scoring pass)
+  ``linear``       CE on the fused lm_head, H = 2048, hidden [N, H] (Liger: fused linear CE)
+  ``linear-grpo``  the grpo case on the fused lm_head from hidden [B, 257, H]
 ``floor``: an autograd Function with one Triton launch in forward and one in backward, computing
 nothing -- what any autograd-based fused loss pays per call on this host (hosts differ ~2x).
 ``headloss-1t``: the same call inside ``torch.autograd.set_multithreading_enabled(False)``, which
 runs the backward on the calling thread (no hand-off to autograd's CUDA device thread).
 
-  python -m benchmarks.bench_host [--rows 1024 8192] [--vocab 32000]
+  python -m benchmarks.bench_host [--rows 1024 8192] [--vocab 32000] [--cases ce grpo linear]
   taskset -c 4,5 python -m benchmarks.bench_host   # the results file: host times vary ~2x run to run unpinned
 
-Writes $OUT (or ./results)/bench_host.{json,csv,png}; prints a table.
+Writes $OUT (or ./results)/bench_host.{json,csv,png} (``--name``: another name); prints a table.
 """
 
 from __future__ import annotations
@@ -39,6 +46,16 @@ from benchmarks.common import Row, gpu_name, out_dir_default, pyplot, time_ms, w
 
 ROWS = (512, 1024, 2048, 8192)
 VOCABS = (32000, 128256, 151936)
+CASES = ("ce", "full", "grpo", "gspo", "score", "linear", "linear-grpo")
+RL_CASES = ("grpo", "gspo", "score", "linear", "linear-grpo")
+COMPLETION = 256  # tokens per sequence of the RL-shaped cases
+HIDDEN = 2048  # the lm_head cases' hidden size
+BETA, EPS = 0.04, 0.2
+GRPO_SPEC = headloss.LossSpec(cross_entropy=None, policy={"loss_type": "dapo", "kl_beta": BETA, "kl_estimator": "k3",
+                                                          "eps_low": EPS, "eps_high": EPS})
+GSPO_SPEC = headloss.LossSpec(cross_entropy=None, policy={"loss_type": "dapo", "importance_sampling": "sequence",
+                                                          "eps_low": 3e-4, "eps_high": 4e-4})
+SCORE_SPEC = headloss.LossSpec(cross_entropy=None, outputs=("logprobs", "entropy"))
 
 
 def synced_ms(step: Callable[[], object], reps: int = 100) -> float:
@@ -107,6 +124,91 @@ class _Floor(torch.autograd.Function):
         return grad
 
 
+def rl_batch(n: int, vocab: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The RL-shaped cases' inputs: B = n / COMPLETION sequences (at least 1)."""
+    batch, length = max(1, n // COMPLETION), COMPLETION
+    logits = (torch.randn(batch, length + 1, vocab, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+    ids = torch.randint(0, vocab, (batch, length), device="cuda", generator=gen)
+    with torch.no_grad():
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[..., None])[..., 0]
+    mask = torch.ones(batch, length, device="cuda")
+    mask[:, int(length * 0.9):] = 0
+    return dict(
+        logits=logits.requires_grad_(), ids=ids, adv=torch.randn(batch, device="cuda", generator=gen),
+        old=logp + 0.1 * torch.randn(logp.shape, device="cuda", generator=gen),
+        ref=logp + 0.1 * torch.randn(logp.shape, device="cuda", generator=gen), mask=mask, n_items=mask.sum(),
+        hidden=(torch.randn(batch, length + 1, HIDDEN, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+        .requires_grad_(),
+        weight=(torch.randn(vocab, HIDDEN, device="cuda", generator=gen) * 0.02).to(torch.bfloat16).requires_grad_(),
+    )
+
+
+def rl_providers(case: str, b: dict[str, torch.Tensor], y: torch.Tensor) -> dict[str, Callable[[], None]]:
+    """The RL-shaped cases' steps (zero-argument closures over ``b``, ``rl_batch``'s inputs)."""
+    x, ids, h, w = b["logits"], b["ids"], b["hidden"], b["weight"]
+    policy = dict(advantages=b["adv"], old_logprobs=b["old"], ref_logprobs=b["ref"], loss_mask=b["mask"],
+                  num_items_in_batch=b["n_items"])
+    table: dict[str, Callable[[], None]] = {}
+    if case == "grpo":
+        def ours():
+            x.grad = None
+            headloss.head_loss(x, ids, GRPO_SPEC, shift=True, **policy).loss.backward()
+
+        table["headloss"] = ours
+        try:
+            from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+            def liger():
+                x.grad = None
+                triton_grpo_loss(x, b["old"], b["ref"], ids, b["adv"], b["mask"], temperature=1.0, beta=BETA,
+                                 eps_low=EPS, eps_high=EPS, inplace=False, loss_type="dapo", reduce=True,
+                                 num_items_in_batch=b["n_items"])[0].backward()
+
+            table["liger"] = liger
+        except Exception as exc:  # a missing peer is a result
+            print(f"liger grpo unavailable: {exc}")
+    elif case == "gspo":
+        def ours():
+            x.grad = None
+            headloss.head_loss(x, ids, GSPO_SPEC, shift=True, advantages=b["adv"], old_logprobs=b["old"],
+                               loss_mask=b["mask"]).loss.backward()
+
+        table["headloss"] = ours
+    elif case == "score":
+        def ours():
+            with torch.no_grad():
+                out = headloss.head_loss(x, ids, SCORE_SPEC, shift=True)
+                out.logprobs, out.entropy  # noqa: B018 (what a scorer reads)
+
+        table["headloss"] = ours
+    elif case == "linear":
+        flat = h.detach()[:, :-1].reshape(-1, HIDDEN).contiguous().requires_grad_()
+        flat_y = y[: flat.shape[0]]
+
+        def ours():
+            flat.grad = w.grad = None
+            headloss.linear_head_loss(flat, w, flat_y).loss.backward()
+
+        table["headloss"] = ours
+        try:
+            from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+            def liger():
+                flat.grad = w.grad = None
+                LigerFusedLinearCrossEntropyFunction.apply(flat, w, flat_y, None, None, IGNORE)[0].backward()
+
+            table["liger"] = liger
+        except Exception as exc:
+            print(f"liger fused linear CE unavailable: {exc}")
+    elif case == "linear-grpo":
+        def ours():
+            h.grad = w.grad = None
+            headloss.linear_head_loss(h, w, ids, GRPO_SPEC, shift=True, **policy).loss.backward()
+
+        table["headloss"] = ours
+    return table
+
+
 def providers(case: str) -> dict[str, Callable[[torch.Tensor, torch.Tensor], None]]:
     spec = FULL_SPEC if case == "full" else CE_SPEC
     liger = liger_ce_fn()
@@ -144,8 +246,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     parser.add_argument("--vocab", type=int, nargs="+", default=list(VOCABS))
-    parser.add_argument("--cases", nargs="+", default=["ce", "full"])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--no-graph", action="store_true")
+    parser.add_argument("--name", default="bench_host", help="results file name (default bench_host)")
     args = parser.parse_args(argv)
     rows: list[Row] = []
     table: list[tuple] = []
@@ -155,9 +258,13 @@ def main(argv: list[str] | None = None) -> None:
             x = (torch.randn(n, vocab, device="cuda", generator=gen) * 2).to(torch.bfloat16).requires_grad_()
             y = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
             y[torch.rand(n, device="cuda", generator=gen) < 0.05] = IGNORE
+            batch = rl_batch(n, vocab, gen) if set(args.cases) & set(RL_CASES) else None
             for case in args.cases:
-                for name, fn in providers(case).items():
-                    step = lambda fn=fn, x=x, y=y: fn(x, y)  # noqa: E731
+                if case in RL_CASES:
+                    steps = rl_providers(case, batch, y)
+                else:
+                    steps = {name: (lambda fn=fn, x=x, y=y: fn(x, y)) for name, fn in providers(case).items()}
+                for name, step in steps.items():
                     for _ in range(3):
                         step()  # compile, warm up
                     b2b, _, _ = time_ms(step, reps=50)
@@ -169,18 +276,18 @@ def main(argv: list[str] | None = None) -> None:
                         rows.append(Row(case=case, provider=name, metric=metric, unit="ms", x_name="rows", x=n,
                                         p50=value, config=config, gpu=gpu_name()))
                     table.append((case, name, n, vocab, b2b, sync, host, graph))
-                    print(f"{case:5s} {name:9s} N={n:5d} V={vocab:6d}  b2b {b2b:7.3f}  synced {sync:7.3f}  "
+                    print(f"{case:11s} {name:11s} N={n:5d} V={vocab:6d}  b2b {b2b:7.3f}  synced {sync:7.3f}  "
                           f"host {host:7.3f}  graph {graph if graph is None else round(graph, 3)}", flush=True)
-            del x, y
+            del x, y, batch
             torch.cuda.empty_cache()
     out = out_dir_default()
-    write_rows(rows, out, "bench_host")
-    _plot(rows, out / "bench_host.png")
-    print(f"\n{'case':5s} {'provider':9s} {'N':>5s} {'V':>6s} {'b2b ms':>8s} {'synced':>8s} {'host':>8s} "
+    write_rows(rows, out, args.name)
+    _plot(rows, out / f"{args.name}.png")
+    print(f"\n{'case':11s} {'provider':11s} {'N':>5s} {'V':>6s} {'b2b ms':>8s} {'synced':>8s} {'host':>8s} "
           f"{'graph':>8s} {'sync/b2b':>8s}")
     for case, name, n, vocab, b2b, sync, host, graph in table:
         g = f"{graph:8.3f}" if graph is not None else "       -"
-        print(f"{case:5s} {name:9s} {n:5d} {vocab:6d} {b2b:8.3f} {sync:8.3f} {host:8.3f} {g} {sync / b2b:8.2f}")
+        print(f"{case:11s} {name:11s} {n:5d} {vocab:6d} {b2b:8.3f} {sync:8.3f} {host:8.3f} {g} {sync / b2b:8.2f}")
 
 
 def _plot(rows: list[Row], path) -> None:

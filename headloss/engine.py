@@ -491,18 +491,16 @@ def _spread(t: torch.Tensor, index: torch.Tensor | None, rows: int, fill: float)
 
 
 def _compact_index(run: LinearRun, targets, scratch, rows: int, verdict):
-    """The rows to compute when ignored rows are skipped: one host sync for their count, after which
-    the call's verdict is read in the call too (so validation costs nothing more). Never under
-    CUDA-graph capture or torch.compile (row counts would be data-dependent)."""
+    """The rows to compute when ignored rows are skipped: one host sync (nonzero's, for their count),
+    after which the call's verdict is read in the call too (so validation costs nothing more). Never
+    under CUDA-graph capture or torch.compile (row counts would be data-dependent)."""
     if not run.compact or targets is None or torch.compiler.is_compiling():
         return None
     if scratch.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    count = int(scratch[0])
+    index = (targets != run.ignore_index).nonzero().squeeze(1)  # waits for the stream: prepare has run
     settle(verdict, "sync", scratch.device)
-    if count == rows:
-        return None
-    return (targets != run.ignore_index).nonzero().squeeze(1)
+    return None if index.numel() == rows else index
 
 
 def _sequence_chunk_grad(run: LinearRun, logits, targets, teacher, rows, num_items, scratch, geo: Geometry,

@@ -506,6 +506,16 @@ def policy_extremes(means: dict[str, torch.Tensor], ratio, low, high, mask, coun
     """The metrics that are not token means: each sequence's clipped fractions (their min / max),
     the ratio's min / max over counted tokens, the clipped region; ratio/mean is 1 (not 0) when no
     token counts. ``means`` holds the token means (from the kernel's columns or from torch)."""
+    if _extremes_in_kernel(ratio, mask, inp):
+        from .kernels.head import launch_sequence_extremes  # (kernels.head imports this module, via plan)
+
+        values = launch_sequence_extremes(ratio.detach(), low, high, mask, count, means["clip_ratio/low_mean"],
+                                          means["clip_ratio/high_mean"], means["ratio/mean"], inp.n_slots,
+                                          inp.seq_len).unbind()
+        out = dict(zip(["clip_ratio/low_min", "clip_ratio/high_max", "ratio/min", "ratio/max",
+                        "clip_ratio/region_mean", "ratio/mean"], values))
+        out["pg_clipfrac"] = out["clip_ratio/region_mean"]  # verl's name
+        return out
     with torch.no_grad():
         ratio = ratio.detach()
         # per-sequence clipped fractions: one index_add over both indicators
@@ -533,6 +543,18 @@ def policy_extremes(means: dict[str, torch.Tensor], ratio, low, high, mask, coun
     out["pg_clipfrac"] = out["clip_ratio/region_mean"]  # verl's name
     out["ratio/mean"] = torch.where(count > 0, means["ratio/mean"], 1.0)
     return out
+
+
+def _extremes_in_kernel(ratio: torch.Tensor, mask: torch.Tensor, inp: PolicyInputs) -> bool:
+    """policy_extremes by two Triton launches: rows of [B, T] (no sequence_ids) on the kernels' device,
+    outside torch.compile; the ~30 small torch ops cost a synchronised call more host time than its
+    kernel at RL micro-batch shapes (benchmarks/bench_host.py)."""
+    from .inputs import _INTERPRETER  # (inputs imports this module)
+
+    return (inp.sequence_ids is None and isinstance(inp.seq_len, int) and inp.n_slots > 0 and inp.seq_len > 0
+            and ratio.dim() == 1 and ratio.numel() == inp.n_slots * inp.seq_len and mask.is_contiguous()
+            and mask.dtype == torch.float32 and (mask.is_cuda or _INTERPRETER)
+            and not torch.compiler.is_compiling())
 
 
 def policy_inputs(

@@ -277,3 +277,49 @@ def torchrun(script: str, out_dir, timeout: int = 900) -> dict:
     found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and found, done.stderr[-3000:]
     return json.loads(found[0][len("RESULT "):])
+
+
+def check_sequence_extremes(device, batch: int, length: int, strided: bool, nan: bool, empty: str, seed: int) -> None:
+    """policy_extremes on [B, T] rows (two launches) against the torch ops it replaces, on ``device``
+    (tests/test_policy.py, tests/test_gpu.py)."""
+    import headloss.policy as P
+    from headloss.policy import PolicyInputs, policy_extremes
+
+    gen = torch.Generator(device).manual_seed(seed)
+    n = batch * length
+    mask = (torch.rand(n, generator=gen, device=device) < 0.7).float()
+    if empty == "one":
+        mask[:length] = 0
+    elif empty == "all":
+        mask.zero_()
+    ratio = torch.rand(n, generator=gen, device=device) * 2 + 0.1
+    if nan:
+        ratio[n // 2] = math.nan
+    low = (torch.rand(n, generator=gen, device=device) < 0.3).float()
+    high = (torch.rand(n, generator=gen, device=device) < 0.3).float()
+    if strided:  # the kernel path's columns of the packed rows
+        packed = torch.randn(n, 5, generator=gen, device=device)
+        packed[:, 1], packed[:, 3], packed[:, 4] = low, high, ratio
+        low, high, ratio = packed[:, 1], packed[:, 3], packed[:, 4]
+    means = {name: torch.rand((), generator=gen, device=device)
+             for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "ratio/mean")}
+    inp = PolicyInputs(advantages=torch.zeros(n, device=device), old_logprobs=None, ref_logprobs=None,
+                       importance_weights=None, seq=None, n_slots=batch, n_seq=batch, seq_len=length,
+                       num_items_in_batch=None)
+    count = mask.sum()
+    assert P._extremes_in_kernel(ratio, mask, inp)
+    kernel = policy_extremes(means, ratio, low, high, mask, count, inp)
+    original = P._extremes_in_kernel
+    P._extremes_in_kernel = lambda *args: False
+    try:
+        ops = policy_extremes(means, ratio, low, high, mask, count, inp)
+    finally:
+        P._extremes_in_kernel = original
+    assert kernel.keys() == ops.keys()
+    for name, value in kernel.items():
+        assert value.dtype == ops[name].dtype == torch.float32, name
+        assert torch.equal(value, ops[name]) or (value.isnan() and ops[name].isnan()), (name, value, ops[name])
+    if empty == "all":
+        assert float(kernel["ratio/min"]) == 1.0 and float(kernel["clip_ratio/low_min"]) == 0.0
+    elif nan:
+        assert kernel["ratio/min"].isnan() == bool(mask[n // 2])

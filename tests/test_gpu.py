@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from conftest import check_sequence_extremes
 
 import headloss
 from headloss.engine import INLINE_PREPARE_SLOTS
@@ -310,6 +311,50 @@ def test_linear_head_with_teacher_hidden_and_policy_matches_eager():
     assert abs(out.loss.item() - ref.loss.item()) < 5e-3 * max(1.0, abs(ref.loss.item()))
     for got, leaf in zip(grads, (hidden, weight)):
         assert got.norm() > 0 and _rel(got, leaf.grad) < 3e-2
+
+
+@pytest.mark.parametrize("case", [(4, 96, False, False, "one"), (33, 1500, True, True, "none"),
+                                  (7, 3, True, False, "all"), (300, 17, False, False, "none")])
+def test_sequence_extremes_kernel_equals_the_torch_ops(case):
+    check_sequence_extremes("cuda", *case, seed=5)
+
+
+def test_lm_head_grpo_metrics_match_fp64_reference_without_a_host_sync():
+    """TRL-shaped GRPO on the fused lm_head (completion ids, a loss mask, num_items on the device) with
+    compact=False: no host sync in the call or its backward (the per-sequence clip extremes are two
+    launches, not torch ops that could read the device), and every policy metric as the reference's."""
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    b, t, h, v = 4, 96, 512, 32000
+    hidden = torch.randn(b, t + 1, h, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(v, h, device="cuda", generator=gen) / 8).to(torch.bfloat16).requires_grad_()
+    ids = torch.randint(0, v, (b, t), device="cuda", generator=gen)
+    logits = torch.nn.functional.linear(hidden.detach().double(), weight.detach().double())[:, :-1]
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0].float()
+    mask = torch.ones(b, t, device="cuda")
+    mask[:, 80:] = 0
+    mask[1, 40:] = 0
+    inputs = dict(advantages=torch.randn(b, device="cuda", generator=gen),
+                  old_logprobs=logp + 0.3 * torch.randn(b, t, device="cuda", generator=gen),
+                  ref_logprobs=logp + 0.1 * torch.randn(b, t, device="cuda", generator=gen), loss_mask=mask,
+                  num_items_in_batch=mask.sum())
+    spec = headloss.LossSpec(cross_entropy=None, policy={"loss_type": "dapo", "kl_beta": 0.04})
+    headloss.linear_head_loss(hidden, weight, ids, spec, shift=True, compact=False, **inputs).loss.backward()
+    hidden.grad = weight.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = headloss.linear_head_loss(hidden, weight, ids, spec, shift=True, compact=False, **inputs)
+        out.loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = headloss.reference_head_loss(logits, ids, spec, **inputs)
+    assert abs(out.loss.item() - ref.loss.item()) < 1e-2 * max(1.0, abs(ref.loss.item()))
+    names = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+             "clip_ratio/high_max", "ratio/mean", "ratio/min", "ratio/max", "kl")
+    for name in names:  # bf16 logits: a clip indicator at its boundary may flip (1/40 of a sequence at most)
+        got, want = float(out.metrics[name]), float(ref.metrics[name])
+        assert abs(got - want) <= 0.03 * max(1.0, abs(want)), (name, got, want)
+    assert 0 < float(out.metrics["clip_ratio/high_max"]) < 1 and float(out.metrics["ratio/max"]) > 1.2
 
 
 # --- the kernel boundary: compile, CUDA graphs, shift, validation, the launch fast path ------------

@@ -665,6 +665,81 @@ def finish_kernel(rows, loss, means, scratch, num_items, policy, geo, F: tl.cons
 
 
 @triton.jit
+def sequence_extremes_kernel(
+    ratio, low, high,  # (n_seq * seq_len,) fp32 columns (strided), 0/1 indicators for low and high
+    mask,  # (n_seq * seq_len,) fp32, 1 where a token counts
+    part,  # (n_seq, 4) fp32 out: low fraction, -high fraction (inf: no token), ratio min, -ratio max
+    stride_r, stride_l, stride_h, seq_len,
+    BLOCK: tl.constexpr,
+):
+    """One program per sequence of ``seq_len`` rows: its clipped fractions and its counted tokens'
+    ratio extremes (NaN if a counted ratio is NaN, as torch's amin), for extremes_finish_kernel."""
+    s = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    n_low = tl.zeros([BLOCK], tl.float32)
+    n_high = tl.zeros([BLOCK], tl.float32)
+    n_tok = tl.zeros([BLOCK], tl.float32)
+    r_min = tl.full([BLOCK], float("inf"), tl.float32)
+    r_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    nan = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, seq_len, BLOCK):
+        t = start + offs
+        inside = t < seq_len
+        i = s * seq_len + t
+        m = tl.load(mask + i, mask=inside, other=0.0).to(tl.float32)
+        n_low += tl.load(low + i * stride_l, mask=inside, other=0.0).to(tl.float32) * m
+        n_high += tl.load(high + i * stride_h, mask=inside, other=0.0).to(tl.float32) * m
+        n_tok += m
+        r = tl.load(ratio + i * stride_r, mask=inside, other=1.0).to(tl.float32)
+        keep = m > 0
+        nan |= (keep & (r != r)).to(tl.int32)
+        r_min = tl.where(keep & (r == r), tl.minimum(r_min, r), r_min)
+        r_max = tl.where(keep & (r == r), tl.maximum(r_max, r), r_max)
+    tokens = tl.sum(n_tok, axis=0)
+    # correctly rounded, as torch divides (the GPU's default fp32 division is within 2 ulp)
+    low_frac = tl.math.div_rn(tl.sum(n_low, axis=0), tl.maximum(tokens, 1.0))
+    high_frac = tl.math.div_rn(tl.sum(n_high, axis=0), tl.maximum(tokens, 1.0))
+    has_nan = tl.max(nan, axis=0) != 0
+    lowest = tl.where(has_nan, float("nan"), tl.min(r_min, axis=0))
+    highest = tl.where(has_nan, float("nan"), tl.max(r_max, axis=0))
+    out = part + s * 4
+    tl.store(out, tl.where(tokens > 0, low_frac, float("inf")))
+    tl.store(out + 1, tl.where(tokens > 0, -high_frac, float("inf")))
+    tl.store(out + 2, lowest)
+    tl.store(out + 3, -highest)
+
+
+@triton.jit
+def extremes_finish_kernel(
+    part,  # (n_seq, 4) fp32 from sequence_extremes_kernel
+    count,  # (1,) counted tokens, any dtype
+    low_mean, high_mean, ratio_mean,  # () fp32 token means
+    out,  # (6,) fp32: low_min, high_max, ratio min, ratio max, clipped region mean, ratio mean
+    n_seq,
+    BLOCK: tl.constexpr,
+):
+    """The minima over sequences (NaN wins), and the values of a call with no counted token:
+    clipped fractions 0, ratios 1."""
+    offs = tl.arange(0, BLOCK)
+    cols = tl.arange(0, 4)
+    acc = tl.full([BLOCK, 4], float("inf"), tl.float32)
+    nan = tl.zeros([BLOCK, 4], tl.int32)
+    for start in range(0, n_seq, BLOCK):
+        i = start + offs
+        v = tl.load(part + i[:, None] * 4 + cols[None, :], mask=(i < n_seq)[:, None], other=float("inf"))
+        nan |= (v != v).to(tl.int32)
+        acc = tl.where(v == v, tl.minimum(acc, v), acc)
+    lowest = tl.min(acc, axis=0)
+    lowest = tl.where(tl.max(nan, axis=0) != 0, float("nan"), lowest)
+    sign = tl.where(cols % 2 == 0, 1.0, -1.0)
+    counted = tl.load(count).to(tl.float32) > 0
+    default = tl.where(cols >= 2, 1.0, 0.0)
+    tl.store(out + cols, tl.where(counted, lowest * sign, default))
+    tl.store(out + 4, tl.load(low_mean).to(tl.float32) + tl.load(high_mean).to(tl.float32))
+    tl.store(out + 5, tl.where(counted, tl.load(ratio_mean).to(tl.float32), 1.0))
+
+
+@triton.jit
 def scale_grad_kernel(
     grad,  # (rows, V) addressed through geo.g_stride_*
     scale,  # () or (1,) fp32: the upstream d loss
@@ -985,6 +1060,22 @@ def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d
         num_items=num_items, scratch=scratch, stats=stats, geo=geo, S=plan.scalars, F=plan.flags, C=plan.cols,
         BLOCK_V=cfg.block_v,
     )
+
+
+def launch_sequence_extremes(ratio: torch.Tensor, low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor,
+                             count: torch.Tensor, low_mean: torch.Tensor, high_mean: torch.Tensor,
+                             ratio_mean: torch.Tensor, n_seq: int, seq_len: int) -> torch.Tensor:
+    """(6,) fp32 [low_min, high_max, ratio min, ratio max, clipped region mean, ratio mean] of tokens
+    in ``n_seq`` sequences of ``seq_len`` rows (1-D columns of any stride, ``mask`` contiguous): two
+    launches where torch took about 30 small ops (policy.policy_extremes)."""
+    part = torch.empty(n_seq, 4, dtype=torch.float32, device=mask.device)
+    out = torch.empty(6, dtype=torch.float32, device=mask.device)
+    block = min(1024, max(16, triton.next_power_of_2(seq_len)))
+    launch(sequence_extremes_kernel, n_seq, 4, ratio=ratio, low=low, high=high, mask=mask, part=part,
+           stride_r=ratio.stride(0), stride_l=low.stride(0), stride_h=high.stride(0), seq_len=seq_len, BLOCK=block)
+    launch(extremes_finish_kernel, 1, 4, part=part, count=count, low_mean=low_mean, high_mean=high_mean,
+           ratio_mean=ratio_mean, out=out, n_seq=n_seq, BLOCK=256)
+    return out
 
 
 def scale_grad_(grad: torch.Tensor, scale: torch.Tensor, geo: Geometry) -> torch.Tensor:
