@@ -291,28 +291,31 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _plot(rows: list[Row], path) -> None:
+    """One panel per case and vocabulary: synchronised and host time per call against N, each provider."""
     try:
         plt = pyplot()
     except Exception as exc:
         print(f"no plot: {exc}")
         return
     vocabs = sorted({r.config["vocab"] for r in rows})
-    fig, axes = plt.subplots(1, len(vocabs), figsize=(5 * len(vocabs), 4), squeeze=False)
-    for ax, vocab in zip(axes[0], vocabs):
-        for (case, provider, metric) in sorted({(r.case, r.provider, r.metric) for r in rows}):
-            pts = sorted((r.x, r.p50) for r in rows if r.config["vocab"] == vocab and r.case == case
-                         and r.provider == provider and r.metric == metric and r.p50 is not None)
-            if pts and metric in ("synced", "host", "graph"):
-                ax.plot(*zip(*pts), marker="o", label=f"{provider} {case} {metric}",
-                        linestyle="-" if provider == "headloss" else "--")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"V = {vocab}")
-        ax.set_xlabel("rows N")
-        ax.set_ylabel("ms per fwd+bwd call")
-    axes[0][0].legend(fontsize=6)
+    cases = [c for c in CASES if any(r.case == c for r in rows)]
+    fig, axes = plt.subplots(len(cases), len(vocabs), figsize=(5 * len(vocabs), 3.2 * len(cases)), squeeze=False)
+    for axes_row, case in zip(axes, cases):
+        for ax, vocab in zip(axes_row, vocabs):
+            for provider, metric in sorted({(r.provider, r.metric) for r in rows if r.case == case}):
+                pts = sorted((r.x, r.p50) for r in rows if r.config["vocab"] == vocab and r.case == case
+                             and r.provider == provider and r.metric == metric and r.p50 is not None)
+                if pts and metric in ("synced", "host", "graph"):
+                    ax.plot(*zip(*pts), marker="o", label=f"{provider} {metric}",
+                            linestyle={"synced": "-", "host": "--", "graph": ":"}[metric])
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{case}, V = {vocab}")
+            ax.set_xlabel("rows N")
+            ax.set_ylabel("ms per call")
+            ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
