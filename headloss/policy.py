@@ -524,7 +524,7 @@ def policy_extremes(means: dict[str, torch.Tensor], ratio, low, high, mask, coun
         )
         has_tokens = per_seq[2] > 0
         frac = per_seq[:2] / per_seq[2].clamp(min=1.0)
-        big = torch.finfo(mask.dtype).max
+        big = math.inf  # (as the reference and the kernel path: an infinite ratio is its own extreme)
         keep = mask > 0
         # no torch.tensor(python values) here: a host-to-device copy would sync the stream
         defaults = (torch.arange(4, device=mask.device) >= 2).to(mask.dtype)  # clipped 0, ratios 1

@@ -279,7 +279,8 @@ def torchrun(script: str, out_dir, timeout: int = 900) -> dict:
     return json.loads(found[0][len("RESULT "):])
 
 
-def check_sequence_extremes(device, batch: int, length: int, strided: bool, nan: bool, empty: str, seed: int) -> None:
+def check_sequence_extremes(device, batch: int, length: int, strided: bool, nan: bool, empty: str, seed: int,
+                            inf: bool = False) -> None:
     """policy_extremes on [B, T] rows (two launches) against the torch ops it replaces, on ``device``
     (tests/test_policy.py, tests/test_gpu.py)."""
     import headloss.policy as P
@@ -293,6 +294,8 @@ def check_sequence_extremes(device, batch: int, length: int, strided: bool, nan:
     elif empty == "all":
         mask.zero_()
     ratio = torch.rand(n, generator=gen, device=device) * 2 + 0.1
+    if inf:  # every ratio infinite (old log-probs of -inf): the extremes are inf, not fp32's max
+        ratio.fill_(math.inf)
     if nan:
         ratio[n // 2] = math.nan
     low = (torch.rand(n, generator=gen, device=device) < 0.3).float()
@@ -321,5 +324,7 @@ def check_sequence_extremes(device, batch: int, length: int, strided: bool, nan:
         assert torch.equal(value, ops[name]) or (value.isnan() and ops[name].isnan()), (name, value, ops[name])
     if empty == "all":
         assert float(kernel["ratio/min"]) == 1.0 and float(kernel["clip_ratio/low_min"]) == 0.0
-    elif nan:
-        assert kernel["ratio/min"].isnan() == bool(mask[n // 2])
+    elif nan and mask[n // 2]:
+        assert kernel["ratio/min"].isnan()
+    elif inf:
+        assert float(kernel["ratio/min"]) == math.inf

@@ -753,10 +753,10 @@ def test_kernel_matches_reference_for_random_policy_specs_with_auxiliary_terms(p
 @needs_kernel
 @settings(max_examples=25, deadline=None, derandomize=True, database=None)
 @given(batch=st.integers(1, 40), length=st.integers(1, 1100), strided=st.booleans(), nan=st.booleans(),
-       empty=st.sampled_from(["none", "one", "all"]), seed=st.integers(0, 2**16))
-def test_sequence_extremes_kernel_equals_the_torch_ops(batch, length, strided, nan, empty, seed):
+       empty=st.sampled_from(["none", "one", "all"]), seed=st.integers(0, 2**16), inf=st.booleans())
+def test_sequence_extremes_kernel_equals_the_torch_ops(batch, length, strided, nan, empty, seed, inf):
     """policy_extremes on [B, T] rows launches sequence_extremes_kernel + extremes_finish_kernel; the
     torch ops it replaces (the path of rows with sequence_ids) give the same values bit for bit: an
     empty sequence is left out of the clipped fractions' extremes, a NaN ratio at a counted token
     makes the ratio extremes NaN, and with no counted token the fractions are 0 and the ratios 1."""
-    check_sequence_extremes("cpu", batch, length, strided, nan, empty, seed)
+    check_sequence_extremes("cpu", batch, length, strided, nan, empty, seed, inf)
