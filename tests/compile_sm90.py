@@ -82,7 +82,8 @@ def launches(call) -> list:
     """(kernel, kwargs) of every launch ``call()`` makes."""
     log: list = []
     names = ("prepare_kernel", "head_kernel", "head_backward_kernel", "finish_kernel", "scale_grad_kernel",
-             "shard_stats_kernel", "merge_stats_kernel", "shard_jsd_kernel")
+             "shard_stats_kernel", "merge_stats_kernel", "shard_jsd_kernel", "sequence_extremes_kernel",
+             "extremes_finish_kernel")
     real = {name: getattr(head, name) for name in names}
     try:
         for name in names:
