@@ -42,6 +42,7 @@ import triton.language as tl
 
 import headloss
 from benchmarks.bench_head import CE_SPEC, FULL_SPEC, IGNORE, Z_WEIGHT, liger_ce_fn
+from benchmarks.bench_terms import grpo_batch
 from benchmarks.common import Row, gpu_name, out_dir_default, pyplot, time_ms, write_rows
 
 ROWS = (512, 1024, 2048, 8192)
@@ -124,19 +125,14 @@ class _Floor(torch.autograd.Function):
         return grad
 
 
-def rl_batch(n: int, vocab: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """The RL-shaped cases' inputs: B = n / COMPLETION sequences (at least 1)."""
+def rl_batch(n: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    """The RL-shaped cases' inputs: B = n / COMPLETION sequences (at least 1), bench_terms.grpo_batch's
+    logits and policy inputs, and hidden states and an lm_head weight for the lm_head cases."""
     batch, length = max(1, n // COMPLETION), COMPLETION
-    logits = (torch.randn(batch, length + 1, vocab, device="cuda", generator=gen) * 2).to(torch.bfloat16)
-    ids = torch.randint(0, vocab, (batch, length), device="cuda", generator=gen)
-    with torch.no_grad():
-        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[..., None])[..., 0]
-    mask = torch.ones(batch, length, device="cuda")
-    mask[:, int(length * 0.9):] = 0
+    logits, ids, adv, old, ref, mask = grpo_batch(seed, batch, length, vocab)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
     return dict(
-        logits=logits.requires_grad_(), ids=ids, adv=torch.randn(batch, device="cuda", generator=gen),
-        old=logp + 0.1 * torch.randn(logp.shape, device="cuda", generator=gen),
-        ref=logp + 0.1 * torch.randn(logp.shape, device="cuda", generator=gen), mask=mask, n_items=mask.sum(),
+        logits=logits.requires_grad_(), ids=ids, adv=adv, old=old, ref=ref, mask=mask, n_items=mask.sum(),
         hidden=(torch.randn(batch, length + 1, HIDDEN, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
         .requires_grad_(),
         weight=(torch.randn(vocab, HIDDEN, device="cuda", generator=gen) * 0.02).to(torch.bfloat16).requires_grad_(),
@@ -258,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
             x = (torch.randn(n, vocab, device="cuda", generator=gen) * 2).to(torch.bfloat16).requires_grad_()
             y = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
             y[torch.rand(n, device="cuda", generator=gen) < 0.05] = IGNORE
-            batch = rl_batch(n, vocab, gen) if set(args.cases) & set(RL_CASES) else None
+            batch = rl_batch(n, vocab, seed=1) if set(args.cases) & set(RL_CASES) else None
             for case in args.cases:
                 if case in RL_CASES:
                     steps = rl_providers(case, batch, y)

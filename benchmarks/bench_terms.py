@@ -105,12 +105,12 @@ def distill_case(rows: list[Row], n: int, cfg: dict, names) -> None:
             torch.cuda.empty_cache()
 
 
-def grpo_batch(seed: int, batch: int, length: int):
+def grpo_batch(seed: int, batch: int, length: int, vocab: int = V):
     """The model's [B, L + 1, V] logits, completion ids, advantages, old / ref log-probs near the
     current ones, and a completion mask ending each sequence at 90% of L."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    pristine = torch.randn(batch, length + 1, V, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
-    ids = torch.randint(0, V, (batch, length), device="cuda", generator=gen)
+    pristine = torch.randn(batch, length + 1, vocab, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
+    ids = torch.randint(0, vocab, (batch, length), device="cuda", generator=gen)
     adv = torch.randn(batch, device="cuda", generator=gen)
     with torch.no_grad():
         logp = torch.log_softmax(pristine[:, :-1].float(), -1).gather(-1, ids[..., None])[..., 0]

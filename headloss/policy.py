@@ -509,39 +509,38 @@ def policy_extremes(means: dict[str, torch.Tensor], ratio, low, high, mask, coun
     if _extremes_in_kernel(ratio, mask, inp):
         from .kernels.head import launch_sequence_extremes  # (kernels.head imports this module, via plan)
 
-        values = launch_sequence_extremes(ratio.detach(), low, high, mask, count, means["clip_ratio/low_mean"],
-                                          means["clip_ratio/high_mean"], means["ratio/mean"], inp.n_slots,
-                                          inp.seq_len).unbind()
-        out = dict(zip(["clip_ratio/low_min", "clip_ratio/high_max", "ratio/min", "ratio/max",
-                        "clip_ratio/region_mean", "ratio/mean"], values))
-        out["pg_clipfrac"] = out["clip_ratio/region_mean"]  # verl's name
-        return out
-    with torch.no_grad():
-        ratio = ratio.detach()
-        # per-sequence clipped fractions: one index_add over both indicators
-        per_seq = torch.zeros(3, inp.n_slots, dtype=mask.dtype, device=mask.device).index_add_(
-            1, seq_of(inp), torch.stack([low * mask, high * mask, mask])
-        )
-        has_tokens = per_seq[2] > 0
-        frac = per_seq[:2] / per_seq[2].clamp(min=1.0)
-        big = math.inf  # (as the reference and the kernel path: an infinite ratio is its own extreme)
-        keep = mask > 0
-        # no torch.tensor(python values) here: a host-to-device copy would sync the stream
-        defaults = (torch.arange(4, device=mask.device) >= 2).to(mask.dtype)  # clipped 0, ratios 1
-        if inp.n_slots and ratio.numel():
-            extremes = torch.stack([
-                torch.where(has_tokens, frac[0], big).amin(),
-                torch.where(has_tokens, frac[1], -big).amax(),
-                torch.where(keep, ratio, big).amin(),
-                torch.where(keep, ratio, -big).amax(),
-            ])
-            extremes = torch.where(count > 0, extremes, defaults)  # nothing counted: never +-inf
-        else:
-            extremes = defaults
-    out = dict(zip(["clip_ratio/low_min", "clip_ratio/high_max", "ratio/min", "ratio/max"], extremes.float().unbind()))
-    out["clip_ratio/region_mean"] = means["clip_ratio/low_mean"] + means["clip_ratio/high_mean"]
-    out["pg_clipfrac"] = out["clip_ratio/region_mean"]  # verl's name
-    out["ratio/mean"] = torch.where(count > 0, means["ratio/mean"], 1.0)
+        *extremes, region, ratio_mean = launch_sequence_extremes(
+            ratio.detach(), low, high, mask, count, means["clip_ratio/low_mean"], means["clip_ratio/high_mean"],
+            means["ratio/mean"], inp.n_slots, inp.seq_len).unbind()
+    else:
+        with torch.no_grad():
+            ratio = ratio.detach()
+            # per-sequence clipped fractions: one index_add over both indicators
+            per_seq = torch.zeros(3, inp.n_slots, dtype=mask.dtype, device=mask.device).index_add_(
+                1, seq_of(inp), torch.stack([low * mask, high * mask, mask])
+            )
+            has_tokens = per_seq[2] > 0
+            frac = per_seq[:2] / per_seq[2].clamp(min=1.0)
+            big = math.inf  # (as the reference and the kernel path: an infinite ratio is its own extreme)
+            keep = mask > 0
+            # no torch.tensor(python values) here: a host-to-device copy would sync the stream
+            defaults = (torch.arange(4, device=mask.device) >= 2).to(mask.dtype)  # clipped 0, ratios 1
+            if inp.n_slots and ratio.numel():
+                values = torch.stack([
+                    torch.where(has_tokens, frac[0], big).amin(),
+                    torch.where(has_tokens, frac[1], -big).amax(),
+                    torch.where(keep, ratio, big).amin(),
+                    torch.where(keep, ratio, -big).amax(),
+                ])
+                values = torch.where(count > 0, values, defaults)  # nothing counted: never +-inf
+            else:
+                values = defaults
+        extremes = values.float().unbind()
+        region = means["clip_ratio/low_mean"] + means["clip_ratio/high_mean"]
+        ratio_mean = torch.where(count > 0, means["ratio/mean"], 1.0)
+    out = dict(zip(["clip_ratio/low_min", "clip_ratio/high_max", "ratio/min", "ratio/max"], extremes))
+    out["clip_ratio/region_mean"] = out["pg_clipfrac"] = region  # (pg_clipfrac: verl's name)
+    out["ratio/mean"] = ratio_mean
     return out
 
 
@@ -549,11 +548,11 @@ def _extremes_in_kernel(ratio: torch.Tensor, mask: torch.Tensor, inp: PolicyInpu
     """policy_extremes by two Triton launches: rows of [B, T] (no sequence_ids) on the kernels' device,
     outside torch.compile; the ~30 small torch ops cost a synchronised call more host time than its
     kernel at RL micro-batch shapes (benchmarks/bench_host.py)."""
-    from .inputs import _INTERPRETER  # (inputs imports this module)
+    from .inputs import resolve_backend  # (inputs imports this module)
 
     return (inp.sequence_ids is None and isinstance(inp.seq_len, int) and inp.n_slots > 0 and inp.seq_len > 0
             and ratio.dim() == 1 and ratio.numel() == inp.n_slots * inp.seq_len and mask.is_contiguous()
-            and mask.dtype == torch.float32 and (mask.is_cuda or _INTERPRETER)
+            and mask.dtype == torch.float32 and resolve_backend("auto", mask.device, mask.dtype) == "triton"
             and not torch.compiler.is_compiling())
 
 
