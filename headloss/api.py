@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .engine import HeadFunction, HeadRun, LinearFunction, LinearRun
+from .engine import HeadFunction, HeadRun, LinearFunction, LinearRun, policy_objective_in_kernel
 from .inputs import (
     KERNEL_DTYPES,
     Backend,
@@ -34,7 +34,7 @@ from .inputs import (
 from .output import HeadLossOutput, assemble, assemble_deferred, column
 from .parallel import dtensor_shard, gather_vocab, handshake, is_dtensor, rows_shard, shard_of
 from .plan import KernelPlan, compile_plan
-from .policy import cov_base_policy, policy_extremes, policy_inputs, policy_objective
+from .policy import cov_base_policy, objective_in_kernel, policy_extremes, policy_inputs, policy_objective
 from .reference import reference_head_loss
 from .spec import ROW_LOCAL_OBJECTIVES, LossSpec
 
@@ -304,6 +304,8 @@ def _policy_terms(plan: KernelPlan, loss, rows, means, scratch, pol, kernel_sequ
         clip_low, clip_high = column(rows, plan, "clip_low"), column(rows, plan, "clip_high")
         return loss, policy_extremes(token_means, column(rows, plan, "ratio"), clip_low, clip_high, pol.mask,
                                      scratch[0], pol)
+    if loss.dim() == 0 and objective_in_kernel(spec.policy, pol, rows):
+        return policy_objective_in_kernel(plan, loss, rows, pol)
     entropy = column(rows, plan, "entropy")
     policy_loss, metrics = policy_objective(column(rows, plan, "logp"), entropy, pol.mask, spec.policy, pol)
     loss = loss + policy_loss

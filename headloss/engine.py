@@ -31,12 +31,14 @@ import torch
 from .inputs import CheckContext, Normaliser, settle, verdict_slot
 from .kernels.head import (
     GEO_INTS,
+    OBJECTIVE_OUT,
     SCRATCH,
     Geometry,
     PolicyRows,
     launch_backward,
     launch_finish,
     launch_head,
+    launch_policy_objective,
     launch_shard_jsd,
     launch_shard_stats,
     prepare,
@@ -45,12 +47,14 @@ from .kernels.head import (
     scratch_size,
 )
 from .parallel import all_reduce_sum, gather_merged, handshake_verdict
-from .plan import KernelPlan, plan_from_key
+from .plan import KernelPlan, objective_flags, plan_from_key
 from .policy import (
+    PolicyInputs,
     clip_cov_chosen,
     high_entropy_metrics,
     kl_cov_chosen,
     masked_quantile,
+    objective_in_kernel,
     policy_objective,
     token_objective,
 )
@@ -340,6 +344,64 @@ def _scale(grad: torch.Tensor, d_loss: torch.Tensor, geo: Geometry) -> torch.Ten
     return scale_grad_(grad, d_loss, geo)
 
 
+# --- the deferred mode's policy term by kernels -----------------------------------------------------
+
+
+def _objective_launch(plan: KernelPlan, rows: torch.Tensor, inp: PolicyInputs, **kwargs):
+    """launch_policy_objective on the deferred mode's packed rows and flat policy inputs."""
+    pol = plan.spec.policy
+    cols = plan.cols
+    flags = objective_flags(pol)
+    entropy = rows[:, cols.entropy] if cols.entropy >= 0 else None
+    return launch_policy_objective(
+        flags, plan.scalars, logp=rows[:, cols.logp], entropy=entropy, old=inp.old_logprobs, ref=inp.ref_logprobs,
+        adv=inp.advantages, iw=inp.importance_weights, mask=inp.mask, weight=inp.weight,
+        sampled=inp.rollout_logprobs if inp.rollout_logprobs is not None else inp.old_logprobs,
+        count=inp.mask.sum() if flags.ENT_TOKEN_MEAN else None, n_seq=inp.n_slots, seq_len=inp.seq_len,
+        off_policy=pol.off_policy_mask if pol.off_policy_mask is not None else 0.0, d_cols=cols.N,
+        col_logp=cols.logp, col_ent=cols.entropy if flags.ENT_BONUS else -1, **kwargs)
+
+
+class PolicyObjectiveFunction(torch.autograd.Function):
+    """apply(loss, rows, plan, inp) -> (loss + the policy term, metrics (OBJECTIVE_OUT)): the deferred
+    mode's policy objective on its packed rows, by two launches; the backward hands d loss / d rows
+    (computed in forward, for one unit of upstream gradient) to the head's backward kernel."""
+
+    @staticmethod
+    def forward(ctx, loss, rows, plan: KernelPlan, inp: PolicyInputs):
+        total, out, d_rows = _objective_launch(plan, rows, inp, base_loss=loss, grad=ctx.needs_input_grad[1])
+        ctx.save_for_backward(d_rows)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(out)
+        return total, out
+
+    @staticmethod
+    def backward(ctx, d_total, _):
+        if d_total is None:
+            return None, None, None, None
+        (d_rows,) = ctx.saved_tensors
+        return d_total, None if d_rows is None else d_rows * d_total, None, None
+
+
+def policy_objective_in_kernel(plan: KernelPlan, loss: torch.Tensor, rows: torch.Tensor, inp: PolicyInputs
+                               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss + the policy term, its metrics) of deferred mode by kernels (policy.objective_in_kernel
+    says when): the same values and metric names, in the same key order, as policy.policy_objective
+    and api._policy_terms' "loss"."""
+    total, out = PolicyObjectiveFunction.apply(loss, rows, plan, inp)
+    values = dict(zip(OBJECTIVE_OUT, out.unbind(), strict=True))
+    names = _OBJECTIVE_NAMES.get(plan.key)
+    if names is None:
+        names = [name for name in OBJECTIVE_OUT[1:]
+                 if (name != "entropy" or plan.cols.entropy >= 0) and (name != "kl" or plan.spec.policy.kl_beta)]
+        names = _OBJECTIVE_NAMES[plan.key] = (*names, "pg_clipfrac", "loss")
+    values["pg_clipfrac"] = values["clip_ratio/region_mean"]
+    return total, {name: values[name] for name in names}
+
+
+_OBJECTIVE_NAMES: dict[str, tuple[str, ...]] = {}
+
+
 # --- the hidden-state entry point (fused lm_head) --------------------------------------------------
 
 
@@ -520,6 +582,12 @@ def _sequence_chunk_grad(run: LinearRun, logits, targets, teacher, rows, num_ite
                   seq_advantages=None if pol.seq_advantages is None else
                   pol.seq_advantages[start // run.seq_len:stop // run.seq_len])
     policy = plan.spec.policy
+    if objective_in_kernel(policy, inp, rows):  # one launch: d loss / d rows of the chunk's sequences
+        _, _, d_rows = _objective_launch(plan, rows, inp, metrics=False)
+        launch_backward(plan, logits=logits, targets=targets, teacher=teacher, grad=logits, rows=rows,
+                        d_loss=torch.ones(1, dtype=torch.float32, device=logits.device), d_rows=d_rows,
+                        num_items=num_items, scratch=scratch, geo=geo)
+        return
     with torch.enable_grad():
         logp = rows[:, cols.logp].detach().requires_grad_()
         entropy = rows[:, cols.entropy].detach()

@@ -120,6 +120,45 @@ class Scalars(NamedTuple):
     dppo_cap: float = float("inf")
 
 
+class ObjectiveFlags(NamedTuple):
+    """Constexpr structure of the deferred mode's policy-objective kernels (kernels.head
+    policy_sequence_kernel): the objective's fields of :class:`Flags` (same names: terms.py's
+    ``_objective`` and ``_kl_penalty`` read them), and the sequence-level ones."""
+
+    OBJECTIVE: int
+    CISPO_VERL: bool
+    LOG_RATIO_CLAMP: bool
+    KL_EST: int
+    KL_CLAMP: bool
+    KL_K2_GRAD: bool
+    KL_IS_CORR: bool
+    IS_MODE: int  # importance sampling: 0 token, 1 sequence (TRL's GSPO), 2 sequence_token (verl's gspo)
+    OFF_POLICY: bool  # TRL's off-policy sequence mask
+    ENT_BONUS: bool  # entropy_coef != 0: the entropy bonus, and its gradient
+    ENT_TOKEN_MEAN: bool  # the bonus is a mean over the call's counted tokens (TRL), else weighted like the loss
+    SEQ_CLIP_MEANS: bool  # TRL's sequence-level ratios: the clip fractions are means over sequences
+
+
+@functools.lru_cache(maxsize=256)
+def objective_flags(pol) -> ObjectiveFlags:
+    """The policy term's flags for the deferred mode's objective kernels (a spec.Policy; cached)."""
+    kl = pol.kl_beta != 0.0
+    return ObjectiveFlags(
+        OBJECTIVE=POLICY_OBJECTIVES.index(pol.objective),
+        CISPO_VERL=pol.objective == "cispo" and pol.convention == "verl",
+        LOG_RATIO_CLAMP=pol.convention == "verl" and pol.objective in VERL_CLAMPED,
+        KL_EST=KL_ESTIMATORS.index(pol.kl_estimator) + 1 if kl else 0,
+        KL_CLAMP=kl and pol.kl_clamp and pol.kl_estimator == "k3",
+        KL_K2_GRAD=kl and pol.kl_grad == "k2" and pol.kl_estimator != "k2",
+        KL_IS_CORR=pol.kl_importance_correction,
+        IS_MODE=("token", "sequence", "sequence_token").index(pol.importance_sampling),
+        OFF_POLICY=pol.off_policy_mask is not None,
+        ENT_BONUS=pol.entropy_coef != 0.0,
+        ENT_TOKEN_MEAN=pol.entropy_coef != 0.0 and pol.entropy_aggregation == "token-mean",
+        SEQ_CLIP_MEANS=pol.importance_sampling == "sequence",
+    )
+
+
 POLICY_OBJECTIVES = ("clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl")
 """Flags.OBJECTIVE indexes this (the kernels compare against the same order: kernels/terms.py)."""
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")

@@ -544,6 +544,27 @@ def policy_extremes(means: dict[str, torch.Tensor], ratio, low, high, mask, coun
     return out
 
 
+def objective_in_kernel(policy: Policy, inp: PolicyInputs, rows: torch.Tensor) -> bool:
+    """The deferred mode's policy term (objective, metrics and d loss / d rows) by Triton launches
+    (kernels.head.launch_policy_objective) instead of policy_objective's ~100 small torch ops: a
+    row-local objective (sequence-level ratios and the off-policy mask included; no top-entropy mask,
+    a batch quantile) on rows of [B, T] sequences (no sequence_ids), fp32 flat inputs, on the kernels'
+    device, outside torch.compile."""
+    from .inputs import resolve_backend  # (inputs imports this module)
+    from .spec import ROW_LOCAL_OBJECTIVES
+
+    if (policy.objective not in ROW_LOCAL_OBJECTIVES or policy.top_entropy_quantile != 1.0
+            or inp.sequence_ids is not None or not isinstance(inp.seq_len, int) or inp.n_slots <= 0
+            or inp.seq_len <= 0 or rows.dim() != 2 or rows.shape[0] != inp.n_slots * inp.seq_len
+            or rows.dtype != torch.float32 or torch.compiler.is_compiling()
+            or resolve_backend("auto", rows.device, rows.dtype) != "triton"):
+        return False
+    flat = (inp.advantages, inp.old_logprobs, inp.ref_logprobs, inp.importance_weights, inp.mask, inp.weight,
+            inp.rollout_logprobs)
+    return all(t is None or (t.dtype == torch.float32 and t.dim() == 1 and t.is_contiguous()
+                             and t.shape[0] == rows.shape[0] and t.device == rows.device) for t in flat)
+
+
 def _extremes_in_kernel(ratio: torch.Tensor, mask: torch.Tensor, inp: PolicyInputs) -> bool:
     """policy_extremes by two Triton launches: rows of [B, T] (no sequence_ids) on the kernels' device,
     outside torch.compile; the ~30 small torch ops cost a synchronised call more host time than its

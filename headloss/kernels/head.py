@@ -44,7 +44,17 @@ from .blocks import (
     zero_row,
 )
 from .primitives import LN2
-from .terms import distill_lse, distill_values, jsd_sums, policy_values, put, row_coefficients, row_values
+from .terms import (
+    _kl_penalty,
+    _objective,
+    distill_lse,
+    distill_values,
+    jsd_sums,
+    policy_values,
+    put,
+    row_coefficients,
+    row_values,
+)
 
 SCRATCH = 2
 """int64 scratch per call: [0] counted rows, [1] programs done (the last one reduces); with a
@@ -739,6 +749,300 @@ def extremes_finish_kernel(
     tl.store(out + 5, tl.where(counted, tl.load(ratio_mean).to(tl.float32), 1.0))
 
 
+OBJECTIVE_PART = 16
+"""Per-sequence fields policy_sequence_kernel writes for policy_objective_finish_kernel: [0] the sequence's
+share of the loss, [1:9] sums over its counted tokens of the clipped-low / clipped-high indicators, the
+ratio, logp, the dual-clip indicator, old - logp, the entropy and the KL, [9] its counted tokens,
+[10] its low fraction and [11] minus its high fraction (inf: no token), [12] its smallest and [13] minus its
+largest counted ratio (NaN if one is NaN), [14] / [15] its low / high fractions (0 without tokens)."""
+
+OBJECTIVE_OUT = ("loss", "clip_ratio/low_mean", "clip_ratio/high_mean", "ratio/mean", "logprob/mean",
+                 "pg_clipfrac_lower", "ppo_kl", "entropy", "kl", "clip_ratio/low_min", "clip_ratio/high_max",
+                 "ratio/min", "ratio/max", "clip_ratio/region_mean")
+"""What policy_objective_finish_kernel writes into its (14,) metric vector, in this order."""
+
+_FP32_MAX = 3.4028234663852886e38
+
+
+@triton.jit
+def _objective_token(lp, o, r, a, iwv, keepf, L, g_self, S, F: tl.constexpr):
+    """One token of the deferred mode's policy objective, the ratio exp(L) given (L: the token's own
+    log-ratio, or its sequence's; ``g_self`` = d L / d logp of this token alone): (per_token,
+    d per_token / d logp through this token alone, d per_token / d L, ratio, kl, low, high, dual).
+    policy.objective_of and policy_objective have the same formulas in torch."""
+    ratio = tl.exp(L)
+    obj, d_obj, low, high, dual = _objective(lp, o, a, ratio, ratio * g_self, S, F)
+    d_L = tl.zeros_like(lp)
+    if F.IS_MODE == 1:  # (g_self = 0: d_obj is the part that does not go through the ratio)
+        _, d_both, _, _, _ = _objective(lp, o, a, ratio, ratio, S, F)
+        d_L = (d_both - d_obj) * iwv * keepf
+    per_token = obj * iwv * keepf
+    d_self = d_obj * iwv * keepf
+    kl = tl.zeros_like(lp)
+    if F.KL_EST != 0:
+        kl, d_kl = _kl_penalty(lp, r, S, F)
+        if F.KL_IS_CORR:
+            d_kl = d_kl * ratio + kl * ratio * g_self
+            if F.IS_MODE == 1:
+                d_L += S.kl_beta * kl * ratio
+            kl = kl * ratio
+        per_token += S.kl_beta * kl
+        d_self += S.kl_beta * d_kl
+    return per_token, d_self, d_L, ratio, kl, low, high, dual
+
+
+@triton.jit
+def _objective_inputs(logp, entropy, old, ref, adv, iw, mask, weight, i, inside, stride_l, stride_e,
+                      F: tl.constexpr):
+    """The policy inputs of tokens ``i`` (``inside`` the sequence; old = logp when None, no rollout weight = 1)."""
+    m = tl.load(mask + i, mask=inside, other=0.0)
+    lp = tl.load(logp + i * stride_l, mask=inside, other=0.0)
+    o = lp
+    if old is not None:
+        o = tl.load(old + i, mask=inside, other=0.0)
+    r = lp
+    if F.KL_EST != 0:
+        r = tl.load(ref + i, mask=inside, other=0.0)
+    iwv = tl.full(lp.shape, 1.0, tl.float32)
+    if iw is not None:
+        iwv = tl.load(iw + i, mask=inside, other=0.0)
+    ent = tl.zeros_like(lp)
+    if entropy is not None:
+        ent = tl.load(entropy + i * stride_e, mask=inside, other=0.0)
+    a = tl.load(adv + i, mask=inside, other=0.0)
+    w = tl.load(weight + i, mask=inside, other=0.0)
+    return m, lp, o, r, iwv, ent, a, w
+
+
+@triton.jit
+def _log_ratio_of(lp, o, mean, F: tl.constexpr):
+    """(the token's log-ratio as ppo_kl reads it, L, d L / d logp of the token alone) by the
+    importance-sampling mode (``mean``: the sequence's mean log-ratio)."""
+    log_ratio = lp - o
+    g = tl.full(lp.shape, 1.0, tl.float32)
+    if F.LOG_RATIO_CLAMP:
+        g = tl.where((log_ratio >= -20.0) & (log_ratio <= 20.0), g, 0.0)
+        log_ratio = tl.minimum(tl.maximum(log_ratio, -20.0), 20.0)
+    if F.IS_MODE == 0:
+        L = log_ratio
+    elif F.IS_MODE == 1:  # TRL's GSPO: the sequence's ratio, the gradient through every token of it
+        L = tl.zeros_like(lp) + mean
+        g = tl.zeros_like(lp)
+    else:  # verl's gspo: the sequence's value (at most 10), each token's own gradient
+        L = tl.zeros_like(lp) + tl.where(mean > 10.0, 10.0, mean)
+        g = tl.where(mean <= 10.0, 1.0, 0.0) + tl.zeros_like(lp)
+    return log_ratio, L, g
+
+
+@triton.jit
+def policy_sequence_kernel(
+    logp, entropy,  # (N,) columns of the deferred mode's packed rows (any stride); entropy None without one
+    old, ref, adv, iw, mask, weight, sampled,  # (N,) fp32 flat policy inputs, 0 at masked tokens (policy_inputs);
+    # old, ref, iw, sampled may be None (sampled: the off-policy mask's rollout log-probs, else old)
+    count,  # (1,) the call's counted tokens (TRL's token-mean entropy bonus), else None
+    part,  # (n_seq, OBJECTIVE_PART) fp32 out, or None (gradient only)
+    d_rows,  # (N, D_COLS) fp32 out: d loss / d logp and d loss / d entropy in their columns, 0 elsewhere; or None
+    stride_l, stride_e, seq_len, off_policy,
+    S, F: tl.constexpr, D_COLS: tl.constexpr, COL_LOGP: tl.constexpr, COL_ENT: tl.constexpr,
+    COLS_P2: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per sequence of ``seq_len`` rows: the policy objective of deferred mode (sequence-level
+    ratios, the off-policy mask), its sums and extremes for the metrics, and d loss / d rows -- two launches
+    where torch took about 100 small ops (policy.policy_objective, forward and backward)."""
+    s = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    first = s * seq_len
+    zero = tl.zeros([BLOCK], tl.float32)
+    # 1. the sequence's mean log-ratio and the off-policy mask's mean drift
+    mean = tl.zeros([], tl.float32)
+    mean_drift = tl.zeros([], tl.float32)
+    if F.IS_MODE != 0 or F.OFF_POLICY:
+        acc_r = zero
+        acc_d = zero
+        acc_n = zero
+        for start in range(0, seq_len, BLOCK):
+            t = start + offs
+            inside = t < seq_len
+            i = first + t
+            m = tl.load(mask + i, mask=inside, other=0.0)
+            lp = tl.load(logp + i * stride_l, mask=inside, other=0.0)
+            o = lp
+            if old is not None:
+                o = tl.load(old + i, mask=inside, other=0.0)
+            acc_r += (lp - o) * m
+            acc_n += m
+            if F.OFF_POLICY:
+                smp = o
+                if sampled is not None:
+                    smp = tl.load(sampled + i, mask=inside, other=0.0)
+                drift = smp - lp  # torch.nan_to_num: NaN -> 0, +-inf -> fp32's extremes
+                drift = tl.where(drift != drift, 0.0, tl.minimum(tl.maximum(drift, -_FP32_MAX), _FP32_MAX))
+                acc_d += drift * m
+        per = tl.maximum(tl.sum(acc_n, axis=0), 1.0)
+        mean = tl.math.div_rn(tl.sum(acc_r, axis=0), per)
+        mean_drift = tl.math.div_rn(tl.sum(acc_d, axis=0), per)
+    n_counted = tl.full([], 1.0, tl.float32)
+    if F.ENT_TOKEN_MEAN:
+        n_counted = tl.maximum(tl.load(count).to(tl.float32), 1.0)
+    # 2. the objective: the sequence's share of the loss and of the metrics, d loss / d L
+    loss_acc = zero
+    d_seq = zero
+    s_low = zero
+    s_high = zero
+    s_ratio = zero
+    s_lp = zero
+    s_dual = zero
+    s_pkl = zero
+    s_ent = zero
+    s_kl = zero
+    n_tok = zero
+    r_min = tl.full([BLOCK], float("inf"), tl.float32)
+    r_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    nan = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, seq_len, BLOCK):
+        t = start + offs
+        inside = t < seq_len
+        i = first + t
+        m, lp, o, r, iwv, ent, a, w = _objective_inputs(logp, entropy, old, ref, adv, iw, mask, weight, i, inside,
+                                                        stride_l, stride_e, F)
+        keepf = tl.full([BLOCK], 1.0, tl.float32)
+        if F.OFF_POLICY:
+            keepf = tl.where((a >= 0) | (tl.zeros_like(a) + mean_drift <= off_policy), 1.0, 0.0)
+        log_ratio, L, g = _log_ratio_of(lp, o, mean, F)
+        per_token, d_self, d_L, ratio, kl, low, high, dual = _objective_token(lp, o, r, a, iwv, keepf, L, g, S, F)
+        loss_acc += w * per_token
+        d_seq += w * d_L
+        if F.ENT_BONUS:
+            bonus_w = w
+            if F.ENT_TOKEN_MEAN:
+                bonus_w = tl.math.div_rn(m, n_counted)
+            loss_acc -= S.entropy_coef * (ent * bonus_w)
+        s_low += low.to(tl.float32) * m
+        s_high += high.to(tl.float32) * m
+        s_ratio += ratio * m
+        s_lp += lp * m
+        s_dual += dual.to(tl.float32) * m
+        s_pkl += -log_ratio * m
+        s_ent += ent * m
+        s_kl += kl * m
+        n_tok += m
+        keep = m > 0
+        nan |= (keep & (ratio != ratio)).to(tl.int32)
+        r_min = tl.where(keep & (ratio == ratio), tl.minimum(r_min, ratio), r_min)
+        r_max = tl.where(keep & (ratio == ratio), tl.maximum(r_max, ratio), r_max)
+    tokens = tl.sum(n_tok, axis=0)
+    per = tl.maximum(tokens, 1.0)
+    if part is not None:
+        out = part + s * OBJECTIVE_PART
+        tl.store(out, tl.sum(loss_acc, axis=0))
+        tl.store(out + 1, tl.sum(s_low, axis=0))
+        tl.store(out + 2, tl.sum(s_high, axis=0))
+        tl.store(out + 3, tl.sum(s_ratio, axis=0))
+        tl.store(out + 4, tl.sum(s_lp, axis=0))
+        tl.store(out + 5, tl.sum(s_dual, axis=0))
+        tl.store(out + 6, tl.sum(s_pkl, axis=0))
+        tl.store(out + 7, tl.sum(s_ent, axis=0))
+        tl.store(out + 8, tl.sum(s_kl, axis=0))
+        tl.store(out + 9, tokens)
+        low_frac = tl.math.div_rn(tl.sum(s_low, axis=0), per)
+        high_frac = tl.math.div_rn(tl.sum(s_high, axis=0), per)
+        tl.store(out + 10, tl.where(tokens > 0, low_frac, float("inf")))
+        tl.store(out + 11, tl.where(tokens > 0, -high_frac, float("inf")))
+        has_nan = tl.max(nan, axis=0) != 0
+        tl.store(out + 12, tl.where(has_nan, float("nan"), tl.min(r_min, axis=0)))
+        tl.store(out + 13, tl.where(has_nan, float("nan"), -tl.max(r_max, axis=0)))
+        tl.store(out + 14, low_frac)
+        tl.store(out + 15, high_frac)
+    # 3. d loss / d logp (its own share, and through the sequence's ratio) and d loss / d entropy
+    if d_rows is not None:
+        through = tl.zeros([], tl.float32)
+        if F.IS_MODE == 1:  # d L / d logp_t = mask_t / tokens
+            through = tl.math.div_rn(tl.sum(d_seq, axis=0), per)
+        cols = tl.arange(0, COLS_P2)
+        for start in range(0, seq_len, BLOCK):
+            t = start + offs
+            inside = t < seq_len
+            i = first + t
+            m, lp, o, r, iwv, ent, a, w = _objective_inputs(logp, entropy, old, ref, adv, iw, mask, weight, i,
+                                                            inside, stride_l, stride_e, F)
+            keepf = tl.full([BLOCK], 1.0, tl.float32)
+            if F.OFF_POLICY:
+                keepf = tl.where((a >= 0) | (tl.zeros_like(a) + mean_drift <= off_policy), 1.0, 0.0)
+            log_ratio, L, g = _log_ratio_of(lp, o, mean, F)
+            _, d_self, _, _, _, _, _, _ = _objective_token(lp, o, r, a, iwv, keepf, L, g, S, F)
+            d_logp = w * d_self
+            if F.IS_MODE == 1:
+                d_logp += through * m
+            d_ent = tl.zeros([BLOCK], tl.float32)
+            if F.ENT_BONUS:
+                bonus_w = w
+                if F.ENT_TOKEN_MEAN:
+                    bonus_w = tl.math.div_rn(m, n_counted)
+                d_ent = -S.entropy_coef * bonus_w
+            tile = tl.where(cols[None, :] == COL_LOGP, d_logp[:, None],
+                            tl.where(cols[None, :] == COL_ENT, d_ent[:, None], 0.0))
+            tl.store(d_rows + i[:, None] * D_COLS + cols[None, :], tile,
+                     mask=inside[:, None] & (cols[None, :] < D_COLS))
+
+
+@triton.jit
+def _pick(values, cols, k: tl.constexpr):
+    return tl.sum(tl.where(cols == k, values, 0.0), axis=0)
+
+
+@triton.jit
+def policy_objective_finish_kernel(
+    part,  # (n_seq, OBJECTIVE_PART) fp32 from policy_sequence_kernel
+    base_loss,  # () fp32: the other terms' loss (the policy term is added to it), or None
+    total,  # () fp32 out: the loss
+    out,  # (len(OBJECTIVE_OUT),) fp32 out: the metrics, OBJECTIVE_OUT's order
+    n_seq, n_seq_div,  # sequences, and what the sequence means divide by (max(n_seq, 1), a float)
+    F: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The sums over sequences, the extremes (NaN wins), and the metrics: token means, TRL's sequence-level
+    clip fractions, and with no counted token clipped fractions 0 and ratios 1 (policy.policy_metrics_of)."""
+    offs = tl.arange(0, BLOCK)
+    cols = tl.arange(0, OBJECTIVE_PART)
+    sums = tl.zeros([BLOCK, OBJECTIVE_PART], tl.float32)
+    mins = tl.full([BLOCK, OBJECTIVE_PART], float("inf"), tl.float32)
+    nan = tl.zeros([BLOCK, OBJECTIVE_PART], tl.int32)
+    for start in range(0, n_seq, BLOCK):
+        i = start + offs
+        valid = (i < n_seq)[:, None] & (cols[None, :] < OBJECTIVE_PART)
+        v = tl.load(part + i[:, None] * OBJECTIVE_PART + cols[None, :], mask=valid, other=0.0)
+        sums += v
+        v = tl.where(valid, v, float("inf"))
+        nan |= (v != v).to(tl.int32)
+        mins = tl.where(v == v, tl.minimum(mins, v), mins)
+    summed = tl.sum(sums, axis=0)
+    lowest = tl.min(mins, axis=0)
+    lowest = tl.where(tl.max(nan, axis=0) != 0, float("nan"), lowest)
+    tokens = _pick(summed, cols, 9)
+    per = tl.maximum(tokens, 1.0)
+    counted = tokens > 0
+    loss = _pick(summed, cols, 0)
+    if base_loss is not None:
+        loss = tl.load(base_loss) + loss
+    tl.store(total, loss)
+    tl.store(out, loss)
+    low_mean = tl.math.div_rn(_pick(summed, cols, 1), per)
+    high_mean = tl.math.div_rn(_pick(summed, cols, 2), per)
+    if F.SEQ_CLIP_MEANS:
+        low_mean = tl.math.div_rn(_pick(summed, cols, 14), n_seq_div)
+        high_mean = tl.math.div_rn(_pick(summed, cols, 15), n_seq_div)
+    tl.store(out + 1, low_mean)
+    tl.store(out + 2, high_mean)
+    tl.store(out + 3, tl.where(counted, tl.math.div_rn(_pick(summed, cols, 3), per), 1.0))
+    for k in tl.static_range(4, 9):
+        tl.store(out + k, tl.math.div_rn(_pick(summed, cols, k), per))
+    tl.store(out + 9, tl.where(counted, _pick(lowest, cols, 10), 0.0))
+    tl.store(out + 10, tl.where(counted, -_pick(lowest, cols, 11), 0.0))
+    tl.store(out + 11, tl.where(counted, _pick(lowest, cols, 12), 1.0))
+    tl.store(out + 12, tl.where(counted, -_pick(lowest, cols, 13), 1.0))
+    tl.store(out + 13, low_mean + high_mean)
+
+
 @triton.jit
 def scale_grad_kernel(
     grad,  # (rows, V) addressed through geo.g_stride_*
@@ -1076,6 +1380,35 @@ def launch_sequence_extremes(ratio: torch.Tensor, low: torch.Tensor, high: torch
     launch(extremes_finish_kernel, 1, 4, part=part, count=count, low_mean=low_mean, high_mean=high_mean,
            ratio_mean=ratio_mean, out=out, n_seq=n_seq, BLOCK=256)
     return out
+
+
+def launch_policy_objective(flags, scalars: Scalars, *, logp: torch.Tensor, entropy: torch.Tensor | None,
+                            old, ref, adv, iw, mask, weight, sampled, count, n_seq: int, seq_len: int,
+                            off_policy: float, d_cols: int, col_logp: int, col_ent: int,
+                            base_loss: torch.Tensor | None = None, metrics: bool = True, grad: bool = True
+                            ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(loss, metrics (len(OBJECTIVE_OUT),), d_rows (N, d_cols)) of the deferred mode's policy term on
+    ``n_seq`` sequences of ``seq_len`` rows (plan.ObjectiveFlags ``flags``; inputs as
+    policy_sequence_kernel takes them): two launches, or one without ``metrics`` (loss and metrics
+    None). The loss is ``base_loss`` plus the policy term; d_rows (``grad``, else None) is d loss / d rows
+    for one unit of upstream gradient."""
+    device = mask.device
+    f32 = dict(dtype=torch.float32, device=device)
+    part = torch.empty(n_seq, OBJECTIVE_PART, **f32) if metrics else None
+    d_rows = torch.empty(n_seq * seq_len, d_cols, **f32) if grad else None
+    block = min(512, max(16, triton.next_power_of_2(seq_len)))
+    launch(policy_sequence_kernel, n_seq, 4, logp=logp, entropy=entropy, old=old, ref=ref, adv=adv, iw=iw,
+           mask=mask, weight=weight, sampled=sampled, count=count, part=part, d_rows=d_rows,
+           stride_l=logp.stride(0), stride_e=0 if entropy is None else entropy.stride(0), seq_len=seq_len,
+           off_policy=float(off_policy), S=scalars, F=flags, D_COLS=d_cols, COL_LOGP=col_logp, COL_ENT=col_ent,
+           COLS_P2=triton.next_power_of_2(max(d_cols, 1)), BLOCK=block)
+    if not metrics:
+        return None, None, d_rows
+    total = torch.empty((), **f32)
+    out = torch.empty(len(OBJECTIVE_OUT), **f32)
+    launch(policy_objective_finish_kernel, 1, 4, part=part, base_loss=base_loss, total=total, out=out, n_seq=n_seq,
+           n_seq_div=float(max(n_seq, 1)), F=flags, BLOCK=64)
+    return total, out, d_rows
 
 
 def scale_grad_(grad: torch.Tensor, scale: torch.Tensor, geo: Geometry) -> torch.Tensor:
