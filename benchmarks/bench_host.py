@@ -15,10 +15,12 @@ predicted tokens, without entropy). N in {512, 1024, 2048, 8192}, V in {32000, 1
 RL-shaped cases, N = B x 256 completion tokens (the model's [B, 257, V] output, TRL's completion ids,
 per-sequence advantages, a loss mask ending each sequence at 90%):
   ``grpo``         TRL's dapo loss with a k3 KL on the logits (shift=True; Liger: triton_grpo_loss)
-  ``gspo``         the same with sequence-level ratios: deferred mode, the objective in torch
+  ``gspo``         the same with sequence-level ratios (TRL's GSPO): deferred mode, the objective and its
+                   metrics in two small kernels after the head kernel
   ``score``        per-token log-probs and entropy without gradient (a rollout's scoring pass)
   ``linear``       CE on the fused lm_head, H = 2048, hidden [N, H] (Liger: fused linear CE)
   ``linear-grpo``  the grpo case on the fused lm_head from hidden [B, 257, H]
+  ``linear-gspo``  the gspo case on the fused lm_head (chunks of whole sequences, gradient in forward)
 ``floor``: an autograd Function with one Triton launch in forward and one in backward, computing
 nothing -- what any autograd-based fused loss pays per call on this host (hosts differ ~2x).
 ``headloss-1t``: the same call inside ``torch.autograd.set_multithreading_enabled(False)``, which
@@ -47,8 +49,8 @@ from benchmarks.common import Row, gpu_name, out_dir_default, pyplot, time_ms, w
 
 ROWS = (512, 1024, 2048, 8192)
 VOCABS = (32000, 128256, 151936)
-CASES = ("ce", "full", "grpo", "gspo", "score", "linear", "linear-grpo")
-RL_CASES = ("grpo", "gspo", "score", "linear", "linear-grpo")
+CASES = ("ce", "full", "grpo", "gspo", "score", "linear", "linear-grpo", "linear-gspo")
+RL_CASES = ("grpo", "gspo", "score", "linear", "linear-grpo", "linear-gspo")
 COMPLETION = 256  # tokens per sequence of the RL-shaped cases
 HIDDEN = 2048  # the lm_head cases' hidden size
 BETA, EPS = 0.04, 0.2
@@ -200,6 +202,13 @@ def rl_providers(case: str, b: dict[str, torch.Tensor], y: torch.Tensor) -> dict
         def ours():
             h.grad = w.grad = None
             headloss.linear_head_loss(h, w, ids, GRPO_SPEC, shift=True, **policy).loss.backward()
+
+        table["headloss"] = ours
+    elif case == "linear-gspo":
+        def ours():
+            h.grad = w.grad = None
+            headloss.linear_head_loss(h, w, ids, GSPO_SPEC, shift=True, advantages=b["adv"], old_logprobs=b["old"],
+                                      loss_mask=b["mask"]).loss.backward()
 
         table["headloss"] = ours
     return table

@@ -83,7 +83,7 @@ def launches(call) -> list:
     log: list = []
     names = ("prepare_kernel", "head_kernel", "head_backward_kernel", "finish_kernel", "scale_grad_kernel",
              "shard_stats_kernel", "merge_stats_kernel", "shard_jsd_kernel", "sequence_extremes_kernel",
-             "extremes_finish_kernel")
+             "extremes_finish_kernel", "policy_sequence_kernel", "policy_objective_finish_kernel")
     real = {name: getattr(head, name) for name in names}
     try:
         for name in names:
@@ -200,6 +200,12 @@ VARIANTS = {
     "linear-deferred": _linear(headloss.LossSpec(reduction="none")),
     "policy-sequence": _head(headloss.LossSpec(cross_entropy=None, policy={"importance_sampling": "sequence"}),
                              policy=True),
+    "policy-gspo-batched": _batched_policy(headloss.LossSpec(cross_entropy=None, policy={
+        "loss_type": "dapo", "importance_sampling": "sequence", "kl_beta": 0.04, "kl_importance_correction": True,
+        "entropy_coef": 0.01, "off_policy_mask": 0.1})),
+    "linear-gspo": _linear(headloss.LossSpec(cross_entropy=None, policy={"loss_type": "dapo",
+                                                                         "importance_sampling": "sequence_token"}),
+                           policy=True),
     "sharded-all": _sharded(_head(FULL, group=object())),
     "sharded-deferred": _sharded(_head(FULL.model_copy(update={"differentiable_outputs": True}), group=object())),
     **{f"sharded-distill-{kind}": _sharded(_head(headloss.LossSpec(

@@ -328,3 +328,72 @@ def check_sequence_extremes(device, batch: int, length: int, strided: bool, nan:
         assert kernel["ratio/min"].isnan()
     elif inf:
         assert float(kernel["ratio/min"]) == math.inf
+
+
+def check_policy_objective(device, policy, batch: int, length: int, vocab: int, seed: int, *, shift: bool,
+                           empty: str = "none", per_token_adv: bool = False, weights: bool = False,
+                           rollout: bool = False, logits_dtype=torch.float32) -> None:
+    """head_loss of a deferred-mode policy term on [B, T] rows (the objective, its metrics and d loss / d
+    rows by policy_sequence_kernel + policy_objective_finish_kernel) against the torch ops it replaces
+    (policy.policy_objective, forced), on ``device``: the same loss, the same metric names in the same
+    order with the same values, the same gradient (tests/test_policy.py, tests/test_gpu.py).
+    ``empty``: "one" sequence, "all" of them, or "none" without a counted token."""
+    import headloss.api as api
+    from headloss import LossSpec, head_loss
+    from headloss.plan import compile_plan
+
+    spec = LossSpec(cross_entropy={"weight": 0.3}, policy=policy)
+    if compile_plan(spec).mode != "deferred":  # a row-local objective: deferred for its outputs' gradient
+        spec = LossSpec(cross_entropy={"weight": 0.3}, policy=policy, outputs=("logprobs",),
+                        differentiable_outputs=True)
+    gen = torch.Generator(device).manual_seed(seed)
+    rows = length + 1 if shift else length
+    base = (torch.randn(batch, rows, vocab, generator=gen, device=device) * 2).to(logits_dtype)
+    ids = torch.randint(0, vocab, (batch, length), generator=gen, device=device)
+    if not shift and length > 1:
+        ids[:, -1] = -100  # an ignored target: a masked token the loss mask does not name
+    with torch.no_grad():
+        logp = torch.log_softmax(base[:, :length].double(), -1).gather(-1, ids.clamp(min=0)[..., None])[..., 0]
+    noise = lambda: torch.randn(batch, length, generator=gen, device=device, dtype=torch.float64)  # noqa: E731
+    old = (logp + 0.2 * noise()).float()
+    mask = (torch.rand(batch, length, generator=gen, device=device) < 0.8).float()
+    if empty == "one":
+        mask[batch // 2] = 0
+    elif empty == "all":
+        mask.zero_()
+    adv = torch.randn(batch, length, generator=gen, device=device) if per_token_adv else \
+        torch.randn(batch, generator=gen, device=device)
+    inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=(logp + 0.2 * noise()).float(), loss_mask=mask)
+    if weights and policy.rollout_is is None:
+        inputs["importance_weights"] = torch.rand(batch, length, generator=gen, device=device) + 0.5
+    if rollout or policy.rollout_is is not None:
+        inputs["rollout_logprobs"] = (old.double() + 0.1 * noise()).float()
+    results = []
+    original = api.objective_in_kernel
+    for in_kernel in (True, False):
+        calls = []
+
+        def spy(*args, in_kernel=in_kernel, calls=calls):
+            calls.append(original(*args))
+            return calls[-1] and in_kernel
+
+        api.objective_in_kernel = spy
+        try:
+            logits = base.clone().requires_grad_()
+            out = head_loss(logits, ids, spec, shift=shift, **inputs)
+            out.loss.backward()
+        finally:
+            api.objective_in_kernel = original
+        assert calls == [True], calls  # the kernels' path was open to this call (and the torch one forced)
+        results.append((out.loss.detach(), dict(out.metrics), logits.grad))
+    (loss, metrics, grad), (loss_t, metrics_t, grad_t) = results
+    torch.testing.assert_close(loss, loss_t, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert list(metrics) == list(metrics_t)
+    for name, value in metrics.items():
+        assert value.dtype == metrics_t[name].dtype, name
+        torch.testing.assert_close(value, metrics_t[name], rtol=1e-5, atol=1e-6, equal_nan=True, msg=name)
+    scale = float(grad_t.abs().max()) if grad_t.numel() else 0.0
+    tol = 1e-5 if logits_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(grad, grad_t, rtol=tol, atol=tol * max(scale, 1e-6))
+    if empty == "all":
+        assert float(metrics["ratio/min"]) == 1.0 and float(metrics["clip_ratio/low_min"]) == 0.0

@@ -52,6 +52,9 @@ def test_each_mode_launches_the_kernels_it_should(ptx):
     assert "shard_stats_kernel" in ptx["sharded-linear"]
     assert {"shard_stats_kernel", "head_backward_kernel"} <= set(ptx["sharded-deferred"])
     assert "shard_jsd_kernel" in ptx["sharded-distill-jsd"]
+    # deferred mode's policy term: two launches (one per chunk of whole sequences on the lm_head, for d rows)
+    for name in ("policy-gspo-batched", "linear-gspo"):
+        assert {"policy_sequence_kernel", "policy_objective_finish_kernel"} <= set(ptx[name]), name
 
 
 def test_unrequested_terms_are_compiled_out_of_the_ptx(ptx):

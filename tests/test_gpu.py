@@ -319,6 +319,32 @@ def test_sequence_extremes_kernel_equals_the_torch_ops(case):
     check_sequence_extremes("cuda", *case, seed=5)
 
 
+@pytest.mark.parametrize("case", [
+    dict(policy=dict(loss_type="dapo", importance_sampling="sequence"), batch=8, length=700, vocab=32000),
+    dict(policy=dict(loss_type="grpo", importance_sampling="sequence_token", convention="verl", kl_beta=0.1,
+                     kl_importance_correction=True, entropy_coef=0.01), batch=5, length=97, vocab=5000, empty="one"),
+    dict(policy=dict(loss_type="bnpo", importance_sampling="sequence", off_policy_mask=0.05, kl_beta=0.04,
+                     entropy_coef=0.02, entropy_aggregation="token-mean"), batch=3, length=33, vocab=300,
+         rollout=True, shift=False),
+    dict(policy=dict(loss_type="dapo", objective="sapo", importance_sampling="sequence", kl_beta=0.04,
+                     kl_estimator="k2"), batch=2, length=1, vocab=7, empty="all"),
+    dict(policy=dict(loss_type="dr_grpo", max_completion_length=64, objective="dppo_kl", kl_beta=0.1),
+         batch=4, length=64, vocab=1000, per_token_adv=True, weights=True),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deferred_policy_kernels_equal_the_torch_ops(case, dtype):
+    """The deferred mode's policy term by its two kernels, compiled, against the torch ops: loss, metrics
+    and gradient."""
+    from conftest import check_policy_objective
+
+    from headloss.spec import Policy
+
+    case = dict(case)
+    policy = Policy(**case.pop("policy"))
+    check_policy_objective("cuda", policy, case.pop("batch"), case.pop("length"), case.pop("vocab"), seed=7,
+                           shift=case.pop("shift", True), logits_dtype=dtype, **case)
+
+
 def test_lm_head_grpo_metrics_match_fp64_reference_without_a_host_sync():
     """TRL-shaped GRPO on the fused lm_head (completion ids, a loss mask, num_items on the device) with
     compact=False: no host sync in the call or its backward (the per-sequence clip extremes are two

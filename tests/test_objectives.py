@@ -1130,6 +1130,10 @@ def test_lm_head_runs_sequence_statistics_chunk_by_chunk_of_whole_sequences(obje
     calls, corrections = [], []
     original = engine._sequence_chunk_grad
     monkeypatch.setattr(engine, "_sequence_chunk_grad", lambda *a, **k: calls.append(a[-2:]) or original(*a, **k))
+    launches = []  # the deferred policy term's kernels: d rows per chunk, then the loss and metrics
+    launch = engine._objective_launch
+    monkeypatch.setattr(engine, "_objective_launch",
+                        lambda *a, **k: launches.append(k.get("metrics", True)) or launch(*a, **k))
     for name in ("_cov_correction", "_entropy_mask_correction"):
         correct = getattr(engine, name)
         monkeypatch.setattr(engine, name, lambda *a, correct=correct, name=name, **k: corrections.append(name)
@@ -1148,6 +1152,8 @@ def test_lm_head_runs_sequence_statistics_chunk_by_chunk_of_whole_sequences(obje
                                     **{k: v.float() if v.is_floating_point() else v for k, v in inputs.items()})
     (3.0 * out.loss).backward()
     assert calls == ([(0, T), (T, 2 * T), (2 * T, 3 * T)] if chunked else [])
+    row_local = objective not in ("vespo", "gmpo")
+    assert launches == ([False, False, False, True] if chunked and row_local else [])
     # clip_cov / kl_cov: the base objective fused, then one correction of the selected rows; the
     # top-entropy mask: the objective under a guessed mask, then one correction of the rows it got wrong
     assert corrections == (["_cov_correction"] if objective in ("clip_cov", "kl_cov") else

@@ -19,6 +19,7 @@ from conftest import (
     Pair,
     assert_matches_reference,
     assert_nontrivial,
+    check_policy_objective,
     check_sequence_extremes,
     default_objective,
     generator,
@@ -760,3 +761,69 @@ def test_sequence_extremes_kernel_equals_the_torch_ops(batch, length, strided, n
     empty sequence is left out of the clipped fractions' extremes, a NaN ratio at a counted token
     makes the ratio extremes NaN, and with no counted token the fractions are 0 and the ratios 1."""
     check_sequence_extremes("cpu", batch, length, strided, nan, empty, seed, inf)
+
+
+# --- deferred mode's policy term: two launches against torch's ops ---------------------------------
+
+
+@st.composite
+def deferred_policies(draw):
+    """Policies whose deferred-mode term the kernels compute: every row-local objective, sequence-level
+    ratios, the off-policy mask, KL options, the entropy bonus, loss types."""
+    objective = draw(st.sampled_from(["clip", "clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl"]))
+    loss_type = draw(st.sampled_from(LOSS_TYPES))
+    kl_beta = draw(st.sampled_from([0.0, 0.1]))
+    return Policy(
+        objective=objective,
+        convention=draw(st.sampled_from(["trl", "verl"])),
+        importance_sampling="token" if objective not in ("clip", "cispo", "sapo") else
+        draw(st.sampled_from(["token", "sequence", "sequence", "sequence_token"])),
+        loss_type=loss_type,
+        max_completion_length=draw(st.integers(3, 9)) if loss_type == "dr_grpo" else None,
+        eps_low=draw(st.sampled_from([0.2, 0.05])),
+        eps_high=draw(st.sampled_from([0.28, 0.05, 1.2])),
+        delta=draw(st.none() | st.just(1.3)),
+        dual_clip_c=draw(st.none() | st.just(2.0)),
+        sapo_tau_pos=draw(st.sampled_from([1.0, 2.0])),
+        sapo_tau_neg=draw(st.sampled_from([1.05, 0.5])),
+        dro_beta=0.3 if objective == "dro" else None,
+        dppo_ratio_cap=draw(st.sampled_from([3.0, 1.1])),
+        kl_beta=kl_beta,
+        kl_estimator=draw(st.sampled_from(["k1", "k2", "k3", "abs"])),
+        kl_clamp=draw(st.booleans()),
+        kl_grad=draw(st.sampled_from(["estimator", "k2"])),
+        kl_importance_correction=draw(st.booleans()),
+        off_policy_mask=draw(st.none() | st.sampled_from([0.02, 0.5])),
+        entropy_coef=draw(st.sampled_from([0.0, 0.03])),
+        entropy_aggregation=draw(st.sampled_from(["loss", "token-mean"])),
+        num_processes=draw(st.sampled_from([1, 2])),
+        rollout_is=draw(st.sampled_from([None, None, "token", "sequence"])),
+    )
+
+
+@needs_kernel
+@settings(max_examples=30, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(policy=deferred_policies(), batch=st.integers(1, 5), length=st.integers(1, 24), vocab=st.integers(2, 40),
+       shift=st.booleans(), empty=st.sampled_from(["none", "none", "one", "all"]), per_token_adv=st.booleans(),
+       weights=st.booleans(), rollout=st.booleans(), seed=st.integers(0, 10_000))
+def test_deferred_policy_kernels_equal_the_torch_ops(policy, batch, length, vocab, shift, empty, per_token_adv,
+                                                     weights, rollout, seed):
+    """Deferred mode's policy term on [B, T] rows launches policy_sequence_kernel + its finishing kernel
+    (policy.objective_in_kernel); the loss, every metric (names and order too) and the gradient equal
+    the torch ops' (policy.policy_objective)."""
+    check_policy_objective("cpu", policy, batch, length, vocab, seed, shift=shift, empty=empty,
+                           per_token_adv=per_token_adv, weights=weights, rollout=rollout)
+
+
+@needs_kernel
+@pytest.mark.parametrize("importance_sampling", ["sequence", "sequence_token"])
+def test_deferred_policy_kernels_loop_over_long_sequences(monkeypatch, importance_sampling):
+    """Sequences longer than the kernel's block (OBJECTIVE_BLOCK, here 16 tokens) take several steps of
+    each pass."""
+    import headloss.kernels.head as head
+
+    monkeypatch.setattr(head, "OBJECTIVE_BLOCK", 16)
+    policy = Policy(loss_type="grpo", importance_sampling=importance_sampling, kl_beta=0.05,
+                    kl_importance_correction=True, off_policy_mask=0.5, entropy_coef=0.01)
+    check_policy_objective("cpu", policy, 3, 41, 5, seed=3, shift=True, empty="one", rollout=True)

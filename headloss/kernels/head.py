@@ -761,7 +761,10 @@ OBJECTIVE_OUT = ("loss", "clip_ratio/low_mean", "clip_ratio/high_mean", "ratio/m
                  "ratio/min", "ratio/max", "clip_ratio/region_mean")
 """What policy_objective_finish_kernel writes into its (14,) metric vector, in this order."""
 
-_FP32_MAX = 3.4028234663852886e38
+_FP32_MAX = tl.constexpr(3.4028234663852886e38)
+_PART = tl.constexpr(16)  # OBJECTIVE_PART, for the kernels
+OBJECTIVE_BLOCK = 512
+"""Tokens per step of policy_sequence_kernel's passes over a sequence (its program loops over longer ones)."""
 
 
 @triton.jit
@@ -933,7 +936,7 @@ def policy_sequence_kernel(
     tokens = tl.sum(n_tok, axis=0)
     per = tl.maximum(tokens, 1.0)
     if part is not None:
-        out = part + s * OBJECTIVE_PART
+        out = part + s * _PART
         tl.store(out, tl.sum(loss_acc, axis=0))
         tl.store(out + 1, tl.sum(s_low, axis=0))
         tl.store(out + 2, tl.sum(s_high, axis=0))
@@ -1003,14 +1006,14 @@ def policy_objective_finish_kernel(
     """The sums over sequences, the extremes (NaN wins), and the metrics: token means, TRL's sequence-level
     clip fractions, and with no counted token clipped fractions 0 and ratios 1 (policy.policy_metrics_of)."""
     offs = tl.arange(0, BLOCK)
-    cols = tl.arange(0, OBJECTIVE_PART)
-    sums = tl.zeros([BLOCK, OBJECTIVE_PART], tl.float32)
-    mins = tl.full([BLOCK, OBJECTIVE_PART], float("inf"), tl.float32)
-    nan = tl.zeros([BLOCK, OBJECTIVE_PART], tl.int32)
+    cols = tl.arange(0, _PART)
+    sums = tl.zeros([BLOCK, _PART], tl.float32)
+    mins = tl.full([BLOCK, _PART], float("inf"), tl.float32)
+    nan = tl.zeros([BLOCK, _PART], tl.int32)
     for start in range(0, n_seq, BLOCK):
         i = start + offs
-        valid = (i < n_seq)[:, None] & (cols[None, :] < OBJECTIVE_PART)
-        v = tl.load(part + i[:, None] * OBJECTIVE_PART + cols[None, :], mask=valid, other=0.0)
+        valid = (i < n_seq)[:, None] & (cols[None, :] < _PART)
+        v = tl.load(part + i[:, None] * _PART + cols[None, :], mask=valid, other=0.0)
         sums += v
         v = tl.where(valid, v, float("inf"))
         nan |= (v != v).to(tl.int32)
@@ -1396,7 +1399,7 @@ def launch_policy_objective(flags, scalars: Scalars, *, logp: torch.Tensor, entr
     f32 = dict(dtype=torch.float32, device=device)
     part = torch.empty(n_seq, OBJECTIVE_PART, **f32) if metrics else None
     d_rows = torch.empty(n_seq * seq_len, d_cols, **f32) if grad else None
-    block = min(512, max(16, triton.next_power_of_2(seq_len)))
+    block = min(OBJECTIVE_BLOCK, max(16, triton.next_power_of_2(seq_len)))
     launch(policy_sequence_kernel, n_seq, 4, logp=logp, entropy=entropy, old=old, ref=ref, adv=adv, iw=iw,
            mask=mask, weight=weight, sampled=sampled, count=count, part=part, d_rows=d_rows,
            stride_l=logp.stride(0), stride_e=0 if entropy is None else entropy.stride(0), seq_len=seq_len,
