@@ -291,8 +291,8 @@ def _policy_terms(plan: KernelPlan, loss, rows, means, scratch, pol, kernel_sequ
                   ) -> tuple[torch.Tensor, dict]:
     """The policy term's share outside the kernel: with token-level ratios the metrics the kernel
     did not reduce (per-sequence clip fractions of rows with sequence_ids, or of the chunked lm_head);
-    with sequence-level ratios (GSPO) the whole objective, in torch, on the deferred mode's
-    differentiable log-probs."""
+    with sequence-level ratios (GSPO) the whole objective on the deferred mode's differentiable
+    log-probs: two launches on [B, T] rows (policy.objective_in_kernel), else in torch."""
     spec = plan.spec
     if spec.policy is None:
         return loss, {}

@@ -270,8 +270,9 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
         raise _missing_targets_error(spec)
     ce, dist, pol = spec.cross_entropy, spec.distillation, spec.policy
     # a token-level policy objective is row-local: the kernel's epilogue computes it (fused mode).
-    # Sequence-level ratios need other rows: the objective runs in torch on the deferred mode's
-    # per-token log-probs, whose gradient the backward kernel turns into the logits' gradient
+    # Sequence-level ratios need other rows: the objective runs after the stats pass on the deferred
+    # mode's per-token log-probs (policy_sequence_kernel, or torch), whose gradient the backward kernel
+    # turns into the logits' gradient
     sequence_policy = pol is not None and not pol.row_local
     deferred = spec.reduction == "none" or spec.differentiable_outputs or sequence_policy
     fused_policy = pol is not None and not deferred

@@ -3,9 +3,11 @@
 Token-level importance ratios make the objective row-local: the head kernel's epilogue computes it
 (``policy_values`` in headloss/kernels/terms.py) in fused mode, from the row's log p(target), with the aggregation
 given as per-token weights (:func:`aggregation_weights`). Sequence-level ratios (GSPO) need the
-whole sequence: then the deferred mode's stats pass gives each token's ``logp`` (and entropy),
-:func:`policy_objective` runs here in torch on them (O(tokens)), and the backward kernel turns
-d loss / d logp into one gradient pass over the logits. Both follow the same formulas:
+whole sequence: then the deferred mode's stats pass gives each token's ``logp`` (and entropy), the
+objective runs on them (O(tokens): on [B, T] rows, a row-local objective by two kernels,
+kernels.head.policy_sequence_kernel, see :func:`objective_in_kernel`; else :func:`policy_objective`
+here in torch), and the backward kernel turns d loss / d logp into one gradient pass over the
+logits. All follow the same formulas:
 
     ratio      exp(logp - old)             token level, or exp(masked mean of logp - old over the
                                            sequence) for sequence level (GSPO)
