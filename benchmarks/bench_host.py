@@ -25,8 +25,10 @@ per-sequence advantages, a loss mask ending each sequence at 90%):
 nothing -- what any autograd-based fused loss pays per call on this host (hosts differ ~2x).
 ``headloss-1t``: the same call inside ``torch.autograd.set_multithreading_enabled(False)``, which
 runs the backward on the calling thread (no hand-off to autograd's CUDA device thread).
+``--handoff``: also a trivial torch backward's host time with the GPU idle and busy, through autograd's
+device thread and on the calling thread (rows of case ``handoff``): the hand-off's cost on this host.
 
-  python -m benchmarks.bench_host [--rows 1024 8192] [--vocab 32000] [--cases ce grpo linear]
+  python -m benchmarks.bench_host [--rows 1024 8192] [--vocab 32000] [--cases ce grpo linear] [--handoff]
   taskset -c 4,5 python -m benchmarks.bench_host   # the results file: host times vary ~2x run to run unpinned
 
 Writes $OUT (or ./results)/bench_host.{json,csv,png} (``--name``: another name); prints a table.
@@ -247,6 +249,33 @@ def providers(case: str) -> dict[str, Callable[[torch.Tensor, torch.Tensor], Non
     return table
 
 
+def handoff_rows(reps: int = 40) -> list[Row]:
+    """Host time of a trivial torch backward (``(z * 2).sum()`` of 4 elements), with the GPU idle and
+    with it busy (two 8192 x 8192 fp32 matmuls queued first), through autograd's CUDA device thread
+    (the default) and on the calling thread (``set_multithreading_enabled(False)``): what autograd's
+    hand-off costs on this host, whatever the loss."""
+    z = torch.randn(4, device="cuda", requires_grad=True)
+    busy = torch.randn(8192, 8192, device="cuda")
+    out: list[Row] = []
+    for threads in ("multithreaded", "one-thread"):
+        for state in ("idle", "busy"):
+            times = []
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                if state == "busy":
+                    busy @ busy, busy @ busy  # noqa: B018 (queued GPU work)
+                start = time.perf_counter()
+                with torch.autograd.set_multithreading_enabled(threads == "multithreaded"):
+                    (z * 2).sum().backward()
+                times.append(time.perf_counter() - start)
+            torch.cuda.synchronize()
+            p50 = sorted(times)[reps // 2] * 1e3
+            out.append(Row(case="handoff", provider=threads, metric=f"host-{state}", unit="ms", x_name="rows", x=4,
+                           p50=p50, config={"what": "trivial torch backward"}, gpu=gpu_name()))
+            print(f"handoff     {threads:13s} GPU {state}: trivial backward host {p50:.3f} ms", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
@@ -254,9 +283,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--no-graph", action="store_true")
     parser.add_argument("--name", default="bench_host", help="results file name (default bench_host)")
+    parser.add_argument("--handoff", action="store_true",
+                        help="also time a trivial torch backward with the GPU idle and busy (autograd's hand-off)")
     args = parser.parse_args(argv)
     rows: list[Row] = []
     table: list[tuple] = []
+    if args.handoff:
+        rows += handoff_rows()
     gen = torch.Generator(device="cuda").manual_seed(0)
     for vocab in args.vocab:
         for n in args.rows:
