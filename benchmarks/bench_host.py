@@ -335,6 +335,7 @@ def _plot(rows: list[Row], path) -> None:
     except Exception as exc:
         print(f"no plot: {exc}")
         return
+    rows = [r for r in rows if r.case in CASES]  # (not the --handoff probe)
     vocabs = sorted({r.config["vocab"] for r in rows})
     cases = [c for c in CASES if any(r.case == c for r in rows)]
     fig, axes = plt.subplots(len(cases), len(vocabs), figsize=(5 * len(vocabs), 3.2 * len(cases)), squeeze=False)
