@@ -675,6 +675,14 @@ def finish_kernel(rows, loss, means, scratch, num_items, policy, geo, F: tl.cons
 
 
 @triton.jit
+def _extremes_step(r_min, r_max, nan, ratio, keep):
+    """Running extremes of the kept ratios; a kept NaN is flagged in ``nan`` (it wins, as torch's amin)."""
+    nan |= (keep & (ratio != ratio)).to(tl.int32)
+    ok = keep & (ratio == ratio)
+    return tl.where(ok, tl.minimum(r_min, ratio), r_min), tl.where(ok, tl.maximum(r_max, ratio), r_max), nan
+
+
+@triton.jit
 def sequence_extremes_kernel(
     ratio, low, high,  # (n_seq * seq_len,) fp32 columns (strided), 0/1 indicators for low and high
     mask,  # (n_seq * seq_len,) fp32, 1 where a token counts
@@ -701,10 +709,7 @@ def sequence_extremes_kernel(
         n_high += tl.load(high + i * stride_h, mask=inside, other=0.0).to(tl.float32) * m
         n_tok += m
         r = tl.load(ratio + i * stride_r, mask=inside, other=1.0).to(tl.float32)
-        keep = m > 0
-        nan |= (keep & (r != r)).to(tl.int32)
-        r_min = tl.where(keep & (r == r), tl.minimum(r_min, r), r_min)
-        r_max = tl.where(keep & (r == r), tl.maximum(r_max, r), r_max)
+        r_min, r_max, nan = _extremes_step(r_min, r_max, nan, r, m > 0)
     tokens = tl.sum(n_tok, axis=0)
     # correctly rounded, as torch divides (the GPU's default fp32 division is within 2 ulp)
     low_frac = tl.math.div_rn(tl.sum(n_low, axis=0), tl.maximum(tokens, 1.0))
@@ -795,9 +800,11 @@ def _objective_token(lp, o, r, a, iwv, keepf, L, g_self, S, F: tl.constexpr):
 
 
 @triton.jit
-def _objective_inputs(logp, entropy, old, ref, adv, iw, mask, weight, i, inside, stride_l, stride_e,
-                      F: tl.constexpr):
-    """The policy inputs of tokens ``i`` (``inside`` the sequence; old = logp when None, no rollout weight = 1)."""
+def _objective_at(logp, entropy, old, ref, adv, iw, mask, weight, i, inside, stride_l, stride_e, mean, mean_drift,
+                  off_policy, n_counted, S, F: tl.constexpr):
+    """Tokens ``i`` of a sequence (``inside`` it; old = logp when None, no rollout weight = 1): (mask,
+    logp, entropy, weight, the entropy bonus's weight, the token's log-ratio, and _objective_token's
+    values) -- ``mean`` / ``mean_drift``: the sequence's mean log-ratio and off-policy drift."""
     m = tl.load(mask + i, mask=inside, other=0.0)
     lp = tl.load(logp + i * stride_l, mask=inside, other=0.0)
     o = lp
@@ -814,7 +821,15 @@ def _objective_inputs(logp, entropy, old, ref, adv, iw, mask, weight, i, inside,
         ent = tl.load(entropy + i * stride_e, mask=inside, other=0.0)
     a = tl.load(adv + i, mask=inside, other=0.0)
     w = tl.load(weight + i, mask=inside, other=0.0)
-    return m, lp, o, r, iwv, ent, a, w
+    keepf = tl.full(lp.shape, 1.0, tl.float32)
+    if F.OFF_POLICY:  # TRL: keep a sequence if A >= 0 or its mean drift is at most the threshold
+        keepf = tl.where((a >= 0) | (tl.zeros_like(a) + mean_drift <= off_policy), 1.0, 0.0)
+    log_ratio, L, g = _log_ratio_of(lp, o, mean, F)
+    per_token, d_self, d_L, ratio, kl, low, high, dual = _objective_token(lp, o, r, a, iwv, keepf, L, g, S, F)
+    bonus_w = w  # verl: the entropy aggregated like the loss; TRL: a mean over the call's counted tokens
+    if F.ENT_TOKEN_MEAN:
+        bonus_w = tl.math.div_rn(m, n_counted)
+    return m, lp, ent, w, bonus_w, log_ratio, per_token, d_self, d_L, ratio, kl, low, high, dual
 
 
 @triton.jit
@@ -906,19 +921,12 @@ def policy_sequence_kernel(
         t = start + offs
         inside = t < seq_len
         i = first + t
-        m, lp, o, r, iwv, ent, a, w = _objective_inputs(logp, entropy, old, ref, adv, iw, mask, weight, i, inside,
-                                                        stride_l, stride_e, F)
-        keepf = tl.full([BLOCK], 1.0, tl.float32)
-        if F.OFF_POLICY:
-            keepf = tl.where((a >= 0) | (tl.zeros_like(a) + mean_drift <= off_policy), 1.0, 0.0)
-        log_ratio, L, g = _log_ratio_of(lp, o, mean, F)
-        per_token, d_self, d_L, ratio, kl, low, high, dual = _objective_token(lp, o, r, a, iwv, keepf, L, g, S, F)
+        m, lp, ent, w, bonus_w, log_ratio, per_token, d_self, d_L, ratio, kl, low, high, dual = _objective_at(
+            logp, entropy, old, ref, adv, iw, mask, weight, i, inside, stride_l, stride_e, mean, mean_drift,
+            off_policy, n_counted, S, F)
         loss_acc += w * per_token
         d_seq += w * d_L
         if F.ENT_BONUS:
-            bonus_w = w
-            if F.ENT_TOKEN_MEAN:
-                bonus_w = tl.math.div_rn(m, n_counted)
             loss_acc -= S.entropy_coef * (ent * bonus_w)
         s_low += low.to(tl.float32) * m
         s_high += high.to(tl.float32) * m
@@ -929,10 +937,7 @@ def policy_sequence_kernel(
         s_ent += ent * m
         s_kl += kl * m
         n_tok += m
-        keep = m > 0
-        nan |= (keep & (ratio != ratio)).to(tl.int32)
-        r_min = tl.where(keep & (ratio == ratio), tl.minimum(r_min, ratio), r_min)
-        r_max = tl.where(keep & (ratio == ratio), tl.maximum(r_max, ratio), r_max)
+        r_min, r_max, nan = _extremes_step(r_min, r_max, nan, ratio, m > 0)
     tokens = tl.sum(n_tok, axis=0)
     per = tl.maximum(tokens, 1.0)
     if part is not None:
@@ -966,21 +971,14 @@ def policy_sequence_kernel(
             t = start + offs
             inside = t < seq_len
             i = first + t
-            m, lp, o, r, iwv, ent, a, w = _objective_inputs(logp, entropy, old, ref, adv, iw, mask, weight, i,
-                                                            inside, stride_l, stride_e, F)
-            keepf = tl.full([BLOCK], 1.0, tl.float32)
-            if F.OFF_POLICY:
-                keepf = tl.where((a >= 0) | (tl.zeros_like(a) + mean_drift <= off_policy), 1.0, 0.0)
-            log_ratio, L, g = _log_ratio_of(lp, o, mean, F)
-            _, d_self, _, _, _, _, _, _ = _objective_token(lp, o, r, a, iwv, keepf, L, g, S, F)
+            m, _, _, w, bonus_w, _, _, d_self, _, _, _, _, _, _ = _objective_at(
+                logp, entropy, old, ref, adv, iw, mask, weight, i, inside, stride_l, stride_e, mean, mean_drift,
+                off_policy, n_counted, S, F)
             d_logp = w * d_self
             if F.IS_MODE == 1:
                 d_logp += through * m
             d_ent = tl.zeros([BLOCK], tl.float32)
             if F.ENT_BONUS:
-                bonus_w = w
-                if F.ENT_TOKEN_MEAN:
-                    bonus_w = tl.math.div_rn(m, n_counted)
                 d_ent = -S.entropy_coef * bonus_w
             tile = tl.where(cols[None, :] == COL_LOGP, d_logp[:, None],
                             tl.where(cols[None, :] == COL_ENT, d_ent[:, None], 0.0))
