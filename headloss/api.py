@@ -181,7 +181,8 @@ def head_loss(
     try:
         call = head_call(logits, targets, spec, kernel=True, teacher_logits=teacher_logits,
                          policy_given=policy_given, num_items_in_batch=num_items_in_batch, shift=shift,
-                         validate=validate, policy_in_kernel=plan.flags.HAS_POLICY)
+                         validate=validate, policy_in_kernel=plan.flags.HAS_POLICY,
+                         policy_deferred_kernel=plan.mode == "deferred" and spec.reduction != "none")
         error = None
     except (ValueError, TypeError) as exc:
         if shard is None or validation_mode(validate) != "sync":
@@ -306,6 +307,8 @@ def _policy_terms(plan: KernelPlan, loss, rows, means, scratch, pol, kernel_sequ
                                      scratch[0], pol)
     if loss.dim() == 0 and objective_in_kernel(spec.policy, pol, rows):
         return policy_objective_in_kernel(plan, loss, rows, pol)
+    if pol.raw:  # (policy_inputs hands inputs as given only to a call the kernels will run)
+        raise RuntimeError("headloss: internal error, deferred policy inputs as given reached the torch objective")
     entropy = column(rows, plan, "entropy")
     policy_loss, metrics = policy_objective(column(rows, plan, "logp"), entropy, pol.mask, spec.policy, pol)
     loss = loss + policy_loss

@@ -358,6 +358,7 @@ def _objective_launch(plan: KernelPlan, rows: torch.Tensor, inp: PolicyInputs, *
         adv=inp.advantages, iw=inp.importance_weights, mask=inp.mask, weight=inp.weight,
         sampled=inp.rollout_logprobs if inp.rollout_logprobs is not None else inp.old_logprobs,
         count=inp.mask.sum() if flags.ENT_TOKEN_MEAN else None, n_seq=inp.n_slots, seq_len=inp.seq_len,
+        adv_span=inp.adv_span,
         off_policy=pol.off_policy_mask if pol.off_policy_mask is not None else 0.0, d_cols=cols.N,
         col_logp=cols.logp, col_ent=cols.entropy if flags.ENT_BONUS else -1, **kwargs)
 

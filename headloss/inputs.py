@@ -328,8 +328,11 @@ def geometry(logits_shape: tuple[int, ...], logits_strides: tuple[int, int], slo
 
 
 def head_call(logits: Any, targets: Any, spec: LossSpec, *, kernel: bool, teacher_logits: Any, policy_given: dict,
-              num_items_in_batch: Any, shift: bool, validate: Validate, policy_in_kernel: bool = False) -> HeadCall:
-    """Check every input of head_loss and flatten it for the kernels; errors name the argument."""
+              num_items_in_batch: Any, shift: bool, validate: Validate, policy_in_kernel: bool = False,
+              policy_deferred_kernel: bool = False) -> HeadCall:
+    """Check every input of head_loss and flatten it for the kernels; errors name the argument.
+    ``policy_in_kernel`` / ``policy_deferred_kernel``: see policy.policy_inputs' ``in_kernel`` /
+    ``deferred_kernel``."""
     check_logits(logits)
     token_rows = tuple(logits.shape[:-1])
     check_targets(targets, token_rows, spec, logits.device, shift)
@@ -347,7 +350,8 @@ def head_call(logits: Any, targets: Any, spec: LossSpec, *, kernel: bool, teache
         targets = pad_shifted(targets, logits.shape[1], spec.ignore_index)
         shift_by = 0
     policy, targets = policy_inputs(spec.policy, token_shape, targets, spec.ignore_index, norm.as_torch(),
-                                    mode, policy_given, in_kernel=policy_in_kernel)
+                                    mode, policy_given, in_kernel=policy_in_kernel,
+                                    deferred_kernel=policy_deferred_kernel)
     teacher = teacher_logits.detach() if teacher_logits is not None else None
     slots = token_shape[-1] if len(token_shape) == 2 else (token_shape[0] if token_shape else 0)
     geo = geometry(tuple(logits.shape), row_strides(logits), slots, shift_by, teacher, spec.ignore_index, norm)

@@ -59,6 +59,9 @@ class PolicyInputs:
     num_sequences_in_batch: float | torch.Tensor | None = None  # verl's global_batch_size (seq-mean modes)
     adv_span: int = 1  # tokens per entry of ``advantages`` (K: one per sequence of [B, K], kernel only)
     quantile_group: Any = None  # the processes whose tokens form the top-entropy quantile's batch
+    raw: bool = False  # inputs as given (any float dtype, advantages by index: adv_span), read only at counted
+    # tokens by the kernels (the fused epilogue, or deferred mode's objective kernel); else fp32 copies holding 0
+    # at masked tokens, for torch
 
 
 def seq_of(inp: PolicyInputs) -> torch.Tensor:
@@ -546,20 +549,29 @@ def policy_extremes(means: dict[str, torch.Tensor], ratio, low, high, mask, coun
     return out
 
 
-def objective_in_kernel(policy: Policy, inp: PolicyInputs, rows: torch.Tensor) -> bool:
-    """The deferred mode's policy term (objective, metrics and d loss / d rows) by Triton launches
-    (kernels.head.launch_policy_objective) instead of policy_objective's ~100 small torch ops: a
-    row-local objective (sequence-level ratios and the off-policy mask included; no top-entropy mask,
-    a batch quantile) on rows of [B, T] sequences (no sequence_ids), fp32 flat inputs, on the kernels'
-    device, outside torch.compile."""
+def objective_route(policy: Policy, token_shape: tuple[int, ...], sequence_ids: bool, device: torch.device) -> bool:
+    """Whether deferred mode's policy term can run by Triton launches (kernels.head.launch_policy_objective)
+    instead of policy_objective's ~100 small torch ops: a row-local objective (sequence-level ratios and
+    the off-policy mask included; no top-entropy mask, a batch quantile) on tokens of [B, T] sequences
+    (no sequence_ids), on the kernels' device, outside torch.compile."""
     from .inputs import resolve_backend  # (inputs imports this module)
     from .spec import ROW_LOCAL_OBJECTIVES
 
-    if (policy.objective not in ROW_LOCAL_OBJECTIVES or policy.top_entropy_quantile != 1.0
-            or inp.sequence_ids is not None or not isinstance(inp.seq_len, int) or inp.n_slots <= 0
-            or inp.seq_len <= 0 or rows.dim() != 2 or rows.shape[0] != inp.n_slots * inp.seq_len
-            or rows.dtype != torch.float32 or torch.compiler.is_compiling()
-            or resolve_backend("auto", rows.device, rows.dtype) != "triton"):
+    return (policy.objective in ROW_LOCAL_OBJECTIVES and policy.top_entropy_quantile == 1.0
+            and len(token_shape) == 2 and not sequence_ids and math.prod(token_shape) > 0
+            and not torch.compiler.is_compiling() and resolve_backend("auto", device, torch.float32) == "triton")
+
+
+def objective_in_kernel(policy: Policy, inp: PolicyInputs, rows: torch.Tensor) -> bool:
+    """Deferred mode's policy term on ``rows`` (its packed per-token rows, fp32) by the kernels: inputs
+    read as given (``inp.raw``: policy_inputs chose the kernels, see :func:`objective_route`), or the
+    fp32 flat copies of a call on a route that allows it."""
+    if rows.dim() != 2 or rows.dtype != torch.float32 or rows.shape[0] != inp.n_slots * (
+            inp.seq_len if isinstance(inp.seq_len, int) else -1):
+        return False
+    if inp.raw:
+        return True
+    if inp.sequence_ids is not None or not objective_route(policy, (inp.n_slots, inp.seq_len), False, rows.device):
         return False
     flat = (inp.advantages, inp.old_logprobs, inp.ref_logprobs, inp.importance_weights, inp.mask, inp.weight,
             inp.rollout_logprobs)
@@ -589,6 +601,7 @@ def policy_inputs(
     given: dict[str, torch.Tensor | None],
     in_kernel: bool = False,
     norm_length: int | None = None,
+    deferred_kernel: bool = False,
 ) -> tuple[PolicyInputs | None, torch.Tensor | None]:
     """Check and flatten the policy term's per-call inputs; returns (inputs, effective targets).
 
@@ -597,7 +610,9 @@ def policy_inputs(
     value is read: sequence_ids in range is checked on the device with the targets (``validate``).
     ``in_kernel``: the token-level objective runs in the kernel, which reads the inputs as they are
     (any float dtype, per-sequence advantages by index) and never at a masked token: no copies.
-    Otherwise the objective runs in torch, on copies whose masked tokens hold 0.
+    ``deferred_kernel``: the caller can run deferred mode's objective by its kernels (a scalar loss);
+    it does, reading the inputs as they are, when :func:`objective_route` allows. Otherwise the
+    objective runs in torch, on copies whose masked tokens hold 0.
     """
     present = {k: v for k, v in given.items() if v is not None}
     if spec_policy is None:
@@ -666,6 +681,7 @@ def policy_inputs(
         raise ValueError(
             f"advantages: expected {per_seq}{tuple(token_shape)} per token, got {tuple(advantages.shape)}"
         )
+    raw = in_kernel or (deferred_kernel and objective_route(spec_policy, token_shape, sequence_ids is not None, device))
     mask = targets != ignore_index
     if "loss_mask" in present:
         mask = mask & present["loss_mask"].bool()
@@ -674,13 +690,13 @@ def policy_inputs(
     def flat(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
             return None
-        if in_kernel:  # read as they are, never at a masked token
+        if raw:  # read as they are, never at a masked token
             return t.reshape(-1).contiguous()
         # masked tokens are skipped: whatever they hold (padding NaN, -inf) never reaches the loss
         return torch.where(flat_mask, t.reshape(-1).float(), 0.0)
 
     adv_span = 1
-    if per_sequence and in_kernel:
+    if per_sequence and raw:
         adv_span = token_shape[1]
         advantages = advantages.contiguous()
     else:
@@ -697,6 +713,7 @@ def policy_inputs(
         num_items_in_batch=num_items_in_batch,
         sequence_ids=sequence_ids,
         adv_span=max(adv_span, 1),
+        raw=raw,
     )
     inputs.mask = flat_mask.float()
     inputs.norm_length = norm_length

@@ -332,12 +332,13 @@ def check_sequence_extremes(device, batch: int, length: int, strided: bool, nan:
 
 def check_policy_objective(device, policy, batch: int, length: int, vocab: int, seed: int, *, shift: bool,
                            empty: str = "none", per_token_adv: bool = False, weights: bool = False,
-                           rollout: bool = False, logits_dtype=torch.float32) -> None:
+                           rollout: bool = False, logits_dtype=torch.float32, input_dtype=torch.float32) -> None:
     """head_loss of a deferred-mode policy term on [B, T] rows (the objective, its metrics and d loss / d
     rows by policy_sequence_kernel + policy_objective_finish_kernel) against the torch ops it replaces
     (policy.policy_objective, forced), on ``device``: the same loss, the same metric names in the same
     order with the same values, the same gradient (tests/test_policy.py, tests/test_gpu.py).
-    ``empty``: "one" sequence, "all" of them, or "none" without a counted token."""
+    ``empty``: "one" sequence, "all" of them, or "none" without a counted token. The per-token inputs
+    hold NaN at masked tokens (read by neither path) and come in ``input_dtype``."""
     import headloss.api as api
     from headloss import LossSpec, head_loss
     from headloss.plan import compile_plan
@@ -368,25 +369,47 @@ def check_policy_objective(device, policy, batch: int, length: int, vocab: int, 
         inputs["importance_weights"] = torch.rand(batch, length, generator=gen, device=device) + 0.5
     if rollout or policy.rollout_is is not None:
         inputs["rollout_logprobs"] = (old.double() + 0.1 * noise()).float()
+    for name, t in list(inputs.items()):
+        if name != "loss_mask":
+            t = t.to(input_dtype)
+            if t.shape == mask.shape:
+                t = t.masked_fill(mask == 0, math.nan)
+            inputs[name] = t
+    import headloss.inputs as inputs_module
+
     results = []
-    original = api.objective_in_kernel
-    for in_kernel in (True, False):
+    original, policy_inputs = api.objective_in_kernel, inputs_module.policy_inputs
+    copies = lambda *args, **kwargs: policy_inputs(*args, **{**kwargs, "deferred_kernel": False})  # noqa: E731
+    # the kernels on the inputs as given; the kernels on fp32 copies (the lm_head's route); the torch ops
+    for route in ("as given", "copies", "torch"):
         calls = []
 
-        def spy(*args, in_kernel=in_kernel, calls=calls):
+        def spy(*args, route=route, calls=calls):
+            assert args[1].raw == (route == "as given"), route  # inputs as given, or fp32 copies
             calls.append(original(*args))
-            return calls[-1] and in_kernel
+            return calls[-1] and route != "torch"
 
         api.objective_in_kernel = spy
+        if route != "as given":
+            inputs_module.policy_inputs = copies
         try:
             logits = base.clone().requires_grad_()
             out = head_loss(logits, ids, spec, shift=shift, **inputs)
             out.loss.backward()
         finally:
-            api.objective_in_kernel = original
-        assert calls == [True], calls  # the kernels' path was open to this call (and the torch one forced)
+            api.objective_in_kernel, inputs_module.policy_inputs = original, policy_inputs
+        assert calls == [True], (route, calls)  # the kernels' path was open to this call (and the torch one forced)
         results.append((out.loss.detach(), dict(out.metrics), logits.grad))
-    (loss, metrics, grad), (loss_t, metrics_t, grad_t) = results
+    check_same(results[0], results[2], logits_dtype)
+    check_same(results[1], results[2], logits_dtype)
+    if empty == "all":
+        assert float(results[0][1]["ratio/min"]) == 1.0 and float(results[0][1]["clip_ratio/low_min"]) == 0.0
+
+
+def check_same(result, expected, logits_dtype) -> None:
+    """(loss, metrics, gradient) of a call against another's: values to fp32 accuracy, metric names in
+    the same order."""
+    (loss, metrics, grad), (loss_t, metrics_t, grad_t) = result, expected
     torch.testing.assert_close(loss, loss_t, rtol=1e-5, atol=1e-6, equal_nan=True)
     assert list(metrics) == list(metrics_t)
     for name, value in metrics.items():
@@ -395,5 +418,3 @@ def check_policy_objective(device, policy, batch: int, length: int, vocab: int, 
     scale = float(grad_t.abs().max()) if grad_t.numel() else 0.0
     tol = 1e-5 if logits_dtype == torch.float32 else 1e-2
     torch.testing.assert_close(grad, grad_t, rtol=tol, atol=tol * max(scale, 1e-6))
-    if empty == "all":
-        assert float(metrics["ratio/min"]) == 1.0 and float(metrics["clip_ratio/low_min"]) == 0.0

@@ -322,10 +322,11 @@ def test_sequence_extremes_kernel_equals_the_torch_ops(case):
 @pytest.mark.parametrize("case", [
     dict(policy=dict(loss_type="dapo", importance_sampling="sequence"), batch=8, length=700, vocab=32000),
     dict(policy=dict(loss_type="grpo", importance_sampling="sequence_token", convention="verl", kl_beta=0.1,
-                     kl_importance_correction=True, entropy_coef=0.01), batch=5, length=97, vocab=5000, empty="one"),
+                     kl_importance_correction=True, entropy_coef=0.01), batch=5, length=97, vocab=5000, empty="one",
+         input_dtype=torch.bfloat16),
     dict(policy=dict(loss_type="bnpo", importance_sampling="sequence", off_policy_mask=0.05, kl_beta=0.04,
                      entropy_coef=0.02, entropy_aggregation="token-mean"), batch=3, length=33, vocab=300,
-         rollout=True, shift=False),
+         rollout=True, shift=False, input_dtype=torch.float64),
     dict(policy=dict(loss_type="dapo", objective="sapo", importance_sampling="sequence", kl_beta=0.04,
                      kl_estimator="k2"), batch=2, length=1, vocab=7, empty="all"),
     dict(policy=dict(loss_type="dr_grpo", max_completion_length=64, objective="dppo_kl", kl_beta=0.1),
@@ -333,8 +334,8 @@ def test_sequence_extremes_kernel_equals_the_torch_ops(case):
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_deferred_policy_kernels_equal_the_torch_ops(case, dtype):
-    """The deferred mode's policy term by its two kernels, compiled, against the torch ops: loss, metrics
-    and gradient."""
+    """The deferred mode's policy term by its two kernels, compiled, on the inputs as given and on fp32
+    copies, against the torch ops: loss, metrics and gradient."""
     from conftest import check_policy_objective
 
     from headloss.spec import Policy

@@ -806,14 +806,16 @@ def deferred_policies(draw):
           suppress_health_check=[HealthCheck.too_slow])
 @given(policy=deferred_policies(), batch=st.integers(1, 5), length=st.integers(1, 24), vocab=st.integers(2, 40),
        shift=st.booleans(), empty=st.sampled_from(["none", "none", "one", "all"]), per_token_adv=st.booleans(),
-       weights=st.booleans(), rollout=st.booleans(), seed=st.integers(0, 10_000))
+       weights=st.booleans(), rollout=st.booleans(), seed=st.integers(0, 10_000),
+       input_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
 def test_deferred_policy_kernels_equal_the_torch_ops(policy, batch, length, vocab, shift, empty, per_token_adv,
-                                                     weights, rollout, seed):
+                                                     weights, rollout, seed, input_dtype):
     """Deferred mode's policy term on [B, T] rows launches policy_sequence_kernel + its finishing kernel
-    (policy.objective_in_kernel); the loss, every metric (names and order too) and the gradient equal
-    the torch ops' (policy.policy_objective)."""
+    (policy.objective_route), on the inputs as given (any float dtype, NaN at masked tokens) and on fp32
+    copies; the loss, every metric (names and order too) and the gradient equal the torch ops'
+    (policy.policy_objective)."""
     check_policy_objective("cpu", policy, batch, length, vocab, seed, shift=shift, empty=empty,
-                           per_token_adv=per_token_adv, weights=weights, rollout=rollout)
+                           per_token_adv=per_token_adv, weights=weights, rollout=rollout, input_dtype=input_dtype)
 
 
 @needs_kernel

@@ -800,26 +800,28 @@ def _objective_token(lp, o, r, a, iwv, keepf, L, g_self, S, F: tl.constexpr):
 
 
 @triton.jit
-def _objective_at(logp, entropy, old, ref, adv, iw, mask, weight, i, inside, stride_l, stride_e, mean, mean_drift,
-                  off_policy, n_counted, S, F: tl.constexpr):
-    """Tokens ``i`` of a sequence (``inside`` it; old = logp when None, no rollout weight = 1): (mask,
+def _objective_at(logp, entropy, old, ref, adv, iw, mask, weight, i, inside, stride_l, stride_e, adv_span, mean,
+                  mean_drift, off_policy, n_counted, S, F: tl.constexpr):
+    """Tokens ``i`` of a sequence (``inside`` it; old = logp when None, no rollout weight = 1; advantages
+    by index ``i // adv_span``): (mask,
     logp, entropy, weight, the entropy bonus's weight, the token's log-ratio, and _objective_token's
     values) -- ``mean`` / ``mean_drift``: the sequence's mean log-ratio and off-policy drift."""
     m = tl.load(mask + i, mask=inside, other=0.0)
+    counted = inside & (m > 0)  # the inputs are read at counted tokens only; 0 elsewhere (as torch's copies)
     lp = tl.load(logp + i * stride_l, mask=inside, other=0.0)
     o = lp
     if old is not None:
-        o = tl.load(old + i, mask=inside, other=0.0)
+        o = tl.load(old + i, mask=counted, other=0.0).to(tl.float32)
     r = lp
     if F.KL_EST != 0:
-        r = tl.load(ref + i, mask=inside, other=0.0)
+        r = tl.load(ref + i, mask=counted, other=0.0).to(tl.float32)
     iwv = tl.full(lp.shape, 1.0, tl.float32)
     if iw is not None:
-        iwv = tl.load(iw + i, mask=inside, other=0.0)
+        iwv = tl.load(iw + i, mask=counted, other=0.0).to(tl.float32)
     ent = tl.zeros_like(lp)
     if entropy is not None:
         ent = tl.load(entropy + i * stride_e, mask=inside, other=0.0)
-    a = tl.load(adv + i, mask=inside, other=0.0)
+    a = tl.load(adv + i // adv_span, mask=counted, other=0.0).to(tl.float32)
     w = tl.load(weight + i, mask=inside, other=0.0)
     keepf = tl.full(lp.shape, 1.0, tl.float32)
     if F.OFF_POLICY:  # TRL: keep a sequence if A >= 0 or its mean drift is at most the threshold
@@ -855,12 +857,13 @@ def _log_ratio_of(lp, o, mean, F: tl.constexpr):
 @triton.jit
 def policy_sequence_kernel(
     logp, entropy,  # (N,) columns of the deferred mode's packed rows (any stride); entropy None without one
-    old, ref, adv, iw, mask, weight, sampled,  # (N,) fp32 flat policy inputs, 0 at masked tokens (policy_inputs);
-    # old, ref, iw, sampled may be None (sampled: the off-policy mask's rollout log-probs, else old)
+    old, ref, adv, iw, mask, weight, sampled,  # (N,) flat policy inputs, any float dtype, read at counted tokens
+    # only (mask > 0; fp32 mask and weight); advantages (N / adv_span,); old, ref, iw, sampled may be None
+    # (sampled: the off-policy mask's rollout log-probs, else old)
     count,  # (1,) the call's counted tokens (TRL's token-mean entropy bonus), else None
     part,  # (n_seq, OBJECTIVE_PART) fp32 out, or None (gradient only)
     d_rows,  # (N, D_COLS) fp32 out: d loss / d logp and d loss / d entropy in their columns, 0 elsewhere; or None
-    stride_l, stride_e, seq_len, off_policy,
+    stride_l, stride_e, seq_len, adv_span, off_policy,
     S, F: tl.constexpr, D_COLS: tl.constexpr, COL_LOGP: tl.constexpr, COL_ENT: tl.constexpr,
     COLS_P2: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -883,16 +886,17 @@ def policy_sequence_kernel(
             inside = t < seq_len
             i = first + t
             m = tl.load(mask + i, mask=inside, other=0.0)
+            counted = inside & (m > 0)
             lp = tl.load(logp + i * stride_l, mask=inside, other=0.0)
             o = lp
             if old is not None:
-                o = tl.load(old + i, mask=inside, other=0.0)
+                o = tl.load(old + i, mask=counted, other=0.0).to(tl.float32)
             acc_r += (lp - o) * m
             acc_n += m
             if F.OFF_POLICY:
                 smp = o
                 if sampled is not None:
-                    smp = tl.load(sampled + i, mask=inside, other=0.0)
+                    smp = tl.load(sampled + i, mask=counted, other=0.0).to(tl.float32)
                 drift = smp - lp  # torch.nan_to_num: NaN -> 0, +-inf -> fp32's extremes
                 drift = tl.where(drift != drift, 0.0, tl.minimum(tl.maximum(drift, -_FP32_MAX), _FP32_MAX))
                 acc_d += drift * m
@@ -922,8 +926,8 @@ def policy_sequence_kernel(
         inside = t < seq_len
         i = first + t
         m, lp, ent, w, bonus_w, log_ratio, per_token, d_self, d_L, ratio, kl, low, high, dual = _objective_at(
-            logp, entropy, old, ref, adv, iw, mask, weight, i, inside, stride_l, stride_e, mean, mean_drift,
-            off_policy, n_counted, S, F)
+            logp, entropy, old, ref, adv, iw, mask, weight, i, inside, stride_l, stride_e, adv_span, mean,
+            mean_drift, off_policy, n_counted, S, F)
         loss_acc += w * per_token
         d_seq += w * d_L
         if F.ENT_BONUS:
@@ -972,8 +976,8 @@ def policy_sequence_kernel(
             inside = t < seq_len
             i = first + t
             m, _, _, w, bonus_w, _, _, d_self, _, _, _, _, _, _ = _objective_at(
-                logp, entropy, old, ref, adv, iw, mask, weight, i, inside, stride_l, stride_e, mean, mean_drift,
-                off_policy, n_counted, S, F)
+                logp, entropy, old, ref, adv, iw, mask, weight, i, inside, stride_l, stride_e, adv_span, mean,
+                mean_drift, off_policy, n_counted, S, F)
             d_logp = w * d_self
             if F.IS_MODE == 1:
                 d_logp += through * m
@@ -1385,7 +1389,7 @@ def launch_sequence_extremes(ratio: torch.Tensor, low: torch.Tensor, high: torch
 
 def launch_policy_objective(flags, scalars: Scalars, *, logp: torch.Tensor, entropy: torch.Tensor | None,
                             old, ref, adv, iw, mask, weight, sampled, count, n_seq: int, seq_len: int,
-                            off_policy: float, d_cols: int, col_logp: int, col_ent: int,
+                            adv_span: int, off_policy: float, d_cols: int, col_logp: int, col_ent: int,
                             base_loss: torch.Tensor | None = None, metrics: bool = True, grad: bool = True
                             ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(loss, metrics (len(OBJECTIVE_OUT),), d_rows (N, d_cols)) of the deferred mode's policy term on
@@ -1401,8 +1405,8 @@ def launch_policy_objective(flags, scalars: Scalars, *, logp: torch.Tensor, entr
     launch(policy_sequence_kernel, n_seq, 4, logp=logp, entropy=entropy, old=old, ref=ref, adv=adv, iw=iw,
            mask=mask, weight=weight, sampled=sampled, count=count, part=part, d_rows=d_rows,
            stride_l=logp.stride(0), stride_e=0 if entropy is None else entropy.stride(0), seq_len=seq_len,
-           off_policy=float(off_policy), S=scalars, F=flags, D_COLS=d_cols, COL_LOGP=col_logp, COL_ENT=col_ent,
-           COLS_P2=triton.next_power_of_2(max(d_cols, 1)), BLOCK=block)
+           adv_span=adv_span, off_policy=float(off_policy), S=scalars, F=flags, D_COLS=d_cols, COL_LOGP=col_logp,
+           COL_ENT=col_ent, COLS_P2=triton.next_power_of_2(max(d_cols, 1)), BLOCK=block)
     if not metrics:
         return None, None, d_rows
     total = torch.empty((), **f32)
