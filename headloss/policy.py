@@ -565,7 +565,8 @@ def objective_route(policy: Policy, token_shape: tuple[int, ...], sequence_ids: 
 def objective_in_kernel(policy: Policy, inp: PolicyInputs, rows: torch.Tensor) -> bool:
     """Deferred mode's policy term on ``rows`` (its packed per-token rows, fp32) by the kernels: inputs
     read as given (``inp.raw``: policy_inputs chose the kernels, see :func:`objective_route`), or the
-    fp32 flat copies of a call on a route that allows it."""
+    fp32 flat copies of a call on a route that allows it, none of them wanting a gradient (the kernels
+    give d loss / d rows only)."""
     if rows.dim() != 2 or rows.dtype != torch.float32 or rows.shape[0] != inp.n_slots * (
             inp.seq_len if isinstance(inp.seq_len, int) else -1):
         return False
@@ -576,7 +577,8 @@ def objective_in_kernel(policy: Policy, inp: PolicyInputs, rows: torch.Tensor) -
     flat = (inp.advantages, inp.old_logprobs, inp.ref_logprobs, inp.importance_weights, inp.mask, inp.weight,
             inp.rollout_logprobs)
     return all(t is None or (t.dtype == torch.float32 and t.dim() == 1 and t.is_contiguous()
-                             and t.shape[0] == rows.shape[0] and t.device == rows.device) for t in flat)
+                             and t.shape[0] == rows.shape[0] and t.device == rows.device
+                             and not (t.requires_grad and torch.is_grad_enabled())) for t in flat)
 
 
 def _extremes_in_kernel(ratio: torch.Tensor, mask: torch.Tensor, inp: PolicyInputs) -> bool:
@@ -681,7 +683,11 @@ def policy_inputs(
         raise ValueError(
             f"advantages: expected {per_seq}{tuple(token_shape)} per token, got {tuple(advantages.shape)}"
         )
-    raw = in_kernel or (deferred_kernel and objective_route(spec_policy, token_shape, sequence_ids is not None, device))
+    # (the objective kernels give no gradient to the policy inputs: inputs that want one take torch's ops)
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in present.values()
+                                                 if isinstance(t, torch.Tensor))
+    raw = in_kernel or (deferred_kernel and not wants_grad
+                        and objective_route(spec_policy, token_shape, sequence_ids is not None, device))
     mask = targets != ignore_index
     if "loss_mask" in present:
         mask = mask & present["loss_mask"].bool()

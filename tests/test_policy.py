@@ -829,3 +829,48 @@ def test_deferred_policy_kernels_loop_over_long_sequences(monkeypatch, importanc
     policy = Policy(loss_type="grpo", importance_sampling=importance_sampling, kl_beta=0.05,
                     kl_importance_correction=True, off_policy_mask=0.5, entropy_coef=0.01)
     check_policy_objective("cpu", policy, 3, 41, 5, seed=3, shift=True, empty="one", rollout=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("length", [4, 16])
+def test_deferred_policy_kernels_infinite_sequence_ratio(length):
+    """A sequence whose ratio is inf (old log-probs far below): the clipped objective is finite, as with
+    the torch ops, whether or not the sequence fills the kernel's block (its lanes past the sequence)."""
+    import headloss.api as api
+
+    gen = generator(11)
+    logits = torch.randn(1, length, 8, generator=gen)
+    ids = torch.randint(0, 8, (1, length), generator=gen)
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
+    spec = LossSpec(cross_entropy=None, policy={"importance_sampling": "sequence"})
+    inputs = dict(advantages=torch.tensor([1.0]), old_logprobs=logp - 100.0)
+    kernel = head_loss(logits, ids, spec, **inputs)
+    original = api.objective_in_kernel
+    api.objective_in_kernel = lambda *args: False
+    try:
+        ops = head_loss(logits, ids, spec, **dict(inputs, old_logprobs=(logp - 100.0).requires_grad_()))
+    finally:
+        api.objective_in_kernel = original
+    assert math.isfinite(kernel.loss.item())
+    torch.testing.assert_close(kernel.loss, ops.loss.detach())
+    assert kernel.metrics["ratio/mean"].item() == math.inf == ops.metrics["ratio/mean"].item()
+
+
+@needs_kernel
+def test_deferred_policy_inputs_that_want_a_gradient_get_it():
+    """Advantages or reference log-probs with requires_grad take the torch ops (the kernels give d loss
+    / d rows only): their gradient is there, and equals the one with every input detached but them."""
+    gen = generator(12)
+    logits = torch.randn(2, 5, 9, generator=gen, requires_grad=True)
+    ids = torch.randint(0, 9, (2, 5), generator=gen)
+    spec = LossSpec(cross_entropy=None, policy={"importance_sampling": "sequence", "kl_beta": 0.1})
+    adv = torch.randn(2, generator=gen).requires_grad_()
+    ref = (torch.randn(2, 5, generator=gen) - 2).requires_grad_()
+    old = torch.randn(2, 5, generator=gen) - 2
+    out = head_loss(logits, ids, spec, advantages=adv, ref_logprobs=ref, old_logprobs=old)
+    out.loss.backward()
+    assert adv.grad is not None and ref.grad is not None and adv.grad.abs().sum() > 0
+    assert out.metrics["ratio/mean"].grad_fn is None
+    with torch.no_grad():  # no gradient wanted: the kernels' route, the same loss
+        kernel = head_loss(logits, ids, spec, advantages=adv, ref_logprobs=ref, old_logprobs=old)
+    torch.testing.assert_close(kernel.loss, out.loss.detach(), rtol=1e-5, atol=1e-6)

@@ -827,6 +827,7 @@ def _objective_at(logp, entropy, old, ref, adv, iw, mask, weight, i, inside, str
     if F.OFF_POLICY:  # TRL: keep a sequence if A >= 0 or its mean drift is at most the threshold
         keepf = tl.where((a >= 0) | (tl.zeros_like(a) + mean_drift <= off_policy), 1.0, 0.0)
     log_ratio, L, g = _log_ratio_of(lp, o, mean, F)
+    L = tl.where(inside, L, 0.0)  # lanes past the sequence: ratio 1 (its ratio there is inf * 0 = NaN in the sums)
     per_token, d_self, d_L, ratio, kl, low, high, dual = _objective_token(lp, o, r, a, iwv, keepf, L, g, S, F)
     bonus_w = w  # verl: the entropy aggregated like the loss; TRL: a mean over the call's counted tokens
     if F.ENT_TOKEN_MEAN:
