@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .engine import HeadFunction, HeadRun, LinearFunction, LinearRun, policy_objective_in_kernel
+from .engine import HeadFunction, HeadRun, LinearFunction, LinearRun, objective_metrics, policy_objective_in_kernel
 from .inputs import (
     KERNEL_DTYPES,
     Backend,
@@ -195,15 +195,22 @@ def head_loss(
     geo = call.geo
     if shard is not None:
         geo = geo._replace(vocab_start=shard.vocab_start, V_total=shard.vocab_total)
+    # deferred mode's policy term by its kernels, inside the head's autograd node (policy_inputs chose them)
+    objective = pol if pol is not None and pol.raw and plan.mode == "deferred" else None
     run = HeadRun(plan, geo, inplace_grad, call.validate, call.token_shape,
-                  adv_span=pol.adv_span if pol is not None else 1, seq_len=rows_per_seq, shard=shard)
+                  adv_span=pol.adv_span if pol is not None else 1, seq_len=rows_per_seq, shard=shard,
+                  objective=objective)
     loss, rows, pred, means, scratch = HeadFunction.apply(
         logits, call.targets, call.teacher,
         *((pol.old_logprobs, pol.ref_logprobs, pol.advantages, pol.importance_weights, pol.weight)
           if pol is not None and plan.flags.HAS_POLICY else (None,) * 5),
         call.norm.tensor, None if pol is None else pol.sequence_ids, run,
     )
-    loss, extra = _policy_terms(plan, loss, rows, means, scratch, pol, kernel_sequences=rows_per_seq > 0)
+    if objective is not None:  # the loss has the policy term; its metrics follow the means
+        extra = objective_metrics(plan, means[plan.means_size:])
+        means = means[:plan.means_size]
+    else:
+        loss, extra = _policy_terms(plan, loss, rows, means, scratch, pol, kernel_sequences=rows_per_seq > 0)
     return assemble(plan, call.token_shape, loss, rows, pred, means, scratch, extra)
 
 

@@ -136,8 +136,8 @@ def _token_fake() -> torch.Tensor:
     return torch.empty(1, dtype=torch.int64)
 
 
-def _empty_outputs(plan: KernelPlan, n_out: int, device, token_shape: tuple[int, ...], empty_pred: bool = True
-                   ) -> tuple[torch.Tensor, ...]:
+def _empty_outputs(plan: KernelPlan, n_out: int, device, token_shape: tuple[int, ...], empty_pred: bool = True,
+                   extra_means: int = 0) -> tuple[torch.Tensor, ...]:
     """(rows, pred, loss, means); the loss of reduction 'none' is token-shaped from the start, so
     the Function never returns a view. Without argmax pred is empty, or None with ``empty_pred=False``
     (one allocation less per call)."""
@@ -146,7 +146,7 @@ def _empty_outputs(plan: KernelPlan, n_out: int, device, token_shape: tuple[int,
     pred = torch.empty(n_out, dtype=torch.int64, device=device) if plan.flags.HAS_ARGMAX else \
         (torch.empty(0, dtype=torch.int64, device=device) if empty_pred else None)
     loss = torch.empty(token_shape if plan.reduction == "none" else (), **f32)
-    means = torch.empty(plan.means_size, **f32)  # column means, the loss (the 'loss' metric), policy metrics
+    means = torch.empty(plan.means_size + extra_means, **f32)  # column means, the loss ('loss' metric), policy
     return rows, pred, loss, means
 
 
@@ -183,6 +183,7 @@ class HeadRun:
     adv_span: int = 1  # policy: slots per advantage (K: one per sequence)
     seq_len: int = 0  # policy: K when sequences are the rows of [B, K] (see PolicyRows)
     shard: Any = None  # vocab-parallel: a headloss.parallel.VocabShard
+    objective: Any = None  # deferred mode's policy term by its kernels, in this Function (a PolicyInputs)
 
 
 INLINE_PREPARE_SLOTS = 1 << 14
@@ -196,11 +197,13 @@ program's longer serial pass off the critical path."""
 
 
 def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, policy: PolicyRows | None, num_items,
-                 sequence_ids, grad_mode: str, validate: str, token_shape: tuple[int, ...], shard=None):
+                 sequence_ids, grad_mode: str, validate: str, token_shape: tuple[int, ...], shard=None,
+                 extra_means: int = 0):
     """The head kernel (its program 0 prepares, see INLINE_PREPARE_SLOTS; else prepare_kernel first):
     (loss, rows, pred, means, scratch, grad); grad_mode none/fresh/inplace.
     ``shard`` (a parallel.VocabShard): logits are this rank's vocabulary slice; the shard's
-    statistics are exchanged with one all_gather before the head kernel (headloss.parallel)."""
+    statistics are exchanged with one all_gather before the head kernel (headloss.parallel).
+    ``extra_means``: room after the plan's means (deferred mode's policy metrics)."""
     device = logits.device
     whole = geo._replace(V=geo.V_total) if shard is not None else geo  # targets are checked against all of V
     verdict = verdict_slot(validate, device, CheckContext(token_shape, whole.V, geo.ignore_index,
@@ -217,7 +220,8 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
     stats = jsd = None
     if shard is not None and geo.n_rows:
         stats, jsd = _shard_statistics(plan, logits, targets, teacher, geo, shard)
-    rows, pred, loss, means = _empty_outputs(plan, geo.n_out, device, token_shape, empty_pred=False)
+    rows, pred, loss, means = _empty_outputs(plan, geo.n_out, device, token_shape, empty_pred=False,
+                                             extra_means=extra_means)
     grad = None
     if grad_mode == "inplace":
         grad = logits.detach()  # a tensor of its own over the logits' storage: autograd adopts it as .grad
@@ -291,8 +295,12 @@ class HeadFunction(torch.autograd.Function):
         else:
             loss, rows, pred, means, scratch, grad, *stats = head_forward(
                 plan, run.geo, logits, targets, teacher, policy, num_items, sequence_ids, grad_mode, run.validate,
-                run.token_shape, run.shard,
+                run.token_shape, run.shard, extra_means=len(OBJECTIVE_OUT) if run.objective is not None else 0,
             )
+        d_objective = None
+        if run.objective is not None:  # the policy term: its loss added to ``loss``, its metrics after the means
+            _, _, d_objective = _objective_launch(plan, rows, run.objective, base_loss=loss, total=loss,
+                                                  out=means[plan.means_size:], grad=ctx.needs_input_grad[0])
         ctx.run = run
         ctx.set_materialize_grads(False)  # outputs without a gradient get None, not a zero tensor
         if fused:
@@ -303,7 +311,8 @@ class HeadFunction(torch.autograd.Function):
             ctx.mark_non_differentiable(rows, means, scratch, *(() if pred is None else (pred,)))
         else:
             ctx.save_for_backward(logits, targets, teacher, rows, num_items, scratch,
-                                  stats[0] if run.shard is not None and not torch.compiler.is_compiling() else None)
+                                  stats[0] if run.shard is not None and not torch.compiler.is_compiling() else None,
+                                  d_objective)
             ctx.mark_non_differentiable(means, scratch, *(() if pred is None else (pred,)))
         return loss, rows, pred, means, scratch
 
@@ -322,7 +331,10 @@ class HeadFunction(torch.autograd.Function):
             return _scale(grad, d_loss.float(), ctx.grad_geo), *nones
         if d_loss is None and d_rows is None:
             return None, *nones
-        logits, targets, teacher, rows, num_items, scratch, stats = ctx.saved_tensors
+        logits, targets, teacher, rows, num_items, scratch, stats, d_objective = ctx.saved_tensors
+        if d_objective is not None and d_loss is not None:  # the policy term's d rows, for one unit of d loss
+            scaled = d_objective * d_loss
+            d_rows = scaled if d_rows is None else d_rows + scaled
         inplace = run.inplace and not torch.compiler.is_compiling()
         if torch.compiler.is_compiling():
             grad = torch.ops.headloss.head_backward(
@@ -390,6 +402,12 @@ def policy_objective_in_kernel(plan: KernelPlan, loss: torch.Tensor, rows: torch
     says when): the same values and metric names, in the same key order, as policy.policy_objective
     and api._policy_terms' "loss"."""
     total, out = PolicyObjectiveFunction.apply(loss, rows, plan, inp)
+    return total, objective_metrics(plan, out)
+
+
+def objective_metrics(plan: KernelPlan, out: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The policy metrics of the objective kernels' vector ``out`` (OBJECTIVE_OUT): policy_objective's
+    names in its key order, then api._policy_terms' "loss"."""
     values = dict(zip(OBJECTIVE_OUT, out.unbind(), strict=True))
     names = _OBJECTIVE_NAMES.get(plan.key)
     if names is None:
@@ -397,7 +415,7 @@ def policy_objective_in_kernel(plan: KernelPlan, loss: torch.Tensor, rows: torch
                  if (name != "entropy" or plan.cols.entropy >= 0) and (name != "kl" or plan.spec.policy.kl_beta)]
         names = _OBJECTIVE_NAMES[plan.key] = (*names, "pg_clipfrac", "loss")
     values["pg_clipfrac"] = values["clip_ratio/region_mean"]
-    return total, {name: values[name] for name in names}
+    return {name: values[name] for name in names}
 
 
 _OBJECTIVE_NAMES: dict[str, tuple[str, ...]] = {}

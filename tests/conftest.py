@@ -375,21 +375,27 @@ def check_policy_objective(device, policy, batch: int, length: int, vocab: int, 
             if t.shape == mask.shape:
                 t = t.masked_fill(mask == 0, math.nan)
             inputs[name] = t
+    import headloss.engine as engine
     import headloss.inputs as inputs_module
 
     results = []
-    original, policy_inputs = api.objective_in_kernel, inputs_module.policy_inputs
+    original, policy_inputs, launch = api.objective_in_kernel, inputs_module.policy_inputs, engine._objective_launch
     copies = lambda *args, **kwargs: policy_inputs(*args, **{**kwargs, "deferred_kernel": False})  # noqa: E731
-    # the kernels on the inputs as given; the kernels on fp32 copies (the lm_head's route); the torch ops
+    # the kernels on the inputs as given (inside the head's autograd node); the kernels on fp32 copies (their
+    # own node, as the lm_head runs them); the torch ops
     for route in ("as given", "copies", "torch"):
-        calls = []
+        calls, launches = [], []
 
         def spy(*args, route=route, calls=calls):
-            assert args[1].raw == (route == "as given"), route  # inputs as given, or fp32 copies
+            assert not args[1].raw, route  # fp32 copies
             calls.append(original(*args))
             return calls[-1] and route != "torch"
 
-        api.objective_in_kernel = spy
+        def launch_spy(plan, rows, inp, launches=launches, **kwargs):
+            launches.append(inp.raw)
+            return launch(plan, rows, inp, **kwargs)
+
+        api.objective_in_kernel, engine._objective_launch = spy, launch_spy
         if route != "as given":
             inputs_module.policy_inputs = copies
         try:
@@ -398,7 +404,10 @@ def check_policy_objective(device, policy, batch: int, length: int, vocab: int, 
             out.loss.backward()
         finally:
             api.objective_in_kernel, inputs_module.policy_inputs = original, policy_inputs
-        assert calls == [True], (route, calls)  # the kernels' path was open to this call (and the torch one forced)
+            engine._objective_launch = launch
+        # each route took its path (and the kernels' path was open to the copies' calls)
+        assert calls == ([] if route == "as given" else [True]), (route, calls)
+        assert launches == {"as given": [True], "copies": [False], "torch": []}[route], (route, launches)
         results.append((out.loss.detach(), dict(out.metrics), logits.grad))
     check_same(results[0], results[2], logits_dtype)
     check_same(results[1], results[2], logits_dtype)

@@ -1391,13 +1391,15 @@ def launch_sequence_extremes(ratio: torch.Tensor, low: torch.Tensor, high: torch
 def launch_policy_objective(flags, scalars: Scalars, *, logp: torch.Tensor, entropy: torch.Tensor | None,
                             old, ref, adv, iw, mask, weight, sampled, count, n_seq: int, seq_len: int,
                             adv_span: int, off_policy: float, d_cols: int, col_logp: int, col_ent: int,
-                            base_loss: torch.Tensor | None = None, metrics: bool = True, grad: bool = True
+                            base_loss: torch.Tensor | None = None, metrics: bool = True, grad: bool = True,
+                            total: torch.Tensor | None = None, out: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(loss, metrics (len(OBJECTIVE_OUT),), d_rows (N, d_cols)) of the deferred mode's policy term on
     ``n_seq`` sequences of ``seq_len`` rows (plan.ObjectiveFlags ``flags``; inputs as
     policy_sequence_kernel takes them): two launches, or one without ``metrics`` (loss and metrics
     None). The loss is ``base_loss`` plus the policy term; d_rows (``grad``, else None) is d loss / d rows
-    for one unit of upstream gradient."""
+    for one unit of upstream gradient. ``total`` / ``out``: where to write the loss (it may be
+    ``base_loss`` itself) and the metrics, instead of new tensors."""
     device = mask.device
     f32 = dict(dtype=torch.float32, device=device)
     part = torch.empty(n_seq, OBJECTIVE_PART, **f32) if metrics else None
@@ -1410,8 +1412,8 @@ def launch_policy_objective(flags, scalars: Scalars, *, logp: torch.Tensor, entr
            COL_ENT=col_ent, COLS_P2=triton.next_power_of_2(max(d_cols, 1)), BLOCK=block)
     if not metrics:
         return None, None, d_rows
-    total = torch.empty((), **f32)
-    out = torch.empty(len(OBJECTIVE_OUT), **f32)
+    total = torch.empty((), **f32) if total is None else total
+    out = torch.empty(len(OBJECTIVE_OUT), **f32) if out is None else out
     launch(policy_objective_finish_kernel, 1, 4, part=part, base_loss=base_loss, total=total, out=out, n_seq=n_seq,
            n_seq_div=float(max(n_seq, 1)), F=flags, BLOCK=64)
     return total, out, d_rows
