@@ -586,10 +586,11 @@ def _compact_index(run: LinearRun, targets, scratch, rows: int, verdict):
 
 def _sequence_chunk_grad(run: LinearRun, logits, targets, teacher, rows, num_items, scratch, geo: Geometry,
                          start: int, stop: int) -> None:
-    """Sequence-chunked fused mode, one chunk of whole sequences: the policy objective in torch on the
-    chunk's log-probs (its sequence statistics need nothing outside the chunk), autograd's d loss /
-    d logp (and d entropy) per row, then the deferred gradient pass over the chunk's logits, in
-    place. Three GEMMs per chunk, as in fused mode; deferred mode recomputes the logits (four)."""
+    """Sequence-chunked fused mode, one chunk of whole sequences: d loss / d logp (and d entropy) per row
+    of the chunk's policy objective (its sequence statistics need nothing outside the chunk) -- one
+    launch of the objective kernel (policy.objective_in_kernel), else autograd over the torch ops --
+    then the deferred gradient pass over the chunk's logits, in place. Three GEMMs per chunk, as in
+    fused mode; deferred mode recomputes the logits (four)."""
     plan, pol = run.plan, run.seq_policy
     cols = plan.cols
     part = lambda t: None if t is None else t[start:stop]  # noqa: E731
@@ -601,25 +602,22 @@ def _sequence_chunk_grad(run: LinearRun, logits, targets, teacher, rows, num_ite
                   seq_advantages=None if pol.seq_advantages is None else
                   pol.seq_advantages[start // run.seq_len:stop // run.seq_len])
     policy = plan.spec.policy
-    if objective_in_kernel(policy, inp, rows):  # one launch: d loss / d rows of the chunk's sequences
+    if objective_in_kernel(policy, inp, rows):
         _, _, d_rows = _objective_launch(plan, rows, inp, metrics=False)
-        launch_backward(plan, logits=logits, targets=targets, teacher=teacher, grad=logits, rows=rows,
-                        d_loss=torch.ones(1, dtype=torch.float32, device=logits.device), d_rows=d_rows,
-                        num_items=num_items, scratch=scratch, geo=geo)
-        return
-    with torch.enable_grad():
-        logp = rows[:, cols.logp].detach().requires_grad_()
-        entropy = rows[:, cols.entropy].detach()
-        wanted = [logp]
-        if policy.entropy_coef != 0.0:
-            entropy.requires_grad_()
-            wanted.append(entropy)
-        loss, _ = policy_objective(logp, entropy, inp.mask, policy, inp, with_metrics=False)
-        found = torch.autograd.grad(loss, wanted, allow_unused=True)
-    d_rows = torch.zeros(stop - start, cols.N, dtype=torch.float32, device=logits.device)
-    for col, g in zip((cols.logp, cols.entropy), found):
-        if g is not None:
-            d_rows[:, col] = g
+    else:
+        with torch.enable_grad():
+            logp = rows[:, cols.logp].detach().requires_grad_()
+            entropy = rows[:, cols.entropy].detach()
+            wanted = [logp]
+            if policy.entropy_coef != 0.0:
+                entropy.requires_grad_()
+                wanted.append(entropy)
+            loss, _ = policy_objective(logp, entropy, inp.mask, policy, inp, with_metrics=False)
+            found = torch.autograd.grad(loss, wanted, allow_unused=True)
+        d_rows = torch.zeros(stop - start, cols.N, dtype=torch.float32, device=logits.device)
+        for col, g in zip((cols.logp, cols.entropy), found):
+            if g is not None:
+                d_rows[:, col] = g
     launch_backward(plan, logits=logits, targets=targets, teacher=teacher, grad=logits, rows=rows,
                     d_loss=torch.ones(1, dtype=torch.float32, device=logits.device), d_rows=d_rows,
                     num_items=num_items, scratch=scratch, geo=geo)

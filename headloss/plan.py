@@ -282,6 +282,7 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
         or (spec.differentiable_outputs and "entropy" in spec.outputs)
         or (pol is not None and pol.entropy_coef != 0.0)
     )
+    objective = objective_flags(pol) if fused_policy else None  # (the epilogue's fields, as the deferred kernels')
     flags = Flags(
         REDUCTION=("mean", "sum", "none").index(spec.reduction),
         HAS_CE=ce is not None,
@@ -294,13 +295,13 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
         HAS_ARGMAX=spec.token_accuracy or "predicted_tokens" in spec.outputs or dist is not None,
         HAS_SOFTCAP=spec.transform.softcap is not None,
         HAS_POLICY=fused_policy,
-        OBJECTIVE=POLICY_OBJECTIVES.index(pol.objective) if fused_policy else 0,
-        CISPO_VERL=fused_policy and pol.objective == "cispo" and pol.convention == "verl",
-        LOG_RATIO_CLAMP=fused_policy and pol.convention == "verl" and pol.objective in VERL_CLAMPED,
-        KL_EST=KL_ESTIMATORS.index(pol.kl_estimator) + 1 if fused_policy and pol.kl_beta != 0.0 else 0,
-        KL_CLAMP=fused_policy and pol.kl_beta != 0.0 and pol.kl_clamp and pol.kl_estimator == "k3",
-        KL_K2_GRAD=fused_policy and pol.kl_beta != 0.0 and pol.kl_grad == "k2" and pol.kl_estimator != "k2",
-        KL_IS_CORR=fused_policy and pol.kl_importance_correction,
+        OBJECTIVE=objective.OBJECTIVE if fused_policy else 0,
+        CISPO_VERL=fused_policy and objective.CISPO_VERL,
+        LOG_RATIO_CLAMP=fused_policy and objective.LOG_RATIO_CLAMP,
+        KL_EST=objective.KL_EST if fused_policy else 0,
+        KL_CLAMP=fused_policy and objective.KL_CLAMP,
+        KL_K2_GRAD=fused_policy and objective.KL_K2_GRAD,
+        KL_IS_CORR=fused_policy and objective.KL_IS_CORR,
         DISTILL_KIND=dist.kind if dist is not None else -1,
         OWN_TEMP=dist is not None and dist.temperature != 1.0,
     )

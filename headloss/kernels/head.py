@@ -803,9 +803,9 @@ def _objective_token(lp, o, r, a, iwv, keepf, L, g_self, S, F: tl.constexpr):
 def _objective_at(logp, entropy, old, ref, adv, iw, mask, weight, i, inside, stride_l, stride_e, adv_span, mean,
                   mean_drift, off_policy, n_counted, S, F: tl.constexpr):
     """Tokens ``i`` of a sequence (``inside`` it; old = logp when None, no rollout weight = 1; advantages
-    by index ``i // adv_span``): (mask,
-    logp, entropy, weight, the entropy bonus's weight, the token's log-ratio, and _objective_token's
-    values) -- ``mean`` / ``mean_drift``: the sequence's mean log-ratio and off-policy drift."""
+    by index ``i // adv_span``): (mask, logp, entropy, weight, the entropy bonus's weight, the token's
+    log-ratio, and _objective_token's values) -- ``mean`` / ``mean_drift``: the sequence's mean log-ratio
+    and off-policy drift."""
     m = tl.load(mask + i, mask=inside, other=0.0)
     counted = inside & (m > 0)  # the inputs are read at counted tokens only; 0 elsewhere (as torch's copies)
     lp = tl.load(logp + i * stride_l, mask=inside, other=0.0)
