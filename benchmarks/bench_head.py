@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import headloss
 from benchmarks.common import Row, copy_bandwidth_gbs, measure, out_dir_default, pyplot, write_rows
-from headloss.kernels.head import LAUNCH_OVERRIDES
+from headloss.kernels.launch import LAUNCH_OVERRIDES
 
 IGNORE = -100
 Z_WEIGHT = 1e-4

@@ -72,8 +72,8 @@ def chosen(names: list[str] | None) -> list[str]:
 
 
 def corrected_rows(step) -> str:
-    """The rows one call's top-entropy correction recomputed (engine._correct_rows), as a note."""
-    import headloss.engine as engine
+    """The rows one call's top-entropy correction recomputed (linear._correct_rows), as a note."""
+    import headloss.linear as engine
 
     counts, original = [], engine._correct_rows
 

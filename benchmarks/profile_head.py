@@ -17,7 +17,7 @@ import torch
 import headloss
 from benchmarks.bench_head import CE_SPEC, FULL_SPEC, make_batch
 from benchmarks.common import kernel_device_us
-from headloss.kernels.head import LAUNCH_OVERRIDES
+from headloss.kernels.launch import LAUNCH_OVERRIDES
 
 
 def host_us(fn, reps: int = 50) -> float:

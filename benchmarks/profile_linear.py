@@ -27,8 +27,8 @@ from benchmarks.common import (
     write_rows,
 )
 from headloss.api import chunk_rows_for, linear_head_loss
-from headloss.engine import chunk_head_
-from headloss.kernels.head import LAUNCH_OVERRIDES
+from headloss.kernels.launch import LAUNCH_OVERRIDES
+from headloss.linear import chunk_head_
 from headloss.plan import compile_plan
 
 

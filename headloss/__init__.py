@@ -5,11 +5,12 @@ says what to compute (CE, z-loss, DFT, entropy, distillation, the GRPO family, m
 """
 
 from .api import HeadLoss, LinearHeadLoss, head_loss, linear_head_loss
-from .inputs import check_pending
 from .output import HeadLossOutput
 from .plan import KernelPlan, compile_plan
 from .reference import reference_head_loss
+from .routes import ROUTES
 from .spec import DFT, CrossEntropy, Distillation, Entropy, LogitTransform, LossSpec, Policy, ZLoss
+from .validation import check_pending
 
 __all__ = [
     "DFT",
@@ -23,6 +24,7 @@ __all__ = [
     "LogitTransform",
     "LossSpec",
     "Policy",
+    "ROUTES",
     "ZLoss",
     "check_pending",
     "compile_plan",

@@ -1,42 +1,45 @@
-"""Public entry points: inputs -> plan -> engine -> output.
+"""Public entry points: inputs -> plan -> route -> engine -> output.
 
 :func:`head_loss` / :class:`HeadLoss` on logits, :func:`linear_head_loss` / :class:`LinearHeadLoss`
-on hidden states x lm_head weight (the fused lm_head, no full logits).
+on hidden states x lm_head weight (the fused lm_head, no full logits). Each call checks its inputs
+(headloss.inputs), takes the spec's plan (headloss.plan), the route the plan and the call's facts
+give (headloss.routes), and runs it (headloss.engine, headloss.linear, headloss.reference).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from .engine import HeadFunction, HeadRun, LinearFunction, LinearRun, objective_metrics, policy_objective_in_kernel
+from . import env, routes
+from .bounded import BoundedDict
+from .engine import HeadFunction, HeadRun, objective_metrics, policy_terms
 from .inputs import (
-    KERNEL_DTYPES,
-    Backend,
-    SpecLike,
-    Validate,
+    check_head,
+    check_linear_inputs,
     check_logits,
-    check_pending,
     check_targets,
+    check_teacher,
     flat_targets,
     head_call,
-    normaliser,
     pad_shifted,
-    plan_for,
-    resolve_backend,
-    validation_mode,
+    teacher_source,
 )
-from .output import HeadLossOutput, assemble, assemble_deferred, column
+from .linear import LinearFunction, LinearRun
+from .output import HeadLossOutput, assemble, assemble_deferred
 from .parallel import dtensor_shard, gather_vocab, handshake, is_dtensor, rows_shard, shard_of
-from .plan import KernelPlan, compile_plan
-from .policy import cov_base_policy, objective_in_kernel, policy_extremes, policy_inputs, policy_objective
+from .plan import KernelPlan, SpecLike, plan_for
+from .policy.inputs import policy_inputs
 from .reference import reference_head_loss
-from .spec import ROW_LOCAL_OBJECTIVES, LossSpec
+from .routes import Route, facts_of, resolve_backend
+from .spec import LossSpec
+from .validation import Validate, check_pending, normaliser, validation_mode
+
+Backend = Literal["auto", "triton", "reference"]
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 """Logits per chunk of the fused lm_head: 256 MiB = 1024 rows of a 128256-word bf16 vocabulary.
@@ -83,6 +86,7 @@ def head_loss(
     validate: Validate = None,
     backend: Backend = "auto",
     group: Any = None,
+    route: str | None = None,
 ) -> HeadLossOutput:
     """Every loss, metric and per-token output of ``spec`` from one pass over ``logits``.
 
@@ -138,13 +142,17 @@ def head_loss(
             policy inputs) and shaped alike on every rank: with ``validate="sync"`` one more small
             collective checks that, so that a bad input on one rank raises on every rank. Not yet:
             torch.compile.
+        route: run the call on this route (:data:`headloss.routes.ROUTES`) instead of its default,
+            e.g. ``"deferred+torch"`` against ``"deferred+kernels"``; an error names the routes the
+            call can take. ``out.route`` says which one ran.
 
     Returns:
         :class:`HeadLossOutput`. NaN or +inf logits give NaN loss and gradient in their rows;
         -inf logits (a masked vocabulary) are fine unless the target itself is -inf (with label
         smoothing any -inf logit gives an infinite loss, as torch's cross_entropy does).
     """
-    if not torch.compiler.is_compiling():
+    traced = torch.compiler.is_compiling()
+    if not traced:
         check_pending()
         # a lazily negated view (torch._neg_view): the kernels read the stored values, torch applies
         # the sign (under torch.compile, tensors reach the ops functionalised)
@@ -158,17 +166,14 @@ def head_loss(
                         entropy_quantile_group=entropy_quantile_group)
     plan = plan_for(spec, has_targets=targets is not None)
     spec = plan.spec
-    if (group is None and spec.policy is None and advantages is None and old_logprobs is None and ref_logprobs is None
-            and loss_mask is None and importance_weights is None and rollout_logprobs is None and sequence_ids is None
-            and num_sequences_in_batch is None and entropy_quantile_group is None
-            and not torch.compiler.is_compiling()):
-        recipe = _recipe_of(plan, logits, targets, teacher_logits, shift, inplace_grad, validate, backend,
-                            policy_given)
+    if (route is None and group is None and spec.policy is None and not traced
+            and all(value is None for value in policy_given.values())):
+        recipe = _recipe_of(plan, logits, targets, teacher_logits, shift, inplace_grad, validate, backend)
         if recipe is not None:
             return _run_recipe(recipe, logits, targets, teacher_logits, num_items_in_batch)
     shard = None
     if group is not None or is_dtensor(logits):
-        logits, targets, teacher_logits, shard = _vocab_shard(logits, targets, group, plan, teacher_logits, validate)
+        logits, targets, teacher_logits, shard = _vocab_shard(logits, targets, group, teacher_logits, validate)
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
     dtype = logits.dtype if isinstance(logits, torch.Tensor) else torch.float32
     if resolve_backend(backend, device, dtype) == "reference":
@@ -176,42 +181,61 @@ def head_loss(
             logits = gather_vocab(logits, shard)
             if teacher_logits is not None:
                 teacher_logits = gather_vocab(teacher_logits.detach(), shard)
-        return _reference_head_loss(logits, targets, spec, teacher_logits, policy_given, num_items_in_batch, shift,
-                                    validate)
+        chosen = routes.choose(plan, _reference_facts("logits", logits, policy_given, traced), route)
+        out = _reference_head_loss(logits, targets, spec, teacher_logits, policy_given, num_items_in_batch, shift,
+                                   validate)
+        return _taken(out, chosen, "logits", logits)
     try:
-        call = head_call(logits, targets, spec, kernel=True, teacher_logits=teacher_logits,
+        token_shape = check_head(logits, targets, spec, teacher_logits, shift, kernel=True)
+        chosen = routes.choose(plan, facts_of("logits", "triton", device, token_shape, policy_given,
+                                              sharded=shard is not None), route)
+        call = head_call(logits, targets, spec, token_shape, teacher_logits=teacher_logits,
                          policy_given=policy_given, num_items_in_batch=num_items_in_batch, shift=shift,
-                         validate=validate, policy_in_kernel=plan.flags.HAS_POLICY,
-                         policy_deferred_kernel=plan.mode == "deferred" and spec.reduction != "none")
+                         validate=validate, raw_policy=chosen.raw_inputs)
         error = None
     except (ValueError, TypeError) as exc:
         if shard is None or validation_mode(validate) != "sync":
             raise
         error = exc
     if shard is not None and validation_mode(validate) == "sync":  # every rank learns of any rank's error
-        handshake(shard, math.prod(logits.shape[:-1]), error, logits.device)
+        handshake(shard, math.prod(logits.shape[:-1]) if isinstance(logits, torch.Tensor) else -1, error,
+                  logits.device)
     pol = call.policy
     rows_per_seq = pol.seq_len if pol is not None and isinstance(pol.seq_len, int) else 0
     geo = call.geo
     if shard is not None:
         geo = geo._replace(vocab_start=shard.vocab_start, V_total=shard.vocab_total)
-    # deferred mode's policy term by its kernels, inside the head's autograd node (policy_inputs chose them)
-    objective = pol if pol is not None and pol.raw and plan.mode == "deferred" else None
-    run = HeadRun(plan, geo, inplace_grad, call.validate, call.token_shape,
+    inside = chosen.policy == "kernels"  # deferred+kernels: the policy term inside the head's autograd node
+    run = HeadRun(plan, geo, inplace_grad, call.validate, call.token_shape, traced=chosen.traced,
                   adv_span=pol.adv_span if pol is not None else 1, seq_len=rows_per_seq, shard=shard,
-                  objective=objective)
+                  objective=pol if inside else None)
+    epilogue = chosen.policy == "epilogue"
     loss, rows, pred, means, scratch = HeadFunction.apply(
         logits, call.targets, call.teacher,
         *((pol.old_logprobs, pol.ref_logprobs, pol.advantages, pol.importance_weights, pol.weight)
-          if pol is not None and plan.flags.HAS_POLICY else (None,) * 5),
+          if epilogue else (None,) * 5),
         call.norm.tensor, None if pol is None else pol.sequence_ids, run,
     )
-    if objective is not None:  # the loss has the policy term; its metrics follow the means
+    if inside:  # the loss has the policy term; its metrics follow the means
         extra = objective_metrics(plan, means[plan.means_size:])
         means = means[:plan.means_size]
     else:
-        loss, extra = _policy_terms(plan, loss, rows, means, scratch, pol, kernel_sequences=rows_per_seq > 0)
-    return assemble(plan, call.token_shape, loss, rows, pred, means, scratch, extra)
+        loss, extra = policy_terms(chosen, plan, loss, rows, means, scratch, pol, kernel_sequences=rows_per_seq > 0)
+    out = assemble(plan, call.token_shape, loss, rows, pred, means, scratch, extra)
+    return _taken(out, chosen, "logits", logits)
+
+
+def _taken(out: HeadLossOutput, route: Route, entry: str, source: torch.Tensor) -> HeadLossOutput:
+    """``out`` with the route it took (and logged, under HEADLOSS_LOG_ROUTES=1)."""
+    out.route = route.name
+    if env.LOG_ROUTES:
+        routes.log(route, entry, tuple(source.shape), source.dtype)
+    return out
+
+
+def _reference_facts(entry: str, source: Any, given: dict, traced: bool) -> routes.Facts:
+    shape = tuple(source.shape[:-1]) if isinstance(source, torch.Tensor) else ()
+    return routes.Facts(entry, "reference", shape, given.get("sequence_ids") is not None, False, traced, False, False)
 
 
 class _Recipe(NamedTuple):
@@ -223,9 +247,10 @@ class _Recipe(NamedTuple):
     plan: KernelPlan
     run: HeadRun  # the kernel run (its geometry without num_items_in_batch)
     flat_targets: bool  # the targets are the dense int vector the kernels read
+    route: Route
 
 
-_RECIPES: dict[tuple, _Recipe] = {}
+_RECIPES: BoundedDict[tuple, _Recipe] = BoundedDict(1024)
 _BACKENDS = ("auto", "triton", "reference")
 
 
@@ -233,11 +258,10 @@ def _signature(t: Any) -> tuple | None:
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
 
 
-def _recipe_of(plan: KernelPlan, logits, targets, teacher_logits, shift, inplace_grad, validate, backend,
-               policy_given: dict) -> _Recipe | None:
+def _recipe_of(plan: KernelPlan, logits, targets, teacher_logits, shift, inplace_grad, validate, backend
+               ) -> _Recipe | None:
     """The cached recipe of a call's signature (made, after every check, on its first call); None
-    where the call is not one (unusual argument types take the checked path, which names them).
-    ``policy_given``: head_loss's policy inputs, every one None here."""
+    where the call is not one (unusual argument types take the checked path, which names them)."""
     known_validate = validate is None or validate is True or validate is False or \
         (type(validate) is str and validate == "sync")
     if type(logits) is not torch.Tensor or not (targets is None or type(targets) is torch.Tensor) or \
@@ -245,19 +269,20 @@ def _recipe_of(plan: KernelPlan, logits, targets, teacher_logits, shift, inplace
             type(backend) is not str or backend not in _BACKENDS:
         return None
     key = (id(plan), _signature(logits), _signature(targets), _signature(teacher_logits), bool(shift),
-           bool(inplace_grad), validate, os.environ.get("HEADLOSS_VALIDATE") if validate is None else None, backend)
+           bool(inplace_grad), validate, env.validate_default() if validate is None else None, backend,
+           env.INTERPRETER)
     recipe = _RECIPES.get(key)
     if recipe is not None and recipe.plan is plan:
         return recipe
     if resolve_backend(backend, logits.device, logits.dtype) == "reference":
         return None  # (not kept: the plain-torch path has no host cost to save)
-    call = head_call(logits, targets, plan.spec, kernel=True, teacher_logits=teacher_logits,
-                     policy_given=policy_given, num_items_in_batch=None, shift=shift, validate=validate)
+    token_shape = check_head(logits, targets, plan.spec, teacher_logits, shift, kernel=True)
+    route = routes.choose(plan, facts_of("logits", "triton", logits.device, token_shape, {}, sharded=False))
+    call = head_call(logits, targets, plan.spec, token_shape, teacher_logits=teacher_logits, policy_given={},
+                     num_items_in_batch=None, shift=shift, validate=validate)
     flat = targets is None or (targets.dim() == 1 and targets.dtype in (torch.int64, torch.int32)
                                and targets.is_contiguous())
-    recipe = _Recipe(plan, HeadRun(plan, call.geo, inplace_grad, call.validate, call.token_shape), flat)
-    if len(_RECIPES) >= 1024:
-        _RECIPES.clear()
+    recipe = _Recipe(plan, HeadRun(plan, call.geo, inplace_grad, call.validate, call.token_shape), flat, route)
     _RECIPES[key] = recipe
     return recipe
 
@@ -274,12 +299,15 @@ def _run_recipe(recipe: _Recipe, logits, targets, teacher_logits, num_items_in_b
         None if teacher_logits is None else teacher_logits.detach(), None, None, None, None, None, norm.tensor, None,
         run,
     )
-    return assemble_deferred(plan, run.token_shape, loss, rows, pred, means, scratch)
+    out = assemble_deferred(plan, run.token_shape, loss, rows, pred, means, scratch)
+    return _taken(out, recipe.route, "logits", logits)
 
 
-def _vocab_shard(logits, targets, group, plan: KernelPlan, teacher_logits, validate):
+def _vocab_shard(logits, targets, group, teacher_logits, validate):
     """(local logits, local targets, local teacher logits, VocabShard) of a vocab-parallel call;
     what it cannot do yet is refused here, on every rank alike, before any collective."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("group: a vocab-parallel head_loss is not traceable by torch.compile yet")
     if is_dtensor(targets):
         targets = targets.full_tensor()
     if is_dtensor(teacher_logits):  # sharded like the student's
@@ -295,39 +323,9 @@ def _vocab_shard(logits, targets, group, plan: KernelPlan, teacher_logits, valid
     return logits, targets, teacher_logits, shard
 
 
-def _policy_terms(plan: KernelPlan, loss, rows, means, scratch, pol, kernel_sequences: bool = False
-                  ) -> tuple[torch.Tensor, dict]:
-    """The policy term's share outside the kernel: with token-level ratios the metrics the kernel
-    did not reduce (per-sequence clip fractions of rows with sequence_ids, or of the chunked lm_head);
-    with sequence-level ratios (GSPO) the whole objective on the deferred mode's differentiable
-    log-probs: two launches on [B, T] rows (policy.objective_in_kernel), else in torch."""
-    spec = plan.spec
-    if spec.policy is None:
-        return loss, {}
-    if plan.flags.HAS_POLICY:
-        if kernel_sequences:  # rows of [B, K]: the kernel's last program computed every metric
-            return loss, {}
-        # the per-sequence metrics in torch, from the kernel's columns
-        token_means = {name: means[index] for name, index in plan.metric_index}
-        clip_low, clip_high = column(rows, plan, "clip_low"), column(rows, plan, "clip_high")
-        return loss, policy_extremes(token_means, column(rows, plan, "ratio"), clip_low, clip_high, pol.mask,
-                                     scratch[0], pol)
-    if loss.dim() == 0 and objective_in_kernel(spec.policy, pol, rows):
-        return policy_objective_in_kernel(plan, loss, rows, pol)
-    if pol.raw:  # (policy_inputs hands inputs as given only to a call the kernels will run)
-        raise RuntimeError("headloss: internal error, deferred policy inputs as given reached the torch objective")
-    entropy = column(rows, plan, "entropy")
-    policy_loss, metrics = policy_objective(column(rows, plan, "logp"), entropy, pol.mask, spec.policy, pol)
-    loss = loss + policy_loss
-    metrics["loss"] = loss.detach().clone()
-    return loss, metrics
-
-
 def _reference_head_loss(logits, targets, spec: LossSpec, teacher_logits, policy_given, num_items_in_batch,
                          shift: bool, validate) -> HeadLossOutput:
     """The plain-torch path, with the same checks and the same shift conventions."""
-    from .inputs import check_logits, check_teacher
-
     check_logits(logits)
     check_targets(targets, tuple(logits.shape[:-1]), spec, logits.device, shift)
     check_teacher(tuple(logits.shape), logits.device, teacher_logits, spec, kernel=False)
@@ -363,7 +361,7 @@ class HeadLoss(torch.nn.Module):
         backend: Backend = "auto",
     ) -> None:
         super().__init__()
-        self.spec = LossSpec() if spec is None else LossSpec.coerce(spec)
+        self.spec = LossSpec.coerce(spec)
         self.inplace_grad = inplace_grad
         self.validate = validate
         self.backend = backend
@@ -408,6 +406,7 @@ def linear_head_loss(
     validate: Validate = None,
     backend: Backend = "auto",
     group: Any = None,
+    route: str | None = None,
 ) -> HeadLossOutput:
     """:func:`head_loss` of ``hidden @ weight.T + bias`` without materialising the logits.
 
@@ -416,7 +415,8 @@ def linear_head_loss(
     logits' gradient), then ``dh_c = g_c @ W`` and ``dW += g_c.T @ h_c``: the 3 GEMMs of a plain
     lm_head forward + backward plus ~3 chunk-sized passes of the kernel. Backward only scales dh,
     dW, db by d loss. In deferred mode (``reduction="none"``, differentiable outputs) backward
-    recomputes the logits per chunk: 4 GEMMs.
+    recomputes the logits per chunk: 4 GEMMs. The call's route (``out.route``; headloss.routes)
+    says which.
 
     Args:
         hidden: [N, H] or [B, T, H] (fp32/bf16/fp16).
@@ -442,8 +442,8 @@ def linear_head_loss(
             logits are then computed chunk by chunk too (and recomputed in a deferred backward).
         advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, rollout_logprobs,
             sequence_ids: the policy term's inputs, as in :func:`head_loss`.
-        validate, backend, num_items_in_batch, num_sequences_in_batch, entropy_quantile_group: as in
-            :func:`head_loss`.
+        validate, backend, num_items_in_batch, num_sequences_in_batch, entropy_quantile_group, route:
+            as in :func:`head_loss`.
         group: a vocab-parallel (column-parallel) lm_head: ``weight`` (and ``bias``) are this rank's
             contiguous rows of the vocabulary, ``hidden`` and the targets are replicated. Outputs
             are replicated, dW / db are this rank's rows, dh is summed over the group once (the
@@ -461,8 +461,8 @@ def linear_head_loss(
                   importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
                   sequence_ids=sequence_ids, num_items_in_batch=num_items_in_batch,
                   num_sequences_in_batch=num_sequences_in_batch, entropy_quantile_group=entropy_quantile_group,
-                  chunk_bytes=chunk_bytes,
-                  fp32_weight_grad=fp32_weight_grad, compact=compact, validate=validate, backend=backend, group=group)
+                  chunk_bytes=chunk_bytes, fp32_weight_grad=fp32_weight_grad, compact=compact, validate=validate,
+                  backend=backend, group=group, route=route)
     device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else None
     if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
@@ -480,19 +480,22 @@ def linear_head_loss(
 def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_logits, teacher_hidden, teacher_weight,
                       teacher_bias, advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights,
                       rollout_logprobs, sequence_ids, num_items_in_batch, num_sequences_in_batch,
-                      entropy_quantile_group, chunk_bytes,
-                      fp32_weight_grad, compact, validate, backend, group) -> HeadLossOutput:
-    if not torch.compiler.is_compiling():
+                      entropy_quantile_group, chunk_bytes, fp32_weight_grad, compact, validate, backend, group,
+                      route) -> HeadLossOutput:
+    traced = torch.compiler.is_compiling()
+    if not traced:
         check_pending()
     plan = plan_for(spec, has_targets=targets is not None)
     spec = plan.spec
     shard = None
     if group is not None or is_dtensor(weight):
+        if traced:
+            raise NotImplementedError("group: a vocab-parallel linear_head_loss is not traceable by torch.compile yet")
         weight, shard = rows_shard(weight, group, fresh=validation_mode(validate) == "sync")
         if validation_mode(validate) == "sync":  # every rank learns of any rank's bad inputs
             error = None
             try:
-                _check_linear_inputs(hidden, weight, bias)
+                check_linear_inputs(hidden, weight, bias)
                 check_targets(targets, tuple(hidden.shape[:-1]), spec, hidden.device, shift, source="hidden")
             except (ValueError, TypeError) as exc:
                 error = exc
@@ -506,15 +509,17 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
             hidden = hidden.full_tensor()
         if is_dtensor(targets):
             targets = targets.full_tensor()
-    _check_linear_inputs(hidden, weight, bias)
+    check_linear_inputs(hidden, weight, bias)
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes: expected a positive number of bytes, got {chunk_bytes!r}")
     token_rows = tuple(hidden.shape[:-1])
     check_targets(targets, token_rows, spec, hidden.device, shift, source="hidden")
     token_shape = tuple(targets.shape) if isinstance(targets, torch.Tensor) else token_rows
     if shift:
         targets = pad_shifted(targets if targets.dtype in (torch.int64, torch.int32) else targets.long(),
                               hidden.shape[1], spec.ignore_index)
-    teacher = _teacher_source(spec, token_rows, hidden, weight, teacher_logits, teacher_hidden, teacher_weight,
-                              teacher_bias)
+    teacher = teacher_source(spec, token_rows, hidden, weight, teacher_logits, teacher_hidden, teacher_weight,
+                             teacher_bias)
     norm = normaliser(num_items_in_batch, spec, hidden.device)
     mode = validation_mode(validate)
     given = dict(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_mask=loss_mask,
@@ -525,10 +530,11 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
     given["entropy_quantile_group"] = entropy_quantile_group
     backend = resolve_backend(backend, hidden.device, hidden.dtype, name="hidden")
     completion = shift and targets.shape != token_shape  # rows padded by one: T - 1 scored positions
-    policy, targets = policy_inputs(spec.policy, tuple(targets.shape) if targets is not None else token_rows, targets,
-                                    spec.ignore_index, norm.as_torch(), mode, given,
+    rows_shape = tuple(targets.shape) if targets is not None else token_rows
+    policy, targets = policy_inputs(spec.policy, rows_shape, targets, spec.ignore_index, norm.as_torch(), mode, given,
                                     norm_length=token_shape[1] if completion else None)
     if backend == "reference":
+        chosen = routes.choose(plan, _reference_facts("hidden", hidden, given, traced), route)
         if shard is not None:  # the whole weight (and teacher) on every rank; each keeps its rows' gradient
             weight = gather_vocab(weight.t(), shard).t()
             bias = None if bias is None else gather_vocab(bias[None], shard)[0]
@@ -536,108 +542,39 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
             teacher = (None if t_logits is None else gather_vocab(t_logits.detach(), shard), t_hidden,
                        None if t_weight is None else gather_vocab(t_weight.detach().t(), shard).t(),
                        None if t_bias is None else gather_vocab(t_bias.detach()[None], shard)[0])
-        return _reference_linear(hidden, weight, bias, targets, spec, teacher, given, norm, mode, token_shape)
+        out = _reference_linear(hidden, weight, bias, targets, spec, teacher, given, norm, mode, token_shape)
+        return _taken(out, chosen, "hidden", hidden)
     rows = math.prod(token_rows)
     elem = hidden.element_size() * (2 if teacher[1] is not None else 1)  # a computed teacher shares the budget
     # sharded: every rank must cut the same chunks (one collective each): rows by the whole vocabulary,
     # so a chunk has the single-device row count (the same GEMM shapes, 1 / world of its memory)
     width = weight.shape[0] if shard is None else shard.vocab_total
     chunk_rows = chunk_rows_for(chunk_bytes, width, elem)
-    seq_len = _sequence_chunks(plan, policy, token_rows, chunk_rows, chunk_bytes, width * elem, shard)
-    if seq_len:  # chunks of whole sequences, every row computed (sequences stay contiguous)
+    seq_len = token_rows[1] if len(token_rows) == 2 else 0
+    facts = facts_of("hidden", "triton", hidden.device, rows_shape, given, sharded=shard is not None,
+                     sequence_bytes=seq_len * width * elem, chunk_bytes=chunk_bytes)
+    chosen = routes.choose(plan, facts, route)
+    if chosen.lm_head == "sequences":  # chunks of whole sequences, every row computed (sequences stay contiguous)
         chunk_rows, compact = max(seq_len, chunk_rows // seq_len * seq_len), False
-    # clip_cov / kl_cov, a top-entropy mask: the base fused, the rows the batch statistic changes corrected
-    base = _base_plan(plan, policy, shard)
-    run = LinearRun(plan if base is None else base, chunk_rows, fp32_weight_grad, compact, mode,
-                    tuple(targets.shape) if targets is not None else token_rows, spec.ignore_index, norm.value,
-                    shard=shard, seq_len=seq_len, seq_policy=policy if seq_len else None,
-                    corrected=policy if base is not None else None,
-                    corrected_objective=spec.policy if base is not None else None)
-    has_policy = policy is not None and run.plan.flags.HAS_POLICY
+    corrected = chosen.lm_head in ("covariance", "entropy-guess")
+    run = LinearRun(chosen.plan, chunk_rows, fp32_weight_grad, compact and not chosen.traced, mode, rows_shape,
+                    spec.ignore_index, norm.value, chunks=chosen.lm_head, traced=chosen.traced, shard=shard,
+                    seq_len=seq_len if chosen.lm_head == "sequences" else 0,
+                    policy=policy if corrected or chosen.lm_head == "sequences" else None,
+                    objective=spec.policy if corrected else None,
+                    d_rows_by_kernel=chosen.name == "lm_head:sequences+kernels")
+    epilogue = chosen.policy == "epilogue"
     loss, rows_out, pred, means, scratch = LinearFunction.apply(
         hidden.reshape(rows, hidden.shape[-1]), weight, bias, flat_targets(targets), *teacher,
         *((policy.old_logprobs, policy.ref_logprobs, policy.advantages, policy.importance_weights, policy.weight)
-          if has_policy else (None,) * 5),
+          if epilogue else (None,) * 5),
         norm.tensor, None if policy is None else policy.sequence_ids, run,
     )
-    loss, extra = _policy_terms(run.plan, loss, rows_out, means, scratch, policy)
+    loss, extra = policy_terms(chosen, run.plan, loss, rows_out, means, scratch, policy)
     extra.update(getattr(policy, "correction_metrics", None) or {})
     out = assemble(run.plan, run.token_shape, loss, rows_out, pred, means, scratch, extra)
-    return _trim(out, token_shape) if token_shape != run.token_shape else out
-
-
-SEQUENCE_CHUNK_SLACK = 4
-"""Sequence-chunked mode takes chunks of whole sequences up to this many times chunk_bytes."""
-
-
-def _policy_grad_in_forward(plan: KernelPlan, policy, shard, entropy_mask: bool = False) -> bool:
-    """What the lm_head routes that compute a deferred policy term's gradient in forward need: a
-    policy term (and its inputs), no other reason for deferred mode (reduction 'none', per-token
-    outputs with gradient), one device, eager; no top-entropy mask (a statistic of most tokens)
-    unless ``entropy_mask`` (the route that guesses it and corrects the rows it got wrong)."""
-    spec = plan.spec
-    pol = spec.policy
-    return (pol is not None and policy is not None and spec.reduction != "none" and not spec.differentiable_outputs
-            and (entropy_mask or pol.top_entropy_quantile == 1.0) and shard is None
-            and not torch.compiler.is_compiling())
-
-
-def _sequence_chunks(plan: KernelPlan, policy, token_rows: tuple[int, ...], chunk_rows: int, chunk_bytes: int,
-                     row_bytes: int, shard) -> int:
-    """Rows per sequence when the lm_head can run sequence-chunked (0: it cannot): the plan is
-    deferred only for a sequence statistic of the policy term (GSPO, GMPO, VESPO, the off-policy
-    mask, ...), rows are [B, T] sequences, and a sequence's logits fit the chunk budget (times
-    SEQUENCE_CHUNK_SLACK). Batch statistics (clip_cov, kl_cov, the entropy quantile, TRL's
-    token-mean entropy bonus) and everything else keep deferred mode."""
-    pol = plan.spec.policy
-    if (not _policy_grad_in_forward(plan, policy, shard) or plan.mode != "deferred"
-            or pol.objective in ("clip_cov", "kl_cov")
-            or (pol.entropy_coef != 0.0 and pol.entropy_aggregation == "token-mean")
-            or len(token_rows) != 2 or policy.sequence_ids is not None):
-        return 0
-    seq_len = token_rows[1]
-    return seq_len if seq_len * row_bytes <= SEQUENCE_CHUNK_SLACK * chunk_bytes else 0
-
-
-def _base_plan(plan: KernelPlan, policy, shard) -> KernelPlan | None:
-    """The lm_head plan of a row-local base objective (fused) whose rows a batch statistic then
-    changes, when nothing else needs deferred mode: three GEMMs and a small one (over the changed
-    rows) instead of deferred mode's four.
-
-    * clip_cov / kl_cov: their base objective; the selected tokens are corrected after the chunks
-      (engine._cov_correction).
-    * a row-local objective under the top-entropy mask (no TRL token-mean entropy bonus, whose
-      weights depend on the mask): the objective under a mask guessed chunk by chunk, the rows
-      guessed wrong corrected once the batch quantile is known (engine._guess_mask and
-      _entropy_mask_correction).
-
-    Under CUDA-graph capture both keep deferred mode: the correction reads a count on the host."""
-    spec = plan.spec
-    pol = spec.policy
-    if pol is None or policy is None or pol.importance_sampling != "token" or pol.off_policy_mask is not None:
-        return None
-    covariance = pol.objective in ("clip_cov", "kl_cov")
-    if covariance:
-        if not _policy_grad_in_forward(plan, policy, shard):
-            return None
-    elif pol.top_entropy_quantile < 1.0 and pol.objective in ROW_LOCAL_OBJECTIVES:
-        if (not _policy_grad_in_forward(plan, policy, shard, entropy_mask=True)
-                or (pol.entropy_coef != 0.0 and pol.entropy_aggregation == "token-mean")):
-            return None
-    else:
-        return None
-    # (eager here: _policy_grad_in_forward refuses torch.compile) the correction reads a count on the host
-    if policy.mask.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    if plan.key not in _BASES:
-        base_policy = cov_base_policy(pol) if covariance else pol.model_copy(update={"top_entropy_quantile": 1.0})
-        base = compile_plan(spec.model_copy(update={"policy": base_policy}), has_targets=True)
-        _BASES[plan.key] = base if base.mode == "fused" else None
-    return _BASES[plan.key]
-
-
-_BASES: dict[str, KernelPlan | None] = {}
-"""_base_plan's plans by the spec's plan key: made once, not on every call."""
+    out = _trim(out, token_shape) if token_shape != run.token_shape else out
+    return _taken(out, chosen, "hidden", hidden)
 
 
 def _pad_last(t: torch.Tensor | None, name: str) -> torch.Tensor | None:
@@ -679,67 +616,10 @@ class LinearHeadLoss(torch.nn.Module):
 
     def __init__(self, spec: SpecLike | None = None, **options: Any) -> None:
         super().__init__()
-        self.spec = LossSpec() if spec is None else LossSpec.coerce(spec)
+        self.spec = LossSpec.coerce(spec)
         self.options = options
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor | None = None,
                 **inputs: Any) -> HeadLossOutput:
         """``inputs``: the per-call inputs of :func:`linear_head_loss` (bias, num_items_in_batch, ...)."""
         return linear_head_loss(hidden, weight, targets, self.spec, **self.options, **inputs)
-
-
-def _check_linear_inputs(hidden, weight, bias) -> None:
-    for name, t in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name}: expected a floating dtype, got {t.dtype}")
-    if hidden.dim() not in (2, 3):
-        raise ValueError(f"hidden: expected [N, H] or [B, T, H], got shape {tuple(hidden.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"weight: expected [V, H] with H = {hidden.shape[-1]} (hidden's last dim), got {tuple(weight.shape)}"
-        )
-    if weight.shape[0] == 0:
-        raise ValueError("weight: the vocabulary dimension V is 0")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight: dtype {weight.dtype} differs from hidden's {hidden.dtype}")
-    if weight.device != hidden.device:
-        raise ValueError(f"weight: on {weight.device}, hidden on {hidden.device}")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],):
-            raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {getattr(bias, 'shape', bias)}")
-        if bias.dtype != hidden.dtype or bias.device != hidden.device:
-            raise TypeError(f"bias: expected {hidden.dtype} on {hidden.device}, got {bias.dtype} on {bias.device}")
-
-
-def _teacher_source(spec, token_rows, hidden, weight, logits, t_hidden, t_weight, t_bias) -> tuple:
-    """Check the teacher inputs; returns (teacher_logits [N, V], teacher_hidden [N, Ht], teacher_weight,
-    teacher_bias), detached, None where absent. Errors name the argument."""
-    from .inputs import check_teacher
-
-    if t_hidden is None and (t_weight is not None or t_bias is not None):
-        raise ValueError("teacher_hidden: required with teacher_weight / teacher_bias")
-    if t_hidden is not None:
-        if logits is not None:
-            raise ValueError("teacher_logits: give either teacher_logits or teacher_hidden + teacher_weight, not both")
-        if t_weight is None:
-            raise ValueError("teacher_weight: required with teacher_hidden")
-        if spec.distillation is None:
-            raise ValueError("teacher_hidden: given, but the spec has no distillation term")
-        if tuple(t_hidden.shape[:-1]) != tuple(token_rows) or t_hidden.device != hidden.device:
-            raise ValueError(f"teacher_hidden: expected {tuple(token_rows)} + (Ht,) on {hidden.device}, "
-                             f"got {tuple(t_hidden.shape)} on {t_hidden.device}")
-        if t_weight.dim() != 2 or tuple(t_weight.shape) != (weight.shape[0], t_hidden.shape[-1]):
-            raise ValueError(f"teacher_weight: expected [V, Ht] = {(weight.shape[0], t_hidden.shape[-1])}, "
-                             f"got {tuple(t_weight.shape)}")
-        if t_weight.dtype != t_hidden.dtype or (t_bias is not None and tuple(t_bias.shape) != (t_weight.shape[0],)):
-            raise ValueError("teacher_weight: dtype must match teacher_hidden, teacher_bias shape must be [V]")
-        rows = math.prod(token_rows)
-        return (None, t_hidden.detach().reshape(rows, -1), t_weight.detach(),
-                None if t_bias is None else t_bias.detach())
-    check_teacher(tuple(token_rows) + (weight.shape[0],), hidden.device, logits, spec,
-                  kernel=hidden.dtype in KERNEL_DTYPES)
-    if logits is None:
-        return (None, None, None, None)
-    return (logits.detach().reshape(-1, logits.shape[-1]), None, None, None)

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import torch
 
-from .api import head_loss
-from .plan import compile_plan
+from . import env
+from .api import DEFAULT_CHUNK_BYTES, head_loss
+from .plan import KernelPlan, compile_plan
 from .reference import reference_head_loss
+from .routes import ROUTES, Facts, routes_for
 from .spec import LossSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -23,9 +25,11 @@ def _spec_arg(path: str | None) -> LossSpec:
     return LossSpec.from_file(path)
 
 
-def explain(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, with_grad: bool = True) -> str:
+def explain(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, with_grad: bool = True,
+            seq_len: int = 1024) -> str:
     """The plan of ``spec`` for a [rows, vocab] batch: mode, flags, per-row columns, the scalars its
-    terms use, the inputs it takes, passes and bytes."""
+    terms use, the inputs it takes, passes and bytes, and the routes a call on CUDA takes (rows as
+    sequences of ``seq_len`` when the spec has a policy term)."""
     plan = compile_plan(spec, has_targets=spec.needs_targets)
     elem = torch.empty((), dtype=dtype).element_size()
     traffic = plan.traffic_bytes(rows, vocab, elem, elem, with_grad)
@@ -49,8 +53,24 @@ def explain(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, with_grad
         f"bytes       reads {traffic['logit_reads'] / 1e9:.3f} GB + gradient writes "
         f"{traffic['grad_writes'] / 1e9:.3f} GB = {traffic['total'] / 1e9:.3f} GB"
         f" (+ O(rows) per-token buffers)",
+        *_routes_lines(plan, rows, vocab, elem, seq_len),
     ]
     return "\n".join(lines)
+
+
+def _routes_lines(plan: KernelPlan, rows: int, vocab: int, elem: int, seq_len: int) -> list[str]:
+    """The route of a head_loss and of a linear_head_loss call on CUDA, in eager mode, and the others
+    each could take (``route=``)."""
+    length = max(1, min(seq_len, rows))
+    shape = (max(rows // length, 1), length) if plan.spec.policy is not None else (rows,)
+    lines = []
+    for entry, label in (("logits", "route"), ("hidden", "lm_head")):
+        facts = Facts(entry, "triton", shape, False, False, False, False, False,
+                      sequence_fits=len(shape) == 2 and 0 < length * vocab * elem <= 4 * DEFAULT_CHUNK_BYTES)
+        default, *others = routes_for(plan, facts)
+        more = f" (also: {', '.join(r.name for r in others)})" if others else ""
+        lines.append(f"{label:<11} {default.name}: {ROUTES[default.name]}{more}")
+    return lines
 
 
 def demo(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, device: str) -> int:
@@ -70,7 +90,7 @@ def demo(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, device: str)
     ref = reference_head_loss(ref_x, targets if spec.needs_targets else None, spec, **ref_inputs)
     ref.loss.sum().backward()
 
-    backend = "triton kernel" if (logits.is_cuda or _interpreting()) else (
+    backend = "triton kernel" if (logits.is_cuda or env.INTERPRETER) else (
         "plain-torch reference (TRITON_INTERPRET=1 runs the kernel on CPU)"
     )
     print(f"spec: {spec.model_dump(exclude_defaults=True)}")
@@ -115,12 +135,6 @@ def synthetic_inputs(spec: LossSpec, logits: torch.Tensor, gen: torch.Generator)
     return {k: v.to(logits.device) for k, v in inputs.items()}
 
 
-def _interpreting() -> bool:
-    from .inputs import _INTERPRETER
-
-    return _INTERPRETER
-
-
 def _positive(name: str):
     def parse(text: str) -> int:
         try:
@@ -149,13 +163,16 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--rows", type=_positive("--rows"), default=8192 if name == "explain" else 64)
         p.add_argument("--vocab", type=_positive("--vocab"), default=128256 if name == "explain" else 1000)
         p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if name == "explain" else "fp32")
+        if name == "explain":
+            p.add_argument("--seq-len", type=_positive("--seq-len"), default=1024,
+                           help="tokens per sequence of a policy spec's rows (the routes depend on it)")
         if name == "demo":
             p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     try:
         spec = _spec_arg(args.config)
         if args.command == "explain":
-            print(explain(spec, args.rows, args.vocab, DTYPES[args.dtype]))
+            print(explain(spec, args.rows, args.vocab, DTYPES[args.dtype], seq_len=args.seq_len))
             return 0
         device = _device_arg(args.device)
     except (ValueError, TypeError, OSError) as error:

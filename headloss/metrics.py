@@ -23,6 +23,7 @@ import zlib
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 
 TRL_NAMES: dict[str, str] = {"token_accuracy": "mean_token_accuracy", "n_tokens": "num_tokens"}
 """headloss metric names -> TRL's, where they differ (the policy metrics already use TRL's names)."""
@@ -123,8 +124,6 @@ class MetricsAccumulator:
     def _group(self):
         if self.group is False:
             return None
-        import torch.distributed as dist
-
         if not (dist.is_available() and dist.is_initialized()):
             if self.group is not None:
                 raise RuntimeError("group: given, but torch.distributed is not initialised")
@@ -181,8 +180,6 @@ class MetricsAccumulator:
         """One collective of a fixed-size row per rank ([width, values..., padding]: every rank sends
         the same size whatever it holds, so a mismatch is an error here, never a hang), then the
         reduction locally. A rank without calls sends width 0 and counts for nothing."""
-        import torch.distributed as dist
-
         world = dist.get_world_size(group)
         backend = dist.get_backend(group)
         device = torch.device("cpu")

@@ -7,6 +7,24 @@ from dataclasses import dataclass, field
 import torch
 
 from .plan import KernelPlan
+from .validation import check_pending
+
+RETAIN_GRAPH_ERROR = (
+    "headloss: a second backward through the same fused-mode loss (retain_graph=True). The fused mode "
+    "computes the gradient once, in forward, and hands that buffer to autograd on the first backward. Use "
+    "differentiable_outputs=True or reduction='none' (deferred mode, which recomputes it per backward), or call "
+    "the loss again."
+)
+
+
+def guard_second_backward(ctx) -> None:
+    """One retain-graph guard for every fused-mode Function, the reference's too (eager; under
+    torch.compile the hand-off token carries it, see headloss.ops.take)."""
+    if torch.compiler.is_compiling():
+        return
+    if getattr(ctx, "consumed", False):
+        raise RuntimeError(RETAIN_GRAPH_ERROR)
+    ctx.consumed = True
 
 
 @dataclass
@@ -27,6 +45,7 @@ class HeadLossOutput:
     lse               fp32 logsumexp of the transformed logits, 0 at ignored positions
     token_loss        fp32 combined per-token loss (before reduction), 0 at ignored positions
     entropy           fp32 per-token entropy, 0 at ignored positions
+    route             the name of the route the call took (headloss.routes.ROUTES)
 
     Per-token tensors are shaped like the targets. They are detached unless the spec sets
     ``differentiable_outputs``.
@@ -39,12 +58,11 @@ class HeadLossOutput:
     lse: torch.Tensor | None = None
     token_loss: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    route: str | None = None
 
     def metrics_as_floats(self) -> dict[str, float]:
         """Host copies of the metrics, for logging: one device sync for all of them (which also
         raises any error the device-side input checks found)."""
-        from .inputs import check_pending
-
         if not self.metrics:
             return {}
         names = list(self.metrics)

@@ -24,7 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .kernels.head import STATS
+from .bounded import BoundedDict
+from .kernels.layouts import STATS, VERDICT
+from .kernels.shard import launch_merge
+from .validation import board_for
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class VocabShard:
     world: int
 
 
-_SHARDS: dict[tuple[int, int], tuple[Any, VocabShard]] = {}
+_SHARDS: BoundedDict[tuple[int, int], tuple[Any, VocabShard]] = BoundedDict(256)
 COLLECTIVES = {"stats": 0, "layout": 0, "dh": 0, "jsd": 0, "handshake": 0}
 """Collectives issued so far: ``stats`` one per call (per chunk on the lm_head path); ``layout``
 once per group and shard width; ``dh`` the lm_head path's all-reduce of the hidden states'
@@ -122,10 +125,8 @@ def is_dtensor(t: Any) -> bool:
 
 
 def gather_merged(part: torch.Tensor, shard: VocabShard, own_temp: bool = False) -> torch.Tensor:
-    """All ranks' (n_rows, STATS [+ TEACHER_STATS]) statistics, merged into the whole vocabulary's
-    (one all_gather). ``own_temp``: the student's sums at the distillation temperature are their own."""
-    from .kernels.head import launch_merge
-
+    """All ranks' (n_rows, layouts.Stats) statistics, merged into the whole vocabulary's (one
+    all_gather). ``own_temp``: the student's sums at the distillation temperature are their own."""
     device = comm_device(shard.group, part.device)
     mine = part.to(device)
     width = mine.shape[1]
@@ -149,25 +150,25 @@ def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
 
 
 def merge(parts: torch.Tensor) -> torch.Tensor:
-    """(W, n_rows, STATS) per-shard statistics -> (n_rows, STATS) for the whole vocabulary, in torch
-    (the oracle of kernels.head.merge_stats_kernel, which the calls use: one launch, not ~30)."""
-    m = parts[..., 0]
+    """(W, n_rows, STATS.N) per-shard statistics -> (n_rows, STATS.N) for the whole vocabulary, in torch
+    (the oracle of kernels.shard.merge_stats_kernel, which the calls use: one launch, not ~30)."""
+    m = parts[..., STATS.m2]
     top = m.max(dim=0).values
     scale = torch.where(m == float("-inf"), 0.0, torch.exp2(m - top))
     out = torch.zeros(parts.shape[1:], dtype=parts.dtype, device=parts.device)
-    out[:, 0] = top
-    out[:, 1] = (parts[..., 1] * scale).sum(0)
-    out[:, 2] = parts[..., 2].sum(0)
-    out[:, 3] = (parts[..., 3] * scale).sum(0)
+    out[:, STATS.m2] = top
+    out[:, STATS.d] = (parts[..., STATS.d] * scale).sum(0)
+    out[:, STATS.sum_x2] = parts[..., STATS.sum_x2].sum(0)
+    out[:, STATS.sum_ex2] = (parts[..., STATS.sum_ex2] * scale).sum(0)
     first = (m == top).to(torch.int8).argmax(dim=0)  # the lowest rank holding the max: its first index
-    out[:, 4] = parts[..., 4].gather(0, first[None]).squeeze(0)
-    owned = parts[..., 6]
-    out[:, 5] = torch.where(owned > 0.5, parts[..., 5], 0.0).sum(0)
-    out[:, 6] = owned.sum(0)
+    out[:, STATS.arg] = parts[..., STATS.arg].gather(0, first[None]).squeeze(0)
+    owned = parts[..., STATS.owned]
+    out[:, STATS.x2_y] = torch.where(owned > 0.5, parts[..., STATS.x2_y], 0.0).sum(0)
+    out[:, STATS.owned] = owned.sum(0)
     return out
 
 
-__all__ = ["COLLECTIVES", "STATS", "VocabShard", "all_reduce_sum", "dtensor_shard", "gather_merged", "gather_vocab",
+__all__ = ["COLLECTIVES", "VocabShard", "all_reduce_sum", "dtensor_shard", "gather_merged", "gather_vocab",
            "is_dtensor", "merge", "rows_shard", "shard_of"]
 
 
@@ -253,12 +254,10 @@ def handshake_verdict(shard: VocabShard, verdict, device: torch.device) -> None:
         return
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
-    bad = int(verdict[0].numpy()[0]) != 0
+    bad = int(verdict[0].numpy()[VERDICT.flag]) != 0
     every = _gather_ints([int(bad)], shard.group, device)
     COLLECTIVES["handshake"] += 1
     if bad:
-        from .inputs import board_for
-
         board_for(device).raise_slot(verdict[0], deferred=False)
     failed = [rank for rank, (flag,) in enumerate(every) if flag]
     if failed:

@@ -22,10 +22,15 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
 
-from .policy import VERL_CLAMPED
-from .spec import LossSpec
+import torch
+
+from .bounded import BoundedDict
+from .kernels.layouts import EXTREME_METRICS, EXTREMES
+from .policy.tables import IMPORTANCE_SAMPLING, KL_ESTIMATORS, OBJECTIVES
+from .spec import FIELD_NAMES, LossSpec
 
 Mode = Literal["fused", "deferred"]
 
@@ -59,11 +64,6 @@ ROW_COLUMNS: dict[str, str] = {
 Columns = NamedTuple("Columns", [(name, int) for name in ROW_COLUMNS] + [("N", int)])
 Columns.__doc__ = "Column of each per-row value in the packed row buffer (-1 when absent); N columns in all."
 
-POLICY_EXTRA_METRICS = ("clip_ratio/low_min", "clip_ratio/high_max", "ratio/min", "ratio/max",
-                        "clip_ratio/region_mean", "ratio/mean")
-"""The token-level policy term's metrics that are not column means, in the order the kernel writes
-them after the loss (blocks.policy_metrics)."""
-
 DIFFERENTIABLE_COLUMNS = ("token_loss", "lse", "logp", "entropy")
 """Columns whose upstream gradient the deferred backward kernel folds into the gradient pass."""
 
@@ -82,10 +82,10 @@ class Flags(NamedTuple):
     HAS_ARGMAX: bool  # running argmax (accuracy, predicted tokens, teacher agreement)
     HAS_SOFTCAP: bool  # c * tanh(u / c) in the transform
     HAS_POLICY: bool  # token-level policy objective in the epilogue (fused mode)
-    OBJECTIVE: int  # policy objective: index into POLICY_OBJECTIVES (clip, cispo, sapo, gpg, dro, dppo_tv, dppo_kl)
+    OBJECTIVE: int  # policy objective: its kernel code (policy.tables.OBJECTIVES)
     CISPO_VERL: bool  # CISPO's coefficient clip(r, 1 - eps_low, 1 + eps_high), else TRL's min(r, eps_high)
     LOG_RATIO_CLAMP: bool  # verl: log-ratio clamped to [-20, 20] before exp
-    KL_EST: int  # policy KL penalty: 0 none, 1 k1, 2 k2, 3 k3, 4 abs
+    KL_EST: int  # policy KL penalty: 0 none, else the estimator's kernel code (policy.tables.KL_ESTIMATORS)
     KL_CLAMP: bool  # verl's k3 clamps (ref - logp to +-20, the value to +-10)
     KL_K2_GRAD: bool  # the estimator's value with the k2 gradient (verl's "k3+")
     KL_IS_CORR: bool  # KL times the importance ratio
@@ -132,7 +132,7 @@ class ObjectiveFlags(NamedTuple):
     KL_CLAMP: bool
     KL_K2_GRAD: bool
     KL_IS_CORR: bool
-    IS_MODE: int  # importance sampling: 0 token, 1 sequence (TRL's GSPO), 2 sequence_token (verl's gspo)
+    IS_MODE: int  # importance sampling: its kernel code (policy.tables.IMPORTANCE_SAMPLING)
     OFF_POLICY: bool  # TRL's off-policy sequence mask
     ENT_BONUS: bool  # entropy_coef != 0: the entropy bonus, and its gradient
     ENT_TOKEN_MEAN: bool  # the bonus is a mean over the call's counted tokens (TRL), else weighted like the loss
@@ -144,14 +144,14 @@ def objective_flags(pol) -> ObjectiveFlags:
     """The policy term's flags for the deferred mode's objective kernels (a spec.Policy; cached)."""
     kl = pol.kl_beta != 0.0
     return ObjectiveFlags(
-        OBJECTIVE=POLICY_OBJECTIVES.index(pol.objective),
+        OBJECTIVE=_kernel_code(pol.objective),
         CISPO_VERL=pol.objective == "cispo" and pol.convention == "verl",
-        LOG_RATIO_CLAMP=pol.convention == "verl" and pol.objective in VERL_CLAMPED,
-        KL_EST=KL_ESTIMATORS.index(pol.kl_estimator) + 1 if kl else 0,
+        LOG_RATIO_CLAMP=pol.convention == "verl" and OBJECTIVES[pol.objective].verl_clamp,
+        KL_EST=KL_ESTIMATORS[pol.kl_estimator].kernel if kl else 0,
         KL_CLAMP=kl and pol.kl_clamp and pol.kl_estimator == "k3",
         KL_K2_GRAD=kl and pol.kl_grad == "k2" and pol.kl_estimator != "k2",
         KL_IS_CORR=pol.kl_importance_correction,
-        IS_MODE=("token", "sequence", "sequence_token").index(pol.importance_sampling),
+        IS_MODE=IMPORTANCE_SAMPLING[pol.importance_sampling].kernel,
         OFF_POLICY=pol.off_policy_mask is not None,
         ENT_BONUS=pol.entropy_coef != 0.0,
         ENT_TOKEN_MEAN=pol.entropy_coef != 0.0 and pol.entropy_aggregation == "token-mean",
@@ -159,10 +159,14 @@ def objective_flags(pol) -> ObjectiveFlags:
     )
 
 
-POLICY_OBJECTIVES = ("clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl")
-"""Flags.OBJECTIVE indexes this (the kernels compare against the same order: kernels/terms.py)."""
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
-"""Flags.KL_EST - 1 indexes this."""
+def _kernel_code(objective: str) -> int:
+    """An objective's kernel code: the kernels run row-local objectives only (the plan routes the
+    others through their sequence or batch statistics first)."""
+    code = OBJECTIVES[objective].kernel
+    if code is None:
+        raise ValueError(f"policy.objective: {objective!r} needs its sequence's or the batch's values; the "
+                         "kernels' epilogue runs row-local objectives only")
+    return code
 
 
 @dataclass(frozen=True)
@@ -337,7 +341,7 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
                                "ppo_kl": "ppo_kl"})
     metrics = tuple((name, col) for name, col in metric_columns.items() if getattr(cols, col) >= 0)
     # values the last program computes beyond the column means: means[cols.N] is the loss, then these
-    extra = POLICY_EXTRA_METRICS if fused_policy else ()
+    extra = EXTREME_METRICS if fused_policy else ()
     outputs = tuple(
         (name, col) for name, col in (("logprobs", "logp"), ("lse", "lse"), ("token_loss", "token_loss"),
                                       ("entropy", "entropy"))
@@ -370,7 +374,7 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
         key=key,
         metric_index=tuple((name, getattr(cols, col)) for name, col in metrics)
         + tuple((name, cols.N + 1 + i) for i, name in enumerate(extra))
-        + ((("pg_clipfrac", cols.N + 1 + extra.index("clip_ratio/region_mean")),) if fused_policy else ()),
+        + ((("pg_clipfrac", cols.N + 1 + EXTREMES.region_mean),) if fused_policy else ()),
         means_size=cols.N + 1 + len(extra),
         output_index=tuple((name, getattr(cols, col)) for name, col in outputs),
     )
@@ -378,7 +382,7 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
     return plan
 
 
-_BY_KEY: dict[str, KernelPlan] = {}
+_BY_KEY: BoundedDict[str, KernelPlan] = BoundedDict(1024)
 
 
 def plan_from_key(key: str) -> KernelPlan:
@@ -388,3 +392,85 @@ def plan_from_key(key: str) -> KernelPlan:
         made_from = json.loads(key)
         plan = compile_plan(LossSpec.model_validate(made_from["spec"]), has_targets=made_from["has_targets"])
     return plan
+
+
+# --- a spec in any form -> its plan, cached --------------------------------------------------------
+
+SpecLike = LossSpec | dict[str, Any] | str | Path
+
+
+def _frozen(value: Any) -> Any:
+    """A spec given as data, with every number made a Python constant (so torch.compile
+    specialises on it instead of tracing it symbolically) and dicts made hashable."""
+    if isinstance(value, dict):
+        return tuple((str(k), _frozen(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return ("__list__", *(_frozen(v) for v in value))
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    return value
+
+
+def _thawed(value: Any) -> Any:
+    if isinstance(value, tuple) and value and value[0] == "__list__":
+        return [_thawed(v) for v in value[1:]]
+    if isinstance(value, tuple):
+        return {k: _thawed(v) for k, v in value}
+    return value
+
+
+@torch.compiler.assume_constant_result
+def plan_of_data(frozen: Any, has_targets: bool) -> KernelPlan:
+    data = _thawed(frozen)
+    spec = LossSpec.from_file(data) if isinstance(data, str) else LossSpec.model_validate(data)
+    return compile_plan(spec, has_targets=has_targets)
+
+
+def _spec_data(model: Any) -> Any:
+    """A LossSpec as plain data through attribute reads only (which torch.compile can trace and
+    guard on), without pydantic's serializer (which it cannot trace)."""
+    names = FIELD_NAMES.get(type(model))
+    if names is not None:
+        return {name: _spec_data(getattr(model, name)) for name in names}
+    if isinstance(model, tuple):
+        return list(model)
+    return model
+
+
+_DEFAULT_SPEC = LossSpec()
+_PLANS_BY_ID: BoundedDict[tuple[int, bool], tuple[LossSpec, KernelPlan]] = BoundedDict(1024)
+_PLANS_BY_DATA: BoundedDict[tuple[str, bool], KernelPlan] = BoundedDict(1024)
+
+
+def plan_for(spec: SpecLike | None, has_targets: bool) -> KernelPlan:
+    """The cached plan of a spec given in any form; a spec object seen before costs a dict lookup
+    (no pydantic hashing or validation per call). Under torch.compile the spec is read once, at
+    trace time, and the plan is a constant of the graph (a dict or a path never breaks it)."""
+    if spec is None:
+        spec = _DEFAULT_SPEC
+    if isinstance(spec, LossSpec):
+        if torch.compiler.is_compiling():
+            return plan_of_data(_frozen(_spec_data(spec)), has_targets)
+        hit = _PLANS_BY_ID.get((id(spec), has_targets))
+        if hit is not None and hit[0] is spec:
+            return hit[1]
+        plan = compile_plan(spec, has_targets=has_targets)
+        _PLANS_BY_ID[(id(spec), has_targets)] = (spec, plan)  # holds spec: its id is not reused meanwhile
+        return plan
+    if isinstance(spec, (dict, str, Path)):
+        if torch.compiler.is_compiling():
+            return plan_of_data(_frozen(spec), has_targets)
+        key = (repr(spec) if isinstance(spec, dict) else f"path:{spec}", has_targets)
+        plan = _PLANS_BY_DATA.get(key) if isinstance(spec, dict) else None  # a file may change: read it again
+        if plan is None:
+            plan = compile_plan(LossSpec.coerce(spec), has_targets=has_targets)
+            if isinstance(spec, dict):
+                _PLANS_BY_DATA[key] = plan
+        return plan
+    raise TypeError(f"spec: expected LossSpec, dict or a path, got {type(spec).__name__}")

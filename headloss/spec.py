@@ -27,6 +27,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .policy.tables import IMPORTANCE_SAMPLING, OBJECTIVES, KLName, LossTypeName, ObjectiveName, RatioLevelName
+
 OutputName = Literal["predicted_tokens", "logprobs", "lse", "token_loss", "entropy"]
 """Per-token tensors a spec may ask for (each shaped like the targets, fp32 or int64)."""
 
@@ -99,16 +101,9 @@ class Distillation(_Frozen):
         return 2
 
 
-PolicyLossType = Literal[
-    "grpo", "bnpo", "dr_grpo", "dapo",  # TRL's GRPOTrainer
-    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",  # verl's agg_loss
-]
-
-
-PolicyObjective = Literal["clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl", "gmpo", "vespo", "clip_cov",
-                          "kl_cov"]
-ROW_LOCAL_OBJECTIVES = ("clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl")
-"""Objectives of one token's values alone: the fused kernel's epilogue computes them."""
+PolicyLossType = LossTypeName
+PolicyObjective = ObjectiveName
+"""The policy term's values come from headloss.policy.tables, the one list of each."""
 
 
 class Policy(_Frozen):
@@ -211,12 +206,12 @@ class Policy(_Frozen):
     dppo_ratio_cap: float = Field(3.0, gt=0.0, description="DPPO's truncation of the detached ratio "
                                   "(verl's clip_ratio_c, whose actor default is 3.0)")
     kl_beta: float = Field(0.0, ge=0.0, description="weight of the KL(pi || pi_ref) penalty")
-    kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k3"
+    kl_estimator: KLName = "k3"
     kl_clamp: bool = Field(False, description="verl's clamps: ref - logp to [-20, 20], the k3 value to [-10, 10]")
     kl_grad: Literal["estimator", "k2"] = Field("estimator", description="'k2': the estimator's value with the "
                                                 "k2 gradient (verl's 'k3+')")
     kl_importance_correction: bool = Field(False, description="KL times the importance ratio (DeepSeek-V3.2)")
-    importance_sampling: Literal["token", "sequence", "sequence_token"] = "token"
+    importance_sampling: RatioLevelName = "token"
     max_completion_length: int | None = Field(None, gt=0, description="dr_grpo's normaliser")
     num_processes: int = Field(1, gt=0, description="dapo: num_items_in_batch / num_processes; a mean over "
                                "sequences: num_sequences_in_batch / num_processes")
@@ -231,7 +226,7 @@ class Policy(_Frozen):
             raise ValueError("max_completion_length: required by loss_type 'dr_grpo'")
         if self.objective == "dro" and self.dro_beta is None:
             raise ValueError("dro_beta: required by objective 'dro'")
-        if self.objective not in ("clip", "cispo", "sapo") and self.importance_sampling != "token":
+        if self.importance_sampling not in OBJECTIVES[self.objective].ratio_levels:
             raise ValueError(f"importance_sampling: {self.importance_sampling!r} has no meaning for objective "
                              f"{self.objective!r} (it defines its own ratio)")
         if self.rollout_is_mode == "truncate" and self.rollout_is is not None and self.rollout_is_min is None \
@@ -246,7 +241,7 @@ class Policy(_Frozen):
     @property
     def row_local(self) -> bool:
         """The objective needs nothing but each token's own values (the fused kernel computes it)."""
-        return (self.objective in ROW_LOCAL_OBJECTIVES and self.importance_sampling == "token"
+        return (OBJECTIVES[self.objective].row_local and not IMPORTANCE_SAMPLING[self.importance_sampling].sequence
                 and self.off_policy_mask is None and self.top_entropy_quantile == 1.0)
 
 
@@ -339,8 +334,10 @@ class LossSpec(_Frozen):
     # --- construction and serialisation ---------------------------------------------------
 
     @classmethod
-    def coerce(cls, spec: LossSpec | dict[str, Any] | str | Path) -> LossSpec:
-        """Accept a LossSpec, a plain dict, or a path to a YAML/JSON file."""
+    def coerce(cls, spec: LossSpec | dict[str, Any] | str | Path | None) -> LossSpec:
+        """Accept a LossSpec, a plain dict, or a path to a YAML/JSON file (None: the default spec)."""
+        if spec is None:
+            return cls()
         if isinstance(spec, cls):
             return spec
         if isinstance(spec, dict):

@@ -20,12 +20,11 @@ from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
 
-import headloss.inputs  # noqa: E402
-from headloss import HeadLossOutput, LossSpec, head_loss, reference_head_loss  # noqa: E402
+from headloss import HeadLossOutput, LossSpec, env, head_loss, reference_head_loss  # noqa: E402
 from headloss.reference import transformed_logits  # noqa: E402
 
 needs_kernel = pytest.mark.skipif(
-    not headloss.inputs._INTERPRETER,
+    not env.INTERPRETER,
     reason="the Triton kernel runs on CPU only under TRITON_INTERPRET=1 (set before import)",
 )
 
@@ -281,10 +280,10 @@ def torchrun(script: str, out_dir, timeout: int = 900) -> dict:
 
 def check_sequence_extremes(device, batch: int, length: int, strided: bool, nan: bool, empty: str, seed: int,
                             inf: bool = False) -> None:
-    """policy_extremes on [B, T] rows (two launches) against the torch ops it replaces, on ``device``
-    (tests/test_policy.py, tests/test_gpu.py)."""
-    import headloss.policy as P
-    from headloss.policy import PolicyInputs, policy_extremes
+    """policy.metrics.extremes on [B, T] rows by its two launches against its torch ops, on ``device``
+    (tests/policy, tests/test_gpu.py)."""
+    from headloss.policy.metrics import extremes
+    from headloss.policy.tokens import PolicyInputs
 
     gen = torch.Generator(device).manual_seed(seed)
     n = batch * length
@@ -310,14 +309,8 @@ def check_sequence_extremes(device, batch: int, length: int, strided: bool, nan:
                        importance_weights=None, seq=None, n_slots=batch, n_seq=batch, seq_len=length,
                        num_items_in_batch=None)
     count = mask.sum()
-    assert P._extremes_in_kernel(ratio, mask, inp)
-    kernel = policy_extremes(means, ratio, low, high, mask, count, inp)
-    original = P._extremes_in_kernel
-    P._extremes_in_kernel = lambda *args: False
-    try:
-        ops = policy_extremes(means, ratio, low, high, mask, count, inp)
-    finally:
-        P._extremes_in_kernel = original
+    kernel = extremes(means, ratio, low, high, mask, count, inp, by_kernel=True)
+    ops = extremes(means, ratio, low, high, mask, count, inp, by_kernel=False)
     assert kernel.keys() == ops.keys()
     for name, value in kernel.items():
         assert value.dtype == ops[name].dtype == torch.float32, name
@@ -333,13 +326,13 @@ def check_sequence_extremes(device, batch: int, length: int, strided: bool, nan:
 def check_policy_objective(device, policy, batch: int, length: int, vocab: int, seed: int, *, shift: bool,
                            empty: str = "none", per_token_adv: bool = False, weights: bool = False,
                            rollout: bool = False, logits_dtype=torch.float32, input_dtype=torch.float32) -> None:
-    """head_loss of a deferred-mode policy term on [B, T] rows (the objective, its metrics and d loss / d
-    rows by policy_sequence_kernel + policy_objective_finish_kernel) against the torch ops it replaces
-    (policy.policy_objective, forced), on ``device``: the same loss, the same metric names in the same
-    order with the same values, the same gradient (tests/test_policy.py, tests/test_gpu.py).
-    ``empty``: "one" sequence, "all" of them, or "none" without a counted token. The per-token inputs
-    hold NaN at masked tokens (read by neither path) and come in ``input_dtype``."""
-    import headloss.api as api
+    """head_loss of a deferred-mode policy term on [B, T] rows by the route ``deferred+kernels`` (the
+    objective, its metrics and d loss / d rows by kernels/policy.py's two launches, inside the head's
+    node, reading the inputs as given) against ``deferred+torch`` (policy.objectives), on ``device``:
+    the same loss, the same metric names in the same order with the same values, the same gradient
+    (tests/policy, tests/test_gpu.py). ``empty``: "one" sequence, "all" of them, or "none" without a
+    counted token. The per-token inputs hold NaN at masked tokens (read by neither route) and come in
+    ``input_dtype``."""
     from headloss import LossSpec, head_loss
     from headloss.plan import compile_plan
 
@@ -375,42 +368,14 @@ def check_policy_objective(device, policy, batch: int, length: int, vocab: int, 
             if t.shape == mask.shape:
                 t = t.masked_fill(mask == 0, math.nan)
             inputs[name] = t
-    import headloss.engine as engine
-    import headloss.inputs as inputs_module
-
     results = []
-    original, policy_inputs, launch = api.objective_in_kernel, inputs_module.policy_inputs, engine._objective_launch
-    copies = lambda *args, **kwargs: policy_inputs(*args, **{**kwargs, "deferred_kernel": False})  # noqa: E731
-    # the kernels on the inputs as given (inside the head's autograd node); the kernels on fp32 copies (their
-    # own node, as the lm_head runs them); the torch ops
-    for route in ("as given", "copies", "torch"):
-        calls, launches = [], []
-
-        def spy(*args, route=route, calls=calls):
-            assert not args[1].raw, route  # fp32 copies
-            calls.append(original(*args))
-            return calls[-1] and route != "torch"
-
-        def launch_spy(plan, rows, inp, launches=launches, **kwargs):
-            launches.append(inp.raw)
-            return launch(plan, rows, inp, **kwargs)
-
-        api.objective_in_kernel, engine._objective_launch = spy, launch_spy
-        if route != "as given":
-            inputs_module.policy_inputs = copies
-        try:
-            logits = base.clone().requires_grad_()
-            out = head_loss(logits, ids, spec, shift=shift, **inputs)
-            out.loss.backward()
-        finally:
-            api.objective_in_kernel, inputs_module.policy_inputs = original, policy_inputs
-            engine._objective_launch = launch
-        # each route took its path (and the kernels' path was open to the copies' calls)
-        assert calls == ([] if route == "as given" else [True]), (route, calls)
-        assert launches == {"as given": [True], "copies": [False], "torch": []}[route], (route, launches)
+    for route in ("deferred+kernels", "deferred+torch"):
+        logits = base.clone().requires_grad_()
+        out = head_loss(logits, ids, spec, shift=shift, route=route, **inputs)
+        assert out.route == route
+        out.loss.backward()
         results.append((out.loss.detach(), dict(out.metrics), logits.grad))
-    check_same(results[0], results[2], logits_dtype)
-    check_same(results[1], results[2], logits_dtype)
+    check_same(results[0], results[1], logits_dtype)
     if empty == "all":
         assert float(results[0][1]["ratio/min"]) == 1.0 and float(results[0][1]["clip_ratio/low_min"]) == 0.0
 

@@ -443,11 +443,11 @@ def test_torch_compile_hands_the_fused_gradient_over_without_a_copy(mode, monkey
     """The gradient autograd gets from a compiled fused step is the buffer the kernel wrote in
     forward (no Inductor clone); under reduce-overhead (CUDA graph trees) replays stay correct."""
     import headloss.engine as engine
+    from headloss.ops import hand_off
 
     torch._dynamo.reset()
     written = []
-    hand_off = engine._hand_off
-    monkeypatch.setattr(engine, "_hand_off",
+    monkeypatch.setattr(engine, "hand_off",
                         lambda grads: written.extend(g.data_ptr() for g, _ in filter(None, grads)) or hand_off(grads))
     gen = torch.Generator(device="cuda").manual_seed(22)
     x = (torch.randn(2048, 32000, device="cuda", generator=gen) * 2).to(torch.bfloat16).requires_grad_()
@@ -716,7 +716,7 @@ def test_fast_launch_picks_the_variant_of_an_unaligned_view():
 def test_repeated_calls_launch_from_the_fast_table_and_skip_triton_binding(monkeypatch):
     """After the first call, a repeated call (its own nonce for the in-kernel prepare each time) finds
     every launch in the fast table: no new entry, no native_specialize_impl, no Triton launch."""
-    from headloss.kernels import head
+    from headloss.kernels import launch
 
     logits, targets = _batch(512, 32000, torch.bfloat16, seed=34)
     x = logits.clone().requires_grad_()
@@ -724,14 +724,14 @@ def test_repeated_calls_launch_from_the_fast_table_and_skip_triton_binding(monke
         for _ in range(2):
             x.grad = None
             headloss.head_loss(x, targets, spec).loss.backward()
-    before = dict(head._FAST)
+    before = dict(launch._FAST)
     slow = []
-    monkeypatch.setattr(head, "native_specialize_impl", lambda *a: slow.append(a))
+    monkeypatch.setattr(launch, "native_specialize_impl", lambda *a: slow.append(a))
     for spec in (SFT, FULL, SFT):
         x.grad = None
         headloss.head_loss(x, targets, spec).loss.backward()
     torch.cuda.synchronize()
-    assert not slow and head._FAST == before
+    assert not slow and launch._FAST == before
 
 
 # --- vocab-parallel over NCCL ----------------------------------------------------------------------

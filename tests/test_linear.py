@@ -32,7 +32,7 @@ from conftest import (
     with_,
 )
 
-import headloss.engine
+import headloss.linear
 from headloss import CrossEntropy, Entropy, HeadLossOutput, LogitTransform, LossSpec, ZLoss, reference_head_loss
 from headloss.api import LinearHeadLoss, chunk_rows_for, linear_head_loss
 from headloss.reference import transformed_logits
@@ -257,7 +257,7 @@ def chunk_log(monkeypatch):
     """Logits shape of every forward / backward kernel launch of the fused lm_head, in order, and
     whether the forward launch writes the gradient over the chunk (fused mode)."""
     log = {"forward": [], "backward": [], "fused": []}
-    real_forward, real_backward = headloss.engine.launch_head, headloss.engine.launch_backward
+    real_forward, real_backward = headloss.linear.launch_head, headloss.linear.launch_backward
 
     def forward(plan, **kwargs):
         log["forward"].append(tuple(kwargs["logits"].shape))
@@ -268,8 +268,8 @@ def chunk_log(monkeypatch):
         log["backward"].append(tuple(kwargs["logits"].shape))
         return real_backward(plan, **kwargs)
 
-    monkeypatch.setattr(headloss.engine, "launch_head", forward)
-    monkeypatch.setattr(headloss.engine, "launch_backward", backward)
+    monkeypatch.setattr(headloss.linear, "launch_head", forward)
+    monkeypatch.setattr(headloss.linear, "launch_backward", backward)
     return log
 
 
@@ -558,7 +558,7 @@ def test_all_ignored_batch_gives_zero_loss_and_zero_gradients(mode, compact):
 
 @pytest.fixture
 def nan_filled_empty(monkeypatch):
-    """torch.empty / empty_like inside headloss.engine return NaN-filled tensors, so a buffer read
+    """torch.empty / empty_like inside headloss.linear return NaN-filled tensors, so a buffer read
     before it is written (the first chunk's dW and db, dh rows) shows up as NaN."""
     real_empty, real_empty_like = torch.empty, torch.empty_like
 
@@ -577,7 +577,7 @@ def nan_filled_empty(monkeypatch):
         def empty_like(*args, **kwargs):
             return fill(real_empty_like(*args, **kwargs))
 
-    monkeypatch.setattr(headloss.engine, "torch", PoisonedTorch())
+    monkeypatch.setattr(headloss.linear, "torch", PoisonedTorch())
 
 
 @pytest.mark.parametrize("compact", [True, False], ids=["compact", "full_rows"])

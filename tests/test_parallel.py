@@ -299,7 +299,7 @@ def test_vocab_parallel_lm_head_and_dtensors_equal_the_whole_vocabulary(world):
 @needs_kernel
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_merge_kernel_equals_the_torch_merge(world):
-    from headloss.kernels.head import launch_merge
+    from headloss.kernels.shard import launch_merge
     from headloss.parallel import merge
 
     gen = torch.Generator().manual_seed(world)

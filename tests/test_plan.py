@@ -8,7 +8,7 @@ import torch
 from conftest import make_logits, make_targets, needs_kernel, with_
 
 from headloss import DFT, CrossEntropy, Entropy, LogitTransform, LossSpec, ZLoss, compile_plan, head_loss
-from headloss.kernels import blocks, head, primitives, terms
+from headloss.kernels import blocks, head, policy, primitives, shard, terms
 from headloss.plan import ROW_COLUMNS, Columns, Flags, Scalars, plan_from_key
 
 RICH = LossSpec(
@@ -180,17 +180,17 @@ def test_kernels_take_the_plan_as_named_tuples_by_keyword():
         assert {"S", "F", "C", "geo"} <= set(params)
         assert "constexpr" in str(params["F"].annotation) and "constexpr" in str(params["C"].annotation)
         assert len(params) <= 20, f"{kernel.fn.__name__} takes {len(params)} parameters"
-    tree = ast.parse(inspect.getsource(head))
+    tree = ast.parse("\n".join(inspect.getsource(m) for m in (head, shard, policy)))
     calls = [node for node in ast.walk(tree)
              if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "launch"]
-    assert len(calls) >= 5
+    assert len(calls) >= 10
     for call in calls:  # launch(kernel, grid, num_warps, every kernel argument by keyword)
         assert len(call.args) == 3 and call.keywords, ast.unparse(call)[:80]
 
 
 def test_every_flag_column_and_scalar_is_read_by_name_in_the_kernels():
     """A field no kernel reads is dead; a field read by a name the plan lacks would not compile."""
-    source = "\n".join(inspect.getsource(m) for m in (head, blocks, terms, primitives))
+    source = "\n".join(inspect.getsource(m) for m in (head, shard, policy, blocks, terms, primitives))
     for name in Flags._fields:
         assert f"F.{name}" in source, f"flag {name} is never read"
     for name in Columns._fields:

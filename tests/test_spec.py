@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given
 from pydantic import ValidationError
+from strategies import CI, invalid_spec_dicts, valid_specs
 
 from headloss import CrossEntropy, Entropy, LogitTransform, LossSpec, ZLoss
 from headloss.spec import OUTPUT_NAMES
@@ -198,3 +200,20 @@ def test_terms_are_the_present_terms_in_fixed_order():
 )
 def test_transform_is_identity_only_with_defaults(transform, identity):
     assert transform.is_identity is identity
+
+
+@CI
+@given(bad=invalid_spec_dicts())
+def test_invalid_spec_dicts_raise_validation_error_naming_the_field(bad):
+    data, field = bad
+    with pytest.raises(ValidationError) as info:
+        LossSpec.model_validate(data)
+    assert field in str(info.value), f"{field!r} not named in: {info.value}"
+
+
+@CI
+@given(spec=valid_specs())
+def test_random_valid_specs_round_trip_through_yaml_and_json(spec):
+    assert LossSpec.model_validate(spec.to_dict()) == spec
+    assert LossSpec.model_validate(yaml.safe_load(spec.to_yaml())) == spec
+    assert LossSpec.model_validate(json.loads(spec.to_json())) == spec

@@ -36,11 +36,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import TrainerCallback
 
 from ..api import head_loss, linear_head_loss
-from ..inputs import SpecLike, as_spec
 from ..metrics import MetricsAccumulator
 from ..output import HeadLossOutput
+from ..plan import SpecLike
+from ..reference import transformed_logits
 from ..spec import LogitTransform, LossSpec
 
 __all__ = ["HeadLossCallback", "HeadPatch", "head_transform", "patch"]
@@ -148,7 +150,7 @@ class HeadPatch:
         _check_head(self.head)
         if getattr(self.model, "_headloss_patch", None) is not None:
             raise PatchError("model: already patched by headloss; undo() the earlier patch first")
-        self.spec = _merged_spec(as_spec(spec), head_transform(self.model))
+        self.spec = _merged_spec(LossSpec.coerce(spec), head_transform(self.model))
         self.chunk_bytes = chunk_bytes
         self.keep_logits = keep_logits
         self.fp32_weight_grad = fp32_weight_grad
@@ -369,8 +371,6 @@ class HeadPatch:
         logits = getattr(stock, "logits", None)
         if logits is None:
             raise PatchError(f"{name}: its output has no logits to check the head's transform against")
-        from ..reference import transformed_logits
-
         def matches(spec: LossSpec) -> bool:
             expected = transformed_logits(z.float(), spec, torch.float32) * spec.transform.temperature
             return torch.allclose(logits.float(), expected, **_tolerance(logits.dtype))
@@ -502,49 +502,7 @@ def patch(model, spec: SpecLike | None = None, **options) -> HeadPatch:
     return HeadPatch(model, spec, **options)
 
 
-def _trainer_callback_base():
-    try:
-        from transformers import TrainerCallback
-    except ImportError as exc:  # pragma: no cover - the callback needs transformers
-        raise ImportError("HeadLossCallback needs transformers") from exc
-    return TrainerCallback
-
-
-class _LazyCallbackMeta(type):
-    """Builds HeadLossCallback on transformers' TrainerCallback on first use (no import before)."""
-
-    _cls = None
-
-    def __call__(cls, *args, **kwargs):
-        if _LazyCallbackMeta._cls is None:
-            base = _trainer_callback_base()
-
-            class _HeadLossCallback(base):
-                __doc__ = cls.__doc__
-
-                def __init__(self, source, drop: tuple[str, ...] = ("loss",)) -> None:
-                    self.train = source.metrics if isinstance(source, HeadPatch) else source
-                    self.eval = source.eval_metrics if isinstance(source, HeadPatch) else None
-                    self.drop = set(drop)
-
-                def on_log(self, args, state, control, logs=None, **kwargs):
-                    if logs is None:
-                        return
-                    is_eval = any(k.startswith("eval_") for k in logs)
-                    accumulator = self.eval if is_eval else self.train
-                    if accumulator is None:
-                        return
-                    values = {k: v for k, v in accumulator.compute().items()
-                              if k.removeprefix("eval_") not in self.drop}
-                    logs.update(values)
-                    if state.log_history and state.log_history[-1] is not logs:
-                        state.log_history[-1].update(values)
-
-            _LazyCallbackMeta._cls = _HeadLossCallback
-        return _LazyCallbackMeta._cls(*args, **kwargs)
-
-
-class HeadLossCallback(metaclass=_LazyCallbackMeta):
+class HeadLossCallback(TrainerCallback):
     """A ``transformers.TrainerCallback`` that adds a patch's metrics to the Trainer's logs.
 
     ``HeadLossCallback(handle)`` (a :class:`HeadPatch`, or a MetricsAccumulator): at each log, the
@@ -554,6 +512,23 @@ class HeadLossCallback(metaclass=_LazyCallbackMeta):
     reporting callbacks see the values: ``trainer.callback_handler.callbacks.insert(0, cb)`` or
     :func:`attach`.
     """
+
+    def __init__(self, source: HeadPatch | MetricsAccumulator, drop: tuple[str, ...] = ("loss",)) -> None:
+        self.train = source.metrics if isinstance(source, HeadPatch) else source
+        self.eval = source.eval_metrics if isinstance(source, HeadPatch) else None
+        self.drop = set(drop)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None:
+            return
+        is_eval = any(k.startswith("eval_") for k in logs)
+        accumulator = self.eval if is_eval else self.train
+        if accumulator is None:
+            return
+        values = {k: v for k, v in accumulator.compute().items() if k.removeprefix("eval_") not in self.drop}
+        logs.update(values)
+        if state.log_history and state.log_history[-1] is not logs:
+            state.log_history[-1].update(values)
 
 
 def attach(trainer, handle: HeadPatch, **options):

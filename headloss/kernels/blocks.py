@@ -19,15 +19,15 @@ Cost notes (the full variant is ALU-bound at 128K vocab if written naively):
 * the target column of the gradient is written once after the loop, not selected per element.
 """
 
-import os
-
 import triton
 import triton.language as tl
 
+from .. import env
+from .layouts import EXTREMES_AT, SCRATCH_AT, SEQUENCE_AT
 from .primitives import LN2, LOG2E, NEG_BIG, softmax_update, to_x2, transform
 from .terms import distill_grad, teacher_block
 
-GRAD_REVERSED: tl.constexpr = tl.constexpr(os.environ.get("HEADLOSS_GRAD_ORDER", "reversed") != "forward")
+GRAD_REVERSED: tl.constexpr = tl.constexpr(env.GRAD_REVERSED)
 """Without a teacher, phase 3 walks a row from its last block to its first (``HEADLOSS_GRAD_ORDER=forward``:
 first to last; benchmarks/NOTES.md has the measurements)."""
 
@@ -307,7 +307,7 @@ def token_scale(scratch, num_items, geo, F: tl.constexpr):
         elif geo.norm > 0:
             denom = tl.full([], 1.0, tl.float32) * geo.norm
         else:
-            denom = tl.maximum(tl.load(scratch), 1).to(tl.float32)
+            denom = tl.maximum(tl.load(scratch + SCRATCH_AT.counted), 1).to(tl.float32)
         return 1.0 / denom
     return tl.full([], 1.0, tl.float32)
 
@@ -330,7 +330,7 @@ def reduce_rows(rows, loss, means, scratch, num_items, policy, geo, F: tl.conste
         acc += tl.load(rows + r * C.N + cols, mask=(r < geo.n_out) & (cols < C.N), other=0.0,
                        cache_modifier=".cg")
     sums = tl.sum(acc, axis=0)
-    counted = tl.load(scratch, cache_modifier=".cg")
+    counted = tl.load(scratch + SCRATCH_AT.counted, cache_modifier=".cg")
     count = tl.maximum(counted, 1).to(tl.float32)
     col = tl.arange(0, COLS_P2)
     tl.store(means + col, sums / count, mask=col < C.N)
@@ -366,24 +366,25 @@ def policy_metrics(rows, means, sums, scratch, counted, count, policy, geo, C: t
         for b0 in range(0, n_seq, SEQ_BLOCK):
             b = b0 + tl.arange(0, SEQ_BLOCK)
             inside = b < n_seq
-            at = scratch + 4 + b.to(tl.int64) * 3
-            tokens = tl.load(at, mask=inside, other=0, cache_modifier=".cg").to(tl.float32)
-            low = tl.load(at + 1, mask=inside, other=0, cache_modifier=".cg").to(tl.float32)
-            high = tl.load(at + 2, mask=inside, other=0, cache_modifier=".cg").to(tl.float32)
+            at = scratch + SCRATCH_AT.sequences + b.to(tl.int64) * SEQUENCE_AT.N
+            tokens = tl.load(at + SEQUENCE_AT.tokens, mask=inside, other=0, cache_modifier=".cg").to(tl.float32)
+            low = tl.load(at + SEQUENCE_AT.low, mask=inside, other=0, cache_modifier=".cg").to(tl.float32)
+            high = tl.load(at + SEQUENCE_AT.high, mask=inside, other=0, cache_modifier=".cg").to(tl.float32)
             has = tokens > 0
             per = tl.maximum(tokens, 1.0)
             low_min = tl.minimum(low_min, tl.min(tl.where(has, low / per, float("inf")), axis=0))
             high_max = tl.maximum(high_max, tl.max(tl.where(has, high / per, float("-inf")), axis=0))
-        lo_bits = tl.load(scratch + 2, cache_modifier=".cg")
-        hi_bits = tl.load(scratch + 3, cache_modifier=".cg")
+        lo_bits = tl.load(scratch + SCRATCH_AT.ratio_min, cache_modifier=".cg")
+        hi_bits = tl.load(scratch + SCRATCH_AT.ratio_max, cache_modifier=".cg")
         lo = lo_bits.to(tl.int32).to(tl.float32, bitcast=True)
         hi = hi_bits.to(tl.int32).to(tl.float32, bitcast=True)
         ratio_min = tl.where(lo_bits == 0x7FFFFFFF, float("inf"), lo)
         ratio_max = tl.where(hi_bits < 0, float("-inf"), hi)
     some = counted > 0
-    tl.store(means + C.N + 1, tl.where(some, low_min, 0.0))
-    tl.store(means + C.N + 2, tl.where(some, high_max, 0.0))
-    tl.store(means + C.N + 3, tl.where(some, ratio_min, 1.0))
-    tl.store(means + C.N + 4, tl.where(some, ratio_max, 1.0))
-    tl.store(means + C.N + 5, low_mean + high_mean)
-    tl.store(means + C.N + 6, tl.where(some, ratio_mean, 1.0))
+    extremes = means + C.N + 1  # after the loss
+    tl.store(extremes + EXTREMES_AT.low_min, tl.where(some, low_min, 0.0))
+    tl.store(extremes + EXTREMES_AT.high_max, tl.where(some, high_max, 0.0))
+    tl.store(extremes + EXTREMES_AT.ratio_min, tl.where(some, ratio_min, 1.0))
+    tl.store(extremes + EXTREMES_AT.ratio_max, tl.where(some, ratio_max, 1.0))
+    tl.store(extremes + EXTREMES_AT.region_mean, low_mean + high_mean)
+    tl.store(extremes + EXTREMES_AT.ratio_mean, tl.where(some, ratio_mean, 1.0))

@@ -16,7 +16,22 @@ per-row statistic adds it to ``blocks.online_stats``); the reference and the tes
 import triton
 import triton.language as tl
 
+from ..policy.tables import KL_ESTIMATORS, OBJECTIVES
+from .layouts import JSD_AT, SCRATCH_AT, SEQUENCE_AT
 from .primitives import LN2, LOG2E, NEG_BIG, log1p, softmax_update, to_x2
+
+# the kernels' codes of the policy term's values (policy.tables, the one list of each)
+CLIP = tl.constexpr(OBJECTIVES["clip"].kernel)
+CISPO = tl.constexpr(OBJECTIVES["cispo"].kernel)
+SAPO = tl.constexpr(OBJECTIVES["sapo"].kernel)
+GPG = tl.constexpr(OBJECTIVES["gpg"].kernel)
+DRO = tl.constexpr(OBJECTIVES["dro"].kernel)
+DPPO_TV = tl.constexpr(OBJECTIVES["dppo_tv"].kernel)
+DPPO_KL = tl.constexpr(OBJECTIVES["dppo_kl"].kernel)
+KL_K1 = tl.constexpr(KL_ESTIMATORS["k1"].kernel)
+KL_K2 = tl.constexpr(KL_ESTIMATORS["k2"].kernel)
+KL_K3 = tl.constexpr(KL_ESTIMATORS["k3"].kernel)
+KL_ABS = tl.constexpr(KL_ESTIMATORS["abs"].kernel)
 
 
 @triton.jit
@@ -157,8 +172,8 @@ def distill_values(row_out, row_ptr, t_row_ptr, m2, d, arg, tstats, V, S, F: tl.
     elif F.DISTILL_KIND == 1:
         divergence = LN2 * (sum_st / ds + t_minus_s)
     elif jsd_row is not None:
-        divergence = tl.load(jsd_row)
-        jsd_s = tl.load(jsd_row + 1)
+        divergence = tl.load(jsd_row + JSD_AT.value)
+        jsd_s = tl.load(jsd_row + JSD_AT.kl_s)
     else:
         divergence, jsd_s = jsd_sums(row_ptr, t_row_ptr, V, lse_s2, lse_t2, t_minus_s, S, BLOCK_V, F)
     put(row_out, C.divergence, divergence)
@@ -251,16 +266,16 @@ def _min_with_grad(a, da, b, db):
 def _kl_penalty(logp, ref, S, F: tl.constexpr):
     """(kl, d kl / d logp) of the KL(pi || ref) estimate (policy.kl_estimate's formulas)."""
     gap = logp - ref
-    if F.KL_EST == 1:
+    if F.KL_EST == KL_K1:
         kl = gap
         d_kl = tl.full(logp.shape, 1.0, tl.float32)
-    elif F.KL_EST == 2:
+    elif F.KL_EST == KL_K2:
         kl = 0.5 * gap * gap
         d_kl = gap
-    elif F.KL_EST == 4:
+    elif F.KL_EST == KL_ABS:
         kl = tl.abs(gap)
         d_kl = tl.where(gap > 0, 1.0, tl.where(gap < 0, -1.0, 0.0))
-    else:
+    elif F.KL_EST == KL_K3:
         delta = ref - logp
         d_delta = tl.full(logp.shape, -1.0, tl.float32)
         if F.KL_CLAMP:
@@ -271,6 +286,8 @@ def _kl_penalty(logp, ref, S, F: tl.constexpr):
         if F.KL_CLAMP:
             d_kl = tl.where((kl >= -10.0) & (kl <= 10.0), d_kl, 0.0)
             kl = tl.minimum(tl.maximum(kl, -10.0), 10.0)
+    else:
+        tl.static_assert(False, "a KL estimator of policy.tables has no kernel piece in terms._kl_penalty")
     if F.KL_K2_GRAD:
         d_kl = gap
     return kl, d_kl
@@ -278,14 +295,14 @@ def _kl_penalty(logp, ref, S, F: tl.constexpr):
 
 @triton.jit
 def _objective(logp, old, adv, ratio, d_ratio, S, F: tl.constexpr):
-    """(per_token, d per_token / d logp, low, high, dual) of the spec's objective (OBJECTIVE indexes
-    plan.POLICY_OBJECTIVES: clip, cispo, sapo, gpg, dro, dppo_tv, dppo_kl); policy.token_objective
-    has the same formulas in torch."""
+    """(per_token, d per_token / d logp, low, high, dual) of the spec's objective (F.OBJECTIVE is its
+    code in policy.tables; one branch per row-local objective, and a code without one does not
+    compile); policy.objectives.ROW_LOCAL has the same formulas in torch."""
     lo = 1.0 - S.eps_low
     hi = 1.0 + S.eps_high
     no = (adv > 0) & (adv <= 0)  # False, shaped like the values (also for a NaN advantage)
     low, high, dual = no, no, no
-    if F.OBJECTIVE == 0:  # clip
+    if F.OBJECTIVE == CLIP:
         clipped = tl.minimum(tl.maximum(ratio, lo), hi)
         d_clipped = tl.where((ratio >= lo) & (ratio <= hi), d_ratio, 0.0)
         capped = tl.minimum(ratio, S.pol_delta)
@@ -300,7 +317,7 @@ def _objective(logp, old, adv, ratio, d_ratio, S, F: tl.constexpr):
         d_per_token = tl.where(adv < 0, d_dualled, d_per_token)
         low = (ratio < lo) & (adv < 0)
         high = (ratio > hi) & (adv > 0)
-    elif F.OBJECTIVE == 1:  # cispo: -sg(c) A logp
+    elif F.OBJECTIVE == CISPO:  # -sg(c) A logp
         if F.CISPO_VERL:
             coef = tl.minimum(tl.maximum(ratio, lo), hi)
             low = ratio < lo
@@ -310,22 +327,22 @@ def _objective(logp, old, adv, ratio, d_ratio, S, F: tl.constexpr):
             high = (ratio > S.eps_high) & (adv > 0)
         per_token = -coef * adv * logp
         d_per_token = -coef * adv
-    elif F.OBJECTIVE == 2:  # sapo: -(4 / tau) sigmoid(tau (r - 1)) A
+    elif F.OBJECTIVE == SAPO:  # -(4 / tau) sigmoid(tau (r - 1)) A
         tau = tl.where(adv > 0, S.sapo_tau_pos, S.sapo_tau_neg)
         gate = tl.sigmoid(tau * (ratio - 1.0))
         per_token = -gate * (4.0 / tau) * adv
         d_per_token = -4.0 * adv * gate * (1.0 - gate) * d_ratio
-    elif F.OBJECTIVE == 3:  # gpg: -A logp
+    elif F.OBJECTIVE == GPG:  # -A logp
         per_token = -adv * logp
         d_per_token = -adv
-    elif F.OBJECTIVE == 4:  # dro: -(A logp - beta (logp - old)^2 / 2)
+    elif F.OBJECTIVE == DRO:  # -(A logp - beta (logp - old)^2 / 2)
         gap = logp - old
         per_token = -(logp * adv - 0.5 * S.dro_beta * gap * gap)
         d_per_token = -adv + S.dro_beta * gap
-    else:  # dppo_tv, dppo_kl: -A sg(min(r, cap)) logp on the kept tokens
+    elif (F.OBJECTIVE == DPPO_TV) or (F.OBJECTIVE == DPPO_KL):  # -A sg(min(r, cap)) logp on the kept tokens
         prob = tl.exp(logp)
         old_prob = tl.exp(old)
-        if F.OBJECTIVE == 5:
+        if F.OBJECTIVE == DPPO_TV:
             keep_pos = prob - old_prob <= S.eps_high
             keep_neg = prob - old_prob >= -S.eps_low
         else:
@@ -346,6 +363,8 @@ def _objective(logp, old, adv, ratio, d_ratio, S, F: tl.constexpr):
         low = (kept == 0.0) & (adv <= 0)
         high = (kept == 0.0) & (adv > 0)
         dual = (ratio > S.dppo_cap) & keep
+    else:
+        tl.static_assert(False, "an objective of policy.tables has no kernel piece in terms._objective")
     return per_token, d_per_token, low, high, dual
 
 
@@ -389,7 +408,7 @@ def policy_values(row_out, scratch, logp, entropy, policy, o, S, F: tl.constexpr
     (on-policy: ratio 1 with gradient; no rollout weights). verl's entropy bonus
     ``-entropy_coef * H`` is aggregated like the loss (or, ENTROPY_TOKEN_MEAN, as TRL's token mean).
     With sequences of ``policy.seq_len`` slots, the slot's sequence counters and the ratio's
-    extremes in ``scratch`` (head.SEQ_SCRATCH) take its share, for the last program's per-sequence
+    extremes in ``scratch`` (layouts.Scratch, SequenceCounters) take its share, for the last program's per-sequence
     metrics.
     """
     old = logp
@@ -408,8 +427,8 @@ def policy_values(row_out, scratch, logp, entropy, policy, o, S, F: tl.constexpr
     d_entropy = tl.zeros([], tl.float32)
     if F.ENTROPY_GRAD:
         bonus_w = w
-        if F.ENTROPY_TOKEN_MEAN:  # TRL: a mean over the call's counted tokens (scratch[0])
-            bonus_w = 1.0 / tl.maximum(tl.load(scratch).to(tl.float32), 1.0)
+        if F.ENTROPY_TOKEN_MEAN:  # TRL: a mean over the call's counted tokens
+            bonus_w = 1.0 / tl.maximum(tl.load(scratch + SCRATCH_AT.counted).to(tl.float32), 1.0)
         policy_loss -= S.entropy_coef * bonus_w * entropy
         d_entropy = -S.entropy_coef * bonus_w
     put(row_out, C.policy_loss, policy_loss)
@@ -421,14 +440,14 @@ def policy_values(row_out, scratch, logp, entropy, policy, o, S, F: tl.constexpr
     put(row_out, C.clip_dual, dual.to(tl.float32))
     put(row_out, C.ppo_kl, neg_log_ratio)
     if policy.seq_len > 0:
-        at = scratch + 4 + (o // policy.seq_len) * 3
-        tl.atomic_add(at, 1, sem="relaxed")
+        at = scratch + SCRATCH_AT.sequences + (o // policy.seq_len) * SEQUENCE_AT.N
+        tl.atomic_add(at + SEQUENCE_AT.tokens, 1, sem="relaxed")
         if low:
-            tl.atomic_add(at + 1, 1, sem="relaxed")
+            tl.atomic_add(at + SEQUENCE_AT.low, 1, sem="relaxed")
         if high:
-            tl.atomic_add(at + 2, 1, sem="relaxed")
+            tl.atomic_add(at + SEQUENCE_AT.high, 1, sem="relaxed")
         if ratio == ratio:  # NaN ratios are left out of the extremes, as tl.minimum leaves them
             bits = ratio.to(tl.int32, bitcast=True).to(tl.int64)
-            tl.atomic_min(scratch + 2, bits, sem="relaxed")
-            tl.atomic_max(scratch + 3, bits, sem="relaxed")
+            tl.atomic_min(scratch + SCRATCH_AT.ratio_min, bits, sem="relaxed")
+            tl.atomic_max(scratch + SCRATCH_AT.ratio_max, bits, sem="relaxed")
     return w * d_per_token, d_entropy

@@ -1,8 +1,7 @@
-"""Plain-torch reference: term by term, differentiable through autograd.
+"""The head's terms in plain torch, term by term, differentiable through autograd.
 
 Written from the definitions, not from the kernel: log_softmax, torch's own cross-entropy with
-label smoothing, an explicit entropy. It is the test oracle (run it in float64) and the CPU path
-when the Triton interpreter is off. Same inputs and same output type as :func:`headloss.head_loss`.
+label smoothing, an explicit entropy, TRL's generalized JSD. The policy term is reference/policy.py.
 """
 
 from __future__ import annotations
@@ -12,11 +11,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .engine import guard_second_backward
-from .inputs import Normaliser, raise_if_bad
-from .output import HeadLossOutput
-from .policy import kl_estimate, objective_of, rollout_weights
-from .spec import LossSpec
+from ..output import HeadLossOutput, guard_second_backward
+from ..spec import LossSpec
+from ..validation import Normaliser, raise_if_bad
+from .policy import reference_policy_loss
 
 
 def transformed_logits(logits: torch.Tensor, spec: LossSpec, dtype: torch.dtype) -> torch.Tensor:
@@ -245,145 +243,3 @@ def _distillation(x: torch.Tensor, teacher: torch.Tensor, spec: LossSpec) -> tup
     with torch.no_grad():
         agreement = (x.argmax(-1) == teacher.argmax(-1)).to(x.dtype)
     return div, {"distill/teacher_entropy": teacher_entropy, "distill/top1_agreement": agreement}
-
-
-def _padded(values: torch.Tensor, token_shape: torch.Size, sequence_ids: torch.Tensor | None):
-    """Per-token values -> [B, T] padded the way trainers hold them (and a fill mask)."""
-    if len(token_shape) == 2:
-        return values.reshape(token_shape), torch.ones(token_shape, dtype=torch.bool, device=values.device)
-    ids = sequence_ids.reshape(-1).tolist()
-    order = sorted(set(ids))
-    slot = {sid: b for b, sid in enumerate(order)}
-    positions, seen = [], {}
-    for sid in ids:
-        positions.append(seen.get(sid, 0))
-        seen[sid] = positions[-1] + 1
-    batch, length = len(order), max(seen.values(), default=0)
-    rows = torch.tensor([slot[s] for s in ids], device=values.device, dtype=torch.long)
-    cols = torch.tensor(positions, device=values.device, dtype=torch.long)
-    out = torch.zeros(batch, length, dtype=values.dtype, device=values.device).index_put((rows, cols), values)
-    fill = torch.zeros(batch, length, dtype=torch.bool, device=values.device).index_put(
-        (rows, cols), torch.ones_like(rows, dtype=torch.bool)
-    )
-    return out, fill
-
-
-def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num_items_in_batch, inputs):
-    """TRL GRPOTrainer._compute_loss / verl compute_policy_loss + agg_loss, on padded [B, T]."""
-    pol = spec.policy
-    seq_ids = inputs.get("sequence_ids")
-    flat_valid = valid.reshape(-1)
-
-    def pad(t: torch.Tensor) -> torch.Tensor:
-        # a masked token's inputs (padding NaN, -inf) never reach the loss: 0 there
-        t = torch.where(flat_valid, t.reshape(-1).to(logp.dtype), 0.0) if t.numel() == flat_valid.numel() else t
-        return _padded(t.reshape(-1).to(logp.dtype), token_shape, seq_ids)[0]
-
-    per_token_logps = pad(logp)
-    mask = pad(valid.to(logp.dtype))
-    adv = inputs["advantages"].to(logp.dtype)
-    per_sequence_adv = adv.dim() == 1 and len(token_shape) == 2 and adv.shape[0] == token_shape[0]
-    if per_sequence_adv:
-        adv = adv[:, None].expand(token_shape)  # one per sequence
-    advantages = pad(adv)
-    old = pad(inputs["old_logprobs"]) if "old_logprobs" in inputs else per_token_logps.detach()
-    iw = pad(inputs["importance_weights"]) if "importance_weights" in inputs else None
-    rollout = pad(inputs["rollout_logprobs"]) if "rollout_logprobs" in inputs else None
-    n_seq, length = mask.shape
-    flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
-    seq = torch.arange(n_seq, device=mask.device).repeat_interleave(length)
-    if pol.rollout_is is not None:
-        iw = rollout_weights(flat(old), flat(rollout), flat(mask), seq, n_seq, pol).reshape(n_seq, length)
-    tok = objective_of(flat(per_token_logps), flat(pad(entropy)), flat(old), flat(advantages), flat(iw), flat(mask),
-                       seq, n_seq, pol, flat(rollout), inputs["advantages"] if per_sequence_adv else None,
-                       inputs.get("entropy_quantile_group"))
-    for name in ("loss", "ratio", "low", "high", "dual", "ppo_kl", "clipfrac", "high_entropy"):
-        if getattr(tok, name) is not None:
-            setattr(tok, name, getattr(tok, name).reshape(n_seq, length))
-    coef_1 = tok.ratio
-    per_token_loss = tok.loss
-    per_token_kl = None
-    if pol.kl_beta != 0.0:
-        per_token_kl = kl_estimate(per_token_logps, pad(inputs["ref_logprobs"]), pol)
-        if pol.kl_importance_correction:
-            per_token_kl = per_token_kl * coef_1
-        per_token_loss = per_token_loss + pol.kl_beta * per_token_kl
-
-    num_sequences = inputs.get("num_sequences_in_batch")
-
-    def agg(loss_mat):
-        batch, length = loss_mat.shape
-        if num_sequences is not None or (pol.convention == "verl" and pol.loss_type.startswith("seq-mean")
-                                         and pol.objective != "gmpo"):
-            # verl agg_loss: the sequences' sum over global_batch_size / dp_size when given, else
-            # over the sequences with counted tokens
-            counts = mask.sum(-1)
-            per_seq = (loss_mat * mask).sum(-1)
-            if pol.loss_type in ("grpo", "seq-mean-token-mean"):
-                per_seq = per_seq / counts.clamp(min=1.0)
-            n = num_sequences / pol.num_processes if num_sequences is not None else (counts > 0).sum().clamp(min=1)
-            loss = (per_seq * (counts > 0)).sum() / n
-            return loss / length if pol.loss_type == "seq-mean-token-sum-norm" else loss
-        if pol.loss_type in ("grpo", "seq-mean-token-mean"):
-            return ((loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-        if pol.loss_type in ("bnpo", "token-mean"):
-            return (loss_mat * mask).sum() / mask.sum().clamp(min=1.0)
-        if pol.loss_type == "dr_grpo":
-            return (loss_mat * mask).sum() / (batch * pol.max_completion_length)
-        if pol.loss_type == "dapo":
-            normalizer = mask.sum().clamp(min=1.0) if num_items_in_batch is None else \
-                num_items_in_batch / pol.num_processes
-            return (loss_mat * mask).sum() / normalizer
-        if pol.loss_type == "seq-mean-token-sum":
-            return (loss_mat * mask).sum(-1).mean()
-        return (loss_mat * mask).sum(-1).sum() / length  # seq-mean-token-sum-norm
-
-    loss = agg(per_token_loss)
-    ent = pad(entropy)
-    if pol.entropy_coef != 0.0 and pol.entropy_aggregation == "token-mean":  # TRL: over its effective mask
-        counted = mask if tok.high_entropy is None else mask * tok.high_entropy.to(mask.dtype)
-        loss = loss - pol.entropy_coef * (ent * counted).sum() / counted.sum().clamp(min=1.0)
-    elif pol.entropy_coef != 0.0:
-        loss = loss - pol.entropy_coef * agg(ent)
-    with torch.no_grad():
-        denom = mask.sum().clamp(min=1.0)
-        ratio = coef_1.expand_as(mask)
-        low = tok.low.to(mask.dtype) * mask
-        high = tok.high.to(mask.dtype) * mask
-        # branchless (no host reads): sequences without a counted token, and a batch without one,
-        # fall back to TRL's defaults (clip fractions 0, ratios 1)
-        has = mask.sum(-1) > 0
-        any_token = mask.sum() > 0
-        frac = lambda t: t.sum(-1) / mask.sum(-1).clamp(min=1.0)  # noqa: E731
-        inf = torch.full((1,), float("inf"), dtype=mask.dtype, device=mask.device)
-        one = torch.ones((), dtype=mask.dtype, device=mask.device)
-        lowest = lambda t: torch.cat([t.reshape(-1), inf]).amin()  # noqa: E731  (defined when empty)
-        highest = lambda t: torch.cat([t.reshape(-1), -inf]).amax()  # noqa: E731
-        # TRL's sequence-level ratios: clip fractions are means over the (padded) sequences
-        seq_mean = lambda t: (t.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / max(mask.shape[0], 1)  # noqa: E731
-        metrics = {
-            "clip_ratio/low_mean": seq_mean(low) if pol.importance_sampling == "sequence" else low.sum() / denom,
-            "clip_ratio/low_min": torch.where(any_token, lowest(torch.where(has, frac(low), inf)), 0.0),
-            "clip_ratio/high_mean": seq_mean(high) if pol.importance_sampling == "sequence" else high.sum() / denom,
-            "clip_ratio/high_max": torch.where(any_token, highest(torch.where(has, frac(high), -inf)), 0.0),
-        }
-        metrics["clip_ratio/region_mean"] = metrics["clip_ratio/low_mean"] + metrics["clip_ratio/high_mean"]
-        metrics["pg_clipfrac"] = metrics["clip_ratio/region_mean"] if tok.clipfrac is None else \
-            (tok.clipfrac.to(mask.dtype) * mask).sum() / denom
-        metrics |= {
-            "pg_clipfrac_lower": (tok.dual.to(mask.dtype) * mask).sum() / denom,
-            "ppo_kl": (tok.ppo_kl * mask).sum() / denom,
-            **(tok.extra or {}),
-            "ratio/mean": torch.where(any_token, (ratio * mask).sum() / denom, one),
-            "ratio/min": torch.where(any_token, lowest(torch.where(mask > 0, ratio, inf)), one),
-            "ratio/max": torch.where(any_token, highest(torch.where(mask > 0, ratio, -inf)), one),
-            "logprob/mean": (per_token_logps * mask).sum() / denom,
-            "entropy": (ent * mask).sum() / denom,
-        }
-        if per_token_kl is not None:
-            metrics["kl"] = (per_token_kl * mask).sum() / denom
-        if tok.high_entropy is not None:
-            kept = tok.high_entropy.to(mask.dtype) * mask
-            metrics["high_entropy/fraction"] = kept.sum() / denom
-            metrics["high_entropy/entropy"] = (ent * kept).sum() / kept.sum().clamp(min=1.0)
-    return loss, {k: v.detach().to(logp.dtype).to(logp.device) for k, v in metrics.items()}

@@ -1,7 +1,7 @@
 """Every kernel variant that real calls launch compiles for sm_90 (Hopper), here, without a GPU.
 
 The interpreter runs the kernels' Python; it does not type-check them the way the compiler does
-(globals, loop-carried types, constexpr use, named-tuple arguments). tests/compile_sm90.py
+(globals, loop-carried types, constexpr use, named-tuple arguments). tests/kernels/compile_sm90.py
 intercepts the launches of real calls and runs Triton's real front end and backend down to PTX in
 a subprocess without the interpreter, so a kernel that cannot compile fails in CI, not on the GPU.
 """
@@ -27,7 +27,7 @@ VARIANTS = ("ce-only", "all-bf16", "all-fp16", "all-fp32", "entropy-metric-no-ta
 @pytest.fixture(scope="module")
 def ptx() -> dict[str, dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(SCRIPT.parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(SCRIPT.parent.parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout)

@@ -1,6 +1,6 @@
-"""2-process GRPO and SFT runs (gloo, CPU), stock TRL and headloss's, for tests/test_integrations_trl.py:
-``torchrun --nproc-per-node 2 tests/trl_ddp.py OUT_DIR`` (with the tiny model saved in OUT_DIR/tiny) prints one
-RESULT line on rank 0."""
+"""2-process GRPO and SFT runs (gloo, CPU), stock TRL and headloss's, for tests/integrations/test_trl.py:
+``torchrun --nproc-per-node 2 tests/integrations/trl_ddp.py OUT_DIR`` (with the tiny model saved in
+OUT_DIR/tiny) prints one RESULT line on rank 0."""
 
 import json
 import os
@@ -11,9 +11,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import test_integrations_trl  # noqa: E402
+import test_trl  # noqa: E402
 import trl  # noqa: E402
-from test_integrations_trl import grpo, sft  # noqa: E402
+from test_trl import grpo, sft  # noqa: E402
 
 from headloss.integrations.trl import HeadLossGRPOTrainer, HeadLossSFTTrainer  # noqa: E402
 
@@ -28,7 +28,7 @@ if __name__ == "__main__":
 
     out = Path(sys.argv[1]) / f"rank{os.environ.get('RANK', 0)}"
     # the tiny model was saved by the launching test: under torch.distributed only rank 0 would write it
-    test_integrations_trl.saved_model = lambda _path: str(Path(sys.argv[1]) / "tiny")
+    test_trl.saved_model = lambda _path: str(Path(sys.argv[1]) / "tiny")
     result = {}
     extra = {"grpo": {}, "gspo": dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=0.02,
                                       epsilon_high=0.03), "vespo": dict(loss_type="vespo"),

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from headloss import CrossEntropy, Entropy, HeadLoss, LogitTransform, LossSpec, ZLoss, head_loss, reference_head_loss
-from headloss.kernels.head import LAUNCH_OVERRIDES
+from headloss.kernels.launch import LAUNCH_OVERRIDES
 from headloss.reference import transformed_logits
 from headloss.spec import Distillation
 

@@ -422,7 +422,7 @@ def test_ddp_trainer_on_two_processes_trains_like_stock(tmp_path):
     model output through DDP's pytree round trip, and the callback's cross-rank reduction."""
     from conftest import torchrun
 
-    result = torchrun("hf_ddp.py", tmp_path, timeout=600)
+    result = torchrun("integrations/hf_ddp.py", tmp_path, timeout=600)
     assert result["world"] == 2
     assert result["err"] <= 1e-6
     assert result["mine"] == pytest.approx(result["stock"], rel=1e-6)

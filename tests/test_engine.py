@@ -23,8 +23,10 @@ from conftest import (
     seed_of,
     with_,
 )
+from hypothesis import given
+from strategies import CI, cases
 
-import headloss.inputs
+import headloss.env
 from headloss import (
     CrossEntropy,
     Entropy,
@@ -35,7 +37,7 @@ from headloss import (
     head_loss,
     reference_head_loss,
 )
-from headloss.kernels.head import LAUNCH_OVERRIDES, LaunchConfig, launch_config
+from headloss.kernels.launch import LAUNCH_OVERRIDES, LaunchConfig, launch_config
 
 pytestmark = needs_kernel
 
@@ -630,7 +632,7 @@ def test_backend_auto_runs_the_kernel_under_the_interpreter(monkeypatch):
     targets = make_targets((3,), 20, 23)
     auto = head_loss(logits, targets)
     assert type(auto.loss.grad_fn).__name__ == "HeadFunctionBackward"
-    monkeypatch.setattr(headloss.inputs, "_INTERPRETER", False)
+    monkeypatch.setattr(headloss.env, "INTERPRETER", False)
     fallback = head_loss(logits, targets)
     assert type(fallback.loss.grad_fn).__name__ != "FusedHeadBackward"
     torch.testing.assert_close(fallback.loss, auto.loss)
@@ -662,4 +664,32 @@ def test_every_config_file_runs_on_the_kernel_and_matches_reference(path):
         logp = -torch.rand(2, 4, generator=torch.Generator().manual_seed(27)) * 4 - 2
         inputs.update(advantages=torch.tensor([0.7, -1.2]), old_logprobs=logp, ref_logprobs=logp - 0.1)
     pair = run_pair(logits, targets, spec, inputs=inputs)
+    assert_matches_reference(pair)
+
+
+@needs_kernel
+@pytest.mark.slow
+@CI
+@given(case=cases())
+def test_kernel_matches_fp64_reference_for_random_specs_and_shapes(case):
+    spec, vocab, token_shape = case["spec"], case["vocab"], case["token_shape"]
+    if case["strided"]:
+        base_shape = (token_shape[0], token_shape[1] + 1, vocab)
+
+        def view(t):
+            return t[:, :-1, :]
+    else:
+        base_shape = (*token_shape, vocab)
+
+        def view(t):
+            return t
+
+    logits = make_logits(base_shape, case["dtype"], seed=case["seed"], scale=case["scale"])
+    targets = None
+    if case["has_targets"]:
+        targets = make_targets(token_shape, vocab, case["seed"], case["ignore_frac"], spec.ignore_index)
+    pair = run_pair(
+        logits, targets, spec,
+        view=view, num_items_in_batch=case["num_items"], inplace_grad=case["inplace_grad"],
+    )
     assert_matches_reference(pair)

@@ -274,7 +274,7 @@ def test_two_processes_reduce_metrics_as_trl_does(tmp_path):
     from conftest import torchrun
 
     tiny_model().save_pretrained(tmp_path / "tiny")
-    result = torchrun("trl_ddp.py", tmp_path)
+    result = torchrun("integrations/trl_ddp.py", tmp_path)
     assert result["world"] == 2
     # gspo, vespo: sequence means across processes; top_entropy: TRL's quantile over both processes'
     # tokens (the lm_head's guessed-mask route; with the bonus, deferred mode)

@@ -13,7 +13,8 @@ from conftest import assert_close_norm, make_logits, make_targets, needs_kernel
 
 import headloss
 from headloss import LossSpec, head_loss, linear_head_loss
-from headloss.engine import _geo_ints
+from headloss.ops import flat_geometry, geo_ints, hand_off
+from headloss.output import RETAIN_GRAPH_ERROR
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 V = 37
@@ -122,13 +123,14 @@ def _plan_key(spec: LossSpec) -> str:
 @needs_kernel
 @pytest.mark.parametrize("grad_mode", ["none", "fresh", "handoff"])
 def test_opcheck_head_forward(grad_mode):
-    from headloss.inputs import Normaliser, geometry
+    from headloss.inputs import geometry
+    from headloss.validation import Normaliser
 
     spec = LossSpec(z_loss={"weight": 1e-3}, token_accuracy=True, outputs=("predicted_tokens",))
     logits, targets = make_logits((5, V), seed=9), make_targets((5,), V, seed=9)
     geo = geometry((5, V), (0, V), 5, 0, None, -100, Normaliser())
-    args = (logits, targets, None, None, None, None, None, None, None, None, _plan_key(spec), _geo_ints(geo),
-            geo.norm, grad_mode, "off", [5], [1, 0])
+    args = (logits, targets, None, None, None, None, None, None, None, None, _plan_key(spec), geo_ints(geo),
+            geo.norm, grad_mode, "off", [5], [1, 0], 0)
     # a handoff token names its own buffers, so two calls' tokens differ by design: the AOT check,
     # which compares two calls' outputs, runs for the other modes (the compile tests cover handoff)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
@@ -138,19 +140,21 @@ def test_opcheck_head_forward(grad_mode):
 
 @needs_kernel
 def test_opcheck_head_backward():
-    from headloss.inputs import Normaliser, geometry
+    from headloss.inputs import geometry
+    from headloss.validation import Normaliser
 
     spec = LossSpec(reduction="none", outputs=("lse",), differentiable_outputs=True)
     logits, targets = make_logits((5, V), seed=10), make_targets((5,), V, seed=10)
     geo = geometry((5, V), (0, V), 5, 0, None, -100, Normaliser())
     key = _plan_key(spec)
     loss, rows, pred, means, scratch, _ = torch.ops.headloss.head_forward(
-        logits, targets, None, None, None, None, None, None, None, None, key, _geo_ints(geo), 0.0, "none", "off", [5],
-        [1, 0])
-    args = (logits, targets, None, rows, torch.rand(5), torch.rand(rows.shape), None, scratch, key, _geo_ints(geo), 0.0)
+        logits, targets, None, None, None, None, None, None, None, None, key, geo_ints(geo), 0.0, "none", "off", [5],
+        [1, 0], 0)
+    args = (logits, targets, None, rows, torch.rand(5), torch.rand(rows.shape), None, scratch, key, geo_ints(geo), 0.0,
+            False)
     torch.library.opcheck(torch.ops.headloss.head_backward.default, args)
     torch.library.opcheck(torch.ops.headloss.scale_grad_.default, (torch.randn(5, V), torch.tensor([2.0]),
-                                                                    _geo_ints(geo)))  # HEADLOSS_COMPILE_HANDOFF=0
+                                                                    geo_ints(geo)))  # HEADLOSS_COMPILE_HANDOFF=0
 
 
 @needs_kernel
@@ -159,27 +163,23 @@ def test_opcheck_take_grad(test_util):
     """take_grad consumes its token's buffer (a second call is the retain-graph error), so each check
     gets a fresh token; test_aot_dispatch_dynamic calls the op twice and is covered by the compile
     tests above instead."""
-    from headloss.engine import _flat_geometry, _hand_off
-
     grad = torch.randn(5, V)
-    token = _hand_off([(grad.clone(), _flat_geometry(grad))])
+    token = hand_off([(grad.clone(), flat_geometry(grad))])
     torch.library.opcheck(torch.ops.headloss.take_grad.default, (token, torch.tensor([2.0]), 0, [5, V], grad.dtype),
                           test_utils=test_util)
 
 
 @needs_kernel
 def test_take_grad_scales_once_and_refuses_a_second_take():
-    from headloss.engine import _RETAIN_GRAPH_ERROR, _flat_geometry, _hand_off
-
     grad = torch.randn(5, V)
-    token = _hand_off([(grad.clone(), _flat_geometry(grad))])
+    token = hand_off([(grad.clone(), flat_geometry(grad))])
     got = torch.ops.headloss.take_grad(token, torch.tensor([2.0]), 0, [5, V], grad.dtype)
     torch.testing.assert_close(got, 2 * grad)
     with pytest.raises(RuntimeError, match="second backward"):
         torch.ops.headloss.take_grad(token, torch.tensor([2.0]), 0, [5, V], grad.dtype)
     with pytest.raises(RuntimeError, match="holds no gradient"):
         torch.ops.headloss.take_grad(torch.zeros(1, dtype=torch.int64), torch.tensor([2.0]), 0, [5, V], grad.dtype)
-    assert "retain_graph" in _RETAIN_GRAPH_ERROR
+    assert "retain_graph" in RETAIN_GRAPH_ERROR
 
 
 @needs_kernel
@@ -189,16 +189,17 @@ def test_compiled_fused_backward_hands_over_the_forward_buffer_without_a_copy(en
     """Under compile the fused gradient reaches backward beside the graph: the gradient autograd
     delivers is the very buffer the forward kernel wrote (Inductor would clone a backward-graph input
     before scaling it), scaled by d loss; a second backward raises as in eager."""
-    import headloss.engine as engine
+    import headloss.engine
+    import headloss.linear
 
     written = []
-    hand_off = engine._hand_off
 
     def recording(grads):
         written.extend(g.data_ptr() for g, _ in filter(None, grads))
         return hand_off(grads)
 
-    monkeypatch.setattr(engine, "_hand_off", recording)
+    for module in (headloss.engine, headloss.linear):
+        monkeypatch.setattr(module, "hand_off", recording)
     gen = torch.Generator().manual_seed(14)
     if entry == "logits":
         x = make_logits((6, V), seed=14).requires_grad_()
@@ -266,8 +267,6 @@ def test_offloading_saved_tensors_under_compile_needs_the_handoff_off(entry, mon
     clone) cannot carry the hand-off token:
     backward raises naming the cause; HEADLOSS_COMPILE_HANDOFF=0 (a saved gradient, cloned by
     Inductor before its scale) works, equal to eager."""
-    import headloss.engine as engine
-
     gen = torch.Generator().manual_seed(15)
     x = make_logits((6, V), seed=15) if entry == "logits" else torch.randn(6, 8, generator=gen)
     w = torch.randn(V, 8, generator=gen)
@@ -288,7 +287,7 @@ def test_offloading_saved_tensors_under_compile_needs_the_handoff_off(entry, mon
     with pytest.raises(RuntimeError, match="saved-tensor hook"):
         run(True)
     torch._dynamo.reset()
-    monkeypatch.setattr(engine, "COMPILE_HANDOFF", False)
+    monkeypatch.setattr(headloss.env, "COMPILE_HANDOFF", False)
     for got, ref in zip(run(True), want):
         if ref is not None:
             assert_close_norm(got, ref, rtol=1e-5, atol=1e-7, name="grad")

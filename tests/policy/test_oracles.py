@@ -11,7 +11,7 @@ torch reference):
 The oracles work on padded [B, T] fp64 tensors exactly as the sources do (mask multiplications,
 masked means with verl's +1e-8); the gradient is autograd's through log_softmax of fp64 logits.
 No sequence is fully masked here: verl's seq-mean modes drop such sequences, TRL's count them
-(headloss follows TRL, see test_policy.py).
+(headloss follows TRL, see test_policy_kernels.py).
 """
 
 from __future__ import annotations
@@ -25,10 +25,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import headloss
+import headloss.env
 from headloss import LossSpec, head_loss
 from headloss.spec import Policy
 
 B, T, V = 3, 7, 37
+
+ORACLE_TESTS = {
+    "clip": ["test_verl_objective_matches_core_algos", "test_verl_sequence_and_batch_objectives_match_core_algos"],
+    "cispo": ["test_verl_objective_matches_core_algos", "test_trl_cispo_and_sapo_match_compute_loss"],
+    "sapo": ["test_verl_objective_matches_core_algos", "test_trl_cispo_and_sapo_match_compute_loss"],
+    "gpg": ["test_verl_objective_matches_core_algos"],
+    "dro": ["test_verl_objective_matches_core_algos"],
+    "dppo_tv": ["test_verl_objective_matches_core_algos"],
+    "dppo_kl": ["test_verl_objective_matches_core_algos"],
+    "gmpo": ["test_verl_sequence_and_batch_objectives_match_core_algos"],
+    "vespo": ["test_trl_vespo_matches_compute_loss"],
+    "clip_cov": ["test_verl_sequence_and_batch_objectives_match_core_algos"],
+    "kl_cov": ["test_verl_sequence_and_batch_objectives_match_core_algos"],
+}
+"""Each objective of headloss.policy.tables -> the tests here that hold it against an oracle transcribed
+from its source (tests/policy/test_tables.py checks that every objective has one)."""
 
 
 # --- oracles --------------------------------------------------------------------------------
@@ -827,7 +844,7 @@ def _rank_quantile_fp64(rank, world, port, results):
 
     import torch.distributed as dist
 
-    from headloss.policy import masked_quantile
+    from headloss.policy.masks import masked_quantile
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
@@ -858,7 +875,7 @@ def test_entropy_quantile_group_errors_name_the_argument():
     logits, targets, mask, adv, old, _, _ = make_case(3)
     masked = LossSpec(cross_entropy=None, policy=Policy(loss_type="grpo", top_entropy_quantile=0.5))
     inputs = dict(advantages=adv.float(), old_logprobs=old.float(), loss_mask=mask)
-    for backend in ("triton", "reference") if headloss.inputs._INTERPRETER else ("reference",):
+    for backend in ("triton", "reference") if headloss.env.INTERPRETER else ("reference",):
         with pytest.raises(ValueError, match="entropy_quantile_group: given, but the spec has no top-entropy mask"):
             head_loss(logits, targets, LossSpec(cross_entropy=None, policy=Policy(loss_type="grpo")),
                       backend=backend, entropy_quantile_group=object(), **inputs)
@@ -1070,7 +1087,7 @@ def test_num_sequences_in_batch_errors_name_it():
         (Policy(loss_type="grpo"), torch.tensor([1.0, 2.0]), "expected one element, got shape \\(2,\\)"),
         (Policy(objective="gmpo", loss_type="grpo"), 4, "geo_mean"),
     ):
-        for backend in ("triton", "reference") if headloss.inputs._INTERPRETER else ("reference",):
+        for backend in ("triton", "reference") if headloss.env.INTERPRETER else ("reference",):
             with pytest.raises(ValueError, match=f"num_sequences_in_batch: .*{match}"):
                 head_loss(logits, targets, LossSpec(cross_entropy=None, policy=policy), advantages=adv,
                           old_logprobs=old, num_sequences_in_batch=value, backend=backend)
@@ -1118,26 +1135,12 @@ def test_entropy_bonus_follows_trl_token_mean_or_verl_loss_aggregation(aggregati
     ("kl_cov", "token", {}, False), ("clip_cov", "token", {}, False),
     ("clip", "token", {"top_entropy_quantile": 0.5}, False),
 ])
-def test_lm_head_runs_sequence_statistics_chunk_by_chunk_of_whole_sequences(objective, level, masks, chunked,
-                                                                          monkeypatch):
+def test_lm_head_runs_sequence_statistics_chunk_by_chunk_of_whole_sequences(objective, level, masks, chunked):
     """A sequence statistic needs only its sequence: the lm_head cuts chunks of whole sequences and
     computes each chunk's gradient in forward (three GEMMs); clip_cov and kl_cov run their base
     objective fused and correct their few selected rows; so does the entropy quantile, under a
     guessed mask.
     Both give the reference's loss and gradients, also when the loss is scaled before backward."""
-    import headloss.engine as engine
-
-    calls, corrections = [], []
-    original = engine._sequence_chunk_grad
-    monkeypatch.setattr(engine, "_sequence_chunk_grad", lambda *a, **k: calls.append(a[-2:]) or original(*a, **k))
-    launches = []  # the deferred policy term's kernels: d rows per chunk, then the loss and metrics
-    launch = engine._objective_launch
-    monkeypatch.setattr(engine, "_objective_launch",
-                        lambda *a, **k: launches.append(k.get("metrics", True)) or launch(*a, **k))
-    for name in ("_cov_correction", "_entropy_mask_correction"):
-        correct = getattr(engine, name)
-        monkeypatch.setattr(engine, name, lambda *a, correct=correct, name=name, **k: corrections.append(name)
-                            or correct(*a, **k))
     gen = generator(73)
     hidden = torch.randn(B, T, 8, generator=gen, dtype=torch.float64)
     weight = torch.randn(V, 8, generator=gen, dtype=torch.float64) / 2
@@ -1151,13 +1154,13 @@ def test_lm_head_runs_sequence_statistics_chunk_by_chunk_of_whole_sequences(obje
     out = headloss.linear_head_loss(h, w, targets, spec, chunk_bytes=5 * V * 4,
                                     **{k: v.float() if v.is_floating_point() else v for k, v in inputs.items()})
     (3.0 * out.loss).backward()
-    assert calls == ([(0, T), (T, 2 * T), (2 * T, 3 * T)] if chunked else [])
+    # chunks of whole sequences (d rows by the objective kernel for a row-local objective); clip_cov /
+    # kl_cov: the base objective fused, then one correction of the selected rows; the top-entropy
+    # mask: the objective under a guessed mask, then one correction of the rows it got wrong
     row_local = objective not in ("vespo", "gmpo")
-    assert launches == ([False, False, False, True] if chunked and row_local else [])
-    # clip_cov / kl_cov: the base objective fused, then one correction of the selected rows; the
-    # top-entropy mask: the objective under a guessed mask, then one correction of the rows it got wrong
-    assert corrections == (["_cov_correction"] if objective in ("clip_cov", "kl_cov") else
-                           ["_entropy_mask_correction"] if masks.get("top_entropy_quantile") else [])
+    assert out.route == ("lm_head:sequences+kernels" if chunked and row_local else
+                         "lm_head:sequences+torch" if chunked else
+                         "lm_head:covariance" if objective in ("clip_cov", "kl_cov") else "lm_head:entropy-guess")
     h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     torch.manual_seed(5)
     ref_out = head_loss(h64 @ w64.T, targets, spec, backend="reference", **inputs)
@@ -1187,17 +1190,15 @@ def test_lm_head_top_entropy_mask_runs_fused_and_corrects_the_rows_it_guessed_wr
     with rollout weights or without, compact or not, and deferred mode never runs. The guess is
     the running estimate, or forced wrong (every kept row gains its objective in the correction,
     or every dropped row loses it)."""
-    import headloss.engine as engine
+    import headloss.linear as linear
 
-    if guess != "estimate":
-        monkeypatch.setattr(engine, "_guess_threshold",
+    if guess != "estimate":  # a guess forced wrong (the correction must then change every such row)
+        monkeypatch.setattr(linear, "_guess_threshold",
                             lambda seen, q: torch.tensor(math.inf if guess == "keep none" else -math.inf))
-
-    changed = []
-    original = engine._correct_rows
-    monkeypatch.setattr(engine, "_correct_rows", lambda run, h, w, b, y, chosen, *a: changed.append(int(chosen.sum()))
+    changed = []  # the rows each correction changes
+    original = linear._correct_rows
+    monkeypatch.setattr(linear, "_correct_rows", lambda run, h, w, b, y, chosen, *a: changed.append(int(chosen.sum()))
                         or original(run, h, w, b, y, chosen, *a))
-    monkeypatch.setattr(engine, "linear_backward", lambda *a, **k: pytest.fail("deferred mode ran"))
     gen = generator(101)
     batch, length, width = 6, 9, 8
     hidden = torch.randn(batch, length, width, generator=gen, dtype=torch.float64)
@@ -1219,6 +1220,7 @@ def test_lm_head_top_entropy_mask_runs_fused_and_corrects_the_rows_it_guessed_wr
     h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
     out = headloss.linear_head_loss(h, w, targets, spec, chunk_bytes=7 * V * 4, compact=compact, **fp32)
     (2.0 * out.loss).backward()
+    assert out.route == "lm_head:entropy-guess"
     h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     ref_out = head_loss(h64 @ w64.T, targets, spec, backend="reference", **inputs)
     (2.0 * ref_out.loss).backward()
@@ -1275,18 +1277,11 @@ def lm_head_policy_cases(draw, route: str):
 @settings(max_examples=12, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_lm_head_matches_the_reference_for_random_policy_specs(route, data, monkeypatch):
+def test_lm_head_matches_the_reference_for_random_policy_specs(route, data):
     """Hypothesis over policy specs and shapes on the fused lm_head, for each of its routes (the
     top-entropy mask's guess and correction among them; the test checks the route was taken): loss,
     dh, dW, db and every metric against the fp64 reference on the materialised logits."""
-    import headloss.engine as engine
-
     spec, (batch, length), vocab, chunk, weights, compact, seed = data.draw(lm_head_policy_cases(route))
-    taken = []
-    for name in ("_guess_mask", "_cov_correction", "_sequence_chunk_grad", "linear_backward"):
-        original = getattr(engine, name)
-        monkeypatch.setattr(engine, name, lambda *a, original=original, name=name, **k: taken.append(name)
-                            or original(*a, **k))
     gen = generator(seed)
     hidden = torch.randn(batch, length, 6, generator=gen, dtype=torch.float64)
     # logits within ~+-8: fp32 resolves 1 - p (a saturated softmax's gradient is below fp32's reach)
@@ -1311,11 +1306,13 @@ def test_lm_head_matches_the_reference_for_random_policy_specs(route, data, monk
     torch.manual_seed(seed)
     ref = head_loss(ref_leaves[0] @ ref_leaves[1].T + ref_leaves[2], targets, spec, backend="reference", **inputs)
     (1.5 * ref.loss).backward()
-    routes = {"row-local": [set()], "sequence": [{"_sequence_chunk_grad"}, {"linear_backward"}],
-              "covariance": [{"_cov_correction"}], "entropy mask": [{"_guess_mask"}],
-              "entropy mask, deferred": [{"linear_backward"}]}
-    if mask.sum() > 0:  # (a sequence too long for the chunk budget runs deferred)
-        assert set(taken) in routes[route], (route, taken)
+    routes = {"row-local": {"lm_head:fused"},
+              # (a sequence too long for the chunk budget runs deferred)
+              "sequence": {"lm_head:sequences+kernels", "lm_head:sequences+torch", "lm_head:deferred+kernels",
+                           "lm_head:deferred+torch"},
+              "covariance": {"lm_head:covariance"}, "entropy mask": {"lm_head:entropy-guess"},
+              "entropy mask, deferred": {"lm_head:deferred+torch"}}
+    assert out.route in routes[route], (route, out.route)
     assert_close_norm(out.loss, ref.loss, rtol=1e-5, atol=3e-6, name="loss")
     for name, got, want in zip(("dh", "dW", "db"), leaves, ref_leaves):
         assert_close_norm(got.grad, want.grad, rtol=1e-4, atol=1e-7, name=name)
@@ -1326,12 +1323,10 @@ def test_lm_head_matches_the_reference_for_random_policy_specs(route, data, monk
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_lm_head_top_entropy_guessed_route_equals_deferred_mode_in_half_precision(dtype, monkeypatch):
+def test_lm_head_top_entropy_guessed_route_equals_deferred_mode_in_half_precision(dtype):
     """Half-precision hidden states and head: the guessed-mask route (fused, then corrected) gives
     deferred mode's loss, metrics and gradients on the same inputs (the same chunked logits, so the
     same entropies and mask); the correction's dW update accumulates in the weight's dtype."""
-    import headloss.api as api
-
     gen = generator(113)
     batch, length, width = 4, 11, 16
     hidden = torch.randn(batch, length, width, generator=gen).to(dtype)
@@ -1343,15 +1338,15 @@ def test_lm_head_top_entropy_guessed_route_equals_deferred_mode_in_half_precisio
                   ref_logprobs=-3.6 + 0.3 * torch.randn(batch, length, generator=gen))
     spec = LossSpec(cross_entropy=None, policy=Policy(top_entropy_quantile=0.3, kl_beta=0.04, eps_high=0.28))
 
-    def run():
+    def run(route):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = headloss.linear_head_loss(h, w, targets, spec, chunk_bytes=9 * V * 2, **inputs)
+        out = headloss.linear_head_loss(h, w, targets, spec, chunk_bytes=9 * V * 2, route=route, **inputs)
         out.loss.backward()
+        assert out.route == route
         return out, h.grad.float(), w.grad.float()
 
-    guessed = run()
-    monkeypatch.setattr(api, "_base_plan", lambda *a: None)  # deferred mode
-    deferred = run()
+    guessed = run("lm_head:entropy-guess")
+    deferred = run("lm_head:deferred+torch")
     assert_close_norm(guessed[0].loss, deferred[0].loss, rtol=1e-5, atol=1e-6, name="loss")
     for name, value in deferred[0].metrics.items():
         assert_close_norm(guessed[0].metrics[name], value, rtol=1e-5, atol=1e-6, name=name)
@@ -1361,7 +1356,7 @@ def test_lm_head_top_entropy_guessed_route_equals_deferred_mode_in_half_precisio
 
 @pytest.mark.parametrize("n, kept, q", [(50, 0.6, 0.8), (7, 1.0, 0.5), (9, 0.3, 0.0), (5, 0.5, 1.0), (1, 1.0, 0.3)])
 def test_masked_quantile_equals_torch_quantile_without_a_host_read(n, kept, q):
-    from headloss.policy import masked_quantile
+    from headloss.policy.masks import masked_quantile
 
     gen = generator(n)
     values = torch.randn(n, generator=gen).round(decimals=1)  # ties included

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from headloss import CrossEntropy, Entropy, LogitTransform, LossSpec, ZLoss, head_loss, reference_head_loss
-from headloss.kernels.head import LAUNCH_OVERRIDES
+from headloss.kernels.launch import LAUNCH_OVERRIDES
 from headloss.reference import transformed_logits
 from headloss.spec import Distillation, Policy
 
@@ -823,9 +823,9 @@ def test_deferred_policy_kernels_equal_the_torch_ops(policy, batch, length, voca
 def test_deferred_policy_kernels_loop_over_long_sequences(monkeypatch, importance_sampling):
     """Sequences longer than the kernel's block (OBJECTIVE_BLOCK, here 16 tokens) take several steps of
     each pass."""
-    import headloss.kernels.head as head
+    import headloss.kernels.policy as kernels
 
-    monkeypatch.setattr(head, "OBJECTIVE_BLOCK", 16)
+    monkeypatch.setattr(kernels, "OBJECTIVE_BLOCK", 16)
     policy = Policy(loss_type="grpo", importance_sampling=importance_sampling, kl_beta=0.05,
                     kl_importance_correction=True, off_policy_mask=0.5, entropy_coef=0.01)
     check_policy_objective("cpu", policy, 3, 41, 5, seed=3, shift=True, empty="one", rollout=True)
@@ -836,21 +836,14 @@ def test_deferred_policy_kernels_loop_over_long_sequences(monkeypatch, importanc
 def test_deferred_policy_kernels_infinite_sequence_ratio(length):
     """A sequence whose ratio is inf (old log-probs far below): the clipped objective is finite, as with
     the torch ops, whether or not the sequence fills the kernel's block (its lanes past the sequence)."""
-    import headloss.api as api
-
     gen = generator(11)
     logits = torch.randn(1, length, 8, generator=gen)
     ids = torch.randint(0, 8, (1, length), generator=gen)
     logp = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
     spec = LossSpec(cross_entropy=None, policy={"importance_sampling": "sequence"})
     inputs = dict(advantages=torch.tensor([1.0]), old_logprobs=logp - 100.0)
-    kernel = head_loss(logits, ids, spec, **inputs)
-    original = api.objective_in_kernel
-    api.objective_in_kernel = lambda *args: False
-    try:
-        ops = head_loss(logits, ids, spec, **dict(inputs, old_logprobs=(logp - 100.0).requires_grad_()))
-    finally:
-        api.objective_in_kernel = original
+    kernel = head_loss(logits, ids, spec, route="deferred+kernels", **inputs)
+    ops = head_loss(logits, ids, spec, route="deferred+torch", **inputs)
     assert math.isfinite(kernel.loss.item())
     torch.testing.assert_close(kernel.loss, ops.loss.detach())
     assert kernel.metrics["ratio/mean"].item() == math.inf == ops.metrics["ratio/mean"].item()
@@ -868,9 +861,13 @@ def test_deferred_policy_inputs_that_want_a_gradient_get_it():
     ref = (torch.randn(2, 5, generator=gen) - 2).requires_grad_()
     old = torch.randn(2, 5, generator=gen) - 2
     out = head_loss(logits, ids, spec, advantages=adv, ref_logprobs=ref, old_logprobs=old)
+    assert out.route == "deferred+torch"
+    with pytest.raises(ValueError, match="route: 'deferred\\+kernels' cannot run this call"):
+        head_loss(logits, ids, spec, advantages=adv, ref_logprobs=ref, old_logprobs=old, route="deferred+kernels")
     out.loss.backward()
     assert adv.grad is not None and ref.grad is not None and adv.grad.abs().sum() > 0
     assert out.metrics["ratio/mean"].grad_fn is None
     with torch.no_grad():  # no gradient wanted: the kernels' route, the same loss
         kernel = head_loss(logits, ids, spec, advantages=adv, ref_logprobs=ref, old_logprobs=old)
+    assert kernel.route == "deferred+kernels"
     torch.testing.assert_close(kernel.loss, out.loss.detach(), rtol=1e-5, atol=1e-6)

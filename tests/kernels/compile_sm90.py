@@ -19,8 +19,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import headloss
-import headloss.inputs
-from headloss.kernels import head
+import headloss.env
+from headloss.kernels import head, policy, shard
 
 HOPPER = GPUTarget("cuda", 90, 32)
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
@@ -81,17 +81,18 @@ class Recorder:
 def launches(call) -> list:
     """(kernel, kwargs) of every launch ``call()`` makes."""
     log: list = []
-    names = ("prepare_kernel", "head_kernel", "head_backward_kernel", "finish_kernel", "scale_grad_kernel",
-             "shard_stats_kernel", "merge_stats_kernel", "shard_jsd_kernel", "sequence_extremes_kernel",
-             "extremes_finish_kernel", "policy_sequence_kernel", "policy_objective_finish_kernel")
-    real = {name: getattr(head, name) for name in names}
+    kernels = {head: ("prepare_kernel", "head_kernel", "head_backward_kernel", "finish_kernel", "scale_grad_kernel"),
+               shard: ("shard_stats_kernel", "merge_stats_kernel", "shard_jsd_kernel"),
+               policy: ("sequence_extremes_kernel", "extremes_finish_kernel", "policy_sequence_kernel",
+                        "policy_objective_finish_kernel")}
+    real = {(module, name): getattr(module, name) for module, names in kernels.items() for name in names}
     try:
-        for name in names:
-            setattr(head, name, Recorder(real[name], log))
+        for (module, name), kernel in real.items():
+            setattr(module, name, Recorder(kernel, log))
         call()
     finally:
-        for name in names:
-            setattr(head, name, real[name])
+        for (module, name), kernel in real.items():
+            setattr(module, name, kernel)
     return log
 
 
@@ -153,22 +154,28 @@ def _sharded(call):
     """``call`` as rank 1 of 2 vocab-parallel ranks (columns 300..599 of 600), without a process
     group: the layout and the statistics exchange are stood in for; the kernels are the real ones."""
     def run():
-        import headloss.api
-        import headloss.engine
+        import headloss.api as api
+        import headloss.engine as engine
+        import headloss.linear as linear
         import headloss.parallel
 
-        shard = headloss.parallel.VocabShard(group=None, vocab_start=300, vocab_total=600, world=2)
-        api, engine = headloss.api, headloss.engine
-        saved = api.shard_of, api.rows_shard, engine.gather_merged, engine.all_reduce_sum
-        api.shard_of = lambda group, width, device, fresh=False: shard
-        api.rows_shard = lambda weight, group, fresh=False: (weight, shard)
-        engine.gather_merged = lambda part, _shard, own_temp=False: head.launch_merge(torch.stack([part, part]),
-                                                                                      own_temp)
-        engine.all_reduce_sum = lambda t, _shard, what="dh": t
+        layout = headloss.parallel.VocabShard(group=None, vocab_start=300, vocab_total=600, world=2)
+        stand_ins = {
+            (api, "shard_of"): lambda group, width, device, fresh=False: layout,
+            (api, "rows_shard"): lambda weight, group, fresh=False: (weight, layout),
+            (engine, "gather_merged"): lambda part, _shard, own_temp=False: shard.launch_merge(
+                torch.stack([part, part]), own_temp),
+            (engine, "all_reduce_sum"): lambda t, _shard, what="dh": t,
+            (linear, "all_reduce_sum"): lambda t, _shard, what="dh": t,
+        }
+        saved = {key: getattr(*key) for key in stand_ins}
         try:
+            for (module, name), value in stand_ins.items():
+                setattr(module, name, value)
             call()
         finally:
-            api.shard_of, api.rows_shard, engine.gather_merged, engine.all_reduce_sum = saved
+            for (module, name), value in saved.items():
+                setattr(module, name, value)
 
     return run
 
@@ -220,7 +227,7 @@ VARIANTS = {
 
 
 def variants() -> dict[str, dict[str, str]]:
-    headloss.inputs._INTERPRETER = True  # let backend="triton" take CPU tensors; nothing is launched
+    headloss.env.INTERPRETER = True  # let backend="triton" take CPU tensors; nothing is launched
     out: dict[str, dict[str, str]] = {}
     for name, call in VARIANTS.items():
         compiled: dict[str, str] = {}

@@ -17,7 +17,8 @@ from triton.backends.compiler import BaseBackend
 import headloss
 from headloss import LossSpec, head_loss
 from headloss import api as api_module
-from headloss.kernels.head import Geometry, PolicyRows, Prepare, next_nonce, spec_key
+from headloss.kernels.head import PolicyRows, Prepare, next_nonce
+from headloss.kernels.launch import Geometry, spec_key
 from headloss.plan import Scalars, compile_plan
 
 

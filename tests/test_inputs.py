@@ -7,7 +7,7 @@ import torch
 from conftest import make_logits, make_targets, needs_kernel
 from pydantic import ValidationError
 
-import headloss.inputs
+import headloss.env
 from headloss import CrossEntropy, Entropy, LossSpec, ZLoss, head_loss
 
 V = 11
@@ -45,7 +45,7 @@ def _targets(shape=(4,)):
     ],
 )
 def test_bad_inputs_raise_naming_the_argument(logits, targets, error, match, backend):
-    if backend == "triton" and not headloss.inputs._INTERPRETER:
+    if backend == "triton" and not headloss.env.INTERPRETER:
         pytest.skip("backend='triton' on CPU needs TRITON_INTERPRET=1")
     with pytest.raises(error, match=match):
         head_loss(logits, targets, backend=backend)
@@ -79,7 +79,7 @@ def test_out_of_range_3d_targets_name_their_position():
     [("triton", "fused"), ("triton", "deferred"), ("reference", "mean"), ("reference", "none")],
 )
 def test_unvalidated_out_of_range_targets_give_nan_loss_not_a_crash(bad, backend, mode):
-    if backend == "triton" and not headloss.inputs._INTERPRETER:
+    if backend == "triton" and not headloss.env.INTERPRETER:
         pytest.skip("backend='triton' on CPU needs TRITON_INTERPRET=1")
     spec = LossSpec(outputs=("logprobs",), reduction="none" if mode in ("deferred", "none") else "mean")
     targets = _targets()
@@ -150,7 +150,7 @@ def test_triton_backend_rejects_float64_logits():
 
 
 def test_triton_backend_without_interpreter_on_cpu_raises_naming_backend(monkeypatch):
-    monkeypatch.setattr(headloss.inputs, "_INTERPRETER", False)
+    monkeypatch.setattr(headloss.env, "INTERPRETER", False)
     with pytest.raises(ValueError, match="backend: 'triton' needs CUDA"):
         head_loss(_logits(), _targets(), backend="triton")
 
@@ -260,7 +260,7 @@ def test_spec_file_with_a_bad_field_raises_naming_the_field(tmp_path):
 def test_a_lazily_negated_view_is_read_with_its_sign(backend):
     """torch._neg_view(x) stores x and a negative bit: the kernels read stored values, so head_loss
     resolves the sign first; both backends equal the loss of -x, gradient included."""
-    if backend == "triton" and not headloss.inputs._INTERPRETER:
+    if backend == "triton" and not headloss.env.INTERPRETER:
         pytest.skip("the Triton kernel runs on CPU only under TRITON_INTERPRET=1")
     spec = LossSpec(z_loss={"weight": 1e-2}, token_accuracy=True)
     x = torch.randn(5, 13, generator=torch.Generator().manual_seed(3))

@@ -1,5 +1,5 @@
-"""A 2-process DDP Trainer run (gloo, CPU), stock and patched, for tests/test_integrations_hf.py:
-``torchrun --nproc-per-node 2 tests/hf_ddp.py OUT_DIR`` prints one RESULT line on rank 0."""
+"""A 2-process DDP Trainer run (gloo, CPU), stock and patched, for tests/integrations/test_transformers.py:
+``torchrun --nproc-per-node 2 tests/integrations/hf_ddp.py OUT_DIR`` prints one RESULT line on rank 0."""
 
 import json
 import os
@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import transformers  # noqa: E402
-from test_integrations_hf import _Batches, tiny  # noqa: E402
+from test_transformers import _Batches, tiny  # noqa: E402
 
 from headloss import Entropy, LossSpec, ZLoss  # noqa: E402
 from headloss.integrations.transformers import attach, patch  # noqa: E402

@@ -1,0 +1,268 @@
+"""Vocab-parallel kernels: each rank's statistics of its vocabulary shard, their merge, the JSD's shares.
+
+``shard_stats_kernel``  phase 1 on one shard: per row the layouts.Stats values every rank exchanges
+``merge_stats_kernel``  the gathered (world, rows, N) statistics -> the whole vocabulary's, one launch
+``shard_jsd_kernel``    the mixture JSD's extra pass on one shard, with the merged normalisers
+``merged_stats`` / ``merged_teacher``  a row's merged statistics, read by the head kernels
+
+The head kernel then runs phases 2 and 3 on the shard with the merged statistics (headloss.parallel
+does the one collective between).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..plan import KernelPlan
+from .blocks import online_stats, row_slot, target_logit
+from .launch import Geometry, launch, launch_config
+from .layouts import JSD_AT, JSD_SHARES, STATS, STATS_AT
+from .terms import distill_lse, jsd_sums
+
+
+@triton.jit
+def shard_stats_kernel(
+    logits,  # (rows, V_shard) addressed through geo.stride_*
+    targets,  # (n_out,) global ids, or None
+    teacher,  # the teacher's logits on the same columns (geo.t_stride_*), or None
+    part,  # (n_rows, NCOL) fp32 out: this shard's statistics (layouts.Stats: N columns, N_TEACHER with a teacher)
+    geo,
+    S,
+    F: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Phase 1 of a vocab-parallel head on one shard: the statistics every rank exchanges."""
+    NCOL: tl.constexpr = STATS_AT.N_TEACHER if teacher is not None else STATS_AT.N
+    row = tl.program_id(0).to(tl.int64)
+    b = row // geo.T
+    t = row % geo.T
+    row_ptr = logits + b * geo.stride_b + t * geo.stride_t
+    t_row = teacher
+    if teacher is not None:
+        t_row = teacher + b * geo.t_stride_b + t * geo.t_stride_t
+    slot, has_slot, y, counted = row_slot(targets, row, geo)
+    out = part + row * NCOL
+    if counted:
+        m2, d, sum_x2, sum_ex2, arg, tstats = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V, F.HAS_ENTROPY)
+        x2_y = tl.zeros([], tl.float32)
+        owned = tl.zeros([], tl.float32)
+        if targets is not None:
+            y_here = y - geo.vocab_start
+            if (y_here >= 0) & (y_here < geo.V):
+                x2_y, slope_unused = target_logit(row_ptr, y_here, geo.V, S, F.HAS_SOFTCAP)
+                owned = tl.full([], 1.0, tl.float32)
+        tl.store(out + STATS_AT.m2, m2)
+        tl.store(out + STATS_AT.d, d)
+        tl.store(out + STATS_AT.sum_x2, sum_x2)
+        tl.store(out + STATS_AT.sum_ex2, sum_ex2)
+        tl.store(out + STATS_AT.arg, (arg + geo.vocab_start).to(tl.float32))
+        tl.store(out + STATS_AT.x2_y, x2_y)
+        tl.store(out + STATS_AT.owned, owned)
+        if teacher is not None:
+            mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg = tstats
+            tl.store(out + STATS_AT.t_m2, mt)
+            tl.store(out + STATS_AT.t_d, dt)
+            tl.store(out + STATS_AT.t_sum, sum_t)
+            tl.store(out + STATS_AT.t_cross, sum_ts)
+            tl.store(out + STATS_AT.s_m2, ms)
+            tl.store(out + STATS_AT.s_d, ds)
+            tl.store(out + STATS_AT.s_cross, sum_st)
+            tl.store(out + STATS_AT.t_arg, (t_arg + geo.vocab_start).to(tl.float32))
+    else:
+        tl.store(out + STATS_AT.m2, float("-inf"))
+        tl.store(out + STATS_AT.d, 0.0)
+        tl.store(out + STATS_AT.sum_x2, 0.0)
+        tl.store(out + STATS_AT.sum_ex2, 0.0)
+        tl.store(out + STATS_AT.arg, 0.0)
+        tl.store(out + STATS_AT.x2_y, 0.0)
+        tl.store(out + STATS_AT.owned, 0.0)
+        if teacher is not None:
+            tl.store(out + STATS_AT.t_m2, float("-inf"))
+            tl.store(out + STATS_AT.t_d, 0.0)
+            tl.store(out + STATS_AT.t_sum, 0.0)
+            tl.store(out + STATS_AT.t_cross, 0.0)
+            tl.store(out + STATS_AT.s_m2, float("-inf"))
+            tl.store(out + STATS_AT.s_d, 0.0)
+            tl.store(out + STATS_AT.s_cross, 0.0)
+            tl.store(out + STATS_AT.t_arg, 0.0)
+
+
+@triton.jit
+def shard_jsd_kernel(
+    logits,  # (rows, V_shard)
+    targets,  # (n_out,) global ids, or None
+    teacher,  # the teacher's logits on the same columns
+    stats,  # (n_rows, STATS.N_TEACHER) merged statistics
+    jsd,  # (n_rows, JSD_SHARES.N) fp32 out: this shard's share of the JSD and KL(p_s || M)
+    geo,
+    S,
+    F: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """The mixture JSD's extra pass on one shard, with the whole vocabulary's normalisers: its terms
+    are sums over the vocabulary, so the shards' shares add up (the second collective)."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // geo.T
+    t = row % geo.T
+    row_ptr = logits + b * geo.stride_b + t * geo.stride_t
+    t_row = teacher + b * geo.t_stride_b + t * geo.t_stride_t
+    slot, has_slot, y, counted = row_slot(targets, row, geo)
+    value = tl.zeros([], tl.float32)
+    kl_s = tl.zeros([], tl.float32)
+    if counted:
+        at = stats + row * STATS_AT.N_TEACHER
+        lse_s2, lse_t2, t_minus_s = distill_lse(tl.load(at + STATS_AT.m2), tl.load(at + STATS_AT.d),
+                                                merged_teacher(stats, row), F)
+        value, kl_s = jsd_sums(row_ptr, t_row, geo.V, lse_s2, lse_t2, t_minus_s, S, BLOCK_V, F)
+    tl.store(jsd + row * JSD_AT.N + JSD_AT.value, value)
+    tl.store(jsd + row * JSD_AT.N + JSD_AT.kl_s, kl_s)
+
+
+@triton.jit
+def merge_stats_kernel(parts, merged, n_rows, world, BLOCK: tl.constexpr, NCOL: tl.constexpr,
+                       OWN_TEMP: tl.constexpr):
+    """(world, n_rows, NCOL) per-shard statistics (layouts.Stats) -> (n_rows, NCOL) of the whole vocabulary: the max
+    of the maxima, the sums rescaled to it, the argmax of the lowest rank holding the max (its first
+    index: shards are in vocabulary order), the owner's target logit and the owner count."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = rows < n_rows
+    at = rows.to(tl.int64) * NCOL
+    stride = tl.full([], NCOL, tl.int64) * n_rows
+    top = tl.full([BLOCK], float("-inf"), tl.float32)
+    for r in range(world):
+        top = tl.maximum(top, tl.load(parts + r * stride + at, mask=inside, other=float("-inf")))
+    d = tl.zeros([BLOCK], tl.float32)
+    sum_x2 = tl.zeros([BLOCK], tl.float32)
+    sum_ex2 = tl.zeros([BLOCK], tl.float32)
+    arg = tl.zeros([BLOCK], tl.float32)
+    found = tl.zeros([BLOCK], tl.int1)
+    x2_y = tl.zeros([BLOCK], tl.float32)
+    owners = tl.zeros([BLOCK], tl.float32)
+    for r in range(world):
+        base = parts + r * stride + at
+        m = tl.load(base + STATS_AT.m2, mask=inside, other=float("-inf"))
+        scale = tl.where(m == float("-inf"), 0.0, tl.exp2(m - top))
+        d += tl.load(base + STATS_AT.d, mask=inside, other=0.0) * scale
+        sum_x2 += tl.load(base + STATS_AT.sum_x2, mask=inside, other=0.0)
+        sum_ex2 += tl.load(base + STATS_AT.sum_ex2, mask=inside, other=0.0) * scale
+        first = (m == top) & (found == 0)
+        arg = tl.where(first, tl.load(base + STATS_AT.arg, mask=inside, other=0.0), arg)
+        found = found | (m == top)
+        owned = tl.load(base + STATS_AT.owned, mask=inside, other=0.0)
+        x2_y += tl.where(owned > 0.5, tl.load(base + STATS_AT.x2_y, mask=inside, other=0.0), 0.0)
+        owners += owned
+    # a NaN max (NaN logits) propagates as tl.maximum would not: keep it
+    nan_top = tl.zeros([BLOCK], tl.int1)
+    for r in range(world):
+        m = tl.load(parts + r * stride + at, mask=inside, other=0.0)
+        nan_top = nan_top | (m != m)
+    top = tl.where(nan_top, float("nan"), top)
+    out = merged + at
+    tl.store(out + STATS_AT.m2, top, mask=inside)
+    tl.store(out + STATS_AT.d, d, mask=inside)
+    tl.store(out + STATS_AT.sum_x2, sum_x2, mask=inside)
+    tl.store(out + STATS_AT.sum_ex2, sum_ex2, mask=inside)
+    tl.store(out + STATS_AT.arg, arg, mask=inside)
+    tl.store(out + STATS_AT.x2_y, x2_y, mask=inside)
+    tl.store(out + STATS_AT.owned, owners, mask=inside)
+    tl.store(out + STATS_AT.pad, tl.zeros([BLOCK], tl.float32), mask=inside)
+    if NCOL == STATS_AT.N_TEACHER:  # the teacher's sums against its max; the student's at T_d against theirs
+        top_t = tl.full([BLOCK], float("-inf"), tl.float32)
+        top_s = tl.full([BLOCK], float("-inf"), tl.float32)
+        for r in range(world):
+            base = parts + r * stride + at
+            top_t = tl.maximum(top_t, tl.load(base + STATS_AT.t_m2, mask=inside, other=float("-inf")))
+            top_s = tl.maximum(top_s, tl.load(base + STATS_AT.s_m2, mask=inside, other=float("-inf")))
+        dt = tl.zeros([BLOCK], tl.float32)
+        sum_t = tl.zeros([BLOCK], tl.float32)
+        sum_ts = tl.zeros([BLOCK], tl.float32)
+        ds = tl.zeros([BLOCK], tl.float32)
+        sum_st = tl.zeros([BLOCK], tl.float32)
+        t_arg = tl.zeros([BLOCK], tl.float32)
+        t_found = tl.zeros([BLOCK], tl.int1)
+        for r in range(world):
+            base = parts + r * stride + at
+            mt = tl.load(base + STATS_AT.t_m2, mask=inside, other=float("-inf"))
+            scale_t = tl.where(mt == float("-inf"), 0.0, tl.exp2(mt - top_t))
+            dt += tl.load(base + STATS_AT.t_d, mask=inside, other=0.0) * scale_t
+            sum_t += tl.load(base + STATS_AT.t_sum, mask=inside, other=0.0) * scale_t
+            sum_ts += tl.load(base + STATS_AT.t_cross, mask=inside, other=0.0) * scale_t
+            if OWN_TEMP:
+                ms = tl.load(base + STATS_AT.s_m2, mask=inside, other=float("-inf"))
+                scale_s = tl.where(ms == float("-inf"), 0.0, tl.exp2(ms - top_s))
+                ds += tl.load(base + STATS_AT.s_d, mask=inside, other=0.0) * scale_s
+            else:  # the reverse-KL sum runs against the student's own max (column 0)
+                m = tl.load(base + STATS_AT.m2, mask=inside, other=float("-inf"))
+                scale_s = tl.where(m == float("-inf"), 0.0, tl.exp2(m - top))
+            sum_st += tl.load(base + STATS_AT.s_cross, mask=inside, other=0.0) * scale_s
+            first_t = (mt == top_t) & (t_found == 0)
+            t_arg = tl.where(first_t, tl.load(base + STATS_AT.t_arg, mask=inside, other=0.0), t_arg)
+            t_found = t_found | (mt == top_t)
+        tl.store(out + STATS_AT.t_m2, top_t, mask=inside)
+        tl.store(out + STATS_AT.t_d, dt, mask=inside)
+        tl.store(out + STATS_AT.t_sum, sum_t, mask=inside)
+        tl.store(out + STATS_AT.t_cross, sum_ts, mask=inside)
+        tl.store(out + STATS_AT.s_m2, top_s, mask=inside)
+        tl.store(out + STATS_AT.s_d, ds, mask=inside)
+        tl.store(out + STATS_AT.s_cross, sum_st, mask=inside)
+        tl.store(out + STATS_AT.t_arg, t_arg, mask=inside)
+
+
+@triton.jit
+def merged_teacher(stats, row):
+    """The teacher's statistics of a row from the merged (n_rows, STATS.N_TEACHER) statistics (tstats layout)."""
+    at = stats + row * STATS_AT.N_TEACHER
+    return (tl.load(at + STATS_AT.t_m2), tl.load(at + STATS_AT.t_d), tl.load(at + STATS_AT.t_sum),
+            tl.load(at + STATS_AT.t_cross), tl.load(at + STATS_AT.s_m2), tl.load(at + STATS_AT.s_d),
+            tl.load(at + STATS_AT.s_cross), tl.load(at + STATS_AT.t_arg).to(tl.int32))
+
+
+@triton.jit
+def merged_stats(stats, row, row_ptr, y_here, V, S, F: tl.constexpr, NCOL: tl.constexpr):
+    """(m2, d, sum_x2, sum_ex2, arg, x2_y, slope_y) of a row from the merged statistics. x2_y is NaN
+    when no shard holds the target (out of range); slope_y (dx/dz at the target) is read here, and
+    used by the gradient pass only where this shard holds the target."""
+    at = stats + row * NCOL
+    m2 = tl.load(at + STATS_AT.m2)
+    d = tl.load(at + STATS_AT.d)
+    sum_x2 = tl.load(at + STATS_AT.sum_x2)
+    sum_ex2 = tl.load(at + STATS_AT.sum_ex2)
+    arg = tl.load(at + STATS_AT.arg).to(tl.int32)
+    x2_y = tl.where(tl.load(at + STATS_AT.owned) > 0.5, tl.load(at + STATS_AT.x2_y), float("nan"))
+    x2_unused, slope_y = target_logit(row_ptr, y_here, V, S, F.HAS_SOFTCAP)  # (masked: no read off this shard)
+    return m2, d, sum_x2, sum_ex2, arg, x2_y, slope_y
+
+
+
+def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry, teacher=None) -> torch.Tensor:
+    """This shard's (n_rows, STATS.N or N_TEACHER) statistics (vocab-parallel phase 1)."""
+    width = STATS.N_TEACHER if teacher is not None else STATS.N
+    part = torch.empty(geo.n_rows, width, dtype=torch.float32, device=logits.device)
+    if geo.n_rows:
+        cfg = launch_config(geo.V, teacher is not None, geo.n_rows)
+        launch(shard_stats_kernel, geo.n_rows, cfg.num_warps, logits=logits, targets=targets, teacher=teacher,
+               part=part, geo=geo, S=plan.scalars, F=plan.flags, BLOCK_V=cfg.block_v)
+    return part
+
+
+def launch_shard_jsd(plan: KernelPlan, *, logits, targets, teacher, stats, geo: Geometry) -> torch.Tensor:
+    """This shard's (n_rows, JSD_SHARES.N) share of the mixture JSD (summed over the group by the caller)."""
+    jsd = torch.empty(geo.n_rows, JSD_SHARES.N, dtype=torch.float32, device=logits.device)
+    if geo.n_rows:
+        cfg = launch_config(geo.V, True, geo.n_rows)
+        launch(shard_jsd_kernel, geo.n_rows, cfg.num_warps, logits=logits, targets=targets, teacher=teacher,
+               stats=stats, jsd=jsd, geo=geo, S=plan.scalars, F=plan.flags, BLOCK_V=cfg.block_v)
+    return jsd
+
+
+def launch_merge(parts: torch.Tensor, own_temp: bool = False) -> torch.Tensor:
+    """merge_stats_kernel over the (world, n_rows, N) gathered statistics (layouts.Stats): one launch."""
+    world, n_rows, width = parts.shape
+    merged = torch.empty(n_rows, width, dtype=torch.float32, device=parts.device)
+    if n_rows:
+        block = 256 if width == STATS.N else 128
+        launch(merge_stats_kernel, triton.cdiv(n_rows, block), 4, parts=parts, merged=merged, n_rows=n_rows,
+               world=world, BLOCK=block, NCOL=width, OWN_TEMP=own_temp)
+    return merged

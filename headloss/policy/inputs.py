@@ -1,0 +1,188 @@
+"""The policy term's per-call inputs: checked (errors name the argument) and flattened to tokens."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..spec import Policy
+from ..validation import count_value
+from .tables import LOSS_TYPES
+from .tokens import PolicyInputs, seq_of
+from .weights import aggregation_weights, rollout_weights
+
+
+def policy_inputs(
+    spec_policy: Policy | None,
+    token_shape: tuple[int, ...],
+    targets: torch.Tensor | None,
+    ignore_index: int,
+    num_items_in_batch: float | torch.Tensor | None,
+    validate: str,
+    given: dict[str, torch.Tensor | None],
+    raw: bool = False,
+    norm_length: int | None = None,
+) -> tuple[PolicyInputs | None, torch.Tensor | None]:
+    """Check and flatten the policy term's per-call inputs; returns (inputs, effective targets).
+
+    Tokens outside ``loss_mask`` become ``ignore_index`` in the effective targets, so the kernel
+    skips them and every term sees the same mask. Errors name the offending argument. No device
+    value is read: sequence_ids in range is checked on the device with the targets (``validate``).
+    ``raw`` (the call's route runs the objective in kernels that read the inputs as they are: any
+    float dtype, per-sequence advantages by index, never at a masked token): no copies. Otherwise
+    the objective runs on fp32 copies whose masked tokens hold 0.
+    """
+    present = {k: v for k, v in given.items() if v is not None}
+    if spec_policy is None:
+        if present:
+            raise ValueError(f"{sorted(present)[0]}: given, but the spec has no policy term")
+        return None, targets
+    num_sequences = present.pop("num_sequences_in_batch", None)
+    quantile_group = quantile_group_of(present.pop("entropy_quantile_group", None), spec_policy)
+    if "advantages" not in present:
+        raise ValueError("advantages: required by policy but not given")
+    if spec_policy.kl_beta != 0.0 and "ref_logprobs" not in present:
+        raise ValueError("ref_logprobs: required by policy.kl_beta > 0 but not given")
+    device = targets.device
+    num_sequences = sequences_in_batch(num_sequences, spec_policy, device)
+    rows = math.prod(token_shape)
+    if spec_policy.rollout_is is not None:
+        for name in ("old_logprobs", "rollout_logprobs"):
+            if name not in present:
+                raise ValueError(f"{name}: required by policy.rollout_is but not given")
+        if "importance_weights" in present:
+            raise ValueError("importance_weights: given, but policy.rollout_is computes them (from old_logprobs "
+                             "and rollout_logprobs); pass one or the other")
+    for name in ("old_logprobs", "ref_logprobs", "loss_mask", "importance_weights", "rollout_logprobs"):
+        t = present.get(name)
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(token_shape):
+            got = tuple(getattr(t, "shape", ()))
+            raise ValueError(f"{name}: expected shape {tuple(token_shape)} (like targets), got {got}")
+        if t.device != device:
+            raise ValueError(f"{name}: on {t.device}, targets on {device}")
+    sequence_ids = None
+    seq_len = 0
+    if len(token_shape) == 2:
+        batch, seq_len = token_shape
+        seq = None  # seq_of builds it when something needs it
+        n_slots, n_seq = batch, batch
+        if "sequence_ids" in present:
+            raise ValueError("sequence_ids: only for [N, V] logits; [B, T, V] logits give the sequences")
+    else:
+        if "sequence_ids" not in present:
+            raise ValueError("sequence_ids: required by policy for [N, V] logits (the sequence of each row)")
+        sequence_ids = present["sequence_ids"]
+        if (not isinstance(sequence_ids, torch.Tensor) or tuple(sequence_ids.shape) != (rows,)
+                or sequence_ids.dtype not in (torch.int64, torch.int32)):
+            got = f"{sequence_ids.dtype} {tuple(sequence_ids.shape)}" if isinstance(sequence_ids, torch.Tensor) \
+                else type(sequence_ids).__name__
+            raise ValueError(f"sequence_ids: expected integer shape ({rows},), got {got}")
+        if sequence_ids.device != device:
+            raise ValueError(f"sequence_ids: on {sequence_ids.device}, targets on {device}")
+        if validate != "off" and device.type == "cpu" and rows and not torch.compiler.is_compiling() and bool(
+            ((sequence_ids < 0) | (sequence_ids >= rows)).any()
+        ):
+            raise ValueError(f"sequence_ids: values must lie in [0, {rows})")
+        seq = sequence_ids.long().clamp(0, max(rows - 1, 0))
+        n_slots = rows
+        counts = torch.zeros(rows, dtype=torch.int64, device=device).index_add_(0, seq, torch.ones_like(seq))
+        n_seq = (counts > 0).sum()
+        seq_len = counts.max() if rows else 0
+    advantages = present["advantages"]
+    if not isinstance(advantages, torch.Tensor) or advantages.device != device:
+        raise ValueError(f"advantages: expected a tensor on {device}")
+    per_sequence = len(token_shape) == 2 and tuple(advantages.shape) == (token_shape[0],)
+    if not per_sequence and tuple(advantages.shape) != tuple(token_shape):
+        per_seq = f"[{token_shape[0]}] per sequence or " if len(token_shape) == 2 else ""
+        raise ValueError(
+            f"advantages: expected {per_seq}{tuple(token_shape)} per token, got {tuple(advantages.shape)}"
+        )
+    mask = targets != ignore_index
+    if "loss_mask" in present:
+        mask = mask & present["loss_mask"].bool()
+    flat_mask = mask.reshape(-1)
+
+    def flat(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        if raw:  # read as they are, never at a masked token
+            return t.reshape(-1).contiguous()
+        # masked tokens are skipped: whatever they hold (padding NaN, -inf) never reaches the loss
+        return torch.where(flat_mask, t.reshape(-1).float(), 0.0)
+
+    adv_span = 1
+    if per_sequence and raw:
+        adv_span = token_shape[1]
+        advantages = advantages.contiguous()
+    else:
+        advantages = flat(advantages.repeat_interleave(token_shape[1]) if per_sequence else advantages)
+    inputs = PolicyInputs(
+        advantages=advantages,
+        old_logprobs=flat(present.get("old_logprobs")),
+        ref_logprobs=flat(present.get("ref_logprobs")),
+        importance_weights=flat(present.get("importance_weights")),
+        seq=seq,
+        n_slots=n_slots,
+        n_seq=n_seq,
+        seq_len=seq_len,
+        num_items_in_batch=num_items_in_batch,
+        sequence_ids=sequence_ids,
+        adv_span=max(adv_span, 1),
+        raw=raw,
+    )
+    inputs.mask = flat_mask.float()
+    inputs.norm_length = norm_length
+    inputs.num_sequences_in_batch = num_sequences
+    inputs.quantile_group = quantile_group
+    inputs.weight = aggregation_weights(inputs.mask, spec_policy, inputs)
+    inputs.sequence_level = spec_policy.importance_sampling == "sequence"
+    inputs.seq_advantages = present["advantages"] if per_sequence else None
+    if "rollout_logprobs" in present:
+        masked = lambda t: torch.where(flat_mask, t.reshape(-1).float(), 0.0)  # noqa: E731
+        inputs.rollout_logprobs = masked(present["rollout_logprobs"])
+        if spec_policy.rollout_is is not None:
+            seq = seq_of(inputs) if spec_policy.rollout_is == "sequence" else None  # token mode: no index
+            inputs.importance_weights = rollout_weights(masked(present["old_logprobs"]), inputs.rollout_logprobs,
+                                                        inputs.mask, seq, inputs.n_slots, spec_policy)
+    return inputs, torch.where(mask, targets, ignore_index)
+
+
+def sequences_in_batch(value: Any, policy: Policy, device: torch.device) -> float | torch.Tensor | None:
+    """Check num_sequences_in_batch (verl's global_batch_size: the sequences of the whole batch over
+    the data-parallel ranks): a positive number or a one-element tensor (inputs.count_value), for a
+    loss type that is a mean over sequences. The mean's denominator becomes it / num_processes
+    (verl's dp_size)."""
+    if value is None:
+        return None
+    name = "num_sequences_in_batch"
+    if LOSS_TYPES[policy.loss_type].over != "sequences" or (
+            policy.loss_type == "seq-mean-token-sum-norm" and policy.convention != "verl"):
+        raise ValueError(f"{name}: only for a mean over sequences (loss_type grpo, seq-mean-token-mean, "
+                         f"seq-mean-token-sum, or seq-mean-token-sum-norm with convention='verl'), the spec has "
+                         f"loss_type={policy.loss_type!r} and convention={policy.convention!r}")
+    if policy.objective == "gmpo":
+        raise ValueError(f"{name}: objective 'gmpo' is verl's geo_mean, a mean over this call's sequences")
+    count = count_value(value, name, device)
+    return count.float() if isinstance(count, torch.Tensor) else count
+
+
+def quantile_group_of(group: Any, policy: Policy) -> Any:
+    """Check entropy_quantile_group: a torch.distributed process group (or the default group's
+    ``torch.distributed.group.WORLD``), for a spec with a top-entropy mask."""
+    if group is None:
+        return None
+    name = "entropy_quantile_group"
+    if policy.top_entropy_quantile == 1.0:
+        raise ValueError(f"{name}: given, but the spec has no top-entropy mask (policy.top_entropy_quantile is 1)")
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"{name}: torch.distributed is not initialised")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{name}: expected a torch.distributed ProcessGroup, got {type(group).__name__}")
+    return group
+
+

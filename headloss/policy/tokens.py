@@ -1,0 +1,65 @@
+"""The policy term's inputs as flat token rows, and sums over each row's sequence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class PolicyInputs:
+    """Per-call inputs of the policy term, flattened to rows (tokens) or sequences."""
+
+    advantages: torch.Tensor  # (N,) per token (a per-sequence advantage repeated over its tokens)
+    old_logprobs: torch.Tensor | None  # (N,); None: on-policy (ratio 1, with gradient)
+    ref_logprobs: torch.Tensor | None  # (N,)
+    importance_weights: torch.Tensor | None  # (N,)
+    seq: torch.Tensor | None  # (N,) long, sequence of each row, in [0, n_slots); None: [B, T] rows, built by seq_of
+    n_slots: int  # size of per-sequence buffers (B, or N for [N, V] logits)
+    n_seq: int | torch.Tensor  # number of sequences (a device count for [N, V] logits)
+    seq_len: int | torch.Tensor  # padded length T (verl's seq-mean-token-sum-norm divides by it)
+    num_items_in_batch: float | torch.Tensor | None
+    mask: torch.Tensor | None = None  # (N,) fp32, 1 where a token counts
+    weight: torch.Tensor | None = None  # (N,) fp32 aggregation weight (aggregation_weights)
+    sequence_ids: torch.Tensor | None = None  # (N,) as given, for the device-side range check
+    rollout_logprobs: torch.Tensor | None = None  # (N,) fp32, 0 at masked tokens
+    sequence_level: bool = False  # TRL's sequence-level ratios: clip fractions are means over sequences
+    seq_advantages: torch.Tensor | None = None  # (B,) as given, when one per sequence of [B, T] tokens
+    correction_metrics: dict | None = None  # lm_head base + correction (engine): the metrics the correction sets
+    norm_length: int | None = None  # seq-mean-token-sum-norm's T when the rows are longer (padded)
+    num_sequences_in_batch: float | torch.Tensor | None = None  # verl's global_batch_size (seq-mean modes)
+    adv_span: int = 1  # tokens per entry of ``advantages`` (K: one per sequence of [B, K], kernel only)
+    quantile_group: Any = None  # the processes whose tokens form the top-entropy quantile's batch
+    raw: bool = False  # inputs as given (any float dtype, advantages by index: adv_span), read only at counted
+    # tokens by the kernels (the fused epilogue, or deferred mode's objective kernel); else fp32 copies holding 0
+    # at masked tokens, for torch
+
+
+def seq_of(inp: PolicyInputs) -> torch.Tensor:
+    """The sequence of each row, built on first use for [B, T] rows (the fused kernel needs none:
+    two launches fewer per call)."""
+    if inp.seq is None:
+        inp.seq = torch.arange(inp.n_slots, device=inp.advantages.device).repeat_interleave(inp.seq_len)
+    return inp.seq
+
+
+def seq_sum(values: torch.Tensor, seq: torch.Tensor, n_seq: int) -> torch.Tensor:
+    """Per-sequence sums (n_seq,) of per-token ``values`` whose sequences are ``seq``."""
+    return torch.zeros(n_seq, dtype=values.dtype, device=values.device).index_add(0, seq, values)
+
+
+@dataclass
+class TokenObjective:
+    """One objective's per-token values (torch, differentiable through ``loss``)."""
+
+    loss: torch.Tensor  # the surrogate per token, before rollout weights and KL
+    ratio: torch.Tensor  # the importance ratio (token or sequence level)
+    low: torch.Tensor  # clipped-low indicator (clip_ratio/low_mean)
+    high: torch.Tensor  # clipped-high indicator (clip_ratio/high_mean)
+    dual: torch.Tensor  # verl's pg_clipfrac_lower indicator (dual clip; DPPO: truncated and kept)
+    ppo_kl: torch.Tensor  # per token, verl's ppo_kl is its mean: old - logp (kl_cov: |logp - old|)
+    clipfrac: torch.Tensor | None = None  # verl's pg_clipfrac indicator where it is not low | high
+    extra: dict | None = None  # metrics of the objective's own (already reduced)
+    high_entropy: torch.Tensor | None = None  # the top-entropy mask's kept tokens (None: no such mask)

@@ -1,0 +1,101 @@
+"""The policy term's per-token weights: how each loss type aggregates (TRL's and verl's), the entropy
+bonus's weight, and the rollout correction's importance weights. Each depends on the mask, the
+sequence layout and the inputs only, so each is computed once per call, without gradient."""
+
+from __future__ import annotations
+
+import torch
+
+from ..spec import Policy
+from .tokens import PolicyInputs, seq_of, seq_sum
+
+
+def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -> torch.Tensor:
+    """Per-token weight w with loss = sum(w * per_token), as TRL / verl aggregate each loss type.
+
+    Depends on the mask and sequence layout only, so it is computed once, without gradient.
+    """
+    kind = policy.loss_type
+    global_count = inp.num_sequences_in_batch
+    if global_count is not None or (policy.convention == "verl" and kind.startswith("seq-mean")
+                                    and policy.objective != "gmpo"):
+        # verl's agg_loss: over global_batch_size / dp_size sequences when given, else over the
+        # sequences with counted tokens (geo_mean's torch.mean counts every sequence)
+        seq = seq_of(inp)
+        tokens_per_seq = seq_sum(mask, seq, inp.n_slots)
+        if global_count is not None:
+            n = global_count / policy.num_processes
+        else:
+            n = (tokens_per_seq > 0).sum().clamp(min=1).to(mask.dtype)
+        if kind in ("grpo", "seq-mean-token-mean"):
+            return mask / (tokens_per_seq.clamp(min=1.0)[seq] * n)
+        if kind == "seq-mean-token-sum":
+            return mask / n
+        return mask / (n * (inp.norm_length or inp.seq_len))
+    if isinstance(inp.n_seq, torch.Tensor):
+        n_seq = inp.n_seq.clamp(min=1).to(mask.dtype)
+    else:
+        n_seq = float(max(inp.n_seq, 1))
+    if kind in ("grpo", "seq-mean-token-mean"):
+        seq = seq_of(inp)
+        tokens_per_seq = seq_sum(mask, seq, inp.n_slots).clamp(min=1.0)
+        return mask / (tokens_per_seq[seq] * n_seq)
+    if kind in ("bnpo", "token-mean") or (kind == "dapo" and inp.num_items_in_batch is None):
+        return mask / mask.sum().clamp(min=1.0)
+    if kind == "dr_grpo":
+        return mask / (n_seq * policy.max_completion_length)
+    if kind == "dapo":
+        per_process = inp.num_items_in_batch
+        if policy.num_processes != 1:
+            per_process = per_process / policy.num_processes
+        return mask / per_process
+    if kind == "seq-mean-token-sum":
+        return mask / n_seq
+    if kind == "seq-mean-token-sum-norm":
+        return mask / (inp.norm_length or inp.seq_len)
+    raise ValueError(f"policy.loss_type: unknown {kind!r}")
+
+
+def entropy_bonus_weight(policy: Policy, weight: torch.Tensor, mask: torch.Tensor,
+                         high_entropy: torch.Tensor | None) -> torch.Tensor:
+    """Per-token weight of the entropy in the bonus: the loss's (verl), or TRL's mean over the counted
+    tokens (those the top-entropy mask keeps, ``high_entropy``, when it is on: TRL's effective_mask)."""
+    if policy.entropy_aggregation == "loss":
+        return weight
+    counted = mask if high_entropy is None else mask * high_entropy.to(mask.dtype)
+    return counted / counted.sum().clamp(min=1.0)
+
+
+def rollout_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor | None,
+                    n_slots: int, policy: Policy) -> torch.Tensor:
+    """Rollout correction weights (N,), no gradient: exp(old - rollout) per token or exp of the
+    sequence's masked sum (TRL's vLLM importance sampling ratio, verl's rollout_is; verl's
+    convention clamps the log-ratio to +-20), truncated to [min, max] or zeroed outside it,
+    optionally divided by the batch mean (verl's rollout_is_batch_normalize)."""
+    with torch.no_grad():
+        log_ratio = torch.nan_to_num((old - rollout) * mask, nan=0.0)
+        if policy.rollout_is == "sequence":
+            log_ratio = seq_sum(log_ratio, seq, n_slots)[seq]
+        if policy.convention == "verl":
+            log_ratio = torch.clamp(log_ratio, -20.0, 20.0)
+        weights = torch.exp(log_ratio)
+        low, high = policy.rollout_is_min, policy.rollout_is_max
+        if policy.rollout_is_mode == "truncate":
+            weights = torch.clamp(weights, min=low, max=high)
+        else:
+            keep = torch.ones_like(weights, dtype=torch.bool)
+            if low is not None:
+                keep = keep & (weights >= low)
+            if high is not None:
+                keep = keep & (weights <= high)
+            weights = torch.where(keep, weights, 0.0)
+        if policy.rollout_is_batch_normalize:
+            if policy.rollout_is == "token":
+                mean = (weights * mask).sum() / (mask.sum() + 1e-8)
+            else:
+                counts = seq_sum(mask, seq, n_slots)
+                per_seq = seq_sum(weights * mask, seq, n_slots) / (counts + 1e-8)
+                has = (counts > 0).to(weights.dtype)
+                mean = (per_seq * has).sum() / has.sum().clamp_min(1e-8)
+            weights = torch.where(mean > 1e-8, weights / mean, weights)
+    return weights.contiguous()

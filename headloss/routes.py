@@ -1,0 +1,254 @@
+"""Which way a call runs: :func:`routes_for` decides, the engine dispatches on its answer.
+
+A route names the whole path of one call, from its inputs to its gradient. Every choice a call
+makes beyond its plan -- the backend, where the policy objective runs, how the lm_head cuts its
+rows -- is made here, once, from the plan and the facts of the call (:class:`Facts`): nothing
+downstream asks again. :func:`routes_for` lists every route that can run a call, the default first;
+``head_loss(..., route=NAME)`` / ``linear_head_loss(..., route=NAME)`` takes another one of them
+(testing, A/B), ``out.route`` says which ran, ``python -m headloss explain`` prints them and
+``HEADLOSS_LOG_ROUTES=1`` logs each call's.
+
+=============================  ===================================================================
+route                          how it runs
+=============================  ===================================================================
+``reference``                  plain torch, term by term (headloss.reference): the CPU path
+``fused``                      one launch: stats, the epilogue (a token-level policy objective
+                               included) and the gradient pass; backward scales it by d loss
+``deferred``                   stats in forward, the gradient pass in backward (reduction "none",
+                               differentiable per-token outputs)
+``deferred+kernels``           deferred, the policy objective by two launches over [B, T]
+                               sequences (kernels/policy.py), inside the head's autograd node
+``deferred+torch``             deferred, the policy objective by torch ops (policy.objectives)
+``lm_head:fused``              chunks of hidden x weight, the fused kernel in place on each: 3 GEMMs
+``lm_head:deferred``           chunks, the gradient pass in backward over recomputed logits: 4 GEMMs
+``lm_head:deferred+kernels``   ... its policy objective by the sequence kernels
+``lm_head:deferred+torch``     ... its policy objective by torch ops
+``lm_head:sequences+kernels``  chunks of whole sequences: each chunk's sequence statistics, its
+                               d loss / d rows (one launch) and its gradient pass in forward: 3 GEMMs
+``lm_head:sequences+torch``    the same, d loss / d rows by autograd over torch ops
+``lm_head:covariance``         clip_cov / kl_cov: the base objective fused, then the selected rows
+                               corrected (a GEMM over those rows; one host read)
+``lm_head:entropy-guess``      a row-local objective under the top-entropy mask: fused under a mask
+                               guessed chunk by chunk, the rows guessed wrong corrected
+=============================  ===================================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from typing import Literal, NamedTuple
+
+import torch
+
+from . import env
+from .bounded import BoundedDict
+from .plan import KernelPlan, compile_plan
+from .policy.objectives import base_policy
+from .policy.tables import IMPORTANCE_SAMPLING, OBJECTIVES
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+ROUTES: dict[str, str] = {
+    "reference": "plain torch, term by term (headloss.reference)",
+    "fused": "one launch: stats, epilogue (the token-level policy objective included), gradient",
+    "deferred": "stats in forward, the gradient pass in backward",
+    "deferred+kernels": "deferred; the policy objective by two launches over [B, T] sequences",
+    "deferred+torch": "deferred; the policy objective by torch ops",
+    "lm_head:fused": "chunks of hidden x weight, the fused kernel in place on each (3 GEMMs)",
+    "lm_head:deferred": "chunks; the gradient pass in backward over recomputed logits (4 GEMMs)",
+    "lm_head:deferred+kernels": "lm_head:deferred; the policy objective by the sequence kernels",
+    "lm_head:deferred+torch": "lm_head:deferred; the policy objective by torch ops",
+    "lm_head:sequences+kernels": "chunks of whole sequences, each one's objective by one launch (3 GEMMs)",
+    "lm_head:sequences+torch": "chunks of whole sequences, each one's objective by autograd over torch (3 GEMMs)",
+    "lm_head:covariance": "the base objective fused, then the covariance-selected rows corrected",
+    "lm_head:entropy-guess": "fused under a guessed top-entropy mask, then the rows guessed wrong corrected",
+}
+"""Every route by name, with what it does (explain and the docs print these)."""
+
+SEQUENCE_CHUNK_SLACK = 4
+"""The lm_head cuts chunks of whole sequences when one sequence's logits fit this many chunk budgets."""
+
+
+class Facts(NamedTuple):
+    """What a route depends on, besides the plan: read once per call from its arguments."""
+
+    entry: Literal["logits", "hidden"]
+    backend: Literal["triton", "reference"]
+    token_shape: tuple[int, ...]  # the rows' shape: [B, T] sequences, or [N]
+    sequence_ids: bool  # [N] rows name their sequences
+    sharded: bool  # vocab-parallel
+    traced: bool  # under torch.compile
+    capturing: bool  # under CUDA-graph capture
+    inputs_want_grad: bool  # a policy input requires a gradient (the kernels give the rows' only)
+    sequence_fits: bool = False  # lm_head: one sequence's logits fit SEQUENCE_CHUNK_SLACK chunk budgets
+
+
+class Route(NamedTuple):
+    """One way to run a call; ``name`` is one of :data:`ROUTES`."""
+
+    name: str
+    mode: Literal["reference", "fused", "deferred"]  # how the head kernel runs (of ``plan``)
+    plan: KernelPlan  # the variant the head kernel runs: the call's, or the base objective's (corrected routes)
+    policy: Literal["", "epilogue", "kernels", "torch"]  # where the policy objective runs ("": no policy term)
+    sequence_kernels: bool  # the policy's per-sequence metrics may launch kernels/policy.py ([B, T] rows, eager)
+    raw_inputs: bool  # the kernels read the policy inputs as given (no fp32 copies)
+    traced: bool  # under torch.compile (the engine calls the torch.library ops)
+
+    @property
+    def lm_head(self) -> str:
+        """The lm_head's chunking ("rows", "sequences", "covariance", "entropy-guess"), "" for logits."""
+        if not self.name.startswith("lm_head:"):
+            return ""
+        kind = self.name.split(":", 1)[1].split("+", 1)[0]
+        return "rows" if kind in ("fused", "deferred") else kind
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, name: str = "logits") -> str:
+    """'triton' or 'reference' for tensors on ``device`` of ``dtype``."""
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"backend: expected 'auto', 'triton' or 'reference', got {backend!r}")
+    if backend == "reference":
+        return backend
+    on_kernel_device = device.type == "cuda" or env.INTERPRETER
+    if backend == "triton" and not on_kernel_device:
+        raise ValueError("backend: 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+    if not on_kernel_device:
+        return "reference"
+    if dtype not in KERNEL_DTYPES:
+        if backend == "triton":
+            raise TypeError(f"{name}: the Triton kernel takes float32, bfloat16 or float16, got {dtype}")
+        return "reference"
+    return "triton"
+
+
+def facts_of(entry: Literal["logits", "hidden"], backend: str, device: torch.device, token_shape: tuple[int, ...],
+             given: dict, sharded: bool, sequence_bytes: int = 0, chunk_bytes: int = 0) -> Facts:
+    """The Facts of a call (``backend`` resolved; ``given``: its policy inputs by name; the lm_head's
+    ``sequence_bytes``: one sequence's logits, against its ``chunk_bytes``)."""
+    traced = torch.compiler.is_compiling()
+    tensors = [t for t in given.values() if isinstance(t, torch.Tensor)]
+    return Facts(
+        entry=entry, backend=backend, token_shape=tuple(token_shape),
+        sequence_ids=given.get("sequence_ids") is not None, sharded=sharded, traced=traced,
+        capturing=not traced and device.type == "cuda" and torch.cuda.is_current_stream_capturing(),
+        inputs_want_grad=torch.is_grad_enabled() and any(t.requires_grad for t in tensors),
+        sequence_fits=0 < sequence_bytes <= SEQUENCE_CHUNK_SLACK * chunk_bytes,
+    )
+
+
+def routes_for(plan: KernelPlan, facts: Facts) -> tuple[Route, ...]:
+    """Every route that can run a call of ``plan`` with ``facts``, the default first (cached; not while
+    torch.compile traces, where the plan is a constant of the graph and a lookup keyed by it would
+    be guarded)."""
+    if facts.traced:
+        return _routes(plan, facts)
+    key = (plan.key, facts)
+    found = _ROUTES.get(key)
+    if found is None:
+        found = _ROUTES[key] = _routes(plan, facts)
+    return found
+
+
+def choose(plan: KernelPlan, facts: Facts, requested: str | None = None) -> Route:
+    """The default route, or the ``requested`` one (an error naming ``route`` when the call cannot
+    take it)."""
+    options = routes_for(plan, facts)
+    if requested is None:
+        return options[0]
+    if not isinstance(requested, str) or requested not in ROUTES:
+        raise ValueError(f"route: expected one of {', '.join(ROUTES)}, got {requested!r}")
+    for route in options:
+        if route.name == requested:
+            return route
+    raise ValueError(f"route: {requested!r} cannot run this call; it can run {', '.join(r.name for r in options)}")
+
+
+_ROUTES: BoundedDict[tuple, tuple[Route, ...]] = BoundedDict(1024)
+_LOG = logging.getLogger("headloss.routes")
+
+
+def log(route: Route, entry: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """HEADLOSS_LOG_ROUTES=1: one line per call (logger ``headloss.routes``)."""
+    if not _LOG.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        _LOG.addHandler(handler)
+        _LOG.setLevel(logging.INFO)
+    _LOG.info("%s %s %s -> %s", "head_loss" if entry == "logits" else "linear_head_loss", list(shape),
+              str(dtype).removeprefix("torch."), route.name)
+
+
+def _routes(plan: KernelPlan, facts: Facts) -> tuple[Route, ...]:
+    if facts.backend == "reference":
+        return (Route("reference", "reference", plan, "torch" if plan.spec.policy is not None else "", False, False,
+                      facts.traced),)
+    pol = plan.spec.policy
+    kernels = not facts.traced  # the small policy kernels launch outside torch.compile
+    sequences = len(facts.token_shape) == 2 and not facts.sequence_ids and math.prod(facts.token_shape) > 0
+    metrics_by_kernel = kernels and sequences
+    lm_head = facts.entry == "hidden"
+    prefix = "lm_head:" if lm_head else ""
+
+    def route(name: str, mode: str, policy: str, raw: bool = False, of: KernelPlan = plan) -> Route:
+        return Route(prefix + name, mode, of, policy, metrics_by_kernel, raw, facts.traced)
+
+    if plan.mode == "fused":
+        return (route("fused", "fused", "epilogue" if pol is not None else "", raw=pol is not None and not lm_head),)
+    if pol is None:
+        return (route("deferred", "deferred", ""),)
+    # a deferred plan with a policy term
+    objective = OBJECTIVES[pol.objective]
+    by_kernels = (kernels and sequences and objective.row_local and pol.top_entropy_quantile == 1.0
+                  and not facts.inputs_want_grad)
+    options = []
+    if lm_head:
+        options += _lm_head_routes(plan, facts, by_kernels, route)
+    if by_kernels:
+        options.append(route("deferred+kernels", "deferred", "kernels", raw=not lm_head))
+    options.append(route("deferred+torch", "deferred", "torch"))
+    return tuple(options)
+
+
+def _lm_head_routes(plan: KernelPlan, facts: Facts, by_kernels: bool, route) -> list[Route]:
+    """The lm_head's routes that compute a deferred plan's policy gradient in forward: three GEMMs
+    (where deferred mode recomputes the logits: four). They need one device, eager, a scalar loss
+    and no other reason for deferred mode (per-token outputs with gradient)."""
+    spec = plan.spec
+    pol = spec.policy
+    objective = OBJECTIVES[pol.objective]
+    if spec.reduction == "none" or spec.differentiable_outputs or facts.sharded or facts.traced:
+        return []
+    token_mean_bonus = pol.entropy_coef != 0.0 and pol.entropy_aggregation == "token-mean"
+    token_ratios = not IMPORTANCE_SAMPLING[pol.importance_sampling].sequence and pol.off_policy_mask is None
+    # a batch statistic that changes a few rows: the base objective fused, those rows corrected (a host read)
+    if token_ratios and not facts.capturing:
+        if objective.base is not None:
+            base = _base_plan(plan)
+            if base is not None:
+                return [route("covariance", "fused", "epilogue", of=base)]
+        elif objective.row_local and pol.top_entropy_quantile < 1.0 and not token_mean_bonus:
+            base = _base_plan(plan)
+            if base is not None:
+                return [route("entropy-guess", "fused", "epilogue", of=base)]
+    # sequence statistics: chunks of whole sequences
+    if (pol.top_entropy_quantile == 1.0 and objective.scope != "batch" and not token_mean_bonus
+            and len(facts.token_shape) == 2 and not facts.sequence_ids and facts.sequence_fits):
+        return ([route("sequences+kernels", "deferred", "kernels")] if by_kernels else []) + \
+            [route("sequences+torch", "deferred", "torch")]
+    return []
+
+
+def _base_plan(plan: KernelPlan) -> KernelPlan | None:
+    """The fused plan of the row-local objective a corrected route runs first (None when the base
+    still needs deferred mode: a top-entropy mask under a covariance objective)."""
+    base = _BASES.get(plan.key, False)
+    if base is False:
+        spec = plan.spec
+        candidate = compile_plan(spec.model_copy(update={"policy": base_policy(spec.policy)}), has_targets=True)
+        base = _BASES[plan.key] = candidate if candidate.mode == "fused" else None
+    return base
+
+
+_BASES: BoundedDict[str, KernelPlan | None] = BoundedDict(256)

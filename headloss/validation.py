@@ -1,0 +1,220 @@
+"""Checks of values, and where the device reports what it finds.
+
+Checks that need only shapes, dtypes and devices run on the host, before anything is launched,
+and raise naming the argument (headloss.inputs). Checks of device *values* (targets in range,
+num_items_in_batch positive, sequence ids in range) run on the device in the call's first kernel
+and never make the host wait by default:
+
+* ``validate=True`` (default): on CPU tensors the error is raised in the call; on CUDA the device
+  writes the verdict into pinned host memory (only when something is bad) and the next headloss
+  call (or ``metrics_as_floats``, or :func:`check_pending`) raises it: no copy, event or wait per
+  call, and it works inside captured CUDA graphs. Rows with a bad target come out NaN, never an
+  out-of-bounds read.
+* ``validate="sync"``: the call waits for the verdict (after launching its kernels, so the GPU
+  keeps working) and raises in the call.
+* ``validate=False`` (or ``HEADLOSS_VALIDATE=0``): no check.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Literal, NamedTuple
+
+import torch
+
+from . import env
+from .kernels.layouts import VERDICT
+from .spec import LossSpec
+
+Validate = bool | Literal["sync"] | None
+
+
+def validation_mode(validate: Validate) -> Literal["async", "sync", "off"]:
+    """validate=None reads HEADLOSS_VALIDATE: 0 (off), sync, or anything else (on, asynchronous)."""
+    if validate is None:
+        return env.validate_default()
+    if validate == "sync":
+        return "sync"
+    if isinstance(validate, bool):
+        return "async" if validate else "off"
+    raise ValueError(f"validate: expected True, False or 'sync', got {validate!r}")
+
+
+class Normaliser(NamedTuple):
+    """num_items_in_batch as the kernels take it: a number (``value``) or a device tensor."""
+
+    value: float = 0.0  # 0: not given
+    tensor: torch.Tensor | None = None  # (1,) on the logits' device
+
+    @property
+    def given(self) -> bool:
+        return self.value > 0 or self.tensor is not None
+
+    def as_torch(self) -> float | torch.Tensor | None:
+        return self.tensor if self.tensor is not None else (self.value if self.value > 0 else None)
+
+
+def normaliser(num_items: Any, spec: LossSpec, device: torch.device) -> Normaliser:
+    """Check num_items_in_batch: a positive finite number or a one-element tensor (its value is
+    checked on the device when it lives there)."""
+    if num_items is None:
+        return Normaliser()
+    if spec.reduction != "mean":
+        raise ValueError(f"num_items_in_batch: only valid with reduction='mean', spec has reduction={spec.reduction!r}")
+    value = count_value(num_items, "num_items_in_batch", device)
+    return Normaliser(tensor=value) if isinstance(value, torch.Tensor) else Normaliser(value=value)
+
+
+def count_value(value: Any, name: str, device: torch.device) -> float | torch.Tensor:
+    """A count given as a positive finite number or a one-element real tensor: the float, or the
+    tensor as (1,) where it lives on ``device`` (CUDA: its value is not read on the host, the caller
+    checks it on the device or trusts it) or under torch.compile (moved there)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name}: expected one element, got shape {tuple(value.shape)}")
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{name}: expected a real number, got a {value.dtype} tensor")
+        if value.device == device and device.type != "cpu":
+            return value.reshape(1)
+        if torch.compiler.is_compiling():
+            return value.reshape(1).to(device)
+        value = value.item()  # a CPU tensor: reading it costs no device wait
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}: expected a positive number or tensor, got {value!r}")
+    number = float(value)
+    if not (number > 0 and number != float("inf")):
+        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
+    return number
+
+
+class CheckContext(NamedTuple):
+    """What a verdict's error message needs to know about the call that produced it."""
+
+    token_shape: tuple[int, ...]
+    vocab: int
+    ignore_index: int
+    norm: Normaliser
+
+
+class ErrorBoard:
+    """Verdict slots in host memory that the prepare kernel writes through unified addressing, and
+    only when something is bad: no copy, no event and no wait per call. A ring of SLOTS slots (a
+    call takes the next one) plus a ``dirty`` word set after any slot is written, so checking is one
+    host memory read. Calls captured in a CUDA graph get slots of their own (replays write there)."""
+
+    SLOTS = 256
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        # rows padded to 16 bytes: every slot has the alignment Triton specialises the kernels on
+        width = VERDICT.N + (-VERDICT.N) % 2
+        self.table = torch.zeros(self.SLOTS + 1, width, dtype=torch.int64, pin_memory=pinned)
+        self.host = self.table.numpy()  # reads and writes of host memory without a torch op
+        self.rows = list(self.table[:, :VERDICT.N].unbind(0))
+        self.dirty = self.rows[self.SLOTS][:1]
+        self.contexts: list[CheckContext | None] = [None] * self.SLOTS
+        self.order = [0] * self.SLOTS
+        self.calls = 0
+        self.captured: list[tuple[torch.Tensor, CheckContext]] = []
+
+    def take(self, context: CheckContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """A cleared slot for one call (and the dirty word)."""
+        if self.pinned and torch.cuda.is_current_stream_capturing():
+            slot = torch.zeros(VERDICT.N, dtype=torch.int64, pin_memory=self.pinned)
+            self.captured.append((slot, context))
+            return slot, self.dirty
+        i = self.calls % self.SLOTS
+        self.calls += 1
+        self.host[i, VERDICT.flag] = 0  # the kernel writes every other field before it sets the flag
+        self.contexts[i] = context
+        self.order[i] = self.calls
+        return self.rows[i], self.dirty
+
+    def raise_slot(self, slot: torch.Tensor, deferred: bool) -> None:
+        """Raise the error of one slot (if its verdict is set), then clear it."""
+        values = slot.numpy()
+        if not values[VERDICT.flag]:
+            return
+        context = self._context_of(slot)
+        found = [int(values[i]) for i in (VERDICT.where, VERDICT.value, VERDICT.bad_items, VERDICT.bad_ids)]
+        values[:] = 0
+        raise_if_bad(found, context.token_shape, context.vocab, context.ignore_index, context.norm, deferred)
+
+    def check(self) -> None:
+        """Raise the earliest error any call has written so far (a host memory read when none)."""
+        if not self.host[self.SLOTS, VERDICT.flag]:
+            return
+        self.host[self.SLOTS, VERDICT.flag] = 0
+        written = [i for i in range(self.SLOTS) if self.host[i, VERDICT.flag]]
+        for i in sorted(written, key=self.order.__getitem__):
+            self.raise_slot(self.rows[i], deferred=True)
+        for slot, _ in self.captured:
+            self.raise_slot(slot, deferred=True)
+
+    def _context_of(self, slot: torch.Tensor) -> CheckContext:
+        for i, row in enumerate(self.rows[: self.SLOTS]):
+            if row.data_ptr() == slot.data_ptr():
+                return self.contexts[i]
+        return next(context for captured, context in self.captured if captured.data_ptr() == slot.data_ptr())
+
+
+_BOARDS: dict[bool, ErrorBoard] = {}  # (two at most: pinned for CUDA, plain for the CPU)
+
+
+def board_for(device: torch.device) -> ErrorBoard:
+    """The board verdicts of ``device`` go to: pinned memory for CUDA, plain memory for the CPU."""
+    pinned = device.type == "cuda"
+    board = _BOARDS.get(pinned)
+    if board is None:
+        board = _BOARDS[pinned] = ErrorBoard(pinned)
+    return board
+
+
+def check_pending(wait: bool = False) -> None:
+    """Raise the first error found on the device by an earlier call (targets out of range,
+    num_items_in_batch not positive, sequence ids out of range). Without ``wait`` this reads host
+    memory only, never making the host wait; ``wait=True`` first waits for the device."""
+    if wait and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    for board in _BOARDS.values():
+        board.check()
+
+
+def verdict_slot(mode: str, device: torch.device, context: CheckContext) -> tuple | None:
+    """(slot, dirty) for the prepare kernel, or None when validation is off."""
+    if mode == "off":
+        return None
+    return board_for(device).take(context)
+
+
+def settle(verdict: tuple | None, mode: str, device: torch.device) -> None:
+    """After a call's kernels are launched: on CPU the verdict is there already, and "sync" waits
+    for it; both raise in the call. Otherwise a later check (the next call) reads it."""
+    if verdict is None:
+        return
+    if device.type == "cuda":
+        if mode != "sync" or torch.cuda.is_current_stream_capturing():
+            return
+        torch.cuda.current_stream(device).synchronize()
+    board_for(device).raise_slot(verdict[0], deferred=False)
+
+
+def raise_if_bad(values: list[int], targets_shape: tuple[int, ...], vocab: int, ignore_index: int,
+                 norm: Normaliser, deferred: bool = False) -> None:
+    """values = [first bad target index or -1, its value, bad num_items flag, bad sequence id flag]."""
+    where, value, bad_items, bad_ids = values
+    later = (" (found on the device after that call returned: validate='sync' raises inside the call, "
+             "validate=False skips the check)") if deferred else ""
+    if where >= 0:
+        position = tuple(int(i) for i in torch.unravel_index(torch.tensor(where), targets_shape)) \
+            if targets_shape else (where,)
+        raise ValueError(
+            f"targets: value {value} at position {position} is outside [0, {vocab}) and is not "
+            f"ignore_index={ignore_index}{later}"
+        )
+    if bad_items:
+        got = norm.tensor.item() if norm.tensor is not None else norm.value
+        raise ValueError(f"num_items_in_batch: expected a positive finite number, got {got}{later}")
+    if bad_ids:
+        raise ValueError(f"sequence_ids: values must lie in [0, {math.prod(targets_shape)}){later}")
