@@ -246,6 +246,37 @@ def assert_nontrivial(pair: Pair) -> None:
         assert float(pair.grad.double().norm()) > 0
 
 
+def tiered(*axes, ids=None, pairs: bool = True) -> list:
+    """The cross product of parametrize axes (each a list of values, or of tuples for an axis of several
+    arguments) as ``pytest.param``s, all but a covering subset marked slow: the fast tier runs every
+    pair of values of two axes at least once (``pairs=False``: every value of each axis once), the
+    slow tier the rest of the product. The subset is greedy and deterministic."""
+    import itertools
+
+    grid = list(itertools.product(*(range(len(axis)) for axis in axes)))
+
+    def wanted(case):
+        if pairs:
+            return {(a, case[a], b, case[b]) for a, b in itertools.combinations(range(len(axes)), 2)}
+        return {(a, case[a]) for a in range(len(axes))}
+
+    uncovered = set().union(*(wanted(case) for case in grid))
+    fast = set()
+    while uncovered:
+        best = max(grid, key=lambda case: len(wanted(case) & uncovered))
+        fast.add(best)
+        uncovered -= wanted(best)
+    params = []
+    for case in grid:
+        values = []
+        for axis, i in zip(axes, case):
+            value = axis[i]
+            values.extend(value if isinstance(value, tuple) else (value,))
+        name = "-".join(str(v) for v in values) if ids is None else "-".join(ids[a][i] for a, i in enumerate(case))
+        params.append(pytest.param(*values, id=name, marks=() if case in fast else pytest.mark.slow))
+    return params
+
+
 def spawn_ranks(fn: Callable, world: int, *args) -> dict:
     """Run ``fn(rank, world, port, *args, results)`` in ``world`` spawned processes (a free local
     port for their process group); returns ``results`` (a dict each rank writes into)."""

@@ -120,6 +120,7 @@ def _rank(rank: int, world: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_ranks_reduce_with_one_collective(world):
     batches = micro_batches(5)
@@ -156,6 +157,7 @@ def _rank_mismatch(rank: int, world: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ranks_with_different_metric_names_are_an_error_not_a_sum():
     results = spawn_ranks(_rank_mismatch, 2)
     assert all("different metric sets" in results[rank] for rank in (0, 1))

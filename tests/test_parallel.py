@@ -88,75 +88,91 @@ def _backward(out) -> None:
     total.backward()
 
 
-def _rank(rank: int, world: int, port: int, results) -> None:
+# the fast tier's cases: each kind of term once (the fused kernel, the deferred policy term, the
+# mixture JSD's extra all-reduce), the reference path once, shifted and not
+QUICK = {("full_sft", torch.float32, "triton", False), ("full_sft", torch.float32, "reference", True),
+         ("deferred", torch.float32, "triton", True), ("grpo", torch.bfloat16, "triton", False),
+         ("gspo", torch.float32, "triton", False), ("distill_jsd", torch.float32, "triton", False)}
+
+
+def _cases(quick: bool) -> list[tuple]:
+    """(spec name, dtype, backend, shift): every spec in fp32 unshifted, bf16 and shift where they
+    change the path; ``quick`` keeps QUICK of them."""
+    cases = []
+    for name in SPECS:
+        for dtype in (torch.float32, torch.bfloat16):
+            for backend in ("triton", "reference"):
+                for shift in (False, True):
+                    if shift and name not in ("full_sft", "deferred"):
+                        continue
+                    if dtype == torch.bfloat16 and name not in ("full_sft", "grpo", "distill_jsd"):
+                        continue
+                    cases.append((name, dtype, backend, shift))
+    return [case for case in cases if case in QUICK] if quick else cases
+
+
+def _rank(rank: int, world: int, port: int, jobs: tuple, quick: bool, results) -> None:
+    """One process group, the named jobs in turn: results[rank] = {job: what it returns}."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from headloss.parallel import COLLECTIVES
-
     try:
-        widths = _splits(world)
-        start = sum(widths[:rank])
-        out = {}
-        gathers = []
-        original = dist.all_gather
-
-        def counted(*args, **kwargs):
-            gathers.append(1)
-            return original(*args, **kwargs)
-
-        dist.all_gather = counted
-        head_loss(torch.randn(2, widths[rank]), torch.zeros(2, dtype=torch.long), group=dist.group.WORLD)
-        first = (len(gathers), COLLECTIVES["layout"])  # the shard layout, exchanged once and cached
-        for name, spec in SPECS.items():
-            for dtype in (torch.float32, torch.bfloat16):
-                for backend in ("triton", "reference"):
-                    for shift in (False, True):
-                        # every spec in fp32 unshifted; bf16 and shift where they change the path (CI time)
-                        if shift and name not in ("full_sft", "deferred"):
-                            continue
-                        if dtype == torch.bfloat16 and name not in ("full_sft", "grpo", "distill_jsd"):
-                            continue
-                        logits, ids, kwargs = _inputs(name, dtype)
-                        x = logits.clone().requires_grad_()
-                        full = head_loss(x, ids, spec, shift=shift, backend=backend, **kwargs)
-                        _backward(full)
-                        local = logits[..., start: start + widths[rank]].clone().requires_grad_()
-                        mine = dict(kwargs)
-                        if "teacher_logits" in mine:  # sharded like the student's
-                            mine["teacher_logits"] = mine["teacher_logits"][..., start: start + widths[rank]]
-                        before = len(gathers), COLLECTIVES["stats"], COLLECTIVES["jsd"]
-                        sharded = head_loss(local, ids, spec, shift=shift, backend=backend, group=dist.group.WORLD,
-                                            **mine)
-                        _backward(sharded)
-                        calls = (len(gathers) - before[0], COLLECTIVES["stats"] - before[1],
-                                 COLLECTIVES["jsd"] - before[2])
-                        errs = _compare(full, sharded, x.grad, local.grad, start, widths[rank])
-                        out[(name, str(dtype), backend, shift)] = (errs, calls)
-        # refusals are raised on every rank, before any collective
-        refusals = {}
-        for label, call in {
-            "target_out_of_range": lambda: head_loss(torch.randn(4, widths[rank]), torch.full((4,), V),
-                                                     LossSpec(), group=dist.group.WORLD, backend="triton"),
-        }.items():
-            try:
-                call()
-                refusals[label] = None
-            except ValueError as exc:
-                refusals[label] = str(exc)
-        dist.all_gather = original
-        results[rank] = (out, refusals, first, COLLECTIVES["layout"])
+        results[rank] = {job: JOBS[job](rank, world, quick) for job in jobs}
     finally:
         dist.destroy_process_group()
 
 
-@needs_kernel
-@pytest.mark.parametrize("world", [2, 3])
-def test_vocab_parallel_equals_the_whole_vocabulary(world):
-    results = spawn_ranks(_rank, world)
+def _logits_job(rank: int, world: int, quick: bool) -> tuple:
+    from headloss.parallel import COLLECTIVES
+
+    widths = _splits(world)
+    start = sum(widths[:rank])
+    out = {}
+    gathers = []
+    original = dist.all_gather
+
+    def counted(*args, **kwargs):
+        gathers.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_gather = counted
+    head_loss(torch.randn(2, widths[rank]), torch.zeros(2, dtype=torch.long), group=dist.group.WORLD)
+    first = (len(gathers), COLLECTIVES["layout"])  # the shard layout, exchanged once and cached
+    for name, dtype, backend, shift in _cases(quick):
+        spec = SPECS[name]
+        logits, ids, kwargs = _inputs(name, dtype)
+        x = logits.clone().requires_grad_()
+        full = head_loss(x, ids, spec, shift=shift, backend=backend, **kwargs)
+        _backward(full)
+        local = logits[..., start: start + widths[rank]].clone().requires_grad_()
+        mine = dict(kwargs)
+        if "teacher_logits" in mine:  # sharded like the student's
+            mine["teacher_logits"] = mine["teacher_logits"][..., start: start + widths[rank]]
+        before = len(gathers), COLLECTIVES["stats"], COLLECTIVES["jsd"]
+        sharded = head_loss(local, ids, spec, shift=shift, backend=backend, group=dist.group.WORLD, **mine)
+        _backward(sharded)
+        calls = (len(gathers) - before[0], COLLECTIVES["stats"] - before[1], COLLECTIVES["jsd"] - before[2])
+        errs = _compare(full, sharded, x.grad, local.grad, start, widths[rank])
+        out[(name, str(dtype), backend, shift)] = (errs, calls)
+    # refusals are raised on every rank, before any collective
+    refusals = {}
+    for label, call in {
+        "target_out_of_range": lambda: head_loss(torch.randn(4, widths[rank]), torch.full((4,), V),
+                                                 LossSpec(), group=dist.group.WORLD, backend="triton"),
+    }.items():
+        try:
+            call()
+            refusals[label] = None
+        except ValueError as exc:
+            refusals[label] = str(exc)
+    dist.all_gather = original
+    return (out, refusals, first, COLLECTIVES["layout"])
+
+
+def check_logits_job(results, world: int, quick: bool) -> None:
     for rank in range(world):
-        out, refusals, first, layouts = results[rank]
+        out, refusals, first, layouts = results[rank]["logits"]
         assert first == (2, 1) and layouts == 1  # the first call also learnt the layout; never again
-        assert len(out) == 30
+        assert len(out) == len(_cases(quick)) == (len(QUICK) if quick else 30)
         for (name, dtype, backend, shift), (errs, calls) in out.items():
             tol = 1e-5 if dtype == "torch.float32" else 2e-2  # bf16: the gradient's own rounding
             for what, err in errs.items():
@@ -201,99 +217,118 @@ def test_merge_matches_the_whole_row():
 
 
 H = 12
+LINEAR_NAMES = ("full_sft", "smoothing_softcap_temperature", "grpo", "gspo", "deferred", "teacher_weight",
+                "teacher_logits")
+LINEAR_QUICK = ("full_sft", "gspo", "teacher_weight")
 
 
-def _rank_linear_and_dtensor(rank: int, world: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _linear_job(rank: int, world: int, quick: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from headloss import linear_head_loss
     from headloss.parallel import COLLECTIVES
 
-    try:
-        widths = _splits(world)
-        start, width = sum(widths[:rank]), widths[rank]
-        out = {}
-        distill = LossSpec(distillation={"divergence": "reverse_kl", "temperature": 1.5}, token_accuracy=True)
-        jsd = LossSpec(distillation={"divergence": "jsd"}, token_accuracy=True)
-        for name in ("full_sft", "smoothing_softcap_temperature", "grpo", "gspo", "deferred", "teacher_weight",
-                     "teacher_logits"):
-            spec = SPECS.get(name, distill if name == "teacher_weight" else jsd)
-            for backend in ("triton", "reference"):
-                gen = torch.Generator().manual_seed(seed_of("linear", name))
-                hidden = torch.randn(3, 5, H, generator=gen, dtype=torch.float64).float()
-                weight = torch.randn(V, H, generator=gen, dtype=torch.float64).float() * 0.5
-                bias = torch.randn(V, generator=gen, dtype=torch.float64).float() * 0.1
-                _, ids, kwargs = _inputs(name, torch.float32)
-                mine = dict(kwargs)
-                if name == "teacher_weight":  # a teacher head: replicated hidden states, its weight's rows sharded
-                    t_weight = torch.randn(V, H + 2, generator=gen)
-                    kwargs["teacher_hidden"] = mine["teacher_hidden"] = torch.randn(3, 5, H + 2, generator=gen)
-                    kwargs["teacher_weight"], mine["teacher_weight"] = t_weight, t_weight[start: start + width]
-                if name == "teacher_logits":  # the teacher's logits, sharded on the vocabulary
-                    t_logits = torch.randn(3, 5, V, generator=gen) * 2
-                    kwargs["teacher_logits"], mine["teacher_logits"] = t_logits, t_logits[..., start: start + width]
-                shift = name not in ("grpo", "gspo")
-                h1, w1, b1 = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-                full = linear_head_loss(h1, w1, ids, spec, bias=b1, shift=shift, backend=backend, **kwargs)
-                _backward(full)
-                h2 = hidden.clone().requires_grad_()
-                w2 = weight[start: start + width].clone().requires_grad_()
-                b2 = bias[start: start + width].clone().requires_grad_()
-                before = dict(COLLECTIVES)
-                sharded = linear_head_loss(h2, w2, ids, spec, bias=b2, shift=shift, backend=backend,
-                                           group=dist.group.WORLD, chunk_bytes=4 * H * 4, **mine)
-                _backward(sharded)
-                counts = {k: COLLECTIVES[k] - before[k] for k in COLLECTIVES}
-                errs = _compare(full, sharded, w1.grad.t(), w2.grad.t(), start, width)
-                errs["dh"] = float((h2.grad - h1.grad).abs().max() / h1.grad.abs().max())
-                errs["db"] = float((b2.grad - b1.grad[start: start + width]).abs().max() / b1.grad.abs().max())
-                out[("linear", name, backend)] = (errs, counts)
-        # DTensors: logits sharded on the vocabulary, an lm_head weight sharded on its rows
-        mesh = init_device_mesh("cpu", (world,))
-        logits, ids, _ = _inputs("full_sft", torch.float32)
-        x = logits.clone().requires_grad_()
-        full = head_loss(x, ids, SPECS["full_sft"])
-        full.loss.backward()
-        dx = distribute_tensor(logits.clone(), mesh, [Shard(2)]).requires_grad_()
-        sharded = head_loss(dx, ids, SPECS["full_sft"])
-        sharded.loss.backward()
-        grad = dx.grad.full_tensor()
-        errs = _compare(full, sharded, x.grad, grad, 0, V)
-        out[("dtensor", "logits", "triton")] = (errs, {})
-        gen = torch.Generator().manual_seed(9)
-        hidden = torch.randn(3, 5, H, generator=gen)
-        weight = torch.randn(V, H, generator=gen) * 0.5
-        h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        full = linear_head_loss(h1, w1, ids, SPECS["full_sft"], shift=True)
-        full.loss.backward()
-        h2 = hidden.clone().requires_grad_()
-        dw = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_()
-        sharded = linear_head_loss(h2, dw, ids, SPECS["full_sft"], shift=True)
-        sharded.loss.backward()
-        errs = _compare(full, sharded, w1.grad.t(), dw.grad.full_tensor().t(), 0, V)
-        errs["dh"] = float((h2.grad - h1.grad).abs().max() / h1.grad.abs().max())
-        out[("dtensor", "weight", "triton")] = (errs, {})
-        results[rank] = out
-    finally:
-        dist.destroy_process_group()
+    widths = _splits(world)
+    start, width = sum(widths[:rank]), widths[rank]
+    out = {}
+    distill = LossSpec(distillation={"divergence": "reverse_kl", "temperature": 1.5}, token_accuracy=True)
+    jsd = LossSpec(distillation={"divergence": "jsd"}, token_accuracy=True)
+    for name in LINEAR_QUICK if quick else LINEAR_NAMES:
+        spec = SPECS.get(name, distill if name == "teacher_weight" else jsd)
+        for backend in ("triton",) if quick else ("triton", "reference"):
+            gen = torch.Generator().manual_seed(seed_of("linear", name))
+            hidden = torch.randn(3, 5, H, generator=gen, dtype=torch.float64).float()
+            weight = torch.randn(V, H, generator=gen, dtype=torch.float64).float() * 0.5
+            bias = torch.randn(V, generator=gen, dtype=torch.float64).float() * 0.1
+            _, ids, kwargs = _inputs(name, torch.float32)
+            mine = dict(kwargs)
+            if name == "teacher_weight":  # a teacher head: replicated hidden states, its weight's rows sharded
+                t_weight = torch.randn(V, H + 2, generator=gen)
+                kwargs["teacher_hidden"] = mine["teacher_hidden"] = torch.randn(3, 5, H + 2, generator=gen)
+                kwargs["teacher_weight"], mine["teacher_weight"] = t_weight, t_weight[start: start + width]
+            if name == "teacher_logits":  # the teacher's logits, sharded on the vocabulary
+                t_logits = torch.randn(3, 5, V, generator=gen) * 2
+                kwargs["teacher_logits"], mine["teacher_logits"] = t_logits, t_logits[..., start: start + width]
+            shift = name not in ("grpo", "gspo")
+            h1, w1, b1 = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+            full = linear_head_loss(h1, w1, ids, spec, bias=b1, shift=shift, backend=backend, **kwargs)
+            _backward(full)
+            h2 = hidden.clone().requires_grad_()
+            w2 = weight[start: start + width].clone().requires_grad_()
+            b2 = bias[start: start + width].clone().requires_grad_()
+            before = dict(COLLECTIVES)
+            sharded = linear_head_loss(h2, w2, ids, spec, bias=b2, shift=shift, backend=backend,
+                                       group=dist.group.WORLD, chunk_bytes=4 * H * 4, **mine)
+            _backward(sharded)
+            counts = {k: COLLECTIVES[k] - before[k] for k in COLLECTIVES}
+            errs = _compare(full, sharded, w1.grad.t(), w2.grad.t(), start, width)
+            errs["dh"] = float((h2.grad - h1.grad).abs().max() / h1.grad.abs().max())
+            errs["db"] = float((b2.grad - b1.grad[start: start + width]).abs().max() / b1.grad.abs().max())
+            out[("linear", name, backend)] = (errs, counts)
+    # DTensors: logits sharded on the vocabulary, an lm_head weight sharded on its rows
+    mesh = init_device_mesh("cpu", (world,))
+    logits, ids, _ = _inputs("full_sft", torch.float32)
+    x = logits.clone().requires_grad_()
+    full = head_loss(x, ids, SPECS["full_sft"])
+    full.loss.backward()
+    dx = distribute_tensor(logits.clone(), mesh, [Shard(2)]).requires_grad_()
+    sharded = head_loss(dx, ids, SPECS["full_sft"])
+    sharded.loss.backward()
+    grad = dx.grad.full_tensor()
+    errs = _compare(full, sharded, x.grad, grad, 0, V)
+    out[("dtensor", "logits", "triton")] = (errs, {})
+    gen = torch.Generator().manual_seed(9)
+    hidden = torch.randn(3, 5, H, generator=gen)
+    weight = torch.randn(V, H, generator=gen) * 0.5
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    full = linear_head_loss(h1, w1, ids, SPECS["full_sft"], shift=True)
+    full.loss.backward()
+    h2 = hidden.clone().requires_grad_()
+    dw = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_()
+    sharded = linear_head_loss(h2, dw, ids, SPECS["full_sft"], shift=True)
+    sharded.loss.backward()
+    errs = _compare(full, sharded, w1.grad.t(), dw.grad.full_tensor().t(), 0, V)
+    errs["dh"] = float((h2.grad - h1.grad).abs().max() / h1.grad.abs().max())
+    out[("dtensor", "weight", "triton")] = (errs, {})
+    return out
 
 
-@needs_kernel
-@pytest.mark.parametrize("world", [2, 3])
-def test_vocab_parallel_lm_head_and_dtensors_equal_the_whole_vocabulary(world):
-    results = spawn_ranks(_rank_linear_and_dtensor, world)
+def check_linear_job(results, world: int, quick: bool) -> None:
     for rank in range(world):
-        out = results[rank]
-        assert len(out) == 16
+        out = results[rank]["linear"]
+        assert len(out) == (len(LINEAR_QUICK) if quick else 2 * len(LINEAR_NAMES)) + 2
         for key, (errs, counts) in out.items():
             for what, err in errs.items():
                 assert err <= 2e-5, (rank, key, what, err)
             if key[0] == "linear" and key[2] == "triton":
                 assert counts["dh"] == 1, (key, counts)  # dh reduced once, in the forward
                 assert counts["stats"] >= 3, (key, counts)  # one per chunk: 4-row chunks here
+
+
+JOBS = {"logits": _logits_job, "linear": _linear_job}
+
+
+@needs_kernel
+def test_vocab_parallel_on_two_ranks_equals_the_whole_vocabulary():
+    """The fast tier's vocab-parallel cases (QUICK, LINEAR_QUICK), in one process group."""
+    results = spawn_ranks(_rank, 2, ("logits", "linear"), True)
+    check_logits_job(results, 2, True)
+    check_linear_job(results, 2, True)
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocab_parallel_equals_the_whole_vocabulary(world):
+    check_logits_job(spawn_ranks(_rank, world, ("logits",), False), world, False)
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocab_parallel_lm_head_and_dtensors_equal_the_whole_vocabulary(world):
+    check_linear_job(spawn_ranks(_rank, world, ("linear",), False), world, False)
 
 
 @needs_kernel
@@ -352,6 +387,7 @@ def _rank_errors(rank: int, world: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_a_bad_input_on_one_rank_raises_on_every_rank_with_sync_validation():
     results = spawn_ranks(_rank_errors, 2)
@@ -393,6 +429,7 @@ def _rank_more_errors(rank: int, world: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_an_empty_shard_and_a_bad_lm_head_input_raise_on_every_rank():
     results = spawn_ranks(_rank_more_errors, 2)

@@ -6,6 +6,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import spawn_ranks, tiered, torchrun  # noqa: E402
+
 from headloss import Entropy, LogitTransform, LossSpec, ZLoss  # noqa: E402
 from headloss.integrations.transformers import (  # noqa: E402
     HeadLossCallback,
@@ -83,9 +85,8 @@ def run(model, ids, labels, mask, **kwargs):
     return out, grads(model)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2_tied", "gemma2_softcap", "qwen2_moe", "granite", "cohere",
-                                  "gemma3_vlm"])
-@pytest.mark.parametrize("num_items", [None, 11])
+@pytest.mark.parametrize("kind, num_items", tiered(["llama", "qwen2_tied", "gemma2_softcap", "qwen2_moe", "granite",
+                                                     "cohere", "gemma3_vlm"], [None, 11], pairs=False))
 def test_patched_model_matches_stock_loss_and_gradients(kind, num_items):
     model = tiny(kind)
     ids, labels, mask = batch(1)
@@ -331,6 +332,7 @@ def _recomputed(state, micro_batches) -> dict[str, float]:
             "token_accuracy": float(cat(accs).mean()), "n_tokens": float(cat(ces).numel())}
 
 
+@pytest.mark.slow
 def test_trainer_with_gradient_accumulation_trains_like_stock(tmp_path):
     stock_model, stock_trainer, _, stock_batches, _ = _train(tmp_path, patched=False, spec=LossSpec())
     ce_model, ce_trainer, _, ce_batches, _ = _train(tmp_path, patched=True, spec=LossSpec())
@@ -345,6 +347,7 @@ def test_trainer_with_gradient_accumulation_trains_like_stock(tmp_path):
     assert len(stock_losses) == 3 and ce_losses == pytest.approx(stock_losses, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_trainer_callback_logs_token_weighted_step_metrics(tmp_path):
     _, trainer, seen, batches, states = _train(tmp_path, patched=True)
     logged = [h for h in trainer.state.log_history if "ce" in h]
@@ -405,9 +408,9 @@ def _fsdp2_rank(rank: int, world: int, port: int, tied: bool, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_fsdp2_sharded_model_matches_stock(tied):
-    from conftest import spawn_ranks
 
     results = spawn_ranks(_fsdp2_rank, 2, tied)
     for rank in (0, 1):
@@ -417,10 +420,10 @@ def test_fsdp2_sharded_model_matches_stock(tied):
         assert err <= 1e-5, (rank, err)
 
 
+@pytest.mark.slow
 def test_ddp_trainer_on_two_processes_trains_like_stock(tmp_path):
     """average_tokens_across_devices (the Trainer scales the loss in place by the world size), the
     model output through DDP's pytree round trip, and the callback's cross-rank reduction."""
-    from conftest import torchrun
 
     result = torchrun("integrations/hf_ddp.py", tmp_path, timeout=600)
     assert result["world"] == 2
@@ -431,6 +434,7 @@ def test_ddp_trainer_on_two_processes_trains_like_stock(tmp_path):
     assert all(0.0 <= a <= 1.0 for a in result["accuracy"])
 
 
+@pytest.mark.slow
 def test_trainer_evaluate_and_predict_work_on_a_patched_model(tmp_path):
     model = tiny("llama")
     args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=2, report_to=[],

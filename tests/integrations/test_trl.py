@@ -77,9 +77,16 @@ EXTRA = {  # case -> (loss_type, GRPOConfig changes)
 }
 
 
-@pytest.mark.parametrize("loss_type, bf16", [("dapo", False), ("grpo", False), ("bnpo", False), ("dr_grpo", False),
-                                             ("dapo", True), ("cispo", False), ("sapo", False), ("luspo", False),
-                                             ("vespo", False), *((case, False) for case in EXTRA)])
+# the fast tier: one token-level loss type in fp32 and under autocast, and the objectives of their own
+# (CISPO, VESPO); the other loss types and EXTRA's options in the slow tier
+TRL_FAST = {("dapo", False), ("dapo", True), ("cispo", False), ("vespo", False)}
+
+
+@pytest.mark.parametrize("loss_type, bf16", [
+    pytest.param(case, bf16, marks=() if (case, bf16) in TRL_FAST else pytest.mark.slow)
+    for case, bf16 in [("dapo", False), ("grpo", False), ("bnpo", False), ("dr_grpo", False), ("dapo", True),
+                       ("cispo", False), ("sapo", False), ("luspo", False), ("vespo", False),
+                       *((case, False) for case in EXTRA)]])
 def test_grpo_loss_gradient_and_metrics_equal_trls_on_the_same_batch(tmp_path, loss_type, bf16):
     """fp32, and under TRL's bf16 autocast (CPU): the GEMMs round to bf16 in a different order
     there, so gradients agree to bf16 precision only."""
@@ -125,6 +132,7 @@ def test_grpo_loss_gradient_and_metrics_equal_trls_on_the_same_batch(tmp_path, l
     assert stock_metrics[clipped][0] > 0, "the batch should clip some ratios, or the test is weak"
 
 
+@pytest.mark.slow
 def test_grpo_two_training_steps_match_trl(tmp_path):
     stock = grpo(tmp_path / "stock", cls=trl.GRPOTrainer)
     stock.train()
@@ -181,6 +189,7 @@ def test_sft_refuses_deepspeed_sequence_parallelism(tmp_path, monkeypatch):
     assert seen == [trainer.accelerator]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantile", [1.0, 0.5])
 def test_grpo_adaptive_entropy_training_matches_trl(tmp_path, quantile):
     """TRL's adaptive entropy controller: two optimizer steps (accumulation 2), the coefficient moved
@@ -233,6 +242,7 @@ def sft(tmp_path, cls, spec=None, **changes):
                processing_class=tokenizer(), **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`label_smoothing_factor` is deprecated:FutureWarning")  # TRL's own
 @pytest.mark.parametrize("changes", [{}, {"loss_type": "dft"}, {"label_smoothing_factor": 0.1}],
                          ids=["nll", "dft", "smoothing"])
@@ -251,6 +261,7 @@ def test_sft_training_matches_trl_and_logs_its_metrics(tmp_path, changes):
             assert m[key] == pytest.approx(s[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.slow
 def test_sft_with_a_richer_spec_logs_its_extra_metrics(tmp_path):
     spec = LossSpec(z_loss=ZLoss(weight=1e-3), entropy={"weight": 0.0}, token_accuracy=True)
     trainer = sft(tmp_path, HeadLossSFTTrainer, spec=spec)
@@ -267,6 +278,7 @@ def test_sft_spec_maps_the_config():
         sft_spec(type("A", (), {"loss_type": "chunked_nll", "label_smoothing_factor": 0.0})())
 
 
+@pytest.mark.slow
 def test_two_processes_reduce_metrics_as_trl_does(tmp_path):
     """GRPO and SFT on 2 gloo processes (DDP): weights and every logged value equal stock TRL's,
     whose metrics are reduced across processes (gather / reduce) as it does, and whose top-entropy

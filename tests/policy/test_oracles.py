@@ -20,7 +20,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_close_norm, generator, make_logits, make_targets, needs_kernel
+from conftest import assert_close_norm, generator, make_logits, make_targets, needs_kernel, tiered
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -398,9 +398,9 @@ def verl_case(mode, seed, dtype, per_token_adv, agg, rollout_is):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("agg", list(VERL_AGG))
-@pytest.mark.parametrize("mode", list(VERL_MODES))
+@pytest.mark.parametrize("mode, agg, dtype", tiered(list(VERL_MODES), list(VERL_AGG), [torch.float32, torch.bfloat16],
+                                                     ids=[list(VERL_MODES), list(VERL_AGG), ["fp32", "bf16"]],
+                                                     pairs=False))
 def test_verl_objective_matches_core_algos(mode, agg, dtype):
     seed = sum(map(ord, mode + agg))
     for per_token_adv, rollout_is in ((False, False), (True, True)):
@@ -557,9 +557,12 @@ def oracle_logp_entropy(logits, targets):
     return leaf, logp_all.gather(-1, targets[..., None])[..., 0], entropy
 
 
+VERL_SEQUENCE_MODES = ["gspo", "geo_mean", "clip_cov", "kl_cov"]
+
+
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("mode", ["gspo", "geo_mean", "clip_cov", "kl_cov"])
+@pytest.mark.parametrize("mode, dtype", tiered(VERL_SEQUENCE_MODES, [torch.float32, torch.bfloat16],
+                                               ids=[VERL_SEQUENCE_MODES, ["fp32", "bf16"]], pairs=False))
 def test_verl_sequence_and_batch_objectives_match_core_algos(mode, dtype):
     """verl's gspo (importance_sampling='sequence_token'), geo_mean (gmpo), clip_cov and kl_cov: the
     random choice of clip_cov is verl's torch.randperm on the default CPU generator, seeded alike."""
@@ -747,6 +750,7 @@ def _rank_entropy_quantile(rank, world, port, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_top_entropy_quantile_over_processes_matches_trls_gathered_quantile():
     """entropy_quantile_group: the quantile of every process's counted entropies (two gloo processes
@@ -801,6 +805,7 @@ def _rank_entropy_quantile_one_rank_empty(rank, world, port, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_top_entropy_quantile_over_processes_with_a_process_without_tokens():
     """A process whose tokens are all masked still takes part in the quantile's collective (the
@@ -860,6 +865,7 @@ def _rank_quantile_fp64(rank, world, port, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_top_entropy_quantile_over_processes_keeps_fp64_values_exact():
     """fp64 values (the reference backend on fp64 logits): the gathered quantile is the
     single-process one over the union, not rounded to fp32, so the token at the threshold stays
@@ -963,9 +969,8 @@ def test_trl_vllm_importance_sampling_modes_match(mode):
 
 
 @needs_kernel
-@pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("threshold", ["tis", "icepop", "tis-normalized"])
-@pytest.mark.parametrize("objective", ["clip", "gmpo"])
+@pytest.mark.parametrize("objective, threshold, level", tiered(["clip", "gmpo"], ["tis", "icepop", "tis-normalized"],
+                                                               ["token", "sequence"]))
 def test_verl_rollout_correction_weights_match(level, threshold, objective):
     """verl's rollout_is weights (TIS: truncated above; IcePop: zero outside [lower, upper]; batch
     normalisation) fed to compute_policy_loss_vanilla and geo_mean (its geometric mean)."""
@@ -1037,11 +1042,10 @@ def test_verl_convention_drops_fully_masked_sequences_from_the_mean(agg):
 
 
 @needs_kernel
-@pytest.mark.parametrize("form", ["number", "tensor"])
-@pytest.mark.parametrize("agg, loss_type, convention", [
+@pytest.mark.parametrize("agg, loss_type, convention, form", tiered([
     ("seq-mean-token-mean", "seq-mean-token-mean", "verl"), ("seq-mean-token-sum", "seq-mean-token-sum", "verl"),
     ("seq-mean-token-sum-norm", "seq-mean-token-sum-norm", "verl"), ("seq-mean-token-mean", "grpo", "trl"),
-])
+], ["number", "tensor"], pairs=False))
 def test_verl_seq_mean_over_data_parallel_ranks_takes_the_global_batch_size(agg, loss_type, convention, form):
     """agg_loss(..., dp_size, global_batch_size): num_sequences_in_batch = global_batch_size and
     policy.num_processes = dp_size; the kernel, the reference and the lm_head alike."""
@@ -1172,15 +1176,26 @@ def test_lm_head_runs_sequence_statistics_chunk_by_chunk_of_whole_sequences(obje
         assert_close_norm(out.metrics[name], value, rtol=1e-5, atol=1e-6, name=name)
 
 
-@needs_kernel
-@pytest.mark.parametrize("objective, quantile, extra", [
+ENTROPY_GUESS_OBJECTIVES = [
     ("clip", 0.2, dict(kl_beta=0.05, entropy_coef=0.01)),  # verl's bonus (aggregated like the loss)
     ("cispo", 0.5, dict(loss_type="dapo")),
     ("sapo", 0.8, dict(loss_type="bnpo", kl_beta=0.02, kl_estimator="k1")),
     ("dppo_tv", 0.3, dict(loss_type="dapo")),
-])
-@pytest.mark.parametrize("weights, compact", [(False, True), (True, False)])
-@pytest.mark.parametrize("guess", ["estimate", "keep none", "keep all"])
+]
+ENTROPY_GUESS_WEIGHTS = [(False, True), (True, False)]
+ENTROPY_GUESS_KINDS = ["estimate", "keep none", "keep all"]
+# the fast tier runs one case per objective that still takes every guess and both weight options
+ENTROPY_GUESS_CASES = [
+    pytest.param(*objective, *weights, guess,
+                 marks=() if (i + j + k) % 3 == 0 and j == i % 2 else pytest.mark.slow)
+    for i, objective in enumerate(ENTROPY_GUESS_OBJECTIVES)
+    for j, weights in enumerate(ENTROPY_GUESS_WEIGHTS)
+    for k, guess in enumerate(ENTROPY_GUESS_KINDS)
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("objective, quantile, extra, weights, compact, guess", ENTROPY_GUESS_CASES)
 def test_lm_head_top_entropy_mask_runs_fused_and_corrects_the_rows_it_guessed_wrong(objective, quantile, extra,
                                                                                    weights, compact, guess,
                                                                                    monkeypatch):
@@ -1272,6 +1287,7 @@ def lm_head_policy_cases(draw, route: str):
         draw(st.booleans()), draw(st.integers(0, 10_000))
 
 
+@pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("route", LM_HEAD_ROUTES)
 @settings(max_examples=12, deadline=None, derandomize=True, database=None,

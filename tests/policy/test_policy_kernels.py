@@ -27,6 +27,7 @@ from conftest import (
     make_targets,
     needs_kernel,
     seed_of,
+    tiered,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -359,9 +360,8 @@ def test_sequence_level_clip_ratios_are_means_over_sequences(backend):
 
 
 @needs_kernel
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
-@pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type, level, estimator", tiered(list(LOSS_TYPES), ["token", "sequence"],
+                                                                ["k1", "k2", "k3"]))
 def test_kernel_matches_reference_per_loss_type_is_level_and_kl_estimator(loss_type, level, estimator):
     seed = seed_of(loss_type, level, estimator)
     spec = policy_spec(loss_type, importance_sampling=level, kl_beta=0.05, kl_estimator=estimator)
@@ -736,6 +736,7 @@ def policy_cases(draw):
         draw(st.sampled_from([0.0, 0.3])), draw(st.integers(0, 10_000))
 
 
+@pytest.mark.slow
 @needs_kernel
 @HYPOTHESIS
 @given(params=policy_cases())
@@ -751,6 +752,7 @@ def test_kernel_matches_reference_for_random_policy_specs_with_auxiliary_terms(p
 # --- the per-sequence extremes: two launches against torch's ops --------------------------------
 
 
+@pytest.mark.slow
 @needs_kernel
 @settings(max_examples=25, deadline=None, derandomize=True, database=None)
 @given(batch=st.integers(1, 40), length=st.integers(1, 1100), strided=st.booleans(), nan=st.booleans(),
@@ -761,6 +763,15 @@ def test_sequence_extremes_kernel_equals_the_torch_ops(batch, length, strided, n
     empty sequence is left out of the clipped fractions' extremes, a NaN ratio at a counted token
     makes the ratio extremes NaN, and with no counted token the fractions are 0 and the ratios 1."""
     check_sequence_extremes("cpu", batch, length, strided, nan, empty, seed, inf)
+
+
+@needs_kernel
+@pytest.mark.parametrize("batch, length, strided, nan, empty, inf", [
+    (3, 37, True, True, "one", False), (1, 1, False, False, "all", True), (5, 300, False, False, "none", True)])
+def test_sequence_extremes_kernel_on_fixed_cases(batch, length, strided, nan, empty, inf):
+    """The fast tier's cases of the sweep above: a NaN ratio and an empty sequence, one token and no
+    counted token, sequences longer than the kernel's block with an infinite ratio."""
+    check_sequence_extremes("cpu", batch, length, strided, nan, empty, seed=batch * 1000 + length, inf=inf)
 
 
 # --- deferred mode's policy term: two launches against torch's ops ---------------------------------
@@ -801,6 +812,7 @@ def deferred_policies(draw):
     )
 
 
+@pytest.mark.slow
 @needs_kernel
 @settings(max_examples=30, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
@@ -819,7 +831,7 @@ def test_deferred_policy_kernels_equal_the_torch_ops(policy, batch, length, voca
 
 
 @needs_kernel
-@pytest.mark.parametrize("importance_sampling", ["sequence", "sequence_token"])
+@pytest.mark.parametrize("importance_sampling", [pytest.param("sequence", marks=pytest.mark.slow), "sequence_token"])
 def test_deferred_policy_kernels_loop_over_long_sequences(monkeypatch, importance_sampling):
     """Sequences longer than the kernel's block (OBJECTIVE_BLOCK, here 16 tokens) take several steps of
     each pass."""
