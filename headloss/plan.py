@@ -30,7 +30,7 @@ import torch
 from .bounded import BoundedDict
 from .kernels.layouts import EXTREME_METRICS, EXTREMES
 from .policy.tables import IMPORTANCE_SAMPLING, KL_ESTIMATORS, OBJECTIVES
-from .spec import FIELD_NAMES, LossSpec
+from .spec import FIELD_NAMES, LossSpec, Policy
 
 Mode = Literal["fused", "deferred"]
 
@@ -114,10 +114,11 @@ class Scalars(NamedTuple):
     dual_c: float = float("inf")  # dual clip constant, inf when off
     kl_beta: float = 0.0
     entropy_coef: float = 0.0
+    # the objectives' own values (policy.tables Objective.params: the spec.Policy fields of these names)
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.0
     dro_beta: float = 0.0
-    dppo_cap: float = float("inf")
+    dppo_ratio_cap: float = float("inf")
 
 
 class ObjectiveFlags(NamedTuple):
@@ -210,6 +211,22 @@ class KernelPlan:
         return {"logit_reads": reads, "grad_writes": writes, "total": reads + writes}
 
 
+def _float(value: float | None) -> float:
+    """A spec value as a kernel scalar: None (an option left off, e.g. no cap) is inf."""
+    return float("inf") if value is None else float(value)
+
+
+def _check_objective_params() -> None:
+    for name, row in OBJECTIVES.items():
+        for param in row.params:
+            if param not in Scalars._fields or param not in Policy.model_fields:
+                raise RuntimeError(f"headloss.plan: objective {name!r} reads {param!r}, which must be both a "
+                                   "spec.Policy field and a Scalars field of that name")
+
+
+_check_objective_params()
+
+
 def _term_scalars(spec: LossSpec) -> dict[str, dict[str, float]]:
     """Each present term's runtime scalars, by term: the one place a term's values are read."""
     t = spec.transform
@@ -244,10 +261,7 @@ def _term_scalars(spec: LossSpec) -> dict[str, dict[str, float]]:
             "dual_c": pol.dual_clip_c if pol.dual_clip_c is not None else float("inf"),
             "kl_beta": pol.kl_beta,
             "entropy_coef": pol.entropy_coef,
-            **({"sapo_tau_pos": pol.sapo_tau_pos, "sapo_tau_neg": pol.sapo_tau_neg} if pol.objective == "sapo"
-               else {}),
-            **({"dro_beta": pol.dro_beta} if pol.objective == "dro" else {}),
-            **({"dppo_cap": pol.dppo_ratio_cap} if pol.objective.startswith("dppo") else {}),
+            **{name: _float(getattr(pol, name)) for name in OBJECTIVES[pol.objective].params},
         }
     return out
 

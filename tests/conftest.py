@@ -300,10 +300,13 @@ def torchrun(script: str, out_dir, timeout: int = 900) -> dict:
     import subprocess
     import sys
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(tests, script)
+    # the script imports its test module, which imports conftest: tests/ on the path, as pytest puts it
+    python_path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", path,
                            str(out_dir)], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path})
     found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and found, done.stderr[-3000:]
     return json.loads(found[0][len("RESULT "):])

@@ -320,15 +320,11 @@ def test_vocab_parallel_on_two_ranks_equals_the_whole_vocabulary():
 @needs_kernel
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
-def test_vocab_parallel_equals_the_whole_vocabulary(world):
-    check_logits_job(spawn_ranks(_rank, world, ("logits",), False), world, False)
-
-
-@needs_kernel
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3])
-def test_vocab_parallel_lm_head_and_dtensors_equal_the_whole_vocabulary(world):
-    check_linear_job(spawn_ranks(_rank, world, ("linear",), False), world, False)
+def test_vocab_parallel_logits_lm_head_and_dtensors_equal_the_whole_vocabulary(world):
+    """Every case of both jobs, on 2 and 3 ranks (uneven shards)."""
+    results = spawn_ranks(_rank, world, ("logits", "linear"), False)
+    check_logits_job(results, world, False)
+    check_linear_job(results, world, False)
 
 
 @needs_kernel

@@ -356,13 +356,13 @@ def _objective(logp, old, adv, ratio, d_ratio, S, F: tl.constexpr):
             keep_pos = (binary_kl <= S.eps_high) | (prob <= old_prob)
             keep_neg = (binary_kl <= S.eps_low) | (prob >= old_prob)
         keep = tl.where(adv > 0, keep_pos, keep_neg)
-        truncated = tl.minimum(ratio, S.dppo_cap)
+        truncated = tl.minimum(ratio, S.dppo_ratio_cap)
         kept = keep.to(tl.float32)
         per_token = -adv * truncated * logp * kept
         d_per_token = -adv * truncated * kept
         low = (kept == 0.0) & (adv <= 0)
         high = (kept == 0.0) & (adv > 0)
-        dual = (ratio > S.dppo_cap) & keep
+        dual = (ratio > S.dppo_ratio_cap) & keep
     else:
         tl.static_assert(False, "an objective of policy.tables has no kernel piece in terms._objective")
     return per_token, d_per_token, low, high, dual

@@ -24,6 +24,7 @@ class Objective(NamedTuple):
     folds_weights: bool  # it folds the importance / rollout weights in itself (else they multiply it)
     base: str | None  # the row-local objective the lm_head runs fused before correcting a few rows
     source: str  # where its definition is read from
+    params: tuple[str, ...] = ()  # its own runtime values: spec.Policy fields, plan.Scalars fields of the same name
 
     @property
     def row_local(self) -> bool:
@@ -37,11 +38,12 @@ OBJECTIVES: dict[str, Objective] = {
     "clip": Objective(0, "token", ALL_LEVELS, True, False, None,
                       "TRL grpo/bnpo/dr_grpo/dapo/luspo, verl vanilla (dual clip); GSPO with sequence ratios"),
     "cispo": Objective(1, "token", ALL_LEVELS, True, False, None, "TRL cispo, verl cispo"),
-    "sapo": Objective(2, "token", ALL_LEVELS, True, False, None, "TRL sapo, verl sapo"),
+    "sapo": Objective(2, "token", ALL_LEVELS, True, False, None, "TRL sapo, verl sapo",
+                      ("sapo_tau_pos", "sapo_tau_neg")),
     "gpg": Objective(3, "token", ("token",), False, False, None, "verl gpg"),
-    "dro": Objective(4, "token", ("token",), False, False, None, "verl dro"),
-    "dppo_tv": Objective(5, "token", ("token",), True, False, None, "verl dppo_tv"),
-    "dppo_kl": Objective(6, "token", ("token",), True, False, None, "verl dppo_kl"),
+    "dro": Objective(4, "token", ("token",), False, False, None, "verl dro", ("dro_beta",)),
+    "dppo_tv": Objective(5, "token", ("token",), True, False, None, "verl dppo_tv", ("dppo_ratio_cap",)),
+    "dppo_kl": Objective(6, "token", ("token",), True, False, None, "verl dppo_kl", ("dppo_ratio_cap",)),
     "gmpo": Objective(None, "sequence", ("token",), False, True, None, "verl geo_mean"),
     "vespo": Objective(None, "sequence", ("token",), False, True, None, "TRL vespo"),
     "clip_cov": Objective(None, "batch", ("token",), False, False, "clip", "verl clip_cov"),
