@@ -119,6 +119,7 @@ class Scalars(NamedTuple):
     sapo_tau_neg: float = 1.0
     dro_beta: float = 0.0
     dppo_ratio_cap: float = float("inf")
+    reinforce_is_max: float = float("inf")
 
 
 class ObjectiveFlags(NamedTuple):

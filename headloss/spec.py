@@ -121,7 +121,9 @@ class Policy(_Frozen):
     ``sapo`` -(4 / tau) sigmoid(tau (r - 1)) A, tau = sapo_tau_pos if A > 0 else sapo_tau_neg;
     ``gpg`` -A l (verl); ``dro`` -(A l - dro_beta (log r)^2 / 2) (verl); ``dppo_tv`` / ``dppo_kl``
     -A sg(min(r, dppo_ratio_cap)) l on tokens whose p - p_old (TV) or binary KL stays within
-    eps_high (A > 0) / eps_low (A <= 0) (verl). Sequence and batch statistics (deferred mode, one
+    eps_high (A > 0) / eps_low (A <= 0) (verl); ``reinforce`` -A sg(w) l, w = min(exp(clamp(log r,
+    +-20)), reinforce_is_max) (verl's bypass mode with loss_type reinforce and token-level weights:
+    old_logprobs are the rollout's). Sequence and batch statistics (deferred mode, one
     O(tokens) step in torch between the stats and the gradient pass): ``gmpo`` verl's geo_mean,
     -mean_t(A) exp(mean_t of the sign-aware clip of log r to [-eps_low, eps_high]) per sequence,
     averaged over sequences (loss_type grpo / seq-mean-token-mean); ``vespo`` TRL's -sg(phi(w)) A l,
@@ -203,6 +205,8 @@ class Policy(_Frozen):
     sapo_tau_pos: float = Field(1.0, gt=0.0, description="SAPO's gate temperature for A > 0")
     sapo_tau_neg: float = Field(1.05, gt=0.0, description="SAPO's gate temperature for A <= 0")
     dro_beta: float | None = Field(None, gt=0.0, description="DRO's weight of (log r)^2 / 2 (required by dro)")
+    reinforce_is_max: float = Field(2.0, gt=0.0, description="reinforce: truncation of the detached token ratio "
+                                    "(verl's rollout_is_threshold in bypass mode)")
     dppo_ratio_cap: float = Field(3.0, gt=0.0, description="DPPO's truncation of the detached ratio "
                                   "(verl's clip_ratio_c, whose actor default is 3.0)")
     kl_beta: float = Field(0.0, ge=0.0, description="weight of the KL(pi || pi_ref) penalty")

@@ -28,6 +28,7 @@ GPG = tl.constexpr(OBJECTIVES["gpg"].kernel)
 DRO = tl.constexpr(OBJECTIVES["dro"].kernel)
 DPPO_TV = tl.constexpr(OBJECTIVES["dppo_tv"].kernel)
 DPPO_KL = tl.constexpr(OBJECTIVES["dppo_kl"].kernel)
+REINFORCE = tl.constexpr(OBJECTIVES["reinforce"].kernel)
 KL_K1 = tl.constexpr(KL_ESTIMATORS["k1"].kernel)
 KL_K2 = tl.constexpr(KL_ESTIMATORS["k2"].kernel)
 KL_K3 = tl.constexpr(KL_ESTIMATORS["k3"].kernel)
@@ -363,6 +364,10 @@ def _objective(logp, old, adv, ratio, d_ratio, S, F: tl.constexpr):
         low = (kept == 0.0) & (adv <= 0)
         high = (kept == 0.0) & (adv > 0)
         dual = (ratio > S.dppo_ratio_cap) & keep
+    elif F.OBJECTIVE == REINFORCE:  # -A sg(min(exp(clamp(logp - old, +-20)), cap)) logp
+        weight = tl.minimum(tl.exp(tl.minimum(tl.maximum(logp - old, -20.0), 20.0)), S.reinforce_is_max)
+        per_token = -adv * weight * logp
+        d_per_token = -adv * weight
     else:
         tl.static_assert(False, "an objective of policy.tables has no kernel piece in terms._objective")
     return per_token, d_per_token, low, high, dual

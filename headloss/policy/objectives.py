@@ -148,6 +148,11 @@ def _binary_kl(logp, old, prob, old_prob, policy: Policy):
     return (binary_kl <= policy.eps_high) | (prob <= old_prob), (binary_kl <= policy.eps_low) | (prob >= old_prob)
 
 
+def _reinforce(logp, old, adv, ratio, policy: Policy) -> Surrogate:
+    weight = torch.clamp(torch.exp(torch.clamp(logp.detach() - old, -20.0, 20.0)), max=policy.reinforce_is_max)
+    return Surrogate(-adv * weight * logp)
+
+
 ROW_LOCAL: dict[str, Callable[..., Surrogate]] = {
     "clip": _clip,
     "cispo": _cispo,
@@ -156,6 +161,7 @@ ROW_LOCAL: dict[str, Callable[..., Surrogate]] = {
     "dro": _dro,
     "dppo_tv": _dppo(_total_variation),
     "dppo_kl": _dppo(_binary_kl),
+    "reinforce": _reinforce,
 }
 """(logp, old, adv, ratio, policy) -> Surrogate of each row-local objective (tables: kernel code set)."""
 _covers(ROW_LOCAL, [name for name, row in OBJECTIVES.items() if row.row_local], "row-local objective")

@@ -156,6 +156,18 @@ def _dppo(divergence: str) -> Callable[[Batch], Objective]:
     return dppo
 
 
+def _reinforce(b: Batch) -> Objective:
+    """verl bypass mode, ``loss_type="reinforce"``, ``rollout_is="token"``: the weights of
+    rollout_corr_helper (``exp(clamp(log_prob - old_log_prob, -20, 20))`` truncated at
+    ``rollout_is_threshold``, no gradient) in compute_policy_loss_reinforce's ``-advantages * log_prob *
+    rollout_is_weights``; its ppo_kl is the unclamped ``old_log_prob - log_prob``."""
+    with torch.no_grad():
+        weights = torch.exp(torch.clamp(b.logp - b.old, min=-20.0, max=20.0)) * b.mask
+        weights = weights.clamp(max=b.policy.reinforce_is_max)
+    log_ratio = b.logp - b.old
+    return Objective(-b.adv * b.logp * weights, torch.exp(log_ratio), -log_ratio.detach())
+
+
 def _geo_mean(b: Batch) -> Objective:
     """verl compute_policy_loss_geo_mean: ``-advantage * exp(sum(sign A min(sign A log r, sign A
     clamp(log r)) mask) / (mask_sum + 1e-8))`` per sequence, the rollout weights' geometric mean."""
@@ -254,7 +266,8 @@ def _kl_cov(b: Batch) -> Objective:
 
 OBJECTIVES: dict[str, Callable[[Batch], Objective]] = {
     "clip": _clip, "cispo": _cispo, "sapo": _sapo, "gpg": _gpg, "dro": _dro, "dppo_tv": _dppo("tv"),
-    "dppo_kl": _dppo("kl"), "gmpo": _geo_mean, "vespo": _vespo, "clip_cov": _clip_cov, "kl_cov": _kl_cov,
+    "dppo_kl": _dppo("kl"), "reinforce": _reinforce, "gmpo": _geo_mean, "vespo": _vespo, "clip_cov": _clip_cov,
+    "kl_cov": _kl_cov,
 }
 FOLD_WEIGHTS = ("gmpo", "vespo")
 """The objectives that take the rollout weights in themselves (their sources fold them in)."""

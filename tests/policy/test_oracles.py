@@ -39,6 +39,7 @@ ORACLE_TESTS = {
     "dro": ["test_verl_objective_matches_core_algos"],
     "dppo_tv": ["test_verl_objective_matches_core_algos"],
     "dppo_kl": ["test_verl_objective_matches_core_algos"],
+    "reinforce": ["test_verl_bypass_mode_reinforce_matches_core_algos"],
     "gmpo": ["test_verl_sequence_and_batch_objectives_match_core_algos"],
     "vespo": ["test_trl_vespo_matches_compute_loss"],
     "clip_cov": ["test_verl_sequence_and_batch_objectives_match_core_algos"],
@@ -147,6 +148,21 @@ def verl_policy_loss(mode, old_log_prob, log_prob, advantages, response_mask, cf
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
     return verl_agg_loss(pg_losses, response_mask, agg), metrics
+
+
+def verl_bypass_reinforce(old_log_prob, log_prob, advantages, response_mask, cfg):
+    """core_algos.compute_policy_loss_bypass_mode with rollout_correction loss_type 'reinforce' and
+    rollout_is 'token' (no rejection sampling): rollout_corr_helper's weights from log_prob against
+    old_log_prob (the rollout's), then compute_policy_loss_reinforce: (pg_loss, metrics)."""
+    with torch.no_grad():  # compute_rollout_correction_weights(log_ratio, response_mask, "token", threshold)
+        log_ratio = log_prob - old_log_prob
+        log_ratio_safe = torch.clamp(log_ratio, min=-20.0, max=20.0)
+        rollout_is_weights = torch.exp(log_ratio_safe) * response_mask
+        rollout_is_weights = rollout_is_weights.clamp(max=cfg["rollout_is_threshold"]).detach()
+    pg_losses = -advantages * log_prob * rollout_is_weights
+    pg_loss = verl_agg_loss(pg_losses, response_mask, cfg["loss_agg_mode"])
+    negative_approx_kl = log_prob - old_log_prob
+    return pg_loss, {"ppo_kl": masked_mean(-negative_approx_kl, response_mask)}
 
 
 def verl_kl_penalty(logprob, ref_logprob, kl_penalty):  # core_algos.kl_penalty (+ kl_penalty_forward)
@@ -435,6 +451,30 @@ def test_verl_clamps_the_log_ratio_to_plus_minus_20(mode):
     compare(run_both(logits, targets, spec, inputs), loss.detach(), leaf.grad, metrics, torch.float32)
 
 
+@needs_kernel
+@pytest.mark.parametrize("agg, dtype, per_token_adv", tiered(list(VERL_AGG), [torch.float32, torch.bfloat16],
+                                                              [False, True], ids=[list(VERL_AGG), ["fp32", "bf16"],
+                                                                                  ["seq_adv", "token_adv"]]))
+def test_verl_bypass_mode_reinforce_matches_core_algos(agg, dtype, per_token_adv):
+    """old_logprobs are the rollout's; some weights above rollout_is_threshold, and two tokens 30
+    nats off (the weight's +-20 clamp; ppo_kl takes the unclamped log-ratio)."""
+    logits, targets, mask, adv, old, _, _ = make_case(sum(map(ord, agg)), dtype, per_token_adv, noise=0.5)
+    leaf, log_prob = oracle_logp(logits, targets)
+    old = old.clone()
+    old[0, 1], old[1, 2] = log_prob[0, 1].detach() + 30.0, log_prob[1, 2].detach() - 30.0
+    mask[0, 1] = mask[1, 2] = 1
+    cfg = dict(rollout_is_threshold=1.3, loss_agg_mode=agg)
+    adv_bt = adv if per_token_adv else adv[:, None].expand(B, T)
+    loss, metrics = verl_bypass_reinforce(old, log_prob, adv_bt, mask.double(), cfg)
+    loss.backward()
+    weights = torch.exp(torch.clamp(log_prob - old, -20, 20)).detach()
+    assert ((weights > 1.3) & (mask > 0)).any() and ((weights < 1.3) & (mask > 0)).any()  # truncation acts
+    spec = LossSpec(cross_entropy=None, policy=Policy(objective="reinforce", convention="verl", loss_type=agg,
+                                                      reinforce_is_max=1.3))
+    inputs = dict(advantages=adv, old_logprobs=old, loss_mask=mask)
+    compare(run_both(logits, targets, spec, inputs), loss.detach(), leaf.grad, metrics, dtype)
+
+
 VERL_KL = {  # verl kl_loss_type -> (kl_estimator, kl_clamp, kl_grad)
     "k1": ("k1", False, "estimator"), "abs": ("abs", False, "estimator"), "k2": ("k2", False, "estimator"),
     "low_var_kl": ("k3", True, "estimator"), "k3+": ("k3", True, "k2"), "abs+": ("abs", False, "k2"),
@@ -503,7 +543,7 @@ def test_dro_without_its_beta_is_a_spec_error_naming_it():
         Policy(objective="dro")
 
 
-@pytest.mark.parametrize("objective", ["gpg", "dro", "dppo_tv", "dppo_kl"])
+@pytest.mark.parametrize("objective", ["gpg", "dro", "dppo_tv", "dppo_kl", "reinforce"])
 def test_sequence_level_ratios_with_a_per_token_objective_is_a_spec_error(objective):
     with pytest.raises(ValueError, match="importance_sampling"):
         Policy(objective=objective, importance_sampling="sequence", dro_beta=0.1)
@@ -515,7 +555,8 @@ def test_sequence_level_ratios_with_a_per_token_objective_is_a_spec_error(object
 @needs_kernel
 @pytest.mark.parametrize("objective, level", [("cispo", "token"), ("sapo", "sequence"), ("gpg", "token"),
                                               ("dro", "token"), ("dppo_tv", "token"), ("dppo_kl", "token"),
-                                              ("cispo", "sequence"), ("clip", "sequence_token"), ("gmpo", "token"),
+                                              ("reinforce", "token"), ("cispo", "sequence"), ("clip", "sequence_token"),
+                                              ("gmpo", "token"),
                                               ("vespo", "token"), ("kl_cov", "token"), ("masks", "token")])
 def test_linear_head_runs_every_objective_like_the_logits_path(objective, level):
     """linear_head_loss (chunks of 5 rows over [B, T, H] hidden states) against the reference on the
@@ -1263,7 +1304,7 @@ def lm_head_policy_cases(draw, route: str):
     """A policy spec for the lm_head that takes ``route`` (fused; chunks of whole sequences; clip_cov /
     kl_cov and the top-entropy mask as base fused + corrected rows; the top-entropy mask with TRL's
     bonus, deferred), and a batch: [B, T] rows, odd vocabularies, chunks of a few rows."""
-    row_local = st.sampled_from(["clip", "cispo", "sapo", "gpg", "dro", "dppo_kl"])
+    row_local = st.sampled_from(["clip", "cispo", "sapo", "gpg", "dro", "dppo_kl", "reinforce"])
     fields = dict(objective=draw(row_local), entropy_coef=draw(st.sampled_from([0.0, 0.02])),
                   entropy_aggregation="loss")
     if route == "sequence":

@@ -679,8 +679,8 @@ def test_invalid_policy_field_is_a_validation_error_naming_it(fields, name):
 def policy_cases(draw):
     loss_type = draw(st.sampled_from(LOSS_TYPES))
     kl_beta = draw(st.sampled_from([0.0, 0.05, 0.3]))
-    objective = draw(st.sampled_from(["clip", "clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl", "gmpo",
-                                      "vespo", "kl_cov"]))
+    objective = draw(st.sampled_from(["clip", "clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl", "reinforce",
+                                      "gmpo", "vespo", "kl_cov"]))
     per_token_ratio = objective not in ("clip", "cispo", "sapo")
     if objective == "gmpo":
         loss_type = draw(st.sampled_from(["grpo", "seq-mean-token-mean"]))
@@ -692,6 +692,7 @@ def policy_cases(draw):
         sapo_tau_neg=draw(st.sampled_from([1.05, 0.5])),
         dro_beta=draw(st.sampled_from([0.1, 1.0])) if objective == "dro" else None,
         dppo_ratio_cap=draw(st.sampled_from([3.0, 1.1])),
+        reinforce_is_max=draw(st.sampled_from([2.0, 1.1])),
         kl_clamp=draw(st.booleans()),
         kl_grad=draw(st.sampled_from(["estimator", "k2"])),
         loss_type=loss_type,
@@ -781,7 +782,8 @@ def test_sequence_extremes_kernel_on_fixed_cases(batch, length, strided, nan, em
 def deferred_policies(draw):
     """Policies whose deferred-mode term the kernels compute: every row-local objective, sequence-level
     ratios, the off-policy mask, KL options, the entropy bonus, loss types."""
-    objective = draw(st.sampled_from(["clip", "clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl"]))
+    objective = draw(st.sampled_from(["clip", "clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl",
+                                      "reinforce"]))
     loss_type = draw(st.sampled_from(LOSS_TYPES))
     kl_beta = draw(st.sampled_from([0.0, 0.1]))
     return Policy(
@@ -799,6 +801,7 @@ def deferred_policies(draw):
         sapo_tau_neg=draw(st.sampled_from([1.05, 0.5])),
         dro_beta=0.3 if objective == "dro" else None,
         dppo_ratio_cap=draw(st.sampled_from([3.0, 1.1])),
+        reinforce_is_max=draw(st.sampled_from([2.0, 1.1])),
         kl_beta=kl_beta,
         kl_estimator=draw(st.sampled_from(["k1", "k2", "k3", "abs"])),
         kl_clamp=draw(st.booleans()),
