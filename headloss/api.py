@@ -96,12 +96,13 @@ def head_loss(
         targets: [N] or [B, T] integer ids in [0, V) or ``spec.ignore_index``. Optional when
             no requested value needs them (e.g. entropy only): then every row counts.
         spec: a :class:`LossSpec`, a dict, or a YAML/JSON path (default: mean cross-entropy).
-        teacher_logits: same shape as ``logits`` (any float dtype), for the distillation term.
+        teacher_logits: same shape as ``logits`` (float32, bfloat16, float16; float64 is read as a
+            float32 copy unless the student's logits are float64 too), for the distillation term.
             Read only; no gradient flows into it.
         advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, rollout_logprobs,
             sequence_ids: the policy term's inputs (see :class:`headloss.spec.Policy`); per-token
             tensors are shaped like the targets, advantages [B] or like the targets, sequence_ids
-            [N] for [N, V] logits. Tokens outside ``loss_mask`` are skipped by every term.
+            [N] for [N, V] logits. Tokens outside ``loss_mask`` (0 and 1 only) are skipped by every term.
             ``rollout_logprobs`` (the rollout engine's log-probs) feed ``Policy.rollout_is`` and
             the off-policy mask.
         num_items_in_batch: with ``reduction="mean"``, divide the summed loss by this instead
@@ -160,6 +161,7 @@ def head_loss(
             logits = logits.resolve_neg()
         if isinstance(teacher_logits, torch.Tensor) and teacher_logits.is_neg():
             teacher_logits = teacher_logits.resolve_neg()
+    teacher_logits = _teacher_precision(teacher_logits, logits)
     policy_given = dict(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                         loss_mask=loss_mask, importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
                         sequence_ids=sequence_ids, num_sequences_in_batch=num_sequences_in_batch,
@@ -178,12 +180,21 @@ def head_loss(
     dtype = logits.dtype if isinstance(logits, torch.Tensor) else torch.float32
     if resolve_backend(backend, device, dtype) == "reference":
         if shard is not None:
+            if validation_mode(validate) == "sync":  # whole rows on every rank before gathering them
+                error = None
+                try:
+                    check_logits(logits)
+                except (ValueError, TypeError) as exc:
+                    error = exc
+                handshake(shard, math.prod(logits.shape[:-1]) if isinstance(logits, torch.Tensor) else -1, error,
+                          device)
             logits = gather_vocab(logits, shard)
             if teacher_logits is not None:
                 teacher_logits = gather_vocab(teacher_logits.detach(), shard)
         chosen = routes.choose(plan, _reference_facts("logits", logits, policy_given, traced), route)
-        out = _reference_head_loss(logits, targets, spec, teacher_logits, policy_given, num_items_in_batch, shift,
-                                   validate)
+        out = _every_rank(shard, validation_mode(validate), logits,
+                          lambda: _reference_head_loss(logits, targets, spec, teacher_logits, policy_given,
+                                                       num_items_in_batch, shift, validate))
         return _taken(out, chosen, "logits", logits)
     try:
         token_shape = check_head(logits, targets, spec, teacher_logits, shift, kernel=True)
@@ -223,6 +234,29 @@ def head_loss(
         loss, extra = policy_terms(chosen, plan, loss, rows, means, scratch, pol, kernel_sequences=rows_per_seq > 0)
     out = assemble(plan, call.token_shape, loss, rows, pred, means, scratch, extra)
     return _taken(out, chosen, "logits", logits)
+
+
+def _every_rank(shard, mode: str, source, run):
+    """``run()`` (a reference-path call); vocab-parallel with validate="sync", its errors (of the inputs'
+    shapes or of their values) are exchanged so that every rank raises, naming the ranks that failed."""
+    if shard is None or mode != "sync":
+        return run()
+    error = out = None
+    try:
+        out = run()
+    except (ValueError, TypeError) as exc:
+        error = exc
+    handshake(shard, math.prod(source.shape[:-1]) if isinstance(source, torch.Tensor) else -1, error, source.device)
+    return out
+
+
+def _teacher_precision(teacher_logits, student):
+    """float64 teacher logits with a lower-precision student, as float32: the precision the kernels
+    (and the reference, for such a student) compute the divergence in."""
+    if isinstance(teacher_logits, torch.Tensor) and teacher_logits.dtype == torch.float64 and \
+            isinstance(student, torch.Tensor) and student.dtype != torch.float64:
+        return teacher_logits.float()
+    return teacher_logits
 
 
 def _taken(out: HeadLossOutput, route: Route, entry: str, source: torch.Tensor) -> HeadLossOutput:
@@ -315,11 +349,20 @@ def _vocab_shard(logits, targets, group, teacher_logits, validate):
     if is_dtensor(logits):
         local, shard = dtensor_shard(logits, -1, group)
         return local, targets, teacher_logits, shard
-    if not isinstance(logits, torch.Tensor) or logits.dim() not in (2, 3):
-        check_logits(logits)  # (no shard width to exchange)
-    # every rank, before any local error; validate="sync" exchanges the layout even when cached
-    shard = shard_of(group, logits.shape[-1], logits.device, fresh=validation_mode(validate) == "sync")
-    check_logits(logits)
+    # every rank, before any local error; validate="sync" exchanges the layout even when cached. Logits
+    # without a vocabulary dimension take part with width 0: every rank refuses the layout, this one
+    # with its own error
+    sync = validation_mode(validate) == "sync"
+    well_formed = isinstance(logits, torch.Tensor) and logits.dim() in (2, 3)
+    try:
+        shard = shard_of(group, logits.shape[-1] if well_formed else 0,
+                         logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu"), fresh=sync)
+    except ValueError:
+        if not well_formed:
+            check_logits(logits)
+        raise
+    if not sync:  # (validate="sync" checks the logits where every rank learns of any rank's error)
+        check_logits(logits)
     return logits, targets, teacher_logits, shard
 
 
@@ -485,6 +528,7 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
     traced = torch.compiler.is_compiling()
     if not traced:
         check_pending()
+    teacher_logits = _teacher_precision(teacher_logits, hidden)
     plan = plan_for(spec, has_targets=targets is not None)
     spec = plan.spec
     shard = None
@@ -492,15 +536,6 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
         if traced:
             raise NotImplementedError("group: a vocab-parallel linear_head_loss is not traceable by torch.compile yet")
         weight, shard = rows_shard(weight, group, fresh=validation_mode(validate) == "sync")
-        if validation_mode(validate) == "sync":  # every rank learns of any rank's bad inputs
-            error = None
-            try:
-                check_linear_inputs(hidden, weight, bias)
-                check_targets(targets, tuple(hidden.shape[:-1]), spec, hidden.device, shift, source="hidden")
-            except (ValueError, TypeError) as exc:
-                error = exc
-            rows = math.prod(hidden.shape[:-1]) if isinstance(hidden, torch.Tensor) else -1
-            handshake(shard, rows, error, weight.device)
         bias, teacher_weight, teacher_bias, teacher_logits = (
             t.to_local() if is_dtensor(t) else t for t in (bias, teacher_weight, teacher_bias, teacher_logits))
         if is_dtensor(teacher_hidden):
@@ -509,30 +544,40 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
             hidden = hidden.full_tensor()
         if is_dtensor(targets):
             targets = targets.full_tensor()
-    check_linear_inputs(hidden, weight, bias)
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes: expected a positive number of bytes, got {chunk_bytes!r}")
-    token_rows = tuple(hidden.shape[:-1])
-    check_targets(targets, token_rows, spec, hidden.device, shift, source="hidden")
-    token_shape = tuple(targets.shape) if isinstance(targets, torch.Tensor) else token_rows
-    if shift:
-        targets = pad_shifted(targets if targets.dtype in (torch.int64, torch.int32) else targets.long(),
-                              hidden.shape[1], spec.ignore_index)
-    teacher = teacher_source(spec, token_rows, hidden, weight, teacher_logits, teacher_hidden, teacher_weight,
-                             teacher_bias)
-    norm = normaliser(num_items_in_batch, spec, hidden.device)
     mode = validation_mode(validate)
-    given = dict(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_mask=loss_mask,
-                 importance_weights=importance_weights, rollout_logprobs=rollout_logprobs, sequence_ids=sequence_ids)
-    if shift and targets.shape != token_shape:  # completion ids: per-token inputs get the unscored last row
-        given = {k: _pad_last(v, k) for k, v in given.items()}
-    given["num_sequences_in_batch"] = num_sequences_in_batch
-    given["entropy_quantile_group"] = entropy_quantile_group
-    backend = resolve_backend(backend, hidden.device, hidden.dtype, name="hidden")
-    completion = shift and targets.shape != token_shape  # rows padded by one: T - 1 scored positions
-    rows_shape = tuple(targets.shape) if targets is not None else token_rows
-    policy, targets = policy_inputs(spec.policy, rows_shape, targets, spec.ignore_index, norm.as_torch(), mode, given,
-                                    norm_length=token_shape[1] if completion else None)
+    error = None
+    try:  # every host-side check; with a group and validate="sync", every rank learns of any rank's error
+        check_linear_inputs(hidden, weight, bias)
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes: expected a positive number of bytes, got {chunk_bytes!r}")
+        token_rows = tuple(hidden.shape[:-1])
+        check_targets(targets, token_rows, spec, hidden.device, shift, source="hidden")
+        token_shape = tuple(targets.shape) if isinstance(targets, torch.Tensor) else token_rows
+        if shift:
+            targets = pad_shifted(targets if targets.dtype in (torch.int64, torch.int32) else targets.long(),
+                                  hidden.shape[1], spec.ignore_index)
+        teacher = teacher_source(spec, token_rows, hidden, weight, teacher_logits, teacher_hidden, teacher_weight,
+                                 teacher_bias)
+        norm = normaliser(num_items_in_batch, spec, hidden.device)
+        given = dict(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                     loss_mask=loss_mask, importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
+                     sequence_ids=sequence_ids)
+        if shift and targets.shape != token_shape:  # completion ids: per-token inputs get the unscored last row
+            given = {k: _pad_last(v, k) for k, v in given.items()}
+        given["num_sequences_in_batch"] = num_sequences_in_batch
+        given["entropy_quantile_group"] = entropy_quantile_group
+        backend = resolve_backend(backend, hidden.device, hidden.dtype, name="hidden")
+        completion = shift and targets.shape != token_shape  # rows padded by one: T - 1 scored positions
+        rows_shape = tuple(targets.shape) if targets is not None else token_rows
+        policy, targets = policy_inputs(spec.policy, rows_shape, targets, spec.ignore_index, norm.as_torch(), mode,
+                                        given, norm_length=token_shape[1] if completion else None)
+    except (ValueError, TypeError) as exc:
+        if shard is None or mode != "sync":
+            raise
+        error = exc
+    if shard is not None and mode == "sync":
+        handshake(shard, math.prod(hidden.shape[:-1]) if isinstance(hidden, torch.Tensor) else -1, error,
+                  weight.device)
     if backend == "reference":
         chosen = routes.choose(plan, _reference_facts("hidden", hidden, given, traced), route)
         if shard is not None:  # the whole weight (and teacher) on every rank; each keeps its rows' gradient
@@ -542,7 +587,9 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
             teacher = (None if t_logits is None else gather_vocab(t_logits.detach(), shard), t_hidden,
                        None if t_weight is None else gather_vocab(t_weight.detach().t(), shard).t(),
                        None if t_bias is None else gather_vocab(t_bias.detach()[None], shard)[0])
-        out = _reference_linear(hidden, weight, bias, targets, spec, teacher, given, norm, mode, token_shape)
+        out = _every_rank(shard, mode, hidden,
+                          lambda: _reference_linear(hidden, weight, bias, targets, spec, teacher, given, norm, mode,
+                                                    token_shape))
         return _taken(out, chosen, "hidden", hidden)
     rows = math.prod(token_rows)
     elem = hidden.element_size() * (2 if teacher[1] is not None else 1)  # a computed teacher shares the budget

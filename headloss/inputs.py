@@ -94,7 +94,8 @@ def check_teacher(logits_shape: tuple[int, ...], device: torch.device, teacher_l
     if teacher_logits.stride(-1) != 1 and teacher_logits.shape[-1] > 1:
         raise ValueError("teacher_logits: the vocabulary dimension must have stride 1; pass .contiguous()")
     if kernel and teacher_logits.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"teacher_logits: the kernel takes float32, bfloat16 or float16, got {teacher_logits.dtype}")
+        raise TypeError(f"teacher_logits: the kernel takes float32, bfloat16, float16 (or float64, as a float32 "
+                        f"copy), got {teacher_logits.dtype}")
 
 
 def flat_targets(targets: torch.Tensor | None) -> torch.Tensor | None:

@@ -81,8 +81,13 @@ class MetricsAccumulator:
         ``reduction``: the spec's; with ``"sum"`` the loss is already a sum.
         """
         metrics = out.metrics if hasattr(out, "metrics") else out
+        if not isinstance(metrics, Mapping):
+            raise TypeError(f"out: expected a HeadLossOutput or its metrics dict, got {type(out).__name__}")
         if "n_tokens" not in metrics or "loss" not in metrics:
             raise ValueError("out: expected headloss metrics with 'loss' and 'n_tokens'")
+        bad = [name for name, value in metrics.items() if not isinstance(value, torch.Tensor) or value.numel() != 1]
+        if bad:
+            raise ValueError(f"out: metric {bad[0]!r} is not a one-element tensor (a headloss call's metrics are)")
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction: expected 'mean' or 'sum', got {reduction!r}")
         keys = tuple(sorted(n for n in metrics if n not in _SPECIAL))

@@ -63,12 +63,23 @@ def _gather_ints(values: list[int], group, device: torch.device) -> list[list[in
     return [t.tolist() for t in every]
 
 
+def check_group(group) -> None:
+    """``group`` must be a torch.distributed process group of an initialised default group."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("group: torch.distributed is not initialised (call init_process_group first)")
+    if not isinstance(group, dist.ProcessGroup):
+        got = f"{type(group).__name__} {group!r}" if isinstance(group, (str, int)) else type(group).__name__
+        raise TypeError(f"group: expected a torch.distributed ProcessGroup (dist.group.WORLD, dist.new_group(...), "
+                        f"a DeviceMesh's get_group()), got {got}")
+
+
 def shard_of(group, local_vocab: int, device: torch.device, fresh: bool = False) -> VocabShard:
     """This rank's VocabShard in ``group`` (an all_gather of the shard widths the first time a
     (group, width) pair is seen; cached after). The cache assumes a rank's width changes only when
     every rank's does (one model's split, or a new model split the same way): a rank whose width
     stays while another's changes would skip the exchange the other runs. ``fresh`` (what
     ``validate="sync"`` does) exchanges the widths anyway; :func:`clear_layouts` resets the cache."""
+    check_group(group)
     key = (id(group), local_vocab)
     hit = _SHARDS.get(key)
     if hit is not None and hit[0] is group and not fresh:
@@ -111,6 +122,8 @@ def dtensor_shard(t, dim: int = -1, group=None, name: str = "logits") -> tuple[t
             f"{name}: a DTensor must be sharded on its vocabulary dimension ({dim}) over a 1-D mesh, got "
             f"placements {placements} on a {mesh.ndim}-D mesh"
         )
+    if group is not None:
+        check_group(group)
     if group is not None and group is not mesh.get_group():
         raise ValueError(f"group: differs from the {name} DTensor's mesh group; pass one or the other")
     _, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)

@@ -29,6 +29,10 @@ from .spec import LossSpec
 
 Validate = bool | Literal["sync"] | None
 
+NOT_BINARY = -(2**63)
+"""The effective target of a token whose ``loss_mask`` is neither 0 nor 1: out of range for every
+vocabulary, so the device check that finds bad targets finds it, and its error names loss_mask."""
+
 
 def validation_mode(validate: Validate) -> Literal["async", "sync", "off"]:
     """validate=None reads HEADLOSS_VALIDATE: 0 (off), sync, or anything else (on, asynchronous)."""
@@ -209,6 +213,9 @@ def raise_if_bad(values: list[int], targets_shape: tuple[int, ...], vocab: int, 
     if where >= 0:
         position = tuple(int(i) for i in torch.unravel_index(torch.tensor(where), targets_shape)) \
             if targets_shape else (where,)
+        if value == NOT_BINARY:
+            raise ValueError(f"loss_mask: the value at position {position} is neither 0 nor 1 (the mask says which "
+                             f"tokens count; a token's weight goes in importance_weights){later}")
         raise ValueError(
             f"targets: value {value} at position {position} is outside [0, {vocab}) and is not "
             f"ignore_index={ignore_index}{later}"

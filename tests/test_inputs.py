@@ -276,3 +276,59 @@ def test_a_lazily_negated_view_is_read_with_its_sign(backend):
         assert torch.allclose(got.loss, want.loss, rtol=1e-6)
         assert torch.allclose(got.metrics["token_accuracy"], want.metrics["token_accuracy"])
         assert torch.allclose(leaf.grad, -plain.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_kernel)])
+def test_narrow_integer_targets_are_checked_by_their_values(backend):
+    """uint8 targets against V = 300: 255 is in range (a check in uint8 would wrap 300 to 44)."""
+    logits = make_logits((4, 300), seed=2)
+    targets = torch.tensor([255, 1, 200, 44], dtype=torch.uint8)
+    out = head_loss(logits, targets, backend=backend)
+    want = torch.nn.functional.cross_entropy(logits.double(), targets.long())
+    torch.testing.assert_close(out.loss.double(), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"targets: value 255 at position \(0,\) is outside \[0, 200\)"):
+        head_loss(logits[:, :200], targets, backend=backend)
+
+
+def test_a_group_that_is_not_a_process_group_is_an_error_naming_group():
+    import torch.distributed as dist
+
+    from headloss import linear_head_loss
+
+    logits, targets = _logits(), _targets()
+    with pytest.raises(ValueError, match="group: torch.distributed is not initialised"):
+        head_loss(logits, targets, group="tp")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        for call in (lambda: head_loss(logits, targets, group="tp"),
+                     lambda: head_loss(logits, targets, group="tp", backend="reference"),
+                     lambda: linear_head_loss(torch.randn(4, 3), torch.randn(V, 3), targets, group=7)):
+            with pytest.raises(TypeError, match="group: expected a torch.distributed ProcessGroup"):
+                call()
+        assert head_loss(logits, targets, group=dist.group.WORLD).loss.isfinite()  # a real group works
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_kernel)])
+def test_float64_teacher_logits_are_read_as_float32_with_a_lower_precision_student(backend):
+    from headloss import linear_head_loss
+
+    spec = LossSpec(distillation={"divergence": "jsd", "temperature": 1.5})
+    logits, targets = _logits(), _targets()
+    teacher = make_logits((4, V), torch.float64, seed=7)
+    got = head_loss(logits, targets, spec, teacher_logits=teacher, backend=backend)
+    want = head_loss(logits, targets, spec, teacher_logits=teacher.float(), backend=backend)
+    torch.testing.assert_close(got.loss, want.loss)
+    hidden, weight = torch.randn(4, 3, generator=torch.Generator().manual_seed(1)), torch.randn(V, 3)
+    got = linear_head_loss(hidden, weight, targets, spec, teacher_logits=teacher, backend=backend)
+    want = linear_head_loss(hidden, weight, targets, spec, teacher_logits=teacher.float(), backend=backend)
+    torch.testing.assert_close(got.loss, want.loss)
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, -4096, 1.5e6, True, "1MB"])
+def test_chunk_bytes_must_be_a_positive_integer(chunk_bytes):
+    from headloss import linear_head_loss
+
+    with pytest.raises(ValueError, match="chunk_bytes: expected a positive number of bytes"):
+        linear_head_loss(torch.randn(4, 3), torch.randn(V, 3), _targets(), chunk_bytes=chunk_bytes)

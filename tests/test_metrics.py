@@ -86,6 +86,13 @@ def test_bad_input_is_a_clear_error():
     acc = MetricsAccumulator()
     with pytest.raises(ValueError, match="n_tokens"):
         acc.update({"ce": torch.tensor(1.0)})
+    for bad in (torch.tensor(1.0), None, 3.0, [("loss", 1.0)]):
+        with pytest.raises(TypeError, match="out: expected a HeadLossOutput or its metrics dict"):
+            acc.update(bad)
+    with pytest.raises(ValueError, match="out: metric 'loss' is not a one-element tensor"):
+        acc.update({"loss": torch.ones(3), "n_tokens": torch.tensor(3)})
+    with pytest.raises(ValueError, match="out: metric 'n_tokens' is not a one-element tensor"):
+        acc.update({"loss": torch.tensor(1.0), "n_tokens": 3})
     logits, targets = micro_batches(4)[0]
     acc.update(head_loss(logits, targets, SPEC, backend="reference"))
     with pytest.raises(ValueError, match="differ"):

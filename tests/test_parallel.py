@@ -370,14 +370,33 @@ def _rank_errors(rank: int, world: int, port: int, results) -> None:
             "rows_differ": (logits[:5] if rank == 1 else logits, ids[:5] if rank == 1 else ids),
             "target_out_of_range_on_rank_1": (logits, torch.where(torch.arange(6) == 2, V + 3, ids) if rank == 1
                                               else ids),
+            "logits_1d_on_rank_1": (logits[0] if rank == 1 else logits, ids),
         }
-        for name, (x, y) in cases.items():
-            before = COLLECTIVES["handshake"]
-            try:
-                head_loss(x, y, LossSpec(), group=dist.group.WORLD, validate="sync", backend="triton")
-                out[name] = ("ok", COLLECTIVES["handshake"] - before)
-            except ValueError as exc:
-                out[name] = (str(exc), COLLECTIVES["handshake"] - before)
+        grpo = LossSpec(cross_entropy=None, policy=Policy())
+        mask = torch.ones(2, 3)
+        if rank == 1:
+            mask[1, 2] = 0.5
+        policy_cases = {  # [2, 3] rows of the same logits
+            "policy_good": dict(advantages=torch.ones(2)),
+            "advantages_on_rank_1": dict(advantages=torch.ones(3 if rank == 1 else 2)),
+            "loss_mask_on_rank_1": dict(advantages=torch.ones(2), loss_mask=mask),
+        }
+        for backend in ("triton", "reference"):
+            for name, (x, y) in cases.items():
+                before = COLLECTIVES["handshake"]
+                try:
+                    head_loss(x, y, LossSpec(), group=dist.group.WORLD, validate="sync", backend=backend)
+                    out[backend, name] = ("ok", COLLECTIVES["handshake"] - before)
+                except ValueError as exc:
+                    out[backend, name] = (str(exc), COLLECTIVES["handshake"] - before)
+            for name, inputs in policy_cases.items():
+                before = COLLECTIVES["handshake"]
+                try:
+                    head_loss(logits.reshape(2, 3, -1), ids.reshape(2, 3), grpo, group=dist.group.WORLD,
+                              validate="sync", backend=backend, **inputs)
+                    out[backend, name] = ("ok", COLLECTIVES["handshake"] - before)
+                except ValueError as exc:
+                    out[backend, name] = (str(exc), COLLECTIVES["handshake"] - before)
         results[rank] = out
     finally:
         dist.destroy_process_group()
@@ -386,18 +405,31 @@ def _rank_errors(rank: int, world: int, port: int, results) -> None:
 @pytest.mark.slow
 @needs_kernel
 def test_a_bad_input_on_one_rank_raises_on_every_rank_with_sync_validation():
+    """Shapes and values, on the kernel path (the inputs' exchange, then the device's verdict) and on
+    the reference path (the rows' exchange before gathering the vocabulary, then the call's error)."""
     results = spawn_ranks(_rank_errors, 2)
     for rank in (0, 1):
         out = results[rank]
-        assert out["good"] == ("ok", 2)
-        message, handshakes = out["bad_targets_on_rank_1"]
-        assert handshakes == 1  # the inputs' check: nothing ran
-        assert ("targets: shape" in message) if rank == 1 else ("rank(s) [1] rejected" in message)
-        message, _ = out["rows_differ"]
-        assert "different row counts" in message
-        message, handshakes = out["target_out_of_range_on_rank_1"]
-        assert handshakes == 2  # inputs, then the device's verdict
-        assert (f"value {V + 3} at position (2,)" in message) if rank == 1 else ("rank(s) [1] found bad" in message)
+        for backend in ("triton", "reference"):
+            def expect(name, mine, others, handshakes, out=out, backend=backend, rank=rank):
+                message, count = out[backend, name]
+                assert count == handshakes, (backend, name, count)
+                assert (mine in message) if rank == 1 else (others in message), (backend, name, rank, message)
+
+            assert out[backend, "good"] == ("ok", 2)
+            assert out[backend, "policy_good"] == ("ok", 2)
+            # kernel: one exchange of the inputs' check, nothing ran; reference: the rows, then the check
+            expect("bad_targets_on_rank_1", "targets: shape", "rank(s) [1] rejected", 1 if backend == "triton" else 2)
+            expect("advantages_on_rank_1", "advantages: expected", "rank(s) [1] rejected",
+                   1 if backend == "triton" else 2)
+            # no vocabulary dimension: the layout exchange fails on every rank (rank 1 with its own error)
+            expect("logits_1d_on_rank_1", "logits: expected", "every rank needs a non-empty vocabulary shard", 0)
+            message, _ = out[backend, "rows_differ"]
+            assert "different row counts" in message
+            # values: the device's verdict (kernel) or the reference's check, exchanged
+            found = "rank(s) [1] found bad" if backend == "triton" else "rank(s) [1] rejected"
+            expect("target_out_of_range_on_rank_1", f"value {V + 3} at position (2,)", found, 2)
+            expect("loss_mask_on_rank_1", "loss_mask: the value at position (1, 2) is neither 0 nor 1", found, 2)
 
 
 def _rank_more_errors(rank: int, world: int, port: int, results) -> None:
@@ -415,11 +447,30 @@ def _rank_more_errors(rank: int, world: int, port: int, results) -> None:
         widths = _splits(world)
         hidden, weight = torch.randn(4, H), torch.randn(widths[rank], H)
         ids = torch.zeros(4 if rank == 0 else 3, dtype=torch.long)  # wrong on rank 1
-        try:
-            linear_head_loss(hidden, weight, ids, group=dist.group.WORLD, validate="sync", backend="triton")
-            out["linear_bad_targets"] = "ok"
-        except ValueError as exc:
-            out["linear_bad_targets"] = str(exc)
+        grpo = LossSpec(cross_entropy=None, policy=Policy())
+        mask = torch.ones(2, 2)
+        if rank == 1:
+            mask[0, 1] = 0.5
+        for backend in ("triton", "reference"):
+            calls = {
+                "linear_bad_targets": lambda backend=backend: linear_head_loss(
+                    hidden, weight, ids, group=dist.group.WORLD, validate="sync", backend=backend),
+                # a policy input checked after the targets (its error, too, reaches every rank)
+                "linear_advantages": lambda backend=backend: linear_head_loss(
+                    hidden.reshape(2, 2, H), weight, torch.zeros(2, 2, dtype=torch.long), grpo,
+                    group=dist.group.WORLD, validate="sync", backend=backend,
+                    advantages=torch.ones(3 if rank == 1 else 2)),
+                "linear_loss_mask": lambda backend=backend: linear_head_loss(
+                    hidden.reshape(2, 2, H), weight, torch.zeros(2, 2, dtype=torch.long), grpo,
+                    group=dist.group.WORLD, validate="sync", backend=backend, advantages=torch.ones(2),
+                    loss_mask=mask),
+            }
+            for name, call in calls.items():
+                try:
+                    call()
+                    out[backend, name] = "ok"
+                except ValueError as exc:
+                    out[backend, name] = str(exc)
         results[rank] = out
     finally:
         dist.destroy_process_group()
@@ -432,5 +483,10 @@ def test_an_empty_shard_and_a_bad_lm_head_input_raise_on_every_rank():
     for rank in (0, 1):
         out = results[rank]
         assert "non-empty vocabulary shard" in out["empty_shard"]
-        assert ("targets: shape" in out["linear_bad_targets"]) if rank == 1 else \
-            ("rank(s) [1] rejected" in out["linear_bad_targets"])
+        for backend in ("triton", "reference"):
+            found = "rank(s) [1] found bad" if backend == "triton" else "rank(s) [1] rejected"
+            for name, mine, others in (("linear_bad_targets", "targets: shape", "rank(s) [1] rejected"),
+                                       ("linear_advantages", "advantages: expected", "rank(s) [1] rejected"),
+                                       ("linear_loss_mask", "loss_mask: the value at position (0, 1)", found)):
+                message = out[backend, name]
+                assert (mine in message) if rank == 1 else (others in message), (backend, name, rank, message)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..spec import Policy
-from ..validation import count_value
+from ..validation import NOT_BINARY, count_value
 from .tables import LOSS_TYPES
 from .tokens import PolicyInputs, seq_of
 from .weights import aggregation_weights, rollout_weights
@@ -103,8 +103,12 @@ def policy_inputs(
             f"advantages: expected {per_seq}{tuple(token_shape)} per token, got {tuple(advantages.shape)}"
         )
     mask = targets != ignore_index
+    not_binary = None
     if "loss_mask" in present:
-        mask = mask & present["loss_mask"].bool()
+        loss_mask = present["loss_mask"]
+        mask = mask & loss_mask.bool()
+        if validate != "off" and loss_mask.dtype != torch.bool:  # found on the device with the targets
+            not_binary = (loss_mask != 0) & (loss_mask != 1)
     flat_mask = mask.reshape(-1)
 
     def flat(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -149,7 +153,10 @@ def policy_inputs(
             seq = seq_of(inputs) if spec_policy.rollout_is == "sequence" else None  # token mode: no index
             inputs.importance_weights = rollout_weights(masked(present["old_logprobs"]), inputs.rollout_logprobs,
                                                         inputs.mask, seq, inputs.n_slots, spec_policy)
-    return inputs, torch.where(mask, targets, ignore_index)
+    effective = torch.where(mask, targets, ignore_index)
+    if not_binary is not None:
+        effective = torch.where(not_binary, NOT_BINARY, effective.long())
+    return inputs, effective
 
 
 def sequences_in_batch(value: Any, policy: Policy, device: torch.device) -> float | torch.Tensor | None:

@@ -71,9 +71,10 @@ def rollout_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
     """Rollout correction weights (N,), no gradient: exp(old - rollout) per token or exp of the
     sequence's masked sum (TRL's vLLM importance sampling ratio, verl's rollout_is; verl's
     convention clamps the log-ratio to +-20), truncated to [min, max] or zeroed outside it,
-    optionally divided by the batch mean (verl's rollout_is_batch_normalize)."""
+    optionally divided by the batch mean (verl's rollout_is_batch_normalize). A NaN at a counted
+    token stays NaN (its weight, so the loss, is NaN); masked tokens never count."""
     with torch.no_grad():
-        log_ratio = torch.nan_to_num((old - rollout) * mask, nan=0.0)
+        log_ratio = torch.where(mask > 0, old - rollout, 0.0)
         if policy.rollout_is == "sequence":
             log_ratio = seq_sum(log_ratio, seq, n_slots)[seq]
         if policy.convention == "verl":
@@ -82,13 +83,13 @@ def rollout_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
         low, high = policy.rollout_is_min, policy.rollout_is_max
         if policy.rollout_is_mode == "truncate":
             weights = torch.clamp(weights, min=low, max=high)
-        else:
-            keep = torch.ones_like(weights, dtype=torch.bool)
+        else:  # zero the weights outside [low, high] (a NaN weight is not outside: it stays NaN)
+            drop = torch.zeros_like(weights, dtype=torch.bool)
             if low is not None:
-                keep = keep & (weights >= low)
+                drop = drop | (weights < low)
             if high is not None:
-                keep = keep & (weights <= high)
-            weights = torch.where(keep, weights, 0.0)
+                drop = drop | (weights > high)
+            weights = weights.masked_fill(drop, 0.0)
         if policy.rollout_is_batch_normalize:
             if policy.rollout_is == "token":
                 mean = (weights * mask).sum() / (mask.sum() + 1e-8)

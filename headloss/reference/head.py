@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..output import HeadLossOutput, guard_second_backward
 from ..spec import LossSpec
-from ..validation import Normaliser, raise_if_bad
+from ..validation import NOT_BINARY, Normaliser, raise_if_bad
 from .policy import reference_policy_loss
 
 
@@ -46,7 +46,7 @@ def reference_head_loss(
     backward: a second one (retain_graph=True) raises the same error."""
     if validate != "off" and targets is not None:
         _check_values(targets, logits.shape[-1], spec.ignore_index, num_items_in_batch,
-                      policy_inputs.get("sequence_ids"))
+                      policy_inputs.get("sequence_ids"), policy_inputs.get("loss_mask"))
     if compute_dtype is None:
         compute_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     token_shape = logits.shape[:-1]
@@ -184,10 +184,15 @@ class _OneBackward(torch.autograd.Function):
         return d_loss
 
 
-def _check_values(targets, vocab: int, ignore_index: int, num_items, sequence_ids) -> None:
+def _check_values(targets, vocab: int, ignore_index: int, num_items, sequence_ids, loss_mask=None) -> None:
     """The kernel path's device-side checks, on the host (the reference syncs freely), or as a
     device-side assert under torch.compile."""
+    targets = targets.long()  # (a narrow dtype would wrap the bounds: uint8 >= 300 is >= 44)
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+    if isinstance(loss_mask, torch.Tensor) and loss_mask.dtype != torch.bool:
+        not_binary = (loss_mask != 0) & (loss_mask != 1)
+        targets = torch.where(not_binary, NOT_BINARY, targets)  # its error names loss_mask
+        bad = bad | not_binary
     bad_items = None
     if isinstance(num_items, torch.Tensor):
         n = num_items.reshape(()).double()
@@ -201,7 +206,7 @@ def _check_values(targets, vocab: int, ignore_index: int, num_items, sequence_id
             if flag is not None:
                 ok = ok & ~flag
         torch._assert_async(ok, "headloss: a target outside [0, V), a num_items_in_batch that is not positive, "
-                                "or a sequence id out of range")
+                                "a sequence id out of range, or a loss_mask value neither 0 nor 1")
         return
     where = -1
     value = 0

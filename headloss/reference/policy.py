@@ -305,11 +305,12 @@ def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, p: Policy) -> torch.Tensor
 
 
 def rollout_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, p: Policy) -> torch.Tensor:
-    """TRL's vLLM importance sampling (``nan_to_num`` of the masked difference, per token or summed per
-    sequence; truncate or mask) and verl's rollout_is (the log ratio clamped to +-20; batch
-    normalisation)."""
+    """TRL's vLLM importance sampling (the masked difference, per token or summed per sequence;
+    truncate or mask) and verl's rollout_is (the log ratio clamped to +-20; batch normalisation).
+    TRL's ``nan_to_num`` of the difference is kept at masked tokens only: a NaN rollout log-prob at a
+    counted token makes its weight NaN, as any NaN input does."""
     with torch.no_grad():
-        diff = torch.nan_to_num((old - rollout) * mask, nan=0.0)
+        diff = torch.where(mask > 0, old - rollout, 0.0)
         if p.rollout_is == "sequence":
             diff = diff.sum(dim=-1, keepdim=True)
         if p.convention == "verl":
@@ -371,6 +372,9 @@ def aggregate(loss_mat, mask, p: Policy, num_items_in_batch, num_sequences) -> t
     over the sequences with counted tokens, or global_batch_size / dp_size)."""
     batch, length = loss_mat.shape
     kind: PolicyLossType = p.loss_type
+    # a count given as a one-element tensor divides as a number: the loss stays a scalar
+    num_items_in_batch, num_sequences = (c.reshape(()) if isinstance(c, torch.Tensor) else c
+                                         for c in (num_items_in_batch, num_sequences))
     if num_sequences is not None or (p.convention == "verl" and kind.startswith("seq-mean") and p.objective != "gmpo"):
         counts = mask.sum(-1)
         per_seq = (loss_mat * mask).sum(-1)
@@ -379,8 +383,9 @@ def aggregate(loss_mat, mask, p: Policy, num_items_in_batch, num_sequences) -> t
         n = num_sequences / p.num_processes if num_sequences is not None else (counts > 0).sum().clamp(min=1)
         loss = (per_seq * (counts > 0)).sum() / n
         return loss / length if kind == "seq-mean-token-sum-norm" else loss
+    sequences = max(batch, 1)  # (no sequences: a zero loss, as the kernels give, not the NaN of an empty mean)
     if kind in ("grpo", "seq-mean-token-mean"):
-        return ((loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        return ((loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / sequences
     if kind in ("bnpo", "token-mean"):
         return (loss_mat * mask).sum() / mask.sum().clamp(min=1.0)
     if kind == "dr_grpo":
@@ -389,7 +394,7 @@ def aggregate(loss_mat, mask, p: Policy, num_items_in_batch, num_sequences) -> t
         normalizer = mask.sum().clamp(min=1.0) if num_items_in_batch is None else num_items_in_batch / p.num_processes
         return (loss_mat * mask).sum() / normalizer
     if kind == "seq-mean-token-sum":
-        return (loss_mat * mask).sum(-1).mean()
+        return (loss_mat * mask).sum(-1).sum() / sequences
     if kind == "seq-mean-token-sum-norm":
         return (loss_mat * mask).sum(-1).sum() / length
     raise ValueError(f"policy.loss_type: {kind!r} has no reference aggregation")
