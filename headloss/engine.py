@@ -297,7 +297,7 @@ def objective_launch(plan: KernelPlan, rows: torch.Tensor, inp: PolicyInputs, **
     """kernels.policy.launch_policy_objective on the deferred mode's packed rows and flat policy inputs."""
     pol = plan.spec.policy
     cols = plan.cols
-    flags = objective_flags(pol)
+    flags = objective_flags(pol, inp.sequence_level)
     entropy = rows[:, cols.entropy] if cols.entropy >= 0 else None
     return launch_policy_objective(
         flags, plan.scalars, logp=rows[:, cols.logp], entropy=entropy, old=inp.old_logprobs, ref=inp.ref_logprobs,

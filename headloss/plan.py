@@ -138,17 +138,19 @@ class ObjectiveFlags(NamedTuple):
     OFF_POLICY: bool  # TRL's off-policy sequence mask
     ENT_BONUS: bool  # entropy_coef != 0: the entropy bonus, and its gradient
     ENT_TOKEN_MEAN: bool  # the bonus is a mean over the call's counted tokens (TRL), else weighted like the loss
-    SEQ_CLIP_MEANS: bool  # TRL's sequence-level ratios: the clip fractions are means over sequences
+    SEQ_CLIP_MEANS: bool  # TRL's sequence-level ratios with one advantage per sequence: the clip fractions are
+    # means over sequences, a sequence without counted tokens among them (fraction 0)
 
 
 @functools.lru_cache(maxsize=256)
-def objective_flags(pol) -> ObjectiveFlags:
-    """The policy term's flags for the deferred mode's objective kernels (a spec.Policy; cached)."""
+def objective_flags(pol, seq_clip_means: bool = False) -> ObjectiveFlags:
+    """The policy term's flags for the deferred mode's objective kernels (a spec.Policy; cached).
+    ``seq_clip_means``: the call's clip fractions are TRL's means over sequences (PolicyInputs.sequence_level)."""
     kl = pol.kl_beta != 0.0
     return ObjectiveFlags(
         OBJECTIVE=_kernel_code(pol.objective),
         CISPO_VERL=pol.objective == "cispo" and pol.convention == "verl",
-        LOG_RATIO_CLAMP=pol.convention == "verl" and OBJECTIVES[pol.objective].verl_clamp,
+        LOG_RATIO_CLAMP=pol.clamps_log_ratio,
         KL_EST=KL_ESTIMATORS[pol.kl_estimator].kernel if kl else 0,
         KL_CLAMP=kl and pol.kl_clamp and pol.kl_estimator == "k3",
         KL_K2_GRAD=kl and pol.kl_grad == "k2" and pol.kl_estimator != "k2",
@@ -157,7 +159,7 @@ def objective_flags(pol) -> ObjectiveFlags:
         OFF_POLICY=pol.off_policy_mask is not None,
         ENT_BONUS=pol.entropy_coef != 0.0,
         ENT_TOKEN_MEAN=pol.entropy_coef != 0.0 and pol.entropy_aggregation == "token-mean",
-        SEQ_CLIP_MEANS=pol.importance_sampling == "sequence",
+        SEQ_CLIP_MEANS=seq_clip_means,
     )
 
 

@@ -201,7 +201,7 @@ def _routes(plan: KernelPlan, facts: Facts) -> tuple[Route, ...]:
     # a deferred plan with a policy term
     objective = OBJECTIVES[pol.objective]
     by_kernels = (kernels and sequences and objective.row_local and pol.top_entropy_quantile == 1.0
-                  and not facts.inputs_want_grad)
+                  and not pol.separate_kl_entropy and not facts.inputs_want_grad)
     options = []
     if lm_head:
         options += _lm_head_routes(plan, facts, by_kernels, route)

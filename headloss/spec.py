@@ -136,7 +136,7 @@ class Policy(_Frozen):
     tokens); on the fused lm_head both read the selected rows' count to correct them (the base
     objective runs fused). ``convention`` picks TRL's or verl's
     definitions where they differ: CISPO's bounds, and verl's clamp of the log-ratio to +-20 before
-    exp (clip, cispo, sapo, dppo).
+    exp in its token-level losses (clip, cispo, sapo, dppo; not its gspo).
 
     importance sampling: ``token`` r = pi / pi_old per token; ``sequence`` (TRL's GSPO) r =
     exp(masked mean of log r over the sequence), gradient through every token; ``sequence_token``
@@ -170,6 +170,11 @@ class Policy(_Frozen):
     is ``dapo`` with num_items_in_batch = batch_num_tokens and num_processes = dp_size; its seq-mean
     modes (global_batch_size and dp_size) take the call's num_sequences_in_batch = global_batch_size
     and num_processes = dp_size (the mean over sequences divides by their ratio).
+
+    The KL penalty and the entropy bonus aggregate by ``kl_entropy_loss_type`` (None: loss_type),
+    as verl's ppo_loss aggregates them by loss_agg_mode beside gspo / sapo (whose policy loss is
+    seq-mean-token-mean) and geo_mean (under ``convention="verl"`` their agg_loss leaves out fully
+    masked sequences beside gmpo's mean over every sequence).
 
     KL penalty: ``kl_estimator`` k1 (logp - ref), k2 ((logp - ref)^2 / 2), k3 (exp(ref - logp) -
     (ref - logp) - 1), abs (|logp - ref|); ``kl_clamp`` verl's clamps (ref - logp to +-20, k3 to
@@ -221,13 +226,18 @@ class Policy(_Frozen):
                                "sequences: num_sequences_in_batch / num_processes")
     entropy_coef: float = Field(0.0, ge=0.0, description="entropy bonus: loss -= coef * aggregated entropy")
     entropy_aggregation: Literal["loss", "token-mean"] = Field(
-        "loss", description="the bonus's entropy aggregated like the loss (verl) or as a mean over the counted "
-        "tokens (TRL, over the top-entropy mask's tokens when it is on)")
+        "loss", description="the bonus's entropy aggregated like the KL penalty (verl) or as a mean over the "
+        "counted tokens (TRL, over the top-entropy mask's tokens when it is on)")
+    kl_entropy_loss_type: PolicyLossType | None = Field(
+        None, description="aggregation of the KL penalty and the entropy bonus (None: loss_type); verl's gspo "
+        "and sapo aggregate their objective by seq-mean-token-mean and these by loss_agg_mode")
 
     @model_validator(mode="after")
     def _dr_grpo_needs_length(self) -> Policy:
         if self.loss_type == "dr_grpo" and self.max_completion_length is None:
             raise ValueError("max_completion_length: required by loss_type 'dr_grpo'")
+        if self.kl_entropy_loss_type == "dr_grpo" and self.max_completion_length is None:
+            raise ValueError("max_completion_length: required by kl_entropy_loss_type 'dr_grpo'")
         if self.objective == "dro" and self.dro_beta is None:
             raise ValueError("dro_beta: required by objective 'dro'")
         if self.importance_sampling not in OBJECTIVES[self.objective].ratio_levels:
@@ -243,10 +253,28 @@ class Policy(_Frozen):
         return self
 
     @property
+    def clamps_log_ratio(self) -> bool:
+        """verl's token-level losses clamp log r to +-20 before exp (its ratio and its ppo_kl); its
+        sequence-level gspo does not."""
+        return (self.convention == "verl" and OBJECTIVES[self.objective].verl_clamp
+                and not IMPORTANCE_SAMPLING[self.importance_sampling].sequence)
+
+    @property
+    def separate_kl_entropy(self) -> bool:
+        """The KL penalty or the entropy bonus aggregates apart from the objective: by its own
+        kl_entropy_loss_type, or (verl's geo_mean, whose objective is a mean over every sequence) by
+        agg_loss over the sequences with counted tokens."""
+        if self.kl_beta == 0.0 and (self.entropy_coef == 0.0 or self.entropy_aggregation != "loss"):
+            return False
+        return (self.kl_entropy_loss_type not in (None, self.loss_type)
+                or (self.convention == "verl" and self.objective == "gmpo"))
+
+    @property
     def row_local(self) -> bool:
         """The objective needs nothing but each token's own values (the fused kernel computes it)."""
         return (OBJECTIVES[self.objective].row_local and not IMPORTANCE_SAMPLING[self.importance_sampling].sequence
-                and self.off_policy_mask is None and self.top_entropy_quantile == 1.0)
+                and self.off_policy_mask is None and self.top_entropy_quantile == 1.0
+                and not self.separate_kl_entropy)
 
 
 class LogitTransform(_Frozen):

@@ -329,7 +329,8 @@ def policy_sequence_kernel(
         tl.store(out + PART_AT.tokens, tokens)
         low_frac = tl.math.div_rn(tl.sum(s_low, axis=0), per)
         high_frac = tl.math.div_rn(tl.sum(s_high, axis=0), per)
-        tl.store(out + PART_AT.low_frac, tl.where(tokens > 0, low_frac, float("inf")))
+        # TRL's sequence-level clip fractions count a sequence without tokens as 0 (masked_seq_mean's x.squeeze(1))
+        tl.store(out + PART_AT.low_frac, tl.where((tokens > 0) | F.SEQ_CLIP_MEANS, low_frac, float("inf")))
         tl.store(out + PART_AT.neg_high_frac, tl.where(tokens > 0, -high_frac, float("inf")))
         has_nan = tl.max(nan, axis=0) != 0
         tl.store(out + PART_AT.ratio_min, tl.where(has_nan, float("nan"), tl.min(r_min, axis=0)))

@@ -317,7 +317,7 @@ def _objective(logp, old, adv, ratio, d_ratio, S, F: tl.constexpr):
         per_token = tl.where(adv < 0, dualled, per_token)
         d_per_token = tl.where(adv < 0, d_dualled, d_per_token)
         low = (ratio < lo) & (adv < 0)
-        high = (ratio > hi) & (adv > 0)
+        high = (capped > hi) & (adv > 0)  # TRL counts on the ratio capped at delta
     elif F.OBJECTIVE == CISPO:  # -sg(c) A logp
         if F.CISPO_VERL:
             coef = tl.minimum(tl.maximum(ratio, lo), hi)

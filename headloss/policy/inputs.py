@@ -12,7 +12,7 @@ from ..spec import Policy
 from ..validation import NOT_BINARY, count_value
 from .tables import LOSS_TYPES
 from .tokens import PolicyInputs, seq_of
-from .weights import aggregation_weights, rollout_weights
+from .weights import aggregation_weights, kl_entropy_weights, rollout_weights
 
 
 def policy_inputs(
@@ -144,7 +144,9 @@ def policy_inputs(
     inputs.num_sequences_in_batch = num_sequences
     inputs.quantile_group = quantile_group
     inputs.weight = aggregation_weights(inputs.mask, spec_policy, inputs)
-    inputs.sequence_level = spec_policy.importance_sampling == "sequence"
+    inputs.kl_entropy_weight = kl_entropy_weights(inputs.mask, spec_policy, inputs)
+    # TRL's [B, 1] ratios with [B] advantages: its clip indicators are one per sequence
+    inputs.sequence_level = spec_policy.importance_sampling == "sequence" and per_sequence
     inputs.seq_advantages = present["advantages"] if per_sequence else None
     if "rollout_logprobs" in present:
         masked = lambda t: torch.where(flat_mask, t.reshape(-1).float(), 0.0)  # noqa: E731
@@ -167,8 +169,10 @@ def sequences_in_batch(value: Any, policy: Policy, device: torch.device) -> floa
     if value is None:
         return None
     name = "num_sequences_in_batch"
-    if LOSS_TYPES[policy.loss_type].over != "sequences" or (
-            policy.loss_type == "seq-mean-token-sum-norm" and policy.convention != "verl"):
+    over_sequences = lambda kind: LOSS_TYPES[kind].over == "sequences" and not (  # noqa: E731
+        kind == "seq-mean-token-sum-norm" and policy.convention != "verl")
+    if not over_sequences(policy.loss_type) and not (
+            policy.separate_kl_entropy and over_sequences(policy.kl_entropy_loss_type or policy.loss_type)):
         raise ValueError(f"{name}: only for a mean over sequences (loss_type grpo, seq-mean-token-mean, "
                          f"seq-mean-token-sum, or seq-mean-token-sum-norm with convention='verl'), the spec has "
                          f"loss_type={policy.loss_type!r} and convention={policy.convention!r}")

@@ -34,15 +34,19 @@ def policy_metrics(logp, entropy, tok: TokenObjective, kl, mask, inp: PolicyInpu
         count = mask.sum()
         means = (torch.stack(rows) * mask).sum(dim=1) / count.clamp(min=1.0)
     out = dict(zip(names, means.float().unbind()))
-    if inp.sequence_level:  # TRL: one ratio per sequence, its clip fractions are means over sequences
+    empty = None
+    if inp.sequence_level:  # TRL: one ratio and one advantage per sequence, clip fractions are means over sequences
         with torch.no_grad():
             seq = seq_of(inp)
-            tokens = seq_sum(mask, seq, inp.n_slots).clamp(min=1.0)
+            tokens = seq_sum(mask, seq, inp.n_slots)
+            empty = (tokens == 0).any()
             n_seq = inp.n_seq.clamp(min=1) if isinstance(inp.n_seq, torch.Tensor) else max(inp.n_seq, 1)
             for name, t in (("clip_ratio/low_mean", low), ("clip_ratio/high_mean", high)):
-                out[name] = ((seq_sum(t * mask, seq, inp.n_slots) / tokens).sum() / n_seq).float()
+                out[name] = ((seq_sum(t * mask, seq, inp.n_slots) / tokens.clamp(min=1.0)).sum() / n_seq).float()
     clipfrac = out.pop("pg_clipfrac", None)
     out.update(extremes(out, tok.ratio, low, high, mask, count, inp, extremes_by_kernel))
+    if empty is not None:  # TRL's masked_seq_mean: a sequence without counted tokens enters nanmin as 0
+        out["clip_ratio/low_min"] = torch.where(empty, 0.0, out["clip_ratio/low_min"])
     if clipfrac is not None:
         out["pg_clipfrac"] = clipfrac
     out.update({k: v.float() for k, v in (tok.extra or {}).items()})

@@ -98,7 +98,7 @@ def _clip(logp, old, adv, ratio, policy: Policy) -> Surrogate:
         floor = -adv * policy.dual_clip_c
         dual = (adv < 0) & (loss > floor)
         loss = torch.where(adv < 0, torch.minimum(loss, floor), loss)
-    return Surrogate(loss, (ratio < lo) & (adv < 0), (ratio > hi) & (adv > 0), dual)
+    return Surrogate(loss, (ratio < lo) & (adv < 0), (r1 > hi) & (adv > 0), dual)  # (high: TRL's, on the capped ratio)
 
 
 def _cispo(logp, old, adv, ratio, policy: Policy) -> Surrogate:
@@ -172,7 +172,7 @@ def token_objective(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, po
     """A row-local objective per token (see :class:`headloss.spec.Policy`). ``seq_log_ratio``: with
     sequence-level importance sampling, each token's sequence log-ratio (with gradient)."""
     log_ratio = logp - old
-    if policy.convention == "verl" and OBJECTIVES[policy.objective].verl_clamp:
+    if policy.clamps_log_ratio:
         log_ratio = torch.clamp(log_ratio, -20.0, 20.0)
     ratio = torch.exp(log_ratio if seq_log_ratio is None else seq_log_ratio)
     surrogate = ROW_LOCAL[policy.objective](logp, old, adv, ratio, policy)
@@ -383,16 +383,20 @@ def policy_objective(
     tok = objective_of(logp, entropy, old, inp.advantages, inp.importance_weights, mask, seq_of(inp), inp.n_slots,
                        policy, inp.rollout_logprobs, inp.seq_advantages, inp.quantile_group)
     per_token = tok.loss
+    weight = inp.weight
+    aux_weight = weight if inp.kl_entropy_weight is None else inp.kl_entropy_weight
     kl = None
     if policy.kl_beta != 0.0:
         kl = kl_estimate(logp, inp.ref_logprobs, policy)
         if policy.kl_importance_correction:
             kl = kl * tok.ratio
-        per_token = per_token + policy.kl_beta * kl
-    weight = inp.weight
+        if inp.kl_entropy_weight is None:
+            per_token = per_token + policy.kl_beta * kl
     loss = (per_token * weight).sum()
+    if kl is not None and inp.kl_entropy_weight is not None:
+        loss = loss + policy.kl_beta * (kl * aux_weight).sum()
     if policy.entropy_coef != 0.0:
-        bonus = entropy_bonus_weight(policy, weight, mask, tok.high_entropy)
+        bonus = entropy_bonus_weight(policy, aux_weight, mask, tok.high_entropy)
         loss = loss - policy.entropy_coef * (entropy * bonus).sum()
     if not with_metrics:
         return loss, {}

@@ -23,9 +23,10 @@ class PolicyInputs:
     num_items_in_batch: float | torch.Tensor | None
     mask: torch.Tensor | None = None  # (N,) fp32, 1 where a token counts
     weight: torch.Tensor | None = None  # (N,) fp32 aggregation weight (aggregation_weights)
+    kl_entropy_weight: torch.Tensor | None = None  # (N,) the KL's and entropy bonus's, when apart (else weight)
     sequence_ids: torch.Tensor | None = None  # (N,) as given, for the device-side range check
     rollout_logprobs: torch.Tensor | None = None  # (N,) fp32, 0 at masked tokens
-    sequence_level: bool = False  # TRL's sequence-level ratios: clip fractions are means over sequences
+    sequence_level: bool = False  # TRL's sequence-level ratios with [B] advantages: clip fractions over sequences
     seq_advantages: torch.Tensor | None = None  # (B,) as given, when one per sequence of [B, T] tokens
     correction_metrics: dict | None = None  # lm_head base + correction (engine): the metrics the correction sets
     norm_length: int | None = None  # seq-mean-token-sum-norm's T when the rows are longer (padded)

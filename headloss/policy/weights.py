@@ -7,18 +7,23 @@ from __future__ import annotations
 import torch
 
 from ..spec import Policy
+from .tables import LOSS_TYPES
 from .tokens import PolicyInputs, seq_of, seq_sum
 
 
-def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -> torch.Tensor:
-    """Per-token weight w with loss = sum(w * per_token), as TRL / verl aggregate each loss type.
+def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs, kind: str | None = None
+                        ) -> torch.Tensor:
+    """Per-token weight w with loss = sum(w * per_token), as TRL / verl aggregate each loss type:
+    the objective's (``policy.loss_type``), or ``kind`` (the KL penalty's and entropy bonus's
+    kl_entropy_loss_type, aggregated as verl's agg_loss even beside geo_mean).
 
     Depends on the mask and sequence layout only, so it is computed once, without gradient.
     """
-    kind = policy.loss_type
-    global_count = inp.num_sequences_in_batch
+    own = kind is None
+    kind = policy.loss_type if own else kind
+    global_count = inp.num_sequences_in_batch if LOSS_TYPES[kind].over == "sequences" else None
     if global_count is not None or (policy.convention == "verl" and kind.startswith("seq-mean")
-                                    and policy.objective != "gmpo"):
+                                    and (policy.objective != "gmpo" or not own)):
         # verl's agg_loss: over global_batch_size / dp_size sequences when given, else over the
         # sequences with counted tokens (geo_mean's torch.mean counts every sequence)
         seq = seq_of(inp)
@@ -56,10 +61,19 @@ def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -
     raise ValueError(f"policy.loss_type: unknown {kind!r}")
 
 
+def kl_entropy_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -> torch.Tensor | None:
+    """The KL penalty's and the entropy bonus's per-token weights when they aggregate apart from the
+    objective (Policy.separate_kl_entropy; else None: the objective's weights)."""
+    if not policy.separate_kl_entropy:
+        return None
+    return aggregation_weights(mask, policy, inp, policy.kl_entropy_loss_type or policy.loss_type)
+
+
 def entropy_bonus_weight(policy: Policy, weight: torch.Tensor, mask: torch.Tensor,
                          high_entropy: torch.Tensor | None) -> torch.Tensor:
-    """Per-token weight of the entropy in the bonus: the loss's (verl), or TRL's mean over the counted
-    tokens (those the top-entropy mask keeps, ``high_entropy``, when it is on: TRL's effective_mask)."""
+    """Per-token weight of the entropy in the bonus: the KL penalty's (``weight``; verl), or TRL's mean
+    over the counted tokens (those the top-entropy mask keeps, ``high_entropy``, when it is on: TRL's
+    effective_mask)."""
     if policy.entropy_aggregation == "loss":
         return weight
     counted = mask if high_entropy is None else mask * high_entropy.to(mask.dtype)

@@ -56,9 +56,10 @@ def _masked_mean(x, mask, dim=None):
 
 
 def _log_ratio(b: Batch) -> torch.Tensor:
-    """``log_prob - old_log_prob``, clamped to +-20 where verl's objective clamps it."""
+    """``log_prob - old_log_prob``, clamped to +-20 where verl's token-level objective clamps it
+    (compute_policy_loss_gspo's ppo_kl reads it unclamped)."""
     negative_approx_kl = b.logp - b.old
-    if b.policy.convention == "verl" and b.policy.objective in VERL_CLAMPED:
+    if b.policy.convention == "verl" and b.policy.objective in VERL_CLAMPED and b.policy.importance_sampling == "token":
         negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
     return negative_approx_kl
 
@@ -95,7 +96,7 @@ def _clip(b: Batch) -> Objective:
         dual = (loss > floor) & (b.adv < 0)
         loss = torch.where(b.adv < 0, torch.min(floor, loss), loss)
     low = (coef_1 < 1 - p.eps_low) & (b.adv < 0)
-    high = (coef_1 > 1 + p.eps_high) & (b.adv > 0)
+    high = (capped > 1 + p.eps_high) & (b.adv > 0)  # TRL reassigns coef_1 = clamp(coef_1, max=delta) first
     return Objective(loss, coef_1, -_log_ratio(b).detach(), low, high, dual)
 
 
@@ -367,15 +368,21 @@ def high_entropy_mask(entropies, mask, threshold, group=None) -> torch.Tensor:
 # --- aggregation --------------------------------------------------------------------------------------------
 
 
-def aggregate(loss_mat, mask, p: Policy, num_items_in_batch, num_sequences) -> torch.Tensor:
+def aggregate(loss_mat, mask, p: Policy, num_items_in_batch, num_sequences, kind: PolicyLossType | None = None
+              ) -> torch.Tensor:
     """TRL's loss types (grpo, bnpo, dr_grpo, dapo) and verl's agg_loss (token-mean, seq-mean-*:
-    over the sequences with counted tokens, or global_batch_size / dp_size)."""
+    over the sequences with counted tokens, or global_batch_size / dp_size). ``kind``: another loss
+    type than the objective's (the KL penalty's and entropy bonus's), aggregated by agg_loss's rules
+    even beside geo_mean (verl's ppo_loss: ``agg_loss(kld, response_mask, loss_agg_mode)``)."""
     batch, length = loss_mat.shape
-    kind: PolicyLossType = p.loss_type
+    geo_mean = p.objective == "gmpo" and kind is None  # torch.mean over every sequence
+    kind = p.loss_type if kind is None else kind
+    if not kind.startswith("seq-mean") and kind != "grpo":
+        num_sequences = None  # (given for the objective's mean over sequences)
     # a count given as a one-element tensor divides as a number: the loss stays a scalar
     num_items_in_batch, num_sequences = (c.reshape(()) if isinstance(c, torch.Tensor) else c
                                          for c in (num_items_in_batch, num_sequences))
-    if num_sequences is not None or (p.convention == "verl" and kind.startswith("seq-mean") and p.objective != "gmpo"):
+    if num_sequences is not None or (p.convention == "verl" and kind.startswith("seq-mean") and not geo_mean):
         counts = mask.sum(-1)
         per_seq = (loss_mat * mask).sum(-1)
         if kind in ("grpo", "seq-mean-token-mean"):
@@ -466,26 +473,40 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
     if keep is not None:
         per_token_loss = per_token_loss * keep.to(per_token_loss.dtype)
     coef_1 = tok.ratio
+    # verl's ppo_loss aggregates its KL loss and entropy loss by loss_agg_mode apart from the policy
+    # loss (gspo and sapo take seq-mean-token-mean, geo_mean its own mean): kl_entropy_loss_type
+    apart = pol.kl_entropy_loss_type not in (None, pol.loss_type) or (pol.convention == "verl"
+                                                                       and pol.objective == "gmpo")
+    aux_kind = (pol.kl_entropy_loss_type or pol.loss_type) if apart else None
+    num_sequences = inputs.get("num_sequences_in_batch")
     per_token_kl = None
+    kl_loss = 0.0
     if pol.kl_beta != 0.0:
         per_token_kl = kl_penalty(per_token_logps, pad(inputs["ref_logprobs"]), pol)
         if pol.kl_importance_correction:
             per_token_kl = per_token_kl * coef_1
-        per_token_loss = per_token_loss + pol.kl_beta * per_token_kl
+        if apart:
+            kl_loss = pol.kl_beta * aggregate(per_token_kl, mask, pol, num_items_in_batch, num_sequences, aux_kind)
+        else:  # TRL: per_token_loss = per_token_loss + self.beta * per_token_kl
+            per_token_loss = per_token_loss + pol.kl_beta * per_token_kl
 
-    num_sequences = inputs.get("num_sequences_in_batch")
-    loss = aggregate(per_token_loss, mask, pol, num_items_in_batch, num_sequences)
+    loss = aggregate(per_token_loss, mask, pol, num_items_in_batch, num_sequences) + kl_loss
     if pol.entropy_coef != 0.0 and pol.entropy_aggregation == "token-mean":  # TRL: over its effective mask
         counted = mask if high_entropy is None else mask * high_entropy.to(mask.dtype)
         loss = loss - pol.entropy_coef * (ent * counted).sum() / counted.sum().clamp(min=1.0)
     elif pol.entropy_coef != 0.0:
-        loss = loss - pol.entropy_coef * aggregate(ent, mask, pol, num_items_in_batch, num_sequences)
-    return loss, _metrics(tok, per_token_logps, ent, per_token_kl, mask, high_entropy, pol)
+        loss = loss - pol.entropy_coef * aggregate(ent, mask, pol, num_items_in_batch, num_sequences, aux_kind)
+    return loss, _metrics(tok, per_token_logps, ent, per_token_kl, mask, high_entropy, pol,
+                          pol.importance_sampling == "sequence" and per_sequence_adv)
 
 
-def _metrics(tok: Objective, per_token_logps, ent, per_token_kl, mask, high_entropy, pol: Policy) -> dict:
+def _metrics(tok: Objective, per_token_logps, ent, per_token_kl, mask, high_entropy, pol: Policy,
+             per_sequence: bool) -> dict:
     """TRL's metric names (clip_ratio/*, ratio/*, logprob/mean, entropy, kl) and verl's (pg_clipfrac,
-    pg_clipfrac_lower, ppo_kl), branchless (no host reads)."""
+    pg_clipfrac_lower, ppo_kl), branchless (no host reads). ``per_sequence``: TRL's [B, 1] clip
+    indicators (sequence-level ratios, one advantage per sequence): global_masked_mean's
+    ``x.sum() / x.shape[0]`` and masked_seq_mean's ``x.squeeze(1)``, every sequence counted (an empty
+    one as 0); else its [B, T] branches, over counted tokens and over sequences with counted tokens."""
     never = torch.zeros_like(mask, dtype=torch.bool)
     with torch.no_grad():
         denom = mask.sum().clamp(min=1.0)
@@ -503,12 +524,13 @@ def _metrics(tok: Objective, per_token_logps, ent, per_token_kl, mask, high_entr
         one = torch.ones((), dtype=mask.dtype, device=mask.device)
         lowest = lambda t: torch.cat([t.reshape(-1), inf]).amin()  # noqa: E731  (defined when empty)
         highest = lambda t: torch.cat([t.reshape(-1), -inf]).amax()  # noqa: E731
-        # TRL's sequence-level ratios: clip fractions are means over the (padded) sequences
-        seq_mean = lambda t: (t.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / max(mask.shape[0], 1)  # noqa: E731
+        seq_mean = lambda t: frac(t).sum() / max(mask.shape[0], 1)  # noqa: E731
+        if per_sequence:
+            has = torch.ones_like(has)
         metrics = {
-            "clip_ratio/low_mean": seq_mean(low) if pol.importance_sampling == "sequence" else low.sum() / denom,
+            "clip_ratio/low_mean": seq_mean(low) if per_sequence else low.sum() / denom,
             "clip_ratio/low_min": torch.where(any_token, lowest(torch.where(has, frac(low), inf)), 0.0),
-            "clip_ratio/high_mean": seq_mean(high) if pol.importance_sampling == "sequence" else high.sum() / denom,
+            "clip_ratio/high_mean": seq_mean(high) if per_sequence else high.sum() / denom,
             "clip_ratio/high_max": torch.where(any_token, highest(torch.where(has, frac(high), -inf)), 0.0),
         }
         metrics["clip_ratio/region_mean"] = metrics["clip_ratio/low_mean"] + metrics["clip_ratio/high_mean"]

@@ -132,6 +132,63 @@ def test_grpo_loss_gradient_and_metrics_equal_trls_on_the_same_batch(tmp_path, l
     assert stock_metrics[clipped][0] > 0, "the batch should clip some ratios, or the test is weak"
 
 
+
+EDGES = {  # case -> (GRPOConfig changes, how the batch is changed)
+    "sequence-token_advantages": (dict(importance_sampling_level="sequence", epsilon=0.02, epsilon_high=0.03),
+                                  "token_advantages"),
+    "sequence-empty_completion": (dict(importance_sampling_level="sequence", epsilon=0.02, epsilon_high=0.03),
+                                  "all_low_clipped"),
+    "token-delta_below_the_clip": (dict(delta=1.05, epsilon_high=0.28), "all_high_clipped"),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=() if case == "sequence-empty_completion" else
+                                               pytest.mark.slow) for case in EDGES])
+def test_grpo_clip_metrics_equal_trls_at_their_edges(tmp_path, case):
+    """TRL's own _compute_loss on batches at the edges of its clip metrics: [B, T] advantages under
+    sequence-level ratios (its indicators are [B, T]: token means), a fully masked completion with every
+    other one low-clipped (masked_seq_mean gives it 0: clip_ratio/low_min 0), and delta below
+    1 + epsilon_high (the high indicator reads the ratio capped at delta: 0)."""
+    options, change = EDGES[case]
+    trainer = grpo(tmp_path, loss_type="grpo", **options)
+    model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    adv, old, mask = inputs["advantages"], inputs["old_per_token_logps"], inputs["completion_mask"]
+    with torch.no_grad():  # the policy moved since the rollout: ratios away from 1
+        gen = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    if change == "token_advantages":
+        inputs["advantages"] = adv[:, None] + torch.randn(mask.shape, generator=torch.Generator().manual_seed(2))
+    elif change == "all_low_clipped":  # A < 0 and every ratio e^-0.5
+        inputs["advantages"] = -adv.abs() - 0.1
+        inputs["old_per_token_logps"] = old + 0.5
+        mask[1] = 0
+    else:  # A > 0 and every ratio e^0.5, above 1 + epsilon_high but capped at delta
+        inputs["advantages"] = adv.abs() + 0.1
+        inputs["old_per_token_logps"] = old - 0.5
+
+    def run(method):
+        trainer._metrics["train"].clear()
+        model.zero_grad(set_to_none=True)
+        loss = method(trainer, model, inputs)
+        loss.backward()
+        return loss.detach(), {k: list(v) for k, v in trainer._metrics["train"].items()}
+
+    stock_loss, stock_metrics = run(trl.GRPOTrainer._compute_loss)
+    mine_loss, mine_metrics = run(HeadLossGRPOTrainer._compute_loss)
+    assert float(mine_loss) == pytest.approx(float(stock_loss), rel=1e-5, abs=1e-7)
+    for name, values in stock_metrics.items():
+        assert mine_metrics[name] == pytest.approx(values, rel=1e-5, abs=1e-6), name
+    if change != "all_high_clipped":  # (there every ratio is above 1 + epsilon_high: TRL counts none of them)
+        assert stock_metrics["clip_ratio/region_mean"][0] > 0, "the batch should clip some ratios, or the test is weak"
+    if change == "all_low_clipped":
+        assert stock_metrics["clip_ratio/low_min"] == [0.0] and stock_metrics["clip_ratio/low_mean"][0] > 0.5
+    if change == "all_high_clipped":
+        assert stock_metrics["clip_ratio/high_mean"] == [0.0]
+
 @pytest.mark.slow
 def test_grpo_two_training_steps_match_trl(tmp_path):
     stock = grpo(tmp_path / "stock", cls=trl.GRPOTrainer)

@@ -1483,3 +1483,232 @@ def test_lm_head_sum_norm_divides_by_the_completion_length_with_completion_ids(c
     out = headloss.linear_head_loss(hidden, weight, targets, spec, shift=True, **inputs)
     want = head_loss(hidden @ weight.T, targets, spec, shift=True, backend="reference", **inputs)
     assert_close_norm(out.loss, want.loss, rtol=1e-5, atol=1e-7, name="loss")
+
+
+# --- conventions at their edges -----------------------------------------------------------------
+# Each oracle below is the upstream lines, quoted; both paths and every route that can run the call
+# (the sequence kernels, the torch ops, the fused epilogue) are held to them.
+
+
+def trl_clip_metrics(per_token_logps, old_per_token_logps, advantages, mask, cfg):
+    """GRPOTrainer._compute_loss (TRL 1.16.0) for the grpo/bnpo/dr_grpo/dapo/luspo branch: its
+    coef_1, the delta reassignment and the clip metrics, one process.
+
+        if advantages.dim() == 1: advantages = advantages.unsqueeze(1)
+        log_importance_weights = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)   # "sequence"
+        log_importance_weights = log_importance_weights.unsqueeze(-1)
+        coef_1 = torch.exp(log_importance_weights)
+        coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)
+        if self.args.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=self.args.delta)
+        ...
+        def masked_seq_mean(x):
+            if x.shape[1] == 1:  # when importance_sampling_level == "sequence": already one value per sequence
+                return x.squeeze(1)
+            return (x * mask).sum(-1) / mask.sum(-1)
+        is_low_clipped = (coef_1 < 1 - self.epsilon_low) & (advantages < 0)
+        is_high_clipped = (coef_1 > 1 + self.epsilon_high) & (advantages > 0)
+        is_region_clipped = is_low_clipped | is_high_clipped
+        ... global_masked_mean(is_low_clipped.float()) ...
+        gathered_low_clip = self.accelerator.gather(masked_seq_mean(is_low_clipped.float()))
+        self._metrics[mode]["clip_ratio/low_min"].append(nanmin(gathered_low_clip).item())
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    log_ratio = per_token_logps - old_per_token_logps
+    if cfg["importance_sampling_level"] == "token":
+        log_importance_weights = log_ratio
+    else:
+        log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_importance_weights)
+    if cfg["delta"] is not None:
+        coef_1 = torch.clamp(coef_1, max=cfg["delta"])
+
+    def masked_seq_mean(x):
+        if x.shape[1] == 1:
+            return x.squeeze(1)
+        return (x * mask).sum(-1) / mask.sum(-1)
+
+    is_low_clipped = (coef_1 < 1 - cfg["epsilon_low"]) & (advantages < 0)
+    is_high_clipped = (coef_1 > 1 + cfg["epsilon_high"]) & (advantages > 0)
+    is_region_clipped = is_low_clipped | is_high_clipped
+    low_seq, high_seq = masked_seq_mean(is_low_clipped.double()), masked_seq_mean(is_high_clipped.double())
+    return {
+        "clip_ratio/low_mean": global_masked_mean(is_low_clipped.double(), mask),
+        "clip_ratio/high_mean": global_masked_mean(is_high_clipped.double(), mask),
+        "clip_ratio/region_mean": global_masked_mean(is_region_clipped.double(), mask),
+        "clip_ratio/low_min": low_seq[~low_seq.isnan()].min(),  # trl.trainer.utils.nanmin
+        "clip_ratio/high_max": high_seq[~high_seq.isnan()].max(),  # nanmax
+    }
+
+
+TRL_EDGES = {  # case -> (importance_sampling, per-token advantages, a fully masked sequence, delta)
+    "sequence-token_advantages": ("sequence", True, False, None),
+    "sequence-empty_sequence": ("sequence", False, True, None),
+    "sequence-token_advantages-empty_sequence": ("sequence", True, True, None),
+    "token-delta_below_the_clip": ("token", False, False, 1.1),
+    "token-empty_sequence": ("token", False, True, None),
+}
+
+
+def policy_routes(logits, targets, spec, inputs, backend="triton") -> list[str]:
+    """Every route that can run the call (the default first)."""
+    from headloss.plan import compile_plan
+    from headloss.routes import facts_of, routes_for
+
+    plan = compile_plan(spec, has_targets=True)
+    facts = facts_of("logits", backend, logits.device, tuple(targets.shape), inputs, sharded=False)
+    return [route.name for route in routes_for(plan, facts)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", list(TRL_EDGES))
+def test_trl_clip_metrics_follow_compute_loss_at_its_edges(case):
+    """Sequence-level ratios with [B, T] advantages (TRL's indicators are [B, T]: token means), a fully
+    masked sequence at sequence level (masked_seq_mean gives it 0, so clip_ratio/low_min is 0), and
+    ``delta`` below 1 + epsilon_high (the high indicator reads the capped ratio: never clipped)."""
+    level, per_token_adv, empty, delta = TRL_EDGES[case]
+    logits, targets, mask, adv, old, _, _ = make_case(61, per_token_adv=per_token_adv)
+    _, logp = oracle_logp(logits, targets)
+    logp = logp.detach()
+    if empty:
+        mask[1] = 0
+    if case == "sequence-empty_sequence":  # every counted sequence low-clipped: A < 0, ratio e^-0.5
+        adv = -adv.abs() - 0.1
+        old = logp + 0.5
+    if delta is not None:  # ratios e^0.5 on A > 0: clipped high by the ratio, not by its cap at delta
+        adv = adv.abs() + 0.1
+        old = torch.where(torch.arange(T) % 2 == 0, logp - 0.5, old)
+    cfg = dict(importance_sampling_level=level, epsilon_low=0.2, epsilon_high=0.28, delta=delta)
+    want = trl_clip_metrics(logp, old, adv, mask.double(), cfg)
+    if case == "sequence-empty_sequence":
+        assert float(want["clip_ratio/low_min"]) == 0.0 and float(want["clip_ratio/low_mean"]) > 0.5
+    if delta is not None:
+        assert float(want["clip_ratio/high_mean"]) == 0.0 and bool(((old - logp) < -0.3).any())
+    spec = LossSpec(cross_entropy=None, policy=Policy(importance_sampling=level, eps_low=0.2, eps_high=0.28,
+                                                      delta=delta, loss_type="grpo"))
+    inputs = dict(advantages=adv, old_logprobs=old, loss_mask=mask)
+    for backend in ("triton", "reference"):
+        for route in policy_routes(logits, targets, spec, inputs, backend):
+            out = head_loss(logits, targets, spec, backend=backend, route=route, **floats(inputs))
+            for name, value in want.items():
+                assert_close_norm(out.metrics[name], value, rtol=1e-6, atol=1e-6, name=f"{route} {name}")
+    hidden, weight = torch.randn(B, T, 8, generator=generator(3)), torch.randn(V, 8, generator=generator(4))
+    lm_want = trl_clip_metrics(torch.log_softmax((hidden @ weight.T).double(), -1).gather(
+        -1, targets[..., None])[..., 0], old, adv, mask.double(), cfg)
+    out = headloss.linear_head_loss(hidden, weight, targets, spec, **floats(inputs))
+    for name, value in lm_want.items():
+        assert_close_norm(out.metrics[name], value, rtol=1e-5, atol=1e-6, name=f"{out.route} {name}")
+
+
+@needs_kernel
+def test_verl_gspo_ppo_kl_reads_the_unclamped_log_ratio():
+    """compute_policy_loss_gspo clamps nothing at +-20 (``negative_approx_kl = log_prob - old_log_prob``;
+    ``ppo_kl = verl_F.masked_mean(-negative_approx_kl, response_mask)``), unlike its token-level
+    losses (``negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)``)."""
+    logits, targets, mask, adv, old, _, _ = make_case(67)
+    leaf, log_prob = oracle_logp(logits, targets)
+    old = old.clone()
+    old[0, 0], old[1, 0] = log_prob[0, 0].detach() + 25.0, log_prob[1, 0].detach() - 30.0
+    cfg = dict(clip_ratio_low=0.2, clip_ratio_high=0.28)
+    loss, metrics = verl_sequence_loss("gspo", old, log_prob, adv[:, None].expand(B, T), mask.double(), cfg)
+    loss.backward()
+    assert abs(float(metrics["ppo_kl"].detach())) > 0.2  # the clamp would move it by 15 / 16 tokens
+    policy = Policy(importance_sampling="sequence_token", convention="verl", loss_type="seq-mean-token-mean",
+                    eps_low=0.2, eps_high=0.28)
+    spec, inputs = LossSpec(cross_entropy=None, policy=policy), dict(advantages=adv, old_logprobs=old, loss_mask=mask)
+    for route in policy_routes(logits, targets, spec, inputs):
+        got = {}
+        for backend in ("triton", "reference"):
+            leaf_b = logits.detach().clone().requires_grad_()
+            out = head_loss(leaf_b, targets, spec, backend=backend, route=route if backend == "triton" else None,
+                            **floats(inputs))
+            out.loss.backward()
+            got[f"{backend} {out.route}"] = (out, leaf_b.grad)
+        compare(got, loss.detach(), leaf.grad, {"ppo_kl": metrics["ppo_kl"]}, torch.float32)
+
+
+VERL_AUX = {  # case -> (verl loss mode, loss_agg_mode): gspo and sapo force seq-mean-token-mean, geo_mean its mean
+    "gspo-token-mean": ("gspo", "token-mean"),
+    "sapo-token-mean": ("sapo", "token-mean"),
+    "sapo-seq-mean-token-sum": ("sapo", "seq-mean-token-sum"),
+    "geo_mean-token-mean": ("geo_mean", "token-mean"),
+    "geo_mean-seq-mean-token-mean": ("geo_mean", "seq-mean-token-mean"),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", list(VERL_AUX))
+def test_verl_kl_and_entropy_losses_aggregate_by_loss_agg_mode(case):
+    """verl/workers/utils/losses.py ppo_loss, after the policy loss (whose gspo / sapo force
+    ``loss_agg_mode="seq-mean-token-mean"`` and geo_mean takes ``torch.mean(pg_losses)``):
+
+        entropy_loss = agg_loss(loss_mat=entropy, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, ...)
+        policy_loss -= entropy_coeff * entropy_loss
+        kld = kl_penalty(logprob=log_prob, ref_logprob=ref_log_prob, kl_penalty=config.kl_loss_type)
+        kl_loss = agg_loss(loss_mat=kld, loss_mask=response_mask, loss_agg_mode=config.loss_agg_mode, ...)
+        policy_loss += kl_loss * config.kl_loss_coef
+
+    with a fully masked response (agg_loss's seq-mean modes leave it out; geo_mean's mean counts it)."""
+    mode, agg = VERL_AUX[case]
+    logits, targets, mask, adv, old, ref, _ = make_case(71, noise=0.4)
+    mask[2] = 0
+    leaf = logits.detach().double().requires_grad_()
+    logp_all = torch.log_softmax(leaf, -1)
+    log_prob = logp_all.gather(-1, targets[..., None])[..., 0]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    advs, m = adv[:, None].expand(B, T), mask.double()
+    cfg = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=agg, tau_pos=1.0, tau_neg=1.05)
+    if mode == "sapo":
+        pg_loss, _ = verl_policy_loss("sapo", old, log_prob, advs, m, cfg)
+    else:
+        pg_loss, _ = verl_sequence_loss(mode, old, log_prob, advs, m, cfg)
+    policy_loss = pg_loss - 0.03 * verl_agg_loss(entropy, m, agg)
+    policy_loss = policy_loss + verl_agg_loss(verl_kl_penalty(log_prob, ref, "low_var_kl"), m, agg) * 0.1
+    policy_loss.backward()
+    own = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "geo_mean": agg}[mode]
+    if mode == "geo_mean" and agg == "token-mean":
+        own = "seq-mean-token-mean"
+    policy = Policy(objective={"geo_mean": "gmpo", "gspo": "clip"}.get(mode, mode), convention="verl",
+                    importance_sampling="sequence_token" if mode == "gspo" else "token", loss_type=own,
+                    kl_entropy_loss_type=None if own == agg else agg, eps_low=0.2, eps_high=0.28,
+                    kl_beta=0.1, kl_estimator="k3", kl_clamp=True, entropy_coef=0.03)
+    assert policy.separate_kl_entropy
+    spec = LossSpec(cross_entropy=None, policy=policy)
+    inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask)
+    got = run_both(logits, targets, spec, inputs)
+    compare(got, policy_loss.detach(), leaf.grad, {}, torch.float32)
+    hidden = torch.randn(B, T, 8, generator=generator(5), dtype=torch.float64).requires_grad_()
+    weight = torch.randn(V, 8, generator=generator(6), dtype=torch.float64) / 2
+    want = head_loss(hidden @ weight.T, targets, spec, backend="reference", **inputs)
+    want.loss.backward()
+    lm_hidden = hidden.detach().float().requires_grad_()
+    out = headloss.linear_head_loss(lm_hidden, weight.float(), targets, spec, **floats(inputs))
+    out.loss.backward()
+    assert_close_norm(out.loss, want.loss, rtol=1e-5, atol=1e-6, name=f"{out.route} loss")
+    assert_close_norm(lm_hidden.grad.double(), hidden.grad, rtol=1e-4, atol=1e-8, name=f"{out.route} grad")
+
+
+@needs_kernel
+def test_verl_kl_and_entropy_aggregation_takes_the_global_counts_of_its_own_loss_type():
+    """verl passes one global_batch_info to every agg_loss: token-mean divides by batch_num_tokens,
+    seq-mean-token-mean by global_batch_size (each times dp_size); the KL's aggregation takes the
+    count of its own loss type."""
+    logits, targets, mask, adv, old, ref, _ = make_case(73, noise=0.4)
+    leaf, log_prob = oracle_logp(logits, targets)
+    m, advs = mask.double(), adv[:, None].expand(B, T)
+    pg = verl_agg_loss_global(-log_prob * advs, m, "seq-mean-token-mean", dp_size=2, global_batch_size=5)  # gpg
+    kl = verl_agg_loss_global(verl_kl_penalty(log_prob, ref, "low_var_kl"), m, "token-mean", dp_size=2,
+                              global_batch_size=5, batch_num_tokens=23)
+    (pg + 0.1 * kl).backward()
+    policy = Policy(objective="gpg", convention="verl", loss_type="seq-mean-token-mean", kl_entropy_loss_type="dapo",
+                    num_processes=2, kl_beta=0.1, kl_estimator="k3", kl_clamp=True)
+    spec = LossSpec(cross_entropy=None, policy=policy)
+    inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, num_sequences_in_batch=5)
+    got = {}
+    for backend in ("triton", "reference"):
+        leaf_b = logits.detach().clone().requires_grad_()
+        out = head_loss(leaf_b, targets, spec, backend=backend, num_items_in_batch=23, **floats(inputs))
+        out.loss.backward()
+        got[backend] = (out, leaf_b.grad)
+    compare(got, (pg + 0.1 * kl).detach(), leaf.grad, {}, torch.float32)

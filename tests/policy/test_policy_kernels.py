@@ -711,6 +711,7 @@ def policy_cases(draw):
         max_completion_length=draw(st.integers(3, 8)) if loss_type == "dr_grpo" else None,
         num_processes=draw(st.sampled_from([1, 2])),
         entropy_coef=draw(st.sampled_from([0.0, 0.02])),
+        kl_entropy_loss_type=draw(st.sampled_from([None, None, "token-mean", "seq-mean-token-mean", "grpo"])),
     )
     spec = LossSpec(
         policy=policy,
