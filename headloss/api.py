@@ -31,6 +31,7 @@ from .inputs import (
 )
 from .linear import LinearFunction, LinearRun
 from .output import HeadLossOutput, assemble, assemble_deferred
+from .packed import packed_call, packed_policy_inputs, packed_rows, packed_targets
 from .parallel import dtensor_shard, gather_vocab, handshake, is_dtensor, rows_shard, shard_of
 from .plan import KernelPlan, SpecLike, plan_for
 from .policy.inputs import policy_inputs
@@ -82,6 +83,8 @@ def head_loss(
     num_sequences_in_batch: int | float | torch.Tensor | None = None,
     entropy_quantile_group: Any = None,
     shift: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
     inplace_grad: bool = False,
     validate: Validate = None,
     backend: Backend = "auto",
@@ -121,6 +124,14 @@ def head_loss(
             each sequence is not scored and its gradient row is 0. Per-token outputs and policy
             inputs are shaped like ``targets`` and entry t belongs to logits row t. The kernel
             reads the full tensor and writes a full-size gradient: autograd never slices.
+        cu_seqlens, position_ids: packed sequences (:mod:`headloss.packed`): ``logits`` [N, V] (or
+            [1, N, V]) hold several sequences back to back, sequence s in rows ``cu_seqlens[s]:
+            cu_seqlens[s + 1]`` (int32/int64 [S + 1]), or starting where ``position_ids`` ([N] or
+            [1, N]) is 0. ``targets`` [N]: with ``shift`` row i is scored against the next token of
+            its own sequence, without against ``targets[i]``; a sequence's last row is never
+            scored. The policy term's sequences are these (``sequence_ids`` is not given), its
+            per-token inputs [N], advantages [N] or (with cu_seqlens) [S]: every value equals the
+            padded [S, T] call's on the same tokens. Per-token outputs are [N].
         inplace_grad: write d loss / d logits over ``logits`` (saves N*V memory). The logits
             are then destroyed: nothing else may use them afterwards. (Ignored under
             torch.compile, whose buffers Inductor owns.)
@@ -168,6 +179,10 @@ def head_loss(
                         entropy_quantile_group=entropy_quantile_group)
     plan = plan_for(spec, has_targets=targets is not None)
     spec = plan.spec
+    if cu_seqlens is not None or position_ids is not None:
+        logits, targets, teacher_logits, policy_given = packed_call(
+            logits, targets, teacher_logits, policy_given, cu_seqlens, position_ids, shift, spec, validate)
+        shift = False
     if (route is None and group is None and spec.policy is None and not traced
             and all(value is None for value in policy_given.values())):
         recipe = _recipe_of(plan, logits, targets, teacher_logits, shift, inplace_grad, validate, backend)
@@ -429,6 +444,8 @@ def linear_head_loss(
     *,
     bias: torch.Tensor | None = None,
     shift: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
     teacher_logits: torch.Tensor | None = None,
     teacher_hidden: torch.Tensor | None = None,
     teacher_weight: torch.Tensor | None = None,
@@ -485,8 +502,8 @@ def linear_head_loss(
             logits are then computed chunk by chunk too (and recomputed in a deferred backward).
         advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, rollout_logprobs,
             sequence_ids: the policy term's inputs, as in :func:`head_loss`.
-        validate, backend, num_items_in_batch, num_sequences_in_batch, entropy_quantile_group, route:
-            as in :func:`head_loss`.
+        validate, backend, num_items_in_batch, num_sequences_in_batch, entropy_quantile_group, route,
+            cu_seqlens, position_ids: as in :func:`head_loss` (packed ``hidden`` [N, H] or [1, N, H]).
         group: a vocab-parallel (column-parallel) lm_head: ``weight`` (and ``bias``) are this rank's
             contiguous rows of the vocabulary, ``hidden`` and the targets are replicated. Outputs
             are replicated, dW / db are this rank's rows, dh is summed over the group once (the
@@ -498,7 +515,8 @@ def linear_head_loss(
     states and weights (student and teacher) are cast to it, and their gradients flow back to
     the original dtypes.
     """
-    kwargs = dict(bias=bias, shift=shift, teacher_logits=teacher_logits, teacher_hidden=teacher_hidden,
+    kwargs = dict(bias=bias, shift=shift, cu_seqlens=cu_seqlens, position_ids=position_ids,
+                  teacher_logits=teacher_logits, teacher_hidden=teacher_hidden,
                   teacher_weight=teacher_weight, teacher_bias=teacher_bias, advantages=advantages,
                   old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_mask=loss_mask,
                   importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
@@ -520,8 +538,9 @@ def linear_head_loss(
     return _linear_head_loss(hidden, weight, targets, spec, **kwargs)
 
 
-def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_logits, teacher_hidden, teacher_weight,
-                      teacher_bias, advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights,
+def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, cu_seqlens, position_ids, teacher_logits,
+                      teacher_hidden, teacher_weight, teacher_bias, advantages, old_logprobs, ref_logprobs, loss_mask,
+                      importance_weights,
                       rollout_logprobs, sequence_ids, num_items_in_batch, num_sequences_in_batch,
                       entropy_quantile_group, chunk_bytes, fp32_weight_grad, compact, validate, backend, group,
                       route) -> HeadLossOutput:
@@ -547,6 +566,18 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
     mode = validation_mode(validate)
     error = None
     try:  # every host-side check; with a group and validate="sync", every rank learns of any rank's error
+        packed = None
+        if cu_seqlens is not None or position_ids is not None:
+            if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and hidden.shape[0] == 1:
+                hidden = hidden[0]
+                teacher_hidden, teacher_logits = (t[0] if isinstance(t, torch.Tensor) and t.dim() == 3 else t
+                                                  for t in (teacher_hidden, teacher_logits))
+            if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
+                raise ValueError(f"cu_seqlens: packed rows are [N, H] or [1, N, H], got "
+                                 f"{getattr(hidden, 'shape', hidden)}")
+            packed = packed_rows(hidden.shape[0], hidden.device, cu_seqlens, position_ids)
+            targets = packed_targets(targets, packed, shift, spec.ignore_index, mode)
+            shift = False
         check_linear_inputs(hidden, weight, bias)
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes: expected a positive number of bytes, got {chunk_bytes!r}")
@@ -564,6 +595,8 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, teacher_log
                      sequence_ids=sequence_ids)
         if shift and targets.shape != token_shape:  # completion ids: per-token inputs get the unscored last row
             given = {k: _pad_last(v, k) for k, v in given.items()}
+        if packed is not None and spec.policy is not None:
+            given = packed_policy_inputs(given, packed)
         given["num_sequences_in_batch"] = num_sequences_in_batch
         given["entropy_quantile_group"] = entropy_quantile_group
         backend = resolve_backend(backend, hidden.device, hidden.dtype, name="hidden")

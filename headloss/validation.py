@@ -34,6 +34,11 @@ NOT_BINARY = -(2**63)
 vocabulary, so the device check that finds bad targets finds it, and its error names loss_mask."""
 
 
+BAD_PACKING = -(2**63) + 1
+"""The effective target of packed rows' first row when ``cu_seqlens`` is not 0 = c_0 <= ... <= c_S = N:
+the device check of the targets finds it, and its error names cu_seqlens."""
+
+
 def validation_mode(validate: Validate) -> Literal["async", "sync", "off"]:
     """validate=None reads HEADLOSS_VALIDATE: 0 (off), sync, or anything else (on, asynchronous)."""
     if validate is None:
@@ -213,6 +218,9 @@ def raise_if_bad(values: list[int], targets_shape: tuple[int, ...], vocab: int, 
     if where >= 0:
         position = tuple(int(i) for i in torch.unravel_index(torch.tensor(where), targets_shape)) \
             if targets_shape else (where,)
+        if value == BAD_PACKING:
+            rows = math.prod(targets_shape)
+            raise ValueError(f"cu_seqlens: expected row offsets 0 = c_0 <= c_1 <= ... <= c_S = {rows}, the rows{later}")
         if value == NOT_BINARY:
             raise ValueError(f"loss_mask: the value at position {position} is neither 0 nor 1 (the mask says which "
                              f"tokens count; a token's weight goes in importance_weights){later}")

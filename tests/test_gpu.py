@@ -859,3 +859,22 @@ def test_lm_head_sequence_statistics_match_fp64_reference(objective):
     assert _rel(x.grad, x64.grad) < 1e-4 and _rel(w.grad, w64.grad) < 1e-4
     for name, value in ref.metrics.items():
         assert torch.allclose(out.metrics[name].double(), value.double(), rtol=1e-4, atol=1e-5), name
+
+
+@pytest.mark.parametrize("name", ["sft", "grpo-dapo", "gspo", "gmpo"])
+def test_packed_rows_equal_the_padded_call_on_the_compiled_kernels(name):
+    """Packed sequences (cu_seqlens and position_ids) on CUDA: value, gradient and metrics of the
+    logits path and the fused lm_head equal the padded [S, T] call's on the same tokens."""
+    from test_packed import SPECS, assert_equal_calls, packed_case, run
+
+    spec = SPECS[name]
+    for packed_by in ("cu_seqlens", "position_ids"):
+        lengths = [700, 1, 0, 257, 1500, 64, 3, 900]
+        if packed_by == "position_ids":  # (a sequence without rows has no position 0)
+            lengths = [length for length in lengths if length]
+        packed, padded, where = packed_case(lengths, seed=3, vocab=4099, per_sequence_adv=packed_by == "cu_seqlens")
+        packed, padded = ({k: v.cuda() for k, v in d.items()} for d in (packed, padded))
+        where = tuple(t.cuda() for t in where)
+        assert_equal_calls(run(packed, spec, "triton", packed_by), run(padded, spec, "triton"), where, rtol=1e-4)
+        assert_equal_calls(run(packed, spec, "triton", packed_by, entry="hidden"),
+                           run(padded, spec, "triton", entry="hidden"), where, rtol=1e-4)

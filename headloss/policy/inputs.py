@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..packed import Packed, packed_per_sequence
 from ..spec import Policy
 from ..validation import NOT_BINARY, count_value
 from .tables import LOSS_TYPES
@@ -73,6 +74,9 @@ def policy_inputs(
         n_slots, n_seq = batch, batch
         if "sequence_ids" in present:
             raise ValueError("sequence_ids: only for [N, V] logits; [B, T, V] logits give the sequences")
+    elif isinstance(present.get("sequence_ids"), Packed):  # packed rows: their boundaries are the sequences
+        packed = present["sequence_ids"]
+        seq, n_slots, n_seq, seq_len = packed.seq, packed.n_slots, packed.n_seq, packed.max_len
     else:
         if "sequence_ids" not in present:
             raise ValueError("sequence_ids: required by policy for [N, V] logits (the sequence of each row)")
@@ -96,9 +100,13 @@ def policy_inputs(
     advantages = present["advantages"]
     if not isinstance(advantages, torch.Tensor) or advantages.device != device:
         raise ValueError(f"advantages: expected a tensor on {device}")
-    per_sequence = len(token_shape) == 2 and tuple(advantages.shape) == (token_shape[0],)
+    packed = present.get("sequence_ids") if isinstance(present.get("sequence_ids"), Packed) else None
+    per_sequence = (len(token_shape) == 2 and tuple(advantages.shape) == (token_shape[0],)) or (
+        packed is not None and packed.per_sequence and packed_per_sequence(advantages.shape, packed.n_slots, rows))
     if not per_sequence and tuple(advantages.shape) != tuple(token_shape):
-        per_seq = f"[{token_shape[0]}] per sequence or " if len(token_shape) == 2 else ""
+        per_seq = f"[{token_shape[0]}] per sequence or " if len(token_shape) == 2 else \
+            f"[{packed.n_slots}, 1] or [{packed.n_slots}] per sequence or " if packed is not None and \
+            packed.per_sequence else ""
         raise ValueError(
             f"advantages: expected {per_seq}{tuple(token_shape)} per token, got {tuple(advantages.shape)}"
         )
@@ -120,7 +128,9 @@ def policy_inputs(
         return torch.where(flat_mask, t.reshape(-1).float(), 0.0)
 
     adv_span = 1
-    if per_sequence and raw:
+    if per_sequence and packed is not None:
+        advantages = flat(advantages.reshape(-1)[packed.seq])
+    elif per_sequence and raw:
         adv_span = token_shape[1]
         advantages = advantages.contiguous()
     else:
@@ -147,7 +157,7 @@ def policy_inputs(
     inputs.kl_entropy_weight = kl_entropy_weights(inputs.mask, spec_policy, inputs)
     # TRL's [B, 1] ratios with [B] advantages: its clip indicators are one per sequence
     inputs.sequence_level = spec_policy.importance_sampling == "sequence" and per_sequence
-    inputs.seq_advantages = present["advantages"] if per_sequence else None
+    inputs.seq_advantages = present["advantages"].reshape(-1) if per_sequence else None
     if "rollout_logprobs" in present:
         masked = lambda t: torch.where(flat_mask, t.reshape(-1).float(), 0.0)  # noqa: E731
         inputs.rollout_logprobs = masked(present["rollout_logprobs"])

@@ -198,7 +198,7 @@ def _check_values(targets, vocab: int, ignore_index: int, num_items, sequence_id
         n = num_items.reshape(()).double()
         bad_items = ~((n > 0) & (n < float("inf")))
     bad_ids = None
-    if sequence_ids is not None and sequence_ids.numel():
+    if isinstance(sequence_ids, torch.Tensor) and sequence_ids.numel():  # (packed rows: derived, in range)
         bad_ids = ((sequence_ids < 0) | (sequence_ids >= sequence_ids.numel())).any()
     if torch.compiler.is_compiling():
         ok = ~bad.any()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..packed import Packed
 from ..spec import LossSpec, Policy, PolicyLossType, PolicyObjective
 
 VERL_CLAMPED = ("clip", "cispo", "sapo", "dppo_tv", "dppo_kl")
@@ -410,12 +411,18 @@ def aggregate(loss_mat, mask, p: Policy, num_items_in_batch, num_sequences, kind
 # --- the term ------------------------------------------------------------------------------------------------
 
 
-def _padded(values: torch.Tensor, token_shape: torch.Size, sequence_ids: torch.Tensor | None):
-    """Per-token values -> [B, T] padded the way trainers hold them (and a fill mask)."""
+def _padded(values: torch.Tensor, token_shape: torch.Size, sequence_ids):
+    """Per-token values -> [B, T] padded the way trainers hold them (and a fill mask). ``sequence_ids``:
+    each row's sequence, or packed rows' boundaries (headloss.packed.Packed: with cu_seqlens, sequence
+    s is row s of the padded batch, a sequence of length 0 a row without tokens)."""
     if len(token_shape) == 2:
         return values.reshape(token_shape), torch.ones(token_shape, dtype=torch.bool, device=values.device)
+    slots = None
+    if isinstance(sequence_ids, Packed):
+        slots = sequence_ids.n_slots if sequence_ids.per_sequence else None
+        sequence_ids = sequence_ids.seq
     ids = sequence_ids.reshape(-1).tolist()
-    order = sorted(set(ids))
+    order = sorted(set(ids)) if slots is None else list(range(slots))
     slot = {sid: b for b, sid in enumerate(order)}
     positions, seen = [], {}
     for sid in ids:
@@ -449,13 +456,19 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
     per_sequence_adv = adv.dim() == 1 and len(token_shape) == 2 and adv.shape[0] == token_shape[0]
     if per_sequence_adv:
         adv = adv[:, None].expand(token_shape)  # one per sequence
+    elif isinstance(seq_ids, Packed) and seq_ids.per_sequence and (
+            tuple(adv.shape) == (seq_ids.n_slots, 1)
+            or (tuple(adv.shape) == (seq_ids.n_slots,) and seq_ids.n_slots != seq_ids.seq.numel())):
+        per_sequence_adv = True  # packed rows' advantages, one per sequence
+        adv = adv.reshape(-1)[seq_ids.seq]
     advantages = pad(adv)
     old = pad(inputs["old_logprobs"]) if "old_logprobs" in inputs else per_token_logps.detach()
     iw = pad(inputs["importance_weights"]) if "importance_weights" in inputs else None
     rollout = pad(inputs["rollout_logprobs"]) if "rollout_logprobs" in inputs else None
     if pol.rollout_is is not None:
         iw = rollout_weights(old, rollout, mask, pol)
-    batch = Batch(per_token_logps, old, advantages, mask, iw, inputs["advantages"] if per_sequence_adv else None, pol)
+    batch = Batch(per_token_logps, old, advantages, mask, iw,
+                  inputs["advantages"].reshape(-1) if per_sequence_adv else None, pol)
     tok = OBJECTIVES[pol.objective](batch)
     per_token_loss = tok.loss
     if iw is not None and pol.objective not in FOLD_WEIGHTS:
