@@ -306,15 +306,20 @@ def global_masked_mean(x, mask):  # _compute_loss's global_masked_mean, one proc
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def trl_compute_loss(loss_type, per_token_logps, old_per_token_logps, advantages, mask, cfg):
-    """GRPOTrainer._compute_loss for loss_type cispo / sapo, importance_sampling_level 'token' or
-    'sequence', beta 0, one process, one accumulation step: (loss, metrics)."""
+def trl_coef_1(per_token_logps, old_per_token_logps, mask, level):
+    """_compute_loss's importance ratio: per token, or (``"sequence"``) [B, 1] from the masked mean."""
     log_ratio = per_token_logps - old_per_token_logps
-    if cfg["importance_sampling_level"] == "token":
+    if level == "token":
         log_importance_weights = log_ratio
     else:
         log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    coef_1 = torch.exp(log_importance_weights)
+    return torch.exp(log_importance_weights)
+
+
+def trl_compute_loss(loss_type, per_token_logps, old_per_token_logps, advantages, mask, cfg):
+    """GRPOTrainer._compute_loss for loss_type cispo / sapo, importance_sampling_level 'token' or
+    'sequence', beta 0, one process, one accumulation step: (loss, metrics)."""
+    coef_1 = trl_coef_1(per_token_logps, old_per_token_logps, mask, cfg["importance_sampling_level"])
     metrics = {}
     if loss_type == "cispo":
         clamped_ratios = torch.clamp(coef_1, max=cfg["epsilon_high"]).detach()
@@ -1515,12 +1520,7 @@ def trl_clip_metrics(per_token_logps, old_per_token_logps, advantages, mask, cfg
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
-    log_ratio = per_token_logps - old_per_token_logps
-    if cfg["importance_sampling_level"] == "token":
-        log_importance_weights = log_ratio
-    else:
-        log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    coef_1 = torch.exp(log_importance_weights)
+    coef_1 = trl_coef_1(per_token_logps, old_per_token_logps, mask, cfg["importance_sampling_level"])
     if cfg["delta"] is not None:
         coef_1 = torch.clamp(coef_1, max=cfg["delta"])
 
