@@ -31,7 +31,7 @@ from .inputs import (
 )
 from .linear import LinearFunction, LinearRun
 from .output import HeadLossOutput, assemble, assemble_deferred
-from .packed import packed_call, packed_policy_inputs, packed_rows, packed_targets
+from .packed import packed_call, packed_policy_inputs
 from .parallel import dtensor_shard, gather_vocab, handshake, is_dtensor, rows_shard, shard_of
 from .plan import KernelPlan, SpecLike, plan_for
 from .policy.inputs import policy_inputs
@@ -180,9 +180,12 @@ def head_loss(
     plan = plan_for(spec, has_targets=targets is not None)
     spec = plan.spec
     if cu_seqlens is not None or position_ids is not None:
-        logits, targets, teacher_logits, policy_given = packed_call(
-            logits, targets, teacher_logits, policy_given, cu_seqlens, position_ids, shift, spec, validate)
+        logits, targets, (teacher_logits,), packed = packed_call(
+            logits, targets, (teacher_logits,), cu_seqlens, position_ids, shift, spec.ignore_index,
+            validation_mode(validate))
         shift = False
+        if spec.policy is not None:
+            policy_given = packed_policy_inputs(policy_given, packed)
     if (route is None and group is None and spec.policy is None and not traced
             and all(value is None for value in policy_given.values())):
         recipe = _recipe_of(plan, logits, targets, teacher_logits, shift, inplace_grad, validate, backend)
@@ -568,15 +571,9 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, cu_seqlens,
     try:  # every host-side check; with a group and validate="sync", every rank learns of any rank's error
         packed = None
         if cu_seqlens is not None or position_ids is not None:
-            if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and hidden.shape[0] == 1:
-                hidden = hidden[0]
-                teacher_hidden, teacher_logits = (t[0] if isinstance(t, torch.Tensor) and t.dim() == 3 else t
-                                                  for t in (teacher_hidden, teacher_logits))
-            if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
-                raise ValueError(f"cu_seqlens: packed rows are [N, H] or [1, N, H], got "
-                                 f"{getattr(hidden, 'shape', hidden)}")
-            packed = packed_rows(hidden.shape[0], hidden.device, cu_seqlens, position_ids)
-            targets = packed_targets(targets, packed, shift, spec.ignore_index, mode)
+            hidden, targets, (teacher_hidden, teacher_logits), packed = packed_call(
+                hidden, targets, (teacher_hidden, teacher_logits), cu_seqlens, position_ids, shift, spec.ignore_index,
+                mode)
             shift = False
         check_linear_inputs(hidden, weight, bias)
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .validation import BAD_PACKING, validation_mode
+from .validation import BAD_PACKING
 
 
 class Packed(NamedTuple):
@@ -122,19 +122,17 @@ def packed_policy_inputs(given: dict, packed: Packed) -> dict:
     return out
 
 
-def packed_call(rows, targets, teacher, given: dict, cu_seqlens, position_ids, shift: bool, spec,
-                validate) -> tuple:
-    """(rows [N, ...], row-aligned targets [N], teacher, policy inputs) of a packed call (headloss.packed)."""
+def packed_call(rows, targets, companions: tuple, cu_seqlens, position_ids, shift: bool, ignore_index: int,
+                mode: str) -> tuple:
+    """(rows [N, ...], row-aligned targets [N], companions, Packed) of a packed call: ``rows`` (logits or
+    hidden states) [N, ...] or [1, N, ...]; ``companions`` (the teacher's rows) lose a leading 1 with
+    them; ``mode`` is validation_mode's."""
     if isinstance(rows, torch.Tensor) and rows.dim() == 3:
         if rows.shape[0] != 1:
             raise ValueError(f"cu_seqlens: packed rows are [N, ...] or [1, N, ...], got {tuple(rows.shape)}")
         rows = rows[0]
-        if isinstance(teacher, torch.Tensor) and teacher.dim() == 3:
-            teacher = teacher[0]
+        companions = tuple(t[0] if isinstance(t, torch.Tensor) and t.dim() == 3 else t for t in companions)
     if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
         raise ValueError(f"cu_seqlens: packed rows are [N, ...] or [1, N, ...], got {getattr(rows, 'shape', rows)}")
     packed = packed_rows(rows.shape[0], rows.device, cu_seqlens, position_ids)
-    targets = packed_targets(targets, packed, shift, spec.ignore_index, validation_mode(validate))
-    if spec.policy is not None:
-        given = packed_policy_inputs(given, packed)
-    return rows, targets, teacher, given
+    return rows, packed_targets(targets, packed, shift, ignore_index, mode), companions, packed

@@ -67,6 +67,7 @@ def policy_inputs(
         if t.device != device:
             raise ValueError(f"{name}: on {t.device}, targets on {device}")
     sequence_ids = None
+    packed = None
     seq_len = 0
     if len(token_shape) == 2:
         batch, seq_len = token_shape
@@ -100,7 +101,6 @@ def policy_inputs(
     advantages = present["advantages"]
     if not isinstance(advantages, torch.Tensor) or advantages.device != device:
         raise ValueError(f"advantages: expected a tensor on {device}")
-    packed = present.get("sequence_ids") if isinstance(present.get("sequence_ids"), Packed) else None
     per_sequence = (len(token_shape) == 2 and tuple(advantages.shape) == (token_shape[0],)) or (
         packed is not None and packed.per_sequence and packed_per_sequence(advantages.shape, packed.n_slots, rows))
     if not per_sequence and tuple(advantages.shape) != tuple(token_shape):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..packed import Packed
+from ..packed import Packed, packed_per_sequence
 from ..spec import LossSpec, Policy, PolicyLossType, PolicyObjective
 
 VERL_CLAMPED = ("clip", "cispo", "sapo", "dppo_tv", "dppo_kl")
@@ -456,9 +456,8 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
     per_sequence_adv = adv.dim() == 1 and len(token_shape) == 2 and adv.shape[0] == token_shape[0]
     if per_sequence_adv:
         adv = adv[:, None].expand(token_shape)  # one per sequence
-    elif isinstance(seq_ids, Packed) and seq_ids.per_sequence and (
-            tuple(adv.shape) == (seq_ids.n_slots, 1)
-            or (tuple(adv.shape) == (seq_ids.n_slots,) and seq_ids.n_slots != seq_ids.seq.numel())):
+    elif isinstance(seq_ids, Packed) and seq_ids.per_sequence and packed_per_sequence(
+            adv.shape, seq_ids.n_slots, seq_ids.seq.numel()):
         per_sequence_adv = True  # packed rows' advantages, one per sequence
         adv = adv.reshape(-1)[seq_ids.seq]
     advantages = pad(adv)
