@@ -469,6 +469,7 @@ def linear_head_loss(
     validate: Validate = None,
     backend: Backend = "auto",
     group: Any = None,
+    hidden_grad: str = "reduced",
     route: str | None = None,
 ) -> HeadLossOutput:
     """:func:`head_loss` of ``hidden @ weight.T + bias`` without materialising the logits.
@@ -513,6 +514,9 @@ def linear_head_loss(
             column-parallel layer's all-reduce); one all_gather of statistics per chunk. A DTensor
             weight sharded on dim 0 needs no ``group``. A teacher is sharded the same way (its
             logits' columns, or its weight's rows).
+        hidden_grad: with ``group``, ``"reduced"`` (default) sums dh over the group; ``"partial"``
+            leaves each rank its own columns' share, for a caller whose layer reduces it (Megatron's
+            sequence-parallel gather, verl's ``linear_cross_entropy`` contract).
 
     Under ``torch.autocast`` the GEMMs run in the autocast dtype, as ``F.linear`` would: hidden
     states and weights (student and teacher) are cast to it, and their gradients flow back to
@@ -526,7 +530,7 @@ def linear_head_loss(
                   sequence_ids=sequence_ids, num_items_in_batch=num_items_in_batch,
                   num_sequences_in_batch=num_sequences_in_batch, entropy_quantile_group=entropy_quantile_group,
                   chunk_bytes=chunk_bytes, fp32_weight_grad=fp32_weight_grad, compact=compact, validate=validate,
-                  backend=backend, group=group, route=route)
+                  backend=backend, group=group, hidden_grad=hidden_grad, route=route)
     device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else None
     if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
@@ -546,10 +550,12 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, cu_seqlens,
                       importance_weights,
                       rollout_logprobs, sequence_ids, num_items_in_batch, num_sequences_in_batch,
                       entropy_quantile_group, chunk_bytes, fp32_weight_grad, compact, validate, backend, group,
-                      route) -> HeadLossOutput:
+                      hidden_grad, route) -> HeadLossOutput:
     traced = torch.compiler.is_compiling()
     if not traced:
         check_pending()
+    if hidden_grad not in ("reduced", "partial"):
+        raise ValueError(f"hidden_grad: expected 'reduced' or 'partial', got {hidden_grad!r}")
     teacher_logits = _teacher_precision(teacher_logits, hidden)
     plan = plan_for(spec, has_targets=targets is not None)
     spec = plan.spec
@@ -610,6 +616,7 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, cu_seqlens,
                   weight.device)
     if backend == "reference":
         chosen = routes.choose(plan, _reference_facts("hidden", hidden, given, traced), route)
+        local_rows = weight.shape[0]
         if shard is not None:  # the whole weight (and teacher) on every rank; each keeps its rows' gradient
             weight = gather_vocab(weight.t(), shard).t()
             bias = None if bias is None else gather_vocab(bias[None], shard)[0]
@@ -617,9 +624,10 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, cu_seqlens,
             teacher = (None if t_logits is None else gather_vocab(t_logits.detach(), shard), t_hidden,
                        None if t_weight is None else gather_vocab(t_weight.detach().t(), shard).t(),
                        None if t_bias is None else gather_vocab(t_bias.detach()[None], shard)[0])
+        own = None if shard is None or hidden_grad == "reduced" else (shard.vocab_start, local_rows)
         out = _every_rank(shard, mode, hidden,
                           lambda: _reference_linear(hidden, weight, bias, targets, spec, teacher, given, norm, mode,
-                                                    token_shape))
+                                                    token_shape, own))
         return _taken(out, chosen, "hidden", hidden)
     rows = math.prod(token_rows)
     elem = hidden.element_size() * (2 if teacher[1] is not None else 1)  # a computed teacher shares the budget
@@ -639,7 +647,8 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, cu_seqlens,
                     seq_len=seq_len if chosen.lm_head == "sequences" else 0,
                     policy=policy if corrected or chosen.lm_head == "sequences" else None,
                     objective=spec.policy if corrected else None,
-                    d_rows_by_kernel=chosen.name == "lm_head:sequences+kernels")
+                    d_rows_by_kernel=chosen.name == "lm_head:sequences+kernels",
+                    reduce_hidden_grad=hidden_grad == "reduced")
     epilogue = chosen.policy == "epilogue"
     loss, rows_out, pred, means, scratch = LinearFunction.apply(
         hidden.reshape(rows, hidden.shape[-1]), weight, bias, flat_targets(targets), *teacher,
@@ -673,10 +682,18 @@ def _trim(out: HeadLossOutput, token_shape: tuple[int, ...]) -> HeadLossOutput:
     return out
 
 
-def _reference_linear(hidden, weight, bias, targets, spec, teacher, given, norm, mode, token_shape) -> HeadLossOutput:
+def _reference_linear(hidden, weight, bias, targets, spec, teacher, given, norm, mode, token_shape,
+                      own=None) -> HeadLossOutput:
+    """``own`` (vocab start, width): hidden_grad="partial", dh through this rank's columns only."""
     if targets is not None:  # as the kernel path skips them: an ignored row's hidden state reaches nothing
         hidden = torch.where((targets != spec.ignore_index)[..., None], hidden, 0.0)
-    logits = F.linear(hidden, weight, bias)
+    if own is None:
+        logits = F.linear(hidden, weight, bias)
+    else:  # the same values; d hidden from this rank's columns, d weight from every row
+        start, width = own
+        logits = F.linear(hidden.detach(), weight, bias)
+        mine = F.linear(hidden, weight[start:start + width].detach())
+        logits = logits + F.pad(mine - mine.detach(), (start, weight.shape[0] - start - width))
     t_logits, t_hidden, t_weight, t_bias = teacher
     if t_hidden is not None:
         t_logits = F.linear(t_hidden, t_weight, t_bias)

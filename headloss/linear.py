@@ -70,6 +70,7 @@ class LinearRun:
     policy: PolicyInputs | None = None  # sequences and the corrected routes: the call's policy inputs
     objective: Policy | None = None  # the corrected routes: the spec's policy (``plan`` runs its base)
     d_rows_by_kernel: bool = False  # sequences: each chunk's d loss / d rows by the objective kernel
+    reduce_hidden_grad: bool = True  # vocab-parallel: dh summed over the group (else this rank's share)
 
     @property
     def grads_in_forward(self) -> bool:
@@ -433,7 +434,7 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
                                  _spread(guess, index, rows, 0.0), grads, loss_c, means)
     settle(verdict, run.validate, hidden.device)
     dh, dw, db = _finish_grads(grads, weight, bias) if grads is not None else (None, None, None)
-    if run.shard is not None and dh is not None:  # each shard's share of dh: the column-parallel all-reduce
+    if run.shard is not None and run.reduce_hidden_grad and dh is not None:  # the column-parallel all-reduce
         dh = all_reduce_sum(dh, run.shard)
     loss = loss_c
     if plan.reduction == "none" and index is not None:
@@ -483,7 +484,7 @@ def linear_backward(run: LinearRun, wants, teacher: _Teacher, hidden, weight, bi
         )
         _accumulate(grads, logits, h_c, weight, index, start, stop)
     dh, dw, db = _finish_grads(grads, weight, bias)
-    if run.shard is not None and dh is not None:  # the column-parallel all-reduce, in the backward here
+    if run.shard is not None and run.reduce_hidden_grad and dh is not None:  # the column-parallel all-reduce
         dh = all_reduce_sum(dh, run.shard)
     return dh, dw, db
 

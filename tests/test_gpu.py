@@ -878,3 +878,52 @@ def test_packed_rows_equal_the_padded_call_on_the_compiled_kernels(name):
         assert_equal_calls(run(packed, spec, "triton", packed_by), run(padded, spec, "triton"), where, rtol=1e-4)
         assert_equal_calls(run(packed, spec, "triton", packed_by, entry="hidden"),
                            run(padded, spec, "triton", entry="hidden"), where, rtol=1e-4)
+
+
+def test_verl_fused_head_drop_in_equals_verls_triton_kernel_and_the_fused_policy_its_ppo_loss():
+    """headloss.integrations.verl on CUDA against verl's own Triton linear_cross_entropy (packed rows,
+    rolled labels, bf16): log-probs and entropy equal off the sequence ends, gradients equal for
+    upstream gradients that leave the ends out; the fused policy_spec call equals verl's ppo_loss
+    on its kernel's log-probs."""
+    import importlib.util
+
+    if importlib.util.find_spec("verl") is None:
+        pytest.skip("verl is not installed (pip install --no-deps verl, and the verl extra)")
+    from benchmarks.bench_verl import actor_config, import_verl, make_batch, providers
+
+    verl_head = import_verl("verl.utils.kernel.linear_cross_entropy").linear_cross_entropy
+    from headloss.integrations import verl as hv
+
+    b = make_batch([300, 1, 77, 1024, 129], 256, 32003, seed=5)
+    rolled = torch.roll(b["ids"], -1)
+    last = torch.zeros_like(b["row_mask"])
+    last[b["cu"][1:] - 1] = True
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    g_lp, g_ent = (torch.randn(len(rolled), device="cuda", generator=gen).masked_fill(last, 0.0) for _ in range(2))
+    grads = {}
+    for name, head in (("verl", lambda: verl_head(b["hidden"], b["weight"], rolled, 0.9, "none")),
+                       ("headloss", lambda: hv.linear_cross_entropy(b["hidden"], b["weight"], rolled, 0.9, "none",
+                                                                    cu_seqlens=b["cu"]))):
+        b["hidden"].grad = b["weight"].grad = None
+        lp, ent = head()
+        (lp * g_lp + ent * g_ent).sum().backward()
+        grads[name] = (lp.detach(), ent.detach(), b["hidden"].grad.float(), b["weight"].grad.float())
+    (v_lp, v_ent, v_dh, v_dw), (h_lp, h_ent, h_dh, h_dw) = grads["verl"], grads["headloss"]
+    assert torch.all(h_lp[last] == 0) and torch.all(h_ent[last] == 0)
+    for got, want, what in ((h_lp[~last], v_lp[~last], "logprobs"), (h_ent[~last], v_ent[~last], "entropy")):
+        rel = float((got - want).norm() / want.norm())  # bf16 logits (headloss's GEMM) vs verl's fp32 tiles
+        assert rel < 5e-3, f"{what}: relative difference {rel:.2e}"
+    for got, want, what in ((h_dh, v_dh, "dh"), (h_dw, v_dw, "dw")):
+        rel = float((got - want).norm() / want.norm())
+        assert rel < 2e-2, f"{what}: relative difference {rel:.2e}"
+    table = providers(b, actor_config())
+    losses = {}
+    for name in ("verl", "headloss fused", "headloss drop-in + headloss loss"):
+        b["hidden"].grad = b["weight"].grad = None
+        loss = table[name]()
+        loss.backward()
+        losses[name] = (loss.detach().float(), b["hidden"].grad.float(), b["weight"].grad.float())
+    for name in ("headloss fused", "headloss drop-in + headloss loss"):
+        for got, want, what in zip(losses[name], losses["verl"], ("loss", "dh", "dw")):
+            rel = float((got - want).norm() / want.norm())
+            assert rel < 2e-2, f"{name} {what}: relative difference {rel:.2e}"
