@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from ..api import DEFAULT_CHUNK_BYTES, linear_head_loss
+from ..packed import packed_rows, packed_targets
 from ..policy.logprobs import policy_loss
 from ..spec import Entropy, LogitTransform, LossSpec, Policy
 
@@ -234,27 +235,6 @@ _POSITIONS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar
                                                                                  default=None)
 
 
-def _last_rows(rows: int, device: torch.device, cu_seqlens: torch.Tensor | None,
-               position_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """Rows that end a packed sequence (scored against the next sequence's first token by the
-    rolled labels), or None without boundaries."""
-    if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
-            raise ValueError("cu_seqlens: expected a 1-D integer tensor of row offsets")
-        ends = cu_seqlens[1:].to(device=device, dtype=torch.long) - 1
-        last = torch.zeros(rows + 1, dtype=torch.bool, device=device)
-        last[ends.clamp(-1, rows - 1) % (rows + 1)] = True  # an empty sequence's end (-1) lands on the spare slot
-        return last[:rows]
-    if position_ids is None:
-        return None
-    pos = position_ids.reshape(-1)
-    if pos.numel() != rows:
-        return None  # multimodal (3-D) position ids, or padded rows: no boundaries read from them
-    last = torch.zeros(rows, dtype=torch.bool, device=device)
-    last[:-1] = pos[1:].to(device) == 0  # the local rows' end stays scored: under sequence parallelism the
-    return last  # next row is another rank's, and the labels were rolled over the whole stream
-
-
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          temperature: float = 1.0, reduction: str = "none", dist_process_group: Any = None, *,
                          cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -279,10 +259,13 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          f"{tuple(labels.shape)}")
     if position_ids is None and cu_seqlens is None:
         position_ids = _POSITIONS.get()
-    last = _last_rows(labels.numel(), labels.device, cu_seqlens, position_ids)
     targets = labels.reshape(-1).long()
-    if last is not None:
-        targets = targets.masked_fill(last, _IGNORE)
+    if cu_seqlens is not None or position_ids is not None:
+        packed = packed_rows(targets.numel(), targets.device, cu_seqlens, position_ids)
+        if cu_seqlens is None and targets.numel():  # position ids: the local rows' last one stays scored (under
+            # sequence parallelism the next row is another rank's, and the labels were rolled over the whole stream)
+            packed = packed._replace(last=torch.cat([packed.last[:-1], packed.last.new_zeros(1)]))
+        targets = packed_targets(targets, packed, False, _IGNORE, "async")
     spec = _head_spec(float(temperature))
     out = linear_head_loss(hidden.reshape(-1, hidden.shape[-1]), weight, targets, spec, group=dist_process_group,
                            hidden_grad="partial", chunk_bytes=chunk_bytes)
@@ -320,7 +303,9 @@ def _with_positions(forward: Callable) -> Callable:
             positions = signature.bind_partial(*args, **kwargs).arguments.get("position_ids")
         except TypeError:
             positions = None
-        token = _POSITIONS.set(positions if isinstance(positions, torch.Tensor) and positions.dim() <= 2 else None)
+        packed = isinstance(positions, torch.Tensor) and (positions.dim() == 1 or positions.dim() == 2
+                                                          and positions.shape[0] == 1)  # not [B, T], not mrope's
+        token = _POSITIONS.set(positions if packed else None)
         try:
             return forward(*args, **kwargs)
         finally:

@@ -197,6 +197,10 @@ def test_fused_head_errors_name_the_argument():
         hv.linear_cross_entropy(hidden, weight, ids.float())
     with pytest.raises(ValueError, match="cu_seqlens"):
         hv.linear_cross_entropy(hidden, weight, ids, cu_seqlens=cu.float())
+    with pytest.raises(ValueError, match="cu_seqlens"):  # not ending at the row count (found by the device check)
+        hv.linear_cross_entropy(hidden, weight, ids, cu_seqlens=torch.cat([cu[:-1], cu[-1:] + 2]))
+    with pytest.raises(ValueError, match="position_ids"):
+        hv.linear_cross_entropy(hidden, weight, ids, position_ids=torch.zeros(len(ids) + 1, dtype=torch.long))
     with pytest.raises(ValueError, match="hidden_grad"):
         headloss.linear_head_loss(hidden, weight, ids, hidden_grad="summed")
 
