@@ -65,9 +65,8 @@ def policy_loss(
                                  num_sequences_in_batch=num_sequences_in_batch)
     if num_items_in_batch is not None:
         num_items_in_batch = count_value(num_items_in_batch, "num_items_in_batch", logprobs.device)
-    inp, effective = policy_inputs(policy, shape, targets, _IGNORE, num_items_in_batch, "off", given,
-                                   norm_length=norm_length)
-    mask = effective.reshape(-1) != _IGNORE
+    inp, _ = policy_inputs(policy, shape, targets, _IGNORE, num_items_in_batch, "off", given, norm_length=norm_length)
+    mask = inp.mask > 0
     # a masked token's log-prob (padding) reaches nothing, even when it is not finite
     logp = torch.where(mask, logprobs.reshape(-1).float(), 0.0)
     ent = None if entropy is None else torch.where(mask, entropy.reshape(-1).float(), 0.0)

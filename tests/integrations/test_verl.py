@@ -63,7 +63,8 @@ def headloss_loss(mode, agg, config, old, log_prob, adv, mask, weights):
     leaf = log_prob.clone().float().requires_grad_()
     torch.manual_seed(7)
     loss, metrics = core_algos.get_policy_loss_fn(f"headloss_{mode}")(old.float(), leaf, adv.float(), mask, agg,
-                                                                       config, weights.float())
+                                                                       config,
+                                                                       None if weights is None else weights.float())
     loss.backward()
     return loss.detach(), leaf.grad, metrics
 
@@ -89,7 +90,7 @@ def test_registered_losses_equal_verls_own_compute_policy_loss(mode, agg):
         if mode == "vanilla":  # and verl's dual clip acts
             assert want["actor/pg_clipfrac_lower"] > 0.0
         got_loss, got_grad, got = headloss_loss(mode, agg, config, old, log_prob, adv, mask,
-                                                torch.ones_like(old) if weights is None else weights)
+                                                weights)
         assert_close_norm(got_loss.double(), want_loss, rtol=1e-5, atol=1e-7, name=f"{mode} loss")
         assert_close_norm(got_grad.double(), want_grad, rtol=1e-5, atol=1e-9, name=f"{mode} grad")
         assert sorted(got) == sorted(want), (sorted(got), sorted(want))
@@ -108,7 +109,7 @@ def test_registered_losses_take_verls_global_batch_info(agg):
         config = actor_config(mode, agg, info)
         old, log_prob, adv, mask, _ = batch(3)
         want_loss, want_grad, _ = verl_loss(mode, agg, config, old, log_prob, adv, mask, None)
-        got_loss, got_grad, _ = headloss_loss(mode, agg, config, old, log_prob, adv, mask, torch.ones_like(old))
+        got_loss, got_grad, _ = headloss_loss(mode, agg, config, old, log_prob, adv, mask, None)
         assert_close_norm(got_loss.double(), want_loss, rtol=1e-5, atol=1e-7, name=f"{mode} {agg} loss")
         assert_close_norm(got_grad.double(), want_grad, rtol=1e-5, atol=1e-9, name=f"{mode} {agg} grad")
 
