@@ -59,6 +59,14 @@ ROW_TILE = 128
 chunks ran the step in 49.6 ms against 45.0 ms for 512-row chunks (benchmarks/profile_linear.py)."""
 
 
+TEACHER_SHARE = 0.25
+"""With teacher hidden states (the teacher's logits computed chunk by chunk too), the share of
+``chunk_bytes`` its logits buffer takes: the student's chunk (the rows of the gradient GEMMs) gets
+the rest and the teacher's logits are computed in parts of the chunk, one buffer of this share (the
+same memory as chunks split evenly between the two, larger gradient GEMMs; see
+benchmarks/bench_compile.py --profile-distill)."""
+
+
 def chunk_rows_for(budget_bytes: int, vocab: int, elem_bytes: int) -> int:
     """Rows per chunk so that one [rows, vocab] logits buffer fits ``budget_bytes`` (at least 1),
     cut to a multiple of ROW_TILE from 2 * ROW_TILE rows up."""
@@ -630,7 +638,8 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, cu_seqlens,
                                                     token_shape, own))
         return _taken(out, chosen, "hidden", hidden)
     rows = math.prod(token_rows)
-    elem = hidden.element_size() * (2 if teacher[1] is not None else 1)  # a computed teacher shares the budget
+    computed_teacher = teacher[1] is not None
+    elem = hidden.element_size() * (2 if computed_teacher else 1)  # a computed teacher shares the budget
     # sharded: every rank must cut the same chunks (one collective each): rows by the whole vocabulary,
     # so a chunk has the single-device row count (the same GEMM shapes, 1 / world of its memory)
     width = weight.shape[0] if shard is None else shard.vocab_total
@@ -639,8 +648,12 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, cu_seqlens,
     facts = facts_of("hidden", "triton", hidden.device, rows_shape, given, sharded=shard is not None,
                      sequence_bytes=seq_len * width * elem, chunk_bytes=chunk_bytes)
     chosen = routes.choose(plan, facts, route)
+    teacher_rows = 0
     if chosen.lm_head == "sequences":  # chunks of whole sequences, every row computed (sequences stay contiguous)
         chunk_rows, compact = max(seq_len, chunk_rows // seq_len * seq_len), False
+    elif computed_teacher and chosen.lm_head == "rows" and shard is None:  # the teacher's share in parts of a chunk
+        chunk_rows = chunk_rows_for(int(chunk_bytes * (1.0 - TEACHER_SHARE)), width, hidden.element_size())
+        teacher_rows = chunk_rows_for(int(chunk_bytes * TEACHER_SHARE), width, hidden.element_size())
     corrected = chosen.lm_head in ("covariance", "entropy-guess")
     run = LinearRun(chosen.plan, chunk_rows, fp32_weight_grad, compact and not chosen.traced, mode, rows_shape,
                     spec.ignore_index, norm.value, chunks=chosen.lm_head, traced=chosen.traced, shard=shard,
@@ -648,7 +661,7 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, cu_seqlens,
                     policy=policy if corrected or chosen.lm_head == "sequences" else None,
                     objective=spec.policy if corrected else None,
                     d_rows_by_kernel=chosen.name == "lm_head:sequences+kernels",
-                    reduce_hidden_grad=hidden_grad == "reduced")
+                    reduce_hidden_grad=hidden_grad == "reduced", teacher_rows=teacher_rows)
     epilogue = chosen.policy == "epilogue"
     loss, rows_out, pred, means, scratch = LinearFunction.apply(
         hidden.reshape(rows, hidden.shape[-1]), weight, bias, flat_targets(targets), *teacher,

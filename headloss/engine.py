@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from . import env
 from .kernels.head import PolicyRows, launch_backward, launch_head, prepare
 from .kernels.launch import Geometry, row_strides
 from .kernels.layouts import OBJECTIVE_METRICS, OBJECTIVE_OUT, scratch_size
@@ -35,6 +34,7 @@ from .ops import (
     geo_ints,
     geo_of,
     hand_off,
+    hands_off,
     kernel_op,
     scale,
     take_grad,
@@ -47,7 +47,7 @@ from .policy.metrics import extremes
 from .policy.objectives import policy_objective
 from .policy.tokens import PolicyInputs
 from .routes import Route
-from .validation import CheckContext, Normaliser, settle, verdict_slot
+from .validation import CheckContext, settle, verdict_slot
 
 
 def empty_outputs(plan: KernelPlan, n_out: int, device, token_shape: tuple[int, ...], extra_means: int = 0
@@ -118,8 +118,7 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
     ``extra_means``: room after the plan's means (deferred mode's policy metrics)."""
     device = logits.device
     whole = geo._replace(V=geo.V_total) if shard is not None else geo  # targets are checked against all of V
-    verdict = verdict_slot(validate, device, CheckContext(token_shape, whole.V, geo.ignore_index,
-                                                          Normaliser(geo.norm, num_items)))
+    verdict = verdict_slot(validate, device, CheckContext(token_shape, whole.V, geo.ignore_index))
     # on one device, the head kernel's program 0 prepares (one launch fewer)
     inline = shard is None and 0 < geo.n_rows and geo.n_out <= INLINE_PREPARE_SLOTS
     n_seq = geo.n_out // policy.seq_len if policy is not None and policy.seq_len > 0 else 0
@@ -176,15 +175,15 @@ def _head_forward_outputs(logits, targets, teacher, old, ref, adv, iw, weight, n
     return loss, rows, pred, means, scratch, grad
 
 
-@kernel_op("headloss::head_forward", fake=_head_forward_outputs, tags=BESIDE_GRAPH)
-def head_forward_op(
+def _head_forward_op(
     logits: torch.Tensor, targets: torch.Tensor | None, teacher: torch.Tensor | None, old: torch.Tensor | None,
     ref: torch.Tensor | None, adv: torch.Tensor | None, iw: torch.Tensor | None, weight: torch.Tensor | None,
     num_items: torch.Tensor | None, sequence_ids: torch.Tensor | None, key: str, geo: list[int], norm: float,
     grad_mode: str, validate: str, token_shape: list[int], policy_layout: list[int], extra_means: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """head_forward on one device as an op: grad_mode none (the last output is empty) / fresh / inplace
-    (eager only) / handoff (the last output is a token holding the gradient, see ops.hand_off)."""
+    (eager only) / handoff (the last output is a token holding the gradient, see ops.hand_off: only
+    through ``head_forward_beside``, the op tagged to run beside mode="reduce-overhead"'s graphs)."""
     policy = PolicyRows(old, ref, adv, iw, weight, *policy_layout) if adv is not None else None
     layout = geo_of(geo, norm)
     loss, rows, pred, means, scratch, grad, _ = head_forward(
@@ -195,6 +194,11 @@ def head_forward_op(
     elif grad is None:
         grad = logits.new_empty(0)
     return loss, rows, pred, means, scratch, grad
+
+
+head_forward_op = kernel_op("headloss::head_forward", fake=_head_forward_outputs)(_head_forward_op)
+head_forward_beside_op = kernel_op("headloss::head_forward_beside", fake=_head_forward_outputs,
+                                   tags=BESIDE_GRAPH)(_head_forward_op)
 
 
 def head_backward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch,
@@ -231,23 +235,28 @@ class HeadFunction(torch.autograd.Function):
         grad_mode = "none"
         if fused and ctx.needs_input_grad[0]:
             if run.traced:
-                grad_mode = "handoff" if env.COMPILE_HANDOFF else "fresh"
+                grad_mode = "handoff" if hands_off(logits.numel() * logits.element_size()) else "fresh"
             else:
                 grad_mode = "inplace" if run.inplace else "fresh"
-        extra_means = OBJECTIVE_OUT.N if run.objective is not None else 0
-        if run.shard is not None:  # vocab-parallel: eager (its route refuses torch.compile)
+        extra_means = OBJECTIVE_OUT.N if run.objective is not None and not run.traced else 0
+        if run.shard is not None:  # vocab-parallel
             policy = PolicyRows(old, ref, adv, iw, weight, run.adv_span, run.seq_len) if adv is not None else None
             loss, rows, pred, means, scratch, grad, stats = head_forward(
                 plan, run.geo, logits, targets, teacher, policy, num_items, sequence_ids, grad_mode, run.validate,
                 run.token_shape, run.shard, extra_means)
         else:
-            loss, rows, pred, means, scratch, grad = head_forward_op(
+            op = head_forward_beside_op if grad_mode == "handoff" else head_forward_op
+            loss, rows, pred, means, scratch, grad = op(
                 logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_ids, plan.key,
                 geo_ints(run.geo), run.geo.norm, grad_mode, run.validate, list(run.token_shape),
                 [run.adv_span, run.seq_len], extra_means)
             stats = None
         d_objective = None
-        if run.objective is not None:  # the policy term: its loss added to ``loss``, its metrics after the means
+        if run.objective is not None and run.traced:  # the policy term: the loss with it, its metrics after the means
+            loss, out, d_objective = objective_launch(plan, rows, run.objective, base_loss=loss,
+                                                      grad=ctx.needs_input_grad[0], traced=True)
+            means = torch.cat((means, out))
+        elif run.objective is not None:  # the same, written into ``loss`` and the means' room for them
             _, _, d_objective = objective_launch(plan, rows, run.objective, base_loss=loss, total=loss,
                                                  out=means[plan.means_size:], grad=ctx.needs_input_grad[0])
         ctx.run = run
@@ -293,20 +302,58 @@ class HeadFunction(torch.autograd.Function):
 # --- deferred mode's policy term -------------------------------------------------------------------
 
 
-def objective_launch(plan: KernelPlan, rows: torch.Tensor, inp: PolicyInputs, **kwargs):
-    """kernels.policy.launch_policy_objective on the deferred mode's packed rows and flat policy inputs."""
+def objective_launch(plan: KernelPlan, rows: torch.Tensor, inp: PolicyInputs, *, traced: bool = False, **kwargs):
+    """kernels.policy.launch_policy_objective on the deferred mode's packed rows and flat policy inputs;
+    ``traced`` (under torch.compile): through the ``policy_objective`` op, into fresh outputs (``total``
+    and ``out`` are not taken)."""
+    sampled = inp.rollout_logprobs if inp.rollout_logprobs is not None else inp.old_logprobs
+    if traced:
+        metrics, grad = kwargs.get("metrics", True), kwargs.get("grad", True)
+        total, out, d_rows = policy_objective_op(
+            rows, inp.old_logprobs, inp.ref_logprobs, inp.advantages, inp.importance_weights, inp.mask, inp.weight,
+            sampled, kwargs.get("base_loss"), plan.key, inp.sequence_level, inp.n_slots, inp.seq_len, inp.adv_span,
+            metrics, grad)
+        return (total if metrics else None), (out if metrics else None), (d_rows if grad else None)
+    return _launch_objective(plan, rows, inp.old_logprobs, inp.ref_logprobs, inp.advantages, inp.importance_weights,
+                             inp.mask, inp.weight, sampled, inp.sequence_level, inp.n_slots, inp.seq_len, inp.adv_span,
+                             **kwargs)
+
+
+def _launch_objective(plan: KernelPlan, rows, old, ref, adv, iw, mask, weight, sampled, sequence_level: bool,
+                      n_seq: int, seq_len: int, adv_span: int, **kwargs):
     pol = plan.spec.policy
     cols = plan.cols
-    flags = objective_flags(pol, inp.sequence_level)
+    flags = objective_flags(pol, sequence_level)
     entropy = rows[:, cols.entropy] if cols.entropy >= 0 else None
     return launch_policy_objective(
-        flags, plan.scalars, logp=rows[:, cols.logp], entropy=entropy, old=inp.old_logprobs, ref=inp.ref_logprobs,
-        adv=inp.advantages, iw=inp.importance_weights, mask=inp.mask, weight=inp.weight,
-        sampled=inp.rollout_logprobs if inp.rollout_logprobs is not None else inp.old_logprobs,
-        count=inp.mask.sum() if flags.ENT_TOKEN_MEAN else None, n_seq=inp.n_slots, seq_len=inp.seq_len,
-        adv_span=inp.adv_span,
+        flags, plan.scalars, logp=rows[:, cols.logp], entropy=entropy, old=old, ref=ref, adv=adv, iw=iw, mask=mask,
+        weight=weight, sampled=sampled, count=mask.sum() if flags.ENT_TOKEN_MEAN else None, n_seq=n_seq,
+        seq_len=seq_len, adv_span=adv_span,
         off_policy=pol.off_policy_mask if pol.off_policy_mask is not None else 0.0, d_cols=cols.N,
         col_logp=cols.logp, col_ent=cols.entropy if flags.ENT_BONUS else -1, **kwargs)
+
+
+def _objective_outputs(rows, old, ref, adv, iw, mask, weight, sampled, base_loss, key, sequence_level, n_seq, seq_len,
+                       adv_span, metrics, grad):
+    """policy_objective_op's outputs, unfilled: its fake."""
+    f32 = dict(dtype=torch.float32, device=rows.device)
+    return (torch.empty(() if metrics else (0,), **f32), torch.empty(OBJECTIVE_OUT.N if metrics else 0, **f32),
+            torch.empty((n_seq * seq_len, rows.shape[1]) if grad else (0,), **f32))
+
+
+@kernel_op("headloss::policy_objective", fake=_objective_outputs)
+def policy_objective_op(
+    rows: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None, adv: torch.Tensor, iw: torch.Tensor | None,
+    mask: torch.Tensor, weight: torch.Tensor, sampled: torch.Tensor | None, base_loss: torch.Tensor | None, key: str,
+    sequence_level: bool, n_seq: int, seq_len: int, adv_span: int, metrics: bool, grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The deferred mode's policy term by its two launches as an op: (base_loss + the term, metrics
+    (OBJECTIVE_OUT), d loss / d rows), each an empty tensor where not asked for."""
+    total, out, d_rows = _launch_objective(plan_from_key(key), rows, old, ref, adv, iw, mask, weight, sampled,
+                                           sequence_level, n_seq, seq_len, adv_span, base_loss=base_loss,
+                                           metrics=metrics, grad=grad)
+    empty = lambda t: rows.new_empty(0, dtype=torch.float32) if t is None else t  # noqa: E731
+    return empty(total), empty(out), empty(d_rows)
 
 
 class PolicyObjectiveFunction(torch.autograd.Function):
@@ -317,7 +364,8 @@ class PolicyObjectiveFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, loss, rows, plan: KernelPlan, inp: PolicyInputs):
-        total, out, d_rows = objective_launch(plan, rows, inp, base_loss=loss, grad=ctx.needs_input_grad[1])
+        total, out, d_rows = objective_launch(plan, rows, inp, base_loss=loss, grad=ctx.needs_input_grad[1],
+                                              traced=torch.compiler.is_compiling())
         ctx.save_for_backward(d_rows)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(out)

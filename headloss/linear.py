@@ -13,9 +13,9 @@ backward. How the chunks are cut and what runs between them is the call's route 
 * ``lm_head:entropy-guess``    fused under a top-entropy mask guessed chunk by chunk; the rows it got
                                wrong corrected once the batch quantile is known
 
-Under torch.compile the route is ``lm_head:fused`` or ``lm_head:deferred`` over plain chunks, through
-:func:`linear_forward_op` / :func:`linear_backward_op`; compaction, the corrected and sequence routes
-and vocab-parallel calls are eager.
+Under torch.compile the chunks run inside :func:`linear_forward_op` / :func:`linear_backward_op`
+(plain and sequence chunks, without compaction, on one device); the corrected routes read a count on
+the host and take deferred mode there, as under CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from . import env, ops
+from . import ops
 from .engine import empty_outputs, no_rows, objective_launch, optional, shard_statistics
 from .kernels.head import PolicyRows, launch_backward, launch_finish, launch_head, prepare
 from .kernels.launch import Geometry
@@ -45,10 +45,10 @@ from .parallel import all_reduce_sum, handshake_verdict
 from .plan import KernelPlan, plan_from_key
 from .policy.masks import high_entropy_mask, high_entropy_metrics, masked_quantile
 from .policy.objectives import clip_cov_chosen, kl_cov_chosen, policy_objective, token_objective
-from .policy.tokens import PolicyInputs
+from .policy.tokens import PolicyInputs, policy_as_lists, policy_from_lists
 from .reference import transformed_logits
 from .spec import Policy
-from .validation import CheckContext, Normaliser, settle, verdict_slot
+from .validation import CheckContext, settle, verdict_slot
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,7 @@ class LinearRun:
     objective: Policy | None = None  # the corrected routes: the spec's policy (``plan`` runs its base)
     d_rows_by_kernel: bool = False  # sequences: each chunk's d loss / d rows by the objective kernel
     reduce_hidden_grad: bool = True  # vocab-parallel: dh summed over the group (else this rank's share)
+    teacher_rows: int = 0  # a computed teacher's logits in parts of this many rows of a chunk (0: whole chunks)
 
     @property
     def grads_in_forward(self) -> bool:
@@ -117,23 +118,39 @@ def _linear_into(out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias:
     return torch.addmm(bias, h, weight.t(), out=out)
 
 
-def _chunks(hidden, weight, bias, index, teacher: _Teacher, computed: int, chunk_rows: int):
-    """Yield (start, stop, h_c, teacher_c, logits_c) over the computed rows; logits_c (and a computed
-    teacher_c) reuse one buffer each."""
+def _chunks(hidden, weight, bias, index, teacher: _Teacher, computed: int, chunk_rows: int,
+            teacher_rows: int = 0):
+    """Yield (start, stop, h_c, parts, logits_c) over the computed rows; logits_c reuses one buffer.
+    ``parts`` yields (a, b, teacher rows a:b of the chunk) -- the head kernel's launches over the chunk:
+    one, or with a computed teacher one per ``teacher_rows`` rows of it (0: the chunk's), each part's
+    teacher logits computed into one buffer of that many rows (:func:`_teacher_parts`)."""
     size = min(chunk_rows, max(computed, 1))
     buffer = torch.empty(size, weight.shape[0], dtype=hidden.dtype, device=hidden.device)
     t_buffer = None
     if teacher.hidden is not None:
-        t_buffer = torch.empty(size, weight.shape[0], dtype=teacher.hidden.dtype, device=hidden.device)
+        t_size = size if teacher_rows <= 0 else min(teacher_rows, size)
+        t_buffer = torch.empty(t_size, weight.shape[0], dtype=teacher.hidden.dtype, device=hidden.device)
     for start in range(0, computed, size):
         stop = min(start + size, computed)
         h_c = _rows_of(hidden, index, start, stop)
         logits = _linear_into(buffer[: stop - start], h_c, weight, bias)
-        t_c = _rows_of(teacher.logits, index, start, stop)
-        if teacher.hidden is not None:
-            th_c = _rows_of(teacher.hidden, index, start, stop)
-            t_c = _linear_into(t_buffer[: stop - start], th_c, teacher.weight, teacher.bias)
-        yield start, stop, h_c, t_c, logits
+        yield start, stop, h_c, _teacher_parts(teacher, index, start, stop, t_buffer), logits
+
+
+def _teacher_parts(teacher: _Teacher, index, start: int, stop: int, t_buffer: torch.Tensor | None):
+    """(a, b, teacher logits of rows start + a : start + b or None) covering one chunk: given teacher
+    logits (or none) in one part; a computed teacher in parts of ``t_buffer``'s rows, each computed into
+    it. A teacher buffer smaller than the student's chunk keeps the chunk (the rows its gradient GEMMs
+    take) large under the same memory: the weight-gradient GEMM re-reads and re-writes dW once per
+    chunk (benchmarks/bench_compile.py --profile-distill)."""
+    if teacher.hidden is None:
+        yield 0, stop - start, _rows_of(teacher.logits, index, start, stop)
+        return
+    step = t_buffer.shape[0]
+    for lo in range(start, stop, step):
+        hi = min(lo + step, stop)
+        th = _rows_of(teacher.hidden, index, lo, hi)
+        yield lo - start, hi - start, _linear_into(t_buffer[: hi - lo], th, teacher.weight, teacher.bias)
 
 
 def _new_grads(hidden, weight, bias, wants, fp32_weight_grad: bool, index, computed: int) -> _Grads:
@@ -226,7 +243,7 @@ def _sequence_chunk_grad(run: LinearRun, logits, targets, teacher, rows, num_ite
     if run.d_rows_by_kernel:
         _, _, d_rows = objective_launch(plan, rows, inp, metrics=False)
     else:
-        with torch.enable_grad():
+        with ops.autograd_inside():  # (inside the compiled graph's op too)
             logp = rows[:, cols.logp].detach().requires_grad_()
             entropy = rows[:, cols.entropy].detach()
             wanted = [logp]
@@ -380,8 +397,7 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
     full = Geometry(n_rows=rows, n_out=rows, V=whole, T=rows, K=rows, shift=0, stride_b=0, stride_t=vocab,
                     g_stride_b=0, g_stride_t=vocab, t_stride_b=0, t_stride_t=0, ignore_index=run.ignore_index,
                     norm=run.norm)
-    verdict = verdict_slot(run.validate, hidden.device, CheckContext(run.token_shape, whole, run.ignore_index,
-                                                                     Normaliser(run.norm, num_items)))
+    verdict = verdict_slot(run.validate, hidden.device, CheckContext(run.token_shape, whole, run.ignore_index))
     scratch = prepare(targets, num_items, sequence_ids, full, hidden.device, verdict)
     if run.shard is not None and run.validate == "sync":
         handshake_verdict(run.shard, verdict, hidden.device)
@@ -398,27 +414,30 @@ def linear_forward(run: LinearRun, hidden, weight, bias, targets, teacher: _Teac
     if gate:  # the guessed top-entropy mask, and the entropies of the rows seen so far
         guess = torch.zeros(computed, dtype=torch.float32, device=hidden.device)
         seen = torch.empty(computed, dtype=torch.float32, device=hidden.device)
-    for start, stop, h_c, t_c, logits in _chunks(hidden, weight, bias, index, teacher, computed, run.chunk_rows):
-        geo = _chunk_geometry(stop - start, vocab, t_c, run)
-        y_c = None if y is None else y[start:stop]
-        stats = jsd = None
-        if run.shard is not None:  # this chunk's statistics over every shard: one all_gather
-            stats, jsd = shard_statistics(plan, logits, y_c, t_c, geo, run.shard)
-            if kept is not None:
-                kept.append(stats)
-        chunk_policy = _pick_rows(policy, index, start, stop)
-        if gate:
-            chunk_policy = _guess_mask(run, logits, y_c, geo, chunk_policy, guess, seen, start, stop)
-        launch_head(
-            plan, logits=logits, targets=y_c, teacher=t_c,
-            grad=logits if fused and not by_sequence else None, rows=rows_c[start:stop],
-            pred=optional(pred_c[start:stop]),
-            policy=chunk_policy, num_items=num_items, scratch=scratch,
-            loss=loss_c.view(-1)[start:stop] if plan.reduction == "none" else loss_c, means=means,
-            geo=geo, finish=False, stats=stats, jsd=jsd,
-        )
-        if by_sequence:
-            _sequence_chunk_grad(run, logits, y_c, t_c, rows_c[start:stop], num_items, scratch, geo, start, stop)
+    for start, stop, h_c, parts, logits in _chunks(hidden, weight, bias, index, teacher, computed, run.chunk_rows,
+                                                   run.teacher_rows):
+        for a, b, t_c in parts:  # one part, or the parts of a computed teacher (plain chunks of rows only)
+            lo, hi, part = start + a, start + b, logits[a:b]
+            geo = _chunk_geometry(hi - lo, vocab, t_c, run)
+            y_c = None if y is None else y[lo:hi]
+            stats = jsd = None
+            if run.shard is not None:  # this chunk's statistics over every shard: one all_gather
+                stats, jsd = shard_statistics(plan, part, y_c, t_c, geo, run.shard)
+                if kept is not None:
+                    kept.append(stats)
+            chunk_policy = _pick_rows(policy, index, lo, hi)
+            if gate:
+                chunk_policy = _guess_mask(run, part, y_c, geo, chunk_policy, guess, seen, lo, hi)
+            launch_head(
+                plan, logits=part, targets=y_c, teacher=t_c,
+                grad=part if fused and not by_sequence else None, rows=rows_c[lo:hi],
+                pred=optional(pred_c[lo:hi]),
+                policy=chunk_policy, num_items=num_items, scratch=scratch,
+                loss=loss_c.view(-1)[lo:hi] if plan.reduction == "none" else loss_c, means=means,
+                geo=geo, finish=False, stats=stats, jsd=jsd,
+            )
+            if by_sequence:
+                _sequence_chunk_grad(run, part, y_c, t_c, rows_c[lo:hi], num_items, scratch, geo, lo, hi)
         if fused:
             _accumulate(grads, logits, h_c, weight, index, start, stop)
     if computed == 0:
@@ -474,14 +493,17 @@ def linear_backward(run: LinearRun, wants, teacher: _Teacher, hidden, weight, bi
     computed = hidden.shape[0] if index is None else index.numel()
     y = targets if index is None or targets is None else targets.index_select(0, index)
     grads = _new_grads(hidden, weight, bias, wants, run.fp32_weight_grad, index, computed)
-    for start, stop, h_c, t_c, logits in _chunks(hidden, weight, bias, index, teacher, computed, run.chunk_rows):
-        launch_backward(
-            plan, logits=logits, targets=None if y is None else y[start:stop], teacher=t_c, grad=logits,
-            rows=rows_c[start:stop], d_loss=d_loss[start:stop] if plan.reduction == "none" and d_loss is not None
-            else d_loss,
-            d_rows=None if d_rows is None else d_rows[start:stop], num_items=num_items, scratch=scratch,
-            geo=_chunk_geometry(stop - start, vocab, t_c, run), stats=None if stats is None else stats[start:stop],
-        )
+    for start, stop, h_c, parts, logits in _chunks(hidden, weight, bias, index, teacher, computed, run.chunk_rows,
+                                                   run.teacher_rows):
+        for a, b, t_c in parts:
+            lo, hi = start + a, start + b
+            launch_backward(
+                plan, logits=logits[a:b], targets=None if y is None else y[lo:hi], teacher=t_c, grad=logits[a:b],
+                rows=rows_c[lo:hi], d_loss=d_loss[lo:hi] if plan.reduction == "none" and d_loss is not None
+                else d_loss,
+                d_rows=None if d_rows is None else d_rows[lo:hi], num_items=num_items, scratch=scratch,
+                geo=_chunk_geometry(hi - lo, vocab, t_c, run), stats=None if stats is None else stats[lo:hi],
+            )
         _accumulate(grads, logits, h_c, weight, index, start, stop)
     dh, dw, db = _finish_grads(grads, weight, bias)
     if run.shard is not None and run.reduce_hidden_grad and dh is not None:  # the column-parallel all-reduce
@@ -500,12 +522,15 @@ class LinearFunction(torch.autograd.Function):
         policy = (old, ref, adv, iw, policy_weight)
         wants = tuple(ctx.needs_input_grad[:3])
         handoff = False
-        if run.traced:  # whole chunks, no compaction, one device (the route's): the op
-            handoff = run.plan.mode == "fused" and any(wants) and env.COMPILE_HANDOFF
-            loss, rows, pred, means, scratch, dh, dw, db, token = linear_forward_op(
+        if run.traced:  # no compaction, one device (the route's): the op
+            nbytes = sum(t.numel() * t.element_size() for t, want in zip((hidden, weight, bias), wants) if want)
+            handoff = run.grads_in_forward and any(wants) and ops.hands_off(nbytes)
+            op = linear_forward_beside_op if handoff else linear_forward_op
+            loss, rows, pred, means, scratch, dh, dw, db, token = op(
                 hidden, weight, bias, targets, *teacher, *policy, num_items, sequence_ids, run.plan.key,
-                run.chunk_rows, run.fp32_weight_grad, run.validate, list(run.token_shape), run.ignore_index,
-                run.norm, list(wants), handoff,
+                [run.chunk_rows, run.teacher_rows, run.seq_len, run.d_rows_by_kernel], run.chunks,
+                *policy_as_lists(run.policy), run.fp32_weight_grad, run.validate, list(run.token_shape),
+                run.ignore_index, run.norm, list(wants), handoff,
             )
             rows_c, index, stats = rows, None, None
             dh, dw, db = (g if want else None for g, want in zip((dh, dw, db), wants))
@@ -548,8 +573,8 @@ class LinearFunction(torch.autograd.Function):
         if run.traced:
             dh, dw, db = linear_backward_op(
                 hidden, weight, bias, targets, t_logits, t_hidden, t_weight, t_bias, rows_c, num_items, scratch,
-                d_loss, d_rows, run.plan.key, run.chunk_rows, run.fp32_weight_grad, run.ignore_index, run.norm,
-                list(ctx.wants),
+                d_loss, d_rows, run.plan.key, [run.chunk_rows, run.teacher_rows, run.seq_len, 0], run.fp32_weight_grad,
+                run.ignore_index, run.norm, list(ctx.wants),
             )
             dh, dw, db = (g if want else None for g, want in zip((dh, dw, db), ctx.wants))
         else:
@@ -562,13 +587,14 @@ class LinearFunction(torch.autograd.Function):
 
 
 def _linear_forward_outputs(hidden, weight, bias, targets, teacher_logits, teacher_hidden, teacher_weight,
-                            teacher_bias, old, ref, adv, iw, policy_weight, num_items, sequence_ids, key, chunk_rows,
-                            fp32_weight_grad, validate, token_shape, ignore_index, norm, wants, handoff):
+                            teacher_bias, old, ref, adv, iw, policy_weight, num_items, sequence_ids, key, layout,
+                            chunks, policy_tensors, policy_values, fp32_weight_grad, validate, token_shape,
+                            ignore_index, norm, wants, handoff):
     """linear_forward_op's outputs, unfilled: its fake."""
     plan = plan_from_key(key)
     rows, pred, loss, means = empty_outputs(plan, hidden.shape[0], hidden.device, tuple(token_shape))
     scratch = torch.empty(SCRATCH.N, dtype=torch.int64, device=hidden.device)
-    fused = plan.mode == "fused" and not handoff
+    fused = (plan.mode == "fused" or chunks == "sequences") and not handoff
     dh, dw, db = (
         torch.empty(like.shape if fused and want else (0,), dtype=like.dtype, device=hidden.device)
         for like, want in zip((hidden, weight, bias if bias is not None else hidden.new_empty(0)), wants)
@@ -577,20 +603,26 @@ def _linear_forward_outputs(hidden, weight, bias, targets, teacher_logits, teach
     return loss, rows, pred, means, scratch, dh, dw, db, token
 
 
-@kernel_op("headloss::linear_forward", fake=_linear_forward_outputs, tags=BESIDE_GRAPH)
-def linear_forward_op(
+def _linear_forward_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor | None,
     teacher_logits: torch.Tensor | None, teacher_hidden: torch.Tensor | None, teacher_weight: torch.Tensor | None,
     teacher_bias: torch.Tensor | None, old: torch.Tensor | None, ref: torch.Tensor | None, adv: torch.Tensor | None,
     iw: torch.Tensor | None, policy_weight: torch.Tensor | None, num_items: torch.Tensor | None,
-    sequence_ids: torch.Tensor | None, key: str, chunk_rows: int, fp32_weight_grad: bool, validate: str,
+    sequence_ids: torch.Tensor | None, key: str, layout: list[int], chunks: str,
+    policy_tensors: list[torch.Tensor | None], policy_values: list[float], fp32_weight_grad: bool, validate: str,
     token_shape: list[int], ignore_index: int, norm: float, wants: list[bool], handoff: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor]:
-    """Fused mode's (dh, dw, db), or with ``handoff`` empty ones and the last output a token holding
-    them (see ops.hand_off); otherwise the token is an empty tensor."""
-    run = LinearRun(plan_from_key(key), chunk_rows, fp32_weight_grad, False, validate, tuple(token_shape),
-                    ignore_index, norm, traced=True)
+    """linear_forward on one device as an op: fused mode's (or sequence chunks') (dh, dw, db), or with
+    ``handoff`` (only through ``linear_forward_beside``, the op tagged to run beside
+    mode="reduce-overhead"'s graphs) empty ones and the last output a token holding them (see
+    ops.hand_off); otherwise the token is an empty tensor. ``layout``: LinearRun's chunk_rows,
+    teacher_rows, seq_len and d_rows_by_kernel; ``chunks``: its chunks; the policy lists: its
+    ``policy`` (policy.tokens.policy_as_lists)."""
+    run = LinearRun(plan_from_key(key), layout[0], fp32_weight_grad, False, validate, tuple(token_shape),
+                    ignore_index, norm, chunks=chunks, traced=True, seq_len=layout[2],
+                    policy=policy_from_lists(policy_tensors, policy_values), d_rows_by_kernel=bool(layout[3]),
+                    teacher_rows=layout[1])
     policy = PolicyRows(old, ref, adv, iw, policy_weight) if adv is not None else None
     loss, rows, _, pred, means, scratch, _, dh, dw, db, _ = linear_forward(
         run, hidden, weight, bias, targets, _Teacher(teacher_logits, teacher_hidden, teacher_weight, teacher_bias),
@@ -602,6 +634,11 @@ def linear_forward_op(
         dh = dw = db = None
     return (loss, rows, pred, means, scratch, *(g if g is not None else hidden.new_empty(0) for g in (dh, dw, db)),
             token)
+
+
+linear_forward_op = kernel_op("headloss::linear_forward", fake=_linear_forward_outputs)(_linear_forward_op)
+linear_forward_beside_op = kernel_op("headloss::linear_forward_beside", fake=_linear_forward_outputs,
+                                     tags=BESIDE_GRAPH)(_linear_forward_op)
 
 
 def _linear_backward_outputs(hidden, weight, bias, *rest):
@@ -617,12 +654,13 @@ def linear_backward_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor | None,
     teacher_logits: torch.Tensor | None, teacher_hidden: torch.Tensor | None, teacher_weight: torch.Tensor | None,
     teacher_bias: torch.Tensor | None, rows: torch.Tensor, num_items: torch.Tensor | None, scratch: torch.Tensor,
-    d_loss: torch.Tensor | None, d_rows: torch.Tensor | None, key: str, chunk_rows: int, fp32_weight_grad: bool,
+    d_loss: torch.Tensor | None, d_rows: torch.Tensor | None, key: str, chunk_rows: list[int], fp32_weight_grad: bool,
     ignore_index: int, norm: float, wants: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Deferred mode's (dh, dw, db) over whole chunks (empty where not wanted)."""
-    run = LinearRun(plan_from_key(key), chunk_rows, fp32_weight_grad, False, "off", (), ignore_index, norm,
-                    traced=True)
+    """Deferred mode's (dh, dw, db) over whole chunks (empty where not wanted; ``chunk_rows``: ``layout``
+    of linear_forward_op)."""
+    run = LinearRun(plan_from_key(key), chunk_rows[0], fp32_weight_grad, False, "off", (), ignore_index, norm,
+                    traced=True, teacher_rows=chunk_rows[1])
     grads = linear_backward(run, tuple(wants), _Teacher(teacher_logits, teacher_hidden, teacher_weight, teacher_bias),
                             hidden, weight, bias, targets, None, rows, num_items, scratch, d_loss, d_rows)
     return tuple(g if g is not None else hidden.new_empty(0) for g in grads)

@@ -2,24 +2,34 @@
 
 :func:`kernel_op` turns a function whose arguments are tensors, numbers, strings and lists into a
 custom op (Inductor treats it as an opaque kernel) and returns a callable that runs the function
-directly in eager mode (the dispatcher costs ~30 us a call) and the op under torch.compile. The
-fake is derived from the same allocation the function makes (``fake=``), so an op's output shapes
-are written once. This is the one place that asks whether torch.compile is tracing to pick a path.
+directly in eager mode and the op under torch.compile. The fake is derived from the same
+allocation the function makes (``fake=``), so an op's output shapes are written once. This is the
+one place that asks whether torch.compile is tracing to pick a path.
 
-**The hand-off.** Saved for backward as a graph tensor, the fused gradient is an input of the
-backward graph, and Inductor clones a backward input before an op mutates it (a full N x V copy:
-2.54 ms against 1.55 eager for the full SFT case). So under compile the forward op hands the
-gradient over beside the graph: it returns a one-element CPU "token" tensor holding the gradient
-buffers, the Function saves the token, and backward's ``take_grad`` op takes each buffer back,
-scales it in place (a no-op on the device when d loss == 1) and returns it as a fresh output.
-Nothing in the graph aliases the buffer, so nothing is cloned; the buffers live exactly as long as
-the token (the autograd graph). Under mode="reduce-overhead" these ops run outside the CUDA graphs
-(tagged cudagraph_unsafe), so every call hands over its own buffers. ``HEADLOSS_COMPILE_HANDOFF=0``
-saves the gradient as a graph tensor instead (headloss.env).
+**The fused gradient under compile.** Fused mode writes the gradient in forward; backward scales
+it by d loss. Two ways, by its size (:func:`hands_off`):
+
+* below :data:`HANDOFF_MIN_BYTES` (an RL micro-batch's logits) the gradient is a graph output,
+  saved for backward, where a pointwise ``grad * d_loss`` makes the returned gradient (one pass over
+  it). Every op of the call is then graph-safe: under ``mode="reduce-overhead"`` the whole call is
+  inside Inductor's CUDA graphs, and the host's cost of a step is a graph replay.
+* from it up (8192 x 128256 logits: a pass is ~1 ms) the gradient reaches backward beside the
+  graph. Saved as a graph tensor it would be an input of the backward graph, which Inductor clones
+  before an op mutates it; so the forward op returns a one-element CPU "token" tensor holding the
+  gradient buffers, the Function saves the token, and backward's ``take_grad`` op takes each buffer
+  back, scales it in place (a no-op on the device when d loss == 1) and returns it as a fresh
+  output. Nothing in the graph aliases the buffer, so nothing is cloned; the buffers live exactly
+  as long as the token (the autograd graph). These ops are tagged ``cudagraph_unsafe``: under
+  mode="reduce-overhead" they run between the CUDA graphs (a replay would not run the hand-off),
+  where a call this size is bound by the device, not the host.
+
+``HEADLOSS_COMPILE_HANDOFF=0`` keeps every gradient in the graph (a saved-tensor hook that copies
+saved tensors cannot carry a token).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import weakref
@@ -27,23 +37,47 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from . import env
 from .kernels.head import scale_grad_
 from .kernels.launch import Geometry
 from .output import RETAIN_GRAPH_ERROR
+
+HANDOFF_MIN_BYTES = 256 << 20
+"""Under torch.compile a fused gradient of this many bytes or more (all of a call's gradient
+buffers together) reaches backward beside the graph; a smaller one stays in the graph (see above).
+At 256 MiB the backward graph's pass over it costs ~0.1 ms on an H100/H200, less than the host
+time a CUDA-graph replay saves (benchmarks/bench_compile.py)."""
 
 BESIDE_GRAPH = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 """Tags of the ops that hand a gradient over beside the graph: they must run on every call, so
 Inductor's graph partitions keep them out of mode="reduce-overhead"'s CUDA graphs (a replay would
 not run the hand-off)."""
 
+_LIBRARY = torch.library.Library("headloss", "DEF")
+
+
 def kernel_op(name: str, *, fake: Callable, tags: Iterable = (), mutates_args: Iterable[str] = ()) -> Callable:
     """Register the decorated function as the custom op ``name`` (its fake: ``fake``, called with
     the same arguments) and return a callable that runs the function itself in eager mode and the
-    op while torch.compile traces."""
+    op while torch.compile traces.
+
+    The op is defined on a ``torch.library.Library`` (its schema inferred from the annotations), its
+    function registered for every device (CompositeExplicitAutograd) and the Autograd key a
+    fallthrough: the op is never differentiated (the autograd Functions around the kernels are),
+    and a compiled graph calls it through the dispatcher alone. ``torch.library.custom_op``'s
+    Python autograd and output-aliasing layers cost ~0.2 ms of host time per call on an H100 host
+    (benchmarks/bench_compile.py --profile), more than the kernels of a small call."""
 
     def wrap(fn: Callable) -> Callable:
-        op = torch.library.custom_op(name, fn, mutates_args=tuple(mutates_args), tags=tuple(tags))
-        op.register_fake(fake)
+        namespace, op_name = name.split("::")
+        if namespace != _LIBRARY.ns:
+            raise ValueError(f"kernel_op: {name!r} is not in the {_LIBRARY.ns!r} namespace")
+        schema = torch.library.infer_schema(fn, mutates_args=tuple(mutates_args))
+        _LIBRARY.define(op_name + schema, tags=tuple(tags))
+        _LIBRARY.impl(op_name, fn, "CompositeExplicitAutograd")
+        _LIBRARY.impl(op_name, torch.library.fallthrough_kernel, "Autograd")
+        torch.library.register_fake(name, fake, lib=_LIBRARY)
+        op = getattr(getattr(torch.ops, namespace), op_name).default
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
@@ -55,6 +89,18 @@ def kernel_op(name: str, *, fake: Callable, tags: Iterable = (), mutates_args: I
         return call
 
     return wrap
+
+
+@contextlib.contextmanager
+def autograd_inside():
+    """Autograd for a block of an op's function. A compiled graph runs its ops below autograd (their
+    autograd dispatch keys excluded, grad mode off); a route whose kernels take a gradient by autograd
+    over torch ops (the lm_head's ``sequences+torch``) turns it back on for that block."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    for key in ("AutogradCPU", "AutogradCUDA", "AutogradOther", "ADInplaceOrView"):
+        excluded = excluded.remove(getattr(torch._C.DispatchKey, key))
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), torch.enable_grad():
+        yield
 
 
 _NORM_AT = Geometry._fields.index("norm")
@@ -129,14 +175,15 @@ def take_grad(token: torch.Tensor, d_loss: torch.Tensor, index: int, shape: list
     return take(token, d_loss, index)
 
 
-@kernel_op("headloss::scale_grad_", fake=lambda grad, d_loss, geo: None, mutates_args=("grad",))
-def scale_grad_op(grad: torch.Tensor, d_loss: torch.Tensor, geo: list[int]) -> None:
-    """grad *= d_loss in place: the compiled backward with HEADLOSS_COMPILE_HANDOFF=0."""
-    scale_grad_(grad, d_loss, geo_of(geo, 0.0))
+def hands_off(nbytes: int) -> bool:
+    """Whether a fused gradient of ``nbytes`` reaches backward beside the graph under torch.compile."""
+    return env.COMPILE_HANDOFF and nbytes >= HANDOFF_MIN_BYTES
 
 
 def scale(grad: torch.Tensor, d_loss: torch.Tensor, geo: Geometry) -> torch.Tensor:
-    """grad *= d_loss in place (a no-op on the device when d_loss == 1); under torch.compile through
-    the ``scale_grad_`` op (HEADLOSS_COMPILE_HANDOFF=0: Inductor clones ``grad`` before it)."""
-    scale_grad_op(grad, d_loss.reshape(1), geo_ints(geo))
-    return grad
+    """grad * d_loss: in eager in place (a no-op on the device when d_loss == 1); under
+    torch.compile a pointwise op of the backward graph, into a fresh buffer (Inductor may reuse
+    the saved one)."""
+    if torch.compiler.is_compiling():
+        return (grad.float() * d_loss.float().reshape(())).to(grad.dtype)
+    return scale_grad_(grad, d_loss.reshape(1), geo)

@@ -47,6 +47,7 @@ from .bounded import BoundedDict
 from .plan import KernelPlan, compile_plan
 from .policy.objectives import base_policy
 from .policy.tables import IMPORTANCE_SAMPLING, OBJECTIVES
+from .spec import separate_kl_entropy
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -92,7 +93,7 @@ class Route(NamedTuple):
     mode: Literal["reference", "fused", "deferred"]  # how the head kernel runs (of ``plan``)
     plan: KernelPlan  # the variant the head kernel runs: the call's, or the base objective's (corrected routes)
     policy: Literal["", "epilogue", "kernels", "torch"]  # where the policy objective runs ("": no policy term)
-    sequence_kernels: bool  # the policy's per-sequence metrics may launch kernels/policy.py ([B, T] rows, eager)
+    sequence_kernels: bool  # the policy's per-sequence metrics may launch kernels/policy.py ([B, T] rows)
     raw_inputs: bool  # the kernels read the policy inputs as given (no fp32 copies)
     traced: bool  # under torch.compile (the engine calls the torch.library ops)
 
@@ -185,9 +186,8 @@ def _routes(plan: KernelPlan, facts: Facts) -> tuple[Route, ...]:
         return (Route("reference", "reference", plan, "torch" if plan.spec.policy is not None else "", False, False,
                       facts.traced),)
     pol = plan.spec.policy
-    kernels = not facts.traced  # the small policy kernels launch outside torch.compile
     sequences = len(facts.token_shape) == 2 and not facts.sequence_ids and math.prod(facts.token_shape) > 0
-    metrics_by_kernel = kernels and sequences
+    metrics_by_kernel = sequences
     lm_head = facts.entry == "hidden"
     prefix = "lm_head:" if lm_head else ""
 
@@ -200,8 +200,8 @@ def _routes(plan: KernelPlan, facts: Facts) -> tuple[Route, ...]:
         return (route("deferred", "deferred", ""),)
     # a deferred plan with a policy term
     objective = OBJECTIVES[pol.objective]
-    by_kernels = (kernels and sequences and objective.row_local and pol.top_entropy_quantile == 1.0
-                  and not pol.separate_kl_entropy and not facts.inputs_want_grad)
+    by_kernels = (sequences and objective.row_local and pol.top_entropy_quantile == 1.0
+                  and not separate_kl_entropy(pol) and not facts.inputs_want_grad)
     options = []
     if lm_head:
         options += _lm_head_routes(plan, facts, by_kernels, route)
@@ -213,17 +213,18 @@ def _routes(plan: KernelPlan, facts: Facts) -> tuple[Route, ...]:
 
 def _lm_head_routes(plan: KernelPlan, facts: Facts, by_kernels: bool, route) -> list[Route]:
     """The lm_head's routes that compute a deferred plan's policy gradient in forward: three GEMMs
-    (where deferred mode recomputes the logits: four). They need one device, eager, a scalar loss
-    and no other reason for deferred mode (per-token outputs with gradient)."""
+    (where deferred mode recomputes the logits: four). They need one device, a scalar loss and no
+    other reason for deferred mode (per-token outputs with gradient)."""
     spec = plan.spec
     pol = spec.policy
     objective = OBJECTIVES[pol.objective]
-    if spec.reduction == "none" or spec.differentiable_outputs or facts.sharded or facts.traced:
+    if spec.reduction == "none" or spec.differentiable_outputs or facts.sharded:
         return []
     token_mean_bonus = pol.entropy_coef != 0.0 and pol.entropy_aggregation == "token-mean"
     token_ratios = not IMPORTANCE_SAMPLING[pol.importance_sampling].sequence and pol.off_policy_mask is None
-    # a batch statistic that changes a few rows: the base objective fused, those rows corrected (a host read)
-    if token_ratios and not facts.capturing:
+    # a batch statistic that changes a few rows: the base objective fused, those rows corrected (a host read:
+    # not under CUDA-graph capture or torch.compile)
+    if token_ratios and not facts.capturing and not facts.traced:
         if objective.base is not None:
             base = _base_plan(plan)
             if base is not None:

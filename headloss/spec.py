@@ -252,29 +252,48 @@ class Policy(_Frozen):
             raise ValueError("loss_type: objective 'gmpo' is a mean over sequences ('grpo' or 'seq-mean-token-mean')")
         return self
 
+    # The derived facts are module functions (below) that these properties call: code that
+    # torch.compile traces calls the functions, because Dynamo cannot run a property of a pydantic
+    # model it did not see built (the plan's spec under compile is such a model).
+
     @property
     def clamps_log_ratio(self) -> bool:
         """verl's token-level losses clamp log r to +-20 before exp (its ratio and its ppo_kl); its
         sequence-level gspo does not."""
-        return (self.convention == "verl" and OBJECTIVES[self.objective].verl_clamp
-                and not IMPORTANCE_SAMPLING[self.importance_sampling].sequence)
+        return clamps_log_ratio(self)
 
     @property
     def separate_kl_entropy(self) -> bool:
         """The KL penalty or the entropy bonus aggregates apart from the objective: by its own
         kl_entropy_loss_type, or (verl's geo_mean, whose objective is a mean over every sequence) by
         agg_loss over the sequences with counted tokens."""
-        if self.kl_beta == 0.0 and (self.entropy_coef == 0.0 or self.entropy_aggregation != "loss"):
-            return False
-        return (self.kl_entropy_loss_type not in (None, self.loss_type)
-                or (self.convention == "verl" and self.objective == "gmpo"))
+        return separate_kl_entropy(self)
 
     @property
     def row_local(self) -> bool:
         """The objective needs nothing but each token's own values (the fused kernel computes it)."""
-        return (OBJECTIVES[self.objective].row_local and not IMPORTANCE_SAMPLING[self.importance_sampling].sequence
-                and self.off_policy_mask is None and self.top_entropy_quantile == 1.0
-                and not self.separate_kl_entropy)
+        return row_local(self)
+
+
+def clamps_log_ratio(policy: Policy) -> bool:
+    """:attr:`Policy.clamps_log_ratio` (traceable by torch.compile)."""
+    return (policy.convention == "verl" and OBJECTIVES[policy.objective].verl_clamp
+            and not IMPORTANCE_SAMPLING[policy.importance_sampling].sequence)
+
+
+def separate_kl_entropy(policy: Policy) -> bool:
+    """:attr:`Policy.separate_kl_entropy` (traceable by torch.compile)."""
+    if policy.kl_beta == 0.0 and (policy.entropy_coef == 0.0 or policy.entropy_aggregation != "loss"):
+        return False
+    return (policy.kl_entropy_loss_type not in (None, policy.loss_type)
+            or (policy.convention == "verl" and policy.objective == "gmpo"))
+
+
+def row_local(policy: Policy) -> bool:
+    """:attr:`Policy.row_local` (traceable by torch.compile)."""
+    return (OBJECTIVES[policy.objective].row_local and not IMPORTANCE_SAMPLING[policy.importance_sampling].sequence
+            and policy.off_policy_mask is None and policy.top_entropy_quantile == 1.0
+            and not separate_kl_entropy(policy))
 
 
 class LogitTransform(_Frozen):

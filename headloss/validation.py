@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -98,12 +99,13 @@ def count_value(value: Any, name: str, device: torch.device) -> float | torch.Te
 
 
 class CheckContext(NamedTuple):
-    """What a verdict's error message needs to know about the call that produced it."""
+    """What a verdict's error message needs to know about the call that produced it (no tensors: a
+    board keeps it, and a call captured in a CUDA graph must keep none of the graph's memory alive;
+    a num_items_in_batch tensor's value comes back in the verdict)."""
 
     token_shape: tuple[int, ...]
     vocab: int
     ignore_index: int
-    norm: Normaliser
 
 
 class ErrorBoard:
@@ -147,8 +149,10 @@ class ErrorBoard:
             return
         context = self._context_of(slot)
         found = [int(values[i]) for i in (VERDICT.where, VERDICT.value, VERDICT.bad_items, VERDICT.bad_ids)]
+        items = struct.unpack("<f", struct.pack("<I", int(values[VERDICT.items]) & 0xFFFFFFFF))[0]
         values[:] = 0
-        raise_if_bad(found, context.token_shape, context.vocab, context.ignore_index, context.norm, deferred)
+        raise_if_bad(found, context.token_shape, context.vocab, context.ignore_index, Normaliser(value=items),
+                     deferred)
 
     def check(self) -> None:
         """Raise the earliest error any call has written so far (a host memory read when none)."""

@@ -268,11 +268,11 @@ def test_validate_rejects_other_values_naming_it():
 
 def test_check_pending_raises_an_error_written_by_an_earlier_call():
     """The asynchronous path (as on CUDA): a verdict written to the board is raised by the next check."""
-    from headloss.validation import CheckContext, Normaliser, board_for
+    from headloss.validation import CheckContext, board_for
 
     board = board_for(torch.device("cpu"))
-    slot, dirty = board.take(CheckContext((2, 3), V, -100, Normaliser()))
-    slot[1:] = torch.tensor([4, 99, 0, 0])
+    slot, dirty = board.take(CheckContext((2, 3), V, -100))
+    slot[1:] = torch.tensor([4, 99, 0, 0, 0])
     slot[0] = 1
     dirty[0] = 1
     with pytest.raises(ValueError, match=r"targets: value 99 at position \(1, 1\) .* after that call returned"):

@@ -184,7 +184,8 @@ def test_launch_config_by_vocab_rows_and_teacher():
     assert launch_config(128256) == LaunchConfig(2048, 4)  # tuned at N = 8192
     assert launch_config(128256, rows=8192) == LaunchConfig(2048, 4)
     assert launch_config(128256, rows=512) == LaunchConfig(4096, 8)  # few programs: wider ones
-    assert launch_config(128256, teacher=True, rows=512) == LaunchConfig(1024, 4)
+    assert launch_config(128256, teacher=True, rows=512) == LaunchConfig(2048, 4)
+    assert launch_config(128256, teacher=True, rows=8192) == LaunchConfig(1024, 4)
     assert launch_config(16411, rows=2) == LaunchConfig(4096, 8)
     assert launch_config(8000, rows=2) == LaunchConfig(2048, 4)
     assert launch_config(37, rows=2) == LaunchConfig(64, 1)

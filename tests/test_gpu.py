@@ -438,14 +438,84 @@ def test_torch_compile_fullgraph_inductor_matches_eager(entry):
         assert _rel(a.grad, b.grad) < 1e-6
 
 
+RL_COMPILED = {
+    "grpo-fused": (headloss.LossSpec(cross_entropy=None, policy={"loss_type": "dapo", "kl_beta": 0.04,
+                                                                 "kl_estimator": "k3"}), "logits", "fused"),
+    "gspo-deferred+kernels": (headloss.LossSpec(cross_entropy=None, policy={
+        "loss_type": "dapo", "importance_sampling": "sequence", "eps_low": 3e-4, "eps_high": 4e-4}), "logits",
+        "deferred+kernels"),
+    "gspo-lm_head-sequences+kernels": (headloss.LossSpec(cross_entropy=None, policy={
+        "loss_type": "dapo", "importance_sampling": "sequence", "eps_low": 3e-4, "eps_high": 4e-4}), "hidden",
+        "lm_head:sequences+kernels"),
+}
+
+
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_torch_compile_hands_the_fused_gradient_over_without_a_copy(mode, monkeypatch):
-    """The gradient autograd gets from a compiled fused step is the buffer the kernel wrote in
-    forward (no Inductor clone); under reduce-overhead (CUDA graph trees) replays stay correct."""
+@pytest.mark.parametrize("case", list(RL_COMPILED))
+def test_torch_compile_runs_the_policy_routes_on_their_kernels(case, mode):
+    """An RL micro-batch (TRL's inputs: a float completion mask, num_items_in_batch a device tensor)
+    compiled (fullgraph) on the eager route's kernels: the same route, values and gradients; under
+    reduce-overhead (CUDA graph trees) across replays with new inputs."""
+    torch._dynamo.reset()
+    spec, entry, route = RL_COMPILED[case]
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    batch, length, vocab, hidden = 4, 64, 32000, 256
+
+    def batch_inputs():
+        mask = (torch.rand(batch, length, device="cuda", generator=gen) > 0.1).float()
+        old = -10.4 + 0.1 * torch.randn(batch, length, device="cuda", generator=gen)
+        return dict(advantages=torch.randn(batch, device="cuda", generator=gen), old_logprobs=old,
+                    ref_logprobs=old - 0.05, loss_mask=mask, num_items_in_batch=mask.sum())
+
+    ids = torch.randint(0, vocab, (batch, length), device="cuda", generator=gen)
+    if entry == "logits":
+        x = (torch.randn(batch, length + 1, vocab, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+        leaves = [x]
+
+        def step(x, policy):
+            out = headloss.head_loss(x, ids, spec, shift=True, **policy)
+            return out.loss, out.metrics, out.route
+    else:
+        h = torch.randn(batch, length, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        w = (torch.randn(vocab, hidden, device="cuda", generator=gen) / 16).to(torch.bfloat16)
+        leaves = [h, w]
+
+        def step(h, w, policy):
+            out = headloss.linear_head_loss(h, w, ids, spec, **policy)
+            return out.loss, out.metrics, out.route
+
+    compiled = torch.compile(step, fullgraph=True, mode=mode)
+    for _ in range(4):  # warm-up, record, replays
+        policy = batch_inputs()
+        eager = [t.clone().requires_grad_() for t in leaves]
+        traced = [t.clone().requires_grad_() for t in leaves]
+        want = step(*eager, policy)
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        got = compiled(*traced, policy)
+        assert want[2] == route and got[2] == route
+        want[0].backward()
+        got[0].backward()
+        assert torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+        for name, value in want[1].items():
+            assert torch.allclose(got[1][name].float(), value.float(), rtol=1e-5, atol=1e-6), name
+        for a, b in zip(traced, eager):
+            assert _rel(a.grad, b.grad) < 1e-5
+
+
+@pytest.mark.parametrize("handoff", [True, False], ids=["handed-off", "in-graph"])
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_torch_compile_hands_the_fused_gradient_over_without_a_copy(mode, handoff, monkeypatch):
+    """A large gradient (here: HANDOFF_MIN_BYTES lowered to 0) autograd gets from a compiled fused
+    step is the buffer the kernel wrote in forward (no Inductor clone); a small one stays in the graph
+    (nothing handed over). Under reduce-overhead (CUDA graph trees) replays stay correct."""
     import headloss.engine as engine
+    import headloss.ops
     from headloss.ops import hand_off
 
     torch._dynamo.reset()
+    if handoff:
+        monkeypatch.setattr(headloss.ops, "HANDOFF_MIN_BYTES", 0)
     written = []
     monkeypatch.setattr(engine, "hand_off",
                         lambda grads: written.extend(g.data_ptr() for g, _ in filter(None, grads)) or hand_off(grads))
@@ -462,8 +532,10 @@ def test_torch_compile_hands_the_fused_gradient_over_without_a_copy(mode, monkey
         x.grad = None
         compiled(x, y, scale).backward()
         got = x.grad.clone()
-        if mode == "default":
+        if mode == "default" and handoff:
             assert x.grad.data_ptr() in written
+        if not handoff:
+            assert not written
         x.grad = None
         step(x, y, scale).backward()
         assert _rel(got, x.grad) < 1e-6

@@ -299,6 +299,50 @@ def test_values_and_all_three_gradients_match_fp64_reference_across_chunkings(dt
     assert [shape[0] for shape in chunk_log["backward"]] == (expected if mode == "deferred" else [])
 
 
+# name -> (chunk budget in rows of logits, [launch rows per chunk]): with teacher hidden states the
+# student's chunk takes 1 - TEACHER_SHARE of the budget, the teacher's parts of it the rest
+TEACHER_PARTS = {"two_parts_of_one_chunk_4_3": (16, [[4, 3]]), "chunks_6_1_parts_2_2_2_and_1": (8, [[2, 2, 2], [1]])}
+
+
+@pytest.mark.parametrize("mode", ["fused", "deferred"])
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
+@pytest.mark.parametrize("parts", list(TEACHER_PARTS))
+def test_teacher_hidden_in_parts_of_each_chunk_matches_fp64_reference(parts, divergence, mode, chunk_log):
+    """A computed teacher's logits in parts of each student chunk (LinearRun.teacher_rows): every
+    value and gradient as the fp64 reference on both heads' full logits; the teacher gets none."""
+    budget, launches = TEACHER_PARTS[parts]
+    n, vocab = 7, 37
+    spec = LossSpec(cross_entropy={"weight": 0.5}, z_loss={"weight": 1e-2},
+                    distillation={"divergence": divergence, "beta": 0.3, "temperature": 1.5},
+                    outputs=("token_loss",), differentiable_outputs=mode == "deferred")
+    seed = seed_of("teacher-parts", parts, divergence, mode)
+    hidden, weight, bias = make_head((n,), 16, vocab, F32, seed)
+    t_hidden, t_weight, t_bias = make_head((n,), 12, vocab, F32, seed + 1)
+    targets = make_targets((n,), vocab, seed, ignore_frac=0.2)
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    out = linear_head_loss(*leaves[:2], targets, spec, bias=leaves[2], teacher_hidden=t_hidden,
+                           teacher_weight=t_weight.requires_grad_(), teacher_bias=t_bias,
+                           chunk_bytes=chunk_bytes_for(budget, vocab, F32), compact=False, backend="triton")
+    ref_leaves = [t.double().requires_grad_() for t in (hidden, weight, bias)]
+    ref = reference_head_loss(F.linear(*ref_leaves), targets, spec,
+                              teacher_logits=F.linear(t_hidden.double(), t_weight.detach().double(), t_bias.double()))
+    objective = default_objective(spec, (n,))
+    objective(out).backward()
+    objective(ref).backward()
+    tol = TOLS[F32]
+    assert_close_norm(out.loss, ref.loss, rtol=tol.value_rtol, atol=1e-5, name="loss")
+    assert_close_norm(out.token_loss, ref.token_loss, rtol=tol.value_rtol, atol=1e-5, name="token_loss")
+    for name in ref.metrics:
+        assert_close_norm(out.metrics[name], ref.metrics[name], rtol=tol.value_rtol, atol=1e-5, name=name)
+    for name, leaf, ref_leaf in zip(GRAD_NAMES, leaves, ref_leaves):
+        assert float(ref_leaf.grad.norm()) > 0
+        assert_close_norm(leaf.grad, ref_leaf.grad, rtol=tol.grad_rtol, atol=GRAD_ATOL, name=f"d {name}")
+    assert t_weight.grad is None
+    flat = [rows for chunk in launches for rows in chunk]
+    assert [shape[0] for shape in chunk_log["forward"]] == flat
+    assert [shape[0] for shape in chunk_log["backward"]] == (flat if mode == "deferred" else [])
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(SPECS))
 def test_spec_matches_fp64_reference_on_3d_hidden_with_ignored_rows(case, dtype):

@@ -134,8 +134,8 @@ def test_opcheck_head_forward(grad_mode):
     # a handoff token names its own buffers, so two calls' tokens differ by design: the AOT check,
     # which compares two calls' outputs, runs for the other modes (the compile tests cover handoff)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
-    torch.library.opcheck(torch.ops.headloss.head_forward.default, args,
-                          **(dict(test_utils=utils) if grad_mode == "handoff" else {}))
+    op = torch.ops.headloss.head_forward_beside if grad_mode == "handoff" else torch.ops.headloss.head_forward
+    torch.library.opcheck(op.default, args, **(dict(test_utils=utils) if grad_mode == "handoff" else {}))
 
 
 @needs_kernel
@@ -153,8 +153,6 @@ def test_opcheck_head_backward():
     args = (logits, targets, None, rows, torch.rand(5), torch.rand(rows.shape), None, scratch, key, geo_ints(geo), 0.0,
             False)
     torch.library.opcheck(torch.ops.headloss.head_backward.default, args)
-    torch.library.opcheck(torch.ops.headloss.scale_grad_.default, (torch.randn(5, V), torch.tensor([2.0]),
-                                                                    geo_ints(geo)))  # HEADLOSS_COMPILE_HANDOFF=0
 
 
 @needs_kernel
@@ -186,12 +184,13 @@ def test_take_grad_scales_once_and_refuses_a_second_take():
 @pytest.mark.slow
 @pytest.mark.parametrize("entry", ["logits", "hidden"])
 def test_compiled_fused_backward_hands_over_the_forward_buffer_without_a_copy(entry, monkeypatch):
-    """Under compile the fused gradient reaches backward beside the graph: the gradient autograd
-    delivers is the very buffer the forward kernel wrote (Inductor would clone a backward-graph input
-    before scaling it), scaled by d loss; a second backward raises as in eager."""
+    """Under compile a large fused gradient (here: every one) reaches backward beside the graph: the
+    gradient autograd delivers is the very buffer the forward kernel wrote (Inductor would clone a
+    backward-graph input before scaling it), scaled by d loss; a second backward raises as in eager."""
     import headloss.engine
     import headloss.linear
 
+    monkeypatch.setattr(headloss.ops, "HANDOFF_MIN_BYTES", 0)
     written = []
 
     def recording(grads):
@@ -238,15 +237,51 @@ def test_opcheck_linear_ops(spec, handoff):
     targets = make_targets((7,), V, seed=11)
     key = _plan_key(spec)
     forward_args = (hidden, weight, None, targets, None, None, None, None, None, None, None, None, None, None, None,
-                    key, 3, False, "off", [7], -100, 0.0, [True, True, False], handoff)
+                    key, [3, 0, 0, 0], "rows", [], [], False, "off", [7], -100, 0.0, [True, True, False], handoff)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")  # see test_opcheck_head_forward
-    torch.library.opcheck(torch.ops.headloss.linear_forward.default, forward_args,
-                          **(dict(test_utils=utils) if handoff else {}))
+    op = torch.ops.headloss.linear_forward_beside if handoff else torch.ops.headloss.linear_forward
+    torch.library.opcheck(op.default, forward_args, **(dict(test_utils=utils) if handoff else {}))
     loss, rows, pred, means, scratch, *_ = torch.ops.headloss.linear_forward(*forward_args)
     d_loss = torch.rand(loss.shape if spec.reduction == "none" else ())
-    backward_args = (hidden, weight, None, targets, None, None, None, None, rows, None, scratch, d_loss, None, key, 3,
-                     False, -100, 0.0, [True, True, False])
+    backward_args = (hidden, weight, None, targets, None, None, None, None, rows, None, scratch, d_loss, None, key,
+                     [3, 0, 0, 0], False, -100, 0.0, [True, True, False])
     torch.library.opcheck(torch.ops.headloss.linear_backward.default, backward_args)
+
+
+@needs_kernel
+def test_opcheck_policy_ops():
+    """The deferred mode's policy objective (its loss, metrics and d rows, or d rows alone) and the
+    per-sequence clip extremes as ops; and the policy inputs carried through the lm_head's op
+    (sequence chunks)."""
+    from headloss.engine import policy_objective_op
+    from headloss.policy.metrics import sequence_extremes
+    from headloss.policy.tokens import PolicyInputs, policy_as_lists, policy_from_lists
+
+    gen = torch.Generator().manual_seed(12)
+    batch, length = 3, 4
+    n = batch * length
+    spec = LossSpec(cross_entropy=None, policy={"importance_sampling": "sequence", "kl_beta": 0.04,
+                                                "entropy_coef": 0.01})
+    plan = headloss.compile_plan(spec)
+    rows = torch.randn(n, plan.cols.N, generator=gen)
+    old, ref = -torch.rand(n, generator=gen) - 1, -torch.rand(n, generator=gen) - 1
+    adv, mask = torch.randn(n, generator=gen), (torch.rand(n, generator=gen) > 0.3).float()
+    weight = mask / mask.sum()
+    for metrics, grad in ((True, True), (False, True), (True, False)):
+        args = (rows, old, ref, adv, None, mask, weight, old, torch.rand(()), plan.key, False, batch, length, 1,
+                metrics, grad)
+        torch.library.opcheck(policy_objective_op.op, args)
+    ratio, low, high = (torch.rand(n, generator=gen) for _ in range(3))
+    means = [torch.rand((), generator=gen) for _ in range(3)]
+    torch.library.opcheck(sequence_extremes.op, (ratio, low, high, mask, mask.sum(), *means, batch, length))
+    inp = PolicyInputs(advantages=adv, old_logprobs=old, ref_logprobs=None, importance_weights=None, seq=None,
+                       n_slots=batch, n_seq=torch.tensor(batch), seq_len=length, num_items_in_batch=7.0, mask=mask,
+                       weight=weight, sequence_level=True, norm_length=None, adv_span=2, raw=True)
+    back = policy_from_lists(*policy_as_lists(inp))
+    for name, value in vars(inp).items():
+        got = getattr(back, name)
+        assert got is value if isinstance(value, torch.Tensor) else (got == value and type(got) is type(value)), name
+    assert policy_from_lists(*policy_as_lists(None)) is None
 
 
 @pytest.mark.slow
@@ -264,9 +299,9 @@ def test_a_spec_object_held_anywhere_compiles():
 @pytest.mark.parametrize("entry", ["logits", "hidden"])
 def test_offloading_saved_tensors_under_compile_needs_the_handoff_off(entry, monkeypatch):
     """A saved-tensor hook that copies saved tensors (as save_on_cpu(pin_memory=True) does; here a
-    clone) cannot carry the hand-off token:
-    backward raises naming the cause; HEADLOSS_COMPILE_HANDOFF=0 (a saved gradient, cloned by
-    Inductor before its scale) works, equal to eager."""
+    clone) cannot carry the hand-off token of a large gradient: backward raises naming the cause.
+    A gradient kept in the graph (a small one, or any with HEADLOSS_COMPILE_HANDOFF=0) is a saved
+    tensor like any other: equal to eager."""
     gen = torch.Generator().manual_seed(15)
     x = make_logits((6, V), seed=15) if entry == "logits" else torch.randn(6, 8, generator=gen)
     w = torch.randn(V, 8, generator=gen)
@@ -283,11 +318,17 @@ def test_offloading_saved_tensors_under_compile_needs_the_handoff_off(entry, mon
         loss.backward()
         return [leaf.grad for leaf in leaves]
 
+    def same(got):
+        for a, b in zip(got, want):
+            if b is not None:
+                assert_close_norm(a, b, rtol=1e-5, atol=1e-7, name="grad")
+
     want = run(False)
+    same(run(True))  # small: in the graph
+    torch._dynamo.reset()
+    monkeypatch.setattr(headloss.ops, "HANDOFF_MIN_BYTES", 0)  # every gradient handed over
     with pytest.raises(RuntimeError, match="saved-tensor hook"):
         run(True)
     torch._dynamo.reset()
     monkeypatch.setattr(headloss.env, "COMPILE_HANDOFF", False)
-    for got, ref in zip(run(True), want):
-        if ref is not None:
-            assert_close_norm(got, ref, rtol=1e-5, atol=1e-7, name="grad")
+    same(run(True))

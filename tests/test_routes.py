@@ -54,19 +54,21 @@ def test_the_routes_of_each_kind_of_call():
 
 
 def test_the_facts_that_close_routes():
-    # the sequence kernels need [B, T] rows, eager mode, and inputs that want no gradient
+    # the sequence kernels need [B, T] rows and inputs that want no gradient (compiled: as ops)
     assert _names(GSPO, shape=(10,), sequence_ids=True) == ["deferred+torch"]
-    assert _names(GSPO, traced=True) == ["deferred+torch"]
+    assert _names(GSPO, traced=True) == ["deferred+kernels", "deferred+torch"]  # the kernels as ops
     assert _names(GSPO, inputs_want_grad=True) == ["deferred+torch"]
     assert _names(GSPO, shape=(0, 5)) == ["deferred+torch"]
-    # the lm_head's gradient-in-forward routes: one device, eager, a sequence that fits the budget
+    # the lm_head's gradient-in-forward routes: one device, a sequence that fits the budget (compiled too)
     assert _names(GSPO, entry="hidden", sharded=True) == ["lm_head:deferred+kernels", "lm_head:deferred+torch"]
-    assert _names(GSPO, entry="hidden", traced=True) == ["lm_head:deferred+torch"]
+    assert _names(GSPO, entry="hidden", traced=True) == _names(GSPO, entry="hidden")
     assert _names(GSPO, entry="hidden", sequence_fits=False) == ["lm_head:deferred+kernels",
                                                                  "lm_head:deferred+torch"]
-    # the corrections read a count on the host: not under CUDA-graph capture
+    # the corrections read a count on the host: not under CUDA-graph capture or torch.compile
     cov = LossSpec(cross_entropy=None, policy=Policy(objective="clip_cov"))
+    assert _names(cov, entry="hidden")[0] == "lm_head:covariance"
     assert _names(cov, entry="hidden", capturing=True) == ["lm_head:deferred+torch"]
+    assert _names(cov, entry="hidden", traced=True) == ["lm_head:deferred+torch"]
     # TRL's token-mean bonus depends on the top-entropy mask: no guess
     bonus = LossSpec(cross_entropy=None, policy=Policy(top_entropy_quantile=0.5, entropy_coef=0.01,
                                                        entropy_aggregation="token-mean"))

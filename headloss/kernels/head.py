@@ -161,9 +161,11 @@ def prepare_call(targets, num_items, sequence_ids, scratch, verdict, dirty, geo,
     if verdict is not None:
         where = tl.min(first_bad, axis=0)
         bad_items = tl.zeros([], tl.int64)
+        items_bits = tl.zeros([], tl.int64)
         if num_items is not None:
             n = tl.load(num_items).to(tl.float32)
             bad_items = ((n > 0.0) & (n < float("inf"))).to(tl.int64) ^ 1
+            items_bits = n.to(tl.int32, bitcast=True).to(tl.int64)
         any_ids = tl.max(bad_ids, axis=0).to(tl.int64)
         if (where < big) | (bad_items != 0) | (any_ids != 0):
             value = tl.zeros([], tl.int64)
@@ -173,6 +175,7 @@ def prepare_call(targets, num_items, sequence_ids, scratch, verdict, dirty, geo,
             tl.store(verdict + VERDICT_AT.value, value)
             tl.store(verdict + VERDICT_AT.bad_items, bad_items)
             tl.store(verdict + VERDICT_AT.bad_ids, any_ids)
+            tl.store(verdict + VERDICT_AT.items, items_bits)
             tl.atomic_xchg(verdict + VERDICT_AT.flag, 1, sem="release", scope="sys")
             tl.atomic_xchg(dirty, 1, sem="release", scope="sys")
 

@@ -194,7 +194,10 @@ def launch_config(vocab: int, teacher: bool = False, rows: int | None = None) ->
     doubles, and 1024 x 4 was fastest (2996 vs 3216 us, profile_head.py --terms).
     A launch of fewer than 1024 rows (the fused lm_head's chunks) has too few programs to fill
     the GPU with 4 warps each: 4096 x 8 (the same 16 per thread) ran 256/320/512-row chunks at
-    2.39/2.05/1.77 ms per 8192 rows against 2.97/2.96/2.10 (benchmarks/profile_linear.py).
+    2.39/2.05/1.77 ms per 8192 rows against 2.97/2.96/2.10 (benchmarks/profile_linear.py); with a
+    teacher in such launches (the lm_head's teacher parts of 256 rows) 2048 x 4 ran the fused
+    distillation head (N 8192, V 128256) in 60.1 ms against 61.2 for 1024 x 4 and 61.0 for 4096 x 8 on
+    an H100 (benchmarks/bench_compile.py --profile-distill).
     HEADLOSS_BLOCK_V / HEADLOSS_NUM_WARPS (read at import) or :data:`LAUNCH_OVERRIDES` (set by those
     sweeps) override it.
     """
@@ -214,8 +217,8 @@ def _launch_config(vocab: int, teacher: bool, few_rows: bool, block_v: int | Non
                    ) -> LaunchConfig:
     block = min(1 << (max(vocab, 16) - 1).bit_length(), 1024 if teacher else 2048)
     warps = 4 if block >= 1024 else (2 if block >= 256 else 1)
-    if not teacher and few_rows and vocab >= 16384:
-        block, warps = 4096, 8
+    if few_rows and vocab >= 16384:
+        block, warps = (2048, 4) if teacher else (4096, 8)
     return LaunchConfig(block_v=block_v or block, num_warps=num_warps or warps)
 
 

@@ -65,7 +65,8 @@ class Verdict(NamedTuple):
     value: int = 2  # its value
     bad_items: int = 3  # 1 when num_items_in_batch is not a positive finite number
     bad_ids: int = 4  # 1 when a sequence id lies outside [0, n_out)
-    N: int = 5
+    items: int = 5  # num_items_in_batch as the device read it (its fp32 bits), for the error message
+    N: int = 6
 
 
 VERDICT = Verdict()

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..packed import Packed, packed_per_sequence
-from ..spec import Policy
+from ..spec import Policy, separate_kl_entropy
 from ..validation import NOT_BINARY, count_value
 from .tables import LOSS_TYPES
 from .tokens import PolicyInputs, seq_of
@@ -182,7 +182,7 @@ def sequences_in_batch(value: Any, policy: Policy, device: torch.device) -> floa
     over_sequences = lambda kind: LOSS_TYPES[kind].over == "sequences" and not (  # noqa: E731
         kind == "seq-mean-token-sum-norm" and policy.convention != "verl")
     if not over_sequences(policy.loss_type) and not (
-            policy.separate_kl_entropy and over_sequences(policy.kl_entropy_loss_type or policy.loss_type)):
+            separate_kl_entropy(policy) and over_sequences(policy.kl_entropy_loss_type or policy.loss_type)):
         raise ValueError(f"{name}: only for a mean over sequences (loss_type grpo, seq-mean-token-mean, "
                          f"seq-mean-token-sum, or seq-mean-token-sum-norm with convention='verl'), the spec has "
                          f"loss_type={policy.loss_type!r} and convention={policy.convention!r}")

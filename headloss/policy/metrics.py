@@ -8,6 +8,7 @@ import torch
 
 from ..kernels.layouts import EXTREME_METRICS, EXTREMES
 from ..kernels.policy import launch_sequence_extremes
+from ..ops import kernel_op
 from .masks import high_entropy_metrics
 from .tokens import PolicyInputs, TokenObjective, seq_of, seq_sum
 
@@ -63,7 +64,7 @@ def extremes(means: dict[str, torch.Tensor], ratio, low, high, mask, count, inp:
     columns or from torch). ``by_kernel`` (the route allows the sequence kernels; [B, T] rows): two
     launches where torch takes about 30 small ops."""
     if by_kernel and inp.sequence_ids is None and inp.n_slots > 0 and inp.seq_len > 0:
-        values = launch_sequence_extremes(
+        values = sequence_extremes(
             ratio.detach(), low, high, mask, count, means["clip_ratio/low_mean"], means["clip_ratio/high_mean"],
             means["ratio/mean"], inp.n_slots, inp.seq_len).unbind()
         extreme = [values[EXTREMES.low_min], values[EXTREMES.high_max], values[EXTREMES.ratio_min],
@@ -99,3 +100,15 @@ def extremes(means: dict[str, torch.Tensor], ratio, low, high, mask, count, inp:
     out["clip_ratio/region_mean"] = out["pg_clipfrac"] = region  # (pg_clipfrac: verl's name)
     out["ratio/mean"] = ratio_mean
     return out
+
+
+def _extremes_fake(ratio, low, high, mask, count, low_mean, high_mean, ratio_mean, n_seq, seq_len):
+    return torch.empty(EXTREMES.N, dtype=torch.float32, device=mask.device)
+
+
+@kernel_op("headloss::sequence_extremes", fake=_extremes_fake)
+def sequence_extremes(ratio: torch.Tensor, low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor,
+                      count: torch.Tensor, low_mean: torch.Tensor, high_mean: torch.Tensor, ratio_mean: torch.Tensor,
+                      n_seq: int, seq_len: int) -> torch.Tensor:
+    """kernels.policy.launch_sequence_extremes as an op (the same two launches under torch.compile)."""
+    return launch_sequence_extremes(ratio, low, high, mask, count, low_mean, high_mean, ratio_mean, n_seq, seq_len)

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..spec import Policy
+from ..spec import Policy, clamps_log_ratio
 from .masks import high_entropy_mask, off_policy_keep
 from .metrics import policy_metrics
 from .tables import IMPORTANCE_SAMPLING, KL_ESTIMATORS, OBJECTIVES
@@ -172,7 +172,7 @@ def token_objective(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, po
     """A row-local objective per token (see :class:`headloss.spec.Policy`). ``seq_log_ratio``: with
     sequence-level importance sampling, each token's sequence log-ratio (with gradient)."""
     log_ratio = logp - old
-    if policy.clamps_log_ratio:
+    if clamps_log_ratio(policy):
         log_ratio = torch.clamp(log_ratio, -20.0, 20.0)
     ratio = torch.exp(log_ratio if seq_log_ratio is None else seq_log_ratio)
     surrogate = ROW_LOCAL[policy.objective](logp, old, adv, ratio, policy)

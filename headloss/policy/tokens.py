@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -36,6 +37,41 @@ class PolicyInputs:
     raw: bool = False  # inputs as given (any float dtype, advantages by index: adv_span), read only at counted
     # tokens by the kernels (the fused epilogue, or deferred mode's objective kernel); else fp32 copies holding 0
     # at masked tokens, for torch
+
+
+_CARRIED = tuple(f.name for f in fields(PolicyInputs) if f.name not in ("quantile_group", "correction_metrics"))
+_INT_FIELDS = frozenset({"n_slots", "n_seq", "seq_len", "norm_length", "adv_span"})
+_BOOL_FIELDS = frozenset({"sequence_level", "raw"})
+
+
+def policy_as_lists(inp: PolicyInputs | None) -> tuple[list[torch.Tensor | None], list[float]]:
+    """``inp`` as a torch.library op takes it: each field a tensor (its value 0.0) or a number (its
+    tensor None; NaN: None). Not carried: a process group (``quantile_group``) and the metrics a
+    route sets (``correction_metrics``)."""
+    if inp is None:
+        return [], []
+    tensors: list[torch.Tensor | None] = []
+    values: list[float] = []
+    for name in _CARRIED:
+        value = getattr(inp, name)
+        tensors.append(value if isinstance(value, torch.Tensor) else None)
+        values.append(0.0 if isinstance(value, torch.Tensor) else math.nan if value is None else float(value))
+    return tensors, values
+
+
+def policy_from_lists(tensors: list[torch.Tensor | None], values: list[float]) -> PolicyInputs | None:
+    """The PolicyInputs that :func:`policy_as_lists` flattened (None for empty lists)."""
+    if not tensors:
+        return None
+    kwargs: dict[str, Any] = {}
+    for name, tensor, value in zip(_CARRIED, tensors, values, strict=True):
+        if tensor is not None:
+            kwargs[name] = tensor
+        elif math.isnan(value):
+            kwargs[name] = None
+        else:
+            kwargs[name] = int(value) if name in _INT_FIELDS else bool(value) if name in _BOOL_FIELDS else value
+    return PolicyInputs(**kwargs)
 
 
 def seq_of(inp: PolicyInputs) -> torch.Tensor:

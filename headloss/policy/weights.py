@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import Policy
+from ..spec import Policy, separate_kl_entropy
 from .tables import LOSS_TYPES
 from .tokens import PolicyInputs, seq_of, seq_sum
 
@@ -64,7 +64,7 @@ def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs, k
 def kl_entropy_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -> torch.Tensor | None:
     """The KL penalty's and the entropy bonus's per-token weights when they aggregate apart from the
     objective (Policy.separate_kl_entropy; else None: the objective's weights)."""
-    if not policy.separate_kl_entropy:
+    if not separate_kl_entropy(policy):
         return None
     return aggregation_weights(mask, policy, inp, policy.kl_entropy_loss_type or policy.loss_type)
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..output import HeadLossOutput, guard_second_backward
-from ..spec import LossSpec
+from ..spec import LossSpec, row_local
 from ..validation import NOT_BINARY, Normaliser, raise_if_bad
 from .policy import reference_policy_loss
 
@@ -156,7 +156,7 @@ def reference_head_loss(
 
     loss = loss.to(out_dtype)
     fused_mode = not (spec.reduction == "none" or spec.differentiable_outputs
-                      or (spec.policy is not None and not spec.policy.row_local))
+                      or (spec.policy is not None and not row_local(spec.policy)))
     if fused_mode and loss.requires_grad:
         loss = _OneBackward.apply(loss)
     return HeadLossOutput(

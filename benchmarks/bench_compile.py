@@ -1,0 +1,425 @@
+"""Eager, torch.compile and CUDA-graph mode side by side, and the fused distillation head against its
+GEMM floor: fwd+bwd, bf16, medians of CUDA events, back-to-back.
+
+Modes (each case's loss function, returning the loss and every metric, as a trainer logs them):
+
+  eager            head_loss(...) / linear_head_loss(...), then loss.backward()
+  compile          torch.compile(fn, fullgraph=True) (Inductor; the kernels run as torch.library ops)
+  reduce-overhead  torch.compile(fn, fullgraph=True, mode="reduce-overhead") (Inductor's CUDA graphs)
+
+Cases, at a small shape (B 4 x L 256, V 32000, H 2048: an RL micro-batch) and a large one
+(B 8 x L 1024, V 128256, H 4096):
+
+  sft        CE + z-loss + accuracy + predicted tokens + entropy metric on [B L, V] logits
+  grpo       TRL's dapo loss with a k3 KL, shift=True on the model's [B, L + 1, V] logits
+  gspo       the same with sequence-level ratios (GSPO): deferred mode, the sequence kernels
+  distill    forward KL to teacher logits + CE, [B L, V]
+  lm_head    CE on the fused lm_head, hidden [B L, H]
+
+``--distill`` (the large shape, N = 8192): the fused distillation head with both heads from hidden
+states (student and teacher lm_head, H 4096), forward KL, reverse KL and JSD, against the 4 GEMMs
+it cannot avoid (student logits, teacher logits, dh, dW at full size, the floor) and TRL's
+ChunkedDivergenceFunction (when trl is installed); time and peak memory.
+
+``--check``: compiled and reduce-overhead outputs and gradients against eager (max abs difference
+printed and recorded in the rows' note). ``--profile CASE``: torch.profiler tables (host and device)
+of eager and compiled steps of one case at the small shape.
+
+  python -m benchmarks.bench_compile [--shapes small large] [--cases sft grpo ...] [--distill] [--check]
+
+Writes $OUT (or ./results)/bench_compile.{json,csv,png}; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import math
+import pstats
+from collections.abc import Callable
+
+import torch
+
+import headloss
+from benchmarks.bench_head import FULL_SPEC, IGNORE
+from benchmarks.bench_host import GRPO_SPEC, GSPO_SPEC
+from benchmarks.bench_terms import grpo_batch
+from benchmarks.common import (
+    Row,
+    gpu_name,
+    import_trl,
+    out_dir_default,
+    peak_extra_gb,
+    pyplot,
+    time_ms,
+    write_rows,
+)
+
+SHAPES = {
+    "small": dict(batch=4, length=256, vocab=32000, hidden=2048),
+    "large": dict(batch=8, length=1024, vocab=128256, hidden=4096),
+}
+CASES = ("sft", "grpo", "gspo", "distill", "lm_head")
+MODES = ("eager", "compile", "reduce-overhead")
+DISTILL_SPEC = headloss.LossSpec(cross_entropy={"weight": 0.5}, distillation={"weight": 0.5, "temperature": 2.0})
+DIVERGENCES = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5}  # TRL's beta of each
+
+
+def case_inputs(case: str, shape: dict, seed: int = 0):
+    """(loss function of the differentiable inputs, those inputs) of one case at one shape."""
+    batch, length, vocab, hidden = shape["batch"], shape["length"], shape["vocab"], shape["hidden"]
+    n = batch * length
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def targets():
+        y = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
+        y[torch.rand(n, device="cuda", generator=gen) < 0.05] = IGNORE
+        return y
+
+    if case in ("grpo", "gspo"):
+        logits, ids, adv, old, ref, mask = grpo_batch(seed, batch, length, vocab)
+        spec = GRPO_SPEC if case == "grpo" else GSPO_SPEC
+        extra = dict(ref_logprobs=ref) if case == "grpo" else {}
+        n_items = mask.sum()
+
+        def fn(x):
+            out = headloss.head_loss(x, ids, spec, shift=True, advantages=adv, old_logprobs=old, loss_mask=mask,
+                                     num_items_in_batch=n_items, **extra)
+            return out.loss, out.metrics
+
+        return fn, [logits.requires_grad_()]
+    if case in ("sft", "distill"):
+        x = (torch.randn(n, vocab, device="cuda", generator=gen) * 2).to(torch.bfloat16).requires_grad_()
+        y = targets()
+        if case == "sft":
+            def fn(x):
+                out = headloss.head_loss(x, y, FULL_SPEC)
+                return out.loss, out.metrics
+
+            return fn, [x]
+        teacher = (torch.randn(n, vocab, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+
+        def fn(x):
+            out = headloss.head_loss(x, y, DISTILL_SPEC, teacher_logits=teacher)
+            return out.loss, out.metrics
+
+        return fn, [x]
+    if case == "lm_head":
+        h = (torch.randn(n, hidden, device="cuda", generator=gen) * 0.5).to(torch.bfloat16).requires_grad_()
+        w = (torch.randn(vocab, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16).requires_grad_()
+        y = targets()
+
+        def fn(h, w):
+            out = headloss.linear_head_loss(h, w, y, FULL_SPEC)
+            return out.loss, out.metrics
+
+        return fn, [h, w]
+    raise ValueError(f"case: {case!r}")
+
+
+def stepper(fn: Callable, inputs: list[torch.Tensor], mode: str) -> Callable[[], tuple]:
+    """A zero-argument fwd+bwd step of ``fn`` in ``mode``; returns (loss, metrics)."""
+    if mode == "eager":
+        call = fn
+    elif mode == "compile":
+        call = torch.compile(fn, fullgraph=True)
+    else:
+        call = torch.compile(fn, fullgraph=True, mode="reduce-overhead")
+
+    def step():
+        for t in inputs:
+            t.grad = None
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        loss, metrics = call(*inputs)
+        loss.backward()
+        return loss, metrics
+
+    return step
+
+
+def max_difference(got: tuple, want: tuple, grads_got: list, grads_want: list) -> float:
+    """Largest absolute difference over the loss, every metric and every input gradient."""
+    diffs = [(got[0] - want[0]).abs().max().item()]
+    diffs += [(got[1][k].float() - want[1][k].float()).abs().max().item() for k in want[1]]
+    diffs += [(a.float() - b.float()).abs().max().item() for a, b in zip(grads_got, grads_want)]
+    return max(d for d in diffs if not math.isnan(d)) if diffs else 0.0
+
+
+def mode_rows(rows: list[Row], table: list, shapes: list[str], cases: list[str], check: bool, rounds: int = 5) -> None:
+    """Each case in every mode: compiled and warmed up first, then timed in ``rounds`` rounds that
+    take the modes in turn (a small shape's step is host-bound: the host's drift over a run then
+    falls on every mode alike); each mode's time is the median of its rounds' medians."""
+    for shape_name in shapes:
+        shape = SHAPES[shape_name]
+        config = {**shape, "dtype": "bf16"}
+        for case in cases:
+            torch._dynamo.reset()
+            fn, inputs = case_inputs(case, shape)
+            want = grads = None
+            steps, notes = {}, {}
+            for mode in MODES:
+                notes[mode] = ""
+                try:
+                    step = stepper(fn, inputs, mode)
+                    for _ in range(3):
+                        got = step()  # compile, warm up, record the CUDA graphs
+                    if check:
+                        got_grads = [t.grad.clone() for t in inputs]
+                        if mode == "eager":
+                            want = (got[0].detach().clone(), {k: v.clone() for k, v in got[1].items()})
+                            grads = got_grads
+                        else:
+                            notes[mode] = f"max |{mode} - eager| {max_difference(got, want, got_grads, grads):.2e}"
+                    steps[mode] = step
+                except Exception as exc:  # a mode failing is a result
+                    notes[mode] = f"error: {type(exc).__name__}: {exc}"[:300]
+            timed: dict[str, list[float]] = {mode: [] for mode in steps}
+            for _ in range(rounds):
+                for mode, step in steps.items():
+                    timed[mode].append(time_ms(step, reps=20, warmup=2)[0])
+            times = {}
+            for mode in MODES:
+                ms = sorted(timed[mode])[len(timed[mode]) // 2] if mode in timed else None
+                times[mode] = ms
+                rows.append(Row(case=case, provider=f"headloss-{mode}", metric="time", unit="ms", x_name="shape",
+                                x=shape["batch"] * shape["length"], p50=ms, note=notes[mode], config=config,
+                                gpu=gpu_name()))
+                print(f"{case:8s} {shape_name:5s} {mode:16s} {ms if ms is None else round(ms, 4)} {notes[mode]}",
+                      flush=True)
+            table.append((case, shape_name, times))
+            del fn, inputs, steps
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+
+
+def distill_rows(rows: list[Row], n: int = 8192, hidden: int = 4096, vocab: int = 128256) -> list[tuple]:
+    """The fused distillation head from hidden states: headloss's three divergences, the 4-GEMM
+    floor and TRL's chunked divergence; time and peak memory."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    h = (torch.randn(n, hidden, device="cuda", generator=gen) * 0.5).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16).requires_grad_()
+    th = (torch.randn(n, hidden, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+    tw = (torch.randn(vocab, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    config = {"N": n, "H": hidden, "V": vocab, "dtype": "bf16"}
+    steps: dict[str, Callable[[], None]] = {}
+
+    def floor():
+        logits = h.detach() @ w.detach().t()
+        teacher = th @ tw.t()
+        del teacher
+        logits @ w.detach()  # dh
+        logits.t() @ h.detach()  # dW
+
+    steps["floor (4 GEMMs)"] = floor
+    for name, beta in DIVERGENCES.items():
+        spec = headloss.LossSpec(cross_entropy=None, distillation={"divergence": name, "beta": beta})
+
+        def ours(spec=spec):
+            h.grad = w.grad = None
+            headloss.linear_head_loss(h, w, None, spec, teacher_hidden=th, teacher_weight=tw).loss.backward()
+
+        steps[f"headloss {name}"] = ours
+    try:
+        chunked = import_trl("trl.kernels.chunked_divergence").ChunkedDivergenceFunction
+        for name, beta in DIVERGENCES.items():
+            def trl(beta=beta):
+                h.grad = w.grad = None
+                divergence, _ = chunked.apply(h, w, None, th, tw, None, beta, 1.0)
+                divergence.mean().backward()
+
+            steps[f"trl {name}"] = trl
+    except Exception as exc:  # a missing peer is a result
+        print(f"trl chunked divergence unavailable: {exc}")
+    results = []
+    floor_ms = None
+    def clear():
+        h.grad = w.grad = None
+
+    for name, step in steps.items():
+        step()
+        mem = peak_extra_gb(step, clear, cold_blas=True)  # the gradients dh and dW count
+        ms = time_ms(step, reps=10, warmup=2)[0]
+        floor_ms = ms if name.startswith("floor") else floor_ms
+        note = "" if floor_ms is None or name.startswith("floor") else f"{ms / floor_ms:.3f} x floor"
+        for metric, unit, value in (("time", "ms", ms), ("memory", "GB", mem)):
+            rows.append(Row(case="distill-hidden", provider=name, metric=metric, unit=unit, x_name="N", x=n, p50=value,
+                            note=note, config=config, gpu=gpu_name()))
+        results.append((name, ms, mem, note))
+        print(f"distill-hidden {name:22s} {ms:8.2f} ms  {mem / 1.073741824:6.3f} GiB  {note}", flush=True)
+    return results
+
+
+def profile_distill(n: int = 8192, hidden: int = 4096, vocab: int = 128256) -> None:
+    """Where the fused distillation head's time goes: the 4-GEMM floor; device time per kernel (summed
+    over one call's chunks) and the device's idle time for each divergence; forward KL against the
+    teacher's share of the chunk budget (api.TEACHER_SHARE), the budget, and the head kernel's block
+    and warps with a teacher."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as run_profile
+
+    import headloss.api
+    from headloss.kernels.launch import LAUNCH_OVERRIDES
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    h = (torch.randn(n, hidden, device="cuda", generator=gen) * 0.5).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16).requires_grad_()
+    th = (torch.randn(n, hidden, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+    tw = (torch.randn(vocab, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+
+    def clear():
+        h.grad = w.grad = None
+
+    def floor():
+        logits = h.detach() @ w.detach().t()
+        (th @ tw.t()).sum()
+        logits @ w.detach()
+        logits.t() @ h.detach()
+
+    floor_ms = time_ms(floor, reps=5)[0]
+    print(f"floor (4 GEMMs) {floor_ms:.2f} ms")
+
+    def step_of(name: str, beta: float, chunk_bytes: int | None = None) -> Callable[[], None]:
+        spec = headloss.LossSpec(cross_entropy=None, distillation={"divergence": name, "beta": beta})
+        extra = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+
+        def step():
+            clear()
+            headloss.linear_head_loss(h, w, None, spec, teacher_hidden=th, teacher_weight=tw, **extra).loss.backward()
+
+        return step
+
+    def timed(step, label: str) -> None:
+        step()
+        mem = peak_extra_gb(step, clear, cold_blas=True)
+        ms = time_ms(step, reps=5)[0]
+        print(f"{label:44s} {ms:8.2f} ms  {ms / floor_ms:6.3f} x floor  {mem / 1.073741824:6.3f} GiB", flush=True)
+
+    for name, beta in DIVERGENCES.items():
+        step = step_of(name, beta)
+        step()
+        torch.cuda.synchronize()
+        with run_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+        per: dict[str, list[float]] = {}
+        for e in kernels:
+            per.setdefault(e.name, []).append(e.device_time)
+        busy = sum(e.device_time for e in kernels) / 1e3
+        span = (kernels[-1].time_range.end - kernels[0].time_range.start) / 1e3
+        gaps = sorted(((round(b.time_range.start - a.time_range.end), a.name[:40], b.name[:40])
+                       for a, b in zip(kernels, kernels[1:])), reverse=True)[:4]
+        print(f"\n===== distill-hidden {name}: step {time_ms(step, reps=5)[0]:.2f} ms, device busy {busy:.2f} ms "
+              f"over a span of {span:.2f} ms; largest gaps (us, after, before): {gaps}")
+        for kernel, times in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:8]:
+            print(f"{sum(times) / 1e3:9.3f} ms {len(times):4d}x  {kernel[:100]}")
+    print()
+    default_share = headloss.api.TEACHER_SHARE
+    for share in (0.5, 0.25, 0.125):
+        headloss.api.TEACHER_SHARE = share
+        timed(step_of("forward_kl", 0.0), f"forward_kl, teacher share {share}")
+    headloss.api.TEACHER_SHARE = default_share
+    for mib in (192, 320, 512):
+        timed(step_of("forward_kl", 0.0, mib << 20), f"forward_kl, chunk_bytes {mib} MiB")
+    for block, warps in ((2048, 8), (2048, 4), (4096, 8), (1024, 8)):
+        LAUNCH_OVERRIDES.update(block_v=block, num_warps=warps)
+        try:
+            timed(step_of("forward_kl", 0.0), f"forward_kl, block {block} x {warps} warps")
+            timed(step_of("jsd", 0.5), f"jsd, block {block} x {warps} warps")
+        finally:
+            LAUNCH_OVERRIDES.update(block_v=None, num_warps=None)
+
+
+def profile(case: str, modes: tuple[str, ...] = MODES) -> None:
+    """Host and device tables of eager and compiled steps of ``case`` at the small shape."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as run_profile
+
+    fn, inputs = case_inputs(case, SHAPES["small"])
+    for mode in modes:
+        torch._dynamo.reset()
+        step = stepper(fn, inputs, mode)
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        with run_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                step()
+            torch.cuda.synchronize()
+        print(f"\n===== {case} {mode}: time_ms {time_ms(step, reps=30)[0]:.4f}")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=70))
+        # the host's Python, the backward included (on the calling thread)
+        torch.autograd.set_multithreading_enabled(False)
+        stats = cProfile.Profile()
+        stats.enable()
+        for _ in range(50):
+            step()
+        stats.disable()
+        torch.cuda.synchronize()
+        torch.autograd.set_multithreading_enabled(True)
+        pstats.Stats(stats).sort_stats("tottime").print_stats(30)
+        pstats.Stats(stats).sort_stats("cumulative").print_stats(40)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=CASES)
+    parser.add_argument("--distill", action="store_true", help="also the fused distillation head from hidden")
+    parser.add_argument("--check", action="store_true", help="compare compiled outputs and gradients with eager")
+    parser.add_argument("--profile", choices=CASES, help="profile one case (small shape) and exit")
+    parser.add_argument("--profile-distill", action="store_true",
+                        help="device time per kernel of the fused distillation head, and its chunk budget; exit")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="--profile's modes")
+    parser.add_argument("--name", default="bench_compile", help="results file name")
+    args = parser.parse_args(argv)
+    if args.profile:
+        profile(args.profile, tuple(args.modes))
+        return
+    if args.profile_distill:
+        profile_distill()
+        return
+    rows: list[Row] = []
+    table: list = []
+    mode_rows(rows, table, args.shapes, args.cases, args.check)
+    distill = distill_rows(rows) if args.distill else []
+    out = out_dir_default()
+    write_rows(rows, out, args.name)
+    _plot(rows, out / f"{args.name}.png")
+    print(f"\none {gpu_name()}, bf16, fwd+bwd, medians in ms")
+    print(f"{'case':8s} {'shape':5s} " + " ".join(f"{m:>15s}" for m in MODES) + "  compile/eager  r-o/eager")
+    for case, shape, times in table:
+        cells = " ".join(f"{times[m]:15.4f}" if times.get(m) else f"{'-':>15s}" for m in MODES)
+        ratios = [times[m] / times["eager"] if times.get(m) and times.get("eager") else float("nan")
+                  for m in MODES[1:]]
+        print(f"{case:8s} {shape:5s} {cells}  {ratios[0]:13.3f}  {ratios[1]:9.3f}")
+    if distill:
+        print(f"\n{'distill-hidden (N 8192, H 4096, V 128256)':42s} {'ms':>8s} {'GiB':>7s}")
+        for name, ms, mem, note in distill:
+            print(f"{name:42s} {ms:8.2f} {mem / 1.073741824:7.3f}  {note}")
+
+
+def _plot(rows: list[Row], path) -> None:
+    plt = pyplot()
+    timed = [r for r in rows if r.metric == "time" and r.case != "distill-hidden" and r.p50]
+    shapes = sorted({r.config.get("vocab") for r in timed})
+    if not timed:
+        return
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
+    for ax, vocab in zip(axes[0], shapes):
+        cases = [c for c in CASES if any(r.case == c and r.config.get("vocab") == vocab for r in timed)]
+        for i, mode in enumerate(MODES):
+            vals = [next((r.p50 for r in timed if r.case == c and r.provider == f"headloss-{mode}"
+                          and r.config.get("vocab") == vocab), 0.0) for c in cases]
+            ax.bar([j + 0.27 * (i - 1) for j in range(len(cases))], vals, width=0.27, label=mode)
+        ax.set_xticks(range(len(cases)), cases)
+        ax.set_ylabel("ms (fwd+bwd)")
+        ax.set_title(f"V {vocab}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Every route a call takes in eager mode runs under torch.compile(fullgraph=True) with the same kernels
+(the ``headloss::`` torch.library ops; here the interpreter runs them, on a GPU tests/test_gpu.py):
+the compiled call takes the same route, traces into one graph without a break
+(``torch._dynamo.explain``), and its loss, every metric and every input gradient equal eager's.
+
+The corrected lm_head routes (clip_cov / kl_cov, the guessed top-entropy mask) read a count on the host:
+under compile, as under CUDA-graph capture, they take deferred mode, with the same values. (clip_cov's
+own draw is a host operation, as verl's torch.randperm is: it breaks the graph on every path.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_close_norm, generator, make_logits, make_targets, needs_kernel, seed_of
+
+from headloss import LossSpec, head_loss, linear_head_loss
+
+pytestmark = needs_kernel
+
+B, T, V, H = 2, 5, 37, 8
+DAPO_K3 = {"loss_type": "dapo", "kl_beta": 0.04, "kl_estimator": "k3", "eps_low": 0.2, "eps_high": 0.28}
+SPECS = {
+    "sft": LossSpec(z_loss={"weight": 1e-3}, entropy={"weight": 0.0}, token_accuracy=True,
+                    outputs=("predicted_tokens", "logprobs")),
+    "distill": LossSpec(cross_entropy={"weight": 0.5}, distillation={"divergence": "jsd", "beta": 0.3}),
+    "deferred": LossSpec(reduction="none", entropy={"weight": 0.1}, outputs=("entropy",)),
+    "grpo": LossSpec(cross_entropy=None, policy=DAPO_K3),
+    "gspo": LossSpec(cross_entropy=None, policy={**DAPO_K3, "importance_sampling": "sequence", "eps_low": 3e-4,
+                                                 "eps_high": 4e-4}),
+    "gmpo": LossSpec(cross_entropy=None, policy={"objective": "gmpo", "loss_type": "grpo", "kl_beta": 0.04}),
+    "kl_cov": LossSpec(cross_entropy=None, policy={"objective": "kl_cov", "loss_type": "dapo", "cov_ratio": 0.2}),
+}
+# (entry, spec, eager route, compiled route when it differs)
+CASES = {
+    "logits-fused-sft": ("logits", "sft", "fused"),
+    "logits-fused-distill": ("logits", "distill", "fused"),
+    "logits-deferred": ("logits", "deferred", "deferred"),
+    "logits-fused-grpo": ("logits", "grpo", "fused"),
+    "logits-fused-grpo-rows": ("rows", "grpo", "fused"),
+    "logits-deferred+kernels-gspo": ("logits", "gspo", "deferred+kernels"),
+    "logits-deferred+torch-gmpo": ("logits", "gmpo", "deferred+torch"),
+    "lm_head-fused-sft": ("hidden", "sft", "lm_head:fused"),
+    "lm_head-fused-distill-teacher-hidden": ("teacher", "distill", "lm_head:fused"),
+    "lm_head-deferred": ("hidden", "deferred", "lm_head:deferred"),
+    "lm_head-fused-grpo": ("hidden", "grpo", "lm_head:fused"),
+    "lm_head-sequences+kernels-gspo": ("hidden", "gspo", "lm_head:sequences+kernels"),
+    "lm_head-sequences+torch-gmpo": ("hidden", "gmpo", "lm_head:sequences+torch"),
+    "lm_head-covariance-kl_cov": ("hidden", "kl_cov", "lm_head:covariance", "lm_head:deferred+torch"),
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _case(name: str, seed: int):
+    """(loss function of the differentiable inputs -> (loss, metrics, route), those inputs)."""
+    entry, spec_name, *_ = CASES[name]
+    spec = SPECS[spec_name]
+    gen = generator(seed)
+    kwargs = {}
+    if spec.policy is not None:
+        logp_like = -torch.rand(B, T, generator=gen) - 2.0
+        kwargs = dict(advantages=torch.randn(B, generator=gen), old_logprobs=logp_like,
+                      ref_logprobs=logp_like - 0.1 * torch.rand(B, T, generator=gen),
+                      loss_mask=(torch.rand(B, T, generator=gen) > 0.2).float())
+        kwargs["num_items_in_batch"] = kwargs["loss_mask"].sum()
+    ids = make_targets((B, T), V, seed=seed)
+    if entry in ("logits", "rows"):
+        x = make_logits((B, T + 1, V), seed=seed)
+        if spec.distillation is not None:
+            kwargs["teacher_logits"] = make_logits((B, T + 1, V), seed=seed + 1)
+        if entry == "rows":  # [N, V] rows naming their sequences: the per-sequence metrics by torch
+            x = x[:, :T].reshape(B * T, V).contiguous()
+            kwargs = {k: v.reshape(-1) if k != "advantages" and v.dim() == 2 else v for k, v in kwargs.items()}
+            kwargs["advantages"] = kwargs["advantages"].repeat_interleave(T)
+            kwargs["sequence_ids"] = torch.arange(B).repeat_interleave(T)
+
+            def fn(x):
+                out = head_loss(x, ids.reshape(-1), spec, backend="triton", **kwargs)
+                return out.loss, out.metrics, out.route
+
+            return fn, [x.requires_grad_()]
+
+        def fn(x):
+            out = head_loss(x, ids, spec, shift=True, backend="triton", **kwargs)
+            return out.loss, out.metrics, out.route
+
+        return fn, [x.requires_grad_()]
+    hidden = torch.randn(B, T, H, generator=gen)
+    weight = torch.randn(V, H, generator=gen) * 0.5
+    if entry == "teacher":
+        kwargs.update(teacher_hidden=torch.randn(B, T, H, generator=gen),
+                      teacher_weight=torch.randn(V, H, generator=gen) * 0.5)
+
+    def fn(h, w):
+        out = linear_head_loss(h, w, ids, spec, chunk_bytes=4 * V * 4, backend="triton", **kwargs)
+        return out.loss, out.metrics, out.route
+
+    return fn, [hidden.requires_grad_(), weight.requires_grad_()]
+
+
+def _grads(result, inputs):
+    loss = result[0]
+    (loss.sum() if loss.dim() else loss).backward()
+    grads = [t.grad.clone() for t in inputs]
+    for t in inputs:
+        t.grad = None
+    return grads
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_compiled_call_takes_the_eager_route_in_one_graph_with_equal_values(name):
+    expected = CASES[name][2]
+    compiled_route = CASES[name][3] if len(CASES[name]) > 3 else expected
+    fn, inputs = _case(name, seed=seed_of("compiled", name))
+    want = fn(*inputs)
+    assert want[2] == expected
+    want_grads = _grads(want, inputs)
+    explained = torch._dynamo.explain(fn)(*inputs)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True)(*inputs)
+    assert got[2] == compiled_route
+    assert_close_norm(got[0], want[0], rtol=1e-5, atol=1e-6, name="loss")
+    assert set(got[1]) == set(want[1])
+    for key, value in want[1].items():
+        assert_close_norm(got[1][key], value, rtol=1e-5, atol=1e-6, name=f"metrics[{key}]")
+    for a, b in zip(_grads(got, inputs), want_grads):
+        assert float(b.norm()) > 0
+        assert_close_norm(a, b, rtol=1e-5, atol=1e-7, name="grad")
