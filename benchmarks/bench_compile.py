@@ -5,7 +5,8 @@ Modes (each case's loss function, returning the loss and every metric, as a trai
 
   eager            head_loss(...) / linear_head_loss(...), then loss.backward()
   compile          torch.compile(fn, fullgraph=True) (Inductor; the kernels run as torch.library ops)
-  reduce-overhead  torch.compile(fn, fullgraph=True, mode="reduce-overhead") (Inductor's CUDA graphs)
+  reduce-overhead  torch.compile(fn, fullgraph=True, mode="reduce-overhead") (Inductor's CUDA graphs), the
+                   inputs marked static (mark_static_address), as a model's activations and weights are
 
 Cases, at a small shape (B 4 x L 256, V 32000, H 2048: an RL micro-batch) and a large one
 (B 8 x L 1024, V 128256, H 4096):
@@ -34,9 +35,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import math
 import pstats
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -125,6 +128,8 @@ def stepper(fn: Callable, inputs: list[torch.Tensor], mode: str) -> Callable[[],
         call = torch.compile(fn, fullgraph=True)
     else:
         call = torch.compile(fn, fullgraph=True, mode="reduce-overhead")
+        for t in inputs:  # as a model's own activations and weights are: no copy into the graphs' inputs
+            torch._dynamo.mark_static_address(t)
 
     def step():
         for t in inputs:
@@ -373,7 +378,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="device time per kernel of the fused distillation head, and its chunk budget; exit")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="--profile's modes")
     parser.add_argument("--name", default="bench_compile", help="results file name")
+    parser.add_argument("--rounds", type=int, default=5, help="timing rounds over the modes")
+    parser.add_argument("--replot", type=Path, help="draw the PNG of a results JSON again and exit")
     args = parser.parse_args(argv)
+    if args.replot:
+        replot(args.replot)
+        return
     if args.profile:
         profile(args.profile, tuple(args.modes))
         return
@@ -382,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows: list[Row] = []
     table: list = []
-    mode_rows(rows, table, args.shapes, args.cases, args.check)
+    mode_rows(rows, table, args.shapes, args.cases, args.check, args.rounds)
     distill = distill_rows(rows) if args.distill else []
     out = out_dir_default()
     write_rows(rows, out, args.name)
@@ -401,12 +411,16 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _plot(rows: list[Row], path) -> None:
+    """One panel per vocabulary: each case's time in the three modes; and one for the distillation
+    head from hidden states (time against its 4-GEMM floor) when it was measured."""
     plt = pyplot()
     timed = [r for r in rows if r.metric == "time" and r.case != "distill-hidden" and r.p50]
+    distill = [r for r in rows if r.metric == "time" and r.case == "distill-hidden" and r.p50]
     shapes = sorted({r.config.get("vocab") for r in timed})
-    if not timed:
+    panels = len(shapes) + (1 if distill else 0)
+    if not panels:
         return
-    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
     for ax, vocab in zip(axes[0], shapes):
         cases = [c for c in CASES if any(r.case == c and r.config.get("vocab") == vocab for r in timed)]
         for i, mode in enumerate(MODES):
@@ -417,8 +431,22 @@ def _plot(rows: list[Row], path) -> None:
         ax.set_ylabel("ms (fwd+bwd)")
         ax.set_title(f"V {vocab}")
         ax.legend()
+    if distill:
+        ax = axes[0][-1]
+        ax.barh([r.provider for r in distill], [r.p50 for r in distill],
+                color=["grey" if r.provider.startswith("floor") else "C0" if r.provider.startswith("headloss")
+                       else "C1" for r in distill])
+        ax.invert_yaxis()
+        ax.set_xlabel("ms (fwd+bwd)")
+        ax.set_title("distillation from hidden, N 8192, H 4096, V 128256", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def replot(path: Path) -> None:
+    """Draw ``path``'s PNG again from its JSON rows."""
+    rows = [Row(**row) for row in json.loads(path.read_text())]
+    _plot(rows, path.with_suffix(".png"))
 
 
 if __name__ == "__main__":
