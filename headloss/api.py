@@ -32,7 +32,7 @@ from .inputs import (
 from .linear import LinearFunction, LinearRun
 from .output import HeadLossOutput, assemble, assemble_deferred
 from .packed import packed_call, packed_policy_inputs
-from .parallel import dtensor_shard, gather_vocab, handshake, is_dtensor, rows_shard, shard_of
+from .parallel import dtensor_shard, gather_vocab, handshake, is_dtensor, rows_shard, shard_of, traced_shard
 from .plan import KernelPlan, SpecLike, plan_for
 from .policy.inputs import policy_inputs
 from .reference import reference_head_loss
@@ -160,8 +160,9 @@ def head_loss(
             ``group``. ``teacher_logits`` are sharded like ``logits``; the mixture JSD costs a second
             collective (an all-reduce of 2 fp32 per row). Inputs are expected replicated (targets,
             policy inputs) and shaped alike on every rank: with ``validate="sync"`` one more small
-            collective checks that, so that a bad input on one rank raises on every rank. Not yet:
-            torch.compile.
+            collective checks that, so that a bad input on one rank raises on every rank. Under
+            torch.compile the all_gather is a functional collective of the graph (not with
+            ``validate="sync"`` or a DTensor).
         route: run the call on this route (:data:`headloss.routes.ROUTES`) instead of its default,
             e.g. ``"deferred+torch"`` against ``"deferred+kernels"``; an error names the routes the
             call can take. ``out.route`` says which one ran.
@@ -205,6 +206,9 @@ def head_loss(
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
     dtype = logits.dtype if isinstance(logits, torch.Tensor) else torch.float32
     if resolve_backend(backend, device, dtype) == "reference":
+        if shard is not None and traced:
+            raise NotImplementedError("group: the plain-torch path of a vocab-parallel call (CPU tensors without "
+                                      "TRITON_INTERPRET=1) is not traceable by torch.compile; the kernels' path is")
         if shard is not None:
             if validation_mode(validate) == "sync":  # whole rows on every rank before gathering them
                 error = None
@@ -366,8 +370,15 @@ def _run_recipe(recipe: _Recipe, logits, targets, teacher_logits, num_items_in_b
 def _vocab_shard(logits, targets, group, teacher_logits, validate):
     """(local logits, local targets, local teacher logits, VocabShard) of a vocab-parallel call;
     what it cannot do yet is refused here, on every rank alike, before any collective."""
-    if torch.compiler.is_compiling():
-        raise NotImplementedError("group: a vocab-parallel head_loss is not traceable by torch.compile yet")
+    if torch.compiler.is_compiling():  # the kernels' path: the layout a constant, the statistics' all_gather traced
+        if is_dtensor(logits) or is_dtensor(targets) or is_dtensor(teacher_logits):
+            raise NotImplementedError("logits: a DTensor is not traceable by torch.compile here; pass its local "
+                                      "tensor (to_local()) with group=")
+        if validation_mode(validate) == "sync":
+            raise ValueError("validate: 'sync' waits on the host for every rank's verdict: not under torch.compile "
+                             "(use True: the device's verdict is raised by a later call)")
+        check_logits(logits)
+        return logits, targets, teacher_logits, traced_shard(group, logits.shape[-1], logits.device)
     if is_dtensor(targets):
         targets = targets.full_tensor()
     if is_dtensor(teacher_logits):  # sharded like the student's

@@ -26,9 +26,9 @@ import torch
 
 from .kernels.head import PolicyRows, launch_backward, launch_head, prepare
 from .kernels.launch import Geometry, row_strides
-from .kernels.layouts import OBJECTIVE_METRICS, OBJECTIVE_OUT, scratch_size
+from .kernels.layouts import JSD_SHARES, OBJECTIVE_METRICS, OBJECTIVE_OUT, STATS, scratch_size
 from .kernels.policy import launch_policy_objective
-from .kernels.shard import launch_shard_jsd, launch_shard_stats
+from .kernels.shard import launch_merge, launch_shard_jsd, launch_shard_stats
 from .ops import (
     BESIDE_GRAPH,
     geo_ints,
@@ -109,18 +109,21 @@ program's longer serial pass off the critical path."""
 
 def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, policy: PolicyRows | None, num_items,
                  sequence_ids, grad_mode: str, validate: str, token_shape: tuple[int, ...], shard=None,
-                 extra_means: int = 0):
+                 extra_means: int = 0, stats: torch.Tensor | None = None, jsd: torch.Tensor | None = None):
     """The head kernel (its program 0 prepares, see INLINE_PREPARE_SLOTS; else prepare_kernel first):
     (loss, rows, pred, means, scratch, grad, stats); grad_mode none / fresh / inplace.
     ``shard`` (a parallel.VocabShard): logits are this rank's vocabulary slice; the shard's
     statistics are exchanged with one all_gather before the head kernel (headloss.parallel), and
     returned as ``stats`` (else None) for a deferred backward.
-    ``extra_means``: room after the plan's means (deferred mode's policy metrics)."""
+    ``extra_means``: room after the plan's means (deferred mode's policy metrics). ``stats`` / ``jsd``:
+    the merged statistics of a vocab-parallel call exchanged already (under torch.compile, by a
+    functional collective: :func:`traced_shard_statistics`), with ``shard`` None."""
     device = logits.device
-    whole = geo._replace(V=geo.V_total) if shard is not None else geo  # targets are checked against all of V
+    sharded = shard is not None or stats is not None
+    whole = geo._replace(V=geo.V_total) if sharded else geo  # targets are checked against all of V
     verdict = verdict_slot(validate, device, CheckContext(token_shape, whole.V, geo.ignore_index))
     # on one device, the head kernel's program 0 prepares (one launch fewer)
-    inline = shard is None and 0 < geo.n_rows and geo.n_out <= INLINE_PREPARE_SLOTS
+    inline = not sharded and 0 < geo.n_rows and geo.n_out <= INLINE_PREPARE_SLOTS
     n_seq = geo.n_out // policy.seq_len if policy is not None and policy.seq_len > 0 else 0
     if inline:
         scratch = torch.empty(scratch_size(n_seq), dtype=torch.int64, device=device)
@@ -128,7 +131,6 @@ def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, poli
         scratch = prepare(targets, num_items, sequence_ids, whole, device, verdict, n_seq)
     if shard is not None and validate == "sync":
         handshake_verdict(shard, verdict, device)
-    stats = jsd = None
     if shard is not None and geo.n_rows:
         stats, jsd = shard_statistics(plan, logits, targets, teacher, geo, shard)
     rows, pred, loss, means = empty_outputs(plan, geo.n_out, device, token_shape, extra_means=extra_means)
@@ -161,8 +163,53 @@ def shard_statistics(plan: KernelPlan, logits, targets, teacher, geo: Geometry, 
     return stats, jsd
 
 
-def _head_forward_outputs(logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_ids, key, geo, norm,
-                          grad_mode, validate, token_shape, policy_layout, extra_means):
+def traced_shard_statistics(plan: KernelPlan, logits, targets, teacher, geo: Geometry, shard):
+    """:func:`shard_statistics` under torch.compile: the kernels as ops, the all_gather (and the mixture
+    JSD's all-reduce) as functional collectives the graph holds."""
+    import torch.distributed._functional_collectives as funcol
+
+    part = shard_stats_op(logits, targets, teacher, plan.key, geo_ints(geo), geo.norm)
+    width = part.shape[1]
+    mine = part.cpu() if shard.comm_cpu else part
+    gathered = funcol.all_gather_tensor(mine, 0, shard.group).to(part.device)
+    stats = merge_stats_op(gathered.view(shard.world, -1, width), plan.flags.OWN_TEMP)
+    jsd = None
+    if plan.flags.DISTILL_KIND == 2:
+        jsd = shard_jsd_op(logits, targets, teacher, stats, plan.key, geo_ints(geo), geo.norm)
+        jsd = funcol.all_reduce(jsd.cpu() if shard.comm_cpu else jsd, "sum", shard.group).to(part.device)
+    return stats, jsd
+
+
+def _stats_width(teacher) -> int:
+    return STATS.N_TEACHER if teacher is not None else STATS.N
+
+
+@kernel_op("headloss::shard_stats", fake=lambda logits, targets, teacher, key, geo, norm: torch.empty(
+    geo_of(geo, norm).n_rows, _stats_width(teacher), dtype=torch.float32, device=logits.device))
+def shard_stats_op(logits: torch.Tensor, targets: torch.Tensor | None, teacher: torch.Tensor | None, key: str,
+                   geo: list[int], norm: float) -> torch.Tensor:
+    """kernels.shard.launch_shard_stats as an op (a vocab-parallel call under torch.compile)."""
+    return launch_shard_stats(plan_from_key(key), logits=logits, targets=targets, geo=geo_of(geo, norm),
+                              teacher=teacher)
+
+
+@kernel_op("headloss::merge_stats", fake=lambda parts, own_temp: parts.new_empty(parts.shape[1:]))
+def merge_stats_op(parts: torch.Tensor, own_temp: bool) -> torch.Tensor:
+    """kernels.shard.launch_merge as an op."""
+    return launch_merge(parts, own_temp)
+
+
+@kernel_op("headloss::shard_jsd", fake=lambda logits, targets, teacher, stats, key, geo, norm: torch.empty(
+    geo_of(geo, norm).n_rows, JSD_SHARES.N, dtype=torch.float32, device=logits.device))
+def shard_jsd_op(logits: torch.Tensor, targets: torch.Tensor | None, teacher: torch.Tensor, stats: torch.Tensor,
+                 key: str, geo: list[int], norm: float) -> torch.Tensor:
+    """kernels.shard.launch_shard_jsd as an op."""
+    return launch_shard_jsd(plan_from_key(key), logits=logits, targets=targets, teacher=teacher, stats=stats,
+                            geo=geo_of(geo, norm))
+
+
+def _head_forward_outputs(logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_ids, stats, jsd, key,
+                          geo, norm, grad_mode, validate, token_shape, policy_layout, extra_means):
     """head_forward_op's outputs, unfilled: its fake."""
     plan = plan_from_key(key)
     layout = geo_of(geo, norm)
@@ -178,17 +225,20 @@ def _head_forward_outputs(logits, targets, teacher, old, ref, adv, iw, weight, n
 def _head_forward_op(
     logits: torch.Tensor, targets: torch.Tensor | None, teacher: torch.Tensor | None, old: torch.Tensor | None,
     ref: torch.Tensor | None, adv: torch.Tensor | None, iw: torch.Tensor | None, weight: torch.Tensor | None,
-    num_items: torch.Tensor | None, sequence_ids: torch.Tensor | None, key: str, geo: list[int], norm: float,
-    grad_mode: str, validate: str, token_shape: list[int], policy_layout: list[int], extra_means: int,
+    num_items: torch.Tensor | None, sequence_ids: torch.Tensor | None, stats: torch.Tensor | None,
+    jsd: torch.Tensor | None, key: str, geo: list[int], norm: float, grad_mode: str, validate: str,
+    token_shape: list[int], policy_layout: list[int], extra_means: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """head_forward on one device as an op: grad_mode none (the last output is empty) / fresh / inplace
     (eager only) / handoff (the last output is a token holding the gradient, see ops.hand_off: only
-    through ``head_forward_beside``, the op tagged to run beside mode="reduce-overhead"'s graphs)."""
+    through ``head_forward_beside``, the op tagged to run beside mode="reduce-overhead"'s graphs). ``stats``
+    / ``jsd``: a vocab-parallel call's merged statistics (see head_forward)."""
     policy = PolicyRows(old, ref, adv, iw, weight, *policy_layout) if adv is not None else None
     layout = geo_of(geo, norm)
     loss, rows, pred, means, scratch, grad, _ = head_forward(
         plan_from_key(key), layout, logits, targets, teacher, policy, num_items, sequence_ids,
-        "fresh" if grad_mode == "handoff" else grad_mode, validate, tuple(token_shape), extra_means=extra_means)
+        "fresh" if grad_mode == "handoff" else grad_mode, validate, tuple(token_shape), extra_means=extra_means,
+        stats=stats, jsd=jsd)
     if grad_mode == "handoff":
         grad = hand_off([(grad, layout)])
     elif grad is None:
@@ -218,11 +268,11 @@ def head_backward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, row
 def head_backward_op(
     logits: torch.Tensor, targets: torch.Tensor | None, teacher: torch.Tensor | None, rows: torch.Tensor,
     d_loss: torch.Tensor | None, d_rows: torch.Tensor | None, num_items: torch.Tensor | None, scratch: torch.Tensor,
-    key: str, geo: list[int], norm: float, inplace: bool,
+    stats: torch.Tensor | None, key: str, geo: list[int], norm: float, inplace: bool,
 ) -> torch.Tensor:
-    """head_backward on one device as an op (``inplace``: eager only)."""
+    """head_backward as an op (``inplace``: eager only; ``stats``: a vocab-parallel forward's)."""
     return head_backward(plan_from_key(key), geo_of(geo, norm), logits, targets, teacher, rows, d_loss, d_rows,
-                         num_items, scratch, inplace)
+                         num_items, scratch, inplace, stats)
 
 
 class HeadFunction(torch.autograd.Function):
@@ -239,18 +289,20 @@ class HeadFunction(torch.autograd.Function):
             else:
                 grad_mode = "inplace" if run.inplace else "fresh"
         extra_means = OBJECTIVE_OUT.N if run.objective is not None and not run.traced else 0
-        if run.shard is not None:  # vocab-parallel
+        if run.shard is not None and not run.traced:  # vocab-parallel: the collective inside head_forward
             policy = PolicyRows(old, ref, adv, iw, weight, run.adv_span, run.seq_len) if adv is not None else None
             loss, rows, pred, means, scratch, grad, stats = head_forward(
                 plan, run.geo, logits, targets, teacher, policy, num_items, sequence_ids, grad_mode, run.validate,
                 run.token_shape, run.shard, extra_means)
         else:
+            stats = jsd = None
+            if run.shard is not None and run.geo.n_rows:  # compiled vocab-parallel: the collective in the graph
+                stats, jsd = traced_shard_statistics(plan, logits, targets, teacher, run.geo, run.shard)
             op = head_forward_beside_op if grad_mode == "handoff" else head_forward_op
             loss, rows, pred, means, scratch, grad = op(
-                logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_ids, plan.key,
+                logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_ids, stats, jsd, plan.key,
                 geo_ints(run.geo), run.geo.norm, grad_mode, run.validate, list(run.token_shape),
                 [run.adv_span, run.seq_len], extra_means)
-            stats = None
         d_objective = None
         if run.objective is not None and run.traced:  # the policy term: the loss with it, its metrics after the means
             loss, out, d_objective = objective_launch(plan, rows, run.objective, base_loss=loss,
@@ -290,12 +342,12 @@ class HeadFunction(torch.autograd.Function):
         if d_objective is not None and d_loss is not None:  # the policy term's d rows, for one unit of d loss
             scaled = d_objective * d_loss
             d_rows = scaled if d_rows is None else d_rows + scaled
-        if run.shard is not None:
+        if run.shard is not None and not run.traced:
             grad = head_backward(run.plan, run.geo, logits, targets, teacher, rows, d_loss, d_rows, num_items,
                                  scratch, run.inplace, stats)
         else:
-            grad = head_backward_op(logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch, run.plan.key,
-                                    geo_ints(run.geo), run.geo.norm, run.inplace and not run.traced)
+            grad = head_backward_op(logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch, stats,
+                                    run.plan.key, geo_ints(run.geo), run.geo.norm, run.inplace and not run.traced)
         return grad, *nones
 
 

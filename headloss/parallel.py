@@ -13,7 +13,9 @@ call runs, on every rank:
    and the loss (the same on every rank), and this rank's slice of the gradient.
 
 The backward needs no collective. A shard's start and the whole vocabulary are exchanged once per
-(group, shard width) and cached; a DTensor sharded on its last dimension carries them itself.
+(group, shard width) and cached; a DTensor sharded on its last dimension carries them itself. Under
+torch.compile the layout is found while the graph is traced (:func:`traced_shard`) and step 2 is a
+functional collective of the graph (engine.traced_shard_statistics).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class VocabShard:
     vocab_start: int
     vocab_total: int
     world: int
+    comm_cpu: bool = False  # the group's collectives take CPU tensors (gloo): a compiled call's functional ones
 
 
 _SHARDS: BoundedDict[tuple[int, int], tuple[Any, VocabShard]] = BoundedDict(256)
@@ -93,6 +96,27 @@ def shard_of(group, local_vocab: int, device: torch.device, fresh: bool = False)
     shard = VocabShard(group=group, vocab_start=sum(sizes[:rank]), vocab_total=_whole(sum(sizes)), world=world)
     _SHARDS[key] = (group, shard)
     return shard
+
+
+def traced_shard(group, local_vocab: int, device: torch.device) -> VocabShard:
+    """:func:`shard_of` while torch.compile traces: the layout (exchanged the first time, as in eager,
+    or cached) is a constant of the graph, found at trace time on every rank; the graph's only
+    collective is then the statistics' all_gather (engine.traced_shard_statistics)."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group: expected a torch.distributed ProcessGroup, got {type(group).__name__}")
+    start, total, world, comm_cpu = _layout_at_trace(group.group_name, local_vocab, device.type)
+    return VocabShard(group=group, vocab_start=start, vocab_total=total, world=world, comm_cpu=comm_cpu)
+
+
+@torch._dynamo.assume_constant_result
+def _layout_at_trace(group_name: str, local_vocab: int, device_type: str) -> tuple[int, int, int, bool]:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else \
+        torch.device(device_type)
+    shard = shard_of(group, local_vocab, device)
+    return shard.vocab_start, shard.vocab_total, shard.world, comm_device(group, device).type == "cpu"
 
 
 def _whole(total: int) -> int:
@@ -182,7 +206,7 @@ def merge(parts: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["COLLECTIVES", "VocabShard", "all_reduce_sum", "dtensor_shard", "gather_merged", "gather_vocab",
-           "is_dtensor", "merge", "rows_shard", "shard_of"]
+           "is_dtensor", "merge", "rows_shard", "shard_of", "traced_shard"]
 
 
 class _GatherVocab(torch.autograd.Function):

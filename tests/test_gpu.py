@@ -896,6 +896,65 @@ def test_vocab_parallel_over_nccl_matches_one_gpu():
                 assert err <= 1e-5, (rank, key, err)
 
 
+def _nccl_compiled_rank(rank: int, world: int, port: int, results) -> None:
+    """A vocab-parallel head_loss compiled (fullgraph; default and reduce-overhead) against the same
+    call in eager mode, over NCCL: the statistics' all_gather (and the JSD's all-reduce) are functional
+    collectives of the graph."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    try:
+        n, v = 512, 50257
+        widths = [v // world + (1 if r < v % world else 0) for r in range(world)]
+        start, width = sum(widths[:rank]), widths[rank]
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        logits = (torch.randn(n, v, device="cuda", generator=gen) * 3).to(torch.bfloat16)[:, start: start + width]
+        teacher = (torch.randn(n, v, device="cuda", generator=gen) * 3).to(torch.bfloat16)[:, start: start + width]
+        ids = torch.randint(0, v, (n,), device="cuda", generator=gen)
+        ids[::7] = -100
+        deferred = headloss.LossSpec(entropy={"weight": 0.01}, reduction="none", outputs=("logprobs",),
+                                     differentiable_outputs=True)
+        jsd = headloss.LossSpec(distillation={"divergence": "jsd", "beta": 0.3})
+        errs = {}
+        for name, spec in (("full", FULL), ("deferred", deferred), ("jsd", jsd)):
+            extra = {"teacher_logits": teacher.contiguous()} if spec.distillation is not None else {}
+
+            def step(x, spec=spec, extra=extra):
+                out = headloss.head_loss(x, ids, spec, group=dist.group.WORLD, **extra)
+                return out.loss.sum(), out.metrics
+
+            for mode in ("default", "reduce-overhead"):
+                torch._dynamo.reset()
+                compiled = torch.compile(step, fullgraph=True, mode=mode)
+                for _ in range(3):
+                    a, b = logits.contiguous().requires_grad_(), logits.contiguous().requires_grad_()
+                    want = step(a)
+                    want[0].backward()
+                    if mode == "reduce-overhead":
+                        torch.compiler.cudagraph_mark_step_begin()
+                    got = compiled(b)
+                    got[0].backward()
+                errs[(name, mode, "loss")] = float((got[0] - want[0]).abs().detach() / want[0].abs().clamp_min(1e-6))
+                for k, value in want[1].items():
+                    errs[(name, mode, k)] = float((got[1][k].double() - value.double()).abs()
+                                                  / value.double().abs().clamp_min(1e-6))
+                errs[(name, mode, "grad")] = _rel(b.grad, a.grad)
+        results[rank] = errs
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_compiled_vocab_parallel_over_nccl_equals_eager():
+    from conftest import spawn_ranks
+
+    for rank, errs in spawn_ranks(_nccl_compiled_rank, 2).items():
+        for key, err in errs.items():
+            assert err <= 1e-5, (rank, key, err)
+
+
 @pytest.mark.parametrize("objective", [{"importance_sampling": "sequence"}, {"objective": "vespo"},
                                        {"objective": "gmpo", "loss_type": "grpo"}, {"objective": "kl_cov"},
                                        {"top_entropy_quantile": 0.2, "kl_beta": 0.04},

@@ -129,8 +129,8 @@ def test_opcheck_head_forward(grad_mode):
     spec = LossSpec(z_loss={"weight": 1e-3}, token_accuracy=True, outputs=("predicted_tokens",))
     logits, targets = make_logits((5, V), seed=9), make_targets((5,), V, seed=9)
     geo = geometry((5, V), (0, V), 5, 0, None, -100, Normaliser())
-    args = (logits, targets, None, None, None, None, None, None, None, None, _plan_key(spec), geo_ints(geo),
-            geo.norm, grad_mode, "off", [5], [1, 0], 0)
+    args = (logits, targets, None, None, None, None, None, None, None, None, None, None, _plan_key(spec),
+            geo_ints(geo), geo.norm, grad_mode, "off", [5], [1, 0], 0)
     # a handoff token names its own buffers, so two calls' tokens differ by design: the AOT check,
     # which compares two calls' outputs, runs for the other modes (the compile tests cover handoff)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
@@ -148,11 +148,41 @@ def test_opcheck_head_backward():
     geo = geometry((5, V), (0, V), 5, 0, None, -100, Normaliser())
     key = _plan_key(spec)
     loss, rows, pred, means, scratch, _ = torch.ops.headloss.head_forward(
-        logits, targets, None, None, None, None, None, None, None, None, key, geo_ints(geo), 0.0, "none", "off", [5],
-        [1, 0], 0)
-    args = (logits, targets, None, rows, torch.rand(5), torch.rand(rows.shape), None, scratch, key, geo_ints(geo), 0.0,
-            False)
+        logits, targets, None, None, None, None, None, None, None, None, None, None, key, geo_ints(geo), 0.0, "none",
+        "off", [5], [1, 0], 0)
+    args = (logits, targets, None, rows, torch.rand(5), torch.rand(rows.shape), None, scratch, None, key,
+            geo_ints(geo), 0.0, False)
     torch.library.opcheck(torch.ops.headloss.head_backward.default, args)
+
+
+@needs_kernel
+def test_opcheck_vocab_parallel_ops():
+    """The shard statistics, their merge and the mixture JSD's shares (a compiled vocab-parallel call),
+    here on a shard that is the whole vocabulary; and the head kernel and its backward on merged
+    statistics."""
+    from headloss.engine import merge_stats_op, shard_jsd_op, shard_stats_op
+    from headloss.inputs import geometry
+    from headloss.validation import Normaliser
+
+    spec = LossSpec(distillation={"divergence": "jsd", "beta": 0.3}, reduction="none")
+    logits, teacher = make_logits((5, V), seed=13), make_logits((5, V), seed=14)
+    targets = make_targets((5,), V, seed=13)
+    geo = geometry((5, V), (0, V), 5, 0, teacher, -100, Normaliser())._replace(V_total=V)
+    key = _plan_key(spec)
+    ints = geo_ints(geo)
+    torch.library.opcheck(shard_stats_op.op, (logits, targets, teacher, key, ints, 0.0))
+    part = shard_stats_op(logits, targets, teacher, key, ints, 0.0)
+    torch.library.opcheck(merge_stats_op.op, (torch.stack([part, part]), False))
+    stats = merge_stats_op(part[None], False)
+    torch.library.opcheck(shard_jsd_op.op, (logits, targets, teacher, stats, key, ints, 0.0))
+    jsd = shard_jsd_op(logits, targets, teacher, stats, key, ints, 0.0)
+    forward = (logits, targets, teacher, None, None, None, None, None, None, None, stats, jsd, key, ints, 0.0, "none",
+               "off", [5], [1, 0], 0)
+    torch.library.opcheck(torch.ops.headloss.head_forward.default, forward)
+    loss, rows, pred, means, scratch, _ = torch.ops.headloss.head_forward(*forward)
+    torch.library.opcheck(torch.ops.headloss.head_backward.default,
+                          (logits, targets, teacher, rows, torch.rand(5), None, None, scratch, stats, key, ints, 0.0,
+                           False))
 
 
 @needs_kernel

@@ -306,25 +306,88 @@ def check_linear_job(results, world: int, quick: bool) -> None:
                 assert counts["stats"] >= 3, (key, counts)  # one per chunk: 4-row chunks here
 
 
-JOBS = {"logits": _logits_job, "linear": _linear_job}
+# compiled vocab-parallel calls: the fused kernel (shifted), the fused policy epilogue, the deferred
+# policy kernels, the mixture JSD (its second collective), deferred mode with differentiable outputs
+COMPILED = ("full_sft", "grpo", "gspo", "distill_jsd", "deferred")
+COMPILED_QUICK = ("grpo", "distill_jsd")
+
+
+def _compiled_job(rank: int, world: int, quick: bool) -> dict:
+    """A vocab-parallel head_loss under torch.compile(fullgraph=True) against the same call in eager
+    mode: one graph, the same route, every output and the gradient slice equal."""
+    widths = _splits(world)
+    start = sum(widths[:rank])
+    out = {}
+    for name in COMPILED_QUICK if quick else COMPILED:
+        spec = SPECS[name]
+        logits, ids, kwargs = _inputs(name, torch.float32)
+        if "teacher_logits" in kwargs:
+            kwargs["teacher_logits"] = kwargs["teacher_logits"][..., start: start + widths[rank]]
+        shift = name in ("full_sft", "deferred")
+
+        def step(x, ids=ids, spec=spec, kwargs=kwargs, shift=shift):
+            return head_loss(x, ids, spec, shift=shift, backend="triton", group=dist.group.WORLD, **kwargs)
+
+        def fn(x, step=step):
+            result = step(x)
+            return result.loss, result.metrics, [getattr(result, k) for k in OUTPUTS], result.route
+
+        eager_x = logits[..., start: start + widths[rank]].clone().requires_grad_()
+        want = step(eager_x)
+        _backward(want)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(fn)(logits[..., start: start + widths[rank]].clone().requires_grad_())
+        torch._dynamo.reset()
+        x = logits[..., start: start + widths[rank]].clone().requires_grad_()
+        loss, metrics, outputs, route = torch.compile(fn, fullgraph=True)(x)
+        got = type(want)(loss, **{k: v for k, v in zip(OUTPUTS, outputs)}, metrics=metrics)
+        _backward(got)
+        errs = _compare(want, got, eager_x.grad, x.grad, 0, widths[rank])
+        out[name] = (errs, (explained.graph_count, explained.graph_break_count), (want.route, route))
+    torch._dynamo.reset()
+    spec, ids = LossSpec(), torch.zeros(3, 5, dtype=torch.long)
+    try:
+        torch.compile(lambda x: head_loss(x, ids, spec, group=dist.group.WORLD, validate="sync").loss,
+                      fullgraph=True)(torch.randn(3, 5, widths[rank]))
+        out["sync"] = None
+    except Exception as exc:  # (Dynamo wraps it)
+        out["sync"] = str(exc)
+    return out
+
+
+def check_compiled_job(results, world: int, quick: bool) -> None:
+    for rank in range(world):
+        out = results[rank]["compiled"]
+        assert set(out) == {*(COMPILED_QUICK if quick else COMPILED), "sync"}
+        assert "validate: 'sync' waits on the host" in out.pop("sync")
+        for name, (errs, graphs, routes) in out.items():
+            assert graphs == (1, 0), (rank, name, graphs)
+            assert routes[0] == routes[1], (rank, name, routes)
+            for what, err in errs.items():
+                assert err <= 1e-5, (rank, name, what, err)
+
+
+JOBS = {"logits": _logits_job, "linear": _linear_job, "compiled": _compiled_job}
 
 
 @needs_kernel
 def test_vocab_parallel_on_two_ranks_equals_the_whole_vocabulary():
     """The fast tier's vocab-parallel cases (QUICK, LINEAR_QUICK), in one process group."""
-    results = spawn_ranks(_rank, 2, ("logits", "linear"), True)
+    results = spawn_ranks(_rank, 2, ("logits", "linear", "compiled"), True)
     check_logits_job(results, 2, True)
     check_linear_job(results, 2, True)
+    check_compiled_job(results, 2, True)
 
 
 @needs_kernel
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_logits_lm_head_and_dtensors_equal_the_whole_vocabulary(world):
-    """Every case of both jobs, on 2 and 3 ranks (uneven shards)."""
-    results = spawn_ranks(_rank, world, ("logits", "linear"), False)
+    """Every case of the three jobs, on 2 and 3 ranks (uneven shards)."""
+    results = spawn_ranks(_rank, world, ("logits", "linear", "compiled"), False)
     check_logits_job(results, world, False)
     check_linear_job(results, world, False)
+    check_compiled_job(results, world, False)
 
 
 @needs_kernel

@@ -83,7 +83,7 @@ class Stats(NamedTuple):
     arg: int = 4  # the argmax as a global id
     x2_y: int = 5  # the target's x2 where the shard holds it, else 0
     owned: int = 6  # 1 where the shard holds the target
-    pad: int = 7  # unused: the student's statistics fill N = 8 columns
+    pad: int = 7  # unused, written 0: the student's statistics fill N = 8 columns
     t_m2: int = 8  # with a teacher: its max (terms.teacher_block's tstats from here on)
     t_d: int = 9  # its sum of exponentials
     t_sum: int = 10  # its sum e_t t2
