@@ -29,6 +29,7 @@ SPECS = {
                                                  "eps_high": 4e-4}),
     "gmpo": LossSpec(cross_entropy=None, policy={"objective": "gmpo", "loss_type": "grpo", "kl_beta": 0.04}),
     "kl_cov": LossSpec(cross_entropy=None, policy={"objective": "kl_cov", "loss_type": "dapo", "cov_ratio": 0.2}),
+    "top_entropy": LossSpec(cross_entropy=None, policy={"loss_type": "dapo", "top_entropy_quantile": 0.5}),
 }
 # (entry, spec, eager route, compiled route when it differs)
 CASES = {
@@ -46,6 +47,8 @@ CASES = {
     "lm_head-sequences+kernels-gspo": ("hidden", "gspo", "lm_head:sequences+kernels"),
     "lm_head-sequences+torch-gmpo": ("hidden", "gmpo", "lm_head:sequences+torch"),
     "lm_head-covariance-kl_cov": ("hidden", "kl_cov", "lm_head:covariance", "lm_head:deferred+torch"),
+    "logits-deferred+torch-top_entropy": ("logits", "top_entropy", "deferred+torch"),
+    "lm_head-entropy-guess": ("hidden", "top_entropy", "lm_head:entropy-guess", "lm_head:deferred+torch"),
 }
 
 
