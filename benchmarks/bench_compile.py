@@ -40,6 +40,7 @@ import math
 import pstats
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -198,39 +199,62 @@ def mode_rows(rows: list[Row], table: list, shapes: list[str], cases: list[str],
             torch.cuda.empty_cache()
 
 
+class DistillHead(NamedTuple):
+    """The fused distillation head's inputs (student and teacher from hidden states, bf16) and steps."""
+
+    h: torch.Tensor
+    w: torch.Tensor
+    th: torch.Tensor
+    tw: torch.Tensor
+
+    def clear(self) -> None:
+        self.h.grad = self.w.grad = None
+
+    def floor(self) -> None:
+        """The 4 GEMMs the head cannot avoid, at full size: student and teacher logits, dh, dW."""
+        logits = self.h.detach() @ self.w.detach().t()
+        teacher = self.th @ self.tw.t()
+        del teacher
+        logits @ self.w.detach()  # dh
+        logits.t() @ self.h.detach()  # dW
+
+    def step_of(self, divergence: str, beta: float, chunk_bytes: int | None = None) -> Callable[[], None]:
+        """One fwd+bwd of headloss's fused head with ``divergence``."""
+        spec = headloss.LossSpec(cross_entropy=None, distillation={"divergence": divergence, "beta": beta})
+        extra = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+
+        def step():
+            self.clear()
+            headloss.linear_head_loss(self.h, self.w, None, spec, teacher_hidden=self.th, teacher_weight=self.tw,
+                                      **extra).loss.backward()
+
+        return step
+
+
+def distill_head(n: int, hidden: int, vocab: int) -> DistillHead:
+    gen = torch.Generator(device="cuda").manual_seed(7)
+
+    def randn(*shape, scale, grad=False):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16).requires_grad_(grad)
+
+    return DistillHead(randn(n, hidden, scale=0.5, grad=True), randn(vocab, hidden, scale=0.02, grad=True),
+                       randn(n, hidden, scale=0.5), randn(vocab, hidden, scale=0.02))
+
+
 def distill_rows(rows: list[Row], n: int = 8192, hidden: int = 4096, vocab: int = 128256) -> list[tuple]:
     """The fused distillation head from hidden states: headloss's three divergences, the 4-GEMM
     floor and TRL's chunked divergence; time and peak memory."""
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    h = (torch.randn(n, hidden, device="cuda", generator=gen) * 0.5).to(torch.bfloat16).requires_grad_()
-    w = (torch.randn(vocab, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16).requires_grad_()
-    th = (torch.randn(n, hidden, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
-    tw = (torch.randn(vocab, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    head = distill_head(n, hidden, vocab)
     config = {"N": n, "H": hidden, "V": vocab, "dtype": "bf16"}
-    steps: dict[str, Callable[[], None]] = {}
-
-    def floor():
-        logits = h.detach() @ w.detach().t()
-        teacher = th @ tw.t()
-        del teacher
-        logits @ w.detach()  # dh
-        logits.t() @ h.detach()  # dW
-
-    steps["floor (4 GEMMs)"] = floor
+    steps: dict[str, Callable[[], None]] = {"floor (4 GEMMs)": head.floor}
     for name, beta in DIVERGENCES.items():
-        spec = headloss.LossSpec(cross_entropy=None, distillation={"divergence": name, "beta": beta})
-
-        def ours(spec=spec):
-            h.grad = w.grad = None
-            headloss.linear_head_loss(h, w, None, spec, teacher_hidden=th, teacher_weight=tw).loss.backward()
-
-        steps[f"headloss {name}"] = ours
+        steps[f"headloss {name}"] = head.step_of(name, beta)
     try:
         chunked = import_trl("trl.kernels.chunked_divergence").ChunkedDivergenceFunction
         for name, beta in DIVERGENCES.items():
             def trl(beta=beta):
-                h.grad = w.grad = None
-                divergence, _ = chunked.apply(h, w, None, th, tw, None, beta, 1.0)
+                head.clear()
+                divergence, _ = chunked.apply(head.h, head.w, None, head.th, head.tw, None, beta, 1.0)
                 divergence.mean().backward()
 
             steps[f"trl {name}"] = trl
@@ -238,12 +262,9 @@ def distill_rows(rows: list[Row], n: int = 8192, hidden: int = 4096, vocab: int 
         print(f"trl chunked divergence unavailable: {exc}")
     results = []
     floor_ms = None
-    def clear():
-        h.grad = w.grad = None
-
     for name, step in steps.items():
         step()
-        mem = peak_extra_gb(step, clear, cold_blas=True)  # the gradients dh and dW count
+        mem = peak_extra_gb(step, head.clear, cold_blas=True)  # the gradients dh and dW count
         ms = time_ms(step, reps=10, warmup=2)[0]
         floor_ms = ms if name.startswith("floor") else floor_ms
         note = "" if floor_ms is None or name.startswith("floor") else f"{ms / floor_ms:.3f} x floor"
@@ -266,37 +287,14 @@ def profile_distill(n: int = 8192, hidden: int = 4096, vocab: int = 128256) -> N
     import headloss.api
     from headloss.kernels.launch import LAUNCH_OVERRIDES
 
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    h = (torch.randn(n, hidden, device="cuda", generator=gen) * 0.5).to(torch.bfloat16).requires_grad_()
-    w = (torch.randn(vocab, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16).requires_grad_()
-    th = (torch.randn(n, hidden, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
-    tw = (torch.randn(vocab, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-
-    def clear():
-        h.grad = w.grad = None
-
-    def floor():
-        logits = h.detach() @ w.detach().t()
-        (th @ tw.t()).sum()
-        logits @ w.detach()
-        logits.t() @ h.detach()
-
-    floor_ms = time_ms(floor, reps=5)[0]
+    head = distill_head(n, hidden, vocab)
+    step_of = head.step_of
+    floor_ms = time_ms(head.floor, reps=5)[0]
     print(f"floor (4 GEMMs) {floor_ms:.2f} ms")
-
-    def step_of(name: str, beta: float, chunk_bytes: int | None = None) -> Callable[[], None]:
-        spec = headloss.LossSpec(cross_entropy=None, distillation={"divergence": name, "beta": beta})
-        extra = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
-
-        def step():
-            clear()
-            headloss.linear_head_loss(h, w, None, spec, teacher_hidden=th, teacher_weight=tw, **extra).loss.backward()
-
-        return step
 
     def timed(step, label: str) -> None:
         step()
-        mem = peak_extra_gb(step, clear, cold_blas=True)
+        mem = peak_extra_gb(step, head.clear, cold_blas=True)
         ms = time_ms(step, reps=5)[0]
         print(f"{label:44s} {ms:8.2f} ms  {ms / floor_ms:6.3f} x floor  {mem / 1.073741824:6.3f} GiB", flush=True)
 
