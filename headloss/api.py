@@ -207,8 +207,7 @@ def head_loss(
     dtype = logits.dtype if isinstance(logits, torch.Tensor) else torch.float32
     if resolve_backend(backend, device, dtype) == "reference":
         if shard is not None and traced:
-            raise NotImplementedError("group: the plain-torch path of a vocab-parallel call (CPU tensors without "
-                                      "TRITON_INTERPRET=1) is not traceable by torch.compile; the kernels' path is")
+            raise NotImplementedError(_TRACED_REFERENCE)
         if shard is not None:
             if validation_mode(validate) == "sync":  # whole rows on every rank before gathering them
                 error = None
@@ -367,16 +366,26 @@ def _run_recipe(recipe: _Recipe, logits, targets, teacher_logits, num_items_in_b
     return _taken(out, recipe.route, "logits", logits)
 
 
+_TRACED_REFERENCE = ("group: the plain-torch path of a vocab-parallel call (CPU tensors without TRITON_INTERPRET=1) "
+                     "is not traceable by torch.compile; the kernels' path is")
+
+
+def _traced_refusals(name: str, tensors: tuple, validate) -> None:
+    """What a vocab-parallel call cannot do under torch.compile, refused on every rank alike before any
+    collective: DTensors (``name``: the sharded input) and validate="sync"."""
+    if any(is_dtensor(t) for t in tensors):
+        raise NotImplementedError(f"{name}: a DTensor is not traceable by torch.compile here; pass its local "
+                                  "tensor (to_local()) with group=")
+    if validation_mode(validate) == "sync":
+        raise ValueError("validate: 'sync' waits on the host for every rank's verdict: not under torch.compile "
+                         "(use True: the device's verdict is raised by a later call)")
+
+
 def _vocab_shard(logits, targets, group, teacher_logits, validate):
     """(local logits, local targets, local teacher logits, VocabShard) of a vocab-parallel call;
     what it cannot do yet is refused here, on every rank alike, before any collective."""
     if torch.compiler.is_compiling():  # the kernels' path: the layout a constant, the statistics' all_gather traced
-        if is_dtensor(logits) or is_dtensor(targets) or is_dtensor(teacher_logits):
-            raise NotImplementedError("logits: a DTensor is not traceable by torch.compile here; pass its local "
-                                      "tensor (to_local()) with group=")
-        if validation_mode(validate) == "sync":
-            raise ValueError("validate: 'sync' waits on the host for every rank's verdict: not under torch.compile "
-                             "(use True: the device's verdict is raised by a later call)")
+        _traced_refusals("logits", (logits, targets, teacher_logits), validate)
         check_logits(logits)
         return logits, targets, teacher_logits, traced_shard(group, logits.shape[-1], logits.device)
     if is_dtensor(targets):
@@ -580,9 +589,14 @@ def _linear_head_loss(hidden, weight, targets, spec, *, bias, shift, cu_seqlens,
     spec = plan.spec
     shard = None
     if group is not None or is_dtensor(weight):
-        if traced:
-            raise NotImplementedError("group: a vocab-parallel linear_head_loss is not traceable by torch.compile yet")
-        weight, shard = rows_shard(weight, group, fresh=validation_mode(validate) == "sync")
+        if traced:  # the kernels' path: the layout a constant; each chunk's all_gather runs inside the op
+            _traced_refusals("weight", (hidden, weight, bias, targets, teacher_logits, teacher_hidden, teacher_weight,
+                                        teacher_bias), validate)
+            if resolve_backend(backend, hidden.device, hidden.dtype, name="hidden") == "reference":
+                raise NotImplementedError(_TRACED_REFERENCE)
+            shard = traced_shard(group, weight.shape[0], weight.device)
+        else:
+            weight, shard = rows_shard(weight, group, fresh=validation_mode(validate) == "sync")
         bias, teacher_weight, teacher_bias, teacher_logits = (
             t.to_local() if is_dtensor(t) else t for t in (bias, teacher_weight, teacher_bias, teacher_logits))
         if is_dtensor(teacher_hidden):

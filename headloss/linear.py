@@ -14,8 +14,9 @@ backward. How the chunks are cut and what runs between them is the call's route 
                                wrong corrected once the batch quantile is known
 
 Under torch.compile the chunks run inside :func:`linear_forward_op` / :func:`linear_backward_op`
-(plain and sequence chunks, without compaction, on one device); the corrected routes read a count on
-the host and take deferred mode there, as under CUDA-graph capture.
+(plain and sequence chunks, without compaction; vocab-parallel, each chunk's all_gather inside the
+op); the corrected routes read a count on the host and take deferred mode there, as under CUDA-graph
+capture.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from .ops import (
     token_fake,
 )
 from .output import guard_second_backward
-from .parallel import all_reduce_sum, handshake_verdict
+from .parallel import VocabShard, all_reduce_sum, handshake_verdict
 from .plan import KernelPlan, plan_from_key
 from .policy.masks import high_entropy_mask, high_entropy_metrics, masked_quantile
 from .policy.objectives import clip_cov_chosen, kl_cov_chosen, policy_objective, token_objective
@@ -522,17 +523,18 @@ class LinearFunction(torch.autograd.Function):
         policy = (old, ref, adv, iw, policy_weight)
         wants = tuple(ctx.needs_input_grad[:3])
         handoff = False
-        if run.traced:  # no compaction, one device (the route's): the op
+        if run.traced:  # no compaction (the route's): the op
             nbytes = sum(t.numel() * t.element_size() for t, want in zip((hidden, weight, bias), wants) if want)
             handoff = run.grads_in_forward and any(wants) and ops.hands_off(nbytes)
             op = linear_forward_beside_op if handoff else linear_forward_op
-            loss, rows, pred, means, scratch, dh, dw, db, token = op(
+            loss, rows, pred, means, scratch, dh, dw, db, token, stats = op(
                 hidden, weight, bias, targets, *teacher, *policy, num_items, sequence_ids, run.plan.key,
                 [run.chunk_rows, run.teacher_rows, run.seq_len, run.d_rows_by_kernel], run.chunks,
                 *policy_as_lists(run.policy), run.fp32_weight_grad, run.validate, list(run.token_shape),
-                run.ignore_index, run.norm, list(wants), handoff,
+                run.ignore_index, run.norm, list(wants), handoff, *shard_as_args(run),
             )
-            rows_c, index, stats = rows, None, None
+            rows_c, index = rows, None
+            stats = stats if run.shard is not None and not run.grads_in_forward else None
             dh, dw, db = (g if want else None for g, want in zip((dh, dw, db), wants))
             if handoff:
                 ctx.grad_like = [(list(t.shape), t.dtype) if t is not None else None for t in (hidden, weight, bias)]
@@ -573,8 +575,8 @@ class LinearFunction(torch.autograd.Function):
         if run.traced:
             dh, dw, db = linear_backward_op(
                 hidden, weight, bias, targets, t_logits, t_hidden, t_weight, t_bias, rows_c, num_items, scratch,
-                d_loss, d_rows, run.plan.key, [run.chunk_rows, run.teacher_rows, run.seq_len, 0], run.fp32_weight_grad,
-                run.ignore_index, run.norm, list(ctx.wants),
+                d_loss, d_rows, stats, run.plan.key, [run.chunk_rows, run.teacher_rows, run.seq_len, 0],
+                run.fp32_weight_grad, run.ignore_index, run.norm, *shard_as_args(run), list(ctx.wants),
             )
             dh, dw, db = (g if want else None for g, want in zip((dh, dw, db), ctx.wants))
         else:
@@ -583,13 +585,41 @@ class LinearFunction(torch.autograd.Function):
         return dh, dw, db, *nones
 
 
-# --- the lm_head as torch.library ops (the torch.compile path: whole chunks, one device) -------------
+# --- the lm_head as torch.library ops (the torch.compile path: whole chunks, no compaction) ---------
+
+
+def shard_as_args(run: LinearRun) -> tuple[str, list[int]]:
+    """A vocab-parallel run's shard as op arguments: (its group's name, [vocab_start, vocab_total, world,
+    comm_cpu, reduce_hidden_grad]); ("", []) on one device. The ops' collectives (each chunk's statistics'
+    all_gather, the hidden gradient's all-reduce) run inside them, on the group of that name."""
+    shard = run.shard
+    if shard is None:
+        return "", []
+    return shard.group.group_name, [shard.vocab_start, shard.vocab_total, shard.world, int(shard.comm_cpu),
+                                    int(run.reduce_hidden_grad)]
+
+
+def _shard_of_args(group_name: str, layout: list[int]) -> tuple[Any, bool]:
+    """(VocabShard or None, reduce_hidden_grad) of :func:`shard_as_args`'s arguments."""
+    if not group_name:
+        return None, True
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    start, total, world, comm_cpu, reduce = layout
+    return VocabShard(_resolve_process_group(group_name), start, total, world, bool(comm_cpu)), bool(reduce)
+
+
+def _kept_stats(plan: KernelPlan, chunks: str, sharded: bool, wants, teacher) -> bool:
+    """Whether linear_forward keeps each row's merged statistics for the backward (deferred mode,
+    vocab-parallel), and their width."""
+    fused = (plan.mode == "fused" or chunks == "sequences") and any(wants)
+    return sharded and not fused, STATS.N_TEACHER if teacher else STATS.N
 
 
 def _linear_forward_outputs(hidden, weight, bias, targets, teacher_logits, teacher_hidden, teacher_weight,
                             teacher_bias, old, ref, adv, iw, policy_weight, num_items, sequence_ids, key, layout,
                             chunks, policy_tensors, policy_values, fp32_weight_grad, validate, token_shape,
-                            ignore_index, norm, wants, handoff):
+                            ignore_index, norm, wants, handoff, group_name, shard_layout):
     """linear_forward_op's outputs, unfilled: its fake."""
     plan = plan_from_key(key)
     rows, pred, loss, means = empty_outputs(plan, hidden.shape[0], hidden.device, tuple(token_shape))
@@ -600,7 +630,10 @@ def _linear_forward_outputs(hidden, weight, bias, targets, teacher_logits, teach
         for like, want in zip((hidden, weight, bias if bias is not None else hidden.new_empty(0)), wants)
     )
     token = token_fake() if handoff else hidden.new_empty(0, dtype=torch.int64)
-    return loss, rows, pred, means, scratch, dh, dw, db, token
+    keep, width = _kept_stats(plan, chunks, bool(group_name), wants,
+                              teacher_logits is not None or teacher_hidden is not None)
+    stats = torch.empty((hidden.shape[0], width) if keep else (0,), dtype=torch.float32, device=hidden.device)
+    return loss, rows, pred, means, scratch, dh, dw, db, token, stats
 
 
 def _linear_forward_op(
@@ -610,30 +643,37 @@ def _linear_forward_op(
     iw: torch.Tensor | None, policy_weight: torch.Tensor | None, num_items: torch.Tensor | None,
     sequence_ids: torch.Tensor | None, key: str, layout: list[int], chunks: str,
     policy_tensors: list[torch.Tensor | None], policy_values: list[float], fp32_weight_grad: bool, validate: str,
-    token_shape: list[int], ignore_index: int, norm: float, wants: list[bool], handoff: bool,
+    token_shape: list[int], ignore_index: int, norm: float, wants: list[bool], handoff: bool, group_name: str,
+    shard_layout: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor]:
-    """linear_forward on one device as an op: fused mode's (or sequence chunks') (dh, dw, db), or with
-    ``handoff`` (only through ``linear_forward_beside``, the op tagged to run beside
-    mode="reduce-overhead"'s graphs) empty ones and the last output a token holding them (see
-    ops.hand_off); otherwise the token is an empty tensor. ``layout``: LinearRun's chunk_rows,
-    teacher_rows, seq_len and d_rows_by_kernel; ``chunks``: its chunks; the policy lists: its
-    ``policy`` (policy.tokens.policy_as_lists)."""
+           torch.Tensor, torch.Tensor, torch.Tensor]:
+    """linear_forward as an op: fused mode's (or sequence chunks') (dh, dw, db), or with ``handoff``
+    (only through ``linear_forward_beside``, the op tagged to run beside mode="reduce-overhead"'s
+    graphs) empty ones and a token holding them (see ops.hand_off; otherwise the token is an empty
+    tensor); last, deferred mode's merged statistics of a vocab-parallel call (else empty).
+    ``layout``: LinearRun's chunk_rows, teacher_rows, seq_len and d_rows_by_kernel; ``chunks``: its
+    chunks; the policy lists: its ``policy`` (policy.tokens.policy_as_lists); ``group_name`` and
+    ``shard_layout``: its shard (:func:`shard_as_args`)."""
+    shard, reduce_hidden_grad = _shard_of_args(group_name, shard_layout)
     run = LinearRun(plan_from_key(key), layout[0], fp32_weight_grad, False, validate, tuple(token_shape),
-                    ignore_index, norm, chunks=chunks, traced=True, seq_len=layout[2],
+                    ignore_index, norm, chunks=chunks, traced=True, shard=shard, seq_len=layout[2],
                     policy=policy_from_lists(policy_tensors, policy_values), d_rows_by_kernel=bool(layout[3]),
-                    teacher_rows=layout[1])
+                    reduce_hidden_grad=reduce_hidden_grad, teacher_rows=layout[1])
     policy = PolicyRows(old, ref, adv, iw, policy_weight) if adv is not None else None
-    loss, rows, _, pred, means, scratch, _, dh, dw, db, _ = linear_forward(
-        run, hidden, weight, bias, targets, _Teacher(teacher_logits, teacher_hidden, teacher_weight, teacher_bias),
-        policy, num_items, sequence_ids, tuple(wants),
+    teacher = _Teacher(teacher_logits, teacher_hidden, teacher_weight, teacher_bias)
+    loss, rows, _, pred, means, scratch, _, dh, dw, db, stats = linear_forward(
+        run, hidden, weight, bias, targets, teacher, policy, num_items, sequence_ids, tuple(wants),
     )
     token = hidden.new_empty(0, dtype=torch.int64)
     if handoff:
         token = hand_off([None if g is None else (g, flat_geometry(g)) for g in (dh, dw, db)])
         dh = dw = db = None
+    if stats is None:
+        keep, width = _kept_stats(run.plan, chunks, shard is not None, wants, teacher.logits is not None or
+                                  teacher.hidden is not None)
+        stats = torch.empty((0, width) if keep else (0,), dtype=torch.float32, device=hidden.device)
     return (loss, rows, pred, means, scratch, *(g if g is not None else hidden.new_empty(0) for g in (dh, dw, db)),
-            token)
+            token, stats)
 
 
 linear_forward_op = kernel_op("headloss::linear_forward", fake=_linear_forward_outputs)(_linear_forward_op)
@@ -654,13 +694,17 @@ def linear_backward_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor | None,
     teacher_logits: torch.Tensor | None, teacher_hidden: torch.Tensor | None, teacher_weight: torch.Tensor | None,
     teacher_bias: torch.Tensor | None, rows: torch.Tensor, num_items: torch.Tensor | None, scratch: torch.Tensor,
-    d_loss: torch.Tensor | None, d_rows: torch.Tensor | None, key: str, chunk_rows: list[int], fp32_weight_grad: bool,
-    ignore_index: int, norm: float, wants: list[bool],
+    d_loss: torch.Tensor | None, d_rows: torch.Tensor | None, stats: torch.Tensor | None, key: str,
+    chunk_rows: list[int], fp32_weight_grad: bool, ignore_index: int, norm: float, group_name: str,
+    shard_layout: list[int], wants: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Deferred mode's (dh, dw, db) over whole chunks (empty where not wanted; ``chunk_rows``: ``layout``
-    of linear_forward_op)."""
+    of linear_forward_op; vocab-parallel: ``stats``, the forward's merged statistics, and the shard as
+    there)."""
+    shard, reduce_hidden_grad = _shard_of_args(group_name, shard_layout)
     run = LinearRun(plan_from_key(key), chunk_rows[0], fp32_weight_grad, False, "off", (), ignore_index, norm,
-                    traced=True, teacher_rows=chunk_rows[1])
+                    traced=True, shard=shard, reduce_hidden_grad=reduce_hidden_grad, teacher_rows=chunk_rows[1])
     grads = linear_backward(run, tuple(wants), _Teacher(teacher_logits, teacher_hidden, teacher_weight, teacher_bias),
-                            hidden, weight, bias, targets, None, rows, num_items, scratch, d_loss, d_rows)
+                            hidden, weight, bias, targets, None, rows, num_items, scratch, d_loss, d_rows,
+                            stats if shard is not None else None)
     return tuple(g if g is not None else hidden.new_empty(0) for g in grads)

@@ -158,7 +158,11 @@ def dtensor_shard(t, dim: int = -1, group=None, name: str = "logits") -> tuple[t
 
 
 def is_dtensor(t: Any) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+    if type(t).__name__ != "DTensor":
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)  # (also while torch.compile traces, where hasattr misses its methods)
 
 
 def gather_merged(part: torch.Tensor, shard: VocabShard, own_temp: bool = False) -> torch.Tensor:

@@ -115,11 +115,12 @@ class ErrorBoard:
     host memory read. Calls captured in a CUDA graph get slots of their own (replays write there)."""
 
     SLOTS = 256
+    CAPTURE_RESERVE = 64
 
     def __init__(self, pinned: bool) -> None:
         self.pinned = pinned
         # rows padded to 16 bytes: every slot has the alignment Triton specialises the kernels on
-        width = VERDICT.N + (-VERDICT.N) % 2
+        self.width = width = VERDICT.N + (-VERDICT.N) % 2
         self.table = torch.zeros(self.SLOTS + 1, width, dtype=torch.int64, pin_memory=pinned)
         self.host = self.table.numpy()  # reads and writes of host memory without a torch op
         self.rows = list(self.table[:, :VERDICT.N].unbind(0))
@@ -128,13 +129,26 @@ class ErrorBoard:
         self.order = [0] * self.SLOTS
         self.calls = 0
         self.captured: list[tuple[torch.Tensor, CheckContext]] = []
+        self.spare: list[torch.Tensor] = []  # slots for captured calls, allocated before any capture
+        self._reserve()
+
+    def _reserve(self) -> None:
+        """Keep slots ready for calls captured in CUDA graphs (each keeps its own: replays write there).
+        They are allocated outside capture: pinned memory allocated during a capture can invalidate
+        it (the host allocator queries CUDA events to reuse a cached block, which a capture forbids)."""
+        if self.pinned and len(self.spare) < self.CAPTURE_RESERVE // 2:
+            block = torch.zeros(self.CAPTURE_RESERVE, self.width, dtype=torch.int64, pin_memory=True)
+            self.spare.extend(row[:VERDICT.N] for row in block.unbind(0))
 
     def take(self, context: CheckContext) -> tuple[torch.Tensor, torch.Tensor]:
         """A cleared slot for one call (and the dirty word)."""
         if self.pinned and torch.cuda.is_current_stream_capturing():
-            slot = torch.zeros(VERDICT.N, dtype=torch.int64, pin_memory=self.pinned)
+            # a reserved slot; past CAPTURE_RESERVE / 2 captures without an uncaptured call in between,
+            # one allocated here (a capture that forbids it fails with CUDA's error)
+            slot = self.spare.pop() if self.spare else torch.zeros(VERDICT.N, dtype=torch.int64, pin_memory=True)
             self.captured.append((slot, context))
             return slot, self.dirty
+        self._reserve()
         i = self.calls % self.SLOTS
         self.calls += 1
         self.host[i, VERDICT.flag] = 0  # the kernel writes every other field before it sets the flag

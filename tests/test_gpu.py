@@ -596,6 +596,36 @@ def test_cuda_graph_capture_and_replay_with_default_arguments(entry):
     assert float(out.metrics["n_tokens"]) == float(eager.metrics["n_tokens"])
 
 
+def test_cuda_graph_capture_after_pinned_host_copies():
+    """A process that has used pinned memory (a DataLoader with pin_memory=True, a non-blocking copy to
+    the host) holds cached pinned blocks with CUDA events; allocating pinned memory during a capture
+    would query them and invalidate the capture. A captured call takes a verdict slot reserved
+    before: the capture holds, and its replay gives eager's loss and gradient."""
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    x = (torch.randn(512, 32000, device="cuda", generator=gen) * 2).to(torch.bfloat16).requires_grad_()
+    y = torch.randint(0, 32000, (512,), device="cuda", generator=gen)
+
+    def step():
+        return headloss.head_loss(x, y, SFT)
+
+    step().loss.backward()  # the board exists, the kernels are compiled
+    for _ in range(4):  # cached pinned blocks with recorded events
+        host = torch.empty(1 << 16, pin_memory=True)
+        host.copy_(torch.randn(1 << 16, device="cuda"), non_blocking=True)
+        del host
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x.grad = None
+        step().loss.backward()
+    torch.cuda.current_stream().wait_stream(side)
+    _, captured_loss, captured_grad = _replay(step, x)
+    eager = step()
+    eager.loss.backward()
+    assert torch.allclose(captured_loss, eager.loss, rtol=1e-6)
+    assert _rel(captured_grad, x.grad) < 1e-6
+
+
 def test_cuda_graph_capture_of_the_lm_head_with_a_top_entropy_mask():
     """Under capture the lm_head's top-entropy mask takes deferred mode (the guessed route's correction
     reads a count on the host): a captured call replays to the eager loss and gradient. The warmup
@@ -837,11 +867,11 @@ def _nccl_rank(rank: int, world: int, port: int, results) -> None:
             mine_extra = {"teacher_logits": teacher[:, start: start + width]} if extra else {}
             x = logits.clone().requires_grad_()
             whole = headloss.head_loss(x, ids, spec, **extra)
-            (whole.loss.sum() + (whole.logprobs.sum() if spec.differentiable_outputs else 0)).backward()
+            (whole.loss.sum() + (0.3 * whole.logprobs.sum() if spec.differentiable_outputs else 0)).backward()
             part = logits[:, start: start + width].contiguous().requires_grad_()
             before = COLLECTIVES["stats"]
             mine = headloss.head_loss(part, ids, spec, group=dist.group.WORLD, **mine_extra)
-            (mine.loss.sum() + (mine.logprobs.sum() if spec.differentiable_outputs else 0)).backward()
+            (mine.loss.sum() + (0.3 * mine.logprobs.sum() if spec.differentiable_outputs else 0)).backward()
             errs[(name, "collectives")] = COLLECTIVES["stats"] - before
             errs[(name, "loss")] = float((mine.loss - whole.loss).abs().max() / whole.loss.abs().max())
             for k, value in whole.metrics.items():
@@ -863,17 +893,21 @@ def _nccl_rank(rank: int, world: int, port: int, results) -> None:
         errs[("linear", "dh")] = float((h2.grad.float() - h1.grad.float()).abs().max() / h1.grad.float().abs().max())
         errs[("linear", "dw")] = float((w2.grad.float() - w1.grad[start: start + width].float()).abs().max()
                                        / w1.grad.float().abs().max())
-        # the deferred lm_head: statistics saved for the backward, dh all-reduced there
-        spec = headloss.LossSpec(reduction="none", outputs=("logprobs",), differentiable_outputs=True)
+        # the deferred lm_head: statistics saved for the backward, dh all-reduced there (the log-probs
+        # weighted apart from the loss: CE's loss is minus the log-prob, so their plain sum has no gradient)
+        spec = headloss.LossSpec(z_loss={"weight": 1e-3}, reduction="none", outputs=("logprobs",),
+                                 differentiable_outputs=True)
         h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         whole = headloss.linear_head_loss(h1, w1, ids, spec)
-        (whole.loss.sum() + whole.logprobs.sum()).backward()
+        (whole.loss.sum() + 0.3 * whole.logprobs.sum()).backward()
         h2, w2 = hidden.clone().requires_grad_(), weight[start: start + width].clone().requires_grad_()
         mine = headloss.linear_head_loss(h2, w2, ids, spec, group=dist.group.WORLD)
-        (mine.loss.sum() + mine.logprobs.sum()).backward()
+        (mine.loss.sum() + 0.3 * mine.logprobs.sum()).backward()
         errs[("linear-deferred", "loss")] = float((mine.loss - whole.loss).abs().max() / whole.loss.abs().max())
         errs[("linear-deferred", "dh")] = float((h2.grad.float() - h1.grad.float()).abs().max()
                                                 / h1.grad.float().abs().max())
+        errs[("linear-deferred", "dw")] = float((w2.grad.float() - w1.grad[start: start + width].float()).abs().max()
+                                                / w1.grad.float().abs().max())
         results[rank] = errs
     finally:
         dist.destroy_process_group()
@@ -897,50 +931,65 @@ def test_vocab_parallel_over_nccl_matches_one_gpu():
 
 
 def _nccl_compiled_rank(rank: int, world: int, port: int, results) -> None:
-    """A vocab-parallel head_loss compiled (fullgraph; default and reduce-overhead) against the same
-    call in eager mode, over NCCL: the statistics' all_gather (and the JSD's all-reduce) are functional
-    collectives of the graph."""
+    """Vocab-parallel head_loss and linear_head_loss compiled (fullgraph; default, and reduce-overhead
+    for the fused kernel) against the same calls in eager mode, over NCCL: on the logits the
+    statistics' all_gather (and the JSD's all-reduce) are functional collectives of the graph; on the
+    lm_head each chunk's all_gather and the hidden gradient's all-reduce run inside its op."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     try:
-        n, v = 512, 50257
+        n, v, hidden = 512, 50257, 1024
         widths = [v // world + (1 if r < v % world else 0) for r in range(world)]
         start, width = sum(widths[:rank]), widths[rank]
         gen = torch.Generator(device="cuda").manual_seed(1)
         logits = (torch.randn(n, v, device="cuda", generator=gen) * 3).to(torch.bfloat16)[:, start: start + width]
         teacher = (torch.randn(n, v, device="cuda", generator=gen) * 3).to(torch.bfloat16)[:, start: start + width]
+        h = (torch.randn(n, hidden, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+        w = (torch.randn(v, hidden, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)[start: start + width]
         ids = torch.randint(0, v, (n,), device="cuda", generator=gen)
         ids[::7] = -100
         deferred = headloss.LossSpec(entropy={"weight": 0.01}, reduction="none", outputs=("logprobs",),
                                      differentiable_outputs=True)
         jsd = headloss.LossSpec(distillation={"divergence": "jsd", "beta": 0.3})
+        cases = (("full", FULL, ("default", "reduce-overhead")), ("deferred", deferred, ("default",)),
+                 ("jsd", jsd, ("default",)), ("lm_head full", FULL, ("default", "reduce-overhead")),
+                 ("lm_head deferred", deferred, ("default",)))
         errs = {}
-        for name, spec in (("full", FULL), ("deferred", deferred), ("jsd", jsd)):
+        for name, spec, modes in cases:
             extra = {"teacher_logits": teacher.contiguous()} if spec.distillation is not None else {}
+            lm_head = name.startswith("lm_head")
 
-            def step(x, spec=spec, extra=extra):
-                out = headloss.head_loss(x, ids, spec, group=dist.group.WORLD, **extra)
+            def step(*xs, spec=spec, extra=extra, lm_head=lm_head):
+                if lm_head:
+                    out = headloss.linear_head_loss(*xs, ids, spec, group=dist.group.WORLD, chunk_bytes=16 << 20)
+                else:
+                    out = headloss.head_loss(*xs, ids, spec, group=dist.group.WORLD, **extra)
                 return out.loss.sum(), out.metrics
 
-            for mode in ("default", "reduce-overhead"):
+            def leaves(lm_head=lm_head):
+                sources = (h, w) if lm_head else (logits,)
+                return [t.contiguous().requires_grad_() for t in sources]
+
+            for mode in modes:
                 torch._dynamo.reset()
                 compiled = torch.compile(step, fullgraph=True, mode=mode)
                 for _ in range(3):
-                    a, b = logits.contiguous().requires_grad_(), logits.contiguous().requires_grad_()
-                    want = step(a)
+                    a, b = leaves(), leaves()
+                    want = step(*a)
                     want[0].backward()
                     if mode == "reduce-overhead":
                         torch.compiler.cudagraph_mark_step_begin()
-                    got = compiled(b)
+                    got = compiled(*b)
                     got[0].backward()
                 errs[(name, mode, "loss")] = float((got[0] - want[0]).abs().detach() / want[0].abs().clamp_min(1e-6))
                 for k, value in want[1].items():
                     errs[(name, mode, k)] = float((got[1][k].double() - value.double()).abs()
                                                   / value.double().abs().clamp_min(1e-6))
-                errs[(name, mode, "grad")] = _rel(b.grad, a.grad)
+                for i, (x, y) in enumerate(zip(a, b)):
+                    errs[(name, mode, f"grad {i}")] = _rel(y.grad, x.grad)
         results[rank] = errs
     finally:
         dist.destroy_process_group()

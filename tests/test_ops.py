@@ -267,14 +267,15 @@ def test_opcheck_linear_ops(spec, handoff):
     targets = make_targets((7,), V, seed=11)
     key = _plan_key(spec)
     forward_args = (hidden, weight, None, targets, None, None, None, None, None, None, None, None, None, None, None,
-                    key, [3, 0, 0, 0], "rows", [], [], False, "off", [7], -100, 0.0, [True, True, False], handoff)
+                    key, [3, 0, 0, 0], "rows", [], [], False, "off", [7], -100, 0.0, [True, True, False], handoff,
+                    "", [])
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")  # see test_opcheck_head_forward
     op = torch.ops.headloss.linear_forward_beside if handoff else torch.ops.headloss.linear_forward
     torch.library.opcheck(op.default, forward_args, **(dict(test_utils=utils) if handoff else {}))
     loss, rows, pred, means, scratch, *_ = torch.ops.headloss.linear_forward(*forward_args)
     d_loss = torch.rand(loss.shape if spec.reduction == "none" else ())
-    backward_args = (hidden, weight, None, targets, None, None, None, None, rows, None, scratch, d_loss, None, key,
-                     [3, 0, 0, 0], False, -100, 0.0, [True, True, False])
+    backward_args = (hidden, weight, None, targets, None, None, None, None, rows, None, scratch, d_loss, None, None,
+                     key, [3, 0, 0, 0], False, -100, 0.0, "", [], [True, True, False])
     torch.library.opcheck(torch.ops.headloss.linear_backward.default, backward_args)
 
 

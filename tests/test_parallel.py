@@ -3,6 +3,7 @@ reference path): every output equals the single-process result on the whole voca
 rank's gradient is its slice, one collective per call."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -345,21 +346,102 @@ def _compiled_job(rank: int, world: int, quick: bool) -> dict:
         errs = _compare(want, got, eager_x.grad, x.grad, 0, widths[rank])
         out[name] = (errs, (explained.graph_count, explained.graph_break_count), (want.route, route))
     torch._dynamo.reset()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     spec, ids = LossSpec(), torch.zeros(3, 5, dtype=torch.long)
-    try:
-        torch.compile(lambda x: head_loss(x, ids, spec, group=dist.group.WORLD, validate="sync").loss,
-                      fullgraph=True)(torch.randn(3, 5, widths[rank]))
-        out["sync"] = None
-    except Exception as exc:  # (Dynamo wraps it)
-        out["sync"] = str(exc)
+    sharded = distribute_tensor(torch.randn(3, 5, V), init_device_mesh("cpu", (world,)), [Shard(2)])
+    refusals = {"sync": lambda: head_loss(torch.randn(3, 5, widths[rank]), ids, spec, group=dist.group.WORLD,
+                                          validate="sync"),
+                "dtensor": lambda: head_loss(sharded, ids, spec)}
+    for what, call in refusals.items():
+        try:
+            torch.compile(lambda call=call: call().loss, fullgraph=True)()
+            out[what] = None
+        except Exception as exc:  # (Dynamo wraps it)
+            out[what] = str(exc)
+    return out
+
+
+# compiled vocab-parallel lm_head calls: deferred mode (the forward's merged statistics reach the
+# backward op), a computed teacher (its weight's rows sharded), the fused kernel, the policy routes
+COMPILED_LINEAR = ("deferred", "teacher_weight", "full_sft", "grpo", "gspo")
+COMPILED_LINEAR_QUICK = ("deferred", "teacher_weight")
+
+
+def _compiled_linear_job(rank: int, world: int, quick: bool) -> dict:
+    """A vocab-parallel linear_head_loss under torch.compile(fullgraph=True) against the same call in
+    eager mode: one graph, the same route, every output, dh, the weight's and the bias's gradient
+    slices equal; DTensors and validate="sync" refused naming them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from headloss import linear_head_loss
+
+    width = _splits(world)[rank]
+    out = {}
+    for name in COMPILED_LINEAR_QUICK if quick else COMPILED_LINEAR:
+        spec = SPECS.get(name, LossSpec(distillation={"divergence": "reverse_kl", "temperature": 1.5},
+                                        token_accuracy=True))
+        gen = torch.Generator().manual_seed(seed_of("compiled linear", name))
+        hidden = torch.randn(3, 5, H, generator=gen)
+        weight = torch.randn(width, H, generator=gen) * 0.5
+        bias = torch.randn(width, generator=gen) * 0.1
+        _, ids, kwargs = _inputs(name, torch.float32)
+        if name == "teacher_weight":
+            kwargs["teacher_hidden"] = torch.randn(3, 5, H + 2, generator=gen)
+            kwargs["teacher_weight"] = torch.randn(width, H + 2, generator=gen)
+        shift = name not in ("grpo", "gspo")
+
+        def fn(h, w, b, ids=ids, spec=spec, kwargs=kwargs, shift=shift):
+            result = linear_head_loss(h, w, ids, spec, bias=b, shift=shift, backend="triton", group=dist.group.WORLD,
+                                      chunk_bytes=4 * V * 4, **kwargs)
+            return result.loss, result.metrics, [getattr(result, k) for k in OUTPUTS], result.route
+
+        def leaves(sources=(hidden, weight, bias)):
+            return [t.clone().requires_grad_() for t in sources]
+
+        eager = leaves()
+        loss, metrics, outputs, route = fn(*eager)
+        want = SimpleNamespace(loss=loss, **dict(zip(OUTPUTS, outputs)), metrics=metrics, route=route)
+        _backward(want)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(fn)(*leaves())
+        torch._dynamo.reset()
+        compiled = leaves()
+        loss, metrics, outputs, route = torch.compile(fn, fullgraph=True)(*compiled)
+        got = SimpleNamespace(loss=loss, **dict(zip(OUTPUTS, outputs)), metrics=metrics, route=route)
+        _backward(got)
+        errs = _compare(want, got, eager[1].grad.t(), compiled[1].grad.t(), 0, width)
+        for what, i in (("dh", 0), ("db", 2)):
+            errs[what] = float((compiled[i].grad - eager[i].grad).abs().max() / eager[i].grad.abs().max())
+        out[name] = (errs, (explained.graph_count, explained.graph_break_count), (want.route, got.route))
+    torch._dynamo.reset()
+    hidden, ids = torch.randn(3, 5, H), torch.zeros(3, 5, dtype=torch.long)
+    weight = torch.randn(width, H)
+    sharded = distribute_tensor(torch.randn(V, H), init_device_mesh("cpu", (world,)), [Shard(0)])
+    refusals = {"sync": lambda: linear_head_loss(hidden, weight, ids, group=dist.group.WORLD, validate="sync"),
+                "dtensor": lambda: linear_head_loss(hidden, sharded, ids)}
+    for what, call in refusals.items():
+        try:
+            torch.compile(lambda call=call: call().loss, fullgraph=True)()
+            out[what] = None
+        except Exception as exc:  # (Dynamo wraps it)
+            out[what] = str(exc)
     return out
 
 
 def check_compiled_job(results, world: int, quick: bool) -> None:
     for rank in range(world):
+        linear = results[rank]["compiled_linear"]
+        assert set(linear) == {*(COMPILED_LINEAR_QUICK if quick else COMPILED_LINEAR), "sync", "dtensor"}
+        assert "validate: 'sync' waits on the host" in linear.pop("sync")
+        assert "weight: a DTensor is not traceable by torch.compile" in linear.pop("dtensor")
         out = results[rank]["compiled"]
-        assert set(out) == {*(COMPILED_QUICK if quick else COMPILED), "sync"}
+        assert set(out) == {*(COMPILED_QUICK if quick else COMPILED), "sync", "dtensor"}
         assert "validate: 'sync' waits on the host" in out.pop("sync")
+        assert "logits: a DTensor is not traceable by torch.compile" in out.pop("dtensor")
+        out.update({("linear", name): value for name, value in linear.items()})
         for name, (errs, graphs, routes) in out.items():
             assert graphs == (1, 0), (rank, name, graphs)
             assert routes[0] == routes[1], (rank, name, routes)
@@ -367,13 +449,14 @@ def check_compiled_job(results, world: int, quick: bool) -> None:
                 assert err <= 1e-5, (rank, name, what, err)
 
 
-JOBS = {"logits": _logits_job, "linear": _linear_job, "compiled": _compiled_job}
+JOBS = {"logits": _logits_job, "linear": _linear_job, "compiled": _compiled_job,
+        "compiled_linear": _compiled_linear_job}
 
 
 @needs_kernel
 def test_vocab_parallel_on_two_ranks_equals_the_whole_vocabulary():
     """The fast tier's vocab-parallel cases (QUICK, LINEAR_QUICK), in one process group."""
-    results = spawn_ranks(_rank, 2, ("logits", "linear", "compiled"), True)
+    results = spawn_ranks(_rank, 2, ("logits", "linear", "compiled", "compiled_linear"), True)
     check_logits_job(results, 2, True)
     check_linear_job(results, 2, True)
     check_compiled_job(results, 2, True)
@@ -384,7 +467,7 @@ def test_vocab_parallel_on_two_ranks_equals_the_whole_vocabulary():
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_logits_lm_head_and_dtensors_equal_the_whole_vocabulary(world):
     """Every case of the three jobs, on 2 and 3 ranks (uneven shards)."""
-    results = spawn_ranks(_rank, world, ("logits", "linear", "compiled"), False)
+    results = spawn_ranks(_rank, world, ("logits", "linear", "compiled", "compiled_linear"), False)
     check_logits_job(results, world, False)
     check_linear_job(results, world, False)
     check_compiled_job(results, world, False)
