@@ -7,6 +7,9 @@ Modes (each case's loss function, returning the loss and every metric, as a trai
   compile          torch.compile(fn, fullgraph=True) (Inductor; the kernels run as torch.library ops)
   reduce-overhead  torch.compile(fn, fullgraph=True, mode="reduce-overhead") (Inductor's CUDA graphs), the
                    inputs marked static (mark_static_address), as a model's activations and weights are
+  cuda-graph       eager headloss, forward and backward captured once in a torch.cuda.CUDAGraph (static
+                   inputs, as above); a step is one replay -- the host cost without torch.compile's
+                   per-replay bookkeeping (small shape only: the large one is device-bound)
 
 Cases, at a small shape (B 4 x L 256, V 32000, H 2048: an RL micro-batch) and a large one
 (B 8 x L 1024, V 128256, H 4096):
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import math
 import pstats
@@ -64,7 +68,7 @@ SHAPES = {
     "large": dict(batch=8, length=1024, vocab=128256, hidden=4096),
 }
 CASES = ("sft", "grpo", "gspo", "distill", "lm_head")
-MODES = ("eager", "compile", "reduce-overhead")
+MODES = ("eager", "compile", "reduce-overhead", "cuda-graph")
 DISTILL_SPEC = headloss.LossSpec(cross_entropy={"weight": 0.5}, distillation={"weight": 0.5, "temperature": 2.0})
 DIVERGENCES = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5}  # TRL's beta of each
 
@@ -121,8 +125,38 @@ def case_inputs(case: str, shape: dict, seed: int = 0):
     raise ValueError(f"case: {case!r}")
 
 
+def graphed(fn: Callable, inputs: list[torch.Tensor]) -> Callable[[], tuple]:
+    """fn's forward and backward captured once in a CUDA graph (after a warmup on a side stream); a step
+    replays it into the same outputs and gradient buffers."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            for t in inputs:
+                t.grad = None
+            fn(*inputs)[0].backward()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in inputs:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss, metrics = fn(*inputs)
+        loss.backward()
+    grads = [t.grad for t in inputs]
+
+    def step():
+        for t, g in zip(inputs, grads):  # (another mode's steps clear them)
+            t.grad = g
+        graph.replay()
+        return loss, metrics
+
+    return step
+
+
 def stepper(fn: Callable, inputs: list[torch.Tensor], mode: str) -> Callable[[], tuple]:
     """A zero-argument fwd+bwd step of ``fn`` in ``mode``; returns (loss, metrics)."""
+    if mode == "cuda-graph":
+        return graphed(fn, inputs)
     if mode == "eager":
         call = fn
     elif mode == "compile":
@@ -152,20 +186,25 @@ def max_difference(got: tuple, want: tuple, grads_got: list, grads_want: list) -
     return max(d for d in diffs if not math.isnan(d)) if diffs else 0.0
 
 
-def mode_rows(rows: list[Row], table: list, shapes: list[str], cases: list[str], check: bool, rounds: int = 5) -> None:
+def mode_rows(rows: list[Row], table: list, shapes: list[str], cases: list[str], check: bool, rounds: int = 5,
+              save: Callable[[], None] | None = None) -> None:
     """Each case in every mode: compiled and warmed up first, then timed in ``rounds`` rounds that
     take the modes in turn (a small shape's step is host-bound: the host's drift over a run then
-    falls on every mode alike); each mode's time is the median of its rounds' medians."""
+    falls on every mode alike); each mode's time is the median of its rounds' medians. ``save``
+    writes the rows so far, after each case."""
     for shape_name in shapes:
         shape = SHAPES[shape_name]
         config = {**shape, "dtype": "bf16"}
         for case in cases:
             torch._dynamo.reset()
             fn, inputs = case_inputs(case, shape)
-            want = grads = None
+            want = grads = got = got_grads = step = None
             steps, notes = {}, {}
             for mode in MODES:
                 notes[mode] = ""
+                if mode == "cuda-graph" and shape_name != "small":  # device-bound: a graph changes nothing
+                    notes[mode] = None
+                    continue
                 try:
                     step = stepper(fn, inputs, mode)
                     for _ in range(3):
@@ -188,14 +227,22 @@ def mode_rows(rows: list[Row], table: list, shapes: list[str], cases: list[str],
             for mode in MODES:
                 ms = sorted(timed[mode])[len(timed[mode]) // 2] if mode in timed else None
                 times[mode] = ms
+                if notes[mode] is None:  # not run at this shape
+                    continue
                 rows.append(Row(case=case, provider=f"headloss-{mode}", metric="time", unit="ms", x_name="shape",
                                 x=shape["batch"] * shape["length"], p50=ms, note=notes[mode], config=config,
                                 gpu=gpu_name()))
                 print(f"{case:8s} {shape_name:5s} {mode:16s} {ms if ms is None else round(ms, 4)} {notes[mode]}",
                       flush=True)
             table.append((case, shape_name, times))
-            del fn, inputs, steps
+            if save is not None:
+                save()
+            for t in inputs:
+                t.grad = None
+            del fn, inputs, steps, step, got, got_grads, want, grads  # the CUDA graphs' pools with them
             torch._dynamo.reset()
+            torch._inductor.cudagraph_trees.reset_cudagraph_trees()
+            gc.collect()
             torch.cuda.empty_cache()
 
 
@@ -276,11 +323,31 @@ def distill_rows(rows: list[Row], n: int = 8192, hidden: int = 4096, vocab: int 
     return results
 
 
-def profile_distill(n: int = 8192, hidden: int = 4096, vocab: int = 128256) -> None:
-    """Where the fused distillation head's time goes: the 4-GEMM floor; device time per kernel (summed
-    over one call's chunks) and the device's idle time for each divergence; forward KL against the
-    teacher's share of the chunk budget (api.TEACHER_SHARE), the budget, and the head kernel's block
-    and warps with a teacher."""
+def gemm_table(h: torch.Tensor, w: torch.Tensor) -> None:
+    """Each GEMM of the floor cut in chunks of M rows (the chunked head's GEMMs), ms for all rows."""
+    n = h.shape[0]
+    g = torch.randn(n, w.shape[0], device=h.device, dtype=h.dtype)
+    dw = torch.zeros_like(w)
+    print("each GEMM of the floor in chunks of M rows, ms for all N rows (M = N: one GEMM)")
+    print(f"{'M':>6s} {'logits':>8s} {'dh':>8s} {'dW +=':>8s}")
+    for m in (128, 192, 256, 384, 512, 640, 768, 1024, 2048, n):
+        gemms = (lambda m=m: h[:m] @ w.t(), lambda m=m: g[:m] @ w,
+                 lambda m=m: torch.addmm(dw, g[:m].t(), h[:m], out=dw))
+        cells = [time_ms(fn, reps=5, warmup=2)[0] * (n // m) for fn in gemms]
+        print(f"{m:6d} " + " ".join(f"{c:8.2f}" for c in cells), flush=True)
+
+
+def profile_distill(n: int = 8192, hidden: int = 4096, vocab: int = 128256, trace: Path | None = None) -> None:
+    """Where the fused distillation head's time goes: the 4-GEMM floor and each of its GEMMs cut in
+    chunks of rows (the chunk's share of the full GEMM's time: how the chunk size costs); device time
+    per kernel (summed over one call's chunks), the device's idle time and the host's launch time for
+    each divergence, and any call that waits for the device; forward KL against the teacher's share
+    of the chunk budget (api.TEACHER_SHARE), the budget, and the head kernel's block and warps with a
+    teacher. ``trace``: a folder for each divergence's torch.profiler trace (two steps, host and
+    device)."""
+    import time
+    import warnings
+
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as run_profile
 
@@ -291,6 +358,7 @@ def profile_distill(n: int = 8192, hidden: int = 4096, vocab: int = 128256) -> N
     step_of = head.step_of
     floor_ms = time_ms(head.floor, reps=5)[0]
     print(f"floor (4 GEMMs) {floor_ms:.2f} ms")
+    gemm_table(head.h.detach(), head.w.detach())
 
     def timed(step, label: str) -> None:
         step()
@@ -302,21 +370,37 @@ def profile_distill(n: int = 8192, hidden: int = 4096, vocab: int = 128256) -> N
         step = step_of(name, beta)
         step()
         torch.cuda.synchronize()
-        with run_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step()
+        with run_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):  # two steps back to back: what falls between them shows
+                step()
             torch.cuda.synchronize()
+        if trace is not None:
+            prof.export_chrome_trace(str(trace / f"distill_{name}.json.gz"))
+        torch.cuda.synchronize()
+        launched = time.perf_counter()
+        step()
+        launched = (time.perf_counter() - launched) * 1e3
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as waits:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            step()
+            torch.cuda.set_sync_debug_mode("default")
+        waits = sorted({str(w.message)[:120] for w in waits if "prototype feature" not in str(w.message)})
+        print(f"\n{name}: the host returns from a step after {launched:.2f} ms; calls that wait for the device: "
+              f"{waits or 'none'}")
         kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
         per: dict[str, list[float]] = {}
         for e in kernels:
             per.setdefault(e.name, []).append(e.device_time)
-        busy = sum(e.device_time for e in kernels) / 1e3
-        span = (kernels[-1].time_range.end - kernels[0].time_range.start) / 1e3
+        busy = sum(e.device_time for e in kernels) / 2e3
+        span = (kernels[-1].time_range.end - kernels[0].time_range.start) / 2e3
         gaps = sorted(((round(b.time_range.start - a.time_range.end), a.name[:40], b.name[:40])
                        for a, b in zip(kernels, kernels[1:])), reverse=True)[:4]
         print(f"\n===== distill-hidden {name}: step {time_ms(step, reps=5)[0]:.2f} ms, device busy {busy:.2f} ms "
-              f"over a span of {span:.2f} ms; largest gaps (us, after, before): {gaps}")
+              f"over a span of {span:.2f} ms a step; largest gaps (us, after, before): {gaps}")
         for kernel, times in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:8]:
-            print(f"{sum(times) / 1e3:9.3f} ms {len(times):4d}x  {kernel[:100]}")
+            print(f"{sum(times) / 2e3:9.3f} ms {len(times) // 2:4d}x  {kernel[:100]}")
     print()
     default_share = headloss.api.TEACHER_SHARE
     for share in (0.5, 0.25, 0.125):
@@ -334,8 +418,9 @@ def profile_distill(n: int = 8192, hidden: int = 4096, vocab: int = 128256) -> N
             LAUNCH_OVERRIDES.update(block_v=None, num_warps=None)
 
 
-def profile(case: str, modes: tuple[str, ...] = MODES) -> None:
-    """Host and device tables of eager and compiled steps of ``case`` at the small shape."""
+def profile(case: str, modes: tuple[str, ...] = MODES, trace: Path | None = None) -> None:
+    """Host and device tables of eager and compiled steps of ``case`` at the small shape; ``trace``: a
+    folder for each mode's torch.profiler trace."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as run_profile
 
@@ -350,6 +435,8 @@ def profile(case: str, modes: tuple[str, ...] = MODES) -> None:
             for _ in range(20):
                 step()
             torch.cuda.synchronize()
+        if trace is not None:
+            prof.export_chrome_trace(str(trace / f"{case}_{mode}.json.gz"))
         print(f"\n===== {case} {mode}: time_ms {time_ms(step, reps=30)[0]:.4f}")
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=70))
         # the host's Python, the backward included (on the calling thread)
@@ -376,6 +463,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="device time per kernel of the fused distillation head, and its chunk budget; exit")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="--profile's modes")
     parser.add_argument("--name", default="bench_compile", help="results file name")
+    parser.add_argument("--trace", type=Path, help="--profile / --profile-distill: write torch.profiler traces here")
     parser.add_argument("--rounds", type=int, default=5, help="timing rounds over the modes")
     parser.add_argument("--replot", type=Path, help="draw the PNG of a results JSON again and exit")
     args = parser.parse_args(argv)
@@ -383,25 +471,27 @@ def main(argv: list[str] | None = None) -> None:
         replot(args.replot)
         return
     if args.profile:
-        profile(args.profile, tuple(args.modes))
+        profile(args.profile, tuple(args.modes), args.trace)
         return
     if args.profile_distill:
-        profile_distill()
+        profile_distill(trace=args.trace)
         return
     rows: list[Row] = []
     table: list = []
-    mode_rows(rows, table, args.shapes, args.cases, args.check, args.rounds)
-    distill = distill_rows(rows) if args.distill else []
     out = out_dir_default()
+    mode_rows(rows, table, args.shapes, args.cases, args.check, args.rounds,
+              save=lambda: write_rows(rows, out, args.name))
+    distill = distill_rows(rows) if args.distill else []
     write_rows(rows, out, args.name)
     _plot(rows, out / f"{args.name}.png")
     print(f"\none {gpu_name()}, bf16, fwd+bwd, medians in ms")
-    print(f"{'case':8s} {'shape':5s} " + " ".join(f"{m:>15s}" for m in MODES) + "  compile/eager  r-o/eager")
+    print(f"{'case':8s} {'shape':5s} " + " ".join(f"{m:>15s}" for m in MODES) +
+          "  compile/eager  r-o/eager  graph/eager")
     for case, shape, times in table:
         cells = " ".join(f"{times[m]:15.4f}" if times.get(m) else f"{'-':>15s}" for m in MODES)
         ratios = [times[m] / times["eager"] if times.get(m) and times.get("eager") else float("nan")
                   for m in MODES[1:]]
-        print(f"{case:8s} {shape:5s} {cells}  {ratios[0]:13.3f}  {ratios[1]:9.3f}")
+        print(f"{case:8s} {shape:5s} {cells}  {ratios[0]:13.3f}  {ratios[1]:9.3f}  {ratios[2]:11.3f}")
     if distill:
         print(f"\n{'distill-hidden (N 8192, H 4096, V 128256)':42s} {'ms':>8s} {'GiB':>7s}")
         for name, ms, mem, note in distill:
@@ -424,7 +514,8 @@ def _plot(rows: list[Row], path) -> None:
         for i, mode in enumerate(MODES):
             vals = [next((r.p50 for r in timed if r.case == c and r.provider == f"headloss-{mode}"
                           and r.config.get("vocab") == vocab), 0.0) for c in cases]
-            ax.bar([j + 0.27 * (i - 1) for j in range(len(cases))], vals, width=0.27, label=mode)
+            width = 0.8 / len(MODES)
+            ax.bar([j + width * (i - (len(MODES) - 1) / 2) for j in range(len(cases))], vals, width=width, label=mode)
         ax.set_xticks(range(len(cases)), cases)
         ax.set_ylabel("ms (fwd+bwd)")
         ax.set_title(f"V {vocab}")
