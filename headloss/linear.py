@@ -609,7 +609,7 @@ def _shard_of_args(group_name: str, layout: list[int]) -> tuple[Any, bool]:
     return VocabShard(_resolve_process_group(group_name), start, total, world, bool(comm_cpu)), bool(reduce)
 
 
-def _kept_stats(plan: KernelPlan, chunks: str, sharded: bool, wants, teacher) -> bool:
+def _kept_stats(plan: KernelPlan, chunks: str, sharded: bool, wants, teacher) -> tuple[bool, int]:
     """Whether linear_forward keeps each row's merged statistics for the backward (deferred mode,
     vocab-parallel), and their width."""
     fused = (plan.mode == "fused" or chunks == "sequences") and any(wants)

@@ -313,6 +313,18 @@ COMPILED = ("full_sft", "grpo", "gspo", "distill_jsd", "deferred")
 COMPILED_QUICK = ("grpo", "distill_jsd")
 
 
+def _compiled_refusals(calls: dict) -> dict:
+    """Each call's loss under torch.compile(fullgraph=True): its error's text (None if it ran)."""
+    out = {}
+    for what, call in calls.items():
+        try:
+            torch.compile(lambda call=call: call().loss, fullgraph=True)()
+            out[what] = None
+        except Exception as exc:  # (Dynamo wraps it)
+            out[what] = str(exc)
+    return out
+
+
 def _compiled_job(rank: int, world: int, quick: bool) -> dict:
     """A vocab-parallel head_loss under torch.compile(fullgraph=True) against the same call in eager
     mode: one graph, the same route, every output and the gradient slice equal."""
@@ -354,12 +366,7 @@ def _compiled_job(rank: int, world: int, quick: bool) -> dict:
     refusals = {"sync": lambda: head_loss(torch.randn(3, 5, widths[rank]), ids, spec, group=dist.group.WORLD,
                                           validate="sync"),
                 "dtensor": lambda: head_loss(sharded, ids, spec)}
-    for what, call in refusals.items():
-        try:
-            torch.compile(lambda call=call: call().loss, fullgraph=True)()
-            out[what] = None
-        except Exception as exc:  # (Dynamo wraps it)
-            out[what] = str(exc)
+    out.update(_compiled_refusals(refusals))
     return out
 
 
@@ -422,12 +429,7 @@ def _compiled_linear_job(rank: int, world: int, quick: bool) -> dict:
     sharded = distribute_tensor(torch.randn(V, H), init_device_mesh("cpu", (world,)), [Shard(0)])
     refusals = {"sync": lambda: linear_head_loss(hidden, weight, ids, group=dist.group.WORLD, validate="sync"),
                 "dtensor": lambda: linear_head_loss(hidden, sharded, ids)}
-    for what, call in refusals.items():
-        try:
-            torch.compile(lambda call=call: call().loss, fullgraph=True)()
-            out[what] = None
-        except Exception as exc:  # (Dynamo wraps it)
-            out[what] = str(exc)
+    out.update(_compiled_refusals(refusals))
     return out
 
 
