@@ -17,7 +17,7 @@ Cases, at a small shape (B 4 x L 256, V 32000, H 2048: an RL micro-batch) and a 
   sft        CE + z-loss + accuracy + predicted tokens + entropy metric on [B L, V] logits
   grpo       TRL's dapo loss with a k3 KL, shift=True on the model's [B, L + 1, V] logits
   gspo       the same with sequence-level ratios (GSPO): deferred mode, the sequence kernels
-  distill    forward KL to teacher logits + CE, [B L, V]
+  distill    forward KL (temperature 2) to teacher logits + CE, [B L, V]
   lm_head    CE on the fused lm_head, hidden [B L, H]
 
 ``--distill`` (the large shape, N = 8192): the fused distillation head with both heads from hidden
@@ -25,9 +25,10 @@ states (student and teacher lm_head, H 4096), forward KL, reverse KL and JSD, ag
 it cannot avoid (student logits, teacher logits, dh, dW at full size, the floor) and TRL's
 ChunkedDivergenceFunction (when trl is installed); time and peak memory.
 
-``--check``: compiled and reduce-overhead outputs and gradients against eager (max abs difference
-printed and recorded in the rows' note). ``--profile CASE``: torch.profiler tables (host and device)
-of eager and compiled steps of one case at the small shape.
+``--check``: every mode's outputs and gradients against eager (max abs difference printed and
+recorded in the rows' note). ``--profile CASE``: torch.profiler tables (host and device) of eager and
+compiled steps of one case at the small shape. ``--profile-distill``: where the distillation head's
+time goes (see profile_distill). ``--trace DIR``: both profiles' traces.
 
   python -m benchmarks.bench_compile [--shapes small large] [--cases sft grpo ...] [--distill] [--check]
 
