@@ -180,12 +180,13 @@ def traced_shard_statistics(plan: KernelPlan, logits, targets, teacher, geo: Geo
     return stats, jsd
 
 
-def _stats_width(teacher) -> int:
-    return STATS.N_TEACHER if teacher is not None else STATS.N
+def stats_width(has_teacher: bool) -> int:
+    """Columns of a row's vocab-parallel statistics (layouts.Stats)."""
+    return STATS.N_TEACHER if has_teacher else STATS.N
 
 
 @kernel_op("headloss::shard_stats", fake=lambda logits, targets, teacher, key, geo, norm: torch.empty(
-    geo_of(geo, norm).n_rows, _stats_width(teacher), dtype=torch.float32, device=logits.device))
+    geo_of(geo, norm).n_rows, stats_width(teacher is not None), dtype=torch.float32, device=logits.device))
 def shard_stats_op(logits: torch.Tensor, targets: torch.Tensor | None, teacher: torch.Tensor | None, key: str,
                    geo: list[int], norm: float) -> torch.Tensor:
     """kernels.shard.launch_shard_stats as an op (a vocab-parallel call under torch.compile)."""

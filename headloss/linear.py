@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import ops
-from .engine import empty_outputs, no_rows, objective_launch, optional, shard_statistics
+from .engine import empty_outputs, no_rows, objective_launch, optional, shard_statistics, stats_width
 from .kernels.head import PolicyRows, launch_backward, launch_finish, launch_head, prepare
 from .kernels.launch import Geometry
 from .kernels.layouts import SCRATCH, STATS
@@ -77,7 +77,11 @@ class LinearRun:
     @property
     def grads_in_forward(self) -> bool:
         """The gradient is computed in forward (fused, or sequence-chunked) and scaled in backward."""
-        return self.plan.mode == "fused" or self.chunks == "sequences"
+        return _grads_in_forward(self.plan, self.chunks)
+
+
+def _grads_in_forward(plan: KernelPlan, chunks: str) -> bool:
+    return plan.mode == "fused" or chunks == "sequences"
 
 
 @dataclass
@@ -609,11 +613,12 @@ def _shard_of_args(group_name: str, layout: list[int]) -> tuple[Any, bool]:
     return VocabShard(_resolve_process_group(group_name), start, total, world, bool(comm_cpu)), bool(reduce)
 
 
-def _kept_stats(plan: KernelPlan, chunks: str, sharded: bool, wants, teacher) -> tuple[bool, int]:
-    """Whether linear_forward keeps each row's merged statistics for the backward (deferred mode,
-    vocab-parallel), and their width."""
-    fused = (plan.mode == "fused" or chunks == "sequences") and any(wants)
-    return sharded and not fused, STATS.N_TEACHER if teacher else STATS.N
+def _stats_shape(plan: KernelPlan, chunks: str, sharded: bool, wants, has_teacher: bool, rows: int
+                 ) -> tuple[int, ...]:
+    """The shape of linear_forward_op's last output: [rows, width] where linear_forward keeps each
+    row's merged statistics for the backward (deferred mode, vocab-parallel), else empty."""
+    kept = sharded and not (_grads_in_forward(plan, chunks) and any(wants))
+    return (rows, stats_width(has_teacher)) if kept else (0,)
 
 
 def _linear_forward_outputs(hidden, weight, bias, targets, teacher_logits, teacher_hidden, teacher_weight,
@@ -624,15 +629,15 @@ def _linear_forward_outputs(hidden, weight, bias, targets, teacher_logits, teach
     plan = plan_from_key(key)
     rows, pred, loss, means = empty_outputs(plan, hidden.shape[0], hidden.device, tuple(token_shape))
     scratch = torch.empty(SCRATCH.N, dtype=torch.int64, device=hidden.device)
-    fused = (plan.mode == "fused" or chunks == "sequences") and not handoff
+    fused = _grads_in_forward(plan, chunks) and not handoff
     dh, dw, db = (
         torch.empty(like.shape if fused and want else (0,), dtype=like.dtype, device=hidden.device)
         for like, want in zip((hidden, weight, bias if bias is not None else hidden.new_empty(0)), wants)
     )
     token = token_fake() if handoff else hidden.new_empty(0, dtype=torch.int64)
-    keep, width = _kept_stats(plan, chunks, bool(group_name), wants,
-                              teacher_logits is not None or teacher_hidden is not None)
-    stats = torch.empty((hidden.shape[0], width) if keep else (0,), dtype=torch.float32, device=hidden.device)
+    stats = torch.empty(_stats_shape(plan, chunks, bool(group_name), wants,
+                                     teacher_logits is not None or teacher_hidden is not None, hidden.shape[0]),
+                        dtype=torch.float32, device=hidden.device)
     return loss, rows, pred, means, scratch, dh, dw, db, token, stats
 
 
@@ -668,10 +673,10 @@ def _linear_forward_op(
     if handoff:
         token = hand_off([None if g is None else (g, flat_geometry(g)) for g in (dh, dw, db)])
         dh = dw = db = None
-    if stats is None:
-        keep, width = _kept_stats(run.plan, chunks, shard is not None, wants, teacher.logits is not None or
-                                  teacher.hidden is not None)
-        stats = torch.empty((0, width) if keep else (0,), dtype=torch.float32, device=hidden.device)
+    if stats is None:  # kept, with no row to compute; or not kept
+        stats = torch.empty(_stats_shape(run.plan, chunks, shard is not None, wants, teacher.logits is not None or
+                                         teacher.hidden is not None, hidden.shape[0]),
+                            dtype=torch.float32, device=hidden.device)
     return (loss, rows, pred, means, scratch, *(g if g is not None else hidden.new_empty(0) for g in (dh, dw, db)),
             token, stats)
 
