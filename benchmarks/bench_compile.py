@@ -19,11 +19,21 @@ Cases, at a small shape (B 4 x L 256, V 32000, H 2048: an RL micro-batch) and a 
   gspo       the same with sequence-level ratios (GSPO): deferred mode, the sequence kernels
   distill    forward KL (temperature 2) to teacher logits + CE, [B L, V]
   lm_head    CE on the fused lm_head, hidden [B L, H]
+  bare       no headloss: torch alone, one logsumexp of [64, 1000] logits and its backward -- what each
+             mode costs around any call on this host (small shape only: its size does not change)
+
+Each case runs eager first (the reference of --check), then the cuda-graph capture, then the two
+compiled modes. Before the capture the eager step's outputs are dropped: a loss whose autograd graph is
+still alive keeps the input's gradient accumulator, made by the first eager call on the default stream;
+the captured backward reuses it and torch makes the default stream wait on the capture
+(cudaErrorStreamCaptureImplicit) -- the same with no headloss in the step (the bare case).
 
 ``--distill`` (the large shape, N = 8192): the fused distillation head with both heads from hidden
 states (student and teacher lm_head, H 4096), forward KL, reverse KL and JSD, against the 4 GEMMs
-it cannot avoid (student logits, teacher logits, dh, dW at full size, the floor) and TRL's
-ChunkedDivergenceFunction (when trl is installed); time and peak memory.
+it cannot avoid (student logits, teacher logits, dh, dW at full size, the floor), the same 4 GEMMs cut
+as the head cuts them at its default budget (student chunks and teacher parts, back to back, no head
+kernel: what this chunking costs before any softmax) and TRL's ChunkedDivergenceFunction (when trl is
+installed); time and peak memory.
 
 ``--check``: every mode's outputs and gradients against eager (max abs difference printed and
 recorded in the rows' note). ``--profile CASE``: torch.profiler tables (host and device) of eager and
@@ -68,8 +78,9 @@ SHAPES = {
     "small": dict(batch=4, length=256, vocab=32000, hidden=2048),
     "large": dict(batch=8, length=1024, vocab=128256, hidden=4096),
 }
-CASES = ("sft", "grpo", "gspo", "distill", "lm_head")
+CASES = ("sft", "grpo", "gspo", "distill", "lm_head", "bare")
 MODES = ("eager", "compile", "reduce-overhead", "cuda-graph")
+RUN_ORDER = ("eager", "cuda-graph", "compile", "reduce-overhead")  # eager's values first: --check's reference
 DISTILL_SPEC = headloss.LossSpec(cross_entropy={"weight": 0.5}, distillation={"weight": 0.5, "temperature": 2.0})
 DIVERGENCES = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5}  # TRL's beta of each
 
@@ -111,6 +122,13 @@ def case_inputs(case: str, shape: dict, seed: int = 0):
         def fn(x):
             out = headloss.head_loss(x, y, DISTILL_SPEC, teacher_logits=teacher)
             return out.loss, out.metrics
+
+        return fn, [x]
+    if case == "bare":
+        x = (torch.randn(64, 1000, device="cuda", generator=gen) * 2).to(torch.bfloat16).requires_grad_()
+
+        def fn(x):
+            return x.float().logsumexp(-1).mean(), {}
 
         return fn, [x]
     if case == "lm_head":
@@ -197,12 +215,15 @@ def mode_rows(rows: list[Row], table: list, shapes: list[str], cases: list[str],
         shape = SHAPES[shape_name]
         config = {**shape, "dtype": "bf16"}
         for case in cases:
+            if case == "bare" and shape_name != "small":
+                continue
             torch._dynamo.reset()
             fn, inputs = case_inputs(case, shape)
             want = grads = got = got_grads = step = None
             steps, notes = {}, {}
-            for mode in MODES:
+            for mode in RUN_ORDER:
                 notes[mode] = ""
+                got = None  # the last step's outputs and their autograd graph (see the module's docstring)
                 if mode == "cuda-graph" and shape_name != "small":  # device-bound: a graph changes nothing
                     notes[mode] = None
                     continue
@@ -220,6 +241,7 @@ def mode_rows(rows: list[Row], table: list, shapes: list[str], cases: list[str],
                     steps[mode] = step
                 except Exception as exc:  # a mode failing is a result
                     notes[mode] = f"error: {type(exc).__name__}: {exc}"[:300]
+            steps = {mode: steps[mode] for mode in MODES if mode in steps}  # timed in the table's order
             timed: dict[str, list[float]] = {mode: [] for mode in steps}
             for _ in range(rounds):
                 for mode, step in steps.items():
@@ -266,6 +288,35 @@ class DistillHead(NamedTuple):
         logits @ self.w.detach()  # dh
         logits.t() @ self.h.detach()  # dW
 
+    def chunked_floor(self, rows: int | None = None, part: int | None = None) -> tuple[Callable[[], None], str]:
+        """The same 4 GEMMs cut as the head cuts them (student chunks of ``rows``, each chunk's teacher
+        logits in parts of ``part`` rows; by default headloss.api's split of its default budget), back
+        to back into one buffer each, dW accumulated: the chunking's cost before any softmax. Returns
+        (step, a label naming the cut)."""
+        import headloss.api as api
+
+        budget = api.DEFAULT_CHUNK_BYTES
+        h, w = self.h.detach(), self.w.detach()
+        n, vocab, elem = h.shape[0], w.shape[0], h.element_size()
+        rows = rows or api.chunk_rows_for(int(budget * (1.0 - api.TEACHER_SHARE)), vocab, elem)
+        part = part or api.chunk_rows_for(int(budget * api.TEACHER_SHARE), vocab, elem)
+
+        def step():
+            dh, dw = torch.empty_like(h), torch.empty_like(w)
+            logits, teacher = h.new_empty(rows, vocab), h.new_empty(part, vocab)
+            for start in range(0, n, rows):
+                end = min(n, start + rows)
+                z = torch.mm(h[start:end], w.t(), out=logits[: end - start])
+                for t in range(start, end, part):
+                    torch.mm(self.th[t:min(end, t + part)], self.tw.t(), out=teacher[: min(end, t + part) - t])
+                torch.mm(z, w, out=dh[start:end])
+                if start == 0:
+                    torch.mm(z.t(), h[start:end], out=dw)
+                else:
+                    dw.addmm_(z.t(), h[start:end])
+
+        return step, f"4 GEMMs cut {rows} + {part} rows"
+
     def step_of(self, divergence: str, beta: float, chunk_bytes: int | None = None) -> Callable[[], None]:
         """One fwd+bwd of headloss's fused head with ``divergence``."""
         spec = headloss.LossSpec(cross_entropy=None, distillation={"divergence": divergence, "beta": beta})
@@ -295,6 +346,8 @@ def distill_rows(rows: list[Row], n: int = 8192, hidden: int = 4096, vocab: int 
     head = distill_head(n, hidden, vocab)
     config = {"N": n, "H": hidden, "V": vocab, "dtype": "bf16"}
     steps: dict[str, Callable[[], None]] = {"floor (4 GEMMs)": head.floor}
+    chunked, label = head.chunked_floor()
+    steps[label] = chunked
     for name, beta in DIVERGENCES.items():
         steps[f"headloss {name}"] = head.step_of(name, beta)
     try:
@@ -334,7 +387,7 @@ def gemm_table(h: torch.Tensor, w: torch.Tensor) -> None:
     for m in (128, 192, 256, 384, 512, 640, 768, 1024, 2048, n):
         gemms = (lambda m=m: h[:m] @ w.t(), lambda m=m: g[:m] @ w,
                  lambda m=m: torch.addmm(dw, g[:m].t(), h[:m], out=dw))
-        cells = [time_ms(fn, reps=5, warmup=2)[0] * (n // m) for fn in gemms]
+        cells = [time_ms(fn, reps=5, warmup=2)[0] * n / m for fn in gemms]  # the share of all N rows
         print(f"{m:6d} " + " ".join(f"{c:8.2f}" for c in cells), flush=True)
 
 
@@ -360,6 +413,14 @@ def profile_distill(n: int = 8192, hidden: int = 4096, vocab: int = 128256, trac
     floor_ms = time_ms(head.floor, reps=5)[0]
     print(f"floor (4 GEMMs) {floor_ms:.2f} ms")
     gemm_table(head.h.detach(), head.w.detach())
+    print("the 4 GEMMs cut as the head cuts them, back to back (no head kernel), for splits of about the "
+          "default budget's 1024 rows")
+    for rows, part in ((1024, 128), (896, 128), (768, 256), (640, 384), (512, 512), (384, 640), (512, 256)):
+        cut, label = head.chunked_floor(rows, part)
+        cut()
+        mem = peak_extra_gb(cut, cold_blas=True)
+        ms = time_ms(cut, reps=5)[0]
+        print(f"{label:30s} {ms:8.2f} ms  {ms / floor_ms:6.3f} x floor  {mem / 1.073741824:6.3f} GiB", flush=True)
 
     def timed(step, label: str) -> None:
         step()
@@ -520,12 +581,12 @@ def _plot(rows: list[Row], path) -> None:
         ax.set_xticks(range(len(cases)), cases)
         ax.set_ylabel("ms (fwd+bwd)")
         ax.set_title(f"V {vocab}")
-        ax.legend()
+        ax.legend(ncol=len(MODES), fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1))
     if distill:
         ax = axes[0][-1]
+        colour = {"floor": "grey", "4 GEMMs": "grey", "headloss": "C0"}
         ax.barh([r.provider for r in distill], [r.p50 for r in distill],
-                color=["grey" if r.provider.startswith("floor") else "C0" if r.provider.startswith("headloss")
-                       else "C1" for r in distill])
+                color=[next((c for k, c in colour.items() if r.provider.startswith(k)), "C1") for r in distill])
         ax.invert_yaxis()
         ax.set_xlabel("ms (fwd+bwd)")
         ax.set_title("distillation from hidden, N 8192, H 4096, V 128256", fontsize=10)
