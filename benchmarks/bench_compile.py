@@ -10,6 +10,9 @@ Modes (each case's loss function, returning the loss and every metric, as a trai
   cuda-graph       eager headloss, forward and backward captured once in a torch.cuda.CUDAGraph (static
                    inputs, as above); a step is one replay -- the host cost without torch.compile's
                    per-replay bookkeeping (small shape only: the large one is device-bound)
+  graphed-callables torch.cuda.make_graphed_callables(fn, inputs): forward and backward each captured
+                   once behind an autograd.Function, called and backpropagated as eager is (the
+                   inputs copied into the graphs' own when they are other tensors); small shape only
 
 Cases, at a small shape (B 4 x L 256, V 32000, H 2048: an RL micro-batch) and a large one
 (B 8 x L 1024, V 128256, H 4096):
@@ -22,8 +25,8 @@ Cases, at a small shape (B 4 x L 256, V 32000, H 2048: an RL micro-batch) and a 
   bare       no headloss: torch alone, one logsumexp of [64, 1000] logits and its backward -- what each
              mode costs around any call on this host (small shape only: its size does not change)
 
-Each case runs eager first (the reference of --check), then the cuda-graph capture, then the two
-compiled modes. Before the capture the eager step's outputs are dropped: a loss whose autograd graph is
+Each case runs eager first (the reference of --check), then the two captured modes, then the two
+compiled modes. Before a capture the eager step's outputs are dropped: a loss whose autograd graph is
 still alive keeps the input's gradient accumulator, made by the first eager call on the default stream;
 the captured backward reuses it and torch makes the default stream wait on the capture
 (cudaErrorStreamCaptureImplicit) -- the same with no headloss in the step (the bare case).
@@ -79,8 +82,9 @@ SHAPES = {
     "large": dict(batch=8, length=1024, vocab=128256, hidden=4096),
 }
 CASES = ("sft", "grpo", "gspo", "distill", "lm_head", "bare")
-MODES = ("eager", "compile", "reduce-overhead", "cuda-graph")
-RUN_ORDER = ("eager", "cuda-graph", "compile", "reduce-overhead")  # eager's values first: --check's reference
+MODES = ("eager", "compile", "reduce-overhead", "cuda-graph", "graphed-callables")
+CAPTURED = ("cuda-graph", "graphed-callables")  # run at the small shape only
+RUN_ORDER = ("eager", "cuda-graph", "graphed-callables", "compile", "reduce-overhead")  # eager first: the reference
 DISTILL_SPEC = headloss.LossSpec(cross_entropy={"weight": 0.5}, distillation={"weight": 0.5, "temperature": 2.0})
 DIVERGENCES = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5}  # TRL's beta of each
 
@@ -172,10 +176,34 @@ def graphed(fn: Callable, inputs: list[torch.Tensor]) -> Callable[[], tuple]:
     return step
 
 
+def graphed_callable(fn: Callable, inputs: list[torch.Tensor]) -> Callable[[], tuple]:
+    """fn through torch.cuda.make_graphed_callables (its outputs flattened to the loss and the metric
+    values, the dict rebuilt after each call); a step calls it and runs the backward as eager does."""
+    names: list[str] = []
+
+    def flat(*args):
+        loss, metrics = fn(*args)
+        names[:] = list(metrics)
+        return (loss, *metrics.values())
+
+    call = torch.cuda.make_graphed_callables(flat, tuple(inputs))
+
+    def step():
+        for t in inputs:
+            t.grad = None
+        loss, *values = call(*inputs)
+        loss.backward()
+        return loss, dict(zip(names, values))
+
+    return step
+
+
 def stepper(fn: Callable, inputs: list[torch.Tensor], mode: str) -> Callable[[], tuple]:
     """A zero-argument fwd+bwd step of ``fn`` in ``mode``; returns (loss, metrics)."""
     if mode == "cuda-graph":
         return graphed(fn, inputs)
+    if mode == "graphed-callables":
+        return graphed_callable(fn, inputs)
     if mode == "eager":
         call = fn
     elif mode == "compile":
@@ -224,7 +252,7 @@ def mode_rows(rows: list[Row], table: list, shapes: list[str], cases: list[str],
             for mode in RUN_ORDER:
                 notes[mode] = ""
                 got = None  # the last step's outputs and their autograd graph (see the module's docstring)
-                if mode == "cuda-graph" and shape_name != "small":  # device-bound: a graph changes nothing
+                if mode in CAPTURED and shape_name != "small":  # device-bound: a graph changes nothing
                     notes[mode] = None
                     continue
                 try:
@@ -547,13 +575,14 @@ def main(argv: list[str] | None = None) -> None:
     write_rows(rows, out, args.name)
     _plot(rows, out / f"{args.name}.png")
     print(f"\none {gpu_name()}, bf16, fwd+bwd, medians in ms")
-    print(f"{'case':8s} {'shape':5s} " + " ".join(f"{m:>15s}" for m in MODES) +
-          "  compile/eager  r-o/eager  graph/eager")
+    short = {"compile": "compile", "reduce-overhead": "r-o", "cuda-graph": "graph", "graphed-callables": "callables"}
+    print(f"{'case':8s} {'shape':5s} " + " ".join(f"{m:>17s}" for m in MODES) + "  " +
+          " ".join(f"{short[m] + '/eager':>15s}" for m in MODES[1:]))
     for case, shape, times in table:
-        cells = " ".join(f"{times[m]:15.4f}" if times.get(m) else f"{'-':>15s}" for m in MODES)
+        cells = " ".join(f"{times[m]:17.4f}" if times.get(m) else f"{'-':>17s}" for m in MODES)
         ratios = [times[m] / times["eager"] if times.get(m) and times.get("eager") else float("nan")
                   for m in MODES[1:]]
-        print(f"{case:8s} {shape:5s} {cells}  {ratios[0]:13.3f}  {ratios[1]:9.3f}  {ratios[2]:11.3f}")
+        print(f"{case:8s} {shape:5s} {cells}  " + " ".join(f"{r:15.3f}" for r in ratios))
     if distill:
         print(f"\n{'distill-hidden (N 8192, H 4096, V 128256)':42s} {'ms':>8s} {'GiB':>7s}")
         for name, ms, mem, note in distill:
@@ -561,7 +590,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _plot(rows: list[Row], path) -> None:
-    """One panel per vocabulary: each case's time in the three modes; and one for the distillation
+    """One panel per vocabulary: each case's time in every mode; and one for the distillation
     head from hidden states (time against its 4-GEMM floor) when it was measured."""
     plt = pyplot()
     timed = [r for r in rows if r.metric == "time" and r.case != "distill-hidden" and r.p50]

@@ -661,6 +661,73 @@ def test_cuda_graph_capture_of_the_lm_head_with_a_top_entropy_mask():
     assert _rel(captured_grad, leaf.grad) < 1e-4
 
 
+@pytest.mark.parametrize("case", ["sft", "grpo", "hidden"])
+def test_make_graphed_callables_replays_equal_eager_with_new_inputs(case):
+    """torch.cuda.make_graphed_callables over a head-loss call: forward and backward each replay one
+    graph behind an autograd.Function. With new values copied into the inputs (the differentiable
+    ones and those the call closes over) before each call, a replay's loss, every metric and the
+    gradients equal an eager call's on the same values."""
+    gen = torch.Generator(device="cuda").manual_seed(37)
+    n, v = 512, 32000
+    rows = (n,) if case != "grpo" else (4, n // 4)  # a policy term on [B, T, V] logits
+    y = torch.randint(0, v, rows, device="cuda", generator=gen)
+    if case == "hidden":
+        args = (torch.randn(n, 256, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(),
+                (torch.randn(v, 256, device="cuda", generator=gen) / 16).to(torch.bfloat16).requires_grad_())
+        closed = {}
+
+        def call(h, w):
+            return headloss.linear_head_loss(h, w, y, SFT, chunk_bytes=16 << 20)
+    else:
+        args = ((torch.randn(*rows, v, device="cuda", generator=gen) * 2).to(torch.bfloat16).requires_grad_(),)
+        spec = SFT if case == "sft" else headloss.LossSpec(
+            cross_entropy=None, policy={"loss_type": "dapo", "kl_beta": 0.04, "kl_estimator": "k3"})
+        closed = {} if case == "sft" else dict(
+            advantages=torch.randn(rows[0], device="cuda", generator=gen),
+            old_logprobs=-12.4 + 0.3 * torch.randn(rows, device="cuda", generator=gen),
+            ref_logprobs=-12.4 + 0.3 * torch.randn(rows, device="cuda", generator=gen))
+
+        def call(x):
+            return headloss.head_loss(x, y, spec, **closed)
+
+    names: list[str] = []
+
+    def flat(*leaves):
+        out = call(*leaves)
+        names[:] = list(out.metrics)
+        return (out.loss, *out.metrics.values())
+
+    if case == "hidden":  # a model's own backward GEMM first (cuBLAS set up on autograd's device thread)
+        (args[0].detach().requires_grad_() @ args[1].detach().T).sum().backward()
+    graphed = torch.cuda.make_graphed_callables(flat, args)
+    for trial in range(2):
+        with torch.no_grad():  # the next batch, written into the tensors the graphs read
+            for t in args:
+                t.copy_(torch.randn(t.shape, device="cuda", generator=gen) * (0.06 if t.shape[-2:] == (v, 256) else 2))
+            y.copy_(torch.randint(0, v, rows, device="cuda", generator=gen))
+            y.view(-1)[trial::7] = -100
+            for t in closed.values():
+                t.add_(0.1 * torch.randn(t.shape, device="cuda", generator=gen))
+        for t in args:
+            t.grad = None
+        loss, *values = graphed(*args)
+        loss.backward()
+        torch.cuda.synchronize()
+        got = [loss.clone(), *(x.clone() for x in values)], [t.grad.clone() for t in args]
+        for t in args:
+            t.grad = None
+        eager = call(*args)
+        eager.loss.backward()
+        # the eager lm_head skips ignored rows (one host read of their count), a captured one computes
+        # them all: other chunks, so other bf16 GEMM accumulation orders
+        tol = 1e-2 if case == "hidden" else 1e-6
+        assert torch.allclose(got[0][0], eager.loss, rtol=tol), (trial, float(got[0][0]), float(eager.loss))
+        for name, value in zip(names, got[0][1:]):
+            assert torch.allclose(value.double(), eager.metrics[name].double(), rtol=tol, atol=1e-6), (trial, name)
+        for grad, t in zip(got[1], args):
+            assert _rel(grad, t.grad) < tol, trial
+
+
 def test_graph_replays_with_new_targets_each_prepare_their_own_count():
     """The head kernel's program 0 prepares the call (counted rows) and tags it with a nonce baked
     into the graph: every replay must wait for its own count, never read the last replay's."""
