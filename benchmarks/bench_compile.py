@@ -12,7 +12,8 @@ Modes (each case's loss function, returning the loss and every metric, as a trai
                    per-replay bookkeeping (small shape only: the large one is device-bound)
   graphed-callables torch.cuda.make_graphed_callables(fn, inputs): forward and backward each captured
                    once behind an autograd.Function, called and backpropagated as eager is (the
-                   inputs copied into the graphs' own when they are other tensors); small shape only
+                   inputs copied into the graphs' own when they are other tensors); the metrics come
+                   out packed in one tensor (out.packed_metrics()); small shape only
 
 Cases, at a small shape (B 4 x L 256, V 32000, H 2048: an RL micro-batch) and a large one
 (B 8 x L 1024, V 128256, H 4096):
@@ -177,23 +178,25 @@ def graphed(fn: Callable, inputs: list[torch.Tensor]) -> Callable[[], tuple]:
 
 
 def graphed_callable(fn: Callable, inputs: list[torch.Tensor]) -> Callable[[], tuple]:
-    """fn through torch.cuda.make_graphed_callables (its outputs flattened to the loss and the metric
-    values, the dict rebuilt after each call); a step calls it and runs the backward as eager does."""
+    """fn through torch.cuda.make_graphed_callables, returning the loss and the metrics in one tensor
+    (as HeadLossOutput.packed_metrics() packs them: the graphed callable pays host time per output,
+    ~25 us each on the lent host); a step calls it, runs the backward as eager does and makes the
+    metrics' dict of views of that tensor."""
     names: list[str] = []
 
     def flat(*args):
         loss, metrics = fn(*args)
         names[:] = list(metrics)
-        return (loss, *metrics.values())
+        return (loss, torch.stack([v.detach().double() for v in metrics.values()])) if metrics else (loss,)
 
     call = torch.cuda.make_graphed_callables(flat, tuple(inputs))
 
     def step():
         for t in inputs:
             t.grad = None
-        loss, *values = call(*inputs)
+        loss, *packed = call(*inputs)
         loss.backward()
-        return loss, dict(zip(names, values))
+        return loss, dict(zip(names, packed[0].unbind(0))) if packed else {}
 
     return step
 

@@ -33,7 +33,8 @@ class HeadLossOutput:
 
     loss              scalar (reduction mean/sum) or per-token [N] / [B, T] (reduction none); a
                       tensor of its own (never a view), so ``loss *= s`` works
-    metrics           detached device scalars: ``loss``, ``n_tokens`` and, when present,
+    metrics           detached device scalars (all in one tensor: ``packed_metrics()``):
+                      ``loss``, ``n_tokens`` and, when present,
                       ``ce``, ``nll`` (with label smoothing), ``z_loss`` (mean lse**2), ``dft``,
                       ``entropy``, ``token_accuracy``, ``distill/divergence``,
                       ``distill/teacher_entropy``, ``distill/top1_agreement`` -- means over
@@ -60,15 +61,24 @@ class HeadLossOutput:
     entropy: torch.Tensor | None = None
     route: str | None = None
 
+    def packed_metrics(self) -> torch.Tensor:
+        """Every metric in one detached float64 tensor, in the order of ``metrics`` (one stack op;
+        float64 holds the fp32 values and the int64 ``n_tokens`` exactly). One output where each
+        output costs: a function under ``torch.cuda.make_graphed_callables`` pays host time per
+        output it returns, and a replayed graph rewrites this tensor in place. Log it with one
+        copy: ``dict(zip(out.metrics, packed.tolist()))``."""
+        if not self.metrics:
+            return torch.zeros(0, dtype=torch.float64, device=self.loss.device)
+        return torch.stack([value.detach().double().reshape(()) for value in self.metrics.values()])
+
     def metrics_as_floats(self) -> dict[str, float]:
         """Host copies of the metrics, for logging: one device sync for all of them (which also
         raises any error the device-side input checks found)."""
         if not self.metrics:
             return {}
-        names = list(self.metrics)
-        values = torch.stack([self.metrics[n].detach().double() for n in names]).cpu().tolist()
+        values = self.packed_metrics().cpu().tolist()
         check_pending(wait=True)
-        return dict(zip(names, values))
+        return dict(zip(self.metrics, values))
 
 
 def column(rows: torch.Tensor, plan: KernelPlan, name: str) -> torch.Tensor | None:

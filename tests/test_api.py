@@ -206,6 +206,31 @@ def test_in_place_scaling_of_the_loss_works_and_scales_the_gradient(spec, entry,
     assert_close_norm(grads[1], 3.0 * grads[0], rtol=1e-5, atol=1e-8, name="grad of 3x the loss")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("entry", ["logits", "hidden"])
+def test_packed_metrics_hold_every_metric_in_order_exactly_and_detached(entry, backend):
+    """out.packed_metrics(): one float64 tensor of every metric in the dict's order (what a graphed or
+    compiled step returns instead of one output per metric), equal to each metric exactly -- n_tokens
+    too, past fp32's integers -- and detached even where the outputs are differentiable."""
+    gen = torch.Generator().manual_seed(41)
+    spec = LossSpec(z_loss={"weight": 1e-3}, entropy={"weight": 0.1}, token_accuracy=True,
+                    outputs=("logprobs",), differentiable_outputs=True)
+    targets = make_targets((3, 5), V, seed=41)
+    leaf = (make_logits((3, 5, V), seed=41) if entry == "logits" else torch.randn(3, 5, 8, generator=gen))
+    leaf.requires_grad_()
+    out = (head_loss(leaf, targets, spec, backend=backend) if entry == "logits"
+           else linear_head_loss(leaf, torch.randn(V, 8, generator=gen), targets, spec, backend=backend))
+    packed = out.packed_metrics()
+    assert packed.dtype == torch.float64 and packed.shape == (len(out.metrics),) and not packed.requires_grad
+    assert len(out.metrics) >= 6  # loss, n_tokens, ce, z_loss, entropy, token_accuracy
+    for value, (name, metric) in zip(packed.tolist(), out.metrics.items()):
+        assert value == float(metric), name
+    assert out.metrics_as_floats() == dict(zip(out.metrics, packed.tolist()))
+    big = head_loss(make_logits((1, V), seed=42), make_targets((1,), V, seed=42), LossSpec(), backend=backend)
+    big.metrics["n_tokens"] = torch.tensor(2**24 + 1)  # a count fp32 would round
+    assert big.packed_metrics()[list(big.metrics).index("n_tokens")].item() == 2**24 + 1
+
+
 # --- num_items_in_batch -------------------------------------------------------------------------------
 
 

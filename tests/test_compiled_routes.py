@@ -1,7 +1,8 @@
 """Every route a call takes in eager mode runs under torch.compile(fullgraph=True) with the same kernels
 (the ``headloss::`` torch.library ops; here the interpreter runs them, on a GPU tests/test_gpu.py):
 the compiled call takes the same route, traces into one graph without a break
-(``torch._dynamo.explain``), and its loss, every metric and every input gradient equal eager's.
+(``torch._dynamo.explain``), and its loss, every metric (also packed in one tensor) and every input
+gradient equal eager's.
 
 The corrected lm_head routes (clip_cov / kl_cov, the guessed top-entropy mask) read a count on the host:
 under compile, as under CUDA-graph capture, they take deferred mode, with the same values. (clip_cov's
@@ -60,7 +61,8 @@ def fresh_dynamo():
 
 
 def _case(name: str, seed: int):
-    """(loss function of the differentiable inputs -> (loss, metrics, route), those inputs)."""
+    """(loss function of the differentiable inputs -> (loss, metrics, route, packed metrics), those
+    inputs)."""
     entry, spec_name, *_ = CASES[name]
     spec = SPECS[spec_name]
     gen = generator(seed)
@@ -84,13 +86,13 @@ def _case(name: str, seed: int):
 
             def fn(x):
                 out = head_loss(x, ids.reshape(-1), spec, backend="triton", **kwargs)
-                return out.loss, out.metrics, out.route
+                return out.loss, out.metrics, out.route, out.packed_metrics()
 
             return fn, [x.requires_grad_()]
 
         def fn(x):
             out = head_loss(x, ids, spec, shift=True, backend="triton", **kwargs)
-            return out.loss, out.metrics, out.route
+            return out.loss, out.metrics, out.route, out.packed_metrics()
 
         return fn, [x.requires_grad_()]
     hidden = torch.randn(B, T, H, generator=gen)
@@ -101,7 +103,7 @@ def _case(name: str, seed: int):
 
     def fn(h, w):
         out = linear_head_loss(h, w, ids, spec, chunk_bytes=4 * V * 4, backend="triton", **kwargs)
-        return out.loss, out.metrics, out.route
+        return out.loss, out.metrics, out.route, out.packed_metrics()
 
     return fn, [hidden.requires_grad_(), weight.requires_grad_()]
 
@@ -132,6 +134,8 @@ def test_a_compiled_call_takes_the_eager_route_in_one_graph_with_equal_values(na
     assert set(got[1]) == set(want[1])
     for key, value in want[1].items():
         assert_close_norm(got[1][key], value, rtol=1e-5, atol=1e-6, name=f"metrics[{key}]")
+    for result in (want, got):  # every metric in one float64 tensor, in the dict's order
+        assert torch.equal(result[3], torch.stack([v.double() for v in result[1].values()]))
     for a, b in zip(_grads(got, inputs), want_grads):
         assert float(b.norm()) > 0
         assert_close_norm(a, b, rtol=1e-5, atol=1e-7, name="grad")

@@ -663,10 +663,11 @@ def test_cuda_graph_capture_of_the_lm_head_with_a_top_entropy_mask():
 
 @pytest.mark.parametrize("case", ["sft", "grpo", "hidden"])
 def test_make_graphed_callables_replays_equal_eager_with_new_inputs(case):
-    """torch.cuda.make_graphed_callables over a head-loss call: forward and backward each replay one
-    graph behind an autograd.Function. With new values copied into the inputs (the differentiable
-    ones and those the call closes over) before each call, a replay's loss, every metric and the
-    gradients equal an eager call's on the same values."""
+    """torch.cuda.make_graphed_callables over a head-loss call returning the loss and
+    out.packed_metrics(): forward and backward each replay one graph behind an autograd.Function.
+    With new values copied into the inputs (the differentiable ones and those the call closes over)
+    before each call, a replay's loss, every metric and the gradients equal an eager call's on the
+    same values."""
     gen = torch.Generator(device="cuda").manual_seed(37)
     n, v = 512, 32000
     rows = (n,) if case != "grpo" else (4, n // 4)  # a policy term on [B, T, V] logits
@@ -692,10 +693,10 @@ def test_make_graphed_callables_replays_equal_eager_with_new_inputs(case):
 
     names: list[str] = []
 
-    def flat(*leaves):
+    def flat(*leaves):  # the metrics as one output (each output costs the graphed callable host time)
         out = call(*leaves)
         names[:] = list(out.metrics)
-        return (out.loss, *out.metrics.values())
+        return out.loss, out.packed_metrics()
 
     if case == "hidden":  # a model's own backward GEMM first (cuBLAS set up on autograd's device thread)
         (args[0].detach().requires_grad_() @ args[1].detach().T).sum().backward()
@@ -710,10 +711,10 @@ def test_make_graphed_callables_replays_equal_eager_with_new_inputs(case):
                 t.add_(0.1 * torch.randn(t.shape, device="cuda", generator=gen))
         for t in args:
             t.grad = None
-        loss, *values = graphed(*args)
+        loss, packed = graphed(*args)
         loss.backward()
         torch.cuda.synchronize()
-        got = [loss.clone(), *(x.clone() for x in values)], [t.grad.clone() for t in args]
+        got = [loss.clone(), *packed.clone().unbind(0)], [t.grad.clone() for t in args]
         for t in args:
             t.grad = None
         eager = call(*args)
@@ -722,8 +723,9 @@ def test_make_graphed_callables_replays_equal_eager_with_new_inputs(case):
         # them all: other chunks, so other bf16 GEMM accumulation orders
         tol = 1e-2 if case == "hidden" else 1e-6
         assert torch.allclose(got[0][0], eager.loss, rtol=tol), (trial, float(got[0][0]), float(eager.loss))
+        assert len(got[0]) == len(names) + 1
         for name, value in zip(names, got[0][1:]):
-            assert torch.allclose(value.double(), eager.metrics[name].double(), rtol=tol, atol=1e-6), (trial, name)
+            assert torch.allclose(value, eager.metrics[name].double(), rtol=tol, atol=1e-6), (trial, name)
         for grad, t in zip(got[1], args):
             assert _rel(grad, t.grad) < tol, trial
 
