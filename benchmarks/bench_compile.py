@@ -13,7 +13,7 @@ Modes (each case's loss function, returning the loss and every metric, as a trai
   graphed-callables torch.cuda.make_graphed_callables(fn, inputs): forward and backward each captured
                    once behind an autograd.Function, called and backpropagated as eager is (the
                    inputs copied into the graphs' own when they are other tensors); the metrics come
-                   out packed in one tensor (out.packed_metrics()); small shape only
+                   out stacked in one tensor, as out.packed_metrics() gives them; small shape only
 
 Cases, at a small shape (B 4 x L 256, V 32000, H 2048: an RL micro-batch) and a large one
 (B 8 x L 1024, V 128256, H 4096):
@@ -178,10 +178,10 @@ def graphed(fn: Callable, inputs: list[torch.Tensor]) -> Callable[[], tuple]:
 
 
 def graphed_callable(fn: Callable, inputs: list[torch.Tensor]) -> Callable[[], tuple]:
-    """fn through torch.cuda.make_graphed_callables, returning the loss and the metrics in one tensor
-    (as HeadLossOutput.packed_metrics() packs them: the graphed callable pays host time per output,
-    ~25 us each on the lent host); a step calls it, runs the backward as eager does and makes the
-    metrics' dict of views of that tensor."""
+    """fn through torch.cuda.make_graphed_callables, returning the loss and the metrics stacked in one
+    tensor, as HeadLossOutput.packed_metrics() stacks them (fn hands out the dict; the graphed callable
+    pays host time per output, ~25 us each on the lent host); a step calls it, runs the backward as
+    eager does and makes the metrics' dict of views of that tensor (valid until the next replay)."""
     names: list[str] = []
 
     def flat(*args):
@@ -330,7 +330,7 @@ class DistillHead(NamedTuple):
         h, w = self.h.detach(), self.w.detach()
         n, vocab, elem = h.shape[0], w.shape[0], h.element_size()
         rows = rows or api.chunk_rows_for(int(budget * (1.0 - api.TEACHER_SHARE)), vocab, elem)
-        part = part or api.chunk_rows_for(int(budget * api.TEACHER_SHARE), vocab, elem)
+        part = min(rows, part or api.chunk_rows_for(int(budget * api.TEACHER_SHARE), vocab, elem))  # as the head
 
         def step():
             dh, dw = torch.empty_like(h), torch.empty_like(w)
@@ -377,8 +377,8 @@ def distill_rows(rows: list[Row], n: int = 8192, hidden: int = 4096, vocab: int 
     head = distill_head(n, hidden, vocab)
     config = {"N": n, "H": hidden, "V": vocab, "dtype": "bf16"}
     steps: dict[str, Callable[[], None]] = {"floor (4 GEMMs)": head.floor}
-    chunked, label = head.chunked_floor()
-    steps[label] = chunked
+    cut, label = head.chunked_floor()
+    steps[label] = cut
     for name, beta in DIVERGENCES.items():
         steps[f"headloss {name}"] = head.step_of(name, beta)
     try:
@@ -444,9 +444,9 @@ def profile_distill(n: int = 8192, hidden: int = 4096, vocab: int = 128256, trac
     floor_ms = time_ms(head.floor, reps=5)[0]
     print(f"floor (4 GEMMs) {floor_ms:.2f} ms")
     gemm_table(head.h.detach(), head.w.detach())
-    print("the 4 GEMMs cut as the head cuts them, back to back (no head kernel), for splits of about the "
+    print("the 4 GEMMs cut as the head cuts them, back to back (no head kernel), for splits near the "
           "default budget's 1024 rows")
-    for rows, part in ((1024, 128), (896, 128), (768, 256), (640, 384), (512, 512), (384, 640), (512, 256)):
+    for rows, part in ((1024, 128), (896, 128), (768, 256), (640, 384), (640, 256), (512, 512), (512, 256)):
         cut, label = head.chunked_floor(rows, part)
         cut()
         mem = peak_extra_gb(cut, cold_blas=True)
@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", choices=CASES, help="profile one case (small shape) and exit")
     parser.add_argument("--profile-distill", action="store_true",
                         help="device time per kernel of the fused distillation head, and its chunk budget; exit")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="--profile's modes")
+    parser.add_argument("--modes", nargs="+", default=list(RUN_ORDER), choices=MODES, help="--profile's modes")
     parser.add_argument("--name", default="bench_compile", help="results file name")
     parser.add_argument("--trace", type=Path, help="--profile / --profile-distill: write torch.profiler traces here")
     parser.add_argument("--rounds", type=int, default=5, help="timing rounds over the modes")

@@ -65,8 +65,10 @@ class HeadLossOutput:
         """Every metric in one detached float64 tensor, in the order of ``metrics`` (one stack op;
         float64 holds the fp32 values and the int64 ``n_tokens`` exactly). One output where each
         output costs: a function under ``torch.cuda.make_graphed_callables`` pays host time per
-        output it returns, and a replayed graph rewrites this tensor in place. Log it with one
-        copy: ``dict(zip(out.metrics, packed.tolist()))``."""
+        output it returns. A replayed graph rewrites its output in place: copy or log it before the
+        next replay. Log it with one copy, ``dict(zip(out.metrics, packed.tolist()))`` (an error the
+        device-side input checks found is then raised by the next headloss call;
+        ``metrics_as_floats`` raises it at once)."""
         if not self.metrics:
             return torch.zeros(0, dtype=torch.float64, device=self.loss.device)
         return torch.stack([value.detach().double().reshape(()) for value in self.metrics.values()])

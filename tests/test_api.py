@@ -226,6 +226,8 @@ def test_packed_metrics_hold_every_metric_in_order_exactly_and_detached(entry, b
     for value, (name, metric) in zip(packed.tolist(), out.metrics.items()):
         assert value == float(metric), name
     assert out.metrics_as_floats() == dict(zip(out.metrics, packed.tolist()))
+    out.metrics["grad_norm"] = leaf.square().sum()  # a metric a caller adds, still in the graph
+    assert out.metrics["grad_norm"].requires_grad and not out.packed_metrics().requires_grad
     big = head_loss(make_logits((1, V), seed=42), make_targets((1,), V, seed=42), LossSpec(), backend=backend)
     big.metrics["n_tokens"] = torch.tensor(2**24 + 1)  # a count fp32 would round
     assert big.packed_metrics()[list(big.metrics).index("n_tokens")].item() == 2**24 + 1
