@@ -77,6 +77,7 @@ from benchmarks.common import (
     time_ms,
     write_rows,
 )
+from headloss.output import pack_metrics
 
 SHAPES = {
     "small": dict(batch=4, length=256, vocab=32000, hidden=2048),
@@ -179,7 +180,7 @@ def graphed(fn: Callable, inputs: list[torch.Tensor]) -> Callable[[], tuple]:
 
 def graphed_callable(fn: Callable, inputs: list[torch.Tensor]) -> Callable[[], tuple]:
     """fn through torch.cuda.make_graphed_callables, returning the loss and the metrics stacked in one
-    tensor, as HeadLossOutput.packed_metrics() stacks them (fn hands out the dict; the graphed callable
+    tensor by HeadLossOutput.packed_metrics()'s pack_metrics (fn hands out the dict; the graphed callable
     pays host time per output, ~25 us each on the lent host); a step calls it, runs the backward as
     eager does and makes the metrics' dict of views of that tensor (valid until the next replay)."""
     names: list[str] = []
@@ -187,7 +188,7 @@ def graphed_callable(fn: Callable, inputs: list[torch.Tensor]) -> Callable[[], t
     def flat(*args):
         loss, metrics = fn(*args)
         names[:] = list(metrics)
-        return (loss, torch.stack([v.detach().double() for v in metrics.values()])) if metrics else (loss,)
+        return (loss, pack_metrics(metrics, loss.device)) if metrics else (loss,)
 
     call = torch.cuda.make_graphed_callables(flat, tuple(inputs))
 

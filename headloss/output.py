@@ -69,9 +69,7 @@ class HeadLossOutput:
         next replay. Log it with one copy, ``dict(zip(out.metrics, packed.tolist()))`` (an error the
         device-side input checks found is then raised by the next headloss call;
         ``metrics_as_floats`` raises it at once)."""
-        if not self.metrics:
-            return torch.zeros(0, dtype=torch.float64, device=self.loss.device)
-        return torch.stack([value.detach().double().reshape(()) for value in self.metrics.values()])
+        return pack_metrics(self.metrics, self.loss.device)
 
     def metrics_as_floats(self) -> dict[str, float]:
         """Host copies of the metrics, for logging: one device sync for all of them (which also
@@ -81,6 +79,14 @@ class HeadLossOutput:
         values = self.packed_metrics().cpu().tolist()
         check_pending(wait=True)
         return dict(zip(self.metrics, values))
+
+
+def pack_metrics(metrics: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A metrics dict's values stacked in one detached float64 tensor, in its order (empty on
+    ``device`` when there are none): :meth:`HeadLossOutput.packed_metrics`."""
+    if not metrics:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    return torch.stack([value.detach().double().reshape(()) for value in metrics.values()])
 
 
 def column(rows: torch.Tensor, plan: KernelPlan, name: str) -> torch.Tensor | None:
