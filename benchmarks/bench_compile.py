@@ -496,11 +496,11 @@ def profile_distill(n: int = 8192, hidden: int = 4096, vocab: int = 128256, trac
         for kernel, times in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:8]:
             print(f"{sum(times) / 2e3:9.3f} ms {len(times) // 2:4d}x  {kernel[:100]}")
     print()
-    default_share = headloss.api.TEACHER_SHARE
+    default_share = headloss.chunks.TEACHER_SHARE
     for share in (0.5, 0.25, 0.125):
-        headloss.api.TEACHER_SHARE = share
+        headloss.chunks.TEACHER_SHARE = share
         timed(step_of("forward_kl", 0.0), f"forward_kl, teacher share {share}")
-    headloss.api.TEACHER_SHARE = default_share
+    headloss.chunks.TEACHER_SHARE = default_share
     for mib in (192, 320, 512):
         timed(step_of("forward_kl", 0.0, mib << 20), f"forward_kl, chunk_bytes {mib} MiB")
     for block, warps in ((2048, 8), (2048, 4), (4096, 8), (1024, 8)):

@@ -72,20 +72,20 @@ def chosen(names: list[str] | None) -> list[str]:
 
 
 def corrected_rows(step) -> str:
-    """The rows one call's top-entropy correction recomputed (linear._correct_rows), as a note."""
-    import headloss.linear as engine
+    """The rows one call's top-entropy correction recomputed (linear_policy.correct_rows), as a note."""
+    import headloss.linear_policy as engine
 
-    counts, original = [], engine._correct_rows
+    counts, original = [], engine.correct_rows
 
     def counting(run, hidden, weight, bias, targets, rows, *rest):
         counts.append(int(rows.sum()))
         return original(run, hidden, weight, bias, targets, rows, *rest)
 
-    engine._correct_rows = counting
+    engine.correct_rows = counting
     try:
         step()
     finally:
-        engine._correct_rows = original
+        engine.correct_rows = original
     return f"{counts[0]} rows corrected" if counts else "no correction (deferred)"
 
 

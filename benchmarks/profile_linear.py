@@ -26,7 +26,8 @@ from benchmarks.common import (
     time_ms,
     write_rows,
 )
-from headloss.api import chunk_rows_for, linear_head_loss
+from headloss.api import linear_head_loss
+from headloss.chunks import chunk_rows_for
 from headloss.kernels.launch import LAUNCH_OVERRIDES
 from headloss.linear import chunk_head_
 from headloss.plan import compile_plan

@@ -7,35 +7,51 @@ import sys
 from pathlib import Path
 
 import torch
+import yaml
 
 from . import env
-from .api import DEFAULT_CHUNK_BYTES, head_loss
+from .api import head_loss
+from .chunks import DEFAULT_CHUNK_BYTES
 from .plan import KernelPlan, compile_plan
+from .policy_tables import IMPORTANCE_SAMPLING, KL_ESTIMATORS, LOSS_TYPES, OBJECTIVES
 from .reference import reference_head_loss
 from .routes import ROUTES, Facts, routes_for
-from .spec import LossSpec
+from .spec import LossSpec, Policy
+
+DESCRIPTION = "Run a loss spec on a synthetic batch (demo), or print its kernel plan and routes (explain)."
+
+POLICY_FLAGS = ("HAS_POLICY", "OBJECTIVE", "CISPO_VERL", "LOG_RATIO_CLAMP", "KL_EST", "KL_CLAMP", "KL_K2_GRAD",
+                "KL_IS_CORR", "ENTROPY_TOKEN_MEAN")
+"""The kernel flags of the policy term: explain leaves them out of a spec without one."""
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "sft_zloss.yaml"
 
 
 def _spec_arg(path: str | None) -> LossSpec:
+    """The spec file the command names; its errors name the ``config`` argument."""
     if path is None:
         return LossSpec.from_file(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else LossSpec()
-    return LossSpec.from_file(path)
+    try:
+        return LossSpec.from_file(path)
+    except (ValueError, OSError) as error:
+        raise ValueError(f"config: {_one_line(error).removeprefix('path: ')}") from None
 
 
 def explain(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, with_grad: bool = True,
             seq_len: int = 1024) -> str:
     """The plan of ``spec`` for a [rows, vocab] batch: mode, flags, per-row columns, the scalars its
-    terms use, the inputs it takes, passes and bytes, and the routes a call on CUDA takes (rows as
-    sequences of ``seq_len`` when the spec has a policy term)."""
+    terms use, the inputs it takes, passes and bytes, the policy term's objective, ratio, aggregation
+    and KL penalty with the values each reads (when it has one), and the routes a call on CUDA takes
+    (rows as sequences of ``seq_len`` when the spec has a policy term)."""
     plan = compile_plan(spec, has_targets=spec.needs_targets)
     elem = torch.empty((), dtype=dtype).element_size()
     traffic = plan.traffic_bytes(rows, vocab, elem, elem, with_grad)
-    flags = plan.flags._asdict()
+    flags = {name: value for name, value in plan.flags._asdict().items()
+             if not (spec.policy is None and name in POLICY_FLAGS or spec.distillation is None and name == "OWN_TEMP")}
+    codes = {"DISTILL_KIND": plan.has_teacher, "OBJECTIVE": plan.flags.HAS_POLICY}  # ints whose 0 is a value
     on = [name if value is True else f"{name}={value}" for name, value in flags.items()
-          if value is not False and not (name == "DISTILL_KIND" and value < 0) and value != 0]
+          if value is True or type(value) is int and (codes[name] if name in codes else value != 0)]
     off = [name for name, value in flags.items() if value is False]
     scalars = plan.scalars._asdict()
     columns = [name for name in plan.cols._fields[:-1] if getattr(plan.cols, name) >= 0]
@@ -53,9 +69,79 @@ def explain(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, with_grad
         f"bytes       reads {traffic['logit_reads'] / 1e9:.3f} GB + gradient writes "
         f"{traffic['grad_writes'] / 1e9:.3f} GB = {traffic['total'] / 1e9:.3f} GB"
         f" (+ O(rows) per-token buffers)",
+        *(_policy_lines(spec.policy) if spec.policy is not None else []),
         *_routes_lines(plan, rows, vocab, elem, seq_len),
     ]
     return "\n".join(lines)
+
+
+OBJECTIVE_FIELDS: dict[str, tuple[str, ...]] = {
+    "clip": ("eps_low", "eps_high", "delta", "dual_clip_c"),
+    "cispo": ("eps_low", "eps_high"),  # TRL's convention reads eps_high only (an absolute cap)
+    "sapo": ("sapo_tau_pos", "sapo_tau_neg"),
+    "gpg": (),
+    "dro": ("dro_beta",),
+    "dppo_tv": ("eps_low", "eps_high", "dppo_ratio_cap"),
+    "dppo_kl": ("eps_low", "eps_high", "dppo_ratio_cap"),
+    "reinforce": ("reinforce_is_max",),
+    "gmpo": ("eps_low", "eps_high"),
+    "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+    "clip_cov": ("eps_low", "eps_high", "delta", "dual_clip_c", "cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+    "kl_cov": ("cov_ratio", "kl_cov_coef"),
+}
+"""The Policy fields each objective reads (explain prints them beside it)."""
+
+LOSS_TYPE_FIELDS: dict[str, tuple[str, ...]] = {
+    "dr_grpo": ("max_completion_length",),
+    "dapo": ("num_processes",),
+    "grpo": ("num_processes",),
+    "seq-mean-token-sum": ("num_processes",),
+    "seq-mean-token-mean": ("num_processes",),
+}
+"""The Policy fields each aggregation reads, besides the call's counts."""
+
+KL_FIELDS = ("kl_beta", "kl_estimator", "kl_clamp", "kl_grad", "kl_importance_correction")
+
+
+def _fields(policy: Policy, names: tuple[str, ...]) -> str:
+    return ", ".join(f"{name}={getattr(policy, name)}" for name in names if getattr(policy, name) is not None)
+
+
+def _aggregation(loss_type: str) -> str:
+    row = LOSS_TYPES[loss_type]
+    if row.over == "tokens":
+        return row.source
+    each = {"mean": "token mean", "sum": "token sum", "sum_norm": "token sum / T"}[row.per_sequence]
+    return f"{row.source}: the mean over sequences of each one's {each}"
+
+
+def _policy_lines(policy: Policy) -> list[str]:
+    """The policy term: its objective, ratio, aggregation and KL penalty with the values each reads,
+    then every other field set away from its default."""
+    objective_fields = OBJECTIVE_FIELDS[policy.objective]
+    if policy.objective == "cispo" and policy.convention == "trl":
+        objective_fields = ("eps_high",)
+    loss_fields = LOSS_TYPE_FIELDS.get(policy.loss_type, ())
+    kl = "none (kl_beta=0)"
+    if policy.kl_beta > 0:
+        kl = (f"kl_beta={policy.kl_beta:g}, {policy.kl_estimator} ({KL_ESTIMATORS[policy.kl_estimator].formula})"
+              + (", verl's clamps" if policy.kl_clamp else "") + (", k2 gradient" if policy.kl_grad == "k2" else "")
+              + (", times the ratio" if policy.kl_importance_correction else ""))
+    shown = {"objective", "convention", "importance_sampling", "loss_type", *objective_fields, *loss_fields,
+             *KL_FIELDS}
+    others = [f"{name}={value}" for name, value in policy if name not in shown
+              and value != Policy.model_fields[name].default]
+    lines = [
+        f"policy      {policy.objective} ({OBJECTIVES[policy.objective].source}), convention {policy.convention}"
+        + (f": {_fields(policy, objective_fields)}" if _fields(policy, objective_fields) else ""),
+        f"ratio       {policy.importance_sampling} ({IMPORTANCE_SAMPLING[policy.importance_sampling].source})",
+        f"aggregation {policy.loss_type} ({_aggregation(policy.loss_type)})"
+        + (f": {_fields(policy, loss_fields)}" if loss_fields else ""),
+        f"kl penalty  {kl}",
+    ]
+    if others:
+        lines.append(f"policy also {', '.join(others)}")
+    return lines
 
 
 def _routes_lines(plan: KernelPlan, rows: int, vocab: int, elem: int, seq_len: int) -> list[str]:
@@ -91,10 +177,14 @@ def demo(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, device: str)
     ref.loss.sum().backward()
 
     backend = "triton kernel" if (logits.is_cuda or env.INTERPRETER) else (
-        "plain-torch reference (TRITON_INTERPRET=1 runs the kernel on CPU)"
+        "plain torch (TRITON_INTERPRET=1 runs the kernel on CPU)"
     )
-    print(f"spec: {spec.model_dump(exclude_defaults=True)}")
-    print(f"batch: logits [{rows}, {vocab}] {str(dtype)[6:]} on {device}, backend {backend}\n")
+    print("spec, defaults filled in:")
+    for name, value in spec.model_dump(mode="json", exclude_none=True).items():
+        text = yaml.safe_dump(value, default_flow_style=True, width=100, sort_keys=False).removesuffix("...\n")
+        print(f"  {name}: " + text.strip().replace("\n", "\n    "))
+    print(f"batch: logits [{rows}, {vocab}] {str(dtype)[6:]} on {device}, backend {backend}")
+    print(_scored(spec, targets) + "\n")
     print(f"{'value':<22}{'headloss':>16}{'fp64 reference':>18}{'abs err':>12}")
     worst = 0.0
     got, want = out.metrics_as_floats(), ref.metrics_as_floats()
@@ -117,6 +207,15 @@ def demo(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, device: str)
     return 0 if ok else 1
 
 
+def _scored(spec: LossSpec, targets: torch.Tensor) -> str:
+    """How many rows the batch scores, and why the others are not."""
+    rows = targets.numel()
+    if not spec.needs_targets:
+        return f"{rows} of {rows} rows scored (the spec reads no targets)"
+    ignored = int((targets == spec.ignore_index).sum())
+    return f"{rows - ignored} of {rows} rows scored: {ignored} targets are ignore_index ({spec.ignore_index})"
+
+
 def synthetic_inputs(spec: LossSpec, logits: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """The per-call inputs a spec's terms need, made up for a [rows, V] batch (one sequence per 16 rows)."""
     rows = logits.shape[0]
@@ -130,8 +229,9 @@ def synthetic_inputs(spec: LossSpec, logits: torch.Tensor, gen: torch.Generator)
             sequence_ids=seq,
             advantages=torch.randn(int(seq.max()) + 1 if rows else 0, generator=gen)[seq],
             old_logprobs=logp_guess,
-            ref_logprobs=logp_guess + 0.1 * torch.randn(rows, generator=gen),
         )
+        if spec.policy.kl_beta != 0.0:
+            inputs["ref_logprobs"] = logp_guess + 0.1 * torch.randn(rows, generator=gen)
     return {k: v.to(logits.device) for k, v in inputs.items()}
 
 
@@ -153,21 +253,39 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+COMMANDS = {
+    "demo": ("run a config on a synthetic batch and check it against an fp64 reference",
+             "Run a spec on a synthetic batch of random logits and targets (10% of them ignore_index), with "
+             "made-up inputs for its other terms, and compare every metric, output and the gradient with "
+             "an fp64 plain-torch reference."),
+    "explain": ("print the kernel plan and the routes of a config",
+                "Print the plan of a spec for a [rows, vocab] batch: mode, flags, scalars, per-row values, "
+                "inputs, passes and bytes, the policy term's settings, and the routes of a CUDA call on "
+                "logits and on the lm_head."),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="headloss", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name, help_text in (("demo", "run a config on a synthetic batch and check it against fp64"),
-                            ("explain", "print the kernel plan of a config")):
-        p = sub.add_parser(name, help=help_text)
-        p.add_argument("config", nargs="?", help="YAML/JSON spec (default: configs/sft_zloss.yaml)")
-        p.add_argument("--rows", type=_positive("--rows"), default=8192 if name == "explain" else 64)
-        p.add_argument("--vocab", type=_positive("--vocab"), default=128256 if name == "explain" else 1000)
-        p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if name == "explain" else "fp32")
-        if name == "explain":
+    parser = _Parser(prog="headloss", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{demo,explain}")
+    for name, (help_text, description) in COMMANDS.items():
+        explaining = name == "explain"
+        p = sub.add_parser(name, help=help_text, description=description)
+        p.add_argument("config", nargs="?",
+                       help="the spec: a .yaml, .yml or .json file (default: configs/sft_zloss.yaml)")
+        p.add_argument("--rows", type=_positive("--rows"), default=8192 if explaining else 64,
+                       help="rows of the batch, one token each (default: %(default)s)")
+        p.add_argument("--vocab", type=_positive("--vocab"), default=128256 if explaining else 1000,
+                       help="vocabulary size, the logits' last dimension (default: %(default)s)")
+        p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if explaining else "fp32",
+                       help="the logits' dtype (default: %(default)s)")
+        if explaining:
             p.add_argument("--seq-len", type=_positive("--seq-len"), default=1024,
-                           help="tokens per sequence of a policy spec's rows (the routes depend on it)")
-        if name == "demo":
-            p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+                           help="tokens per sequence of a policy spec's rows; the routes depend on it "
+                                "(default: %(default)s)")
+        else:
+            p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                           help="cpu or cuda (default: %(default)s; cuda where a CUDA device is available)")
     args = parser.parse_args(argv)
     try:
         spec = _spec_arg(args.config)

@@ -1,10 +1,9 @@
 """The logits entry point's autograd Function (fused and deferred mode) and deferred mode's policy term.
 
-``HeadFunction.apply(logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_ids, run)``
-returns ``(loss, rows, pred, means, scratch)``: the loss (a fresh tensor, never a view), the packed
-per-row buffer (per-token outputs are its columns), the argmax, the column means (the metrics) and
-the call's scratch (layouts.Scratch). Its backward returns the logits' gradient, then ``None`` for
-the rest.
+``HeadFunction.apply(logits, run, *tensors)`` (a :class:`HeadRun` and the :class:`CallTensors`) returns
+``(loss, rows, pred, means, scratch)``: the loss (a fresh tensor, never a view), the packed per-row
+buffer (per-token outputs are its columns), the argmax, the column means (the metrics) and the call's
+scratch (layouts.Scratch). Its backward returns the logits' gradient, then ``None`` for the rest.
 
 * fused     the gradient is written in forward (one launch); backward only scales it by d loss,
             which costs nothing when d loss == 1 (checked on the device).
@@ -19,16 +18,19 @@ policy.objectives), see :func:`policy_terms`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import enum
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 import torch
 
+from .batch import Teacher
+from .bounded import cache
 from .kernels.head import PolicyRows, launch_backward, launch_head, prepare
 from .kernels.launch import Geometry, row_strides
-from .kernels.layouts import JSD_SHARES, OBJECTIVE_METRICS, OBJECTIVE_OUT, STATS, scratch_size
 from .kernels.policy import launch_policy_objective
 from .kernels.shard import launch_merge, launch_shard_jsd, launch_shard_stats
+from .layouts import JSD_SHARES, OBJECTIVE_METRICS, OBJECTIVE_OUT, STATS, scratch_size
 from .ops import (
     BESIDE_GRAPH,
     geo_ints,
@@ -46,8 +48,8 @@ from .plan import KernelPlan, objective_flags, plan_from_key
 from .policy.metrics import extremes
 from .policy.objectives import policy_objective
 from .policy.tokens import PolicyInputs
-from .routes import Route
-from .validation import CheckContext, settle, verdict_slot
+from .routes import PolicyAt, Route
+from .validation import VALIDATE_MODES, CheckContext, settle, verdict_slot
 
 
 def empty_outputs(plan: KernelPlan, n_out: int, device, token_shape: tuple[int, ...], extra_means: int = 0
@@ -81,6 +83,54 @@ def optional(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.numel() else None
 
 
+_GEO_WIDTH = len(Geometry._fields) - 1  # geo_ints' length
+
+
+class GradMode(str, enum.Enum):
+    """What the fused forward does with the logits' gradient."""
+
+    NONE = "none"  # no gradient wanted
+    FRESH = "fresh"  # into a new buffer
+    INPLACE = "inplace"  # over the logits (eager only)
+    HANDOFF = "handoff"  # into a new buffer handed to backward beside the compiled graph (ops.hand_off)
+
+
+class CallTensors(NamedTuple):
+    """A call's tensors besides its rows (logits, or hidden states, weight and bias), checked and flat, in
+    the one order in which they cross the autograd and torch.library boundaries (``*tensors``)."""
+
+    targets: torch.Tensor | None = None  # [N] ids or ignore_index
+    teacher_logits: torch.Tensor | None = None
+    teacher_hidden: torch.Tensor | None = None  # the lm_head's computed teacher
+    teacher_weight: torch.Tensor | None = None
+    teacher_bias: torch.Tensor | None = None
+    old: torch.Tensor | None = None  # the fused epilogue's policy rows (kernels.head.PolicyRows)
+    ref: torch.Tensor | None = None
+    adv: torch.Tensor | None = None
+    iw: torch.Tensor | None = None
+    policy_weight: torch.Tensor | None = None
+    num_items: torch.Tensor | None = None  # the normaliser, when a tensor
+    sequence_ids: torch.Tensor | None = None  # [N] rows' sequences
+
+    @classmethod
+    def of(cls, targets, teacher: Teacher, epilogue: PolicyInputs | None, num_items, sequence_ids) -> CallTensors:
+        """The tensors of a call; ``epilogue``: the policy inputs the fused epilogue reads (else None)."""
+        rows = (None,) * 5 if epilogue is None else (
+            epilogue.old_logprobs, epilogue.ref_logprobs, epilogue.advantages, epilogue.importance_weights,
+            epilogue.weight)
+        return cls(targets, teacher.logits, teacher.hidden, teacher.weight, teacher.bias, *rows, num_items,
+                   sequence_ids)
+
+    @property
+    def teacher(self) -> Teacher:
+        return Teacher(self.teacher_logits, self.teacher_hidden, self.teacher_weight, self.teacher_bias)
+
+    def policy_rows(self, adv_span: int = 1, seq_len: int = 0) -> PolicyRows | None:
+        if self.adv is None:
+            return None
+        return PolicyRows(self.old, self.ref, self.adv, self.iw, self.policy_weight, adv_span, seq_len)
+
+
 @dataclass(frozen=True)
 class HeadRun:
     """Everything but tensors that a head_loss call runs with."""
@@ -91,10 +141,22 @@ class HeadRun:
     validate: str  # async, sync, off
     token_shape: tuple[int, ...]
     traced: bool = False  # under torch.compile (the route's)
-    adv_span: int = 1  # policy: slots per advantage (K: one per sequence)
+    adv_span: int = 1  # policy: slots per advantage (K: one per sequence of [B, K])
     seq_len: int = 0  # policy: K when sequences are the rows of [B, K] (see PolicyRows)
     shard: Any = None  # vocab-parallel: a headloss.parallel.VocabShard
     objective: PolicyInputs | None = None  # deferred+kernels: the policy term's inputs, run in this Function
+
+    def op_args(self) -> tuple[str, list[int], float]:
+        """The run as a head op takes it (:meth:`from_op_args`): the plan's key, ints, the normaliser."""
+        return (self.plan.key, [*geo_ints(self.geo), self.adv_span, self.seq_len, int(self.inplace),
+                                VALIDATE_MODES.index(self.validate), *self.token_shape], self.geo.norm)
+
+    @classmethod
+    def from_op_args(cls, key: str, ints: list[int], norm: float) -> HeadRun:
+        g = _GEO_WIDTH
+        adv_span, seq_len, inplace, validate = ints[g:g + 4]
+        return cls(plan_from_key(key), geo_of(ints[:g], norm), bool(inplace), VALIDATE_MODES[validate],
+                   tuple(ints[g + 4:]), adv_span=adv_span, seq_len=seq_len)
 
 
 INLINE_PREPARE_SLOTS = 1 << 14
@@ -107,46 +169,45 @@ before. Above this (and vocab-parallel), prepare_kernel (4096 targets a step, 8 
 program's longer serial pass off the critical path."""
 
 
-def head_forward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, policy: PolicyRows | None, num_items,
-                 sequence_ids, grad_mode: str, validate: str, token_shape: tuple[int, ...], shard=None,
-                 extra_means: int = 0, stats: torch.Tensor | None = None, jsd: torch.Tensor | None = None):
+def head_forward(run: HeadRun, logits, tensors: CallTensors, grad_mode: GradMode, extra_means: int = 0,
+                 stats: torch.Tensor | None = None, jsd: torch.Tensor | None = None):
     """The head kernel (its program 0 prepares, see INLINE_PREPARE_SLOTS; else prepare_kernel first):
-    (loss, rows, pred, means, scratch, grad, stats); grad_mode none / fresh / inplace.
-    ``shard`` (a parallel.VocabShard): logits are this rank's vocabulary slice; the shard's
-    statistics are exchanged with one all_gather before the head kernel (headloss.parallel), and
-    returned as ``stats`` (else None) for a deferred backward.
-    ``extra_means``: room after the plan's means (deferred mode's policy metrics). ``stats`` / ``jsd``:
-    the merged statistics of a vocab-parallel call exchanged already (under torch.compile, by a
-    functional collective: :func:`traced_shard_statistics`), with ``shard`` None."""
+    (loss, rows, pred, means, scratch, grad, stats). ``run.shard``: logits are this rank's vocabulary
+    slice; the shard's statistics are exchanged with one all_gather before the head kernel and
+    returned as ``stats`` for a deferred backward. ``extra_means``: room after the plan's means
+    (deferred mode's policy metrics). ``stats`` / ``jsd``: the merged statistics of a vocab-parallel
+    call exchanged already (under torch.compile, by a functional collective), with no ``run.shard``."""
+    plan, geo, shard, validate = run.plan, run.geo, run.shard, run.validate
+    policy = tensors.policy_rows(run.adv_span, run.seq_len)
     device = logits.device
     sharded = shard is not None or stats is not None
     whole = geo._replace(V=geo.V_total) if sharded else geo  # targets are checked against all of V
-    verdict = verdict_slot(validate, device, CheckContext(token_shape, whole.V, geo.ignore_index))
+    verdict = verdict_slot(validate, device, CheckContext(run.token_shape, whole.V, geo.ignore_index))
     # on one device, the head kernel's program 0 prepares (one launch fewer)
     inline = not sharded and 0 < geo.n_rows and geo.n_out <= INLINE_PREPARE_SLOTS
     n_seq = geo.n_out // policy.seq_len if policy is not None and policy.seq_len > 0 else 0
     if inline:
         scratch = torch.empty(scratch_size(n_seq), dtype=torch.int64, device=device)
     else:
-        scratch = prepare(targets, num_items, sequence_ids, whole, device, verdict, n_seq)
+        scratch = prepare(tensors.targets, tensors.num_items, tensors.sequence_ids, whole, device, verdict, n_seq)
     if shard is not None and validate == "sync":
         handshake_verdict(shard, verdict, device)
     if shard is not None and geo.n_rows:
-        stats, jsd = shard_statistics(plan, logits, targets, teacher, geo, shard)
-    rows, pred, loss, means = empty_outputs(plan, geo.n_out, device, token_shape, extra_means=extra_means)
+        stats, jsd = shard_statistics(plan, logits, tensors.targets, tensors.teacher_logits, geo, shard)
+    rows, pred, loss, means = empty_outputs(plan, geo.n_out, device, run.token_shape, extra_means=extra_means)
     grad = None
-    if grad_mode == "inplace":
+    if grad_mode is GradMode.INPLACE:
         grad = logits.detach()  # a tensor of its own over the logits' storage: autograd adopts it as .grad
         geo = grad_geometry(geo, grad)
-    elif grad_mode == "fresh":
+    elif grad_mode is not GradMode.NONE:
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=device)
     if geo.n_rows == 0:
         no_rows(plan, loss, means)
     else:
-        launch_head(plan, logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, pred=optional(pred),
-                    policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means, geo=geo,
-                    stats=stats, jsd=jsd, verdict=verdict, prepared=not inline, sequence_ids=sequence_ids,
-                    n_seq=n_seq)
+        launch_head(plan, logits=logits, targets=tensors.targets, teacher=tensors.teacher_logits, grad=grad, rows=rows,
+                    pred=optional(pred), policy=policy, num_items=tensors.num_items, scratch=scratch, loss=loss,
+                    means=means, geo=geo, stats=stats, jsd=jsd, verdict=verdict, prepared=not inline,
+                    sequence_ids=tensors.sequence_ids, n_seq=n_seq)
     settle(verdict, validate, device)
     return loss, rows, pred, means, scratch, grad, stats
 
@@ -209,39 +270,35 @@ def shard_jsd_op(logits: torch.Tensor, targets: torch.Tensor | None, teacher: to
                             geo=geo_of(geo, norm))
 
 
-def _head_forward_outputs(logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_ids, stats, jsd, key,
-                          geo, norm, grad_mode, validate, token_shape, policy_layout, extra_means):
+def _head_forward_outputs(logits, tensors, key, ints, norm, grad_mode, extra_means):
     """head_forward_op's outputs, unfilled: its fake."""
-    plan = plan_from_key(key)
-    layout = geo_of(geo, norm)
-    rows, pred, loss, means = empty_outputs(plan, layout.n_out, logits.device, tuple(token_shape), extra_means)
-    n_seq = layout.n_out // policy_layout[1] if adv is not None and policy_layout[1] > 0 else 0
+    run = HeadRun.from_op_args(key, ints, norm)
+    call = CallTensors(*tensors[:len(CallTensors._fields)])
+    rows, pred, loss, means = empty_outputs(run.plan, run.geo.n_out, logits.device, run.token_shape, extra_means)
+    n_seq = run.geo.n_out // run.seq_len if call.adv is not None and run.seq_len > 0 else 0
     scratch = torch.empty(scratch_size(n_seq), dtype=torch.int64, device=logits.device)
-    if grad_mode == "handoff":
+    if grad_mode == GradMode.HANDOFF.value:
         return loss, rows, pred, means, scratch, token_fake()
-    grad = torch.empty(logits.shape if grad_mode != "none" else (0,), dtype=logits.dtype, device=logits.device)
+    grad = torch.empty(logits.shape if grad_mode != GradMode.NONE.value else (0,), dtype=logits.dtype,
+                       device=logits.device)
     return loss, rows, pred, means, scratch, grad
 
 
-def _head_forward_op(
-    logits: torch.Tensor, targets: torch.Tensor | None, teacher: torch.Tensor | None, old: torch.Tensor | None,
-    ref: torch.Tensor | None, adv: torch.Tensor | None, iw: torch.Tensor | None, weight: torch.Tensor | None,
-    num_items: torch.Tensor | None, sequence_ids: torch.Tensor | None, stats: torch.Tensor | None,
-    jsd: torch.Tensor | None, key: str, geo: list[int], norm: float, grad_mode: str, validate: str,
-    token_shape: list[int], policy_layout: list[int], extra_means: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """head_forward on one device as an op: grad_mode none (the last output is empty) / fresh / inplace
-    (eager only) / handoff (the last output is a token holding the gradient, see ops.hand_off: only
-    through ``head_forward_beside``, the op tagged to run beside mode="reduce-overhead"'s graphs). ``stats``
-    / ``jsd``: a vocab-parallel call's merged statistics (see head_forward)."""
-    policy = PolicyRows(old, ref, adv, iw, weight, *policy_layout) if adv is not None else None
-    layout = geo_of(geo, norm)
+def _head_forward_op(logits: torch.Tensor, tensors: list[torch.Tensor | None], key: str, ints: list[int],
+                     norm: float, grad_mode: str, extra_means: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """head_forward on one device as an op (``tensors``: CallTensors, then a vocab-parallel call's merged
+    ``stats`` and ``jsd``; ``key, ints, norm``: HeadRun.op_args). The last output: the gradient (empty
+    for grad_mode none), or a token holding it for ``handoff`` (see ops.hand_off: only through
+    ``head_forward_beside``, the op tagged to run beside mode="reduce-overhead"'s graphs)."""
+    run = HeadRun.from_op_args(key, ints, norm)
+    n = len(CallTensors._fields)
+    mode = GradMode(grad_mode)
     loss, rows, pred, means, scratch, grad, _ = head_forward(
-        plan_from_key(key), layout, logits, targets, teacher, policy, num_items, sequence_ids,
-        "fresh" if grad_mode == "handoff" else grad_mode, validate, tuple(token_shape), extra_means=extra_means,
-        stats=stats, jsd=jsd)
-    if grad_mode == "handoff":
-        grad = hand_off([(grad, layout)])
+        run, logits, CallTensors(*tensors[:n]), GradMode.FRESH if mode is GradMode.HANDOFF else mode,
+        extra_means=extra_means, stats=tensors[n], jsd=tensors[n + 1])
+    if mode is GradMode.HANDOFF:
+        grad = hand_off([(grad, run.geo)])
     elif grad is None:
         grad = logits.new_empty(0)
     return loss, rows, pred, means, scratch, grad
@@ -252,58 +309,49 @@ head_forward_beside_op = kernel_op("headloss::head_forward_beside", fake=_head_f
                                    tags=BESIDE_GRAPH)(_head_forward_op)
 
 
-def head_backward(plan: KernelPlan, geo: Geometry, logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch,
-                  inplace: bool, stats: torch.Tensor | None = None) -> torch.Tensor:
+def head_backward(run: HeadRun, logits, tensors: CallTensors, rows, d_loss, d_rows, scratch,
+                  stats: torch.Tensor | None = None, inplace: bool = False) -> torch.Tensor:
     """Deferred mode's gradient pass (``d_loss`` or ``d_rows`` None: that output took no gradient);
     ``stats``: a vocab-parallel forward's merged statistics."""
     grad = logits.detach() if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    launch_backward(plan, logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows,
-                    d_loss=None if d_loss is None else d_loss.float().reshape(-1).contiguous(),
-                    d_rows=None if d_rows is None else d_rows.float().contiguous(), num_items=num_items,
-                    scratch=scratch, geo=grad_geometry(geo, grad), stats=stats)
+    launch_backward(run.plan, logits=logits, targets=tensors.targets, teacher=tensors.teacher_logits, grad=grad,
+                    rows=rows, d_loss=None if d_loss is None else d_loss.float().reshape(-1).contiguous(),
+                    d_rows=None if d_rows is None else d_rows.float().contiguous(), num_items=tensors.num_items,
+                    scratch=scratch, geo=grad_geometry(run.geo, grad), stats=stats)
     return grad
 
 
 @kernel_op("headloss::head_backward", fake=lambda logits, *rest: torch.empty(logits.shape, dtype=logits.dtype,
                                                                               device=logits.device))
-def head_backward_op(
-    logits: torch.Tensor, targets: torch.Tensor | None, teacher: torch.Tensor | None, rows: torch.Tensor,
-    d_loss: torch.Tensor | None, d_rows: torch.Tensor | None, num_items: torch.Tensor | None, scratch: torch.Tensor,
-    stats: torch.Tensor | None, key: str, geo: list[int], norm: float, inplace: bool,
-) -> torch.Tensor:
-    """head_backward as an op (``inplace``: eager only; ``stats``: a vocab-parallel forward's)."""
-    return head_backward(plan_from_key(key), geo_of(geo, norm), logits, targets, teacher, rows, d_loss, d_rows,
-                         num_items, scratch, inplace, stats)
+def head_backward_op(logits: torch.Tensor, tensors: list[torch.Tensor | None], key: str, ints: list[int],
+                     norm: float) -> torch.Tensor:
+    """head_backward as an op (``tensors``: targets, teacher logits, rows, d_loss, d_rows, num_items,
+    scratch, stats; ``key, ints, norm``: HeadRun.op_args; in place: eager only)."""
+    targets, teacher, rows, d_loss, d_rows, num_items, scratch, stats = tensors
+    run = HeadRun.from_op_args(key, ints, norm)
+    return head_backward(run, logits, CallTensors(targets, teacher, num_items=num_items), rows, d_loss, d_rows,
+                         scratch, stats, inplace=run.inplace)
 
 
 class HeadFunction(torch.autograd.Function):
-    """apply(logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_ids, run)."""
+    """apply(logits, run, *tensors) -> (loss, rows, pred, means, scratch); ``tensors``: CallTensors."""
 
     @staticmethod
-    def forward(ctx, logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_ids, run: HeadRun):
+    def forward(ctx, logits, run: HeadRun, *tensors):
         plan = run.plan
-        fused = plan.mode == "fused"
-        grad_mode = "none"
-        if fused and ctx.needs_input_grad[0]:
-            if run.traced:
-                grad_mode = "handoff" if hands_off(logits.numel() * logits.element_size()) else "fresh"
-            else:
-                grad_mode = "inplace" if run.inplace else "fresh"
+        call = CallTensors(*tensors)
+        grad_mode = _grad_mode(run, logits, ctx.needs_input_grad[0])
         extra_means = OBJECTIVE_OUT.N if run.objective is not None and not run.traced else 0
         if run.shard is not None and not run.traced:  # vocab-parallel: the collective inside head_forward
-            policy = PolicyRows(old, ref, adv, iw, weight, run.adv_span, run.seq_len) if adv is not None else None
-            loss, rows, pred, means, scratch, grad, stats = head_forward(
-                plan, run.geo, logits, targets, teacher, policy, num_items, sequence_ids, grad_mode, run.validate,
-                run.token_shape, run.shard, extra_means)
+            loss, rows, pred, means, scratch, grad, stats = head_forward(run, logits, call, grad_mode, extra_means)
         else:
             stats = jsd = None
             if run.shard is not None and run.geo.n_rows:  # compiled vocab-parallel: the collective in the graph
-                stats, jsd = traced_shard_statistics(plan, logits, targets, teacher, run.geo, run.shard)
-            op = head_forward_beside_op if grad_mode == "handoff" else head_forward_op
-            loss, rows, pred, means, scratch, grad = op(
-                logits, targets, teacher, old, ref, adv, iw, weight, num_items, sequence_ids, stats, jsd, plan.key,
-                geo_ints(run.geo), run.geo.norm, grad_mode, run.validate, list(run.token_shape),
-                [run.adv_span, run.seq_len], extra_means)
+                stats, jsd = traced_shard_statistics(plan, logits, call.targets, call.teacher_logits, run.geo,
+                                                     run.shard)
+            op = head_forward_beside_op if grad_mode is GradMode.HANDOFF else head_forward_op
+            loss, rows, pred, means, scratch, grad = op(logits, [*call, stats, jsd], *run.op_args(), grad_mode.value,
+                                                        extra_means)
         d_objective = None
         if run.objective is not None and run.traced:  # the policy term: the loss with it, its metrics after the means
             loss, out, d_objective = objective_launch(plan, rows, run.objective, base_loss=loss,
@@ -314,21 +362,22 @@ class HeadFunction(torch.autograd.Function):
                                                  out=means[plan.means_size:], grad=ctx.needs_input_grad[0])
         ctx.run = run
         ctx.set_materialize_grads(False)  # outputs without a gradient get None, not a zero tensor
-        if fused:
-            ctx.grad_geo = grad_geometry(run.geo, grad) if grad_mode == "inplace" else run.geo
+        if plan.mode == "fused":
+            ctx.grad_geo = grad_geometry(run.geo, grad) if grad_mode is GradMode.INPLACE else run.geo
             ctx.grad_like = (list(logits.shape), logits.dtype)
-            ctx.handoff = grad_mode == "handoff"
-            ctx.save_for_backward(grad if grad_mode != "none" else None)
+            ctx.handoff = grad_mode is GradMode.HANDOFF
+            ctx.save_for_backward(grad if grad_mode is not GradMode.NONE else None)
             ctx.mark_non_differentiable(rows, means, scratch, pred)
         else:
-            ctx.save_for_backward(logits, targets, teacher, rows, num_items, scratch, stats, d_objective)
+            ctx.save_for_backward(logits, call.targets, call.teacher_logits, rows, call.num_items, scratch, stats,
+                                  d_objective)
             ctx.mark_non_differentiable(means, scratch, pred)
         return loss, rows, pred, means, scratch
 
     @staticmethod
     def backward(ctx, d_loss, d_rows, *_):
         run: HeadRun = ctx.run
-        nones = (None,) * 10
+        nones = (None,) * (1 + len(CallTensors._fields))
         if run.plan.mode == "fused":
             (grad,) = ctx.saved_tensors
             if grad is None or d_loss is None:
@@ -344,67 +393,93 @@ class HeadFunction(torch.autograd.Function):
             scaled = d_objective * d_loss
             d_rows = scaled if d_rows is None else d_rows + scaled
         if run.shard is not None and not run.traced:
-            grad = head_backward(run.plan, run.geo, logits, targets, teacher, rows, d_loss, d_rows, num_items,
-                                 scratch, run.inplace, stats)
+            grad = head_backward(run, logits, CallTensors(targets, teacher, num_items=num_items), rows, d_loss, d_rows,
+                                 scratch, stats, inplace=run.inplace)
         else:
-            grad = head_backward_op(logits, targets, teacher, rows, d_loss, d_rows, num_items, scratch, stats,
-                                    run.plan.key, geo_ints(run.geo), run.geo.norm, run.inplace and not run.traced)
+            eager = replace(run, inplace=run.inplace and not run.traced)
+            grad = head_backward_op(logits, [targets, teacher, rows, d_loss, d_rows, num_items, scratch, stats],
+                                    *eager.op_args())
         return grad, *nones
 
 
+def _grad_mode(run: HeadRun, logits: torch.Tensor, wanted: bool) -> GradMode:
+    """Where the fused forward writes the logits' gradient."""
+    if run.plan.mode != "fused" or not wanted:
+        return GradMode.NONE
+    if run.traced:
+        return GradMode.HANDOFF if hands_off(logits.numel() * logits.element_size()) else GradMode.FRESH
+    return GradMode.INPLACE if run.inplace else GradMode.FRESH
+
+
 # --- deferred mode's policy term -------------------------------------------------------------------
+
+
+class ObjectiveTensors(NamedTuple):
+    """The policy objective kernels' per-token inputs (flat, from PolicyInputs), in op order."""
+
+    old: torch.Tensor | None
+    ref: torch.Tensor | None
+    adv: torch.Tensor
+    iw: torch.Tensor | None
+    mask: torch.Tensor
+    weight: torch.Tensor
+    sampled: torch.Tensor | None  # the rollout's log-probs (else the old ones): the off-policy mask's
+
+    @classmethod
+    def of(cls, inp: PolicyInputs) -> ObjectiveTensors:
+        sampled = inp.rollout_logprobs if inp.rollout_logprobs is not None else inp.old_logprobs
+        return cls(inp.old_logprobs, inp.ref_logprobs, inp.advantages, inp.importance_weights, inp.mask, inp.weight,
+                   sampled)
+
+
+def _objective_layout(inp: PolicyInputs) -> list[int]:
+    """sequence_level, n_seq, seq_len, adv_span: the objective kernels' layout of ``inp``'s rows."""
+    return [int(inp.sequence_level), inp.n_slots, inp.seq_len, inp.adv_span]
 
 
 def objective_launch(plan: KernelPlan, rows: torch.Tensor, inp: PolicyInputs, *, traced: bool = False, **kwargs):
     """kernels.policy.launch_policy_objective on the deferred mode's packed rows and flat policy inputs;
     ``traced`` (under torch.compile): through the ``policy_objective`` op, into fresh outputs (``total``
     and ``out`` are not taken)."""
-    sampled = inp.rollout_logprobs if inp.rollout_logprobs is not None else inp.old_logprobs
+    tensors, layout = ObjectiveTensors.of(inp), _objective_layout(inp)
     if traced:
         metrics, grad = kwargs.get("metrics", True), kwargs.get("grad", True)
-        total, out, d_rows = policy_objective_op(
-            rows, inp.old_logprobs, inp.ref_logprobs, inp.advantages, inp.importance_weights, inp.mask, inp.weight,
-            sampled, kwargs.get("base_loss"), plan.key, inp.sequence_level, inp.n_slots, inp.seq_len, inp.adv_span,
-            metrics, grad)
+        total, out, d_rows = policy_objective_op(rows, [*tensors, kwargs.get("base_loss")], plan.key,
+                                                 [*layout, int(metrics), int(grad)])
         return (total if metrics else None), (out if metrics else None), (d_rows if grad else None)
-    return _launch_objective(plan, rows, inp.old_logprobs, inp.ref_logprobs, inp.advantages, inp.importance_weights,
-                             inp.mask, inp.weight, sampled, inp.sequence_level, inp.n_slots, inp.seq_len, inp.adv_span,
-                             **kwargs)
+    return _launch_objective(plan, rows, tensors, layout, **kwargs)
 
 
-def _launch_objective(plan: KernelPlan, rows, old, ref, adv, iw, mask, weight, sampled, sequence_level: bool,
-                      n_seq: int, seq_len: int, adv_span: int, **kwargs):
+def _launch_objective(plan: KernelPlan, rows, tensors: ObjectiveTensors, layout: list[int], **kwargs):
     pol = plan.spec.policy
     cols = plan.cols
-    flags = objective_flags(pol, sequence_level)
+    sequence_level, n_seq, seq_len, adv_span = layout
+    flags = objective_flags(pol, bool(sequence_level))
     entropy = rows[:, cols.entropy] if cols.entropy >= 0 else None
     return launch_policy_objective(
-        flags, plan.scalars, logp=rows[:, cols.logp], entropy=entropy, old=old, ref=ref, adv=adv, iw=iw, mask=mask,
-        weight=weight, sampled=sampled, count=mask.sum() if flags.ENT_TOKEN_MEAN else None, n_seq=n_seq,
-        seq_len=seq_len, adv_span=adv_span,
+        flags, plan.scalars, logp=rows[:, cols.logp], entropy=entropy, **tensors._asdict(),
+        count=tensors.mask.sum() if flags.ENT_TOKEN_MEAN else None, n_seq=n_seq, seq_len=seq_len, adv_span=adv_span,
         off_policy=pol.off_policy_mask if pol.off_policy_mask is not None else 0.0, d_cols=cols.N,
         col_logp=cols.logp, col_ent=cols.entropy if flags.ENT_BONUS else -1, **kwargs)
 
 
-def _objective_outputs(rows, old, ref, adv, iw, mask, weight, sampled, base_loss, key, sequence_level, n_seq, seq_len,
-                       adv_span, metrics, grad):
+def _objective_outputs(rows, tensors, key, layout):
     """policy_objective_op's outputs, unfilled: its fake."""
+    _, n_seq, seq_len, _, metrics, grad = layout
     f32 = dict(dtype=torch.float32, device=rows.device)
     return (torch.empty(() if metrics else (0,), **f32), torch.empty(OBJECTIVE_OUT.N if metrics else 0, **f32),
             torch.empty((n_seq * seq_len, rows.shape[1]) if grad else (0,), **f32))
 
 
 @kernel_op("headloss::policy_objective", fake=_objective_outputs)
-def policy_objective_op(
-    rows: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None, adv: torch.Tensor, iw: torch.Tensor | None,
-    mask: torch.Tensor, weight: torch.Tensor, sampled: torch.Tensor | None, base_loss: torch.Tensor | None, key: str,
-    sequence_level: bool, n_seq: int, seq_len: int, adv_span: int, metrics: bool, grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The deferred mode's policy term by its two launches as an op: (base_loss + the term, metrics
-    (OBJECTIVE_OUT), d loss / d rows), each an empty tensor where not asked for."""
-    total, out, d_rows = _launch_objective(plan_from_key(key), rows, old, ref, adv, iw, mask, weight, sampled,
-                                           sequence_level, n_seq, seq_len, adv_span, base_loss=base_loss,
-                                           metrics=metrics, grad=grad)
+def policy_objective_op(rows: torch.Tensor, tensors: list[torch.Tensor | None], key: str, layout: list[int]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The deferred mode's policy term by its two launches as an op (``tensors``: ObjectiveTensors, then the
+    base loss; ``layout``: the objective layout, then whether metrics and a gradient are wanted): (base loss
+    + the term, metrics (OBJECTIVE_OUT), d loss / d rows), each an empty tensor where not asked for."""
+    metrics, grad = bool(layout[4]), bool(layout[5])
+    total, out, d_rows = _launch_objective(plan_from_key(key), rows, ObjectiveTensors(*tensors[:-1]), layout[:4],
+                                           base_loss=tensors[-1], metrics=metrics, grad=grad)
     empty = lambda t: rows.new_empty(0, dtype=torch.float32) if t is None else t  # noqa: E731
     return empty(total), empty(out), empty(d_rows)
 
@@ -445,7 +520,8 @@ def objective_metrics(plan: KernelPlan, out: torch.Tensor) -> dict[str, torch.Te
     return {name: values[name] for name in names}
 
 
-_OBJECTIVE_NAMES: dict[str, tuple[str, ...]] = {}
+_OBJECTIVE_NAMES: dict[str, tuple[str, ...]] = cache("engine.objective_names", 1024,
+                                                     "objective_metrics' metric names by plan key")
 
 
 def policy_terms(route: Route, plan: KernelPlan, loss, rows, means, scratch, pol: PolicyInputs | None,
@@ -458,16 +534,16 @@ def policy_terms(route: Route, plan: KernelPlan, loss, rows, means, scratch, pol
     spec = plan.spec
     if spec.policy is None:
         return loss, {}
-    if route.policy == "epilogue":
+    if route.policy is PolicyAt.EPILOGUE:
         if kernel_sequences:
             return loss, {}
         token_means = {name: means[index] for name, index in plan.metric_index}
         return loss, extremes(token_means, column(rows, plan, "ratio"), column(rows, plan, "clip_low"),
                               column(rows, plan, "clip_high"), pol.mask, scratch[0], pol, route.sequence_kernels)
-    if route.policy == "kernels":
+    if route.policy is PolicyAt.KERNELS:
         total, out = PolicyObjectiveFunction.apply(loss, rows, plan, pol)
         return total, objective_metrics(plan, out)
-    if route.policy == "torch":
+    if route.policy is PolicyAt.TORCH:
         entropy = column(rows, plan, "entropy")
         policy_loss, metrics = policy_objective(column(rows, plan, "logp"), entropy, pol.mask, spec.policy, pol,
                                                 extremes_by_kernel=route.sequence_kernels)

@@ -17,8 +17,6 @@ variable                       read       effect
                                           launcher; for debugging a launch)
 ``HEADLOSS_BLOCK_V``,          at import  force the head kernels' vocabulary block and warps (tuning
 ``HEADLOSS_NUM_WARPS``                    sweeps; ``kernels.launch.LAUNCH_OVERRIDES`` is the same at run time)
-``HEADLOSS_GRAD_ORDER``        at import  ``forward``: the gradient pass walks each row first block to last
-                                          (default ``reversed`` without a teacher, see kernels/blocks.py)
 =============================  =========  ===============================================================
 """
 
@@ -47,7 +45,6 @@ COMPILE_HANDOFF = _flag("HEADLOSS_COMPILE_HANDOFF", "1")
 FAST_LAUNCH = _flag("HEADLOSS_FAST_LAUNCH", "1")
 BLOCK_V = _int("HEADLOSS_BLOCK_V")
 NUM_WARPS = _int("HEADLOSS_NUM_WARPS")
-GRAD_REVERSED = os.environ.get("HEADLOSS_GRAD_ORDER", "reversed").strip().lower() != "forward"
 
 
 def validate_default() -> str:

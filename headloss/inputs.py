@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .batch import Teacher
 from .kernels.launch import Geometry, row_strides
 from .policy.inputs import policy_inputs
 from .routes import KERNEL_DTYPES
@@ -73,12 +74,15 @@ def check_targets(targets: Any, token_shape: tuple[int, ...], spec: LossSpec, de
         )
 
 
+_NO_DISTILLATION = "given, but the spec has no distillation term, the only one that reads it: drop it or add one"
+
+
 def check_teacher(logits_shape: tuple[int, ...], device: torch.device, teacher_logits: Any, spec: LossSpec,
                   kernel: bool) -> None:
     """teacher_logits must come with a distillation term, and look like the student's logits."""
     if spec.distillation is None:
         if teacher_logits is not None:
-            raise ValueError("teacher_logits: given, but the spec has no distillation term")
+            raise ValueError(f"teacher_logits: {_NO_DISTILLATION}")
         return
     if teacher_logits is None:
         raise ValueError("teacher_logits: required by distillation but not given")
@@ -212,9 +216,9 @@ def check_linear_inputs(hidden, weight, bias) -> None:
             raise TypeError(f"bias: expected {hidden.dtype} on {hidden.device}, got {bias.dtype} on {bias.device}")
 
 
-def teacher_source(spec, token_rows, hidden, weight, logits, t_hidden, t_weight, t_bias) -> tuple:
-    """Check the teacher inputs; returns (teacher_logits [N, V], teacher_hidden [N, Ht], teacher_weight,
-    teacher_bias), detached, None where absent. Errors name the argument."""
+def teacher_source(spec, token_rows, hidden, weight, teacher: Teacher) -> Teacher:
+    """The lm_head's teacher, checked (errors name the argument): detached, its rows flat."""
+    logits, t_hidden, t_weight, t_bias = teacher.logits, teacher.hidden, teacher.weight, teacher.bias
     if t_hidden is None and (t_weight is not None or t_bias is not None):
         raise ValueError("teacher_hidden: required with teacher_weight / teacher_bias")
     if t_hidden is not None:
@@ -223,7 +227,7 @@ def teacher_source(spec, token_rows, hidden, weight, logits, t_hidden, t_weight,
         if t_weight is None:
             raise ValueError("teacher_weight: required with teacher_hidden")
         if spec.distillation is None:
-            raise ValueError("teacher_hidden: given, but the spec has no distillation term")
+            raise ValueError(f"teacher_hidden: {_NO_DISTILLATION}")
         if tuple(t_hidden.shape[:-1]) != tuple(token_rows) or t_hidden.device != hidden.device:
             raise ValueError(f"teacher_hidden: expected {tuple(token_rows)} + (Ht,) on {hidden.device}, "
                              f"got {tuple(t_hidden.shape)} on {t_hidden.device}")
@@ -233,10 +237,10 @@ def teacher_source(spec, token_rows, hidden, weight, logits, t_hidden, t_weight,
         if t_weight.dtype != t_hidden.dtype or (t_bias is not None and tuple(t_bias.shape) != (t_weight.shape[0],)):
             raise ValueError("teacher_weight: dtype must match teacher_hidden, teacher_bias shape must be [V]")
         rows = math.prod(token_rows)
-        return (None, t_hidden.detach().reshape(rows, -1), t_weight.detach(),
-                None if t_bias is None else t_bias.detach())
+        return Teacher(None, t_hidden.detach().reshape(rows, -1), t_weight.detach(),
+                       None if t_bias is None else t_bias.detach())
     check_teacher(tuple(token_rows) + (weight.shape[0],), hidden.device, logits, spec,
                   kernel=hidden.dtype in KERNEL_DTYPES)
     if logits is None:
-        return (None, None, None, None)
-    return (logits.detach().reshape(-1, logits.shape[-1]), None, None, None)
+        return Teacher()
+    return Teacher(logits.detach().reshape(-1, logits.shape[-1]))

@@ -13,6 +13,8 @@ the step's values:
   tokens are left out);
 * ``n_tokens`` is the total.
 
+:meth:`compute` lists them in headloss.plan.METRIC_ORDER (a call's own order), renamed and prefixed.
+
 :meth:`update` adds a call with 3 small device ops and no host sync; :meth:`compute` reduces
 across the process group with one ``all_gather`` and reads everything with one host sync.
 """
@@ -24,6 +26,8 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+
+from .plan import in_metric_order
 
 TRL_NAMES: dict[str, str] = {"token_accuracy": "mean_token_accuracy", "n_tokens": "num_tokens"}
 """headloss metric names -> TRL's, where they differ (the policy metrics already use TRL's names)."""
@@ -169,7 +173,7 @@ class MetricsAccumulator:
         for i, name in enumerate(maxs):
             v = values[offset + i]
             out[name] = v if v != float("-inf") else nan
-        return {self.prefix + self.names.get(k, k): v for k, v in out.items()}
+        return {self.prefix + self.names.get(k, k): v for k, v in in_metric_order(out).items()}
 
     def _packed(self, means, mins, maxs) -> torch.Tensor:
         if self._sums is None:

@@ -45,9 +45,8 @@ from .output import RETAIN_GRAPH_ERROR
 HANDOFF_MIN_BYTES = 256 << 20
 """Under torch.compile a fused gradient of this many bytes or more (all of a call's gradient
 buffers together) reaches backward beside the graph; a smaller one stays in the graph (see above).
-The backward graph's pass over an in-graph gradient took 42 us for a 65 MB one (1024 x 32000 bf16)
-on an H100 (``benchmarks/bench_compile.py --profile sft``): about 0.17 ms at 256 MiB, where a step is
-device-bound and the hand-off's graph break costs less than that pass."""
+From this size the backward graph's pass over an in-graph gradient costs more than the hand-off's
+graph break, and a step is bound by the device (docs/performance.md, "Launch settings")."""
 
 BESIDE_GRAPH = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 """Tags of the ops that hand a gradient over beside the graph: they must run on every call, so
@@ -65,9 +64,9 @@ def kernel_op(name: str, *, fake: Callable, tags: Iterable = (), mutates_args: I
     The op is defined on a ``torch.library.Library`` (its schema inferred from the annotations), its
     function registered for every device (CompositeExplicitAutograd) and the Autograd key a
     fallthrough: the op is never differentiated (the autograd Functions around the kernels are),
-    and a compiled graph calls it through the dispatcher alone. ``torch.library.custom_op``'s
-    Python autograd and output-aliasing layers cost ~0.2 ms of host time per call on an H100 host
-    (benchmarks/bench_compile.py --profile), more than the kernels of a small call."""
+    and a compiled graph calls it through the dispatcher alone: ``torch.library.custom_op``'s
+    Python autograd and output-aliasing layers cost more host time per call than the kernels of a
+    small call (docs/performance.md, "Launch settings")."""
 
     def wrap(fn: Callable) -> Callable:
         namespace, op_name = name.split("::")

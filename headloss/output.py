@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .plan import KernelPlan
+from .plan import KernelPlan, in_metric_order
 from .validation import check_pending
 
 RETAIN_GRAPH_ERROR = (
@@ -33,14 +33,15 @@ class HeadLossOutput:
 
     loss              scalar (reduction mean/sum) or per-token [N] / [B, T] (reduction none); a
                       tensor of its own (never a view), so ``loss *= s`` works
-    metrics           detached device scalars (all in one tensor: ``packed_metrics()``):
-                      ``loss``, ``n_tokens`` and, when present,
-                      ``ce``, ``nll`` (with label smoothing), ``z_loss`` (mean lse**2), ``dft``,
-                      ``entropy``, ``token_accuracy``, ``distill/divergence``,
+    metrics           detached device scalars (all in one tensor: ``packed_metrics()``), in
+                      this order (headloss.plan.METRIC_ORDER, the same on every path): ``loss``;
+                      when present ``ce``, ``nll`` (with label smoothing), ``z_loss`` (mean
+                      lse**2), ``dft``, ``entropy``, ``distill/divergence``,
                       ``distill/teacher_entropy``, ``distill/top1_agreement`` -- means over
-                      non-ignored tokens, each term unweighted -- and with a policy term TRL's
-                      ``kl``, ``clip_ratio/{low_mean,low_min,high_mean,high_max,region_mean}``,
-                      ``ratio/{mean,min,max}``, ``logprob/mean`` (see headloss.policy)
+                      non-ignored tokens, each term unweighted -- then with a policy term TRL's and
+                      verl's ``clip_ratio/{low_mean,low_min,high_mean,high_max,region_mean}``,
+                      ``pg_clipfrac``, ..., ``ratio/{mean,min,max}``, ``logprob/mean``, ``kl`` (see
+                      headloss.policy), then ``token_accuracy``; ``n_tokens`` last
     predicted_tokens  int64 argmax of the transformed logits, -1 at ignored positions
     logprobs          fp32 log p(target), 0 at ignored positions
     lse               fp32 logsumexp of the transformed logits, 0 at ignored positions
@@ -98,15 +99,18 @@ def column(rows: torch.Tensor, plan: KernelPlan, name: str) -> torch.Tensor | No
 def assemble(plan: KernelPlan, token_shape: tuple[int, ...], loss: torch.Tensor, rows: torch.Tensor,
              pred: torch.Tensor, means: torch.Tensor, scratch: torch.Tensor,
              extra_metrics: dict[str, torch.Tensor] | None = None) -> HeadLossOutput:
-    """HeadLossOutput from the engine's buffers: metrics are views of the column means, per-token
-    outputs views of the packed rows (differentiable in deferred mode)."""
+    """HeadLossOutput from the engine's buffers: metrics are views of the column means (in
+    plan.METRIC_ORDER, as the plain-torch path gives them), per-token outputs views of the packed rows
+    (differentiable in deferred mode)."""
     means = means.unbind(0)
     metrics = {"loss": means[plan.cols.N]}  # its own storage: an in-place change of the loss leaves it
-    for name, index in plan.metric_index:
+    for name, index in plan.metric_index:  # (in METRIC_ORDER already)
         metrics[name] = means[index]
     if extra_metrics:
         metrics.update(extra_metrics)
     metrics["n_tokens"] = scratch[0]
+    if extra_metrics:
+        metrics = in_metric_order(metrics)
     out = HeadLossOutput(loss=loss, metrics=metrics)
     if plan.output_index:
         flat = len(token_shape) == 1

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .validation import BAD_PACKING
+from .validation import packing_mark
 
 
 class Packed(NamedTuple):
@@ -35,7 +35,7 @@ class Packed(NamedTuple):
     n_slots: int  # sequences (cu_seqlens: S), or N (position_ids: their count is a device value)
     n_seq: int | torch.Tensor  # the number of sequences, a padded call's B
     max_len: int | torch.Tensor  # the longest sequence's rows, a padded call's T
-    bad: torch.Tensor | None  # () bool: cu_seqlens is not 0 = c_0 <= c_1 <= ... <= c_S = N
+    mark: torch.Tensor | None  # () int64: 0, or validation.packing_mark's value when cu_seqlens is malformed
     per_sequence: bool  # advantages may come one per sequence ([n_slots])
 
 
@@ -56,16 +56,13 @@ def packed_rows(rows: int, device: torch.device, cu_seqlens: Any = None, positio
         cu = cu.long()
         n = cu.numel() - 1
         lengths = cu[1:] - cu[:-1]
-        bad = (cu[0] != 0) | (cu[-1] != rows)
-        if n:
-            bad = bad | (lengths < 0).any()
         seq = torch.searchsorted(cu[1:].contiguous(), index, right=True).clamp(0, max(n - 1, 0))
         ends = (cu[1:] - 1).clamp(-1, rows)  # each sequence's last row (-1 or a row past the end: none)
         last = torch.zeros(rows + 2, dtype=torch.bool, device=device)
         last[(ends + 1).clamp(0, rows + 1)] = True
         last = last[1:rows + 1] | (index == rows - 1)
         max_len = lengths.clamp(min=0).max() if n else 0
-        return Packed(seq, last, n, n, max_len, bad, True)
+        return Packed(seq, last, n, n, max_len, packing_mark(cu, rows), True)
     pos = position_ids
     if not isinstance(pos, torch.Tensor) or pos.dtype not in (torch.int32, torch.int64) or \
             pos.numel() != rows or (pos.dim() == 2 and pos.shape[0] != 1) or pos.dim() not in (1, 2):
@@ -88,8 +85,9 @@ def packed_per_sequence(shape: tuple[int, ...], sequences: int, rows: int) -> bo
 
 def packed_targets(targets: Any, packed: Packed, shift: bool, ignore_index: int, validate: str) -> torch.Tensor:
     """Row-aligned targets [N] of packed rows: ``targets[i + 1]`` (``shift``) or ``targets[i]``,
-    ``ignore_index`` at each sequence's last row. A malformed ``cu_seqlens`` (``packed.bad``) puts
-    BAD_PACKING at row 0, so that the device check of the targets reports it naming cu_seqlens."""
+    ``ignore_index`` at each sequence's last row. A malformed ``cu_seqlens`` puts its mark
+    (``packed.mark``) at row 0, so that the device check of the targets reports it naming
+    cu_seqlens and its first wrong offset (policy.inputs keeps it there whatever loss_mask says)."""
     rows = packed.seq.numel()
     if not isinstance(targets, torch.Tensor):
         raise ValueError("targets: packed rows (cu_seqlens / position_ids) need targets")
@@ -101,10 +99,16 @@ def packed_targets(targets: Any, packed: Packed, shift: bool, ignore_index: int,
     if shift:
         flat = torch.cat([flat[1:], flat.new_full((1,), ignore_index)]) if rows else flat
     out = torch.where(packed.last, ignore_index, flat)
-    if packed.bad is not None and rows and validate != "off":
-        out = out.long()
-        out[0] = torch.where(packed.bad, BAD_PACKING, out[0])
-    return out
+    return marked(out, packed, validate)
+
+
+def marked(targets: torch.Tensor, packed: Packed, validate: str) -> torch.Tensor:
+    """Row-aligned targets [N] with a malformed ``cu_seqlens``'s mark at row 0 (a new tensor; the
+    targets as they are without cu_seqlens or with validation off)."""
+    if packed.mark is None or not targets.numel() or validate == "off":
+        return targets
+    targets = targets.long()
+    return torch.cat([torch.where(packed.mark != 0, packed.mark, targets[:1]), targets[1:]])
 
 
 def packed_policy_inputs(given: dict, packed: Packed) -> dict:

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .bounded import BoundedDict
-from .kernels.layouts import STATS, VERDICT
+from .bounded import BoundedDict, cache
 from .kernels.shard import launch_merge
+from .layouts import STATS, VERDICT
 from .validation import board_for
 
 
@@ -43,7 +43,8 @@ class VocabShard:
     comm_cpu: bool = False  # the group's collectives take CPU tensors (gloo): a compiled call's functional ones
 
 
-_SHARDS: BoundedDict[tuple[int, int], tuple[Any, VocabShard]] = BoundedDict(256)
+_SHARDS: BoundedDict[tuple[int, int], tuple[Any, VocabShard]] = cache(
+    "parallel.shards", 256, "vocab-parallel layouts by (process group, local vocabulary)")
 COLLECTIVES = {"stats": 0, "layout": 0, "dh": 0, "jsd": 0, "handshake": 0}
 """Collectives issued so far: ``stats`` one per call (per chunk on the lm_head path); ``layout``
 once per group and shard width; ``dh`` the lm_head path's all-reduce of the hidden states'
@@ -304,3 +305,32 @@ def handshake_verdict(shard: VocabShard, verdict, device: torch.device) -> None:
     if failed:
         raise ValueError(f"group: rank(s) {failed} found bad input values on the device (their own error says "
                          "which); no rank ran")
+
+
+def every_rank(shard: VocabShard | None, mode: str, source: Any, run):
+    """``run()`` (a plain-torch call); vocab-parallel with validate="sync", its errors (of the inputs'
+    shapes or of their values) are exchanged so that every rank raises, naming the ranks that failed."""
+    if shard is None or mode != "sync":
+        return run()
+    error = out = None
+    try:
+        out = run()
+    except (ValueError, TypeError) as exc:
+        error = exc
+    handshake(shard, source.shape[:-1].numel() if isinstance(source, torch.Tensor) else -1, error, source.device)
+    return out
+
+
+TRACED_TORCH = ("group: the plain-torch path of a vocab-parallel call (CPU tensors without TRITON_INTERPRET=1) "
+                "is not traceable by torch.compile; the kernels' path is")
+
+
+def traced_refusals(name: str, tensors: tuple, sync: bool) -> None:
+    """What a vocab-parallel call cannot do under torch.compile, refused on every rank alike before any
+    collective: DTensors (``name``: the sharded input) and validate="sync"."""
+    if any(is_dtensor(t) for t in tensors):
+        raise NotImplementedError(f"{name}: a DTensor is not traceable by torch.compile here; pass its local "
+                                  "tensor (to_local()) with group=")
+    if sync:
+        raise ValueError("validate: 'sync' waits on the host for every rank's verdict: not under torch.compile "
+                         "(use True: the device's verdict is raised by a later call)")

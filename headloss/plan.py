@@ -19,7 +19,6 @@ Everything here is keyed by name; the kernels read ``flags.HAS_Z``, ``cols.entro
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +26,9 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from .bounded import BoundedDict
-from .kernels.layouts import EXTREME_METRICS, EXTREMES
-from .policy.tables import IMPORTANCE_SAMPLING, KL_ESTIMATORS, OBJECTIVES
+from .bounded import BoundedDict, cache, memoize
+from .layouts import EXTREME_METRICS, EXTREMES, OBJECTIVE_METRICS
+from .policy_tables import IMPORTANCE_SAMPLING, KL_ESTIMATORS, OBJECTIVES
 from .spec import FIELD_NAMES, LossSpec, Policy
 
 Mode = Literal["fused", "deferred"]
@@ -63,6 +62,60 @@ ROW_COLUMNS: dict[str, str] = {
 
 Columns = NamedTuple("Columns", [(name, int) for name in ROW_COLUMNS] + [("N", int)])
 Columns.__doc__ = "Column of each per-row value in the packed row buffer (-1 when absent); N columns in all."
+
+POLICY_METRICS = (
+    "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
+    "clip_ratio/region_mean", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "ratio/mean", "ratio/min", "ratio/max",
+    "logprob/mean", "kl", "vespo/phi_seq_mean", "high_entropy/fraction", "high_entropy/entropy",
+)
+"""The policy term's metrics (TRL's and verl's names, headloss.policy.metrics), in their order."""
+
+TERM_METRICS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": ("ce", "nll"),
+    "z_loss": ("z_loss",),
+    "dft": ("dft",),
+    "entropy": ("entropy",),  # (the policy term's entropy too: one metric, one place)
+    "distillation": ("distill/divergence", "distill/teacher_entropy", "distill/top1_agreement"),
+    "policy": POLICY_METRICS,
+    "token_accuracy": ("token_accuracy",),
+}
+"""Each LossSpec field's metrics."""
+
+METRIC_ORDER: tuple[str, ...] = (
+    "loss",
+    *(name for field in LossSpec.model_fields if field in TERM_METRICS for name in TERM_METRICS[field]),
+    "n_tokens",
+)
+"""The order of ``out.metrics`` and ``out.packed_metrics()`` on every path and entry point, and of the
+logging helpers: ``loss``, then each term's metrics in the order of LossSpec's fields (cross_entropy,
+z_loss, dft, entropy, distillation, policy, token_accuracy), then ``n_tokens``. A name not listed here
+(a caller's own) goes after the listed ones, before ``n_tokens``."""
+
+_METRIC_RANK = {name: i for i, name in enumerate(METRIC_ORDER)}
+
+
+def _check_metric_order() -> None:
+    unknown = set(TERM_METRICS) - set(LossSpec.model_fields)
+    named = set(EXTREME_METRICS) | set(OBJECTIVE_METRICS)
+    if unknown or len(set(METRIC_ORDER)) != len(METRIC_ORDER) or not named <= set(METRIC_ORDER):
+        raise RuntimeError(f"headloss.plan: METRIC_ORDER must list each metric once, by LossSpec fields "
+                           f"(not fields: {sorted(unknown)}; unlisted: {sorted(named - set(METRIC_ORDER))})")
+
+
+_check_metric_order()
+
+
+def in_metric_order(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` in :data:`METRIC_ORDER` (a new dict; the same one when already in it)."""
+    names = [name for name in METRIC_ORDER[:-1] if name in metrics]
+    if len(names) + ("n_tokens" in metrics) != len(metrics):  # names METRIC_ORDER does not list
+        names += [name for name in metrics if name not in _METRIC_RANK]
+    if "n_tokens" in metrics:
+        names.append("n_tokens")
+    if names == list(metrics):
+        return metrics
+    return {name: metrics[name] for name in names}
+
 
 DIFFERENTIABLE_COLUMNS = ("token_loss", "lse", "logp", "entropy")
 """Columns whose upstream gradient the deferred backward kernel folds into the gradient pass."""
@@ -142,7 +195,7 @@ class ObjectiveFlags(NamedTuple):
     # means over sequences, a sequence without counted tokens among them (fraction 0)
 
 
-@functools.lru_cache(maxsize=256)
+@memoize("plan.objective_flags", 256, "objective_flags' answers by (spec.Policy, sequence-level clip means)")
 def objective_flags(pol, seq_clip_means: bool = False) -> ObjectiveFlags:
     """The policy term's flags for the deferred mode's objective kernels (a spec.Policy; cached).
     ``seq_clip_means``: the call's clip fractions are TRL's means over sequences (PolicyInputs.sequence_level)."""
@@ -185,10 +238,10 @@ class KernelPlan:
     used_scalars: tuple[str, ...]  # the scalars the spec's terms read (the rest are defaults)
     requires: tuple[str, ...]  # inputs the call must provide
     accepts: tuple[str, ...]  # optional inputs the call may provide
-    metrics: tuple[tuple[str, str], ...]  # (metric name, column): metric = column mean over counted rows
+    metrics: tuple[tuple[str, str], ...]  # (metric name, column): metric = column mean over counted rows (METRIC_ORDER)
     outputs: tuple[tuple[str, str], ...]  # (output name, column) of the per-token float outputs
     key: str  # JSON of what the plan was made from; plan_from_key(key) gives the plan back
-    metric_index: tuple[tuple[str, int], ...]  # (metric name, index into the means): no name lookups per call
+    metric_index: tuple[tuple[str, int], ...]  # (metric name, index into the means), in METRIC_ORDER
     means_size: int  # the column means, the loss, then the policy metrics the last program computes
     output_index: tuple[tuple[str, int], ...]  # (output name, column index) of the per-token float outputs
 
@@ -284,12 +337,12 @@ def _missing_targets_error(spec: LossSpec) -> ValueError:
     return ValueError(f"targets: required by {', '.join(wanted)} but not given")
 
 
-@functools.lru_cache(maxsize=256)
+@memoize("plan.compile_plan", 256, "compile_plan's plans by (spec, has_targets)")
 def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
     """Map a spec to a kernel plan. Cached: the same spec and inputs give the same plan object."""
     if spec.needs_targets and not has_targets:
         raise _missing_targets_error(spec)
-    ce, dist, pol = spec.cross_entropy, spec.distillation, spec.policy
+    pol = spec.policy
     # a token-level policy objective is row-local: the kernel's epilogue computes it (fused mode).
     # Sequence-level ratios need other rows: the objective runs after the stats pass on the deferred
     # mode's per-token log-probs (policy_sequence_kernel, or torch), whose gradient the backward kernel
@@ -297,6 +350,46 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
     sequence_policy = pol is not None and not pol.row_local
     deferred = spec.reduction == "none" or spec.differentiable_outputs or sequence_policy
     fused_policy = pol is not None and not deferred
+    flags = _flags(spec, fused_policy)
+    cols = _columns(spec, flags, has_targets, fused_policy)
+    metrics = _metric_columns(spec, cols, fused_policy)
+    extra = EXTREME_METRICS if fused_policy else ()  # the last program's values after the loss, means[cols.N]
+    outputs = tuple(
+        (name, col) for name, col in (("logprobs", "logp"), ("lse", "lse"), ("token_loss", "token_loss"),
+                                      ("entropy", "entropy"))
+        if name in spec.outputs
+    )
+    term_scalars = _term_scalars(spec)
+    used = {name: value for values in term_scalars.values() for name, value in values.items()}
+    requires, accepts = _plan_inputs(spec)
+    key = json.dumps({"spec": spec.to_dict(), "has_targets": has_targets}, sort_keys=True)
+    plan = KernelPlan(
+        spec=spec,
+        mode="deferred" if deferred else "fused",
+        flags=flags,
+        cols=cols,
+        scalars=Scalars(**{name: float(value) for name, value in used.items()}),  # floats only (launch keys)
+        used_scalars=tuple(used),
+        requires=requires,
+        accepts=accepts,
+        metrics=metrics,
+        outputs=outputs,
+        key=key,
+        metric_index=tuple(sorted(
+            tuple((name, getattr(cols, col)) for name, col in metrics)
+            + tuple((name, cols.N + 1 + i) for i, name in enumerate(extra))
+            + ((("pg_clipfrac", cols.N + 1 + EXTREMES.region_mean),) if fused_policy else ()),
+            key=lambda item: _METRIC_RANK[item[0]])),  # METRIC_ORDER's order: assemble keeps it
+        means_size=cols.N + 1 + len(extra),
+        output_index=tuple((name, getattr(cols, col)) for name, col in outputs),
+    )
+    _BY_KEY[key] = plan
+    return plan
+
+
+def _flags(spec: LossSpec, fused_policy: bool) -> Flags:
+    """The kernel variant's constexpr flags."""
+    ce, dist, pol = spec.cross_entropy, spec.distillation, spec.policy
     wants_entropy = spec.entropy is not None or "entropy" in spec.outputs or pol is not None
     entropy_grad = wants_entropy and (
         (spec.entropy is not None and spec.entropy.weight != 0.0)
@@ -304,7 +397,7 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
         or (pol is not None and pol.entropy_coef != 0.0)
     )
     objective = objective_flags(pol) if fused_policy else None  # (the epilogue's fields, as the deferred kernels')
-    flags = Flags(
+    return Flags(
         REDUCTION=("mean", "sum", "none").index(spec.reduction),
         HAS_CE=ce is not None,
         HAS_SMOOTHING=ce is not None and ce.label_smoothing > 0.0,
@@ -326,6 +419,11 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
         DISTILL_KIND=dist.kind if dist is not None else -1,
         OWN_TEMP=dist is not None and dist.temperature != 1.0,
     )
+
+
+def _columns(spec: LossSpec, flags: Flags, has_targets: bool, fused_policy: bool) -> Columns:
+    """The per-row values the kernel stores: each present column of ROW_COLUMNS, in its order."""
+    dist, pol = spec.distillation, spec.policy
     present = {
         "token_loss": True,
         "lse": True,
@@ -334,7 +432,7 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
         "nll": flags.HAS_SMOOTHING,
         "z_loss": flags.HAS_Z,
         "dft": flags.HAS_DFT,
-        "entropy": wants_entropy,
+        "entropy": flags.HAS_ENTROPY,
         "accuracy": spec.token_accuracy,
         **{name: dist is not None for name in ("divergence", "teacher_entropy", "agreement", "lse_s2", "lse_t2",
                                                "jsd_s")},
@@ -343,63 +441,41 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
         "kl": flags.KL_EST != 0,
     }
     packed = [name for name in ROW_COLUMNS if present[name]]
-    cols = Columns(**{name: packed.index(name) if name in packed else -1 for name in ROW_COLUMNS}, N=len(packed))
+    return Columns(**{name: packed.index(name) if name in packed else -1 for name in ROW_COLUMNS}, N=len(packed))
 
+
+def _metric_columns(spec: LossSpec, cols: Columns, fused_policy: bool) -> tuple[tuple[str, str], ...]:
+    """(metric, column) of every metric a column mean gives, in METRIC_ORDER."""
     metric_columns = {
         "ce": "ce", "nll": "nll", "z_loss": "z_loss", "dft": "dft", "token_accuracy": "accuracy",
         "distill/divergence": "divergence", "distill/teacher_entropy": "teacher_entropy",
         "distill/top1_agreement": "agreement",
     }
-    if spec.entropy is not None or pol is not None:
+    if spec.entropy is not None or spec.policy is not None:
         metric_columns["entropy"] = "entropy"
     if fused_policy:
         metric_columns.update({"clip_ratio/low_mean": "clip_low", "clip_ratio/high_mean": "clip_high",
                                "logprob/mean": "logp", "kl": "kl", "pg_clipfrac_lower": "clip_dual",
                                "ppo_kl": "ppo_kl"})
-    metrics = tuple((name, col) for name, col in metric_columns.items() if getattr(cols, col) >= 0)
-    # values the last program computes beyond the column means: means[cols.N] is the loss, then these
-    extra = EXTREME_METRICS if fused_policy else ()
-    outputs = tuple(
-        (name, col) for name, col in (("logprobs", "logp"), ("lse", "lse"), ("token_loss", "token_loss"),
-                                      ("entropy", "entropy"))
-        if name in spec.outputs
-    )
+    return tuple(sorted(((name, col) for name, col in metric_columns.items() if getattr(cols, col) >= 0),
+                        key=lambda item: _METRIC_RANK[item[0]]))
 
-    term_scalars = _term_scalars(spec)
-    used = {name: value for values in term_scalars.values() for name, value in values.items()}
+
+def _plan_inputs(spec: LossSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the inputs a call must give, those it may give): what explain prints."""
     requires = ("logits", "targets") if spec.needs_targets else ("logits",)
     accepts: tuple[str, ...] = () if spec.needs_targets else ("targets",)
-    if dist is not None:
+    if spec.distillation is not None:
         requires += ("teacher_logits",)
-    if pol is not None:
-        requires += ("advantages",) + (("ref_logprobs",) if pol.kl_beta != 0.0 else ())
+    if spec.policy is not None:
+        requires += ("advantages",) + (("ref_logprobs",) if spec.policy.kl_beta != 0.0 else ())
         accepts += ("old_logprobs", "loss_mask", "importance_weights", "rollout_logprobs", "sequence_ids")
     if spec.reduction == "mean":
         accepts += ("num_items_in_batch",)
-    key = json.dumps({"spec": spec.to_dict(), "has_targets": has_targets}, sort_keys=True)
-    plan = KernelPlan(
-        spec=spec,
-        mode="deferred" if deferred else "fused",
-        flags=flags,
-        cols=cols,
-        scalars=Scalars(**{name: float(value) for name, value in used.items()}),  # floats only (launch keys)
-        used_scalars=tuple(used),
-        requires=requires,
-        accepts=accepts,
-        metrics=metrics,
-        outputs=outputs,
-        key=key,
-        metric_index=tuple((name, getattr(cols, col)) for name, col in metrics)
-        + tuple((name, cols.N + 1 + i) for i, name in enumerate(extra))
-        + ((("pg_clipfrac", cols.N + 1 + EXTREMES.region_mean),) if fused_policy else ()),
-        means_size=cols.N + 1 + len(extra),
-        output_index=tuple((name, getattr(cols, col)) for name, col in outputs),
-    )
-    _BY_KEY[key] = plan
-    return plan
+    return requires, accepts
 
 
-_BY_KEY: BoundedDict[str, KernelPlan] = BoundedDict(1024)
+_BY_KEY: BoundedDict[str, KernelPlan] = cache("plan.by_key", 1024, "plans by key (plan_from_key: the ops' argument)")
 
 
 def plan_from_key(key: str) -> KernelPlan:
@@ -461,8 +537,10 @@ def _spec_data(model: Any) -> Any:
 
 
 _DEFAULT_SPEC = LossSpec()
-_PLANS_BY_ID: BoundedDict[tuple[int, bool], tuple[LossSpec, KernelPlan]] = BoundedDict(1024)
-_PLANS_BY_DATA: BoundedDict[tuple[str, bool], KernelPlan] = BoundedDict(1024)
+_PLANS_BY_ID: BoundedDict[tuple[int, bool], tuple[LossSpec, KernelPlan]] = cache(
+    "plan.by_id", 1024, "plan_for's plans by (id of the spec object, has_targets)")
+_PLANS_BY_DATA: BoundedDict[tuple[str, bool], KernelPlan] = cache(
+    "plan.by_data", 1024, "plan_for's plans by (the spec's data, has_targets)")
 
 
 def plan_for(spec: SpecLike | None, has_targets: bool) -> KernelPlan:

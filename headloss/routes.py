@@ -11,9 +11,10 @@ downstream asks again. :func:`routes_for` lists every route that can run a call,
 =============================  ===================================================================
 route                          how it runs
 =============================  ===================================================================
-``reference``                  plain torch, term by term (headloss.reference): the CPU path
-``fused``                      one launch: stats, the epilogue (a token-level policy objective
-                               included) and the gradient pass; backward scales it by d loss
+``torch``                      plain torch, term by term (headloss.reference): the CPU path
+``fused``                      one launch: stats, the row epilogue (every term's value and share of
+                               the gradient, a token-level policy objective too) and the gradient
+                               pass; backward scales it by d loss
 ``deferred``                   stats in forward, the gradient pass in backward (reduction "none",
                                differentiable per-token outputs)
 ``deferred+kernels``           deferred, the policy objective by two launches over [B, T]
@@ -35,37 +36,90 @@ route                          how it runs
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import sys
+import warnings
 from typing import Literal, NamedTuple
 
 import torch
 
 from . import env
-from .bounded import BoundedDict
+from .bounded import BoundedDict, cache
+from .output import HeadLossOutput
 from .plan import KernelPlan, compile_plan
 from .policy.objectives import base_policy
-from .policy.tables import IMPORTANCE_SAMPLING, OBJECTIVES
+from .policy_tables import IMPORTANCE_SAMPLING, OBJECTIVES
 from .spec import separate_kl_entropy
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-ROUTES: dict[str, str] = {
-    "reference": "plain torch, term by term (headloss.reference)",
-    "fused": "one launch: stats, epilogue (the token-level policy objective included), gradient",
-    "deferred": "stats in forward, the gradient pass in backward",
-    "deferred+kernels": "deferred; the policy objective by two launches over [B, T] sequences",
-    "deferred+torch": "deferred; the policy objective by torch ops",
-    "lm_head:fused": "chunks of hidden x weight, the fused kernel in place on each (3 GEMMs)",
-    "lm_head:deferred": "chunks; the gradient pass in backward over recomputed logits (4 GEMMs)",
-    "lm_head:deferred+kernels": "lm_head:deferred; the policy objective by the sequence kernels",
-    "lm_head:deferred+torch": "lm_head:deferred; the policy objective by torch ops",
-    "lm_head:sequences+kernels": "chunks of whole sequences, each one's objective by one launch (3 GEMMs)",
-    "lm_head:sequences+torch": "chunks of whole sequences, each one's objective by autograd over torch (3 GEMMs)",
-    "lm_head:covariance": "the base objective fused, then the covariance-selected rows corrected",
-    "lm_head:entropy-guess": "fused under a guessed top-entropy mask, then the rows guessed wrong corrected",
-}
+
+class Mode(str, enum.Enum):
+    """How the head kernel runs on a route."""
+
+    TORCH = "torch"  # no kernel: plain torch, term by term
+    FUSED = "fused"  # one launch: stats, epilogue, gradient
+    DEFERRED = "deferred"  # stats in forward, the gradient pass in backward
+
+
+class PolicyAt(str, enum.Enum):
+    """Where a route runs the policy objective (NONE: the call has no policy term)."""
+
+    NONE = ""
+    EPILOGUE = "epilogue"  # the head kernel's row epilogue (row-local objectives)
+    KERNELS = "kernels"  # two launches over [B, T] sequences (kernels/policy.py)
+    TORCH = "torch"  # torch ops on the per-token log-probs (policy.objectives)
+
+
+class Chunks(str, enum.Enum):
+    """How the lm_head cuts its rows (NONE on the logits entry point)."""
+
+    NONE = ""
+    ROWS = "rows"  # chunks of rows under the byte budget
+    SEQUENCES = "sequences"  # chunks of whole sequences: each chunk's sequence statistics in forward
+    COVARIANCE = "covariance"  # rows; then the covariance-selected rows corrected
+    ENTROPY_GUESS = "entropy-guess"  # rows under a guessed top-entropy mask; then the wrong guesses corrected
+
+
+class RouteKind(NamedTuple):
+    """A row of the route table: everything a route's name stands for."""
+
+    name: str
+    mode: Mode
+    policy: PolicyAt  # where a policy term runs, when the call has one
+    chunks: Chunks
+    description: str
+
+
+_TABLE = (
+    RouteKind("torch", Mode.TORCH, PolicyAt.TORCH, Chunks.NONE, "plain torch, term by term (headloss.reference)"),
+    RouteKind("fused", Mode.FUSED, PolicyAt.EPILOGUE, Chunks.NONE, "one launch: stats, row epilogue, gradient"),
+    RouteKind("deferred", Mode.DEFERRED, PolicyAt.NONE, Chunks.NONE, "stats in forward, the gradient pass in backward"),
+    RouteKind("deferred+kernels", Mode.DEFERRED, PolicyAt.KERNELS, Chunks.NONE,
+              "deferred; the policy objective by two launches over [B, T] sequences"),
+    RouteKind("deferred+torch", Mode.DEFERRED, PolicyAt.TORCH, Chunks.NONE,
+              "deferred; the policy objective by torch ops"),
+    RouteKind("lm_head:fused", Mode.FUSED, PolicyAt.EPILOGUE, Chunks.ROWS,
+              "chunks of hidden x weight, the fused kernel in place on each (3 GEMMs)"),
+    RouteKind("lm_head:deferred", Mode.DEFERRED, PolicyAt.NONE, Chunks.ROWS,
+              "chunks; the gradient pass in backward over recomputed logits (4 GEMMs)"),
+    RouteKind("lm_head:deferred+kernels", Mode.DEFERRED, PolicyAt.KERNELS, Chunks.ROWS,
+              "lm_head:deferred; the policy objective by the sequence kernels"),
+    RouteKind("lm_head:deferred+torch", Mode.DEFERRED, PolicyAt.TORCH, Chunks.ROWS,
+              "lm_head:deferred; the policy objective by torch ops"),
+    RouteKind("lm_head:sequences+kernels", Mode.DEFERRED, PolicyAt.KERNELS, Chunks.SEQUENCES,
+              "chunks of whole sequences, each one's objective by one launch (3 GEMMs)"),
+    RouteKind("lm_head:sequences+torch", Mode.DEFERRED, PolicyAt.TORCH, Chunks.SEQUENCES,
+              "chunks of whole sequences, each one's objective by autograd over torch (3 GEMMs)"),
+    RouteKind("lm_head:covariance", Mode.FUSED, PolicyAt.EPILOGUE, Chunks.COVARIANCE,
+              "the base objective fused, then the covariance-selected rows corrected"),
+    RouteKind("lm_head:entropy-guess", Mode.FUSED, PolicyAt.EPILOGUE, Chunks.ENTROPY_GUESS,
+              "fused under a guessed top-entropy mask, then the rows guessed wrong corrected"),
+)
+KINDS: dict[str, RouteKind] = {kind.name: kind for kind in _TABLE}
+ROUTES: dict[str, str] = {kind.name: kind.description for kind in _TABLE}
 """Every route by name, with what it does (explain and the docs print these)."""
 
 SEQUENCE_CHUNK_SLACK = 4
@@ -76,7 +130,7 @@ class Facts(NamedTuple):
     """What a route depends on, besides the plan: read once per call from its arguments."""
 
     entry: Literal["logits", "hidden"]
-    backend: Literal["triton", "reference"]
+    backend: Literal["triton", "torch"]
     token_shape: tuple[int, ...]  # the rows' shape: [B, T] sequences, or [N]
     sequence_ids: bool  # [N] rows name their sequences
     sharded: bool  # vocab-parallel
@@ -87,40 +141,39 @@ class Facts(NamedTuple):
 
 
 class Route(NamedTuple):
-    """One way to run a call; ``name`` is one of :data:`ROUTES`."""
+    """One way to run a call: a row of the table (``name``, ``mode``, ``policy``, ``chunks``) for one plan."""
 
     name: str
-    mode: Literal["reference", "fused", "deferred"]  # how the head kernel runs (of ``plan``)
+    mode: Mode
     plan: KernelPlan  # the variant the head kernel runs: the call's, or the base objective's (corrected routes)
-    policy: Literal["", "epilogue", "kernels", "torch"]  # where the policy objective runs ("": no policy term)
+    policy: PolicyAt  # where the policy objective runs (NONE: no policy term)
+    chunks: Chunks  # the lm_head's chunking (NONE on logits)
     sequence_kernels: bool  # the policy's per-sequence metrics may launch kernels/policy.py ([B, T] rows)
     raw_inputs: bool  # the kernels read the policy inputs as given (no fp32 copies)
     traced: bool  # under torch.compile (the engine calls the torch.library ops)
 
-    @property
-    def lm_head(self) -> str:
-        """The lm_head's chunking ("rows", "sequences", "covariance", "entropy-guess"), "" for logits."""
-        if not self.name.startswith("lm_head:"):
-            return ""
-        kind = self.name.split(":", 1)[1].split("+", 1)[0]
-        return "rows" if kind in ("fused", "deferred") else kind
+
+BACKENDS = ("auto", "triton", "torch")
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, name: str = "logits") -> str:
-    """'triton' or 'reference' for tensors on ``device`` of ``dtype``."""
-    if backend not in ("auto", "triton", "reference"):
-        raise ValueError(f"backend: expected 'auto', 'triton' or 'reference', got {backend!r}")
-    if backend == "reference":
+    """'triton' or 'torch' (plain torch) for tensors on ``device`` of ``dtype``."""
+    if backend == "reference":  # the plain-torch backend's former name
+        warnings.warn("backend: 'reference' is now called 'torch'", FutureWarning, stacklevel=3)
+        backend = "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend == "torch":
         return backend
     on_kernel_device = device.type == "cuda" or env.INTERPRETER
     if backend == "triton" and not on_kernel_device:
         raise ValueError("backend: 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
     if not on_kernel_device:
-        return "reference"
+        return "torch"
     if dtype not in KERNEL_DTYPES:
         if backend == "triton":
             raise TypeError(f"{name}: the Triton kernel takes float32, bfloat16 or float16, got {dtype}")
-        return "reference"
+        return "torch"
     return "triton"
 
 
@@ -166,38 +219,40 @@ def choose(plan: KernelPlan, facts: Facts, requested: str | None = None) -> Rout
     raise ValueError(f"route: {requested!r} cannot run this call; it can run {', '.join(r.name for r in options)}")
 
 
-_ROUTES: BoundedDict[tuple, tuple[Route, ...]] = BoundedDict(1024)
+_ROUTES: BoundedDict[tuple, tuple[Route, ...]] = cache("routes", 1024, "routes_for's answers by (plan key, facts)")
 _LOG = logging.getLogger("headloss.routes")
 
 
-def log(route: Route, entry: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    """HEADLOSS_LOG_ROUTES=1: one line per call (logger ``headloss.routes``)."""
-    if not _LOG.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-        _LOG.addHandler(handler)
-        _LOG.setLevel(logging.INFO)
-    _LOG.info("%s %s %s -> %s", "head_loss" if entry == "logits" else "linear_head_loss", list(shape),
-              str(dtype).removeprefix("torch."), route.name)
+def record(out: HeadLossOutput, route: Route, entry: str, source: torch.Tensor) -> HeadLossOutput:
+    """``out`` with the route it took, logged under HEADLOSS_LOG_ROUTES=1 (logger ``headloss.routes``)."""
+    out.route = route.name
+    if env.LOG_ROUTES:
+        if not _LOG.handlers and not logging.getLogger().handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+            _LOG.addHandler(handler)
+            _LOG.setLevel(logging.INFO)
+        _LOG.info("%s %s %s -> %s", "head_loss" if entry == "logits" else "linear_head_loss", list(source.shape),
+                  str(source.dtype).removeprefix("torch."), route.name)
+    return out
 
 
 def _routes(plan: KernelPlan, facts: Facts) -> tuple[Route, ...]:
-    if facts.backend == "reference":
-        return (Route("reference", "reference", plan, "torch" if plan.spec.policy is not None else "", False, False,
-                      facts.traced),)
     pol = plan.spec.policy
     sequences = len(facts.token_shape) == 2 and not facts.sequence_ids and math.prod(facts.token_shape) > 0
-    metrics_by_kernel = sequences
     lm_head = facts.entry == "hidden"
-    prefix = "lm_head:" if lm_head else ""
 
-    def route(name: str, mode: str, policy: str, raw: bool = False, of: KernelPlan = plan) -> Route:
-        return Route(prefix + name, mode, of, policy, metrics_by_kernel, raw, facts.traced)
+    def route(name: str, raw: bool = False, of: KernelPlan = plan) -> Route:
+        kind = KINDS[name if name == "torch" or not lm_head else "lm_head:" + name]
+        return Route(kind.name, kind.mode, of, kind.policy if pol is not None else PolicyAt.NONE, kind.chunks,
+                     sequences and kind.mode is not Mode.TORCH, raw, facts.traced)
 
+    if facts.backend == "torch":
+        return (route("torch"),)
     if plan.mode == "fused":
-        return (route("fused", "fused", "epilogue" if pol is not None else "", raw=pol is not None and not lm_head),)
+        return (route("fused", raw=pol is not None and not lm_head),)
     if pol is None:
-        return (route("deferred", "deferred", ""),)
+        return (route("deferred"),)
     # a deferred plan with a policy term
     objective = OBJECTIVES[pol.objective]
     by_kernels = (sequences and objective.row_local and pol.top_entropy_quantile == 1.0
@@ -206,8 +261,8 @@ def _routes(plan: KernelPlan, facts: Facts) -> tuple[Route, ...]:
     if lm_head:
         options += _lm_head_routes(plan, facts, by_kernels, route)
     if by_kernels:
-        options.append(route("deferred+kernels", "deferred", "kernels", raw=not lm_head))
-    options.append(route("deferred+torch", "deferred", "torch"))
+        options.append(route("deferred+kernels", raw=not lm_head))
+    options.append(route("deferred+torch"))
     return tuple(options)
 
 
@@ -228,16 +283,15 @@ def _lm_head_routes(plan: KernelPlan, facts: Facts, by_kernels: bool, route) -> 
         if objective.base is not None:
             base = _base_plan(plan)
             if base is not None:
-                return [route("covariance", "fused", "epilogue", of=base)]
+                return [route("covariance", of=base)]
         elif objective.row_local and pol.top_entropy_quantile < 1.0 and not token_mean_bonus:
             base = _base_plan(plan)
             if base is not None:
-                return [route("entropy-guess", "fused", "epilogue", of=base)]
+                return [route("entropy-guess", of=base)]
     # sequence statistics: chunks of whole sequences
     if (pol.top_entropy_quantile == 1.0 and objective.scope != "batch" and not token_mean_bonus
             and len(facts.token_shape) == 2 and not facts.sequence_ids and facts.sequence_fits):
-        return ([route("sequences+kernels", "deferred", "kernels")] if by_kernels else []) + \
-            [route("sequences+torch", "deferred", "torch")]
+        return ([route("sequences+kernels")] if by_kernels else []) + [route("sequences+torch")]
     return []
 
 
@@ -252,4 +306,5 @@ def _base_plan(plan: KernelPlan) -> KernelPlan | None:
     return base
 
 
-_BASES: BoundedDict[str, KernelPlan | None] = BoundedDict(256)
+_BASES: BoundedDict[str, KernelPlan | None] = cache("routes.bases", 256,
+                                                  "a policy plan's fused base plan (None: none) by plan key")

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .policy.tables import IMPORTANCE_SAMPLING, OBJECTIVES, KLName, LossTypeName, ObjectiveName, RatioLevelName
+from .policy_tables import IMPORTANCE_SAMPLING, OBJECTIVES, KLName, LossTypeName, ObjectiveName, RatioLevelName
 
 OutputName = Literal["predicted_tokens", "logprobs", "lse", "token_loss", "entropy"]
 """Per-token tensors a spec may ask for (each shaped like the targets, fp32 or int64)."""
@@ -103,83 +103,23 @@ class Distillation(_Frozen):
 
 PolicyLossType = LossTypeName
 PolicyObjective = ObjectiveName
-"""The policy term's values come from headloss.policy.tables, the one list of each."""
+"""The policy term's values come from headloss.policy_tables, the one list of each."""
 
 
 class Policy(_Frozen):
-    """The GRPO family of policy objectives (TRL GRPOTrainer, verl compute_policy_loss).
+    """The GRPO family of policy objectives (TRL's GRPOTrainer, verl's compute_policy_loss) as one
+    term of the head's loss, computed from the same pass over the logits as the others.
 
-    Per-call inputs: ``advantages`` ([B] per sequence or [B, T] per token), ``old_logprobs``
-    (absent: on-policy, ratio 1 with gradient), ``ref_logprobs`` (when kl_beta > 0),
-    ``loss_mask`` (completion mask), ``importance_weights`` (rollout truncated-IS weights),
-    ``sequence_ids`` for [N, V] logits. The logits' temperature is the spec's ``transform``.
+    A per-token objective on log p(target) (``objective``: the row-local ones run in the kernel's
+    epilogue, gmpo and vespo need each sequence, clip_cov and kl_cov the batch) with its importance
+    ratio (``importance_sampling``), masks, rollout correction, a KL penalty (``kl_beta``) and an
+    entropy bonus, aggregated by ``loss_type`` (TRL's and verl's names) and added to the reduced
+    loss. ``convention`` picks TRL's or verl's definition where the two differ.
 
-    objectives (per token; r the importance ratio, l = log p(y), A the advantage, sg stop-gradient):
-    ``clip`` PPO's -min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A), verl's dual clip
-    (TRL grpo/bnpo/dr_grpo/dapo/luspo, verl vanilla); ``cispo`` -sg(c) A l with c = min(r, eps_high)
-    (TRL: eps_high is the absolute cap, e.g. 5.0) or clip(r, 1 - eps_low, 1 + eps_high) (verl);
-    ``sapo`` -(4 / tau) sigmoid(tau (r - 1)) A, tau = sapo_tau_pos if A > 0 else sapo_tau_neg;
-    ``gpg`` -A l (verl); ``dro`` -(A l - dro_beta (log r)^2 / 2) (verl); ``dppo_tv`` / ``dppo_kl``
-    -A sg(min(r, dppo_ratio_cap)) l on tokens whose p - p_old (TV) or binary KL stays within
-    eps_high (A > 0) / eps_low (A <= 0) (verl); ``reinforce`` -A sg(w) l, w = min(exp(clamp(log r,
-    +-20)), reinforce_is_max) (verl's bypass mode with loss_type reinforce and token-level weights:
-    old_logprobs are the rollout's). Sequence and batch statistics (deferred mode, one
-    O(tokens) step in torch between the stats and the gradient pass): ``gmpo`` verl's geo_mean,
-    -mean_t(A) exp(mean_t of the sign-aware clip of log r to [-eps_low, eps_high]) per sequence,
-    averaged over sequences (loss_type grpo / seq-mean-token-mean); ``vespo`` TRL's -sg(phi(w)) A l,
-    phi(w) = exp(lambda + k log w - lambda w), w the sequence's ratio product (times the rollout
-    weights), (k, lambda) = vespo_k/lambda_pos if A >= 0 else _neg; ``clip_cov`` / ``kl_cov`` verl's
-    covariance-selected tokens (cov_ratio of the batch's tokens, ranked by (A - mean A)(l - mean l)):
-    clip_cov drops the clip objective's gradient on a random choice of them (cov in (clip_cov_lb,
-    clip_cov_ub), not already clipped), kl_cov adds kl_cov_coef |log r| to -A r on the top ones.
-    clip_cov's random draw reads a count on the host (verl's torch.randperm, so a seed picks verl's
-    tokens); on the fused lm_head both read the selected rows' count to correct them (the base
-    objective runs fused). ``convention`` picks TRL's or verl's
-    definitions where they differ: CISPO's bounds, and verl's clamp of the log-ratio to +-20 before
-    exp in its token-level losses (clip, cispo, sapo, dppo; not its gspo).
-
-    importance sampling: ``token`` r = pi / pi_old per token; ``sequence`` (TRL's GSPO) r =
-    exp(masked mean of log r over the sequence), gradient through every token; ``sequence_token``
-    (verl's gspo) r_t = exp(l_t - sg(l_t) + sg(mean log r)) clamped at exp(10): the sequence's value,
-    each token's own gradient.
-
-    rollout correction (``rollout_is``, no gradient, computed before the kernel, fused mode
-    unchanged): w = exp(old_logprobs - rollout_logprobs) per token, or exp of the sequence's sum
-    (TRL's vLLM importance sampling, verl's rollout_is), truncated to or masked outside
-    [rollout_is_min, rollout_is_max]; verl's convention clamps the log-ratio (sum) to +-20 first.
-    The weights multiply the objective (VESPO and GMPO fold them in as their sources do).
-
-    masks (sequence or batch statistics: deferred mode on the logits; the KL term is not masked,
-    as in TRL): ``off_policy_mask`` TRL's off-policy sequence mask, keep a sequence if A >= 0 or the
-    mean over its tokens of rollout_logprobs (else old_logprobs) - logp is at most this (on the
-    fused lm_head: chunks of whole sequences); ``top_entropy_quantile`` rho < 1
-    keeps the tokens whose entropy is at least the batch's (1 - rho)-quantile (TRL; computed on
-    the device; over several processes' tokens with the call's ``entropy_quantile_group``; on the
-    fused lm_head a row-local objective runs fused under a guessed mask, the rows guessed wrong
-    corrected; deferred there with TRL's token-mean bonus, under CUDA-graph capture or torch.compile,
-    and vocab-parallel).
-
-    loss types (aggregation): ``grpo`` mean over sequences of the per-sequence token mean; ``bnpo`` /
-    ``token-mean`` mean over all tokens; ``dr_grpo`` sum / (sequences x max_completion_length);
-    ``dapo`` sum / (num_items_in_batch / num_processes), or the token count without it;
-    ``seq-mean-token-sum`` mean over sequences of the token sum (TRL's luspo); ``seq-mean-token-mean``
-    as grpo; ``seq-mean-token-sum-norm`` sum / T (the padded length). A sequence without counted
-    tokens counts in the mean over sequences (TRL); with ``convention="verl"`` it does not
-    (verl's agg_loss), and seq-mean-token-sum-norm is verl's current mean over sequences of the
-    token sum / T. verl's token-mean over a data-parallel batch (its batch_num_tokens and dp_size)
-    is ``dapo`` with num_items_in_batch = batch_num_tokens and num_processes = dp_size; its seq-mean
-    modes (global_batch_size and dp_size) take the call's num_sequences_in_batch = global_batch_size
-    and num_processes = dp_size (the mean over sequences divides by their ratio).
-
-    The KL penalty and the entropy bonus aggregate by ``kl_entropy_loss_type`` (None: loss_type),
-    as verl's ppo_loss aggregates them by loss_agg_mode beside gspo / sapo (whose policy loss is
-    seq-mean-token-mean) and geo_mean (under ``convention="verl"`` their agg_loss leaves out fully
-    masked sequences beside gmpo's mean over every sequence).
-
-    KL penalty: ``kl_estimator`` k1 (logp - ref), k2 ((logp - ref)^2 / 2), k3 (exp(ref - logp) -
-    (ref - logp) - 1), abs (|logp - ref|); ``kl_clamp`` verl's clamps (ref - logp to +-20, k3 to
-    +-10: verl's ``low_var_kl`` is k3 with the clamps); ``kl_grad="k2"`` keeps the estimator's value
-    with the k2 gradient (verl's ``k3+`` etc.).
+    Per-call inputs: ``advantages`` ([B] or [B, T]), ``old_logprobs`` (absent: on-policy),
+    ``ref_logprobs`` (with kl_beta > 0), ``loss_mask``, ``importance_weights``, ``rollout_logprobs``.
+    Every formula and the source it follows: docs/policy.md; every value of objective, estimator,
+    ratio level and loss type is a row of :mod:`headloss.policy_tables`.
     """
 
     objective: PolicyObjective = "clip"
@@ -401,6 +341,8 @@ class LossSpec(_Frozen):
     def from_file(cls, path: str | Path) -> LossSpec:
         """Load from ``.yaml``/``.yml`` or ``.json``."""
         path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"path: {path} is a directory, not a spec file (.yaml, .yml or .json)")
         if path.suffix not in (".yaml", ".yml", ".json"):
             raise ValueError(f"path: unknown spec file type {path.suffix!r} ({path}); use .yaml, .yml or .json")
         try:

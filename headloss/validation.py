@@ -25,7 +25,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from . import env
-from .kernels.layouts import VERDICT
+from .layouts import VERDICT
 from .spec import LossSpec
 
 Validate = bool | Literal["sync"] | None
@@ -35,9 +35,63 @@ NOT_BINARY = -(2**63)
 vocabulary, so the device check that finds bad targets finds it, and its error names loss_mask."""
 
 
-BAD_PACKING = -(2**63) + 1
-"""The effective target of packed rows' first row when ``cu_seqlens`` is not 0 = c_0 <= ... <= c_S = N:
-the device check of the targets finds it, and its error names cu_seqlens."""
+PACKING_MARK = -(2**62)
+"""Packed rows' first row gets an effective target below this when ``cu_seqlens`` is not
+0 = c_0 <= ... <= c_S = N (:func:`packing_mark`): the device check of the targets finds it (whatever
+the masks say: the policy inputs keep it), and the value says which offset is wrong."""
+
+_OFFSET_BITS, _VALUE_BITS = 18, 21  # (2 + 18 + 21 + 21 = 62 bits below PACKING_MARK)
+
+
+def _field(value: torch.Tensor, bits: int) -> torch.Tensor:
+    """``value`` in a field of ``bits`` bits, 0 (unknown) where it does not fit in [1, 2**bits)."""
+    return torch.where((value > 0) & (value < 2**bits), value, 0)
+
+
+def packing_mark(cu: torch.Tensor, rows: int) -> torch.Tensor:
+    """() int64: 0 when ``cu`` (int64 [S + 1]) is 0 = c_0 <= c_1 <= ... <= c_S = ``rows``, else
+    PACKING_MARK minus a payload that names the first bad offset k: what is wrong there (c_0 is not 0,
+    c_k < c_(k-1), or c_S is not ``rows``), then k, c_(k-1) and c_k, each where it fits its field
+    (:func:`packing_error` reads it back). Device ops, no host read."""
+    index = torch.arange(cu.numel(), device=cu.device)
+    prev = torch.cat([cu[:1], cu[:-1]])
+    start = (index == 0) & (cu != 0)
+    falls = cu < prev
+    end = (index == cu.numel() - 1) & (cu != rows)
+    bad = start | falls | end
+    k = bad.to(torch.int64).argmax()  # the first bad offset
+    at_k = index == k  # (a mask, not an index: no data-dependent shape under torch.compile)
+    kind = torch.where((start & at_k).any(), 1, torch.where((falls & at_k).any(), 2, 3))
+    shift = 2 ** (_VALUE_BITS - 1)
+    payload = (kind << 60) | (_field(k + 1, _OFFSET_BITS) << 2 * _VALUE_BITS) \
+        | (_field((prev * at_k).sum() + shift, _VALUE_BITS) << _VALUE_BITS) \
+        | _field((cu * at_k).sum() + shift, _VALUE_BITS)
+    return torch.where(bad.any(), PACKING_MARK - payload, 0)
+
+
+def packing_error(mark: int, rows: int) -> str:
+    """The message of a :func:`packing_mark`: which offset of ``cu_seqlens`` is wrong, and how."""
+    payload = PACKING_MARK - mark
+    kind, k = payload >> 60, ((payload >> 2 * _VALUE_BITS) & (2**_OFFSET_BITS - 1)) - 1
+    shift = 2 ** (_VALUE_BITS - 1)
+    prev, value = ((payload >> at) & (2**_VALUE_BITS - 1) for at in (_VALUE_BITS, 0))
+
+    def offset(i: int, v: int) -> str:
+        return f"cu_seqlens[{i}] = {v - shift}" if v else f"cu_seqlens[{i}]"
+
+    if kind == 1:
+        found = f"{offset(0, value)}, not 0"
+    elif k < 0:  # (an offset index past its field)
+        found = f"the first wrong offset lies past cu_seqlens[{2**_OFFSET_BITS - 2}]"
+    elif kind == 2:
+        found = f"{offset(k, value)} < {offset(k - 1, prev)}"
+    else:
+        found = f"{offset(k, value)}, the last, is not {rows}"
+    return f"cu_seqlens: offsets must be non-decreasing from 0 to the row count {rows}; {found}"
+
+
+VALIDATE_MODES = ("async", "sync", "off")
+"""What validation_mode returns (an op carries the index)."""
 
 
 def validation_mode(validate: Validate) -> Literal["async", "sync", "off"]:
@@ -236,9 +290,8 @@ def raise_if_bad(values: list[int], targets_shape: tuple[int, ...], vocab: int, 
     if where >= 0:
         position = tuple(int(i) for i in torch.unravel_index(torch.tensor(where), targets_shape)) \
             if targets_shape else (where,)
-        if value == BAD_PACKING:
-            rows = math.prod(targets_shape)
-            raise ValueError(f"cu_seqlens: expected row offsets 0 = c_0 <= c_1 <= ... <= c_S = {rows}, the rows{later}")
+        if NOT_BINARY < value <= PACKING_MARK:
+            raise ValueError(packing_error(value, math.prod(targets_shape)) + later)
         if value == NOT_BINARY:
             raise ValueError(f"loss_mask: the value at position {position} is neither 0 nor 1 (the mask says which "
                              f"tokens count; a token's weight goes in importance_weights){later}")

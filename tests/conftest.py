@@ -20,8 +20,11 @@ from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
 
-from headloss import HeadLossOutput, LossSpec, env, head_loss, reference_head_loss  # noqa: E402
-from headloss.reference import transformed_logits  # noqa: E402
+from headloss import HeadLossOutput, LossSpec, env, head_loss  # noqa: E402
+from headloss.reference import (
+    reference_head_loss,  # noqa: E402
+    transformed_logits,  # noqa: E402
+)
 
 needs_kernel = pytest.mark.skipif(
     not env.INTERPRETER,

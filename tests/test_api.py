@@ -23,9 +23,10 @@ from conftest import (
 )
 
 import headloss
-from headloss import DFT, LossSpec, head_loss, linear_head_loss, reference_head_loss
+from headloss import DFT, LossSpec, head_loss, linear_head_loss
+from headloss.reference import reference_head_loss
 
-BACKENDS = ["reference", pytest.param("triton", marks=needs_kernel)]
+BACKENDS = ["torch", pytest.param("triton", marks=needs_kernel)]
 V = 37
 
 
@@ -57,7 +58,7 @@ def test_dft_kernel_matches_the_fp64_reference(spec, dtype):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dft_value_and_gradient_equal_the_hand_computed_ones(backend):
     """loss = -p_y log p_y (p_y held constant), d/dx_i = p_y (p_i - [i = y])."""
-    logits = make_logits((1, 4), torch.float64 if backend == "reference" else torch.float32, seed=3).requires_grad_()
+    logits = make_logits((1, 4), torch.float64 if backend == "torch" else torch.float32, seed=3).requires_grad_()
     targets = torch.tensor([2])
     out = head_loss(logits, targets, LossSpec(cross_entropy=None, dft=DFT()), backend=backend)
     out.loss.backward()
@@ -169,7 +170,7 @@ def test_linear_head_takes_both_shift_conventions(convention):
     spec = LossSpec(outputs=("logprobs",))
     out = linear_head_loss(hidden, weight, targets, spec, shift=True, backend="triton")
     logits = torch.nn.functional.linear(hidden, weight)
-    ref = head_loss(logits, targets, spec, shift=True, backend="reference")
+    ref = head_loss(logits, targets, spec, shift=True, backend="torch")
     assert float(out.loss.detach()) == pytest.approx(float(ref.loss.detach()), rel=1e-5)
     assert out.logprobs.shape == targets.shape
     assert_close_norm(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-6, name="logprobs")
@@ -434,3 +435,31 @@ def test_policy_on_zero_rows_gives_loss_zero(shape, backend):
     out.loss.backward()
     assert float(out.loss.detach()) == 0.0 and logits.grad.shape == logits.shape
     assert float(out.metrics["ratio/mean"]) == 1.0 and int(out.metrics["n_tokens"]) == 0
+
+
+# --- the interpreter's numpy warnings ------------------------------------------------------------
+
+
+@needs_kernel
+def test_interpreter_warnings_are_ignored_inside_the_call_and_the_callers_filters_kept():
+    """Under TRITON_INTERPRET=1 numpy warns on values a kernel computes and discards (a GSPO call's
+    deferred objective does): headloss ignores them around its launches, and only there."""
+    import warnings
+
+    gen = torch.Generator().manual_seed(19)
+    logits = torch.randn(2, 4, 11, generator=gen).requires_grad_()
+    ids = torch.randint(0, 11, (2, 4), generator=gen)
+    spec = LossSpec(cross_entropy=None, policy={"importance_sampling": "sequence"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("error", "the caller's own filter")
+        before = list(warnings.filters)
+        out = head_loss(logits, ids, spec, backend="triton", advantages=torch.randn(2, generator=gen),
+                        old_logprobs=-torch.rand(2, 4, generator=gen) - 2)
+        out.loss.backward()
+        after = list(warnings.filters)
+        np.float64(0.0) / np.float64(0.0)  # the caller's own numpy warning still reaches it
+    assert out.route == "deferred+kernels"
+    assert [str(w.message) for w in caught if "triton" in w.filename] == []
+    assert after == before
+    assert [w.category for w in caught] == [RuntimeWarning]

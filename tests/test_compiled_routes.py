@@ -1,8 +1,14 @@
 """Every route a call takes in eager mode runs under torch.compile(fullgraph=True) with the same kernels
 (the ``headloss::`` torch.library ops; here the interpreter runs them, on a GPU tests/test_gpu.py):
-the compiled call takes the same route, traces into one graph without a break
-(``torch._dynamo.explain``), and its loss, every metric (also packed in one tensor) and every input
-gradient equal eager's.
+the compiled call takes the same route, traces into one graph without a break (``fullgraph=True``
+raises at a break, naming it; the backend is handed exactly one graph), and its loss, every metric
+(also packed in one tensor) and every input gradient equal eager's.
+
+Two backends: ``aot_eager`` (Dynamo's trace, the ops' fake implementations, AOTAutograd's joint graph
+of forward and backward and its partition; the graphs then run eagerly) on FAST's cases (every route,
+entry and spec) in the fast tier, on the others in the slow tier; Inductor (the default backend: the
+same trace, then code generated around the ops) on every case in the slow tier, whose first compile
+pays Inductor's cold start (~40 s of CPU).
 
 The corrected lm_head routes (clip_cov / kl_cov, the guessed top-entropy mask) read a count on the host:
 under compile, as under CUDA-graph capture, they take deferred mode, with the same values. (clip_cov's
@@ -13,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_close_norm, generator, make_logits, make_targets, needs_kernel, seed_of
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from headloss import LossSpec, head_loss, linear_head_loss
 
@@ -51,6 +58,13 @@ CASES = {
     "logits-deferred+torch-top_entropy": ("logits", "top_entropy", "deferred+torch"),
     "lm_head-entropy-guess": ("hidden", "top_entropy", "lm_head:entropy-guess", "lm_head:deferred+torch"),
 }
+# the fast tier (aot_eager) runs every route, entry and spec once; its other cases repeat a route with
+# another spec (logits-fused-distill, -grpo and lm_head-fused-sft, -grpo: the fused routes, taken
+# here by sft, rows of grpo, distill; logits-deferred+torch-top_entropy: deferred+torch, by gmpo)
+FAST = ("logits-fused-sft", "logits-fused-grpo-rows", "logits-deferred", "logits-deferred+kernels-gspo",
+        "logits-deferred+torch-gmpo", "lm_head-fused-distill-teacher-hidden", "lm_head-deferred",
+        "lm_head-sequences+kernels-gspo", "lm_head-sequences+torch-gmpo", "lm_head-covariance-kl_cov",
+        "lm_head-entropy-guess")
 
 
 @pytest.fixture(autouse=True)
@@ -117,18 +131,20 @@ def _grads(result, inputs):
     return grads
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_a_compiled_call_takes_the_eager_route_in_one_graph_with_equal_values(name):
+@pytest.mark.parametrize("name, backend", [
+    pytest.param(name, backend, id=f"{name}-{backend}",
+                 marks=() if backend == "aot_eager" and name in FAST else pytest.mark.slow)
+    for backend in ("aot_eager", "inductor") for name in CASES])
+def test_a_compiled_call_takes_the_eager_route_in_one_graph_with_equal_values(name, backend):
     expected = CASES[name][2]
     compiled_route = CASES[name][3] if len(CASES[name]) > 3 else expected
     fn, inputs = _case(name, seed=seed_of("compiled", name))
     want = fn(*inputs)
     assert want[2] == expected
     want_grads = _grads(want, inputs)
-    explained = torch._dynamo.explain(fn)(*inputs)
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
-    torch._dynamo.reset()
-    got = torch.compile(fn, fullgraph=True)(*inputs)
+    graphs = CompileCounterWithBackend(backend)  # counts the graphs Dynamo hands the backend
+    got = torch.compile(fn, fullgraph=True, backend=graphs)(*inputs)
+    assert graphs.frame_count == 1
     assert got[2] == compiled_route
     assert_close_norm(got[0], want[0], rtol=1e-5, atol=1e-6, name="loss")
     assert set(got[1]) == set(want[1])

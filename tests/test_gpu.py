@@ -63,7 +63,7 @@ def test_kernel_matches_fp64_reference_at_llama3_vocab(dtype, spec):
     out = headloss.head_loss(x, targets, spec)
     out.loss.backward()
     r = logits.double().requires_grad_()
-    ref = headloss.reference_head_loss(r, targets, spec)
+    ref = headloss.reference.reference_head_loss(r, targets, spec)
     ref.loss.backward()
     assert abs(out.loss.item() - ref.loss.item()) <= 1e-5 * max(1.0, abs(ref.loss.item()))
     for name, value in ref.metrics.items():
@@ -89,7 +89,7 @@ def test_rows_past_grid_limit_and_int32_offsets():
     out.loss.backward()
     check = torch.tensor([0, 1, 65_535, 65_536, 69_998, 69_999], device="cuda")
     ref_x = logits[check].double().requires_grad_()
-    ref = headloss.reference_head_loss(ref_x, targets[check], spec.model_copy(update={"reduction": "sum"}))
+    ref = headloss.reference.reference_head_loss(ref_x, targets[check], spec.model_copy(update={"reduction": "sum"}))
     (ref.loss / rows).backward()
     assert torch.equal(out.predicted_tokens[check], ref.predicted_tokens)
     assert torch.allclose(out.logprobs[check].double(), ref.logprobs, atol=1e-4)
@@ -103,7 +103,7 @@ def test_vocab_262144_and_odd_vocab():
         out = headloss.head_loss(x, targets, FULL)
         out.loss.backward()
         r = logits.double().requires_grad_()
-        ref = headloss.reference_head_loss(r, targets, FULL)
+        ref = headloss.reference.reference_head_loss(r, targets, FULL)
         ref.loss.backward()
         assert abs(out.loss.item() - ref.loss.item()) < 1e-4
         assert _rel(x.grad, r.grad) < 8e-3
@@ -204,7 +204,7 @@ def test_linear_head_matches_torch_eager_at_llama3_size(spec):
     grads = [t.grad for t in (hidden, weight, bias)]
     for t in (hidden, weight, bias):
         t.grad = None
-    ref = headloss.reference_head_loss(
+    ref = headloss.reference.reference_head_loss(
         torch.nn.functional.linear(hidden.float(), weight.float(), bias.float()), targets, spec
     )
     ref.loss.backward()
@@ -229,7 +229,7 @@ def test_distillation_matches_fp64_reference_at_llama3_vocab(divergence, beta):
     out = headloss.head_loss(x, targets, spec, teacher_logits=teacher)
     out.loss.backward()
     r = logits.double().requires_grad_()
-    ref = headloss.reference_head_loss(r, targets, spec, teacher_logits=teacher.double())
+    ref = headloss.reference.reference_head_loss(r, targets, spec, teacher_logits=teacher.double())
     ref.loss.backward()
     assert abs(out.loss.item() - ref.loss.item()) <= 1e-5 * max(1.0, abs(ref.loss.item()))
     for name, value in ref.metrics.items():
@@ -272,7 +272,7 @@ def test_grpo_matches_fp64_reference_at_llama3_vocab(case):
     out.loss.backward()
     r = logits.double().requires_grad_()
     as_fp64 = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}
-    ref = headloss.reference_head_loss(r, ids, spec, **as_fp64)
+    ref = headloss.reference.reference_head_loss(r, ids, spec, **as_fp64)
     ref.loss.backward()
     assert abs(out.loss.item() - ref.loss.item()) <= 1e-4 * max(1.0, abs(ref.loss.item()))
     assert set(out.metrics) == set(ref.metrics)
@@ -303,7 +303,7 @@ def test_linear_head_with_teacher_hidden_and_policy_matches_eager():
     out.loss.backward()
     grads = [hidden.grad, weight.grad]
     hidden.grad = weight.grad = None
-    ref = headloss.reference_head_loss(
+    ref = headloss.reference.reference_head_loss(
         torch.nn.functional.linear(hidden.float(), weight.float()), ids, spec,
         teacher_logits=torch.nn.functional.linear(t_hidden.float(), t_weight.float()), **inputs,
     )
@@ -374,7 +374,7 @@ def test_lm_head_grpo_metrics_match_fp64_reference_without_a_host_sync():
         out.loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    ref = headloss.reference_head_loss(logits, ids, spec, **inputs)
+    ref = headloss.reference.reference_head_loss(logits, ids, spec, **inputs)
     assert abs(out.loss.item() - ref.loss.item()) < 1e-2 * max(1.0, abs(ref.loss.item()))
     names = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
              "clip_ratio/high_max", "ratio/mean", "ratio/min", "ratio/max", "kl")
@@ -860,7 +860,7 @@ def test_dft_matches_fp64_reference_at_llama3_vocab():
     out = headloss.head_loss(x, targets, spec)
     out.loss.backward()
     r = logits.double().requires_grad_()
-    ref = headloss.reference_head_loss(r, targets, spec)
+    ref = headloss.reference.reference_head_loss(r, targets, spec)
     ref.loss.backward()
     assert abs(out.loss.item() - ref.loss.item()) <= 1e-5 * max(1.0, abs(ref.loss.item()))
     assert abs(out.metrics["dft"].item() - ref.metrics["dft"].item()) < 1e-5
@@ -897,7 +897,7 @@ def test_repeated_calls_launch_from_the_fast_table_and_skip_triton_binding(monke
             headloss.head_loss(x, targets, spec).loss.backward()
     before = dict(launch._FAST)
     slow = []
-    monkeypatch.setattr(launch, "native_specialize_impl", lambda *a: slow.append(a))
+    monkeypatch.setattr(launch, "_native_specialize", lambda *a: slow.append(a))
     for spec in (SFT, FULL, SFT):
         x.grad = None
         headloss.head_loss(x, targets, spec).loss.backward()
@@ -1102,7 +1102,7 @@ def test_lm_head_sequence_statistics_match_fp64_reference(objective):
                                     **{k: (t_.float() if t_.is_floating_point() else t_) for k, t_ in inputs.items()})
     out.loss.backward()
     x64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    ref = headloss.head_loss(x64 @ w64.T, ids, spec, backend="reference", **inputs)
+    ref = headloss.head_loss(x64 @ w64.T, ids, spec, backend="torch", **inputs)
     ref.loss.backward()
     assert abs(out.loss.item() - ref.loss.item()) <= 1e-4 * max(1.0, abs(ref.loss.item()))
     assert _rel(x.grad, x64.grad) < 1e-4 and _rel(w.grad, w64.grad) < 1e-4

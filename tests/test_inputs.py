@@ -24,7 +24,7 @@ def _targets(shape=(4,)):
 # --- inputs -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize(
     "logits,targets,error,match",
     [
@@ -76,7 +76,7 @@ def test_out_of_range_3d_targets_name_their_position():
 @pytest.mark.parametrize("bad", [V, 10_000, -3], ids=["V", "far_above", "negative"])
 @pytest.mark.parametrize(
     "backend,mode",
-    [("triton", "fused"), ("triton", "deferred"), ("reference", "mean"), ("reference", "none")],
+    [("triton", "fused"), ("triton", "deferred"), ("torch", "mean"), ("torch", "none")],
 )
 def test_unvalidated_out_of_range_targets_give_nan_loss_not_a_crash(bad, backend, mode):
     if backend == "triton" and not headloss.env.INTERPRETER:
@@ -256,7 +256,7 @@ def test_spec_file_with_a_bad_field_raises_naming_the_field(tmp_path):
         head_loss(_logits(), _targets(), str(path))
 
 
-@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_a_lazily_negated_view_is_read_with_its_sign(backend):
     """torch._neg_view(x) stores x and a negative bit: the kernels read stored values, so head_loss
     resolves the sign first; both backends equal the loss of -x, gradient included."""
@@ -278,7 +278,7 @@ def test_a_lazily_negated_view_is_read_with_its_sign(backend):
         assert torch.allclose(leaf.grad, -plain.grad, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_kernel)])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_kernel)])
 def test_narrow_integer_targets_are_checked_by_their_values(backend):
     """uint8 targets against V = 300: 255 is in range (a check in uint8 would wrap 300 to 44)."""
     logits = make_logits((4, 300), seed=2)
@@ -301,7 +301,7 @@ def test_a_group_that_is_not_a_process_group_is_an_error_naming_group():
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         for call in (lambda: head_loss(logits, targets, group="tp"),
-                     lambda: head_loss(logits, targets, group="tp", backend="reference"),
+                     lambda: head_loss(logits, targets, group="tp", backend="torch"),
                      lambda: linear_head_loss(torch.randn(4, 3), torch.randn(V, 3), targets, group=7)):
             with pytest.raises(TypeError, match="group: expected a torch.distributed ProcessGroup"):
                 call()
@@ -310,7 +310,7 @@ def test_a_group_that_is_not_a_process_group_is_an_error_naming_group():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_kernel)])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_kernel)])
 def test_float64_teacher_logits_are_read_as_float32_with_a_lower_precision_student(backend):
     from headloss import linear_head_loss
 

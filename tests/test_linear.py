@@ -28,14 +28,17 @@ from conftest import (
     make_targets,
     needs_kernel,
     seed_of,
+    tiered,
     token_weights,
     with_,
 )
 
+import headloss.chunks
 import headloss.linear
-from headloss import CrossEntropy, Entropy, HeadLossOutput, LogitTransform, LossSpec, ZLoss, reference_head_loss
-from headloss.api import LinearHeadLoss, chunk_rows_for, linear_head_loss
-from headloss.reference import transformed_logits
+from headloss import CrossEntropy, Entropy, HeadLossOutput, LogitTransform, LossSpec, ZLoss
+from headloss.api import LinearHeadLoss, linear_head_loss
+from headloss.chunks import chunk_rows_for
+from headloss.reference import reference_head_loss, transformed_logits
 
 pytestmark = needs_kernel
 
@@ -602,7 +605,7 @@ def test_all_ignored_batch_gives_zero_loss_and_zero_gradients(mode, compact):
 
 @pytest.fixture
 def nan_filled_empty(monkeypatch):
-    """torch.empty / empty_like inside headloss.linear return NaN-filled tensors, so a buffer read
+    """torch.empty / empty_like inside headloss.linear and headloss.chunks return NaN-filled tensors, so a buffer read
     before it is written (the first chunk's dW and db, dh rows) shows up as NaN."""
     real_empty, real_empty_like = torch.empty, torch.empty_like
 
@@ -621,12 +624,13 @@ def nan_filled_empty(monkeypatch):
         def empty_like(*args, **kwargs):
             return fill(real_empty_like(*args, **kwargs))
 
-    monkeypatch.setattr(headloss.linear, "torch", PoisonedTorch())
+    for module in (headloss.linear, headloss.chunks):  # the chunk loop and its gradient buffers
+        monkeypatch.setattr(module, "torch", PoisonedTorch())
 
 
-@pytest.mark.parametrize("compact", [True, False], ids=["compact", "full_rows"])
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+# the fast tier: every pair of dtype, mode and layout (each mode's buffers compact and full-rows)
+@pytest.mark.parametrize("dtype, mode, compact", tiered([F32, BF16], list(MODES), [True, False],
+                                                        ids=[["fp32", "bf16"], list(MODES), ["compact", "full_rows"]]))
 def test_uninitialised_gradient_buffers_are_overwritten_before_use(nan_filled_empty, dtype, mode, compact):
     hidden, weight, bias = make_head((7,), 16, 37, dtype, 11)
     targets = make_targets((7,), 37, 12)
@@ -819,15 +823,15 @@ def test_reference_backend_matches_triton_backend(mode):
     hidden, weight, bias = make_head((2, 4), 8, 37, F32, seed)
     targets = make_targets((2, 4), 37, seed, ignore_frac=0.25)
     outs, grads = {}, {}
-    for backend in ("triton", "reference"):
+    for backend in ("triton", "torch"):
         w = weight.clone().requires_grad_()
         outs[backend] = linear_head_loss(hidden, w, targets, spec, bias=bias, shift=True, backend=backend)
         default_objective(spec, (2, 4))(outs[backend]).backward()
         grads[backend] = w.grad
     for name in ("loss", "logprobs", "lse", "token_loss", "entropy"):
-        assert torch.allclose(getattr(outs["triton"], name), getattr(outs["reference"], name), rtol=1e-5, atol=1e-5)
-    assert torch.equal(outs["triton"].predicted_tokens, outs["reference"].predicted_tokens)
-    assert_close_norm(grads["triton"], grads["reference"], rtol=1e-5, atol=GRAD_ATOL, name="d weight")
+        assert torch.allclose(getattr(outs["triton"], name), getattr(outs["torch"], name), rtol=1e-5, atol=1e-5)
+    assert torch.equal(outs["triton"].predicted_tokens, outs["torch"].predicted_tokens)
+    assert_close_norm(grads["triton"], grads["torch"], rtol=1e-5, atol=GRAD_ATOL, name="d weight")
 
 
 # --- the module form ----------------------------------------------------------------------------
@@ -837,12 +841,12 @@ def test_module_form_equals_the_function():
     seed = seed_of("module")
     hidden, weight, bias = make_head((2, 4), 8, 37, F32, seed)
     targets = make_targets((2, 4), 37, seed, ignore_frac=0.25)
-    options = dict(shift=True, chunk_bytes=chunk_bytes_for(3, 37, F32), backend="triton")
+    options = dict(chunk_bytes=chunk_bytes_for(3, 37, F32), backend="triton")
     module = LinearHeadLoss({"z_loss": {"weight": 1e-2}, "outputs": ["token_loss"]}, **options)
     assert module.spec == LossSpec(z_loss=ZLoss(weight=1e-2), outputs=("token_loss",))
     w1, w2 = weight.clone().requires_grad_(), weight.clone().requires_grad_()
-    got = module(hidden, w1, targets, bias=bias, num_items_in_batch=5)
-    want = linear_head_loss(hidden, w2, targets, module.spec, bias=bias, num_items_in_batch=5, **options)
+    got = module(hidden, w1, targets, bias=bias, num_items_in_batch=5, shift=True)
+    want = linear_head_loss(hidden, w2, targets, module.spec, bias=bias, num_items_in_batch=5, shift=True, **options)
     got.loss.backward()
     want.loss.backward()
     assert torch.equal(got.loss, want.loss)

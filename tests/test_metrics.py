@@ -27,12 +27,12 @@ def micro_batches(seed: int, sizes=(3, 8, 5), vocab=37, ignore=0.3):
 def test_token_weighted_means_equal_one_call_over_all_tokens():
     batches = micro_batches(1)
     whole = head_loss(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]), SPEC,
-                      backend="reference")
+                      backend="torch")
     total = int(whole.metrics["n_tokens"])
     acc = MetricsAccumulator()
     naive = []
     for logits, targets in batches:
-        out = head_loss(logits, targets, SPEC, num_items_in_batch=total, backend="reference")
+        out = head_loss(logits, targets, SPEC, num_items_in_batch=total, backend="torch")
         acc.update(out, num_items_in_batch=total)
         naive.append(float(out.metrics["ce"]))
     values = acc.compute()
@@ -47,15 +47,15 @@ def test_token_weighted_means_equal_one_call_over_all_tokens():
 def test_loss_without_num_items_and_with_sum_reduction():
     batches = micro_batches(2)
     whole = head_loss(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]), SPEC,
-                      backend="reference")
+                      backend="torch")
     acc = MetricsAccumulator()
     for logits, targets in batches:
-        acc.update(head_loss(logits, targets, SPEC, backend="reference"))
+        acc.update(head_loss(logits, targets, SPEC, backend="torch"))
     assert acc.compute()["loss"] == pytest.approx(float(whole.loss), rel=1e-6)
     summed = LossSpec.model_validate({**dict(SPEC), "reduction": "sum"})
     acc = MetricsAccumulator(names=TRL_NAMES, prefix="train/")
     for logits, targets in batches:
-        acc.update(head_loss(logits, targets, summed, backend="reference"), reduction="sum")
+        acc.update(head_loss(logits, targets, summed, backend="torch"), reduction="sum")
     values = acc.compute()
     assert values["train/loss"] == pytest.approx(float(whole.loss), rel=1e-6)
     assert "train/mean_token_accuracy" in values and "train/num_tokens" in values
@@ -70,12 +70,12 @@ def test_min_and_max_metrics_reduce_by_min_and_max_and_skip_empty_calls():
         ids = torch.randint(0, 23, (b, length), generator=gen)
         old = -torch.rand(b, length, generator=gen) * 3
         out = head_loss(logits, ids, GRPO, advantages=torch.randn(b, generator=gen), old_logprobs=old,
-                        ref_logprobs=old, backend="reference")
+                        ref_logprobs=old, backend="torch")
         acc.update(out)
         seen_min.append(float(out.metrics["ratio/min"]))
         seen_max.append(float(out.metrics["ratio/max"]))
     empty = head_loss(torch.randn(1, 3, 23), torch.full((1, 3), -100), GRPO, advantages=torch.ones(1),
-                      old_logprobs=torch.zeros(1, 3), ref_logprobs=torch.zeros(1, 3), backend="reference")
+                      old_logprobs=torch.zeros(1, 3), ref_logprobs=torch.zeros(1, 3), backend="torch")
     acc.update(empty)  # no tokens: its ratio/min of 1 must not count
     values = acc.compute()
     assert values["ratio/min"] == pytest.approx(min(seen_min))
@@ -94,11 +94,11 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="out: metric 'n_tokens' is not a one-element tensor"):
         acc.update({"loss": torch.tensor(1.0), "n_tokens": 3})
     logits, targets = micro_batches(4)[0]
-    acc.update(head_loss(logits, targets, SPEC, backend="reference"))
+    acc.update(head_loss(logits, targets, SPEC, backend="torch"))
     with pytest.raises(ValueError, match="differ"):
-        acc.update(head_loss(logits, targets, LossSpec(), backend="reference"))
+        acc.update(head_loss(logits, targets, LossSpec(), backend="torch"))
     with pytest.raises(ValueError, match="reduction"):
-        acc.update(head_loss(logits, targets, SPEC, backend="reference"), reduction="none")
+        acc.update(head_loss(logits, targets, SPEC, backend="torch"), reduction="none")
 
 
 
@@ -119,7 +119,7 @@ def _rank(rank: int, world: int, port: int, results) -> None:
 
         dist.all_gather = counted
         for logits, targets in mine:
-            acc.update(head_loss(logits, targets, SPEC, backend="reference"))
+            acc.update(head_loss(logits, targets, SPEC, backend="torch"))
         values = acc.compute()
         dist.all_gather = original
         results[rank] = (values, len(calls))
@@ -132,7 +132,7 @@ def _rank(rank: int, world: int, port: int, results) -> None:
 def test_gloo_ranks_reduce_with_one_collective(world):
     batches = micro_batches(5)
     whole = head_loss(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]), SPEC,
-                      backend="reference")
+                      backend="torch")
     results = spawn_ranks(_rank, world)
     for rank in range(world):
         values, collectives = results[rank]
@@ -154,7 +154,7 @@ def _rank_mismatch(rank: int, world: int, port: int, results) -> None:
         # as many metrics on both ranks, under different names
         spec = LossSpec(z_loss=ZLoss(weight=1e-3)) if rank == 0 else LossSpec(dft={"weight": 1.0})
         acc = MetricsAccumulator()
-        acc.update(head_loss(logits, targets, spec, backend="reference"))
+        acc.update(head_loss(logits, targets, spec, backend="torch"))
         try:
             acc.compute()
             results[rank] = "ok"

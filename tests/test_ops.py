@@ -13,6 +13,9 @@ from conftest import assert_close_norm, make_logits, make_targets, needs_kernel
 
 import headloss
 from headloss import LossSpec, head_loss, linear_head_loss
+from headloss.chunks import LinearRun
+from headloss.engine import CallTensors, HeadRun
+from headloss.linear_ops import run_args
 from headloss.ops import flat_geometry, geo_ints, hand_off
 from headloss.output import RETAIN_GRAPH_ERROR
 
@@ -50,7 +53,7 @@ def _compare(step, *inputs):
 )
 def test_reference_path_compiles_in_one_graph_with_any_spec_form(spec):
     def step(x, y):
-        out = head_loss(x, y, spec, backend="reference")
+        out = head_loss(x, y, spec, backend="torch")
         return out.loss, out.metrics["z_loss"], out.metrics["token_accuracy"]
 
     _compare(step, make_logits((6, V), seed=1).requires_grad_(), make_targets((6,), V, seed=1, ignore_frac=0.2))
@@ -64,7 +67,7 @@ def test_reference_policy_path_compiles_in_one_graph():
     old, ref = -torch.rand(2, 3, generator=gen) - 3, -torch.rand(2, 3, generator=gen)
 
     def step(x, y):
-        out = head_loss(x, y, spec, advantages=adv, old_logprobs=old, ref_logprobs=ref - 3, backend="reference")
+        out = head_loss(x, y, spec, advantages=adv, old_logprobs=old, ref_logprobs=ref - 3, backend="torch")
         return out.loss, out.metrics["clip_ratio/low_min"], out.metrics["kl"], out.metrics["ratio/max"]
 
     _compare(step, make_logits((2, 3, V), seed=3).requires_grad_(), make_targets((2, 3), V, seed=3))
@@ -117,7 +120,7 @@ def test_linear_head_compiles_in_one_graph(spec):
 
 
 def _plan_key(spec: LossSpec) -> str:
-    return headloss.compile_plan(spec).key
+    return headloss.plan.compile_plan(spec).key
 
 
 @needs_kernel
@@ -129,8 +132,8 @@ def test_opcheck_head_forward(grad_mode):
     spec = LossSpec(z_loss={"weight": 1e-3}, token_accuracy=True, outputs=("predicted_tokens",))
     logits, targets = make_logits((5, V), seed=9), make_targets((5,), V, seed=9)
     geo = geometry((5, V), (0, V), 5, 0, None, -100, Normaliser())
-    args = (logits, targets, None, None, None, None, None, None, None, None, None, None, _plan_key(spec),
-            geo_ints(geo), geo.norm, grad_mode, "off", [5], [1, 0], 0)
+    run = HeadRun(headloss.plan.compile_plan(spec), geo, False, "off", (5,))
+    args = (logits, [*CallTensors(targets), None, None], *run.op_args(), grad_mode, 0)
     # a handoff token names its own buffers, so two calls' tokens differ by design: the AOT check,
     # which compares two calls' outputs, runs for the other modes (the compile tests cover handoff)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
@@ -146,12 +149,11 @@ def test_opcheck_head_backward():
     spec = LossSpec(reduction="none", outputs=("lse",), differentiable_outputs=True)
     logits, targets = make_logits((5, V), seed=10), make_targets((5,), V, seed=10)
     geo = geometry((5, V), (0, V), 5, 0, None, -100, Normaliser())
-    key = _plan_key(spec)
+    run = HeadRun(headloss.plan.compile_plan(spec), geo, False, "off", (5,))
     loss, rows, pred, means, scratch, _ = torch.ops.headloss.head_forward(
-        logits, targets, None, None, None, None, None, None, None, None, None, None, key, geo_ints(geo), 0.0, "none",
-        "off", [5], [1, 0], 0)
-    args = (logits, targets, None, rows, torch.rand(5), torch.rand(rows.shape), None, scratch, None, key,
-            geo_ints(geo), 0.0, False)
+        logits, [*CallTensors(targets), None, None], *run.op_args(), "none", 0)
+    args = (logits, [targets, None, rows, torch.rand(5), torch.rand(rows.shape), None, scratch, None],
+            *run.op_args())
     torch.library.opcheck(torch.ops.headloss.head_backward.default, args)
 
 
@@ -176,13 +178,13 @@ def test_opcheck_vocab_parallel_ops():
     stats = merge_stats_op(part[None], False)
     torch.library.opcheck(shard_jsd_op.op, (logits, targets, teacher, stats, key, ints, 0.0))
     jsd = shard_jsd_op(logits, targets, teacher, stats, key, ints, 0.0)
-    forward = (logits, targets, teacher, None, None, None, None, None, None, None, stats, jsd, key, ints, 0.0, "none",
-               "off", [5], [1, 0], 0)
+    run = HeadRun(headloss.plan.compile_plan(spec), geo, False, "off", (5,))
+    forward = (logits, [*CallTensors(targets, teacher), stats, jsd], *run.op_args(), "none", 0)
     torch.library.opcheck(torch.ops.headloss.head_forward.default, forward)
     loss, rows, pred, means, scratch, _ = torch.ops.headloss.head_forward(*forward)
     torch.library.opcheck(torch.ops.headloss.head_backward.default,
-                          (logits, targets, teacher, rows, torch.rand(5), None, None, scratch, stats, key, ints, 0.0,
-                           False))
+                          (logits, [targets, teacher, rows, torch.rand(5), None, None, scratch, stats],
+                           *run.op_args()))
 
 
 @needs_kernel
@@ -265,17 +267,17 @@ def test_opcheck_linear_ops(spec, handoff):
     gen = torch.Generator().manual_seed(11)
     hidden, weight = torch.randn(7, 8, generator=gen), torch.randn(V, 8, generator=gen)
     targets = make_targets((7,), V, seed=11)
-    key = _plan_key(spec)
-    forward_args = (hidden, weight, None, targets, None, None, None, None, None, None, None, None, None, None, None,
-                    key, [3, 0, 0, 0], "rows", [], [], False, "off", [7], -100, 0.0, [True, True, False], handoff,
-                    "", [])
+    run = LinearRun(headloss.plan.compile_plan(spec), 3, False, False, "off", (7,), -100, 0.0)
+    policy_tensors, *args = run_args(run)
+    forward_args = (hidden, weight, None, [*CallTensors(targets), *policy_tensors], *args, [True, True, False],
+                    handoff)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")  # see test_opcheck_head_forward
     op = torch.ops.headloss.linear_forward_beside if handoff else torch.ops.headloss.linear_forward
     torch.library.opcheck(op.default, forward_args, **(dict(test_utils=utils) if handoff else {}))
     loss, rows, pred, means, scratch, *_ = torch.ops.headloss.linear_forward(*forward_args)
     d_loss = torch.rand(loss.shape if spec.reduction == "none" else ())
-    backward_args = (hidden, weight, None, targets, None, None, None, None, rows, None, scratch, d_loss, None, None,
-                     key, [3, 0, 0, 0], False, -100, 0.0, "", [], [True, True, False])
+    backward_args = (hidden, weight, None, [*CallTensors(targets), rows, scratch, d_loss, None, None], *args,
+                     [True, True, False])
     torch.library.opcheck(torch.ops.headloss.linear_backward.default, backward_args)
 
 
@@ -293,14 +295,14 @@ def test_opcheck_policy_ops():
     n = batch * length
     spec = LossSpec(cross_entropy=None, policy={"importance_sampling": "sequence", "kl_beta": 0.04,
                                                 "entropy_coef": 0.01})
-    plan = headloss.compile_plan(spec)
+    plan = headloss.plan.compile_plan(spec)
     rows = torch.randn(n, plan.cols.N, generator=gen)
     old, ref = -torch.rand(n, generator=gen) - 1, -torch.rand(n, generator=gen) - 1
     adv, mask = torch.randn(n, generator=gen), (torch.rand(n, generator=gen) > 0.3).float()
     weight = mask / mask.sum()
     for metrics, grad in ((True, True), (False, True), (True, False)):
-        args = (rows, old, ref, adv, None, mask, weight, old, torch.rand(()), plan.key, False, batch, length, 1,
-                metrics, grad)
+        args = (rows, [old, ref, adv, None, mask, weight, old, torch.rand(())], plan.key,
+                [0, batch, length, 1, int(metrics), int(grad)])
         torch.library.opcheck(policy_objective_op.op, args)
     ratio, low, high = (torch.rand(n, generator=gen) for _ in range(3))
     means = [torch.rand((), generator=gen) for _ in range(3)]
@@ -320,7 +322,7 @@ def test_a_spec_object_held_anywhere_compiles():
     """A LossSpec as a global, a default argument or a closure variable is read by attribute at trace
     time (pydantic's serializer cannot be traced)."""
     def step(x, y, spec=SFT):
-        return (head_loss(x, y, spec, backend="reference").loss,)
+        return (head_loss(x, y, spec, backend="torch").loss,)
 
     _compare(step, make_logits((6, V), seed=12).requires_grad_(), make_targets((6,), V, seed=12))
 

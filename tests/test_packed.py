@@ -60,7 +60,8 @@ POLICY_INPUTS = ("advantages", "old_logprobs", "ref_logprobs", "loss_mask")
 
 def run(inputs, spec, backend, packed_by=None, route=None, entry="logits"):
     """(out, d rows) of one call; ``packed_by``: 'cu_seqlens' or 'position_ids' (else the padded call)."""
-    kwargs = {name: inputs[name] for name in POLICY_INPUTS} if spec.policy is not None else {}
+    kwargs = {name: inputs[name] for name in POLICY_INPUTS if name != "ref_logprobs" or spec.policy.kl_beta} \
+        if spec.policy is not None else {}
     if packed_by is not None:
         kwargs[packed_by] = inputs[packed_by]
     if entry == "logits":
@@ -111,7 +112,7 @@ SPECS = {
 
 @needs_kernel
 @pytest.mark.parametrize("name, packed_by, backend", tiered(
-    list(SPECS), ["cu_seqlens", "position_ids"], ["triton", "reference"]))
+    list(SPECS), ["cu_seqlens", "position_ids"], ["triton", "torch"]))
 def test_packed_rows_equal_the_padded_call(name, packed_by, backend):
     spec = SPECS[name]
     lengths = [length for length in LENGTHS if length] if packed_by == "position_ids" else LENGTHS
@@ -173,14 +174,14 @@ def test_thousands_of_short_sequences():
     lengths = [1 + (i % 5) for i in range(2000)]
     packed, padded, where = packed_case(lengths, seed=3, vocab=11)
     spec = SPECS["grpo-grpo"]
-    assert_equal_calls(run(packed, spec, "reference", "cu_seqlens"), run(padded, spec, "reference"), where)
+    assert_equal_calls(run(packed, spec, "torch", "cu_seqlens"), run(padded, spec, "torch"), where)
 
 
-@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_kernel), "reference"])
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_kernel), "torch"])
 @pytest.mark.parametrize("cu, message", [
-    (torch.tensor([1, 5, 16], dtype=torch.int32), "cu_seqlens"),  # not starting at 0
-    (torch.tensor([0, 9, 5, 16]), "cu_seqlens"),  # decreasing
-    (torch.tensor([0, 5, 15]), "cu_seqlens"),  # not ending at the row count
+    (torch.tensor([1, 5, 16], dtype=torch.int32), r"row count 16; cu_seqlens\[0\] = 1, not 0$"),
+    (torch.tensor([0, 9, 5, 16]), r"row count 16; cu_seqlens\[2\] = 5 < cu_seqlens\[1\] = 9$"),
+    (torch.tensor([0, 5, 15]), r"row count 16; cu_seqlens\[2\] = 15, the last, is not 16$"),
     (torch.tensor([0, 5, 16], dtype=torch.float32), "cu_seqlens"),  # not integer
     (torch.tensor([[0, 5, 16]]), "cu_seqlens"),  # not 1-D
     ([0, 5, 16], "cu_seqlens"),  # not a tensor
@@ -212,3 +213,44 @@ def test_packed_input_errors_name_the_argument():
         head_loss(logits, targets, spec, position_ids=packed["position_ids"], **inputs)  # [S]: cu_seqlens only
     with pytest.raises(ValueError, match="advantages"):
         head_loss(logits, targets, spec, cu_seqlens=cu, **{**inputs, "advantages": inputs["advantages"][:-1]})
+
+
+BAD_CU = torch.tensor([0, 8, 4, 12])
+BAD_CU_MESSAGE = (r"^cu_seqlens: offsets must be non-decreasing from 0 to the row count 12; "
+                  r"cu_seqlens\[2\] = 4 < cu_seqlens\[1\] = 8$")
+
+
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_kernel), "torch"])
+@pytest.mark.parametrize("entry", ["logits", "hidden"])
+@pytest.mark.parametrize("validate", [True, "sync"])
+def test_bad_cu_seqlens_is_an_error_when_row_0_is_outside_loss_mask(entry, backend, validate):
+    """The malformed layout is found whatever the masks say: loss_mask[0] = 0 turns row 0's target
+    into ignore_index, which must not hide the mark that names cu_seqlens."""
+    gen = generator(5)
+    rows = int(BAD_CU[-1])
+    logits = torch.randn(rows, V, generator=gen)
+    hidden = torch.randn(rows, H, generator=gen)
+    weight = torch.randn(V, H, generator=gen)
+    targets = torch.randint(0, V, (rows,), generator=gen)
+    mask = torch.ones(rows, dtype=torch.long)
+    mask[0] = 0
+    inputs = dict(advantages=torch.randn(rows, generator=gen), old_logprobs=-torch.rand(rows, generator=gen),
+                  loss_mask=mask, cu_seqlens=BAD_CU, backend=backend, validate=validate)
+    spec = LossSpec(cross_entropy=None, policy=Policy())
+    with pytest.raises(ValueError, match=BAD_CU_MESSAGE):
+        if entry == "logits":
+            head_loss(logits, targets, spec, **inputs)
+        else:
+            headloss.linear_head_loss(hidden, weight, targets, spec, **inputs)
+    good = torch.tensor([0, 4, 8, 12])
+    out = head_loss(logits, targets, spec, **{**inputs, "cu_seqlens": good}) if entry == "logits" else \
+        headloss.linear_head_loss(hidden, weight, targets, spec, **{**inputs, "cu_seqlens": good})
+    assert torch.isfinite(out.loss)
+
+
+def test_a_bad_offset_too_large_for_the_mark_is_named_without_its_value():
+    """The mark holds offsets within +-2**20; a larger one is named by its index alone."""
+    rows = 12
+    cu = torch.tensor([0, 2**30, rows])
+    with pytest.raises(ValueError, match=r"row count 12; cu_seqlens\[2\] = 12 < cu_seqlens\[1\]$"):
+        head_loss(torch.zeros(rows, V), torch.zeros(rows, dtype=torch.long), None, cu_seqlens=cu, backend="torch")

@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import make_logits, make_targets, needs_kernel, with_
 
-from headloss import DFT, CrossEntropy, Entropy, LogitTransform, LossSpec, ZLoss, compile_plan, head_loss
+from headloss import DFT, CrossEntropy, Entropy, LogitTransform, LossSpec, ZLoss, head_loss
 from headloss.kernels import blocks, head, policy, primitives, shard, terms
-from headloss.plan import ROW_COLUMNS, Columns, Flags, Scalars, plan_from_key
+from headloss.plan import ROW_COLUMNS, Columns, Flags, Scalars, compile_plan, plan_from_key
 
 RICH = LossSpec(
     cross_entropy=CrossEntropy(label_smoothing=0.1),

@@ -50,7 +50,7 @@ def test_the_routes_of_each_kind_of_call():
         ["lm_head:covariance", "lm_head:deferred+torch"]
     assert _names(LossSpec(cross_entropy=None, policy=Policy(top_entropy_quantile=0.5)), entry="hidden") == \
         ["lm_head:entropy-guess", "lm_head:deferred+torch"]
-    assert _names(LossSpec(), backend="reference") == ["reference"]
+    assert _names(LossSpec(), backend="torch") == ["torch"]
 
 
 def test_the_facts_that_close_routes():
@@ -82,7 +82,7 @@ def test_a_route_the_call_cannot_take_is_an_error_naming_route():
     with pytest.raises(ValueError, match=r"route: 'fused' cannot run this call; it can run deferred\+kernels, "
                                          r"deferred\+torch"):
         choose(plan, facts, "fused")
-    with pytest.raises(ValueError, match="route: expected one of reference, fused"):
+    with pytest.raises(ValueError, match="route: expected one of torch, fused"):
         choose(plan, facts, "fast")
     with pytest.raises(ValueError, match="route: expected one of"):
         head_loss(make_logits((3, V)), make_targets((3,), V), route=3)
@@ -98,6 +98,13 @@ def _policy_batch(seed: int, batch=3, length=6):
                   ref_logprobs=(logp + 0.2 * torch.randn(batch, length, generator=gen, dtype=torch.float64)).float(),
                   loss_mask=(torch.rand(batch, length, generator=gen) > 0.2).float())
     return logits, ids, inputs
+
+
+def _read_by(spec: LossSpec, inputs: dict) -> dict:
+    """The policy inputs ``spec`` reads (ref_logprobs only with a KL term)."""
+    if spec.policy is None:
+        return {}
+    return {k: v for k, v in inputs.items() if k != "ref_logprobs" or spec.policy.kl_beta != 0.0}
 
 
 def _check(out, grads, ref, ref_grads):
@@ -122,14 +129,14 @@ LOGITS_ROUTES = {
 def test_every_logits_route_matches_the_reference(route):
     spec = LOGITS_ROUTES[route]
     logits, ids, inputs = _policy_batch(3)
-    inputs = inputs if spec.policy is not None else {}
+    inputs = _read_by(spec, inputs)
     x = logits.clone().requires_grad_()
     out = head_loss(x, ids, spec, route=route, **inputs)
     assert out.route == route
     (out.loss.sum() if spec.reduction == "none" else out.loss).backward()
     x64 = logits.double().requires_grad_()
-    ref = head_loss(x64, ids, spec, backend="reference", **{k: v.double() for k, v in inputs.items()})
-    assert ref.route == "reference"
+    ref = head_loss(x64, ids, spec, backend="torch", **{k: v.double() for k, v in inputs.items()})
+    assert ref.route == "torch"
     (ref.loss.sum() if spec.reduction == "none" else ref.loss).backward()
     _check(out, [x.grad], ref, [x64.grad])
 
@@ -152,7 +159,7 @@ def test_every_lm_head_route_matches_the_reference(route):
     spec = LM_HEAD_ROUTES[route]
     gen = generator(5)
     _, ids, inputs = _policy_batch(5)
-    inputs = inputs if spec.policy is not None else {}
+    inputs = _read_by(spec, inputs)
     hidden = torch.randn(3, 6, 8, generator=gen, dtype=torch.float64)
     weight = torch.randn(V, 8, generator=gen, dtype=torch.float64) * 0.5
     leaves = [hidden.float().requires_grad_(), weight.float().requires_grad_()]
@@ -160,14 +167,14 @@ def test_every_lm_head_route_matches_the_reference(route):
     assert out.route == route
     (out.loss.sum() if spec.reduction == "none" else out.loss).backward()
     ref_leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
-    ref = head_loss(ref_leaves[0] @ ref_leaves[1].T, ids, spec, backend="reference",
+    ref = head_loss(ref_leaves[0] @ ref_leaves[1].T, ids, spec, backend="torch",
                     **{k: v.double() for k, v in inputs.items()})
     (ref.loss.sum() if spec.reduction == "none" else ref.loss).backward()
     _check(out, [leaf.grad for leaf in leaves], ref, [leaf.grad for leaf in ref_leaves])
 
 
 def test_every_route_is_named_and_described_and_the_tests_run_each():
-    assert set(ROUTES) == {"reference"} | set(LOGITS_ROUTES) | set(LM_HEAD_ROUTES)
+    assert set(ROUTES) == {"torch"} | set(LOGITS_ROUTES) | set(LM_HEAD_ROUTES)
     assert all(text and text[0].islower() for text in ROUTES.values())
 
 
@@ -181,5 +188,5 @@ def test_explain_prints_the_routes_of_both_entry_points():
 def test_log_routes_logs_one_line_per_call(monkeypatch, caplog):
     monkeypatch.setattr(headloss.env, "LOG_ROUTES", True)
     with caplog.at_level(logging.INFO, logger="headloss.routes"):
-        head_loss(make_logits((3, V)), make_targets((3,), V), backend="reference")
-    assert [r.getMessage() for r in caplog.records] == [f"head_loss [3, {V}] float32 -> reference"]
+        head_loss(make_logits((3, V)), make_targets((3,), V), backend="torch")
+    assert [r.getMessage() for r in caplog.records] == [f"head_loss [3, {V}] float32 -> torch"]

@@ -42,8 +42,8 @@ from ..api import head_loss, linear_head_loss
 from ..metrics import MetricsAccumulator
 from ..output import HeadLossOutput
 from ..plan import SpecLike
-from ..reference import transformed_logits
 from ..spec import LogitTransform, LossSpec
+from ..transform import transformed_logits
 
 __all__ = ["HeadLossCallback", "HeadPatch", "head_transform", "patch"]
 

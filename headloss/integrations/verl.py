@@ -41,7 +41,9 @@ from typing import Any
 
 import torch
 
-from ..api import DEFAULT_CHUNK_BYTES, linear_head_loss
+from ..api import linear_head_loss
+from ..bounded import memoize
+from ..chunks import DEFAULT_CHUNK_BYTES
 from ..packed import packed_rows, packed_targets
 from ..policy.logprobs import policy_loss
 from ..spec import Entropy, LogitTransform, LossSpec, Policy
@@ -277,7 +279,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     return logprobs, entropy
 
 
-@functools.lru_cache(maxsize=64)
+@memoize("verl.head_spec", 64, "the log-prob and entropy spec of linear_cross_entropy by temperature")
 def _head_spec(temperature: float) -> LossSpec:
     return LossSpec(cross_entropy=None, outputs=["logprobs", "entropy"], differentiable_outputs=True,
                     ignore_index=_IGNORE, transform=LogitTransform(temperature=temperature))

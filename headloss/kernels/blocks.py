@@ -5,6 +5,7 @@
 * :func:`gradient_pass`  phase 3 -- second read, one write: g = (p (A + B x) + C + D [i=y]) dx/dz
                          (+ the distillation's per-element share)
 * :func:`reduce_rows`    the packed per-row buffer -> column means and the reduced loss
+* :func:`row_start` / :func:`row_slot`  where a program's row lives in each tensor
 
 Phase 2 (per-token values and gradient coefficients) is one piece per term, in ``terms.py``.
 
@@ -22,14 +23,9 @@ Cost notes (the full variant is ALU-bound at 128K vocab if written naively):
 import triton
 import triton.language as tl
 
-from .. import env
-from .layouts import EXTREMES_AT, SCRATCH_AT, SEQUENCE_AT
+from ..layouts import EXTREMES_AT, SCRATCH_AT, SEQUENCE_AT
 from .primitives import LN2, LOG2E, NEG_BIG, softmax_update, to_x2, transform
 from .terms import distill_grad, teacher_block
-
-GRAD_REVERSED: tl.constexpr = tl.constexpr(env.GRAD_REVERSED)
-"""Without a teacher, phase 3 walks a row from its last block to its first (``HEADLOSS_GRAD_ORDER=forward``:
-first to last; benchmarks/NOTES.md has the measurements)."""
 
 
 @triton.jit
@@ -161,6 +157,23 @@ def _grad_block(z, zt, grad_row_ptr, start, V, lse2, A, B2, C, sum_px, dstate, w
 
 
 @triton.jit
+def _grad_tail(row_ptr, t_row_ptr, grad_row_ptr, v_full, V, lse2, A, B2, C, sum_px, dstate, wd, S, F: tl.constexpr,
+               BLOCK_V: tl.constexpr, HAS_B: tl.constexpr, HAS_C: tl.constexpr, NEED_SUM_PX: tl.constexpr,
+               HAS_TEACHER: tl.constexpr):
+    """_grad_block of the masked tail block [v_full, V), when the row has one."""
+    if v_full < V:
+        offs = tl.arange(0, BLOCK_V)
+        mask = v_full + offs < V
+        z = tl.load(row_ptr + v_full + offs, mask=mask, other=0.0)
+        zt = z
+        if HAS_TEACHER:
+            zt = tl.load(t_row_ptr + v_full + offs, mask=mask, other=0.0)
+        sum_px = _grad_block(z, zt, grad_row_ptr, v_full, V, lse2, A, B2, C, sum_px, dstate, wd, S, F, BLOCK_V, HAS_B,
+                             HAS_C, NEED_SUM_PX, HAS_TEACHER, True)
+    return sum_px
+
+
+@triton.jit
 def gradient_pass(row_ptr, t_row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A, B, C, D, dstate, wd, S,
                   F: tl.constexpr, BLOCK_V: tl.constexpr, NEED_SUM_PX: tl.constexpr):
     """Phase 3: second read of the row (and the teacher's), one write of d loss / d z.
@@ -168,8 +181,13 @@ def gradient_pass(row_ptr, t_row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A,
     grad_row_ptr may alias row_ptr: each block is read before it is written. ``dstate`` and
     ``wd`` (d loss / d divergence / T_d) drive the distillation's share when there is a teacher.
     Returns sum_i p_i (lse2 - x2_i) (the entropy is ln 2 times that) when NEED_SUM_PX, else 0.
+
+    Without a teacher the row is walked last block first: the blocks phase 1 read last are the
+    likeliest to be in L2 still. With a teacher (two rows per program) first block first, which
+    was faster there (docs/performance.md, "Launch settings").
     """
     HAS_TEACHER: tl.constexpr = t_row_ptr is not None
+    REVERSED: tl.constexpr = not HAS_TEACHER
     HAS_B: tl.constexpr = F.ENTROPY_GRAD
     HAS_C: tl.constexpr = F.HAS_SMOOTHING
     lse2 = lse * LOG2E
@@ -187,59 +205,37 @@ def gradient_pass(row_ptr, t_row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A,
     sum_px = tl.zeros([BLOCK_V], tl.float32)
     offs = tl.arange(0, BLOCK_V)
     v_full = (V // BLOCK_V) * BLOCK_V
-    if GRAD_REVERSED and not HAS_TEACHER:
-        # last block first: the blocks phase 1 read last are the likeliest to be in L2 still
-        # (CE, full SFT, GRPO 2% faster on an H200; with a teacher's second row 8% slower)
-        if v_full < V:
-            mask = v_full + offs < V
-            z = tl.load(row_ptr + v_full + offs, mask=mask, other=0.0)
-            zt = z
+    if REVERSED:
+        sum_px = _grad_tail(row_ptr, t_row_ptr, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
+                            wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER)
+    if v_full > 0:
+        # full blocks, unmasked, each load issued one block ahead of its use
+        first = 0
+        step: tl.constexpr = -BLOCK_V if REVERSED else BLOCK_V
+        if REVERSED:
+            first = v_full - BLOCK_V
+        z = tl.load(row_ptr + first + offs)
+        zt = z
+        if HAS_TEACHER:
+            zt = tl.load(t_row_ptr + first + offs)
+        for k in range(BLOCK_V, v_full, BLOCK_V):
+            start = first - k if REVERSED else first + k  # the block after this one is in z
+            z_next = tl.load(row_ptr + start + offs)
+            zt_next = z_next
             if HAS_TEACHER:
-                zt = tl.load(t_row_ptr + v_full + offs, mask=mask, other=0.0)
-            sum_px = _grad_block(z, zt, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
-                                 wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, True)
-        if v_full > 0:
-            z = tl.load(row_ptr + v_full - BLOCK_V + offs)
-            zt = z
-            if HAS_TEACHER:
-                zt = tl.load(t_row_ptr + v_full - BLOCK_V + offs)
-            for back in range(2 * BLOCK_V, v_full + BLOCK_V, BLOCK_V):
-                start = v_full - back  # the block after this one is in z
-                z_next = tl.load(row_ptr + start + offs)
-                zt_next = z_next
-                if HAS_TEACHER:
-                    zt_next = tl.load(t_row_ptr + start + offs)
-                sum_px = _grad_block(z, zt, grad_row_ptr, start + BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px,
-                                     dstate, wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False)
-                z = z_next
-                zt = zt_next
-            sum_px = _grad_block(z, zt, grad_row_ptr, 0, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
+                zt_next = tl.load(t_row_ptr + start + offs)
+            sum_px = _grad_block(z, zt, grad_row_ptr, start - step, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
                                  wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False)
-    else:
-        if v_full > 0:
-            z = tl.load(row_ptr + offs)
-            zt = z
-            if HAS_TEACHER:
-                zt = tl.load(t_row_ptr + offs)
-            for start in range(BLOCK_V, v_full, BLOCK_V):
-                z_next = tl.load(row_ptr + start + offs)
-                zt_next = z_next
-                if HAS_TEACHER:
-                    zt_next = tl.load(t_row_ptr + start + offs)
-                sum_px = _grad_block(z, zt, grad_row_ptr, start - BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
-                                     wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False)
-                z = z_next
-                zt = zt_next
-            sum_px = _grad_block(z, zt, grad_row_ptr, v_full - BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
-                                 wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False)
-        if v_full < V:
-            mask = v_full + offs < V
-            z = tl.load(row_ptr + v_full + offs, mask=mask, other=0.0)
-            zt = z
-            if HAS_TEACHER:
-                zt = tl.load(t_row_ptr + v_full + offs, mask=mask, other=0.0)
-            sum_px = _grad_block(z, zt, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
-                                 wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, True)
+            z = z_next
+            zt = zt_next
+        last = v_full - BLOCK_V
+        if REVERSED:
+            last = 0
+        sum_px = _grad_block(z, zt, grad_row_ptr, last, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
+                             wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False)
+    if not REVERSED:
+        sum_px = _grad_tail(row_ptr, t_row_ptr, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
+                            wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER)
     # the target column gets its [i = y] share: rewrite it whole, after every lane has stored
     in_range = (y >= 0) & (y < V)
     if in_range:
@@ -273,6 +269,16 @@ def zero_row(grad_row_ptr, V, BLOCK_V: tl.constexpr):
     for start in range(0, V, BLOCK_V):
         cols = start + offs
         tl.store(grad_row_ptr + cols, tl.zeros([BLOCK_V], grad_row_ptr.dtype.element_ty), mask=cols < V)
+
+
+@triton.jit
+def row_start(base, row, T, stride_b, stride_t):
+    """Where logits row ``row`` (= b * T + t) starts in ``base``, a [B, T, V] tensor of strides
+    (stride_b, stride_t); None for None (an absent teacher or gradient buffer)."""
+    start = base
+    if base is not None:
+        start = base + (row // T) * stride_b + (row % T) * stride_t
+    return start
 
 
 @triton.jit

@@ -22,7 +22,6 @@ sequence kernels kernels/policy.py's.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 from typing import NamedTuple
@@ -31,10 +30,20 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import bounded
+from ..layouts import JSD_AT, SCRATCH_AT, SEQUENCE_AT, STATS_AT, VERDICT_AT, scratch_size
 from ..plan import KernelPlan
-from .blocks import gradient_pass, online_stats, reduce_rows, row_slot, target_logit, token_scale, zero_row
+from .blocks import (
+    gradient_pass,
+    online_stats,
+    reduce_rows,
+    row_slot,
+    row_start,
+    target_logit,
+    token_scale,
+    zero_row,
+)
 from .launch import SPECIALISED_BY, Geometry, launch, launch_config, spec_key
-from .layouts import JSD_AT, SCRATCH_AT, SEQUENCE_AT, STATS_AT, VERDICT_AT, scratch_size
 from .primitives import LN2
 from .shard import merged_stats, merged_teacher
 from .terms import distill_values, policy_values, put, row_coefficients, row_values
@@ -96,15 +105,14 @@ class Tiles(NamedTuple):
     COLS_P2: int
     BLOCK_R: int
     SEQ_BLOCK: int
-    PREP_BLOCK: int  # targets per step of the head kernel's in-kernel prepare (program 0): 2048 took the
-    # head kernel from 72 to 125 registers and 1.57 to 1.90 ms at N=8192, V=128256 on an H200; 512, 69-71
-    # registers and no slower than with a prepare launch (benchmarks/NOTES.md)
+    PREP_BLOCK: int  # targets per step of the head kernel's in-kernel prepare (program 0): small, as the
+    # registers of a wide step are reserved for the whole kernel (docs/performance.md, "Launch settings")
 
 
-@functools.lru_cache(maxsize=256)
+@bounded.memoize("head.tiles", 256, "the last program's reduction tiles by packed row width")
 def _tiles(cols: int) -> Tiles:
     """Small tiles: this code runs once per call, but the registers it takes are reserved for the
-    whole kernel (5 tiles of 2048 values slowed the GRPO head kernel from 1.47 to 2.54 ms on an H200)."""
+    whole kernel (docs/performance.md, "Launch settings")."""
     cols_p2 = 1 << (max(cols, 1) - 1).bit_length()
     return Tiles(COLS_P2=cols_p2, BLOCK_R=max(16, 2048 // cols_p2), SEQ_BLOCK=256, PREP_BLOCK=512)
 
@@ -222,18 +230,10 @@ def head_kernel(
     jsd = shard.jsd
     SHARDED: tl.constexpr = stats is not None
     NCOL: tl.constexpr = STATS_AT.N_TEACHER if teacher is not None else STATS_AT.N  # merged statistics per row
-    V_math = geo.V  # the vocabulary of the math (label smoothing's eps / V): the whole one when sharded
-    if SHARDED:
-        V_math = geo.V_total
-    b = row // geo.T
-    t = row % geo.T
-    row_ptr = logits + b * geo.stride_b + t * geo.stride_t
-    grad_row = grad
-    if grad is not None:
-        grad_row = grad + b * geo.g_stride_b + t * geo.g_stride_t
-    t_row = teacher
-    if teacher is not None:
-        t_row = teacher + b * geo.t_stride_b + t * geo.t_stride_t
+    V_math = geo.V_total if SHARDED else geo.V  # the vocabulary of the math (label smoothing's eps / V)
+    row_ptr = row_start(logits, row, geo.T, geo.stride_b, geo.stride_t)
+    t_row = row_start(teacher, row, geo.T, geo.t_stride_b, geo.t_stride_t)
+    grad_row = row_start(grad, row, geo.T, geo.g_stride_b, geo.g_stride_t)
     slot, has_slot, y, counted = row_slot(targets, row, geo)
     row_out = rows + slot * C.N
     # an entropy without gradient is summed in the gradient pass when there is one
@@ -364,16 +364,10 @@ def head_backward_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     SHARDED: tl.constexpr = stats is not None
-    V_math = geo.V
-    if SHARDED:
-        V_math = geo.V_total
-    b = row // geo.T
-    t = row % geo.T
-    row_ptr = logits + b * geo.stride_b + t * geo.stride_t
-    grad_row = grad + b * geo.g_stride_b + t * geo.g_stride_t
-    t_row = teacher
-    if teacher is not None:
-        t_row = teacher + b * geo.t_stride_b + t * geo.t_stride_t
+    V_math = geo.V_total if SHARDED else geo.V
+    row_ptr = row_start(logits, row, geo.T, geo.stride_b, geo.stride_t)
+    t_row = row_start(teacher, row, geo.T, geo.t_stride_b, geo.t_stride_t)
+    grad_row = row_start(grad, row, geo.T, geo.g_stride_b, geo.g_stride_t)
     slot, has_slot, y, counted = row_slot(targets, row, geo)
     if counted:
         zero = tl.zeros([], tl.float32)
@@ -439,7 +433,7 @@ def scale_grad_kernel(
     if factor != 1.0:
         offs = tl.arange(0, BLOCK_V)
         for row in range(tl.program_id(0).to(tl.int64), geo.n_rows, tl.num_programs(0)):
-            row_ptr = grad + (row // geo.T) * geo.g_stride_b + (row % geo.T) * geo.g_stride_t
+            row_ptr = row_start(grad, row, geo.T, geo.g_stride_b, geo.g_stride_t)
             for start in range(0, geo.V, BLOCK_V):
                 cols = start + offs
                 mask = cols < geo.V

@@ -2,25 +2,29 @@
 
 * :class:`Geometry`   sizes and strides of one launch (runtime ints), read by name in the kernels
 * :func:`launch`      ``kernel[(grid,)](**kwargs)``, after a variant's first launch straight into its
-                      compiled C launcher (20-50 us of Triton's host time saved per launch)
+                      compiled C launcher (skipping Triton's per-launch binding in Python)
 * :func:`launch_config`  the vocabulary block and warps for a row of V logits
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import operator
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import triton
-from triton._C.libtriton import native_specialize_impl
 
-from .. import env
-from ..bounded import BoundedDict
+from .. import bounded, env
 from ..plan import Scalars
+
+try:  # Triton's private C binder: the fast path needs it, launch() works without it
+    from triton._C.libtriton import native_specialize_impl as _native_specialize
+except ImportError:
+    _native_specialize = None
 
 
 class Geometry(NamedTuple):
@@ -48,8 +52,8 @@ GEO_INTS = tuple(name for name in Geometry._fields if name != "norm")
 """Geometry's int fields, in order (the torch.library ops pass them as a list, norm apart)."""
 
 
-_COMPILED: BoundedDict[tuple, tuple] = BoundedDict(4096)
-"""Compiled C launchers by (kernel, device, warps, constexprs, Triton's own specialisation)."""
+_COMPILED = bounded.cache("launch.compiled", 4096,
+                          "compiled C launchers by (kernel, device, warps, constexprs, Triton's specialisation)")
 
 
 class _Params(NamedTuple):
@@ -61,7 +65,7 @@ class _Params(NamedTuple):
     runtime_at: tuple[int, ...]  # where the runtime arguments sit among every argument
 
 
-_PARAMS: dict[object, _Params] = {}
+_PARAMS = bounded.cache("launch.params", 256, "a kernel's parameter getters (_Params) by kernel")
 
 
 def _getter(names: tuple[str, ...]) -> operator.itemgetter:
@@ -124,21 +128,33 @@ def _spec_of(arg):
 
 
 def spec_key(args: tuple) -> tuple:
-    """A key at least as fine as ``native_specialize_impl(args)``: equal keys, equal specialisations."""
+    """A key at least as fine as :func:`triton_specialisation` of ``args``: equal keys, equal specialisations."""
     return tuple([_spec_of(a) for a in args])
+
+
+def triton_specialisation(backend, args: tuple) -> tuple | None:
+    """How Triton specialises a launch's runtime arguments, from its private C binder
+    (``triton._C.libtriton.native_specialize_impl``); None where this Triton has no such function or
+    calls it otherwise. :func:`launch` then takes Triton's own path: the fast path is an optimisation."""
+    if _native_specialize is None:
+        return None
+    try:
+        return _native_specialize(backend, args, False, True, True)
+    except Exception:  # another signature; an argument Triton rejects raises again on its own path
+        return None
 
 
 def launch(kernel, grid: int, num_warps: int, **kwargs) -> None:
     """``kernel[(grid,)](**kwargs)``. After a variant's first launch, later launches of the same
     variant call its compiled C launcher directly, found by :func:`spec_key` over the runtime
-    arguments (what Triton specialises on, computed in Python at a third of the cost of Triton's
-    ``native_specialize_impl``; a new key falls back to that and to Triton's launch). Triton's own
-    per-launch binding, cache key and launch metadata cost 20-50 us of host time per launch on an
-    H200 host (benchmarks/bench_host.py). A profiler's launch hooks, the interpreter and
-    ``HEADLOSS_FAST_LAUNCH=0`` take Triton's path."""
+    arguments (what Triton specialises on, computed in Python more cheaply than Triton's binder; a
+    new key falls back to :func:`triton_specialisation` and to Triton's launch). This skips Triton's
+    per-launch binding, cache key and launch metadata. A profiler's launch hooks, the interpreter,
+    ``HEADLOSS_FAST_LAUNCH=0`` and a Triton without the private binder take Triton's path."""
     hooks = triton.knobs.runtime.launch_enter_hook
     if not env.FAST_LAUNCH or not isinstance(kernel, _JIT) or (hooks is not None and getattr(hooks, "calls", True)):
-        kernel[(grid,)](**kwargs, num_warps=num_warps)
+        with interpreter_noise_ignored() if env.INTERPRETER else contextlib.nullcontext():
+            kernel[(grid,)](**kwargs, num_warps=num_warps)
         return
     params = _params_of(kernel)
     device = _current_device()
@@ -160,7 +176,11 @@ def launch(kernel, grid: int, num_warps: int, **kwargs) -> None:
         if caches is None:  # first launch on this device: Triton builds its caches and the backend
             kernel[(grid,)](**kwargs, num_warps=num_warps)
             return
-        key = (kernel, device, num_warps, constexprs, native_specialize_impl(caches[3], runtime, False, True, True))
+        specialisation = triton_specialisation(caches[3], runtime)
+        if specialisation is None:
+            kernel[(grid,)](**kwargs, num_warps=num_warps)
+            return
+        key = (kernel, device, num_warps, constexprs, specialisation)
         entry = _COMPILED.get(key)
         if entry is None:
             compiled = kernel[(grid,)](**kwargs, num_warps=num_warps)
@@ -172,8 +192,22 @@ def launch(kernel, grid: int, num_warps: int, **kwargs) -> None:
     run(grid, 1, 1, _raw_stream(device), *fixed, *args)
 
 
-_FAST: BoundedDict[tuple, tuple] = BoundedDict(4096)
-"""Compiled C launchers by the cheap key of :func:`launch` (spec_key over the runtime arguments)."""
+@contextlib.contextmanager
+def interpreter_noise_ignored():
+    """numpy's warnings from Triton's interpreter (CPU) on values a kernel computes and then discards
+    with tl.where (-inf - -inf in a masked column, say; compiled kernels do the same arithmetic
+    silently): ignored inside headloss's launches only, the caller's filters restored after. The
+    same warnings pyproject.toml's pytest filterwarnings lists."""
+    with warnings.catch_warnings():
+        for message, category in _INTERPRETER_NOISE:
+            warnings.filterwarnings("ignore", message, category, r"triton\.runtime\.interpreter")
+        yield
+
+
+_INTERPRETER_NOISE = (("invalid value encountered", RuntimeWarning), ("overflow encountered", RuntimeWarning),
+                      ("", DeprecationWarning))
+
+_FAST = bounded.cache("launch.fast", 4096, "compiled C launchers by launch()'s cheap key (spec_key over the arguments)")
 _JIT = triton.runtime.jit.JITFunction
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -188,17 +222,11 @@ class LaunchConfig:
 def launch_config(vocab: int, teacher: bool = False, rows: int | None = None) -> LaunchConfig:
     """Block and warps for a row of ``vocab`` logits, in a launch of ``rows`` rows (cached).
 
-    2048 columns x 4 warps (16 per thread) was fastest on an H200 at V=128256 for every spec
-    (benchmarks/profile_head.py --ablate, bench_head.py --tune): small enough per-thread state
-    for high occupancy, which this latency-bound loop needs. With a teacher the per-lane state
-    doubles, and 1024 x 4 was fastest (2996 vs 3216 us, profile_head.py --terms).
-    A launch of fewer than 1024 rows (the fused lm_head's chunks) has too few programs to fill
-    the GPU with 4 warps each: 4096 x 8 (the same 16 per thread) ran 256/320/512-row chunks at
-    2.39/2.05/1.77 ms per 8192 rows against 2.97/2.96/2.10 (benchmarks/profile_linear.py); with a
-    teacher in such launches (the lm_head's teacher parts of 256 rows) 2048 x 4 ran the fused
-    distillation head (N 8192, V 128256) in 60.1 ms against 61.2 for 1024 x 4 and 61.0 for 4096 x 8 on
-    an H100 (benchmarks/bench_compile.py --profile-distill).
-    HEADLOSS_BLOCK_V / HEADLOSS_NUM_WARPS (read at import) or :data:`LAUNCH_OVERRIDES` (set by those
+    16 columns per thread (2048 x 4 warps): per-thread state small enough for the occupancy this
+    latency-bound loop needs; 1024 x 4 with a teacher, whose per-lane state doubles. A launch of
+    fewer than 1024 rows (the lm_head's chunks) has too few programs to fill the GPU: wider ones,
+    4096 x 8 (2048 x 4 with a teacher). The measurements: docs/performance.md, "Launch settings".
+    HEADLOSS_BLOCK_V / HEADLOSS_NUM_WARPS (read at import) or :data:`LAUNCH_OVERRIDES` (set by tuning
     sweeps) override it.
     """
     return _launch_config(vocab, teacher, rows is not None and rows < 1024, LAUNCH_OVERRIDES["block_v"],
@@ -212,7 +240,7 @@ LAUNCH_OVERRIDES: dict[str, int | None] = {
 """Block size and warps forced on every head launch (None: the measured defaults)."""
 
 
-@functools.lru_cache(maxsize=1024)
+@bounded.memoize("launch.config", 1024, "launch_config's answers by (vocab, teacher, few rows, overrides)")
 def _launch_config(vocab: int, teacher: bool, few_rows: bool, block_v: int | None, num_warps: int | None
                    ) -> LaunchConfig:
     block = min(1 << (max(vocab, 16) - 1).bit_length(), 1024 if teacher else 2048)

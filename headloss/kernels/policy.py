@@ -17,10 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..plan import Scalars
-from ..policy.tables import IMPORTANCE_SAMPLING
-from .launch import launch
-from .layouts import (
+from ..layouts import (
     EXTREMES,
     EXTREMES_AT,
     OBJECTIVE_OUT,
@@ -30,6 +27,9 @@ from .layouts import (
     SEQUENCE_EXTREMES,
     SEQUENCE_EXTREMES_AT,
 )
+from ..plan import Scalars
+from ..policy_tables import IMPORTANCE_SAMPLING
+from .launch import launch
 from .terms import _kl_penalty, _objective
 
 IS_TOKEN = tl.constexpr(IMPORTANCE_SAMPLING["token"].kernel)
@@ -168,12 +168,20 @@ def _objective_token(lp, o, r, a, iwv, keepf, L, g_self, S, F: tl.constexpr):
 
 
 @triton.jit
-def _objective_at(logp, entropy, old, ref, adv, iw, mask, weight, i, inside, stride_l, stride_e, adv_span, mean,
-                  mean_drift, off_policy, n_counted, S, F: tl.constexpr):
-    """Tokens ``i`` of a sequence (``inside`` it; old = logp when None, no rollout weight = 1; advantages
-    by index ``i // adv_span``): (mask, logp, entropy, weight, the entropy bonus's weight, the token's
-    log-ratio, and _objective_token's values) -- ``mean`` / ``mean_drift``: the sequence's mean log-ratio
-    and off-policy drift."""
+def _tokens(first, start, seq_len, BLOCK: tl.constexpr):
+    """Tokens [start, start + BLOCK) of the sequence of ``seq_len`` tokens from ``first``: (inside it, index)."""
+    t = start + tl.arange(0, BLOCK)
+    return t < seq_len, first + t
+
+
+@triton.jit
+def _objective_at(logp, entropy, old, ref, adv, iw, mask, weight, first, start, seq_len, stride_l, stride_e, adv_span,
+                  mean, mean_drift, off_policy, n_counted, S, F: tl.constexpr, BLOCK: tl.constexpr):
+    """The sequence's tokens [start, start + BLOCK) (_tokens: inside, i; old = logp when None, no rollout
+    weight = 1; advantages by index ``i // adv_span``): (inside, i, mask, logp, entropy, weight, the entropy
+    bonus's weight, the token's log-ratio, and _objective_token's values) -- ``mean`` / ``mean_drift``: the
+    sequence's mean log-ratio and off-policy drift."""
+    inside, i = _tokens(first, start, seq_len, BLOCK)
     m = tl.load(mask + i, mask=inside, other=0.0)
     counted = inside & (m > 0)  # the inputs are read at counted tokens only; 0 elsewhere (as torch's copies)
     lp = tl.load(logp + i * stride_l, mask=inside, other=0.0)
@@ -200,7 +208,7 @@ def _objective_at(logp, entropy, old, ref, adv, iw, mask, weight, i, inside, str
     bonus_w = w  # verl: the entropy aggregated like the loss; TRL: a mean over the call's counted tokens
     if F.ENT_TOKEN_MEAN:
         bonus_w = tl.math.div_rn(m, n_counted)
-    return m, lp, ent, w, bonus_w, log_ratio, per_token, d_self, d_L, ratio, kl, low, high, dual
+    return inside, i, m, lp, ent, w, bonus_w, log_ratio, per_token, d_self, d_L, ratio, kl, low, high, dual
 
 
 @triton.jit
@@ -242,7 +250,6 @@ def policy_sequence_kernel(
     ratios, the off-policy mask), its sums and extremes for the metrics, and d loss / d rows -- two launches
     where torch took about 100 small ops (policy.policy_objective, forward and backward)."""
     s = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
     first = s * seq_len
     zero = tl.zeros([BLOCK], tl.float32)
     # 1. the sequence's mean log-ratio and the off-policy mask's mean drift
@@ -253,9 +260,7 @@ def policy_sequence_kernel(
         acc_d = zero
         acc_n = zero
         for start in range(0, seq_len, BLOCK):
-            t = start + offs
-            inside = t < seq_len
-            i = first + t
+            inside, i = _tokens(first, start, seq_len, BLOCK)
             m = tl.load(mask + i, mask=inside, other=0.0)
             counted = inside & (m > 0)
             lp = tl.load(logp + i * stride_l, mask=inside, other=0.0)
@@ -293,12 +298,9 @@ def policy_sequence_kernel(
     r_max = tl.full([BLOCK], float("-inf"), tl.float32)
     nan = tl.zeros([BLOCK], tl.int32)
     for start in range(0, seq_len, BLOCK):
-        t = start + offs
-        inside = t < seq_len
-        i = first + t
-        m, lp, ent, w, bonus_w, log_ratio, per_token, d_self, d_L, ratio, kl, low, high, dual = _objective_at(
-            logp, entropy, old, ref, adv, iw, mask, weight, i, inside, stride_l, stride_e, adv_span, mean,
-            mean_drift, off_policy, n_counted, S, F)
+        _, _, m, lp, ent, w, bonus_w, log_ratio, per_token, d_self, d_L, ratio, kl, low, high, dual = _objective_at(
+            logp, entropy, old, ref, adv, iw, mask, weight, first, start, seq_len, stride_l, stride_e, adv_span, mean,
+            mean_drift, off_policy, n_counted, S, F, BLOCK)
         loss_acc += w * per_token
         d_seq += w * d_L
         if F.ENT_BONUS:
@@ -344,12 +346,9 @@ def policy_sequence_kernel(
             through = tl.math.div_rn(tl.sum(d_seq, axis=0), per)
         cols = tl.arange(0, COLS_P2)
         for start in range(0, seq_len, BLOCK):
-            t = start + offs
-            inside = t < seq_len
-            i = first + t
-            m, _, _, w, bonus_w, _, _, d_self, _, _, _, _, _, _ = _objective_at(
-                logp, entropy, old, ref, adv, iw, mask, weight, i, inside, stride_l, stride_e, adv_span, mean,
-                mean_drift, off_policy, n_counted, S, F)
+            inside, i, m, _, _, w, bonus_w, _, _, d_self, _, _, _, _, _, _ = _objective_at(
+                logp, entropy, old, ref, adv, iw, mask, weight, first, start, seq_len, stride_l, stride_e, adv_span,
+                mean, mean_drift, off_policy, n_counted, S, F, BLOCK)
             d_logp = w * d_self
             if F.IS_MODE == IS_SEQUENCE:
                 d_logp += through * m

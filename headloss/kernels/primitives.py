@@ -15,7 +15,7 @@ NEG_BIG = tl.constexpr(-1.0e30)
 @triton.jit
 def tanh(a):
     """tanh through exp2: stable for any |a|, and the same code under the interpreter."""
-    e = tl.exp2(-2.0 * LOG2E * tl.abs(a))
+    e = tl.exp2(tl.abs(a) * (-2.0 * LOG2E))  # tensor first: Triton >= 3.7's interpreter refuses constexpr * tensor here
     t = (1.0 - e) / (1.0 + e)
     return tl.where(a < 0.0, -t, t)
 

@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..layouts import JSD_AT, JSD_SHARES, STATS, STATS_AT
 from ..plan import KernelPlan
-from .blocks import online_stats, row_slot, target_logit
+from .blocks import online_stats, row_slot, row_start, target_logit
 from .launch import Geometry, launch, launch_config
-from .layouts import JSD_AT, JSD_SHARES, STATS, STATS_AT
 from .terms import distill_lse, jsd_sums
 
 
@@ -36,12 +36,8 @@ def shard_stats_kernel(
     """Phase 1 of a vocab-parallel head on one shard: the statistics every rank exchanges."""
     NCOL: tl.constexpr = STATS_AT.N_TEACHER if teacher is not None else STATS_AT.N
     row = tl.program_id(0).to(tl.int64)
-    b = row // geo.T
-    t = row % geo.T
-    row_ptr = logits + b * geo.stride_b + t * geo.stride_t
-    t_row = teacher
-    if teacher is not None:
-        t_row = teacher + b * geo.t_stride_b + t * geo.t_stride_t
+    row_ptr = row_start(logits, row, geo.T, geo.stride_b, geo.stride_t)
+    t_row = row_start(teacher, row, geo.T, geo.t_stride_b, geo.t_stride_t)
     slot, has_slot, y, counted = row_slot(targets, row, geo)
     out = part + row * NCOL
     if counted:
@@ -106,10 +102,8 @@ def shard_jsd_kernel(
     """The mixture JSD's extra pass on one shard, with the whole vocabulary's normalisers: its terms
     are sums over the vocabulary, so the shards' shares add up (the second collective)."""
     row = tl.program_id(0).to(tl.int64)
-    b = row // geo.T
-    t = row % geo.T
-    row_ptr = logits + b * geo.stride_b + t * geo.stride_t
-    t_row = teacher + b * geo.t_stride_b + t * geo.t_stride_t
+    row_ptr = row_start(logits, row, geo.T, geo.stride_b, geo.stride_t)
+    t_row = row_start(teacher, row, geo.T, geo.t_stride_b, geo.t_stride_t)
     slot, has_slot, y, counted = row_slot(targets, row, geo)
     value = tl.zeros([], tl.float32)
     kl_s = tl.zeros([], tl.float32)
@@ -120,6 +114,36 @@ def shard_jsd_kernel(
         value, kl_s = jsd_sums(row_ptr, t_row, geo.V, lse_s2, lse_t2, t_minus_s, S, BLOCK_V, F)
     tl.store(jsd + row * JSD_AT.N + JSD_AT.value, value)
     tl.store(jsd + row * JSD_AT.N + JSD_AT.kl_s, kl_s)
+
+
+@triton.jit
+def _merge_start(BLOCK: tl.constexpr):
+    """The empty accumulator of :func:`_merge_rank`: (sum_a, sum_b, sum_c, arg, found) per row."""
+    zero = tl.zeros([BLOCK], tl.float32)
+    return zero, zero, zero, zero, tl.zeros([BLOCK], tl.int1)
+
+
+@triton.jit
+def _merge_rank(base, inside, top, acc, M: tl.constexpr, SUM_A: tl.constexpr, SUM_B: tl.constexpr,
+                SUM_C: tl.constexpr, ARG: tl.constexpr):
+    """One rank's share of a merged softmax: its columns SUM_A, SUM_B, SUM_C rescaled from its max
+    (column M) to ``top`` and added to ``acc``'s sums, and its column ARG taken when it is the lowest
+    rank whose max is ``top`` (its first index: shards are in vocabulary order). A column of -1 is
+    not read."""
+    sum_a, sum_b, sum_c, arg, found = acc
+    m = tl.load(base + M, mask=inside, other=float("-inf"))
+    scale = tl.where(m == float("-inf"), 0.0, tl.exp2(m - top))
+    if SUM_A >= 0:
+        sum_a += tl.load(base + SUM_A, mask=inside, other=0.0) * scale
+    if SUM_B >= 0:
+        sum_b += tl.load(base + SUM_B, mask=inside, other=0.0) * scale
+    if SUM_C >= 0:
+        sum_c += tl.load(base + SUM_C, mask=inside, other=0.0) * scale
+    if ARG >= 0:
+        first = (m == top) & (found == 0)
+        arg = tl.where(first, tl.load(base + ARG, mask=inside, other=0.0), arg)
+        found = found | (m == top)
+    return sum_a, sum_b, sum_c, arg, found
 
 
 @triton.jit
@@ -135,26 +159,18 @@ def merge_stats_kernel(parts, merged, n_rows, world, BLOCK: tl.constexpr, NCOL: 
     top = tl.full([BLOCK], float("-inf"), tl.float32)
     for r in range(world):
         top = tl.maximum(top, tl.load(parts + r * stride + at, mask=inside, other=float("-inf")))
-    d = tl.zeros([BLOCK], tl.float32)
+    student = _merge_start(BLOCK)
     sum_x2 = tl.zeros([BLOCK], tl.float32)
-    sum_ex2 = tl.zeros([BLOCK], tl.float32)
-    arg = tl.zeros([BLOCK], tl.float32)
-    found = tl.zeros([BLOCK], tl.int1)
     x2_y = tl.zeros([BLOCK], tl.float32)
     owners = tl.zeros([BLOCK], tl.float32)
     for r in range(world):
         base = parts + r * stride + at
-        m = tl.load(base + STATS_AT.m2, mask=inside, other=float("-inf"))
-        scale = tl.where(m == float("-inf"), 0.0, tl.exp2(m - top))
-        d += tl.load(base + STATS_AT.d, mask=inside, other=0.0) * scale
+        student = _merge_rank(base, inside, top, student, STATS_AT.m2, STATS_AT.d, STATS_AT.sum_ex2, -1, STATS_AT.arg)
         sum_x2 += tl.load(base + STATS_AT.sum_x2, mask=inside, other=0.0)
-        sum_ex2 += tl.load(base + STATS_AT.sum_ex2, mask=inside, other=0.0) * scale
-        first = (m == top) & (found == 0)
-        arg = tl.where(first, tl.load(base + STATS_AT.arg, mask=inside, other=0.0), arg)
-        found = found | (m == top)
         owned = tl.load(base + STATS_AT.owned, mask=inside, other=0.0)
         x2_y += tl.where(owned > 0.5, tl.load(base + STATS_AT.x2_y, mask=inside, other=0.0), 0.0)
         owners += owned
+    d, sum_ex2, _, arg, _ = student
     # a NaN max (NaN logits) propagates as tl.maximum would not: keep it
     nan_top = tl.zeros([BLOCK], tl.int1)
     for r in range(world):
@@ -177,31 +193,19 @@ def merge_stats_kernel(parts, merged, n_rows, world, BLOCK: tl.constexpr, NCOL: 
             base = parts + r * stride + at
             top_t = tl.maximum(top_t, tl.load(base + STATS_AT.t_m2, mask=inside, other=float("-inf")))
             top_s = tl.maximum(top_s, tl.load(base + STATS_AT.s_m2, mask=inside, other=float("-inf")))
-        dt = tl.zeros([BLOCK], tl.float32)
-        sum_t = tl.zeros([BLOCK], tl.float32)
-        sum_ts = tl.zeros([BLOCK], tl.float32)
-        ds = tl.zeros([BLOCK], tl.float32)
-        sum_st = tl.zeros([BLOCK], tl.float32)
-        t_arg = tl.zeros([BLOCK], tl.float32)
-        t_found = tl.zeros([BLOCK], tl.int1)
+        teacher = _merge_start(BLOCK)
+        at_temp = _merge_start(BLOCK)
         for r in range(world):
             base = parts + r * stride + at
-            mt = tl.load(base + STATS_AT.t_m2, mask=inside, other=float("-inf"))
-            scale_t = tl.where(mt == float("-inf"), 0.0, tl.exp2(mt - top_t))
-            dt += tl.load(base + STATS_AT.t_d, mask=inside, other=0.0) * scale_t
-            sum_t += tl.load(base + STATS_AT.t_sum, mask=inside, other=0.0) * scale_t
-            sum_ts += tl.load(base + STATS_AT.t_cross, mask=inside, other=0.0) * scale_t
+            teacher = _merge_rank(base, inside, top_t, teacher, STATS_AT.t_m2, STATS_AT.t_d, STATS_AT.t_sum,
+                                  STATS_AT.t_cross, STATS_AT.t_arg)
             if OWN_TEMP:
-                ms = tl.load(base + STATS_AT.s_m2, mask=inside, other=float("-inf"))
-                scale_s = tl.where(ms == float("-inf"), 0.0, tl.exp2(ms - top_s))
-                ds += tl.load(base + STATS_AT.s_d, mask=inside, other=0.0) * scale_s
+                at_temp = _merge_rank(base, inside, top_s, at_temp, STATS_AT.s_m2, STATS_AT.s_d, STATS_AT.s_cross, -1,
+                                      -1)
             else:  # the reverse-KL sum runs against the student's own max (column 0)
-                m = tl.load(base + STATS_AT.m2, mask=inside, other=float("-inf"))
-                scale_s = tl.where(m == float("-inf"), 0.0, tl.exp2(m - top))
-            sum_st += tl.load(base + STATS_AT.s_cross, mask=inside, other=0.0) * scale_s
-            first_t = (mt == top_t) & (t_found == 0)
-            t_arg = tl.where(first_t, tl.load(base + STATS_AT.t_arg, mask=inside, other=0.0), t_arg)
-            t_found = t_found | (mt == top_t)
+                at_temp = _merge_rank(base, inside, top, at_temp, STATS_AT.m2, -1, STATS_AT.s_cross, -1, -1)
+        dt, sum_t, sum_ts, t_arg, _ = teacher
+        ds, sum_st, _, _, _ = at_temp
         tl.store(out + STATS_AT.t_m2, top_t, mask=inside)
         tl.store(out + STATS_AT.t_d, dt, mask=inside)
         tl.store(out + STATS_AT.t_sum, sum_t, mask=inside)

@@ -16,8 +16,8 @@ per-row statistic adds it to ``blocks.online_stats``); the reference and the tes
 import triton
 import triton.language as tl
 
-from ..policy.tables import KL_ESTIMATORS, OBJECTIVES
-from .layouts import JSD_AT, SCRATCH_AT, SEQUENCE_AT
+from ..layouts import JSD_AT, SCRATCH_AT, SEQUENCE_AT
+from ..policy_tables import KL_ESTIMATORS, OBJECTIVES
 from .primitives import LN2, LOG2E, NEG_BIG, log1p, softmax_update, to_x2
 
 # the kernels' codes of the policy term's values (policy.tables, the one list of each)
@@ -178,7 +178,7 @@ def distill_values(row_out, row_ptr, t_row_ptr, m2, d, arg, tstats, V, S, F: tl.
     else:
         divergence, jsd_s = jsd_sums(row_ptr, t_row_ptr, V, lse_s2, lse_t2, t_minus_s, S, BLOCK_V, F)
     put(row_out, C.divergence, divergence)
-    put(row_out, C.teacher_entropy, LN2 * (lse_t2 - sum_t / dt))
+    put(row_out, C.teacher_entropy, (lse_t2 - sum_t / dt) * LN2)
     put(row_out, C.agreement, (arg == t_arg).to(tl.float32))
     put(row_out, C.lse_s2, lse_s2)
     put(row_out, C.lse_t2, lse_t2)
@@ -245,7 +245,7 @@ def jsd_sums(row_ptr, t_row_ptr, V, lse_s2, lse_t2, t_minus_s, S, BLOCK_V: tl.co
         log_p_over_m = -log1p(S.jsd_beta * (tl.exp2(log2_q_over_p) - 1.0))
         acc_s += tl.where(ps > 0.0, ps * log_p_over_m, 0.0)
         # where p = 0, M = beta q: log(q / M) = -log(beta)
-        log_q_over_m = tl.where(ps > 0.0, LN2 * log2_q_over_p + log_p_over_m, -tl.log(S.jsd_beta))
+        log_q_over_m = tl.where(ps > 0.0, log2_q_over_p * LN2 + log_p_over_m, -tl.log(S.jsd_beta))
         acc_t += tl.where(q > 0.0, q * log_q_over_m, 0.0)
     kl_s = tl.sum(acc_s, axis=0)
     kl_t = tl.sum(acc_t, axis=0)

@@ -4,11 +4,11 @@ a head pass."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from ..batch import PolicyBatch
 from ..output import HeadLossOutput
+from ..plan import in_metric_order
 from ..spec import LossSpec, Policy
 from ..validation import count_value
 from .inputs import policy_inputs
@@ -59,10 +59,7 @@ def policy_loss(
         raise ValueError("loss_mask: holds a value that is neither 0 nor 1 (the mask says which tokens count; a "
                          "token's weight goes in importance_weights)")
     targets = torch.zeros(shape, dtype=torch.long, device=logprobs.device)
-    given: dict[str, Any] = dict(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                                 loss_mask=loss_mask, importance_weights=importance_weights,
-                                 rollout_logprobs=rollout_logprobs, sequence_ids=sequence_ids,
-                                 num_sequences_in_batch=num_sequences_in_batch)
+    given = PolicyBatch.pick({**locals(), "entropy_quantile_group": None}).given()
     if num_items_in_batch is not None:
         num_items_in_batch = count_value(num_items_in_batch, "num_items_in_batch", logprobs.device)
     inp, _ = policy_inputs(policy, shape, targets, _IGNORE, num_items_in_batch, "off", given, norm_length=norm_length)
@@ -73,4 +70,4 @@ def policy_loss(
     loss, metrics = policy_objective(logp, ent, inp.mask, policy, inp)
     metrics["loss"] = loss.detach().clone()
     metrics["n_tokens"] = inp.mask.sum()
-    return HeadLossOutput(loss=loss, metrics=metrics)
+    return HeadLossOutput(loss=loss, metrics=in_metric_order(metrics))

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from ..kernels.layouts import EXTREME_METRICS, EXTREMES
 from ..kernels.policy import launch_sequence_extremes
+from ..layouts import EXTREME_METRICS, EXTREMES
 from ..ops import kernel_op
 from .masks import high_entropy_metrics
 from .tokens import PolicyInputs, TokenObjective, seq_of, seq_sum

@@ -6,7 +6,7 @@ row-local objective's slope from :func:`token_objective`. The kernels have the r
 too (kernels/terms.py ``_objective``, the same formulas and the same derivatives at the kinks).
 
 Each objective, KL estimator and importance-sampling level is one entry of a dispatch table below,
-keyed by the names in :mod:`headloss.policy.tables`; a table that misses a name fails at import.
+keyed by the names in :mod:`headloss.policy_tables`; a table that misses a name fails at import.
 
     ratio      exp(logp - old)             token level, or exp(masked mean of logp - old over the
                                            sequence) for sequence level (GSPO)
@@ -31,10 +31,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..policy_tables import IMPORTANCE_SAMPLING, KL_ESTIMATORS, OBJECTIVES
 from ..spec import Policy, clamps_log_ratio
 from .masks import high_entropy_mask, off_policy_keep
 from .metrics import policy_metrics
-from .tables import IMPORTANCE_SAMPLING, KL_ESTIMATORS, OBJECTIVES
 from .tokens import PolicyInputs, TokenObjective, seq_of, seq_sum
 from .weights import entropy_bonus_weight
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ..policy_tables import LOSS_TYPES
 from ..spec import Policy, separate_kl_entropy
-from .tables import LOSS_TYPES
 from .tokens import PolicyInputs, seq_of, seq_sum
 
 

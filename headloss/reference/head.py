@@ -12,18 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from ..output import HeadLossOutput, guard_second_backward
+from ..plan import in_metric_order
 from ..spec import LossSpec, row_local
+from ..transform import transformed_logits
 from ..validation import NOT_BINARY, Normaliser, raise_if_bad
 from .policy import reference_policy_loss
-
-
-def transformed_logits(logits: torch.Tensor, spec: LossSpec, dtype: torch.dtype) -> torch.Tensor:
-    """softcap(logit_scale * z) / temperature, computed in ``dtype``."""
-    t = spec.transform
-    x = logits.to(dtype) * t.logit_scale
-    if t.softcap is not None:
-        x = t.softcap * torch.tanh(x / t.softcap)
-    return x / t.temperature
 
 
 def reference_head_loss(
@@ -52,24 +45,98 @@ def reference_head_loss(
     token_shape = logits.shape[:-1]
     vocab = logits.shape[-1]
     x = transformed_logits(logits, spec, compute_dtype).reshape(-1, vocab)
-    rows = x.shape[0]
-    if targets is None:
-        y_raw = torch.zeros(rows, dtype=torch.long, device=logits.device)
-        valid = torch.ones(rows, dtype=torch.bool, device=logits.device)
-    else:
-        y_raw = targets.reshape(-1).long()
-        valid = y_raw != spec.ignore_index
-        if "loss_mask" in policy_inputs:
-            valid = valid & policy_inputs["loss_mask"].reshape(-1).bool()
-    # unvalidated out-of-range targets give NaN in their rows, like the kernel, not an IndexError
-    in_range = (y_raw >= 0) & (y_raw < vocab)
-    y = torch.where(valid & in_range, y_raw, 0)
-    nan_if_bad = torch.where(valid & ~in_range, float("nan"), 0.0).to(compute_dtype)
+    y, valid, nan_if_bad = _targets(targets, x, spec.ignore_index, policy_inputs.get("loss_mask"))
 
     # an ignored row takes no part: whatever it holds (NaN, inf) reaches neither a value nor a gradient
     x = torch.where(valid[:, None], x, 0.0)
     logp_all = torch.log_softmax(x, dim=-1)
     lse = torch.logsumexp(x, dim=-1)
+    token_loss, per_term, entropy, distill_rows = _terms(x, logp_all, lse, y, valid, nan_if_bad, spec, teacher_logits)
+    token_loss = torch.where(valid, token_loss, 0.0)
+
+    entropy_for_policy = None
+    if spec.policy is not None:
+        probs = logp_all.exp()
+        entropy_for_policy = -(probs * torch.where(probs > 0, logp_all, 0.0)).sum(-1)
+
+    n_valid = valid.sum()
+    count = n_valid.clamp(min=1).to(compute_dtype)
+    loss = _reduced(token_loss, count, spec, num_items_in_batch, token_shape)
+
+    policy_metrics: dict[str, torch.Tensor] = {}
+    if spec.policy is not None:
+        logp_tok = torch.where(valid, logp_all.gather(-1, y[:, None])[:, 0], 0.0)
+        policy_loss, policy_metrics = reference_policy_loss(
+            logp_tok, entropy_for_policy, valid, spec, token_shape, num_items_in_batch, policy_inputs
+        )
+        loss = loss + policy_loss
+    logp_y = torch.where(valid, logp_all.gather(-1, y[:, None])[:, 0] + nan_if_bad, 0.0)
+    pred = torch.where(valid, x.argmax(-1), -1)
+    metrics = _metrics(loss, policy_metrics, per_term, distill_rows, logp_y, pred, y, valid, count, spec)
+    metrics["n_tokens"] = n_valid.detach()
+
+    out_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+
+    def per_token(name: str, value: torch.Tensor) -> torch.Tensor | None:
+        if name not in spec.outputs:
+            return None
+        value = value.reshape(token_shape)
+        if value.is_floating_point():
+            value = value.to(out_dtype)
+        return value if spec.differentiable_outputs else value.detach()
+
+    loss = loss.to(out_dtype)
+    fused_mode = not (spec.reduction == "none" or spec.differentiable_outputs
+                      or (spec.policy is not None and not row_local(spec.policy)))
+    if fused_mode and loss.requires_grad:
+        loss = _OneBackward.apply(loss)
+    return HeadLossOutput(
+        loss=loss,
+        metrics={k: (v.to(out_dtype) if v.is_floating_point() else v) for k, v in in_metric_order(metrics).items()},
+        predicted_tokens=per_token("predicted_tokens", pred),
+        logprobs=per_token("logprobs", logp_y),
+        lse=per_token("lse", torch.where(valid, lse, 0.0)),
+        token_loss=per_token("token_loss", token_loss),
+        entropy=per_token("entropy", torch.where(valid, entropy, 0.0)) if entropy is not None else None,
+    )
+
+
+def _targets(targets, x, ignore_index: int, loss_mask):
+    """(targets in range, the rows that count, NaN at a counted row whose target is out of range -- like
+    the kernel, not an IndexError -- else 0) of the [rows, V] logits ``x``."""
+    rows, vocab = x.shape
+    if targets is None:
+        y_raw = torch.zeros(rows, dtype=torch.long, device=x.device)
+        valid = torch.ones(rows, dtype=torch.bool, device=x.device)
+    else:
+        y_raw = targets.reshape(-1).long()
+        valid = y_raw != ignore_index
+        if loss_mask is not None:
+            valid = valid & loss_mask.reshape(-1).bool()
+    in_range = (y_raw >= 0) & (y_raw < vocab)
+    return torch.where(valid & in_range, y_raw, 0), valid, torch.where(valid & ~in_range, float("nan"), 0.0).to(x.dtype)
+
+
+def _metrics(loss, policy_metrics, per_term, distill_rows, logp_y, pred, y, valid, count, spec: LossSpec) -> dict:
+    """Every metric but n_tokens: the loss, the policy's, each term's token mean, nll, accuracy, the
+    distillation's (headloss.plan.METRIC_ORDER orders them)."""
+    metrics: dict[str, torch.Tensor] = {"loss": (loss.sum() if spec.reduction == "none" else loss).detach().clone()}
+    metrics.update(policy_metrics)
+    for name, values in per_term.items():
+        metrics[name] = (torch.where(valid, values, 0.0).sum() / count).detach()
+    if spec.cross_entropy is not None and spec.cross_entropy.label_smoothing > 0:
+        metrics["nll"] = (-logp_y.sum() / count).detach()
+    if spec.token_accuracy:
+        metrics["token_accuracy"] = (((pred == y) & valid).to(count.dtype).sum() / count).detach()
+    for name, values in distill_rows.items():
+        metrics[name] = (torch.where(valid, values.to(count.dtype), 0.0).sum() / count).detach()
+    return metrics
+
+
+def _terms(x, logp_all, lse, y, valid, nan_if_bad, spec: LossSpec, teacher_logits):
+    """(token loss, each term's per-token values, the entropy or None, the distillation's per-row
+    metrics) of the transformed logits ``x`` [rows, V]."""
+    vocab = x.shape[-1]
     # an empty slice's sum: zeros that still hang off the logits, so a spec with no loss term
     # backpropagates zero gradients (as the kernel path does) instead of raising
     token_loss = x[:, :0].sum(-1)
@@ -100,74 +167,23 @@ def reference_head_loss(
             token_loss = token_loss + spec.entropy.weight * entropy
     distill_rows: dict[str, torch.Tensor] = {}
     if spec.distillation is not None:
-        div, distill_rows = _distillation(x, teacher_logits.reshape(-1, vocab).to(compute_dtype), spec)
+        div, distill_rows = _distillation(x, teacher_logits.reshape(-1, vocab).to(x.dtype), spec)
         per_term["distill/divergence"] = div
         token_loss = token_loss + spec.distillation.weight * div * (
             spec.distillation.temperature**2 if spec.distillation.scale_by_temperature_squared else 1.0
         )
-    token_loss = torch.where(valid, token_loss, 0.0)
+    return token_loss, per_term, entropy, distill_rows
 
-    entropy_for_policy = None
-    if spec.policy is not None:
-        probs = logp_all.exp()
-        entropy_for_policy = -(probs * torch.where(probs > 0, logp_all, 0.0)).sum(-1)
 
-    n_valid = valid.sum()
-    count = n_valid.clamp(min=1).to(compute_dtype)
+def _reduced(token_loss, count, spec: LossSpec, num_items_in_batch, token_shape):
+    """The loss of the per-token losses under the spec's reduction (and normaliser)."""
     if spec.reduction == "none":
-        loss = token_loss.reshape(token_shape).clone()  # a tensor of its own, as on the kernel path
-    elif spec.reduction == "sum":
-        loss = token_loss.sum()
-    elif num_items_in_batch is not None:
-        loss = token_loss.sum() / torch.as_tensor(num_items_in_batch, dtype=compute_dtype, device=x.device)
-    else:
-        loss = token_loss.sum() / count
-
-    policy_metrics: dict[str, torch.Tensor] = {}
-    if spec.policy is not None:
-        logp_tok = torch.where(valid, logp_all.gather(-1, y[:, None])[:, 0], 0.0)
-        policy_loss, policy_metrics = reference_policy_loss(
-            logp_tok, entropy_for_policy, valid, spec, token_shape, num_items_in_batch, policy_inputs
-        )
-        loss = loss + policy_loss
-    metrics: dict[str, torch.Tensor] = {"loss": (loss.sum() if spec.reduction == "none" else loss).detach().clone()}
-    metrics.update(policy_metrics)
-    for name, values in per_term.items():
-        metrics[name] = (torch.where(valid, values, 0.0).sum() / count).detach()
-    logp_y = torch.where(valid, logp_all.gather(-1, y[:, None])[:, 0] + nan_if_bad, 0.0)
-    if spec.cross_entropy is not None and spec.cross_entropy.label_smoothing > 0:
-        metrics["nll"] = (-logp_y.sum() / count).detach()
-    pred = torch.where(valid, x.argmax(-1), -1)
-    if spec.token_accuracy:
-        metrics["token_accuracy"] = (((pred == y) & valid).to(compute_dtype).sum() / count).detach()
-    for name, values in distill_rows.items():
-        metrics[name] = (torch.where(valid, values.to(compute_dtype), 0.0).sum() / count).detach()
-    metrics["n_tokens"] = n_valid.detach()
-
-    out_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
-
-    def per_token(name: str, value: torch.Tensor) -> torch.Tensor | None:
-        if name not in spec.outputs:
-            return None
-        value = value.reshape(token_shape)
-        if value.is_floating_point():
-            value = value.to(out_dtype)
-        return value if spec.differentiable_outputs else value.detach()
-
-    loss = loss.to(out_dtype)
-    fused_mode = not (spec.reduction == "none" or spec.differentiable_outputs
-                      or (spec.policy is not None and not row_local(spec.policy)))
-    if fused_mode and loss.requires_grad:
-        loss = _OneBackward.apply(loss)
-    return HeadLossOutput(
-        loss=loss,
-        metrics={k: (v.to(out_dtype) if v.is_floating_point() else v) for k, v in metrics.items()},
-        predicted_tokens=per_token("predicted_tokens", pred),
-        logprobs=per_token("logprobs", logp_y),
-        lse=per_token("lse", torch.where(valid, lse, 0.0)),
-        token_loss=per_token("token_loss", token_loss),
-        entropy=per_token("entropy", torch.where(valid, entropy, 0.0)) if entropy is not None else None,
-    )
+        return token_loss.reshape(token_shape).clone()  # a tensor of its own, as on the kernel path
+    if spec.reduction == "sum":
+        return token_loss.sum()
+    if num_items_in_batch is not None:
+        return token_loss.sum() / torch.as_tensor(num_items_in_batch, dtype=count.dtype, device=token_loss.device)
+    return token_loss.sum() / count
 
 
 class _OneBackward(torch.autograd.Function):

@@ -249,7 +249,7 @@ def test_policy_spec_on_packed_rows_equals_verls_ppo_loss(mode, agg, kl):
     want = pg - 0.01 * entropy_loss + 0.05 * kl_loss
     want.backward()
     spec = hv.policy_spec(config, temperature=0.9)
-    for backend in ("triton", "reference"):
+    for backend in ("triton", "torch"):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         out = headloss.linear_head_loss(h, w, ids, spec, shift=True, cu_seqlens=cu, backend=backend,
                                         advantages=per_row["adv"].float(), old_logprobs=per_row["old"].float(),
@@ -344,7 +344,7 @@ def _rank_tp(rank: int, world: int, port: int, results) -> None:
                                                         kl_beta=0.04))
         inputs = dict(advantages=torch.randn(4, generator=gen), old_logprobs=-torch.rand(len(ids), generator=gen),
                       ref_logprobs=-torch.rand(len(ids), generator=gen))
-        for backend in ("triton", "reference"):
+        for backend in ("triton", "torch"):
             h, w = hidden.clone().requires_grad_(), weight[start:start + widths[rank]].clone().requires_grad_()
             o = headloss.linear_head_loss(h, w, ids, spec, shift=True, cu_seqlens=cu, group=dist.group.WORLD,
                                           backend=backend, **inputs)
@@ -386,7 +386,7 @@ def test_vocab_parallel_fused_head_and_packed_policy_equal_one_device():
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     one = headloss.linear_head_loss(h, w, ids, spec, shift=True, cu_seqlens=cu, **inputs)
     one.loss.backward()
-    for backend in ("triton", "reference"):
+    for backend in ("triton", "torch"):
         for rank in (0, 1):
             loss, metrics, dh, dw = results[rank][f"packed_{backend}"]
             name = f"{backend} rank {rank}"

@@ -154,15 +154,16 @@ def _sharded(call):
     """``call`` as rank 1 of 2 vocab-parallel ranks (columns 300..599 of 600), without a process
     group: the layout and the statistics exchange are stood in for; the kernels are the real ones."""
     def run():
-        import headloss.api as api
         import headloss.engine as engine
         import headloss.linear as linear
+        import headloss.lm_head as lm_head
+        import headloss.logits as logits_entry
         import headloss.parallel
 
         layout = headloss.parallel.VocabShard(group=None, vocab_start=300, vocab_total=600, world=2)
         stand_ins = {
-            (api, "shard_of"): lambda group, width, device, fresh=False: layout,
-            (api, "rows_shard"): lambda weight, group, fresh=False: (weight, layout),
+            (logits_entry, "shard_of"): lambda group, width, device, fresh=False: layout,
+            (lm_head, "rows_shard"): lambda weight, group, fresh=False: (weight, layout),
             (engine, "gather_merged"): lambda part, _shard, own_temp=False: shard.launch_merge(
                 torch.stack([part, part]), own_temp),
             (engine, "all_reduce_sum"): lambda t, _shard, what="dh": t,

@@ -2,7 +2,8 @@
 launcher, keyed by a Python key of what Triton specialises on (spec_key). If that key merged two
 variants Triton tells apart, a kernel compiled for 16-byte aligned pointers could run on unaligned
 ones: these tests compare it with the specialisation Triton's binder computes, on this machine (no
-GPU needed). Then head_loss's per-signature recipes and the two routes of prepare's work."""
+GPU needed), and check that binder (Triton's private API) is there, and that launches without it
+give the same results. Then head_loss's per-signature recipes and the two routes of prepare's work."""
 
 from __future__ import annotations
 
@@ -11,24 +12,69 @@ import itertools
 import pytest
 import torch
 from conftest import assert_matches_reference, assert_nontrivial, make_logits, make_targets, needs_kernel, run_pair
-from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 
 import headloss
 from headloss import LossSpec, head_loss
-from headloss import api as api_module
+from headloss import logits as logits_module
+from headloss.kernels import launch as launch_module
 from headloss.kernels.head import PolicyRows, Prepare, next_nonce
-from headloss.kernels.launch import Geometry, spec_key
+from headloss.kernels.launch import Geometry, spec_key, triton_specialisation
 from headloss.plan import Scalars, compile_plan
 
 
 def one_call(args: tuple):
-    return native_specialize_impl(BaseBackend, args, False, True, True)
+    found = triton_specialisation(BaseBackend, args)
+    assert found is not None, "Triton's private binder is missing or changed (see the next test)"
+    return found
 
 
 def per_argument(args: tuple):
     """What Triton's binder computes: one specialisation per runtime argument."""
-    return tuple(native_specialize_impl(BaseBackend, a, False, True, True) for a in args)
+    return tuple(one_call(a) for a in args)
+
+
+def test_the_fast_path_finds_triton_s_private_binder_on_this_triton():
+    """launch()'s fast path keys compiled variants by triton._C.libtriton.native_specialize_impl, called
+    as Triton's own binder calls it. A Triton that moves or changes it still launches (Triton's path,
+    slower): this test is what fails then."""
+    t = torch.empty(64)
+    assert launch_module._native_specialize is not None, "triton._C.libtriton.native_specialize_impl is gone"
+    found = triton_specialisation(BaseBackend, (t, t[1:], None, 7, 1, 2.5))
+    assert found == (("*fp32", "*fp32", "constexpr", "i32", "constexpr", "fp32"), ("D", "", None, "", 1, None))
+
+
+@pytest.mark.parametrize("broken", ["missing", "another signature"])
+def test_without_the_private_binder_there_is_no_specialisation(broken, monkeypatch):
+    def changed(backend, args):  # another signature: called as before (five arguments), a TypeError
+        return ("specialised",)
+
+    monkeypatch.setattr(launch_module, "_native_specialize", None if broken == "missing" else changed)
+    assert triton_specialisation(BaseBackend, (torch.empty(64),)) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast path launches compiled kernels on a GPU")
+def test_launches_without_the_private_binder_take_triton_s_path_with_the_same_results(monkeypatch):
+    logits = make_logits((48, 1000), seed=9).cuda()
+    targets = make_targets((48,), 1000, seed=9, ignore_frac=0.2).cuda()
+
+    def step():
+        x = logits.clone().requires_grad_()
+        out = head_loss(x, targets, SPEC)
+        out.loss.backward()
+        return out, x.grad
+
+    step()  # a kernel's first launch on a device builds Triton's caches
+    step()  # the second compiles the variant (or finds it) and records its launcher
+    fast = step()  # the third finds the launcher by spec_key
+    assert launch_module._FAST, "the fast path was not taken"
+    monkeypatch.setattr(launch_module, "_native_specialize", None)
+    launch_module._FAST.clear()
+    launch_module._COMPILED.clear()
+    for out, grad in (step(), step()):
+        assert not launch_module._FAST and not launch_module._COMPILED  # every launch through Triton's path
+        assert torch.equal(out.loss, fast[0].loss) and torch.equal(grad, fast[1])
+        assert all(torch.equal(out.metrics[name], value) for name, value in fast[0].metrics.items())
 
 
 def _geo(**changes):
@@ -113,7 +159,7 @@ SPEC = LossSpec(z_loss={"weight": 1e-2}, token_accuracy=True, entropy={"weight":
 
 @needs_kernel
 def test_a_repeated_call_reuses_its_recipe_and_every_changed_signature_gets_its_own():
-    api_module._RECIPES.clear()
+    logits_module._RECIPES.clear()
     wide = make_logits((6, 45), seed=1)
     dense = wide[:, :37].contiguous()
     targets = make_targets((6,), 37, seed=1, ignore_frac=0.3)
@@ -135,7 +181,7 @@ def test_a_repeated_call_reuses_its_recipe_and_every_changed_signature_gets_its_
         pair = run_pair(leaf, y, SPEC, view=view, **kwargs)
         assert_matches_reference(pair)
         assert_nontrivial(pair)
-        sizes.append(len(api_module._RECIPES))
+        sizes.append(len(logits_module._RECIPES))
     # one recipe per signature: the repeated call and the num_items_in_batch changes add none
     assert sizes == [1, 1, 2, 3, 4, 5, 5, 5, 5, 6], sizes
 
@@ -216,7 +262,7 @@ def test_a_recipe_call_makes_its_metrics_and_views_on_first_read_and_they_are_th
     late = head_loss(x, targets, spec)
     late.loss.backward()  # read after backward
     early = head_loss(logits, targets, spec)
-    ref = head_loss(logits, targets, spec, backend="reference")
+    ref = head_loss(logits, targets, spec, backend="torch")
     for out in (late, early):
         assert isinstance(out, headloss.HeadLossOutput) and repr(out).startswith("HeadLossOutput(loss=")
         assert sorted(out.metrics) == sorted(ref.metrics)

@@ -4,6 +4,10 @@ The interpreter runs the kernels' Python; it does not type-check them the way th
 (globals, loop-carried types, constexpr use, named-tuple arguments). tests/kernels/compile_sm90.py
 intercepts the launches of real calls and runs Triton's real front end and backend down to PTX in
 a subprocess without the interpreter, so a kernel that cannot compile fails in CI, not on the GPU.
+
+The fast tier compiles FAST, variants that together launch every kernel (each compiles at least
+once, the head kernel with every SFT term); the slow tier every variant, one test each, and the
+checks of which kernels each mode launches and what a term adds to the PTX.
 """
 
 from __future__ import annotations
@@ -21,18 +25,45 @@ VARIANTS = ("ce-only", "all-bf16", "all-fp16", "all-fp32", "entropy-metric-no-ta
             "shift-labels", "distill-forward_kl", "distill-reverse_kl", "distill-jsd", "policy-token",
             "policy-sequence", "policy-batched", "linear-policy", "linear-fused", "linear-deferred",
             "sharded-all", "sharded-deferred", "sharded-policy", "sharded-linear", "sharded-distill-forward_kl",
-            "sharded-distill-reverse_kl", "sharded-distill-jsd")
+            "sharded-distill-reverse_kl", "sharded-distill-jsd", "policy-gspo-batched", "linear-gspo")
+# every kernel tests/kernels/compile_sm90.py intercepts
+KERNELS = {"prepare_kernel", "head_kernel", "head_backward_kernel", "finish_kernel", "scale_grad_kernel",
+           "shard_stats_kernel", "merge_stats_kernel", "shard_jsd_kernel", "sequence_extremes_kernel",
+           "extremes_finish_kernel", "policy_sequence_kernel", "policy_objective_finish_kernel"}
+# the fast tier's variants: every SFT term and transform; the lm_head's chunks with the deferred policy
+# kernels; the token-level policy epilogue with the sequence extremes; the vocab-parallel JSD's kernels
+FAST = ("all-bf16", "linear-gspo", "linear-policy", "sharded-distill-jsd")
+# compile_sm90.py's variants restricted to those named in argv
+SUBSET = ("import json, sys; import compile_sm90 as c; "
+          "c.VARIANTS = {name: c.VARIANTS[name] for name in sys.argv[1:]}; json.dump(c.variants(), sys.stdout)")
 
 
 @pytest.fixture(scope="module")
-def ptx() -> dict[str, dict[str, str]]:
+def ptx(request) -> dict[str, dict[str, str]]:
+    """{variant: {kernel: ptx}}, in one subprocess: FAST's variants when the session runs nothing else
+    of this module (the fast tier), every variant otherwise."""
+    selected = [item for item in request.session.items if item.path == request.path]
+    fast_only = all(item.originalname == "test_every_kernel_compiles_in_the_fast_variants" for item in selected)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(SCRIPT.parent.parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=600)
+    env["PYTHONPATH"] = os.pathsep.join((str(SCRIPT.parent.parent.parent), str(SCRIPT.parent),
+                                         env.get("PYTHONPATH", "")))
+    command = [sys.executable, "-c", SUBSET, *FAST] if fast_only else [sys.executable, str(SCRIPT)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout)
 
 
+def test_every_kernel_compiles_in_the_fast_variants(ptx):
+    compiled = set()
+    for name in FAST:
+        assert ptx[name], f"{name}: no launch recorded"
+        for kernel, code in ptx[name].items():
+            assert f".entry {kernel}" in code, f"{name}: {kernel} has no entry point"
+            compiled.add(kernel)
+    assert compiled == KERNELS
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", VARIANTS)
 def test_every_launched_kernel_compiles(ptx, name):
     kernels = ptx[name]
@@ -41,6 +72,7 @@ def test_every_launched_kernel_compiles(ptx, name):
         assert f".entry {kernel}" in code, f"{name}: {kernel} has no entry point"
 
 
+@pytest.mark.slow
 def test_each_mode_launches_the_kernels_it_should(ptx):
     # on one device the head kernel's program 0 prepares the call: no prepare launch
     assert set(ptx["ce-only"]) == {"head_kernel", "scale_grad_kernel"}
@@ -57,6 +89,7 @@ def test_each_mode_launches_the_kernels_it_should(ptx):
         assert {"policy_sequence_kernel", "policy_objective_finish_kernel"} <= set(ptx[name]), name
 
 
+@pytest.mark.slow
 def test_unrequested_terms_are_compiled_out_of_the_ptx(ptx):
     full, ce_only = ptx["all-bf16"]["head_kernel"], ptx["ce-only"]["head_kernel"]
     # fewer global stores (no entropy / argmax / per-token outputs) and much less code

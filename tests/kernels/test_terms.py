@@ -31,9 +31,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from headloss import CrossEntropy, Entropy, HeadLoss, LogitTransform, LossSpec, ZLoss, head_loss, reference_head_loss
+from headloss import CrossEntropy, Entropy, HeadLoss, LogitTransform, LossSpec, ZLoss, head_loss
 from headloss.kernels.launch import LAUNCH_OVERRIDES
-from headloss.reference import transformed_logits
+from headloss.reference import reference_head_loss, transformed_logits
 from headloss.spec import Distillation
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
@@ -163,7 +163,7 @@ def test_reference_distills_the_transformed_student_and_the_raw_teacher():
     assert ref.loss.tolist() == pytest.approx(want, rel=1e-12)
 
 
-@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_kernel)])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_kernel)])
 def test_jsd_at_beta_0_and_1_equals_forward_and_reverse_kl(backend):
     student = make_logits((2, 3, 23), torch.float32, seed=5)
     teacher = make_teacher(student, torch.float32, seed=6)
@@ -348,7 +348,7 @@ def test_kernel_matches_reference_for_strided_student_and_teacher_views_and_num_
     assert bool((pair.grad[:, -1] == 0).all())
 
 
-@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_kernel)])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_kernel)])
 def test_teacher_receives_no_gradient(backend):
     student = make_logits((2, 3, 17), torch.float32, seed=81).requires_grad_()
     teacher = make_teacher(student, torch.float32, seed=81).requires_grad_()
@@ -467,7 +467,7 @@ def _student_and_targets():
     return make_logits((2, 3, 11), torch.float32, seed=0), make_targets((2, 3), 11, seed=0)
 
 
-@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_kernel)])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_kernel)])
 def test_missing_teacher_logits_is_an_error_naming_it(backend):
     student, targets = _student_and_targets()
     with pytest.raises(ValueError, match="teacher_logits.*required"):
@@ -478,13 +478,13 @@ def test_missing_teacher_logits_is_an_error_naming_it(backend):
 def test_teacher_shape_mismatch_is_an_error_naming_it(shape):
     student, targets = _student_and_targets()
     with pytest.raises(ValueError, match="teacher_logits: shape"):
-        head_loss(student, targets, distill_spec(), teacher_logits=torch.zeros(shape), backend="reference")
+        head_loss(student, targets, distill_spec(), teacher_logits=torch.zeros(shape), backend="torch")
 
 
 def test_teacher_without_a_distillation_term_is_an_error_naming_it():
     student, targets = _student_and_targets()
     with pytest.raises(ValueError, match="teacher_logits: given, but the spec has no distillation"):
-        head_loss(student, targets, LossSpec(), teacher_logits=student.clone(), backend="reference")
+        head_loss(student, targets, LossSpec(), teacher_logits=student.clone(), backend="torch")
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
@@ -492,13 +492,13 @@ def test_integer_teacher_is_a_type_error_naming_it(dtype):
     student, targets = _student_and_targets()
     with pytest.raises(TypeError, match="teacher_logits: expected a floating-point tensor"):
         head_loss(student, targets, distill_spec(), teacher_logits=torch.zeros(student.shape, dtype=dtype),
-                  backend="reference")
+                  backend="torch")
 
 
 def test_teacher_that_is_not_a_tensor_is_a_type_error_naming_it():
     student, targets = _student_and_targets()
     with pytest.raises(TypeError, match="teacher_logits"):
-        head_loss(student, targets, distill_spec(), teacher_logits=student.tolist(), backend="reference")
+        head_loss(student, targets, distill_spec(), teacher_logits=student.tolist(), backend="torch")
 
 
 @pytest.mark.parametrize(

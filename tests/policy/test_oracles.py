@@ -45,7 +45,7 @@ ORACLE_TESTS = {
     "clip_cov": ["test_verl_sequence_and_batch_objectives_match_core_algos"],
     "kl_cov": ["test_verl_sequence_and_batch_objectives_match_core_algos"],
 }
-"""Each objective of headloss.policy.tables -> the tests here that hold it against an oracle transcribed
+"""Each objective of headloss.policy_tables -> the tests here that hold it against an oracle transcribed
 from its source (tests/policy/test_tables.py checks that every objective has one)."""
 
 
@@ -370,7 +370,7 @@ def run_both_one(logits, targets, spec, inputs, backend):
 def run_both(logits, targets, spec, inputs):
     """(output, logits gradient) for the kernel and the reference path, from the same stored logits."""
     return {**run_both_one(logits, targets, spec, inputs, "triton"),
-            **run_both_one(logits, targets, spec, inputs, "reference")}
+            **run_both_one(logits, targets, spec, inputs, "torch")}
 
 
 def oracle_logp(logits, targets):
@@ -584,7 +584,7 @@ def test_linear_head_runs_every_objective_like_the_logits_path(objective, level)
     out = headloss.linear_head_loss(h, w, targets, spec, chunk_bytes=5 * V * 4, **floats)
     out.loss.backward()
     h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    ref_out = head_loss(h64 @ w64.T, targets, spec, backend="reference", **inputs)
+    ref_out = head_loss(h64 @ w64.T, targets, spec, backend="torch", **inputs)
     ref_out.loss.backward()
     assert_close_norm(out.loss, ref_out.loss, rtol=1e-5, atol=3e-6, name="loss")
     assert_close_norm(h.grad, h64.grad, rtol=1e-4, atol=1e-9, name="hidden grad")
@@ -633,7 +633,7 @@ def test_verl_sequence_and_batch_objectives_match_core_algos(mode, dtype):
             inputs["importance_weights"] = weights
         spec = LossSpec(cross_entropy=None, policy=policy)
         got = {}
-        for backend in ("triton", "reference"):
+        for backend in ("triton", "torch"):
             torch.manual_seed(7)
             got.update(run_both_one(logits, targets, spec, inputs, backend))
         if mode == "clip_cov":
@@ -771,7 +771,7 @@ def _rank_entropy_quantile(rank, world, port, results):
                       entropy_quantile_group=dist.group.WORLD)
         errors = {}
         # with TRL's bonus the lm_head runs deferred; without, fused under a guessed mask, then corrected
-        for bonus, backend in (("bonus", "triton"), ("bonus", "reference"), ("", "triton")):
+        for bonus, backend in (("bonus", "triton"), ("bonus", "torch"), ("", "triton")):
             want_loss, want_grad = quantile_oracle(rank, world, quantile, bool(bonus))
             policy = Policy(loss_type="grpo", top_entropy_quantile=quantile, entropy_coef=0.05 if bonus else 0.0,
                             entropy_aggregation="token-mean")
@@ -833,7 +833,7 @@ def _rank_entropy_quantile_one_rank_empty(rank, world, port, results):
         spec = LossSpec(cross_entropy=None, policy=policy)
         inputs = dict(advantages=adv.float(), old_logprobs=old.float(), loss_mask=mask,
                       entropy_quantile_group=dist.group.WORLD)
-        alone = head_loss(hidden.float() @ weight.float().T, targets, spec, backend="reference",
+        alone = head_loss(hidden.float() @ weight.float().T, targets, spec, backend="torch",
                           **{k: v for k, v in inputs.items() if k != "entropy_quantile_group"})
         losses = {}
         for name in ("logits", "lm_head", "lm_head no grad"):
@@ -879,9 +879,9 @@ def test_lm_head_top_entropy_mask_without_gradient_keeps_the_mask():
     with torch.no_grad():
         out = headloss.linear_head_loss(hidden.float(), weight.float(), targets, spec, chunk_bytes=4 * V * 4,
                                         **inputs)
-    ref = head_loss(hidden @ weight.T, targets, spec, backend="reference", **inputs)
+    ref = head_loss(hidden @ weight.T, targets, spec, backend="torch", **inputs)
     masked = head_loss(hidden @ weight.T, targets, spec.model_copy(update={"policy": Policy(loss_type="grpo")}),
-                       backend="reference", **inputs)
+                       backend="torch", **inputs)
     assert abs(float(masked.loss) - float(ref.loss)) > 1e-3  # the mask matters here
     assert_close_norm(out.loss, ref.loss, rtol=1e-5, atol=3e-6, name="loss")
     assert set(out.metrics) == set(ref.metrics)
@@ -927,7 +927,7 @@ def test_entropy_quantile_group_errors_name_the_argument():
     logits, targets, mask, adv, old, _, _ = make_case(3)
     masked = LossSpec(cross_entropy=None, policy=Policy(loss_type="grpo", top_entropy_quantile=0.5))
     inputs = dict(advantages=adv.float(), old_logprobs=old.float(), loss_mask=mask)
-    for backend in ("triton", "reference") if headloss.env.INTERPRETER else ("reference",):
+    for backend in ("triton", "torch") if headloss.env.INTERPRETER else ("torch",):
         with pytest.raises(ValueError, match="entropy_quantile_group: given, but the spec has no top-entropy mask"):
             head_loss(logits, targets, LossSpec(cross_entropy=None, policy=Policy(loss_type="grpo")),
                       backend=backend, entropy_quantile_group=object(), **inputs)
@@ -1048,13 +1048,13 @@ def test_rollout_correction_input_errors_name_the_argument():
     logits, targets, mask, adv, old, _, iw = make_case(61)
     spec = LossSpec(cross_entropy=None, policy=Policy(rollout_is="token"))
     with pytest.raises(ValueError, match="rollout_logprobs"):
-        head_loss(logits, targets, spec, advantages=adv.float(), old_logprobs=old.float(), backend="reference")
+        head_loss(logits, targets, spec, advantages=adv.float(), old_logprobs=old.float(), backend="torch")
     with pytest.raises(ValueError, match="importance_weights"):
         head_loss(logits, targets, spec, advantages=adv.float(), old_logprobs=old.float(),
-                  rollout_logprobs=old.float(), importance_weights=iw.float(), backend="reference")
+                  rollout_logprobs=old.float(), importance_weights=iw.float(), backend="torch")
     with pytest.raises(ValueError, match="rollout_logprobs: expected shape"):
         head_loss(logits, targets, spec, advantages=adv.float(), old_logprobs=old.float(),
-                  rollout_logprobs=old[:, :2].float(), backend="reference")
+                  rollout_logprobs=old[:, :2].float(), backend="torch")
     with pytest.raises(ValueError, match="rollout_is_min"):
         Policy(rollout_is="token", rollout_is_min=2.0, rollout_is_max=1.5)
 
@@ -1118,7 +1118,7 @@ def test_verl_seq_mean_over_data_parallel_ranks_takes_the_global_batch_size(agg,
         torch.maximum(-adv[:, None] * r, -adv[:, None] * torch.clamp(r, 0.8, 1.28))
         + 0.04 * (torch.exp(ref - lp) - (ref - lp) - 1), mask.double(), agg, dp_size=4, global_batch_size=11)
     oracle.backward()
-    for backend in ("triton", "reference"):
+    for backend in ("triton", "torch"):
         h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
         out = headloss.linear_head_loss(h, w, targets, spec, backend=backend, chunk_bytes=2 * V * 4,
                                         **floats(inputs))
@@ -1137,7 +1137,7 @@ def test_num_sequences_in_batch_errors_name_it():
         (Policy(loss_type="grpo"), torch.tensor([1.0, 2.0]), "expected one element, got shape \\(2,\\)"),
         (Policy(objective="gmpo", loss_type="grpo"), 4, "geo_mean"),
     ):
-        for backend in ("triton", "reference") if headloss.env.INTERPRETER else ("reference",):
+        for backend in ("triton", "torch") if headloss.env.INTERPRETER else ("torch",):
             with pytest.raises(ValueError, match=f"num_sequences_in_batch: .*{match}"):
                 head_loss(logits, targets, LossSpec(cross_entropy=None, policy=policy), advantages=adv,
                           old_logprobs=old, num_sequences_in_batch=value, backend=backend)
@@ -1213,7 +1213,7 @@ def test_lm_head_runs_sequence_statistics_chunk_by_chunk_of_whole_sequences(obje
                          "lm_head:covariance" if objective in ("clip_cov", "kl_cov") else "lm_head:entropy-guess")
     h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     torch.manual_seed(5)
-    ref_out = head_loss(h64 @ w64.T, targets, spec, backend="reference", **inputs)
+    ref_out = head_loss(h64 @ w64.T, targets, spec, backend="torch", **inputs)
     (3.0 * ref_out.loss).backward()
     assert_close_norm(out.loss, ref_out.loss, rtol=1e-5, atol=3e-6, name="loss")
     assert_close_norm(h.grad, h64.grad, rtol=1e-4, atol=1e-9, name="hidden grad")
@@ -1251,14 +1251,14 @@ def test_lm_head_top_entropy_mask_runs_fused_and_corrects_the_rows_it_guessed_wr
     with rollout weights or without, compact or not, and deferred mode never runs. The guess is
     the running estimate, or forced wrong (every kept row gains its objective in the correction,
     or every dropped row loses it)."""
-    import headloss.linear as linear
+    import headloss.linear_policy as linear
 
     if guess != "estimate":  # a guess forced wrong (the correction must then change every such row)
         monkeypatch.setattr(linear, "_guess_threshold",
                             lambda seen, q: torch.tensor(math.inf if guess == "keep none" else -math.inf))
     changed = []  # the rows each correction changes
-    original = linear._correct_rows
-    monkeypatch.setattr(linear, "_correct_rows", lambda run, h, w, b, y, chosen, *a: changed.append(int(chosen.sum()))
+    original = linear.correct_rows
+    monkeypatch.setattr(linear, "correct_rows", lambda run, h, w, b, y, chosen, *a: changed.append(int(chosen.sum()))
                         or original(run, h, w, b, y, chosen, *a))
     gen = generator(101)
     batch, length, width = 6, 9, 8
@@ -1283,7 +1283,7 @@ def test_lm_head_top_entropy_mask_runs_fused_and_corrects_the_rows_it_guessed_wr
     (2.0 * out.loss).backward()
     assert out.route == "lm_head:entropy-guess"
     h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    ref_out = head_loss(h64 @ w64.T, targets, spec, backend="reference", **inputs)
+    ref_out = head_loss(h64 @ w64.T, targets, spec, backend="torch", **inputs)
     (2.0 * ref_out.loss).backward()
     assert_close_norm(out.loss, ref_out.loss, rtol=1e-5, atol=3e-6, name="loss")
     assert_close_norm(h.grad, h64.grad, rtol=1e-4, atol=1e-9, name="hidden grad")
@@ -1366,7 +1366,7 @@ def test_lm_head_matches_the_reference_for_random_policy_specs(route, data):
     (1.5 * out.loss).backward()
     ref_leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
     torch.manual_seed(seed)
-    ref = head_loss(ref_leaves[0] @ ref_leaves[1].T + ref_leaves[2], targets, spec, backend="reference", **inputs)
+    ref = head_loss(ref_leaves[0] @ ref_leaves[1].T + ref_leaves[2], targets, spec, backend="torch", **inputs)
     (1.5 * ref.loss).backward()
     routes = {"row-local": {"lm_head:fused"},
               # (a sequence too long for the chunk budget runs deferred)
@@ -1384,7 +1384,8 @@ def test_lm_head_matches_the_reference_for_random_policy_specs(route, data):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"),  # fp16: the same path, the slow tier
+                                   pytest.param(torch.float16, id="fp16", marks=pytest.mark.slow)])
 def test_lm_head_top_entropy_guessed_route_equals_deferred_mode_in_half_precision(dtype):
     """Half-precision hidden states and head: the guessed-mask route (fused, then corrected) gives
     deferred mode's loss, metrics and gradients on the same inputs (the same chunked logits, so the
@@ -1441,7 +1442,7 @@ def test_vespo_takes_a_sequence_level_rollout_weight_once():
     got = {level: run_both(logits, targets, LossSpec(cross_entropy=None, policy=Policy(
         objective="vespo", rollout_is=level, rollout_is_max=None, rollout_is_min=0.0)), inputs)
         for level in ("token", "sequence")}
-    for backend in ("triton", "reference"):
+    for backend in ("triton", "torch"):
         (tok_out, tok_grad), (seq_out, seq_grad) = got["token"][backend], got["sequence"][backend]
         assert_close_norm(seq_out.loss, tok_out.loss, rtol=1e-5, atol=1e-7, name=f"{backend} loss")
         assert_close_norm(seq_grad, tok_grad, rtol=1e-5, atol=1e-9, name=f"{backend} grad")
@@ -1486,7 +1487,7 @@ def test_lm_head_sum_norm_divides_by_the_completion_length_with_completion_ids(c
     spec = LossSpec(cross_entropy=None, policy=Policy(loss_type="seq-mean-token-sum-norm", convention=convention))
     inputs = dict(advantages=adv.float(), old_logprobs=old.float(), loss_mask=mask)
     out = headloss.linear_head_loss(hidden, weight, targets, spec, shift=True, **inputs)
-    want = head_loss(hidden @ weight.T, targets, spec, shift=True, backend="reference", **inputs)
+    want = head_loss(hidden @ weight.T, targets, spec, shift=True, backend="torch", **inputs)
     assert_close_norm(out.loss, want.loss, rtol=1e-5, atol=1e-7, name="loss")
 
 
@@ -1588,7 +1589,7 @@ def test_trl_clip_metrics_follow_compute_loss_at_its_edges(case):
     spec = LossSpec(cross_entropy=None, policy=Policy(importance_sampling=level, eps_low=0.2, eps_high=0.28,
                                                       delta=delta, loss_type="grpo"))
     inputs = dict(advantages=adv, old_logprobs=old, loss_mask=mask)
-    for backend in ("triton", "reference"):
+    for backend in ("triton", "torch"):
         for route in policy_routes(logits, targets, spec, inputs, backend):
             out = head_loss(logits, targets, spec, backend=backend, route=route, **floats(inputs))
             for name, value in want.items():
@@ -1619,7 +1620,7 @@ def test_verl_gspo_ppo_kl_reads_the_unclamped_log_ratio():
     spec, inputs = LossSpec(cross_entropy=None, policy=policy), dict(advantages=adv, old_logprobs=old, loss_mask=mask)
     for route in policy_routes(logits, targets, spec, inputs):
         got = {}
-        for backend in ("triton", "reference"):
+        for backend in ("triton", "torch"):
             leaf_b = logits.detach().clone().requires_grad_()
             out = head_loss(leaf_b, targets, spec, backend=backend, route=route if backend == "triton" else None,
                             **floats(inputs))
@@ -1680,7 +1681,7 @@ def test_verl_kl_and_entropy_losses_aggregate_by_loss_agg_mode(case):
     compare(got, policy_loss.detach(), leaf.grad, {}, torch.float32)
     hidden = torch.randn(B, T, 8, generator=generator(5), dtype=torch.float64).requires_grad_()
     weight = torch.randn(V, 8, generator=generator(6), dtype=torch.float64) / 2
-    want = head_loss(hidden @ weight.T, targets, spec, backend="reference", **inputs)
+    want = head_loss(hidden @ weight.T, targets, spec, backend="torch", **inputs)
     want.loss.backward()
     lm_hidden = hidden.detach().float().requires_grad_()
     out = headloss.linear_head_loss(lm_hidden, weight.float(), targets, spec, **floats(inputs))
@@ -1706,7 +1707,7 @@ def test_verl_kl_and_entropy_aggregation_takes_the_global_counts_of_its_own_loss
     spec = LossSpec(cross_entropy=None, policy=policy)
     inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, num_sequences_in_batch=5)
     got = {}
-    for backend in ("triton", "reference"):
+    for backend in ("triton", "torch"):
         leaf_b = logits.detach().clone().requires_grad_()
         out = head_loss(leaf_b, targets, spec, backend=backend, num_items_in_batch=23, **floats(inputs))
         out.loss.backward()

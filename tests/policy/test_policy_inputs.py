@@ -4,15 +4,16 @@ never a finite loss that silently differs; the kernel path and the reference pat
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
-from conftest import generator, make_logits, make_targets, needs_kernel
+from conftest import generator, make_logits, make_targets, needs_kernel, seed_of
 
 from headloss import LossSpec, Policy, head_loss, linear_head_loss
 
 B, T, V = 3, 5, 13
-BACKENDS = [pytest.param("triton", marks=needs_kernel), "reference"]
+BACKENDS = [pytest.param("triton", marks=needs_kernel), "torch"]
 
 
 def _case(seed=0):
@@ -119,3 +120,60 @@ def test_no_rows_give_a_zero_loss_and_a_zero_gradient(backend, loss_type):
     assert out.loss.item() == 0.0
     out.loss.backward()
     assert logits.grad.shape == (0, V)
+
+
+# --- an input the spec does not read ---------------------------------------------------------------
+
+UNREAD = {  # input: (a policy that reads it, the warning without that)
+    "ref_logprobs": (dict(kl_beta=0.04), r"ref_logprobs: the spec's policy has kl_beta=0, so no KL term reads it; "
+                                         r"drop it or set policy.kl_beta"),
+    "rollout_logprobs": (dict(rollout_is="token"),
+                         r"rollout_logprobs: the spec's policy has neither rollout_is nor off_policy_mask"),
+}
+
+
+def _call(entry, spec, backend, logits, targets, **inputs):
+    if entry == "logits":
+        return head_loss(logits, targets, spec, backend=backend, **inputs)
+    hidden = torch.randn(B, T, 6, generator=generator(3))
+    weight = torch.randn(V, 6, generator=generator(4))
+    return linear_head_loss(hidden, weight, targets, spec, backend=backend, **inputs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("entry", ["logits", "hidden"])
+@pytest.mark.parametrize("name", list(UNREAD))
+def test_an_input_the_policy_does_not_read_is_warned_once_per_spec(name, entry, backend):
+    """Trainers pass the reference model's and the rollout's log-probs with every batch: a policy that
+    reads neither warns once (at the caller's line) and computes what it computes without them."""
+    reads, message = UNREAD[name]
+    logits, targets, adv, old, rollout = _case(5)
+    eps = 0.2 + seed_of(name, entry, backend) / 1e9  # a spec of this test's alone: warned once per spec
+    spec = LossSpec(cross_entropy=None, policy=Policy(eps_high=eps))
+    inputs = dict(advantages=adv, old_logprobs=old)
+    extra = {name: rollout if name == "rollout_logprobs" else old - 0.1}
+    with pytest.warns(UserWarning, match=message) as caught:
+        out = _call(entry, spec, backend, logits, targets, **inputs, **extra)
+    assert [w.filename for w in caught if name in str(w.message)] == [__file__]
+    torch.testing.assert_close(out.loss, _call(entry, spec, backend, logits, targets, **inputs).loss)
+    reading = LossSpec(cross_entropy=None, policy=Policy(eps_high=eps, **reads))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per spec; none where the spec reads it
+        _call(entry, spec, backend, logits, targets, **inputs, **extra)
+        _call(entry, reading, backend, logits, targets, **inputs, **extra)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("entry", ["logits", "hidden"])
+def test_inputs_of_a_term_the_spec_lacks_are_refused_naming_the_argument(entry, backend):
+    """What only a policy term reads, given to a spec without one, and teacher_logits without a
+    distillation term: a mistake, an error naming the argument (the same on both paths)."""
+    logits, targets, adv, old, rollout = _case(6)
+    spec = LossSpec(token_accuracy=True)
+    for name, value in dict(advantages=adv, old_logprobs=old, ref_logprobs=old, rollout_logprobs=rollout,
+                            loss_mask=torch.ones(B, T)).items():
+        with pytest.raises(ValueError, match=rf"^{name}: given, but the spec has no policy term, the only one that "
+                                             r"reads it; drop it or add spec.policy$"):
+            _call(entry, spec, backend, logits, targets, **{name: value})
+    with pytest.raises(ValueError, match=r"^teacher_logits: given, but the spec has no distillation term"):
+        _call(entry, spec, backend, logits, targets, teacher_logits=logits.clone())

@@ -33,9 +33,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from headloss import CrossEntropy, Entropy, LogitTransform, LossSpec, ZLoss, head_loss, reference_head_loss
+from headloss import CrossEntropy, Entropy, LogitTransform, LossSpec, ZLoss, head_loss
 from headloss.kernels.launch import LAUNCH_OVERRIDES
-from headloss.reference import transformed_logits
+from headloss.reference import reference_head_loss, transformed_logits
 from headloss.spec import Distillation, Policy
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
@@ -153,7 +153,7 @@ def _old_for_ratios(ratios) -> torch.Tensor:
 
 
 def _both_backends():
-    return ["reference", pytest.param("triton", marks=needs_kernel)]
+    return ["torch", pytest.param("triton", marks=needs_kernel)]
 
 
 @pytest.mark.parametrize("backend", _both_backends())
@@ -323,7 +323,7 @@ def test_temperature_divides_the_logits_before_the_log_probs():
     spec = policy_spec("bnpo", transform=LogitTransform(temperature=0.5))
     lp = _row_logprobs([v / 0.5 for v in row])[1]
     old = torch.tensor([[lp - math.log(1.1)]], dtype=torch.float64)
-    out = head_loss(torch.tensor([[row]], dtype=torch.float64), torch.tensor([[1]]), spec, backend="reference",
+    out = head_loss(torch.tensor([[row]], dtype=torch.float64), torch.tensor([[1]]), spec, backend="torch",
                     advantages=torch.tensor([1.0]), old_logprobs=old)
     assert float(out.loss.detach()) == pytest.approx(-1.1, rel=1e-9)
     assert float(out.metrics["logprob/mean"]) == pytest.approx(lp, rel=1e-9)
@@ -531,7 +531,7 @@ def test_every_token_masked_gives_zero_loss_zero_gradient_and_default_metrics(lo
 
 
 @needs_kernel
-@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_masked_positions_inputs_do_not_matter(backend):
     """Tokens outside loss_mask are skipped: any finite values there change nothing."""
     spec = policy_spec("grpo", kl_beta=0.1, ce=CrossEntropy(weight=0.1))
@@ -574,7 +574,7 @@ def test_missing_ref_logprobs_with_kl_beta_is_an_error_naming_it(backend):
 def test_missing_targets_with_a_policy_term_is_an_error_naming_them():
     logits, _ = _inputs_for_errors()
     with pytest.raises(ValueError, match="targets: required by policy"):
-        head_loss(logits, None, policy_spec(), advantages=torch.zeros(2), backend="reference")
+        head_loss(logits, None, policy_spec(), advantages=torch.zeros(2), backend="torch")
 
 
 @pytest.mark.parametrize("name", ["old_logprobs", "ref_logprobs", "loss_mask", "importance_weights"])
@@ -584,33 +584,33 @@ def test_per_token_input_shape_mismatch_is_an_error_naming_it(name, shape):
     kwargs = {"advantages": torch.zeros(2), "ref_logprobs": torch.zeros(2, 3)}
     kwargs[name] = torch.zeros(shape, dtype=torch.long if name == "loss_mask" else torch.float32)
     with pytest.raises(ValueError, match=f"{name}: expected shape"):
-        head_loss(logits, targets, policy_spec(kl_beta=0.1), backend="reference", **kwargs)
+        head_loss(logits, targets, policy_spec(kl_beta=0.1), backend="torch", **kwargs)
 
 
 @pytest.mark.parametrize("shape", [(3,), (2, 4), (6,), (2, 3, 1)])
 def test_advantages_shape_mismatch_is_an_error_naming_it(shape):
     logits, targets = _inputs_for_errors()
     with pytest.raises(ValueError, match="advantages: expected"):
-        head_loss(logits, targets, policy_spec(), advantages=torch.zeros(shape), backend="reference")
+        head_loss(logits, targets, policy_spec(), advantages=torch.zeros(shape), backend="torch")
 
 
 def test_advantages_that_are_not_a_tensor_is_an_error_naming_them():
     logits, targets = _inputs_for_errors()
     with pytest.raises(ValueError, match="advantages"):
-        head_loss(logits, targets, policy_spec(), advantages=[1.0, 2.0], backend="reference")
+        head_loss(logits, targets, policy_spec(), advantages=[1.0, 2.0], backend="torch")
 
 
 def test_flat_logits_without_sequence_ids_is_an_error_naming_them():
     logits, targets = _inputs_for_errors((6,))
     with pytest.raises(ValueError, match="sequence_ids: required"):
-        head_loss(logits, targets, policy_spec(), advantages=torch.zeros(6), backend="reference")
+        head_loss(logits, targets, policy_spec(), advantages=torch.zeros(6), backend="torch")
 
 
 def test_sequence_ids_with_batched_logits_is_an_error_naming_them():
     logits, targets = _inputs_for_errors()
     with pytest.raises(ValueError, match="sequence_ids: only for"):
         head_loss(logits, targets, policy_spec(), advantages=torch.zeros(2), sequence_ids=torch.zeros(6).long(),
-                  backend="reference")
+                  backend="torch")
 
 
 @pytest.mark.parametrize("ids", [[0, 1, 2, 3, 4, 6], [-1, 0, 0, 1, 1, 1]], ids=["too_large", "negative"])
@@ -618,7 +618,7 @@ def test_sequence_ids_out_of_range_is_an_error_with_validation_on(ids):
     logits, targets = _inputs_for_errors((6,))
     with pytest.raises(ValueError, match="sequence_ids: values must lie in"):
         head_loss(logits, targets, policy_spec(), advantages=torch.zeros(6), sequence_ids=torch.tensor(ids),
-                  backend="reference")
+                  backend="torch")
 
 
 @pytest.mark.parametrize("ids", [torch.zeros(5, dtype=torch.long), torch.zeros(6), torch.zeros(2, 3).long()],
@@ -626,7 +626,7 @@ def test_sequence_ids_out_of_range_is_an_error_with_validation_on(ids):
 def test_sequence_ids_of_the_wrong_shape_or_dtype_is_an_error_naming_them(ids):
     logits, targets = _inputs_for_errors((6,))
     with pytest.raises(ValueError, match="sequence_ids: expected integer"):
-        head_loss(logits, targets, policy_spec(), advantages=torch.zeros(6), sequence_ids=ids, backend="reference")
+        head_loss(logits, targets, policy_spec(), advantages=torch.zeros(6), sequence_ids=ids, backend="torch")
 
 
 @pytest.mark.parametrize("name", ["advantages", "old_logprobs", "ref_logprobs", "loss_mask", "importance_weights",
@@ -634,7 +634,7 @@ def test_sequence_ids_of_the_wrong_shape_or_dtype_is_an_error_naming_them(ids):
 def test_a_policy_input_without_a_policy_term_is_an_error_naming_it(name):
     logits, targets = _inputs_for_errors()
     with pytest.raises(ValueError, match=f"{name}: given, but the spec has no policy term"):
-        head_loss(logits, targets, LossSpec(), backend="reference", **{name: torch.zeros(2, 3)})
+        head_loss(logits, targets, LossSpec(), backend="torch", **{name: torch.zeros(2, 3)})
 
 
 def test_dr_grpo_without_max_completion_length_is_a_spec_error_naming_it():

@@ -1,4 +1,4 @@
-"""headloss.policy.tables: one row per objective, KL estimator, importance-sampling level and loss
+"""headloss.policy_tables: one row per objective, KL estimator, importance-sampling level and loss
 type, and every piece that dispatches on them covers every row -- a value without its kernel piece,
 its torch formula, its reference formula or its oracle test is an error, never an ``else`` that
 computes something else."""
@@ -72,7 +72,7 @@ def test_a_kernel_code_without_a_branch_does_not_compile():
     interpreter raises it; the compiler refuses the variant), never computes another objective."""
     from headloss.kernels.head import PolicyRows, launch_head, prepare
     from headloss.kernels.launch import Geometry
-    from headloss.kernels.layouts import scratch_size
+    from headloss.layouts import scratch_size
 
     plan = compile_plan(LossSpec(cross_entropy=None, policy=Policy()))
     unknown = plan.flags._replace(OBJECTIVE=max(tables.kernel_objectives().values()) + 1)
@@ -95,6 +95,6 @@ def test_the_reference_runs_every_objective_of_the_tables():
     logits, ids = make_logits((2, 4, 11), seed=3), make_targets((2, 4), 11, seed=3)
     for name in tables.OBJECTIVES:
         policy = Policy(objective=name, loss_type="grpo", dro_beta=0.1, cov_ratio=0.3)
-        out = head_loss(logits, ids, LossSpec(cross_entropy=None, policy=policy), backend="reference",
+        out = head_loss(logits, ids, LossSpec(cross_entropy=None, policy=policy), backend="torch",
                         advantages=torch.tensor([1.0, -1.0]), old_logprobs=torch.full((2, 4), -2.5))
         assert torch.isfinite(out.loss), name

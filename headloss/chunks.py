@@ -1,0 +1,210 @@
+"""How the fused lm_head cuts its rows into chunks, and the GEMMs of a chunk.
+
+Per chunk: ``logits_c = h_c @ W.T`` into one reused buffer, the head kernel in place on it, then
+``dh_c = g_c @ W`` and ``dW (+)= g_c.T @ h_c``. The chunk size comes from a byte budget for one
+chunk's logits (:func:`cut`); chunks/sizes measured against the GEMM floor are in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from .batch import Teacher
+from .plan import KernelPlan
+from .policy.tokens import PolicyInputs
+from .routes import Chunks
+from .spec import Policy
+
+DEFAULT_CHUNK_BYTES = 256 << 20
+"""Logits per chunk: 256 MiB = 1024 rows of a 128256-word bf16 vocabulary. Every chunk re-reads and
+re-writes dW, and cuBLAS runs the gradient GEMMs well under their large-K speed below ~1024 rows:
+the smallest chunk within 1.1x of the 3 GEMMs (docs/performance.md). ``chunk_bytes=128 << 20``
+where memory matters more than time."""
+
+ROW_TILE = 128
+"""Chunks of 256 rows or more are cut to a multiple of this: cuBLAS tiles the chunk's rows by 128 (or
+256), and a partial last tile costs a whole one."""
+
+TEACHER_SHARE = 0.25
+"""With a computed teacher (its hidden states and weight), the share of the budget its logits buffer
+takes: the student's chunk (the rows of the gradient GEMMs) gets the rest, and the teacher's logits
+are computed in parts of the chunk -- larger gradient GEMMs in the same memory."""
+
+
+class ChunkCut(NamedTuple):
+    """How a call's rows are cut: ``rows`` per chunk; a computed teacher's logits in parts of
+    ``teacher_rows`` (0: the whole chunk); ``seq_len`` rows per sequence when chunks hold whole
+    sequences (else 0)."""
+
+    rows: int
+    teacher_rows: int = 0
+    seq_len: int = 0
+
+
+@dataclass(frozen=True)
+class LinearRun:
+    """Everything but tensors that a linear_head_loss call runs with."""
+
+    plan: KernelPlan  # the variant the chunks run: the call's, or its base objective's (corrected routes)
+    chunk_rows: int
+    fp32_weight_grad: bool
+    compact: bool  # skip ignored rows (one host sync for their count)
+    validate: str
+    token_shape: tuple[int, ...]
+    ignore_index: int
+    norm: float
+    chunks: Chunks = Chunks.ROWS  # the route's
+    traced: bool = False  # under torch.compile (the route's)
+    shard: Any = None  # vocab-parallel: a headloss.parallel.VocabShard (the weight's rows)
+    seq_len: int = 0  # sequences: rows per sequence (each chunk holds whole sequences)
+    policy: PolicyInputs | None = None  # sequences and the corrected routes: the call's policy inputs
+    objective: Policy | None = None  # the corrected routes: the spec's policy (``plan`` runs its base)
+    d_rows_by_kernel: bool = False  # sequences: each chunk's d loss / d rows by the objective kernel
+    reduce_hidden_grad: bool = True  # vocab-parallel: dh summed over the group (else this rank's share)
+    teacher_rows: int = 0  # a computed teacher's logits in parts of this many rows of a chunk (0: whole chunks)
+
+    @property
+    def grads_in_forward(self) -> bool:
+        """The gradient is computed in forward (fused, or sequence-chunked) and scaled in backward."""
+        return grads_in_forward(self.plan, self.chunks)
+
+
+def grads_in_forward(plan: KernelPlan, chunks: Chunks) -> bool:
+    return plan.mode == "fused" or chunks is Chunks.SEQUENCES
+
+
+def chunk_rows_for(budget_bytes: int, vocab: int, elem_bytes: int) -> int:
+    """Rows per chunk so that one [rows, vocab] logits buffer fits ``budget_bytes`` (at least 1),
+    cut to a multiple of ROW_TILE from 2 * ROW_TILE rows up."""
+    rows = max(1, budget_bytes // max(1, vocab * elem_bytes))
+    return rows - rows % ROW_TILE if rows >= 2 * ROW_TILE else rows
+
+
+def budget_rows(chunk_bytes: int, width: int, elem_bytes: int, computed_teacher: bool) -> int:
+    """Rows per chunk of plain row chunks: a computed teacher's logits share the budget."""
+    return chunk_rows_for(chunk_bytes, width, elem_bytes * (2 if computed_teacher else 1))
+
+
+def cut(chunks: Chunks, chunk_bytes: int, width: int, elem_bytes: int, computed_teacher: bool, seq_len: int,
+        sharded: bool) -> ChunkCut:
+    """The chunks of a route's chunking (``width``: the whole vocabulary, so that every rank of a
+    vocab-parallel call cuts the same chunks; ``seq_len``: rows per sequence of [B, T] rows)."""
+    rows = budget_rows(chunk_bytes, width, elem_bytes, computed_teacher)
+    if chunks is Chunks.SEQUENCES:  # whole sequences, contiguous
+        return ChunkCut(max(seq_len, rows // seq_len * seq_len), 0, seq_len)
+    if computed_teacher and chunks is Chunks.ROWS and not sharded:  # the teacher's share in parts of a chunk
+        return ChunkCut(chunk_rows_for(int(chunk_bytes * (1.0 - TEACHER_SHARE)), width, elem_bytes),
+                        chunk_rows_for(int(chunk_bytes * TEACHER_SHARE), width, elem_bytes))
+    return ChunkCut(rows)
+
+
+@dataclass
+class Grads:
+    dh: torch.Tensor | None  # (N, H) in the hidden dtype; rows never computed stay 0
+    dw: torch.Tensor | None  # (V, H) in the weight dtype, or fp32 while accumulating
+    db: torch.Tensor | None  # (V,) fp32 while accumulating
+
+
+def rows_of(t: torch.Tensor | None, index: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t[start:stop] if index is None else t.index_select(0, index[start:stop])
+
+
+def linear_into(out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is None:
+        return torch.mm(h, weight.t(), out=out)
+    return torch.addmm(bias, h, weight.t(), out=out)
+
+
+def chunks_of(hidden, weight, bias, index, teacher: Teacher, computed: int, chunk_rows: int,
+            teacher_rows: int = 0):
+    """Yield (start, stop, h_c, parts, logits_c) over the computed rows; logits_c reuses one buffer.
+    ``parts`` yields (a, b, teacher rows a:b of the chunk) -- the head kernel's launches over the chunk:
+    one, or with a computed teacher one per ``teacher_rows`` rows of it (0: the chunk's), each part's
+    teacher logits computed into one buffer of that many rows (:func:`teacher_parts`)."""
+    size = min(chunk_rows, max(computed, 1))
+    buffer = torch.empty(size, weight.shape[0], dtype=hidden.dtype, device=hidden.device)
+    t_buffer = None
+    if teacher.hidden is not None:
+        t_size = size if teacher_rows <= 0 else min(teacher_rows, size)
+        t_buffer = torch.empty(t_size, weight.shape[0], dtype=teacher.hidden.dtype, device=hidden.device)
+    for start in range(0, computed, size):
+        stop = min(start + size, computed)
+        h_c = rows_of(hidden, index, start, stop)
+        logits = linear_into(buffer[: stop - start], h_c, weight, bias)
+        yield start, stop, h_c, teacher_parts(teacher, index, start, stop, t_buffer), logits
+
+
+def teacher_parts(teacher: Teacher, index, start: int, stop: int, t_buffer: torch.Tensor | None):
+    """(a, b, teacher logits of rows start + a : start + b or None) covering one chunk: given teacher
+    logits (or none) in one part; a computed teacher in parts of ``t_buffer``'s rows, each computed into
+    it. A teacher buffer smaller than the student's chunk keeps the chunk (the rows its gradient GEMMs
+    take) large under the same memory: the weight-gradient GEMM re-reads and re-writes dW once per
+    chunk (benchmarks/bench_compile.py --profile-distill)."""
+    if teacher.hidden is None:
+        yield 0, stop - start, rows_of(teacher.logits, index, start, stop)
+        return
+    step = t_buffer.shape[0]
+    for lo in range(start, stop, step):
+        hi = min(lo + step, stop)
+        th = rows_of(teacher.hidden, index, lo, hi)
+        yield lo - start, hi - start, linear_into(t_buffer[: hi - lo], th, teacher.weight, teacher.bias)
+
+
+def new_grads(hidden, weight, bias, wants, fp32_weight_grad: bool, index, computed: int) -> Grads:
+    """Gradient buffers, uninitialised where a chunk overwrites them: the first chunk writes dW and
+    db (no memset, no read), and dh rows are each written once unless ignored rows are skipped
+    (then those stay 0). With no row to compute, dW and db are zeros."""
+    want_h, want_w, want_b = wants
+    fp32_w = fp32_weight_grad and weight.dtype != torch.float32
+    alloc = torch.empty if computed > 0 else torch.zeros
+    return Grads(
+        dh=(torch.empty_like(hidden) if index is None else torch.zeros_like(hidden)) if want_h else None,
+        dw=alloc(weight.shape, dtype=torch.float32 if fp32_w else weight.dtype, device=weight.device)
+        if want_w else None,
+        db=alloc(weight.shape[0], dtype=torch.float32, device=weight.device) if want_b and bias is not None else None,
+    )
+
+
+def accumulate(grads: Grads, g, h_c, weight, index, start: int, stop: int) -> None:
+    """dh rows, dW and db contributions of one chunk's logits gradient ``g`` [C, V]."""
+    if grads.dh is not None:
+        if index is None:
+            torch.mm(g, weight, out=grads.dh[start:stop])
+        else:
+            grads.dh.index_copy_(0, index[start:stop], torch.mm(g, weight))
+    first = start == 0  # the first chunk overwrites dW and db
+    if grads.dw is not None:
+        add_dw(grads.dw, g, h_c, beta=0.0 if first else 1.0)  # beta = 0: cuBLAS reads nothing from dw
+    if grads.db is not None:
+        if first:
+            torch.sum(g, dim=0, dtype=torch.float32, out=grads.db)
+        else:
+            grads.db += g.sum(dim=0, dtype=torch.float32)
+
+
+def add_dw(dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor, beta: float = 1.0) -> None:
+    """dw = beta dw + g.T @ h in place (dw in the weight's dtype, or fp32 while accumulating)."""
+    if dw.dtype == g.dtype:
+        torch.addmm(dw, g.t(), h, beta=beta, out=dw)
+    elif g.is_cuda:
+        torch.addmm(dw, g.t(), h, beta=beta, out_dtype=torch.float32, out=dw)
+    else:  # the CPU has no mixed-dtype addmm
+        torch.addmm(dw, g.t().float(), h.float(), beta=beta, out=dw)
+
+
+def finish_grads(grads: Grads, weight, bias) -> tuple:
+    dw = grads.dw.to(weight.dtype) if grads.dw is not None and grads.dw.dtype != weight.dtype else grads.dw
+    db = grads.db.to(bias.dtype) if grads.db is not None else None
+    return grads.dh, dw, db
+
+
+def spread(t: torch.Tensor, index: torch.Tensor | None, rows: int, fill: float) -> torch.Tensor:
+    """Per-row values over the computed rows -> over all rows (the others hold ``fill``)."""
+    if index is None:
+        return t
+    return torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype, device=t.device).index_copy_(0, index, t)

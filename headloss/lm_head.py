@@ -1,0 +1,301 @@
+"""The lm_head entry point's run: checks -> plan -> route -> chunks (or plain torch) -> output.
+
+:func:`run_linear` is :func:`headloss.linear_head_loss` after the door bundled its keywords: the
+vocab-parallel layout, every host-side check (:func:`_check`), the route (headloss.routes) and the
+chunk cut it implies (headloss.chunks), then :class:`LinearFunction` over headloss.linear's chunk
+loop, or the plain-torch path (:func:`_torch_linear`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from . import ops, routes
+from .batch import Layout, LinearOptions, PolicyBatch, Teacher
+from .chunks import LinearRun, cut
+from .engine import CallTensors, policy_terms
+from .inputs import check_linear_inputs, check_targets, flat_targets, pad_shifted, teacher_source
+from .linear import Saved, linear_backward, linear_forward
+from .linear_ops import linear_backward_op, linear_forward_beside_op, linear_forward_op, run_args
+from .ops import flat_geometry, take_grad
+from .output import HeadLossOutput, assemble, guard_second_backward
+from .packed import packed_call, packed_policy_inputs
+from .parallel import (
+    TRACED_TORCH,
+    every_rank,
+    gather_vocab,
+    handshake,
+    is_dtensor,
+    rows_shard,
+    traced_refusals,
+    traced_shard,
+)
+from .plan import KernelPlan
+from .policy.inputs import policy_inputs
+from .policy.tokens import PolicyInputs
+from .reference import reference_head_loss
+from .routes import Chunks, PolicyAt, facts_of, resolve_backend
+from .spec import LossSpec
+from .validation import Normaliser, normaliser, validation_mode
+
+
+@dataclass
+class _Call:
+    """A linear_head_loss call after its host-side checks."""
+
+    hidden: torch.Tensor  # [.., H]
+    weight: torch.Tensor  # [V(_rank), H]
+    bias: torch.Tensor | None
+    targets: torch.Tensor | None  # [.., T] row-aligned (shifted: padded by one)
+    teacher: Teacher  # detached, rows flat
+    token_rows: tuple[int, ...]  # hidden's row shape
+    token_shape: tuple[int, ...]  # the caller's targets' shape
+    rows_shape: tuple[int, ...]  # the row-aligned targets' shape
+    norm: Normaliser
+    given: PolicyBatch  # the policy inputs, row-aligned
+    policy: PolicyInputs | None
+    backend: str
+
+
+def run_linear(hidden, weight, bias, teacher: Teacher, targets, plan: KernelPlan, batch: PolicyBatch, layout: Layout,
+               num_items_in_batch, options: LinearOptions) -> HeadLossOutput:
+    """linear_head_loss of the bundled inputs (headloss.api)."""
+    traced = torch.compiler.is_compiling()
+    if options.hidden_grad not in ("reduced", "partial"):
+        raise ValueError(f"hidden_grad: expected 'reduced' or 'partial', got {options.hidden_grad!r}")
+    shard = None
+    if options.group is not None or is_dtensor(weight):
+        hidden, weight, bias, targets, teacher, shard = _local(hidden, weight, bias, targets, teacher, options)
+    mode = validation_mode(options.validate)
+    error = call = None
+    try:  # every host-side check; with a group and validate="sync", every rank learns of any rank's error
+        call = _check(hidden, weight, bias, targets, plan.spec, teacher, batch, layout, num_items_in_batch,
+                      options, mode)
+    except (ValueError, TypeError) as exc:
+        if shard is None or mode != "sync":
+            raise
+        error = exc
+    if shard is not None and mode == "sync":
+        handshake(shard, math.prod(hidden.shape[:-1]) if isinstance(hidden, torch.Tensor) else -1, error,
+                  weight.device)
+    if call.backend == "torch":
+        facts = routes.Facts("hidden", "torch", tuple(call.hidden.shape[:-1]), call.given.sequence_ids is not None,
+                             False, traced, False, False)
+        chosen = routes.choose(plan, facts, options.route)
+        return routes.record(_torch_linear(call, plan.spec, shard, options, mode), chosen, "hidden", call.hidden)
+    return _kernels(call, plan, shard, options, mode, traced)
+
+
+def _local(hidden, weight, bias, targets, teacher: Teacher, options: LinearOptions):
+    """A vocab-parallel call's local tensors and its VocabShard (the weight's rows)."""
+    if torch.compiler.is_compiling():  # the kernels' path: the layout a constant; each chunk's all_gather in the op
+        traced_refusals("weight", (hidden, weight, bias, targets, teacher.logits, teacher.hidden, teacher.weight,
+                                   teacher.bias), validation_mode(options.validate) == "sync")
+        if resolve_backend(options.backend, hidden.device, hidden.dtype, name="hidden") == "torch":
+            raise NotImplementedError(TRACED_TORCH)
+        shard = traced_shard(options.group, weight.shape[0], weight.device)
+    else:
+        weight, shard = rows_shard(weight, options.group, fresh=validation_mode(options.validate) == "sync")
+    local = lambda t: t.to_local() if is_dtensor(t) else t  # noqa: E731
+    whole = lambda t: t.full_tensor() if is_dtensor(t) else t  # noqa: E731
+    teacher = Teacher(local(teacher.logits), whole(teacher.hidden), local(teacher.weight), local(teacher.bias))
+    return whole(hidden), weight, local(bias), whole(targets), teacher, shard
+
+
+def _check(hidden, weight, bias, targets, spec: LossSpec, teacher: Teacher, batch: PolicyBatch, layout: Layout,
+           num_items_in_batch, options: LinearOptions, mode: str) -> _Call:
+    """Every host-side check of a linear_head_loss call, and its inputs made row-aligned."""
+    shift = layout.shift
+    packed = None
+    if layout.packed:
+        hidden, targets, (t_hidden, t_logits), packed = packed_call(
+            hidden, targets, (teacher.hidden, teacher.logits), layout.cu_seqlens, layout.position_ids, shift,
+            spec.ignore_index, mode)
+        teacher, shift = replace(teacher, hidden=t_hidden, logits=t_logits), False
+    check_linear_inputs(hidden, weight, bias)
+    chunk_bytes = options.chunk_bytes
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes: expected a positive number of bytes, got {chunk_bytes!r}")
+    token_rows = tuple(hidden.shape[:-1])
+    check_targets(targets, token_rows, spec, hidden.device, shift, source="hidden")
+    token_shape = tuple(targets.shape) if isinstance(targets, torch.Tensor) else token_rows
+    if shift:
+        targets = pad_shifted(targets if targets.dtype in (torch.int64, torch.int32) else targets.long(),
+                              hidden.shape[1], spec.ignore_index)
+    teacher = teacher_source(spec, token_rows, hidden, weight, teacher)
+    norm = normaliser(num_items_in_batch, spec, hidden.device)
+    completion = shift and targets.shape != token_shape  # rows padded by one: T - 1 scored positions
+    if completion:  # completion ids: per-token inputs get the unscored last row
+        batch = batch.map_tokens(_pad_last)
+    if packed is not None and spec.policy is not None:
+        batch = PolicyBatch(**packed_policy_inputs(batch.given(), packed))
+    backend = resolve_backend(options.backend, hidden.device, hidden.dtype, name="hidden")
+    rows_shape = tuple(targets.shape) if targets is not None else token_rows
+    policy, targets = policy_inputs(spec.policy, rows_shape, targets, spec.ignore_index, norm.as_torch(), mode,
+                                    batch.given(), norm_length=token_shape[1] if completion else None)
+    return _Call(hidden, weight, bias, targets, teacher, token_rows, token_shape, rows_shape, norm, batch, policy,
+                 backend)
+
+
+def _kernels(call: _Call, plan: KernelPlan, shard, options: LinearOptions, mode: str, traced: bool
+             ) -> HeadLossOutput:
+    """The kernels' path: the route, its chunk cut, the chunk loop in LinearFunction, the policy term's
+    share outside it, the output."""
+    spec, hidden, weight = plan.spec, call.hidden, call.weight
+    width = weight.shape[0] if shard is None else shard.vocab_total  # every rank cuts the chunks of all of V
+    elem = hidden.element_size() * (2 if call.teacher.computed else 1)  # a computed teacher shares the budget
+    seq_len = call.token_rows[1] if len(call.token_rows) == 2 else 0
+    facts = facts_of("hidden", "triton", hidden.device, call.rows_shape, call.given.given(),
+                     sharded=shard is not None, sequence_bytes=seq_len * width * elem, chunk_bytes=options.chunk_bytes)
+    chosen = routes.choose(plan, facts, options.route)
+    chunks = cut(chosen.chunks, options.chunk_bytes, width, hidden.element_size(), call.teacher.computed, seq_len,
+                 shard is not None)
+    corrected = chosen.chunks in (Chunks.COVARIANCE, Chunks.ENTROPY_GUESS)
+    by_sequence = chosen.chunks is Chunks.SEQUENCES
+    run = LinearRun(chosen.plan, chunks.rows, options.fp32_weight_grad,
+                    options.compact and not chosen.traced and not by_sequence, mode, call.rows_shape,
+                    spec.ignore_index, call.norm.value, chunks=chosen.chunks, traced=chosen.traced, shard=shard,
+                    seq_len=chunks.seq_len, policy=call.policy if corrected or by_sequence else None,
+                    objective=spec.policy if corrected else None,
+                    d_rows_by_kernel=by_sequence and chosen.policy is PolicyAt.KERNELS,
+                    reduce_hidden_grad=options.hidden_grad == "reduced", teacher_rows=chunks.teacher_rows)
+    policy = call.policy
+    tensors = CallTensors.of(flat_targets(call.targets), call.teacher,
+                             policy if chosen.policy is PolicyAt.EPILOGUE else None, call.norm.tensor,
+                             None if policy is None else policy.sequence_ids)
+    loss, rows_out, pred, means, scratch = LinearFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
+                                                                call.bias, run, *tensors)
+    loss, extra = policy_terms(chosen, run.plan, loss, rows_out, means, scratch, policy)
+    extra.update(getattr(policy, "correction_metrics", None) or {})
+    out = assemble(run.plan, run.token_shape, loss, rows_out, pred, means, scratch, extra)
+    out = trim(out, call.token_shape) if call.token_shape != run.token_shape else out
+    return routes.record(out, chosen, "hidden", hidden)
+
+
+class LinearFunction(torch.autograd.Function):
+    """apply(hidden [N, H], weight [V, H], bias, run, *tensors) -> (loss, rows, pred, means, scratch);
+    ``tensors``: CallTensors. Backward returns (dh, dw, db) and None for the rest."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, run: LinearRun, *tensors):
+        call = CallTensors(*tensors)
+        wants = tuple(ctx.needs_input_grad[:3])
+        handoff = False
+        if run.traced:  # no compaction (the route's): the op
+            nbytes = sum(t.numel() * t.element_size() for t, want in zip((hidden, weight, bias), wants) if want)
+            handoff = run.grads_in_forward and any(wants) and ops.hands_off(nbytes)
+            op = linear_forward_beside_op if handoff else linear_forward_op
+            policy_tensors, *args = run_args(run)
+            loss, rows, pred, means, scratch, dh, dw, db, token, stats = op(
+                hidden, weight, bias, [*call, *policy_tensors], *args, list(wants), handoff)
+            rows_c, index = rows, None
+            stats = stats if run.shard is not None and not run.grads_in_forward else None
+            dh, dw, db = (g if want else None for g, want in zip((dh, dw, db), wants))
+            if handoff:
+                ctx.grad_like = [(list(t.shape), t.dtype) if t is not None else None for t in (hidden, weight, bias)]
+                dh, dw, db = token, None, None  # the token holds them (see ops.hand_off)
+        else:
+            out = linear_forward(run, hidden, weight, bias, call, wants)
+            loss, rows, rows_c, pred, means, scratch = out.loss, out.rows, out.rows_computed, out.pred, out.means, \
+                out.scratch
+            index, dh, dw, db, stats = out.index, out.dh, out.dw, out.db, out.stats
+        ctx.run, ctx.wants = run, wants
+        ctx.handoff = handoff
+        ctx.set_materialize_grads(False)
+        if run.grads_in_forward:
+            ctx.save_for_backward(dh, dw, db)
+            ctx.mark_non_differentiable(rows, pred, means, scratch)
+        else:
+            ctx.save_for_backward(hidden, weight, bias, *call, index, rows_c, scratch, stats)
+            ctx.mark_non_differentiable(pred, means, scratch)
+        return loss, rows, pred, means, scratch
+
+    @staticmethod
+    def backward(ctx, d_loss, d_rows, *_):
+        run: LinearRun = ctx.run
+        nones = (None,) * (1 + len(CallTensors._fields))
+        if d_loss is None and d_rows is None:
+            return None, None, None, *nones
+        if run.grads_in_forward:
+            d_loss = d_loss.float()
+            if ctx.handoff:
+                token = ctx.saved_tensors[0]
+                return (*(take_grad(token, d_loss.reshape(1), i, *like) if want else None
+                          for i, (want, like) in enumerate(zip(ctx.wants, ctx.grad_like))), *nones)
+            guard_second_backward(ctx)
+            return (*(None if g is None else ops.scale(g, d_loss, flat_geometry(g)) for g in ctx.saved_tensors),
+                    *nones)
+        hidden, weight, bias, *saved = ctx.saved_tensors
+        call = CallTensors(*saved[:len(CallTensors._fields)])
+        kept = Saved(*saved[len(CallTensors._fields):])
+        if run.traced:
+            _, *args = run_args(replace(run, policy=None))
+            dh, dw, db = linear_backward_op(hidden, weight, bias, [*call, kept.rows, kept.scratch, d_loss, d_rows,
+                                                                   kept.stats], *args, list(ctx.wants))
+            dh, dw, db = (g if want else None for g, want in zip((dh, dw, db), ctx.wants))
+        else:
+            dh, dw, db = linear_backward(run, ctx.wants, hidden, weight, bias, call, kept, d_loss, d_rows)
+        return dh, dw, db, *nones
+
+
+def _pad_last(t: torch.Tensor | None, name: str) -> torch.Tensor | None:
+    """A per-token input of completion ids [B, T - 1] padded to the rows [B, T] (advantages [B] stay)."""
+    if t is None or name == "sequence_ids" or t.dim() != 2:
+        return t
+    return F.pad(t, (0, 1))
+
+
+def trim(out: HeadLossOutput, token_shape: tuple[int, ...]) -> HeadLossOutput:
+    """Per-token outputs over the rows [B, T] -> over the completion ids [B, T - 1]."""
+    keep = token_shape[1]
+    for name in ("predicted_tokens", "logprobs", "lse", "token_loss", "entropy"):
+        value = getattr(out, name)
+        if value is not None:
+            setattr(out, name, value[:, :keep])
+    if out.loss.dim() == 2:
+        out.loss = out.loss[:, :keep].clone()
+    return out
+
+
+def _torch_linear(call: _Call, spec: LossSpec, shard, options: LinearOptions, mode: str) -> HeadLossOutput:
+    """The plain-torch path: the whole weight (and teacher) on every rank, each keeping its rows' gradient;
+    with hidden_grad="partial" dh through this rank's columns only."""
+    weight, bias, teacher = call.weight, call.bias, call.teacher
+    local_rows = weight.shape[0]
+    if shard is not None:
+        weight = gather_vocab(weight.t(), shard).t()
+        bias = None if bias is None else gather_vocab(bias[None], shard)[0]
+        teacher = Teacher(None if teacher.logits is None else gather_vocab(teacher.logits.detach(), shard),
+                          teacher.hidden,
+                          None if teacher.weight is None else gather_vocab(teacher.weight.detach().t(), shard).t(),
+                          None if teacher.bias is None else gather_vocab(teacher.bias.detach()[None], shard)[0])
+    own = None if shard is None or options.hidden_grad == "reduced" else (shard.vocab_start, local_rows)
+    return every_rank(shard, mode, call.hidden,
+                      lambda: _torch_linear_loss(replace(call, weight=weight, bias=bias, teacher=teacher), spec, mode,
+                                                 own))
+
+
+def _torch_linear_loss(call: _Call, spec: LossSpec, mode: str, own) -> HeadLossOutput:
+    """``own`` (vocab start, width): hidden_grad="partial", dh through this rank's columns only."""
+    hidden, weight, bias, targets = call.hidden, call.weight, call.bias, call.targets
+    if targets is not None:  # as the kernel path skips them: an ignored row's hidden state reaches nothing
+        hidden = torch.where((targets != spec.ignore_index)[..., None], hidden, 0.0)
+    if own is None:
+        logits = F.linear(hidden, weight, bias)
+    else:  # the same values; d hidden from this rank's columns, d weight from every row
+        start, width = own
+        logits = F.linear(hidden.detach(), weight, bias)
+        mine = F.linear(hidden, weight[start:start + width].detach())
+        logits = logits + F.pad(mine - mine.detach(), (start, weight.shape[0] - start - width))
+    teacher = call.teacher
+    t_logits = F.linear(teacher.hidden, teacher.weight, teacher.bias) if teacher.computed else teacher.logits
+    if t_logits is not None:
+        t_logits = t_logits.reshape(logits.shape)
+    given = {k: v for k, v in call.given.given().items() if v is not None}
+    out = reference_head_loss(logits, targets, spec, teacher_logits=t_logits,
+                              num_items_in_batch=call.norm.as_torch(), validate=mode, **given)
+    return trim(out, call.token_shape) if targets is not None and tuple(targets.shape) != call.token_shape else out

@@ -1,0 +1,262 @@
+"""The logits entry point's run: checks -> plan -> route -> kernels (or plain torch) -> output.
+
+:func:`run_head` is :func:`headloss.head_loss` after the door bundled its keywords. A call without
+policy inputs or a group takes its recipe (:func:`_recipe_of`: the checks and geometry its signature
+decides, made once); otherwise the vocab-parallel layout, the host-side checks (headloss.inputs), the
+route (headloss.routes), then :class:`~headloss.engine.HeadFunction` or the plain-torch path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, NamedTuple
+
+import torch
+
+from . import env, routes
+from .batch import Layout, Options, PolicyBatch, Teacher
+from .bounded import BoundedDict, cache
+from .engine import CallTensors, HeadFunction, HeadRun, objective_metrics, policy_terms
+from .inputs import check_head, check_logits, check_targets, check_teacher, flat_targets, head_call, pad_shifted
+from .output import HeadLossOutput, assemble, assemble_deferred
+from .packed import packed_call, packed_policy_inputs
+from .parallel import (
+    TRACED_TORCH,
+    dtensor_shard,
+    every_rank,
+    gather_vocab,
+    handshake,
+    is_dtensor,
+    shard_of,
+    traced_refusals,
+    traced_shard,
+)
+from .plan import KernelPlan
+from .policy.inputs import policy_inputs
+from .reference import reference_head_loss
+from .routes import PolicyAt, Route, facts_of, resolve_backend
+from .spec import LossSpec
+from .validation import normaliser, validation_mode
+
+
+def run_head(logits, targets, plan: KernelPlan, teacher_logits, batch: PolicyBatch, layout: Layout, num_items_in_batch,
+             options: Options) -> HeadLossOutput:
+    """head_loss of the bundled inputs (headloss.api)."""
+    traced = torch.compiler.is_compiling()
+    spec = plan.spec
+    shift = layout.shift
+    if layout.packed:
+        logits, targets, (teacher_logits,), packed = packed_call(
+            logits, targets, (teacher_logits,), layout.cu_seqlens, layout.position_ids, shift, spec.ignore_index,
+            validation_mode(options.validate))
+        shift = False
+        if spec.policy is not None:
+            batch = PolicyBatch(**packed_policy_inputs(batch.given(), packed))
+    if options.route is None and options.group is None and spec.policy is None and not traced and batch.empty:
+        recipe = _recipe_of(plan, logits, targets, teacher_logits, shift, options)
+        if recipe is not None:
+            return _run_recipe(recipe, logits, targets, teacher_logits, num_items_in_batch)
+    shard = None
+    if options.group is not None or is_dtensor(logits):
+        logits, targets, teacher_logits, shard = _vocab_shard(logits, targets, teacher_logits, options)
+    device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
+    dtype = logits.dtype if isinstance(logits, torch.Tensor) else torch.float32
+    if resolve_backend(options.backend, device, dtype) == "torch":
+        return _torch_head(logits, targets, spec, plan, teacher_logits, batch, shift, num_items_in_batch, options,
+                           shard)
+    return _kernels(logits, targets, plan, teacher_logits, batch, shift, num_items_in_batch, options, shard)
+
+
+def _kernels(logits, targets, plan: KernelPlan, teacher_logits, batch: PolicyBatch, shift: bool, num_items_in_batch,
+             options: Options, shard) -> HeadLossOutput:
+    """The kernels' path: checks, the route, HeadFunction, the policy term's share outside it, the output."""
+    spec = plan.spec
+    sync = validation_mode(options.validate) == "sync"
+    error = call = chosen = None
+    try:
+        token_shape = check_head(logits, targets, spec, teacher_logits, shift, kernel=True)
+        chosen = routes.choose(plan, facts_of("logits", "triton", logits.device, token_shape, batch.given(),
+                                              sharded=shard is not None), options.route)
+        call = head_call(logits, targets, spec, token_shape, teacher_logits=teacher_logits,
+                         policy_given=batch.given(), num_items_in_batch=num_items_in_batch, shift=shift,
+                         validate=options.validate, raw_policy=chosen.raw_inputs)
+    except (ValueError, TypeError) as exc:
+        if shard is None or not sync:
+            raise
+        error = exc
+    if shard is not None and sync:  # every rank learns of any rank's error
+        handshake(shard, logits.shape[:-1].numel() if isinstance(logits, torch.Tensor) else -1, error,
+                  logits.device)
+    pol = call.policy
+    rows_per_seq = pol.seq_len if pol is not None and isinstance(pol.seq_len, int) else 0
+    geo = call.geo
+    if shard is not None:
+        geo = geo._replace(vocab_start=shard.vocab_start, V_total=shard.vocab_total)
+    inside = chosen.policy is PolicyAt.KERNELS  # deferred+kernels: the policy term inside the head's autograd node
+    run = HeadRun(plan, geo, options.inplace_grad, call.validate, call.token_shape, traced=chosen.traced,
+                  adv_span=pol.adv_span if pol is not None else 1, seq_len=rows_per_seq, shard=shard,
+                  objective=pol if inside else None)
+    tensors = CallTensors.of(call.targets, Teacher(logits=call.teacher), pol if chosen.policy is PolicyAt.EPILOGUE
+                             else None, call.norm.tensor, None if pol is None else pol.sequence_ids)
+    loss, rows, pred, means, scratch = HeadFunction.apply(logits, run, *tensors)
+    if inside:  # the loss has the policy term; its metrics follow the means
+        extra = objective_metrics(plan, means[plan.means_size:])
+        means = means[:plan.means_size]
+    else:
+        loss, extra = policy_terms(chosen, plan, loss, rows, means, scratch, pol, kernel_sequences=rows_per_seq > 0)
+    out = assemble(plan, call.token_shape, loss, rows, pred, means, scratch, extra)
+    return routes.record(out, chosen, "logits", logits)
+
+
+def _torch_head(logits, targets, spec: LossSpec, plan: KernelPlan, teacher_logits, batch: PolicyBatch, shift: bool,
+                num_items_in_batch, options: Options, shard) -> HeadLossOutput:
+    """The plain-torch path: vocab-parallel logits gathered whole on every rank first."""
+    traced = torch.compiler.is_compiling()
+    mode = validation_mode(options.validate)
+    if shard is not None and traced:
+        raise NotImplementedError(TRACED_TORCH)
+    if shard is not None:
+        if mode == "sync":  # whole rows on every rank before gathering them
+            error = None
+            try:
+                check_logits(logits)
+            except (ValueError, TypeError) as exc:
+                error = exc
+            handshake(shard, logits.shape[:-1].numel() if isinstance(logits, torch.Tensor) else -1, error,
+                      logits.device)
+        logits = gather_vocab(logits, shard)
+        if teacher_logits is not None:
+            teacher_logits = gather_vocab(teacher_logits.detach(), shard)
+    shape = tuple(logits.shape[:-1]) if isinstance(logits, torch.Tensor) else ()
+    facts = routes.Facts("logits", "torch", shape, batch.sequence_ids is not None, False, traced, False, False)
+    chosen = routes.choose(plan, facts, options.route)
+    out = every_rank(shard, mode, logits,
+                     lambda: _torch_loss(logits, targets, spec, teacher_logits, batch, num_items_in_batch, shift,
+                                         options.validate))
+    return routes.record(out, chosen, "logits", logits)
+
+
+def _torch_loss(logits, targets, spec: LossSpec, teacher_logits, batch: PolicyBatch, num_items_in_batch, shift: bool,
+                validate) -> HeadLossOutput:
+    """The plain-torch path, with the same checks and the same shift conventions."""
+    check_logits(logits)
+    check_targets(targets, tuple(logits.shape[:-1]), spec, logits.device, shift)
+    check_teacher(tuple(logits.shape), logits.device, teacher_logits, spec, kernel=False)
+    norm = normaliser(num_items_in_batch, spec, logits.device)
+    given = {k: v for k, v in batch.given().items() if v is not None}
+    if teacher_logits is not None:
+        teacher_logits = teacher_logits.detach()
+    if shift:
+        rows_per_seq = logits.shape[1]
+        keep = targets.shape[1]
+        if keep == rows_per_seq:  # HF labels: row t against labels[:, t + 1]
+            targets = pad_shifted(targets, rows_per_seq, spec.ignore_index)
+        else:  # completion ids: the first T - 1 rows
+            logits = logits[:, :keep]
+            if teacher_logits is not None:
+                teacher_logits = teacher_logits[:, :keep]
+    token_shape = tuple(logits.shape[:-1]) if targets is None else tuple(targets.shape)
+    policy_inputs(spec.policy, token_shape, targets, spec.ignore_index, norm.as_torch(), validation_mode(validate),
+                  batch.given())  # the same input errors as the kernel path
+    return reference_head_loss(logits, targets, spec, teacher_logits=teacher_logits,
+                               num_items_in_batch=norm.as_torch(), validate=validation_mode(validate), **given)
+
+
+def _vocab_shard(logits, targets, teacher_logits, options: Options):
+    """(local logits, local targets, local teacher logits, VocabShard) of a vocab-parallel call;
+    what it cannot do yet is refused here, on every rank alike, before any collective."""
+    group = options.group
+    sync = validation_mode(options.validate) == "sync"
+    if torch.compiler.is_compiling():  # the kernels' path: the layout a constant, the statistics' all_gather traced
+        traced_refusals("logits", (logits, targets, teacher_logits), sync)
+        check_logits(logits)
+        return logits, targets, teacher_logits, traced_shard(group, logits.shape[-1], logits.device)
+    if is_dtensor(targets):
+        targets = targets.full_tensor()
+    if is_dtensor(teacher_logits):  # sharded like the student's
+        teacher_logits = teacher_logits.to_local()
+    if is_dtensor(logits):
+        local, shard = dtensor_shard(logits, -1, group)
+        return local, targets, teacher_logits, shard
+    # every rank, before any local error; validate="sync" exchanges the layout even when cached. Logits
+    # without a vocabulary dimension take part with width 0: every rank refuses the layout, this one
+    # with its own error
+    well_formed = isinstance(logits, torch.Tensor) and logits.dim() in (2, 3)
+    try:
+        shard = shard_of(group, logits.shape[-1] if well_formed else 0,
+                         logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu"), fresh=sync)
+    except ValueError:
+        if not well_formed:
+            check_logits(logits)
+        raise
+    if not sync:  # (validate="sync" checks the logits where every rank learns of any rank's error)
+        check_logits(logits)
+    return logits, targets, teacher_logits, shard
+
+
+# --- the recipe: a repeated call's checks skipped ----------------------------------------------------
+
+
+class _Recipe(NamedTuple):
+    """What a head_loss call without policy inputs or a group runs with, apart from its tensors and its
+    num_items_in_batch: found again by the call's signature (the plan, and every input's type, shape,
+    strides, dtype and device), so a repeated call skips the input checks, which its signature
+    decides, and the geometry (host time, see benchmarks/bench_host.py)."""
+
+    plan: KernelPlan
+    run: HeadRun  # the kernel run (its geometry without num_items_in_batch)
+    flat_targets: bool  # the targets are the dense int vector the kernels read
+    route: Route
+
+
+_RECIPES: BoundedDict[tuple, _Recipe] = cache("logits.recipes", 1024,
+                                               "head_loss's checked geometry and route by call signature")
+_KNOWN_BACKENDS = ("auto", "triton", "torch")
+
+
+def _signature(t: Any) -> tuple | None:
+    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _recipe_of(plan: KernelPlan, logits, targets, teacher_logits, shift, options: Options) -> _Recipe | None:
+    """The cached recipe of a call's signature (made, after every check, on its first call); None
+    where the call is not one (unusual argument types take the checked path, which names them)."""
+    validate, backend = options.validate, options.backend
+    known_validate = validate is None or validate is True or validate is False or \
+        (type(validate) is str and validate == "sync")
+    if type(logits) is not torch.Tensor or not (targets is None or type(targets) is torch.Tensor) or \
+            not (teacher_logits is None or type(teacher_logits) is torch.Tensor) or not known_validate or \
+            type(backend) is not str or backend not in _KNOWN_BACKENDS:
+        return None
+    key = (id(plan), _signature(logits), _signature(targets), _signature(teacher_logits), bool(shift),
+           bool(options.inplace_grad), validate, env.validate_default() if validate is None else None, backend,
+           env.INTERPRETER)
+    recipe = _RECIPES.get(key)
+    if recipe is not None and recipe.plan is plan:
+        return recipe
+    if resolve_backend(backend, logits.device, logits.dtype) == "torch":
+        return None  # (not kept: the plain-torch path has no host cost to save)
+    token_shape = check_head(logits, targets, plan.spec, teacher_logits, shift, kernel=True)
+    route = routes.choose(plan, facts_of("logits", "triton", logits.device, token_shape, {}, sharded=False))
+    call = head_call(logits, targets, plan.spec, token_shape, teacher_logits=teacher_logits, policy_given={},
+                     num_items_in_batch=None, shift=shift, validate=validate)
+    flat = targets is None or (targets.dim() == 1 and targets.dtype in (torch.int64, torch.int32)
+                               and targets.is_contiguous())
+    recipe = _Recipe(plan, HeadRun(plan, call.geo, options.inplace_grad, call.validate, call.token_shape), flat,
+                     route)
+    _RECIPES[key] = recipe
+    return recipe
+
+
+def _run_recipe(recipe: _Recipe, logits, targets, teacher_logits, num_items_in_batch) -> HeadLossOutput:
+    """head_loss of a call whose recipe is known: only num_items_in_batch is checked per call."""
+    plan = recipe.plan
+    run = recipe.run
+    norm = normaliser(num_items_in_batch, plan.spec, logits.device)
+    if norm.value:
+        run = replace(run, geo=run.geo._replace(norm=norm.value))
+    tensors = CallTensors(targets if recipe.flat_targets else flat_targets(targets),
+                          None if teacher_logits is None else teacher_logits.detach(), num_items=norm.tensor)
+    loss, rows, pred, means, scratch = HeadFunction.apply(logits, run, *tensors)
+    out = assemble_deferred(plan, run.token_shape, loss, rows, pred, means, scratch)
+    return routes.record(out, recipe.route, "logits", logits)
