@@ -94,7 +94,8 @@ def head_loss(
         logits, teacher_logits = (t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t
                                   for t in (logits, teacher_logits))
     teacher_logits = _teacher_precision(teacher_logits, logits)
-    batch = PolicyBatch.pick(locals())
+    batch = PolicyBatch(advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, rollout_logprobs,
+                        sequence_ids, num_sequences_in_batch, entropy_quantile_group)
     options = Options(validate=validate, backend=backend, route=route, group=group, inplace_grad=inplace_grad)
     plan = plan_for(spec, has_targets=targets is not None)
     return run_head(logits, targets, plan, teacher_logits, batch, Layout(shift, cu_seqlens, position_ids),
@@ -165,7 +166,8 @@ def linear_head_loss(
     if not torch.compiler.is_compiling():
         check_pending()
     teacher = Teacher(_teacher_precision(teacher_logits, hidden), teacher_hidden, teacher_weight, teacher_bias)
-    batch = PolicyBatch.pick(locals())
+    batch = PolicyBatch(advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, rollout_logprobs,
+                        sequence_ids, num_sequences_in_batch, entropy_quantile_group)
     options = LinearOptions(validate=validate, backend=backend, route=route, group=group, chunk_bytes=chunk_bytes,
                             fp32_weight_grad=fp32_weight_grad, compact=compact, hidden_grad=hidden_grad)
     plan = plan_for(spec, has_targets=targets is not None)
@@ -232,11 +234,13 @@ class HeadLoss(torch.nn.Module):
         route: str | None = None,
     ) -> HeadLossOutput:
         """:func:`head_loss` of these inputs under the module's spec and options."""
-        batch = PolicyBatch.pick(locals())
-        return head_loss(logits, targets, self.spec, teacher_logits=teacher_logits, **batch.given(),
-                         num_items_in_batch=num_items_in_batch, shift=shift, cu_seqlens=cu_seqlens,
-                         position_ids=position_ids, inplace_grad=self.inplace_grad, validate=self.validate,
-                         backend=self.backend, group=self.group, route=route)
+        return head_loss(logits, targets, self.spec, teacher_logits=teacher_logits, advantages=advantages,
+                         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_mask=loss_mask,
+                         importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
+                         sequence_ids=sequence_ids, num_sequences_in_batch=num_sequences_in_batch,
+                         entropy_quantile_group=entropy_quantile_group, num_items_in_batch=num_items_in_batch,
+                         shift=shift, cu_seqlens=cu_seqlens, position_ids=position_ids, route=route,
+                         inplace_grad=self.inplace_grad, validate=self.validate, backend=self.backend, group=self.group)
 
     def extra_repr(self) -> str:
         return f"spec={self.spec!r}"
@@ -281,12 +285,15 @@ class LinearHeadLoss(torch.nn.Module):
         route: str | None = None,
     ) -> HeadLossOutput:
         """:func:`linear_head_loss` of these inputs under the module's spec and options."""
-        batch = PolicyBatch.pick(locals())
         return linear_head_loss(hidden, weight, targets, self.spec, bias=bias, teacher_logits=teacher_logits,
                                 teacher_hidden=teacher_hidden, teacher_weight=teacher_weight,
-                                teacher_bias=teacher_bias, **batch.given(), num_items_in_batch=num_items_in_batch,
-                                shift=shift, cu_seqlens=cu_seqlens, position_ids=position_ids, route=route,
-                                **self.options)
+                                teacher_bias=teacher_bias, advantages=advantages, old_logprobs=old_logprobs,
+                                ref_logprobs=ref_logprobs, loss_mask=loss_mask,
+                                importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
+                                sequence_ids=sequence_ids, num_sequences_in_batch=num_sequences_in_batch,
+                                entropy_quantile_group=entropy_quantile_group,
+                                num_items_in_batch=num_items_in_batch, shift=shift, cu_seqlens=cu_seqlens,
+                                position_ids=position_ids, route=route, **self.options)
 
     def extra_repr(self) -> str:
         return f"spec={self.spec!r}"

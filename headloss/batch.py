@@ -57,11 +57,6 @@ class PolicyBatch:
     num_sequences_in_batch: int | float | torch.Tensor | None = None
     entropy_quantile_group: Any = None
 
-    @classmethod
-    def pick(cls, names: dict[str, Any]) -> PolicyBatch:
-        """The batch of an entry point's keyword arguments (``locals()`` at its top): its fields by name."""
-        return cls(**{name: names[name] for name in POLICY_INPUTS})
-
     def given(self) -> dict[str, Any]:
         """Every input by name (None where not given): the form headloss.policy.inputs checks."""
         return {name: getattr(self, name) for name in POLICY_INPUTS}
