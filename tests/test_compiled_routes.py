@@ -58,9 +58,10 @@ CASES = {
     "logits-deferred+torch-top_entropy": ("logits", "top_entropy", "deferred+torch"),
     "lm_head-entropy-guess": ("hidden", "top_entropy", "lm_head:entropy-guess", "lm_head:deferred+torch"),
 }
-# the fast tier (aot_eager) runs every route, entry and spec once; its other cases repeat a route with
-# another spec (logits-fused-distill, -grpo and lm_head-fused-sft, -grpo: the fused routes, taken
-# here by sft, rows of grpo, distill; logits-deferred+torch-top_entropy: deferred+torch, by gmpo)
+# the fast tier (aot_eager): every route, entry (logits, rows, hidden, a teacher's hidden) and spec at
+# least once. The other five cases take a route FAST takes, with another spec: the fused logits route
+# (FAST: sft, rows of grpo) with distill and grpo, the fused lm_head (FAST: distill) with sft and grpo,
+# deferred+torch on logits (FAST: gmpo) with top_entropy (FAST: on the lm_head)
 FAST = ("logits-fused-sft", "logits-fused-grpo-rows", "logits-deferred", "logits-deferred+kernels-gspo",
         "logits-deferred+torch-gmpo", "lm_head-fused-distill-teacher-hidden", "lm_head-deferred",
         "lm_head-sequences+kernels-gspo", "lm_head-sequences+torch-gmpo", "lm_head-covariance-kl_cov",

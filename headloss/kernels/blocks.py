@@ -157,23 +157,6 @@ def _grad_block(z, zt, grad_row_ptr, start, V, lse2, A, B2, C, sum_px, dstate, w
 
 
 @triton.jit
-def _grad_tail(row_ptr, t_row_ptr, grad_row_ptr, v_full, V, lse2, A, B2, C, sum_px, dstate, wd, S, F: tl.constexpr,
-               BLOCK_V: tl.constexpr, HAS_B: tl.constexpr, HAS_C: tl.constexpr, NEED_SUM_PX: tl.constexpr,
-               HAS_TEACHER: tl.constexpr):
-    """_grad_block of the masked tail block [v_full, V), when the row has one."""
-    if v_full < V:
-        offs = tl.arange(0, BLOCK_V)
-        mask = v_full + offs < V
-        z = tl.load(row_ptr + v_full + offs, mask=mask, other=0.0)
-        zt = z
-        if HAS_TEACHER:
-            zt = tl.load(t_row_ptr + v_full + offs, mask=mask, other=0.0)
-        sum_px = _grad_block(z, zt, grad_row_ptr, v_full, V, lse2, A, B2, C, sum_px, dstate, wd, S, F, BLOCK_V, HAS_B,
-                             HAS_C, NEED_SUM_PX, HAS_TEACHER, True)
-    return sum_px
-
-
-@triton.jit
 def gradient_pass(row_ptr, t_row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A, B, C, D, dstate, wd, S,
                   F: tl.constexpr, BLOCK_V: tl.constexpr, NEED_SUM_PX: tl.constexpr):
     """Phase 3: second read of the row (and the teacher's), one write of d loss / d z.
@@ -187,7 +170,6 @@ def gradient_pass(row_ptr, t_row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A,
     was faster there (docs/performance.md, "Launch settings").
     """
     HAS_TEACHER: tl.constexpr = t_row_ptr is not None
-    REVERSED: tl.constexpr = not HAS_TEACHER
     HAS_B: tl.constexpr = F.ENTROPY_GRAD
     HAS_C: tl.constexpr = F.HAS_SMOOTHING
     lse2 = lse * LOG2E
@@ -205,37 +187,47 @@ def gradient_pass(row_ptr, t_row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A,
     sum_px = tl.zeros([BLOCK_V], tl.float32)
     offs = tl.arange(0, BLOCK_V)
     v_full = (V // BLOCK_V) * BLOCK_V
-    if REVERSED:
-        sum_px = _grad_tail(row_ptr, t_row_ptr, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
-                            wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER)
-    if v_full > 0:
-        # full blocks, unmasked, each load issued one block ahead of its use
-        first = 0
-        step: tl.constexpr = -BLOCK_V if REVERSED else BLOCK_V
-        if REVERSED:
-            first = v_full - BLOCK_V
-        z = tl.load(row_ptr + first + offs)
-        zt = z
-        if HAS_TEACHER:
-            zt = tl.load(t_row_ptr + first + offs)
-        for k in range(BLOCK_V, v_full, BLOCK_V):
-            start = first - k if REVERSED else first + k  # the block after this one is in z
-            z_next = tl.load(row_ptr + start + offs)
-            zt_next = z_next
-            if HAS_TEACHER:
-                zt_next = tl.load(t_row_ptr + start + offs)
-            sum_px = _grad_block(z, zt, grad_row_ptr, start - step, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
+    if not HAS_TEACHER:  # last block first
+        if v_full < V:
+            mask = v_full + offs < V
+            z = tl.load(row_ptr + v_full + offs, mask=mask, other=0.0)
+            sum_px = _grad_block(z, z, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
+                                 wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, True)
+        if v_full > 0:
+            z = tl.load(row_ptr + v_full - BLOCK_V + offs)
+            for back in range(2 * BLOCK_V, v_full + BLOCK_V, BLOCK_V):
+                start = v_full - back  # the block after this one is in z
+                z_next = tl.load(row_ptr + start + offs)
+                sum_px = _grad_block(z, z, grad_row_ptr, start + BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px,
+                                     dstate, wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False)
+                z = z_next
+            sum_px = _grad_block(z, z, grad_row_ptr, 0, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
                                  wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False)
-            z = z_next
-            zt = zt_next
-        last = v_full - BLOCK_V
-        if REVERSED:
-            last = 0
-        sum_px = _grad_block(z, zt, grad_row_ptr, last, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
-                             wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False)
-    if not REVERSED:
-        sum_px = _grad_tail(row_ptr, t_row_ptr, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
-                            wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER)
+    else:
+        if v_full > 0:
+            z = tl.load(row_ptr + offs)
+            zt = z
+            if HAS_TEACHER:
+                zt = tl.load(t_row_ptr + offs)
+            for start in range(BLOCK_V, v_full, BLOCK_V):
+                z_next = tl.load(row_ptr + start + offs)
+                zt_next = z_next
+                if HAS_TEACHER:
+                    zt_next = tl.load(t_row_ptr + start + offs)
+                sum_px = _grad_block(z, zt, grad_row_ptr, start - BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
+                                     wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False)
+                z = z_next
+                zt = zt_next
+            sum_px = _grad_block(z, zt, grad_row_ptr, v_full - BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
+                                 wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False)
+        if v_full < V:
+            mask = v_full + offs < V
+            z = tl.load(row_ptr + v_full + offs, mask=mask, other=0.0)
+            zt = z
+            if HAS_TEACHER:
+                zt = tl.load(t_row_ptr + v_full + offs, mask=mask, other=0.0)
+            sum_px = _grad_block(z, zt, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
+                                 wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, True)
     # the target column gets its [i = y] share: rewrite it whole, after every lane has stored
     in_range = (y >= 0) & (y < V)
     if in_range:
