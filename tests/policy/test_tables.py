@@ -15,9 +15,10 @@ from conftest import make_logits, make_targets, needs_kernel
 from test_oracles import ORACLE_TESTS
 
 from headloss import LossSpec, Policy, head_loss
+from headloss import policy_tables as tables
 from headloss.kernels import terms
 from headloss.plan import compile_plan, objective_flags
-from headloss.policy import objectives, tables
+from headloss.policy import objectives
 from headloss.reference import policy as reference_policy
 from headloss.spec import PolicyLossType, PolicyObjective
 
