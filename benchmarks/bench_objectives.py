@@ -77,9 +77,9 @@ def corrected_rows(step) -> str:
 
     counts, original = [], engine.correct_rows
 
-    def counting(run, hidden, weight, bias, targets, rows, *rest):
+    def counting(run, head, rows, *rest):
         counts.append(int(rows.sum()))
-        return original(run, hidden, weight, bias, targets, rows, *rest)
+        return original(run, head, rows, *rest)
 
     engine.correct_rows = counting
     try:

@@ -94,12 +94,14 @@ def head_loss(
         logits, teacher_logits = (t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t
                                   for t in (logits, teacher_logits))
     teacher_logits = _teacher_precision(teacher_logits, logits)
-    batch = PolicyBatch(advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, rollout_logprobs,
-                        sequence_ids, num_sequences_in_batch, entropy_quantile_group)
+    batch = PolicyBatch(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                        loss_mask=loss_mask, importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
+                        sequence_ids=sequence_ids, num_sequences_in_batch=num_sequences_in_batch,
+                        entropy_quantile_group=entropy_quantile_group)
     options = Options(validate=validate, backend=backend, route=route, group=group, inplace_grad=inplace_grad)
     plan = plan_for(spec, has_targets=targets is not None)
-    return run_head(logits, targets, plan, teacher_logits, batch, Layout(shift, cu_seqlens, position_ids),
-                    num_items_in_batch, options)
+    return run_head(logits, targets, plan, teacher_logits, batch, layout=Layout(shift, cu_seqlens, position_ids),
+                    num_items_in_batch=num_items_in_batch, options=options)
 
 
 def linear_head_loss(
@@ -166,8 +168,10 @@ def linear_head_loss(
     if not torch.compiler.is_compiling():
         check_pending()
     teacher = Teacher(_teacher_precision(teacher_logits, hidden), teacher_hidden, teacher_weight, teacher_bias)
-    batch = PolicyBatch(advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, rollout_logprobs,
-                        sequence_ids, num_sequences_in_batch, entropy_quantile_group)
+    batch = PolicyBatch(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                        loss_mask=loss_mask, importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
+                        sequence_ids=sequence_ids, num_sequences_in_batch=num_sequences_in_batch,
+                        entropy_quantile_group=entropy_quantile_group)
     options = LinearOptions(validate=validate, backend=backend, route=route, group=group, chunk_bytes=chunk_bytes,
                             fp32_weight_grad=fp32_weight_grad, compact=compact, hidden_grad=hidden_grad)
     plan = plan_for(spec, has_targets=targets is not None)
@@ -175,9 +179,12 @@ def linear_head_loss(
     device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else None
     if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
         with torch.autocast(device_type, enabled=False):
-            return run_linear(*_autocast(torch.get_autocast_dtype(device_type), hidden, weight, bias, teacher), targets,
-                              plan, batch, layout, num_items_in_batch, options)
-    return run_linear(hidden, weight, bias, teacher, targets, plan, batch, layout, num_items_in_batch, options)
+            hidden, weight, bias, teacher = _autocast(torch.get_autocast_dtype(device_type), hidden, weight, bias,
+                                                      teacher)
+            return run_linear(hidden, weight, bias, teacher, targets, plan, batch=batch, layout=layout,
+                              num_items_in_batch=num_items_in_batch, options=options)
+    return run_linear(hidden, weight, bias, teacher, targets, plan, batch=batch, layout=layout,
+                      num_items_in_batch=num_items_in_batch, options=options)
 
 
 def _autocast(dtype: torch.dtype, hidden, weight, bias, teacher: Teacher) -> tuple:

@@ -34,6 +34,16 @@ takes: the student's chunk (the rows of the gradient GEMMs) gets the rest, and t
 are computed in parts of the chunk -- larger gradient GEMMs in the same memory."""
 
 
+class LmHead(NamedTuple):
+    """The lm_head's operands: every row's hidden states [N, H], the weight [V, H] (and bias), every row's
+    targets [N]."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    targets: torch.Tensor | None
+
+
 class ChunkCut(NamedTuple):
     """How a call's rows are cut: ``rows`` per chunk; a computed teacher's logits in parts of
     ``teacher_rows`` (0: the whole chunk); ``seq_len`` rows per sequence when chunks hold whole

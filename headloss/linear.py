@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .chunks import Grads, LinearRun, accumulate, chunks_of, finish_grads, new_grads, rows_of, spread
+from .chunks import Grads, LinearRun, LmHead, accumulate, chunks_of, finish_grads, new_grads, rows_of, spread
 from .engine import CallTensors, empty_outputs, no_rows, optional, shard_statistics
 from .kernels.head import PolicyRows, launch_backward, launch_finish, launch_head, prepare
 from .kernels.launch import Geometry
@@ -123,11 +123,10 @@ def linear_forward(run: LinearRun, hidden, weight, bias, tensors: CallTensors, w
                       num_items=tensors.num_items, geo=full._replace(n_out=computed))
     index = loop.index
     if run.chunks is Chunks.COVARIANCE and computed:  # after the finish, which writes the loss and the metrics
-        cov_correction(run, hidden, weight, bias, targets, spread(loop.rows, index, rows, 0.0), loop.grads,
-                       loop.loss, loop.means)
+        cov_correction(run, LmHead(hidden, weight, bias, targets), spread(loop.rows, index, rows, 0.0), loop)
     if loop.guess is not None:  # with no row too: the quantile's collective (entropy_quantile_group) joins all
-        entropy_mask_correction(run, hidden, weight, bias, targets, spread(loop.rows, index, rows, 0.0),
-                                spread(loop.guess, index, rows, 0.0), loop.grads, loop.loss, loop.means)
+        entropy_mask_correction(run, LmHead(hidden, weight, bias, targets), spread(loop.rows, index, rows, 0.0),
+                                spread(loop.guess, index, rows, 0.0), loop)
     settle(verdict, run.validate, hidden.device)
     dh, dw, db = finish_grads(loop.grads, weight, bias) if loop.grads is not None else (None, None, None)
     if run.shard is not None and run.reduce_hidden_grad and dh is not None:  # the column-parallel all-reduce
@@ -138,8 +137,8 @@ def linear_forward(run: LinearRun, hidden, weight, bias, tensors: CallTensors, w
         loss.view(-1).index_copy_(0, index, loop.loss)
     pred = spread(loop.pred, index, rows, -1) if plan.flags.HAS_ARGMAX else loop.pred
     stats = torch.cat(loop.kept) if loop.kept else None
-    return LinearForward(loss, spread(loop.rows, index, rows, 0.0), loop.rows, pred, loop.means, scratch, index, dh,
-                         dw, db, stats)
+    return LinearForward(loss=loss, rows=spread(loop.rows, index, rows, 0.0), rows_computed=loop.rows, pred=pred,
+                         means=loop.means, scratch=scratch, index=index, dh=dh, dw=dw, db=db, stats=stats)
 
 
 def _start_loop(run: LinearRun, hidden, weight, bias, tensors: CallTensors, scratch, verdict, wants) -> _Loop:
@@ -154,7 +153,8 @@ def _start_loop(run: LinearRun, hidden, weight, bias, tensors: CallTensors, scra
     fused = run.grads_in_forward and any(wants)
     grads = new_grads(hidden, weight, bias, wants, run.fp32_weight_grad, index, computed) if fused else None
     kept = [] if run.shard is not None and not fused else None
-    loop = _Loop(run, index, y, scratch, rows, pred, loss, means, grads, kept)
+    loop = _Loop(run=run, index=index, targets=y, scratch=scratch, rows=rows, pred=pred, loss=loss, means=means,
+                 grads=grads, kept=kept)
     if run.chunks is Chunks.ENTROPY_GUESS and tensors.adv is not None:  # also without gradient: it changes the loss
         loop.guess = torch.zeros(computed, dtype=torch.float32, device=hidden.device)
         loop.seen = torch.empty(computed, dtype=torch.float32, device=hidden.device)

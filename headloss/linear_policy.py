@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from . import ops
-from .chunks import Grads, LinearRun, add_dw, linear_into
+from .chunks import LinearRun, LmHead, add_dw, linear_into
 from .engine import objective_launch
 from .kernels.head import PolicyRows, launch_backward
 from .kernels.launch import Geometry
@@ -71,12 +71,12 @@ def sequence_chunk_grad(run: LinearRun, logits, targets, teacher, rows, num_item
                     num_items=num_items, scratch=scratch, geo=geo)
 
 
-def cov_correction(run: LinearRun, hidden, weight, bias, targets, rows, grads: Grads | None, loss, means) -> None:
-    # rows, targets, hidden: every row of the call (ignored rows were skipped: their rows hold 0)
+def cov_correction(run: LinearRun, head: LmHead, rows, acc) -> None:
     """clip_cov / kl_cov on the lm_head: the chunks ran the base objective fused (three GEMMs); the
     few selected tokens (cov_ratio of them, verl's 2e-4 by default) then change: kl_cov adds
     coef |log r| to theirs, clip_cov drops the base objective's (:func:`correct_rows`). The metrics
-    the base does not have go on the call's PolicyInputs (``correction_metrics``)."""
+    the base does not have go on the call's PolicyInputs (``correction_metrics``). ``rows``: every row's
+    values (skipped rows hold 0); ``acc``: the forward's gradients, loss and means (headloss.linear)."""
     plan, pol, policy = run.plan, run.policy, run.objective
     logp = rows[:, plan.cols.logp].detach()
     mask, adv = pol.mask, pol.advantages
@@ -96,8 +96,7 @@ def cov_correction(run: LinearRun, hidden, weight, bias, targets, rows, grads: G
         d_logp, added = -d_base, -base
         pol.correction_metrics = {"pg_clipfrac": ((chosen.to(mask.dtype) * mask).sum() / count).float()}
     # (clip_cov's draw already made a host read)
-    correct_rows(run, hidden, weight, bias, targets, chosen, torch.where(chosen, d_logp, 0.0),
-                  torch.where(chosen, added, 0.0).sum(), grads, loss, means)
+    correct_rows(run, head, chosen, torch.where(chosen, d_logp, 0.0), torch.where(chosen, added, 0.0).sum(), acc)
 
 
 def _objective_slope(logp, old, adv, scale, policy) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,15 +108,15 @@ def _objective_slope(logp, old, adv, scale, policy) -> tuple[torch.Tensor, torch
     return slope, value.detach()
 
 
-def correct_rows(run: LinearRun, hidden, weight, bias, targets, chosen, d_logp, added, grads: Grads | None, loss,
-                  means) -> None:
+def correct_rows(run: LinearRun, head: LmHead, chosen, d_logp, added, acc) -> None:
     """Change the loss (and the 'loss' metric) by ``added`` and the gradient of the ``chosen`` rows by
     ``d_logp`` (per row, d loss / d logp): their logits recomputed by a GEMM over those rows only,
     the change carried through log_softmax (and the logit transform) to dh, dW and db. One host read
     (the number of chosen rows)."""
-    plan = run.plan
-    loss += added
-    means[plan.cols.N] += added  # the 'loss' metric
+    plan, grads = run.plan, acc.grads
+    hidden, weight, bias, targets = head
+    acc.loss += added
+    acc.means[plan.cols.N] += added  # the 'loss' metric
     if grads is None:
         return
     picked = torch.nonzero(chosen).squeeze(1)
@@ -169,14 +168,13 @@ def _guess_threshold(seen: torch.Tensor, quantile: float) -> torch.Tensor:
     return masked_quantile(seen, ~seen.isnan(), 1.0 - quantile)
 
 
-def entropy_mask_correction(run: LinearRun, hidden, weight, bias, targets, rows, guess, grads: Grads | None, loss,
-                             means) -> None:
-    # rows, targets, hidden, guess: every row of the call (ignored rows were skipped: their rows hold 0)
+def entropy_mask_correction(run: LinearRun, head: LmHead, rows, guess, acc) -> None:
     """The top-entropy mask on the lm_head: the chunks ran the objective fused with a guessed mask
     (:func:`guess_mask`); the batch quantile of the entropies (over ``entropy_quantile_group``
     when given) now gives the true mask, and the rows whose guess was wrong gain or lose their
     objective (:func:`correct_rows`). The KL and a loss-aggregated entropy bonus never depend on
-    the mask. The mask's metrics go on the call's PolicyInputs (``correction_metrics``)."""
+    the mask. The mask's metrics go on the call's PolicyInputs (``correction_metrics``). ``rows`` and
+    ``guess`` hold every row (skipped rows 0); ``acc`` as :func:`cov_correction`'s."""
     plan, pol, policy = run.plan, run.policy, run.objective
     logp = rows[:, plan.cols.logp].detach()
     entropy = rows[:, plan.cols.entropy].detach()
@@ -187,5 +185,4 @@ def entropy_mask_correction(run: LinearRun, hidden, weight, bias, targets, rows,
     scale = pol.weight * (pol.importance_weights if pol.importance_weights is not None else 1.0)
     d_base, base = _objective_slope(logp, old, pol.advantages, scale, plan.spec.policy)  # the unmasked one
     pol.correction_metrics = high_entropy_metrics(entropy, high, mask)
-    correct_rows(run, hidden, weight, bias, targets, delta != 0, delta * d_base, (delta * base).sum(), grads, loss,
-                  means)
+    correct_rows(run, head, delta != 0, delta * d_base, (delta * base).sum(), acc)

@@ -73,8 +73,8 @@ def run_linear(hidden, weight, bias, teacher: Teacher, targets, plan: KernelPlan
     mode = validation_mode(options.validate)
     error = call = None
     try:  # every host-side check; with a group and validate="sync", every rank learns of any rank's error
-        call = _check(hidden, weight, bias, targets, plan.spec, teacher, batch, layout, num_items_in_batch,
-                      options, mode)
+        call = _check(hidden, weight, bias, targets, plan.spec, teacher, batch=batch, layout=layout,
+                      num_items_in_batch=num_items_in_batch, options=options, mode=mode)
     except (ValueError, TypeError) as exc:
         if shard is None or mode != "sync":
             raise
@@ -137,8 +137,8 @@ def _check(hidden, weight, bias, targets, spec: LossSpec, teacher: Teacher, batc
     rows_shape = tuple(targets.shape) if targets is not None else token_rows
     policy, targets = policy_inputs(spec.policy, rows_shape, targets, spec.ignore_index, norm.as_torch(), mode,
                                     batch.given(), norm_length=token_shape[1] if completion else None)
-    return _Call(hidden, weight, bias, targets, teacher, token_rows, token_shape, rows_shape, norm, batch, policy,
-                 backend)
+    return _Call(hidden=hidden, weight=weight, bias=bias, targets=targets, teacher=teacher, token_rows=token_rows,
+                 token_shape=token_shape, rows_shape=rows_shape, norm=norm, given=batch, policy=policy, backend=backend)
 
 
 def _kernels(call: _Call, plan: KernelPlan, shard, options: LinearOptions, mode: str, traced: bool

@@ -62,9 +62,10 @@ def run_head(logits, targets, plan: KernelPlan, teacher_logits, batch: PolicyBat
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
     dtype = logits.dtype if isinstance(logits, torch.Tensor) else torch.float32
     if resolve_backend(options.backend, device, dtype) == "torch":
-        return _torch_head(logits, targets, spec, plan, teacher_logits, batch, shift, num_items_in_batch, options,
-                           shard)
-    return _kernels(logits, targets, plan, teacher_logits, batch, shift, num_items_in_batch, options, shard)
+        return _torch_head(logits, targets, plan, teacher_logits, batch, shift=shift,
+                           num_items_in_batch=num_items_in_batch, options=options, shard=shard)
+    return _kernels(logits, targets, plan, teacher_logits, batch, shift=shift, num_items_in_batch=num_items_in_batch,
+                    options=options, shard=shard)
 
 
 def _kernels(logits, targets, plan: KernelPlan, teacher_logits, batch: PolicyBatch, shift: bool, num_items_in_batch,
@@ -108,9 +109,10 @@ def _kernels(logits, targets, plan: KernelPlan, teacher_logits, batch: PolicyBat
     return routes.record(out, chosen, "logits", logits)
 
 
-def _torch_head(logits, targets, spec: LossSpec, plan: KernelPlan, teacher_logits, batch: PolicyBatch, shift: bool,
+def _torch_head(logits, targets, plan: KernelPlan, teacher_logits, batch: PolicyBatch, shift: bool,
                 num_items_in_batch, options: Options, shard) -> HeadLossOutput:
     """The plain-torch path: vocab-parallel logits gathered whole on every rank first."""
+    spec = plan.spec
     traced = torch.compiler.is_compiling()
     mode = validation_mode(options.validate)
     if shard is not None and traced:

@@ -1258,8 +1258,8 @@ def test_lm_head_top_entropy_mask_runs_fused_and_corrects_the_rows_it_guessed_wr
                             lambda seen, q: torch.tensor(math.inf if guess == "keep none" else -math.inf))
     changed = []  # the rows each correction changes
     original = linear.correct_rows
-    monkeypatch.setattr(linear, "correct_rows", lambda run, h, w, b, y, chosen, *a: changed.append(int(chosen.sum()))
-                        or original(run, h, w, b, y, chosen, *a))
+    monkeypatch.setattr(linear, "correct_rows", lambda run, head, chosen, *a: changed.append(int(chosen.sum()))
+                        or original(run, head, chosen, *a))
     gen = generator(101)
     batch, length, width = 6, 9, 8
     hidden = torch.randn(batch, length, width, generator=gen, dtype=torch.float64)
