@@ -322,16 +322,16 @@ class DistillHead(NamedTuple):
 
     def chunked_floor(self, rows: int | None = None, part: int | None = None) -> tuple[Callable[[], None], str]:
         """The same 4 GEMMs cut as the head cuts them (student chunks of ``rows``, each chunk's teacher
-        logits in parts of ``part`` rows; by default headloss.api's split of its default budget), back
+        logits in parts of ``part`` rows; by default headloss.chunks' split of its default budget), back
         to back into one buffer each, dW accumulated: the chunking's cost before any softmax. Returns
         (step, a label naming the cut)."""
-        import headloss.api as api
+        import headloss.chunks as chunks
 
-        budget = api.DEFAULT_CHUNK_BYTES
+        budget = chunks.DEFAULT_CHUNK_BYTES
         h, w = self.h.detach(), self.w.detach()
         n, vocab, elem = h.shape[0], w.shape[0], h.element_size()
-        rows = rows or api.chunk_rows_for(int(budget * (1.0 - api.TEACHER_SHARE)), vocab, elem)
-        part = min(rows, part or api.chunk_rows_for(int(budget * api.TEACHER_SHARE), vocab, elem))  # as the head
+        rows = rows or chunks.chunk_rows_for(int(budget * (1.0 - chunks.TEACHER_SHARE)), vocab, elem)
+        part = min(rows, part or chunks.chunk_rows_for(int(budget * chunks.TEACHER_SHARE), vocab, elem))  # as the head
 
         def step():
             dh, dw = torch.empty_like(h), torch.empty_like(w)
@@ -437,7 +437,7 @@ def profile_distill(n: int = 8192, hidden: int = 4096, vocab: int = 128256, trac
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as run_profile
 
-    import headloss.api
+    import headloss.chunks
     from headloss.kernels.launch import LAUNCH_OVERRIDES
 
     head = distill_head(n, hidden, vocab)
