@@ -220,7 +220,7 @@ def test_compiled_fused_backward_hands_over_the_forward_buffer_without_a_copy(en
     gradient autograd delivers is the very buffer the forward kernel wrote (Inductor would clone a
     backward-graph input before scaling it), scaled by d loss; a second backward raises as in eager."""
     import headloss.engine
-    import headloss.linear
+    import headloss.linear_ops
 
     monkeypatch.setattr(headloss.ops, "HANDOFF_MIN_BYTES", 0)
     written = []
@@ -229,7 +229,7 @@ def test_compiled_fused_backward_hands_over_the_forward_buffer_without_a_copy(en
         written.extend(g.data_ptr() for g, _ in filter(None, grads))
         return hand_off(grads)
 
-    for module in (headloss.engine, headloss.linear):
+    for module in (headloss.engine, headloss.linear_ops):  # the head's and the lm_head's forward ops
         monkeypatch.setattr(module, "hand_off", recording)
     gen = torch.Generator().manual_seed(14)
     if entry == "logits":
