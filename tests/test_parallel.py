@@ -372,7 +372,9 @@ def _compiled_job(rank: int, world: int, quick: bool) -> dict:
     sharded = distribute_tensor(torch.randn(3, 5, V), init_device_mesh("cpu", (world,)), [Shard(2)])
     refusals = {"sync": lambda: head_loss(torch.randn(3, 5, widths[rank]), ids, spec, group=dist.group.WORLD,
                                           validate="sync"),
-                "dtensor": lambda: head_loss(sharded, ids, spec)}
+                "dtensor": lambda: head_loss(sharded, ids, spec),
+                "torch": lambda: head_loss(torch.randn(3, 5, widths[rank]), ids, spec, group=dist.group.WORLD,
+                                           backend="torch")}
     out.update(_compiled_refusals(refusals, _compile_backend(quick)))
     return out
 
@@ -434,7 +436,8 @@ def _compiled_linear_job(rank: int, world: int, quick: bool) -> dict:
     weight = torch.randn(width, H)
     sharded = distribute_tensor(torch.randn(V, H), init_device_mesh("cpu", (world,)), [Shard(0)])
     refusals = {"sync": lambda: linear_head_loss(hidden, weight, ids, group=dist.group.WORLD, validate="sync"),
-                "dtensor": lambda: linear_head_loss(hidden, sharded, ids)}
+                "dtensor": lambda: linear_head_loss(hidden, sharded, ids),
+                "torch": lambda: linear_head_loss(hidden, weight, ids, group=dist.group.WORLD, backend="torch")}
     out.update(_compiled_refusals(refusals, _compile_backend(quick)))
     return out
 
@@ -442,13 +445,16 @@ def _compiled_linear_job(rank: int, world: int, quick: bool) -> dict:
 def check_compiled_job(results, world: int, quick: bool) -> None:
     for rank in range(world):
         linear = results[rank]["compiled_linear"]
-        assert set(linear) == {*(COMPILED_LINEAR_QUICK if quick else COMPILED_LINEAR), "sync", "dtensor"}
+        refused = ("sync", "dtensor", "torch")
+        assert set(linear) == {*(COMPILED_LINEAR_QUICK if quick else COMPILED_LINEAR), *refused}
         assert "validate: 'sync' waits on the host" in linear.pop("sync")
         assert "weight: a DTensor is not traceable by torch.compile" in linear.pop("dtensor")
+        assert "group: the plain-torch path of a vocab-parallel call" in linear.pop("torch")
         out = results[rank]["compiled"]
-        assert set(out) == {*(COMPILED_QUICK if quick else COMPILED), "sync", "dtensor"}
+        assert set(out) == {*(COMPILED_QUICK if quick else COMPILED), *refused}
         assert "validate: 'sync' waits on the host" in out.pop("sync")
         assert "logits: a DTensor is not traceable by torch.compile" in out.pop("dtensor")
+        assert "group: the plain-torch path of a vocab-parallel call" in out.pop("torch")
         out.update({("linear", name): value for name, value in linear.items()})
         for name, (errs, graphs, routes) in out.items():
             assert graphs == 1, (rank, name, graphs)  # one graph, no break (fullgraph)
