@@ -9,6 +9,7 @@ headloss.logits / headloss.lm_head run: checks -> route -> kernels (or plain tor
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 import torch
@@ -93,11 +94,11 @@ def head_loss(
         # a lazily negated view (torch._neg_view): the kernels read the stored values, torch applies the sign
         logits, teacher_logits = (t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t
                                   for t in (logits, teacher_logits))
-    teacher_logits = _teacher_precision(teacher_logits, logits)
     batch = PolicyBatch(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                         loss_mask=loss_mask, importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
                         sequence_ids=sequence_ids, num_sequences_in_batch=num_sequences_in_batch,
                         entropy_quantile_group=entropy_quantile_group)
+    backend, route = _renamed(backend, route)
     options = Options(validate=validate, backend=backend, route=route, group=group, inplace_grad=inplace_grad)
     plan = plan_for(spec, has_targets=targets is not None)
     return run_head(logits, targets, plan, teacher_logits, batch, layout=Layout(shift, cu_seqlens, position_ids),
@@ -167,11 +168,14 @@ def linear_head_loss(
     """
     if not torch.compiler.is_compiling():
         check_pending()
-    teacher = Teacher(_teacher_precision(teacher_logits, hidden), teacher_hidden, teacher_weight, teacher_bias)
+    teacher = Teacher(teacher_logits, teacher_hidden, teacher_weight, teacher_bias)
     batch = PolicyBatch(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                         loss_mask=loss_mask, importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
                         sequence_ids=sequence_ids, num_sequences_in_batch=num_sequences_in_batch,
                         entropy_quantile_group=entropy_quantile_group)
+    if hidden_grad not in ("reduced", "partial"):
+        raise ValueError(f"hidden_grad: expected 'reduced' or 'partial', got {hidden_grad!r}")
+    backend, route = _renamed(backend, route)
     options = LinearOptions(validate=validate, backend=backend, route=route, group=group, chunk_bytes=chunk_bytes,
                             fp32_weight_grad=fp32_weight_grad, compact=compact, hidden_grad=hidden_grad)
     plan = plan_for(spec, has_targets=targets is not None)
@@ -197,13 +201,16 @@ def _autocast(dtype: torch.dtype, hidden, weight, bias, teacher: Teacher) -> tup
                                                            cast(teacher.weight), cast(teacher.bias))
 
 
-def _teacher_precision(teacher_logits, student):
-    """float64 teacher logits with a lower-precision student, as float32: the precision the kernels
-    (and the reference, for such a student) compute the divergence in."""
-    if isinstance(teacher_logits, torch.Tensor) and teacher_logits.dtype == torch.float64 and \
-            isinstance(student, torch.Tensor) and student.dtype != torch.float64:
-        return teacher_logits.float()
-    return teacher_logits
+def _renamed(backend, route) -> tuple:
+    """The plain-torch path's former name ``"reference"`` (as ``backend`` or ``route``) as ``"torch"``, with a
+    FutureWarning at the caller's line."""
+    if isinstance(backend, str) and backend == "reference":
+        warnings.warn("backend: 'reference' is now called 'torch'", FutureWarning, stacklevel=3)
+        backend = "torch"
+    if isinstance(route, str) and route == "reference":
+        warnings.warn("route: 'reference' is now called 'torch'", FutureWarning, stacklevel=3)
+        route = "torch"
+    return backend, route
 
 
 class HeadLoss(torch.nn.Module):

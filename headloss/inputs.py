@@ -24,6 +24,15 @@ from .validation import Normaliser, Validate, normaliser, validation_mode
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
 
+def teacher_precision(teacher_logits, student):
+    """float64 teacher logits with a lower-precision student, as float32: the precision the kernels
+    (and the reference, for such a student) compute the divergence in."""
+    if isinstance(teacher_logits, torch.Tensor) and teacher_logits.dtype == torch.float64 and \
+            isinstance(student, torch.Tensor) and student.dtype != torch.float64:
+        return teacher_logits.float()
+    return teacher_logits
+
+
 def check_logits(logits: Any) -> None:
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits: expected a torch.Tensor, got {type(logits).__name__}")

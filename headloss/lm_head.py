@@ -18,7 +18,7 @@ from . import ops, routes
 from .batch import Layout, LinearOptions, PolicyBatch, Teacher
 from .chunks import LinearRun, cut
 from .engine import CallTensors, policy_terms
-from .inputs import check_linear_inputs, check_targets, flat_targets, pad_shifted, teacher_source
+from .inputs import check_linear_inputs, check_targets, flat_targets, pad_shifted, teacher_precision, teacher_source
 from .linear import Saved, linear_backward, linear_forward
 from .linear_ops import linear_backward_op, linear_forward_beside_op, linear_forward_op, run_args
 from .ops import flat_geometry, take_grad
@@ -65,8 +65,7 @@ def run_linear(hidden, weight, bias, teacher: Teacher, targets, plan: KernelPlan
                num_items_in_batch, options: LinearOptions) -> HeadLossOutput:
     """linear_head_loss of the bundled inputs (headloss.api)."""
     traced = torch.compiler.is_compiling()
-    if options.hidden_grad not in ("reduced", "partial"):
-        raise ValueError(f"hidden_grad: expected 'reduced' or 'partial', got {options.hidden_grad!r}")
+    teacher = replace(teacher, logits=teacher_precision(teacher.logits, hidden))  # (hidden: in the autocast dtype)
     shard = None
     if options.group is not None or is_dtensor(weight):
         hidden, weight, bias, targets, teacher, shard = _local(hidden, weight, bias, targets, teacher, options)

@@ -17,7 +17,16 @@ from . import env, routes
 from .batch import Layout, Options, PolicyBatch, Teacher
 from .bounded import BoundedDict, cache
 from .engine import CallTensors, HeadFunction, HeadRun, objective_metrics, policy_terms
-from .inputs import check_head, check_logits, check_targets, check_teacher, flat_targets, head_call, pad_shifted
+from .inputs import (
+    check_head,
+    check_logits,
+    check_targets,
+    check_teacher,
+    flat_targets,
+    head_call,
+    pad_shifted,
+    teacher_precision,
+)
 from .output import HeadLossOutput, assemble, assemble_deferred
 from .packed import packed_call, packed_policy_inputs
 from .parallel import (
@@ -45,6 +54,7 @@ def run_head(logits, targets, plan: KernelPlan, teacher_logits, batch: PolicyBat
     traced = torch.compiler.is_compiling()
     spec = plan.spec
     shift = layout.shift
+    teacher_logits = teacher_precision(teacher_logits, logits)
     if layout.packed:
         logits, targets, (teacher_logits,), packed = packed_call(
             logits, targets, (teacher_logits,), layout.cu_seqlens, layout.position_ids, shift, spec.ignore_index,

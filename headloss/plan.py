@@ -135,10 +135,10 @@ class Flags(NamedTuple):
     HAS_ARGMAX: bool  # running argmax (accuracy, predicted tokens, teacher agreement)
     HAS_SOFTCAP: bool  # c * tanh(u / c) in the transform
     HAS_POLICY: bool  # token-level policy objective in the epilogue (fused mode)
-    OBJECTIVE: int  # policy objective: its kernel code (policy.tables.OBJECTIVES)
+    OBJECTIVE: int  # policy objective: its kernel code (policy_tables.OBJECTIVES)
     CISPO_VERL: bool  # CISPO's coefficient clip(r, 1 - eps_low, 1 + eps_high), else TRL's min(r, eps_high)
     LOG_RATIO_CLAMP: bool  # verl: log-ratio clamped to [-20, 20] before exp
-    KL_EST: int  # policy KL penalty: 0 none, else the estimator's kernel code (policy.tables.KL_ESTIMATORS)
+    KL_EST: int  # policy KL penalty: 0 none, else the estimator's kernel code (policy_tables.KL_ESTIMATORS)
     KL_CLAMP: bool  # verl's k3 clamps (ref - logp to +-20, the value to +-10)
     KL_K2_GRAD: bool  # the estimator's value with the k2 gradient (verl's "k3+")
     KL_IS_CORR: bool  # KL times the importance ratio
@@ -167,7 +167,7 @@ class Scalars(NamedTuple):
     dual_c: float = float("inf")  # dual clip constant, inf when off
     kl_beta: float = 0.0
     entropy_coef: float = 0.0
-    # the objectives' own values (policy.tables Objective.params: the spec.Policy fields of these names)
+    # the objectives' own values (policy_tables Objective.params: the spec.Policy fields of these names)
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.0
     dro_beta: float = 0.0
@@ -187,7 +187,7 @@ class ObjectiveFlags(NamedTuple):
     KL_CLAMP: bool
     KL_K2_GRAD: bool
     KL_IS_CORR: bool
-    IS_MODE: int  # importance sampling: its kernel code (policy.tables.IMPORTANCE_SAMPLING)
+    IS_MODE: int  # importance sampling: its kernel code (policy_tables.IMPORTANCE_SAMPLING)
     OFF_POLICY: bool  # TRL's off-policy sequence mask
     ENT_BONUS: bool  # entropy_coef != 0: the entropy bonus, and its gradient
     ENT_TOKEN_MEAN: bool  # the bonus is a mean over the call's counted tokens (TRL), else weighted like the loss

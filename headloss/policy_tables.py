@@ -121,16 +121,16 @@ def kernel_objectives() -> dict[str, int]:
 def _check() -> None:
     codes = [row.kernel for row in OBJECTIVES.values() if row.kernel is not None]
     if len(set(codes)) != len(codes):
-        raise RuntimeError("policy.tables: two objectives share a kernel code")
+        raise RuntimeError("policy_tables: two objectives share a kernel code")
     for name, row in OBJECTIVES.items():
         if row.row_local != (row.kernel is not None):
-            raise RuntimeError(f"policy.tables: objective {name!r} is row-local exactly when it has a kernel code")
+            raise RuntimeError(f"policy_tables: objective {name!r} is row-local exactly when it has a kernel code")
         if row.base is not None and not OBJECTIVES[row.base].row_local:
-            raise RuntimeError(f"policy.tables: objective {name!r} has a base that is not row-local")
+            raise RuntimeError(f"policy_tables: objective {name!r} has a base that is not row-local")
     if sorted(row.kernel for row in KL_ESTIMATORS.values()) != list(range(1, len(KL_ESTIMATORS) + 1)):
-        raise RuntimeError("policy.tables: KL estimator codes must be 1..n (0 is no KL term)")
+        raise RuntimeError("policy_tables: KL estimator codes must be 1..n (0 is no KL term)")
     if sorted(row.kernel for row in IMPORTANCE_SAMPLING.values()) != list(range(len(IMPORTANCE_SAMPLING))):
-        raise RuntimeError("policy.tables: importance-sampling codes must be 0..n-1")
+        raise RuntimeError("policy_tables: importance-sampling codes must be 0..n-1")
 
 
 _check()

@@ -40,7 +40,6 @@ import enum
 import logging
 import math
 import sys
-import warnings
 from typing import Literal, NamedTuple
 
 import torch
@@ -158,9 +157,6 @@ BACKENDS = ("auto", "triton", "torch")
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, name: str = "logits") -> str:
     """'triton' or 'torch' (plain torch) for tensors on ``device`` of ``dtype``."""
-    if backend == "reference":  # the plain-torch backend's former name
-        warnings.warn("backend: 'reference' is now called 'torch'", FutureWarning, stacklevel=3)
-        backend = "torch"
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected 'auto', 'triton' or 'torch', got {backend!r}")
     if backend == "torch":

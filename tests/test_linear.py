@@ -948,3 +948,22 @@ def test_float64_hidden_with_triton_backend_raises_naming_hidden():
     with pytest.raises(TypeError, match="^hidden"):
         linear_head_loss(torch.randn(4, H, dtype=torch.float64), torch.randn(V, H, dtype=torch.float64),
                          torch.zeros(4, dtype=torch.long), backend="triton")
+
+
+@needs_kernel
+def test_autocast_runs_the_gemms_in_its_dtype_with_a_float64_teacher_read_as_float32():
+    """Under torch.autocast the student's GEMMs run in bf16, so float64 teacher logits are read as their
+    float32 copy (the precision the kernel computes the divergence in), as with a bf16 student."""
+    gen = torch.Generator().manual_seed(31)
+    hidden = torch.randn(5, 8, generator=gen, dtype=torch.float64)
+    weight = torch.randn(37, 8, generator=gen, dtype=torch.float64)
+    teacher = torch.randn(5, 37, generator=gen, dtype=torch.float64)
+    targets = make_targets((5,), 37, 31)
+    spec = LossSpec(distillation={"divergence": "forward_kl"})
+    with torch.autocast("cpu", torch.bfloat16):
+        got = linear_head_loss(hidden, weight, targets, spec, teacher_logits=teacher, backend="triton")
+    want = linear_head_loss(hidden.bfloat16(), weight.bfloat16(), targets, spec, teacher_logits=teacher.float(),
+                            backend="triton")
+    assert got.route == want.route == "lm_head:fused"
+    assert torch.equal(got.loss, want.loss)
+    assert torch.equal(got.metrics["distill/divergence"], want.metrics["distill/divergence"])

@@ -190,3 +190,14 @@ def test_log_routes_logs_one_line_per_call(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="headloss.routes"):
         head_loss(make_logits((3, V)), make_targets((3,), V), backend="torch")
     assert [r.getMessage() for r in caplog.records] == [f"head_loss [3, {V}] float32 -> torch"]
+
+
+def test_the_plain_torch_paths_former_name_still_runs_with_a_warning_at_the_callers_line():
+    logits, targets = make_logits((3, V)), make_targets((3,), V)
+    for argument in ("backend", "route"):
+        with pytest.warns(FutureWarning, match=f"{argument}: 'reference' is now called 'torch'") as caught:
+            out = head_loss(logits, targets, **{"backend": "torch", argument: "reference"})
+        assert out.route == "torch"
+        assert caught[0].filename == __file__
+    with pytest.warns(FutureWarning, match="backend: 'reference'"):
+        assert linear_head_loss(torch.randn(3, 4), torch.randn(V, 4), targets, backend="reference").route == "torch"

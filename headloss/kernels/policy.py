@@ -229,7 +229,7 @@ def _log_ratio_of(lp, o, mean, F: tl.constexpr):
         L = tl.zeros_like(lp) + tl.where(mean > 10.0, 10.0, mean)
         g = tl.where(mean <= 10.0, 1.0, 0.0) + tl.zeros_like(lp)
     else:
-        tl.static_assert(False, "an importance-sampling level of policy.tables has no kernel piece here")
+        tl.static_assert(False, "an importance-sampling level of policy_tables has no kernel piece here")
     return log_ratio, L, g
 
 

@@ -20,7 +20,7 @@ from ..layouts import JSD_AT, SCRATCH_AT, SEQUENCE_AT
 from ..policy_tables import KL_ESTIMATORS, OBJECTIVES
 from .primitives import LN2, LOG2E, NEG_BIG, log1p, softmax_update, to_x2
 
-# the kernels' codes of the policy term's values (policy.tables, the one list of each)
+# the kernels' codes of the policy term's values (policy_tables, the one list of each)
 CLIP = tl.constexpr(OBJECTIVES["clip"].kernel)
 CISPO = tl.constexpr(OBJECTIVES["cispo"].kernel)
 SAPO = tl.constexpr(OBJECTIVES["sapo"].kernel)
@@ -288,7 +288,7 @@ def _kl_penalty(logp, ref, S, F: tl.constexpr):
             d_kl = tl.where((kl >= -10.0) & (kl <= 10.0), d_kl, 0.0)
             kl = tl.minimum(tl.maximum(kl, -10.0), 10.0)
     else:
-        tl.static_assert(False, "a KL estimator of policy.tables has no kernel piece in terms._kl_penalty")
+        tl.static_assert(False, "a KL estimator of policy_tables has no kernel piece in terms._kl_penalty")
     if F.KL_K2_GRAD:
         d_kl = gap
     return kl, d_kl
@@ -297,7 +297,7 @@ def _kl_penalty(logp, ref, S, F: tl.constexpr):
 @triton.jit
 def _objective(logp, old, adv, ratio, d_ratio, S, F: tl.constexpr):
     """(per_token, d per_token / d logp, low, high, dual) of the spec's objective (F.OBJECTIVE is its
-    code in policy.tables; one branch per row-local objective, and a code without one does not
+    code in policy_tables; one branch per row-local objective, and a code without one does not
     compile); policy.objectives.ROW_LOCAL has the same formulas in torch."""
     lo = 1.0 - S.eps_low
     hi = 1.0 + S.eps_high
@@ -369,7 +369,7 @@ def _objective(logp, old, adv, ratio, d_ratio, S, F: tl.constexpr):
         per_token = -adv * weight * logp
         d_per_token = -adv * weight
     else:
-        tl.static_assert(False, "an objective of policy.tables has no kernel piece in terms._objective")
+        tl.static_assert(False, "an objective of policy_tables has no kernel piece in terms._objective")
     return per_token, d_per_token, low, high, dual
 
 
