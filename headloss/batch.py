@@ -33,10 +33,6 @@ class Teacher:
         """The teacher's logits are computed from its hidden states (the lm_head's chunks)."""
         return self.hidden is not None
 
-    def map(self, fn: Callable[[torch.Tensor], Any]) -> Teacher:
-        """The teacher with ``fn`` applied to each tensor it holds."""
-        return Teacher(*(None if t is None else fn(t) for t in (self.logits, self.hidden, self.weight, self.bias)))
-
 
 @dataclass(frozen=True)
 class PolicyBatch:

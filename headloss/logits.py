@@ -84,13 +84,14 @@ def _kernels(logits, targets, plan: KernelPlan, teacher_logits, batch: PolicyBat
     spec = plan.spec
     sync = validation_mode(options.validate) == "sync"
     error = call = chosen = None
+    given = batch.given()
     try:
         token_shape = check_head(logits, targets, spec, teacher_logits, shift, kernel=True)
-        chosen = routes.choose(plan, facts_of("logits", "triton", logits.device, token_shape, batch.given(),
+        chosen = routes.choose(plan, facts_of("logits", "triton", logits.device, token_shape, given,
                                               sharded=shard is not None), options.route)
-        call = head_call(logits, targets, spec, token_shape, teacher_logits=teacher_logits,
-                         policy_given=batch.given(), num_items_in_batch=num_items_in_batch, shift=shift,
-                         validate=options.validate, raw_policy=chosen.raw_inputs)
+        call = head_call(logits, targets, spec, token_shape, teacher_logits=teacher_logits, policy_given=given,
+                         num_items_in_batch=num_items_in_batch, shift=shift, validate=options.validate,
+                         raw_policy=chosen.raw_inputs)
     except (ValueError, TypeError) as exc:
         if shard is None or not sync:
             raise
