@@ -9,6 +9,7 @@ headloss.logits / headloss.lm_head run: checks -> route -> kernels (or plain tor
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Literal
 
@@ -173,22 +174,18 @@ def linear_head_loss(
                         loss_mask=loss_mask, importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
                         sequence_ids=sequence_ids, num_sequences_in_batch=num_sequences_in_batch,
                         entropy_quantile_group=entropy_quantile_group)
-    if hidden_grad not in ("reduced", "partial"):
-        raise ValueError(f"hidden_grad: expected 'reduced' or 'partial', got {hidden_grad!r}")
     backend, route = _renamed(backend, route)
     options = LinearOptions(validate=validate, backend=backend, route=route, group=group, chunk_bytes=chunk_bytes,
                             fp32_weight_grad=fp32_weight_grad, compact=compact, hidden_grad=hidden_grad)
     plan = plan_for(spec, has_targets=targets is not None)
-    layout = Layout(shift, cu_seqlens, position_ids)
+    run = functools.partial(run_linear, targets=targets, plan=plan, batch=batch,
+                            layout=Layout(shift, cu_seqlens, position_ids), num_items_in_batch=num_items_in_batch,
+                            options=options)
     device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else None
     if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
         with torch.autocast(device_type, enabled=False):
-            hidden, weight, bias, teacher = _autocast(torch.get_autocast_dtype(device_type), hidden, weight, bias,
-                                                      teacher)
-            return run_linear(hidden, weight, bias, teacher, targets, plan, batch=batch, layout=layout,
-                              num_items_in_batch=num_items_in_batch, options=options)
-    return run_linear(hidden, weight, bias, teacher, targets, plan, batch=batch, layout=layout,
-                      num_items_in_batch=num_items_in_batch, options=options)
+            return run(*_autocast(torch.get_autocast_dtype(device_type), hidden, weight, bias, teacher))
+    return run(hidden, weight, bias, teacher)
 
 
 def _autocast(dtype: torch.dtype, hidden, weight, bias, teacher: Teacher) -> tuple:

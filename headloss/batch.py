@@ -106,3 +106,7 @@ class LinearOptions(Options):
     fp32_weight_grad: bool
     compact: bool
     hidden_grad: str
+
+    def __post_init__(self):
+        if self.hidden_grad not in ("reduced", "partial"):
+            raise ValueError(f"hidden_grad: expected 'reduced' or 'partial', got {self.hidden_grad!r}")

@@ -118,8 +118,9 @@ class CallTensors(NamedTuple):
         rows = (None,) * 5 if epilogue is None else (
             epilogue.old_logprobs, epilogue.ref_logprobs, epilogue.advantages, epilogue.importance_weights,
             epilogue.weight)
-        return cls(targets, teacher.logits, teacher.hidden, teacher.weight, teacher.bias, *rows, num_items,
-                   sequence_ids)
+        old, ref, adv, iw, weight = rows
+        return cls(targets, teacher.logits, teacher.hidden, teacher.weight, teacher.bias, old=old, ref=ref, adv=adv,
+                   iw=iw, policy_weight=weight, num_items=num_items, sequence_ids=sequence_ids)
 
     @property
     def teacher(self) -> Teacher:

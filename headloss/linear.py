@@ -182,7 +182,8 @@ def _run_chunks(loop: _Loop, hidden, weight, bias, tensors: CallTensors) -> None
                     loop.kept.append(stats)
             chunk_policy = _pick_rows(policy, loop.index, lo, hi)
             if loop.guess is not None:
-                chunk_policy = guess_mask(run, part, y_c, geo, chunk_policy, loop.guess, loop.seen, lo, hi)
+                chunk_policy = guess_mask(run, part, y_c, geo, chunk_policy, guess=loop.guess, seen=loop.seen,
+                                          start=lo, stop=hi)
             launch_head(
                 plan, logits=part, targets=y_c, teacher=t_c, grad=part if fused and not by_sequence else None,
                 rows=loop.rows[lo:hi], pred=optional(loop.pred[lo:hi]), policy=chunk_policy,
@@ -191,8 +192,8 @@ def _run_chunks(loop: _Loop, hidden, weight, bias, tensors: CallTensors) -> None
                 geo=geo, finish=False, stats=stats, jsd=jsd,
             )
             if by_sequence:
-                sequence_chunk_grad(run, part, y_c, t_c, loop.rows[lo:hi], tensors.num_items, loop.scratch, geo,
-                                    lo, hi)
+                sequence_chunk_grad(run, part, y_c, t_c, rows=loop.rows[lo:hi], num_items=tensors.num_items,
+                                    scratch=loop.scratch, geo=geo, start=lo, stop=hi)
         if fused:
             accumulate(loop.grads, logits, h_c, weight, loop.index, start, stop)
 

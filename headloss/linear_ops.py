@@ -133,7 +133,8 @@ def linear_backward_op(
     run = run_of_args([], key, group, ints, floats, layout)
     call = CallTensors(*tensors[:_N_CALL])
     rows, scratch, d_loss, d_rows, stats = tensors[_N_CALL:]
-    grads = linear_backward(run, tuple(wants), hidden, weight, bias, call,
-                            Saved(None, rows, scratch, stats if run.shard is not None else None), d_loss, d_rows)
+    saved = Saved(None, rows, scratch, stats if run.shard is not None else None)
+    grads = linear_backward(run, tuple(wants), hidden, weight, bias, tensors=call, saved=saved, d_loss=d_loss,
+                            d_rows=d_rows)
     return tuple(g if g is not None else hidden.new_empty(0) for g in grads)
 

@@ -190,7 +190,7 @@ class LinearFunction(torch.autograd.Function):
             op = linear_forward_beside_op if handoff else linear_forward_op
             policy_tensors, *args = run_args(run)
             loss, rows, pred, means, scratch, dh, dw, db, token, stats = op(
-                hidden, weight, bias, [*call, *policy_tensors], *args, list(wants), handoff)
+                hidden, weight, bias, [*call, *policy_tensors], *args, wants=list(wants), handoff=handoff)
             rows_c, index = rows, None
             stats = stats if run.shard is not None and not run.grads_in_forward else None
             dh, dw, db = (g if want else None for g, want in zip((dh, dw, db), wants))
@@ -237,7 +237,8 @@ class LinearFunction(torch.autograd.Function):
                                                                    kept.stats], *args, list(ctx.wants))
             dh, dw, db = (g if want else None for g, want in zip((dh, dw, db), ctx.wants))
         else:
-            dh, dw, db = linear_backward(run, ctx.wants, hidden, weight, bias, call, kept, d_loss, d_rows)
+            dh, dw, db = linear_backward(run, ctx.wants, hidden, weight, bias, tensors=call, saved=kept, d_loss=d_loss,
+                                         d_rows=d_rows)
         return dh, dw, db, *nones
 
 

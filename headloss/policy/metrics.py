@@ -65,8 +65,9 @@ def extremes(means: dict[str, torch.Tensor], ratio, low, high, mask, count, inp:
     launches where torch takes about 30 small ops."""
     if by_kernel and inp.sequence_ids is None and inp.n_slots > 0 and inp.seq_len > 0:
         values = sequence_extremes(
-            ratio.detach(), low, high, mask, count, means["clip_ratio/low_mean"], means["clip_ratio/high_mean"],
-            means["ratio/mean"], inp.n_slots, inp.seq_len).unbind()
+            ratio.detach(), low, high, mask, count, low_mean=means["clip_ratio/low_mean"],
+            high_mean=means["clip_ratio/high_mean"], ratio_mean=means["ratio/mean"], n_seq=inp.n_slots,
+            seq_len=inp.seq_len).unbind()
         extreme = [values[EXTREMES.low_min], values[EXTREMES.high_max], values[EXTREMES.ratio_min],
                    values[EXTREMES.ratio_max]]
         region, ratio_mean = values[EXTREMES.region_mean], values[EXTREMES.ratio_mean]
@@ -111,4 +112,5 @@ def sequence_extremes(ratio: torch.Tensor, low: torch.Tensor, high: torch.Tensor
                       count: torch.Tensor, low_mean: torch.Tensor, high_mean: torch.Tensor, ratio_mean: torch.Tensor,
                       n_seq: int, seq_len: int) -> torch.Tensor:
     """kernels.policy.launch_sequence_extremes as an op (the same two launches under torch.compile)."""
-    return launch_sequence_extremes(ratio, low, high, mask, count, low_mean, high_mean, ratio_mean, n_seq, seq_len)
+    return launch_sequence_extremes(ratio, low, high, mask, count, low_mean=low_mean, high_mean=high_mean,
+                                    ratio_mean=ratio_mean, n_seq=n_seq, seq_len=seq_len)

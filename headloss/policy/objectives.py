@@ -349,12 +349,14 @@ def objective_of(logp: torch.Tensor, entropy: torch.Tensor | None, old: torch.Te
         seq_log_ratio = None if level is None else level(logp, old, mask, seq, n_slots, count)
         tok = token_objective(logp, old, adv, policy, seq_log_ratio)
     else:
-        tok = STATISTIC[policy.objective](logp, old, adv, iw, mask, seq, n_slots, count, policy, seq_adv)
+        tok = STATISTIC[policy.objective](logp, old, adv, iw=iw, mask=mask, seq=seq, n_slots=n_slots, count=count,
+                                          policy=policy, seq_adv=seq_adv)
     if iw is not None and not row.folds_weights:
         tok.loss = tok.loss * iw
     keep = None
     if policy.off_policy_mask is not None:
-        keep = off_policy_keep(logp, old, adv, rollout, mask, seq, n_slots, count, policy.off_policy_mask)
+        keep = off_policy_keep(logp, old, adv, rollout, mask=mask, seq=seq, n_slots=n_slots, count=count,
+                               threshold=policy.off_policy_mask)
     if policy.top_entropy_quantile < 1.0:
         high = high_entropy_mask(entropy, mask, policy.top_entropy_quantile, quantile_group)
         keep = high if keep is None else keep & high
@@ -380,8 +382,9 @@ def policy_objective(
     Written for few device ops (each one is a launch on the host's critical path at 8K tokens).
     """
     old = inp.old_logprobs if inp.old_logprobs is not None else logp.detach()
-    tok = objective_of(logp, entropy, old, inp.advantages, inp.importance_weights, mask, seq_of(inp), inp.n_slots,
-                       policy, inp.rollout_logprobs, inp.seq_advantages, inp.quantile_group)
+    tok = objective_of(logp, entropy, old, inp.advantages, iw=inp.importance_weights, mask=mask, seq=seq_of(inp),
+                       n_slots=inp.n_slots, policy=policy, rollout=inp.rollout_logprobs, seq_adv=inp.seq_advantages,
+                       quantile_group=inp.quantile_group)
     per_token = tok.loss
     weight = inp.weight
     aux_weight = weight if inp.kl_entropy_weight is None else inp.kl_entropy_weight

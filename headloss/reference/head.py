@@ -72,32 +72,38 @@ def reference_head_loss(
         loss = loss + policy_loss
     logp_y = torch.where(valid, logp_all.gather(-1, y[:, None])[:, 0] + nan_if_bad, 0.0)
     pred = torch.where(valid, x.argmax(-1), -1)
-    metrics = _metrics(loss, policy_metrics, per_term, distill_rows, logp_y, pred, y, valid, count, spec)
+    metrics = _metrics(loss, policy_metrics, per_term, distill_rows, logp_y=logp_y, pred=pred, y=y, valid=valid,
+                       count=count, spec=spec)
     metrics["n_tokens"] = n_valid.detach()
 
+    fused_mode = not (spec.reduction == "none" or spec.differentiable_outputs
+                      or (spec.policy is not None and not row_local(spec.policy)))
+    if fused_mode and loss.requires_grad:
+        loss = _OneBackward.apply(loss)
     out_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    rows = {"predicted_tokens": pred, "logprobs": logp_y, "lse": torch.where(valid, lse, 0.0),
+            "token_loss": token_loss,
+            "entropy": torch.where(valid, entropy, 0.0) if entropy is not None else None}
+    return _output(loss, metrics, rows, spec, token_shape, out_dtype)
 
-    def per_token(name: str, value: torch.Tensor) -> torch.Tensor | None:
-        if name not in spec.outputs:
+
+def _output(loss, metrics: dict, rows: dict, spec: LossSpec, token_shape, out_dtype) -> HeadLossOutput:
+    """The HeadLossOutput: the per-token outputs the spec asks for, shaped as the tokens."""
+
+    def per_token(name: str) -> torch.Tensor | None:
+        value = rows[name]
+        if name not in spec.outputs or value is None:
             return None
         value = value.reshape(token_shape)
         if value.is_floating_point():
             value = value.to(out_dtype)
         return value if spec.differentiable_outputs else value.detach()
 
-    loss = loss.to(out_dtype)
-    fused_mode = not (spec.reduction == "none" or spec.differentiable_outputs
-                      or (spec.policy is not None and not row_local(spec.policy)))
-    if fused_mode and loss.requires_grad:
-        loss = _OneBackward.apply(loss)
     return HeadLossOutput(
-        loss=loss,
+        loss=loss.to(out_dtype),
         metrics={k: (v.to(out_dtype) if v.is_floating_point() else v) for k, v in in_metric_order(metrics).items()},
-        predicted_tokens=per_token("predicted_tokens", pred),
-        logprobs=per_token("logprobs", logp_y),
-        lse=per_token("lse", torch.where(valid, lse, 0.0)),
-        token_loss=per_token("token_loss", token_loss),
-        entropy=per_token("entropy", torch.where(valid, entropy, 0.0)) if entropy is not None else None,
+        predicted_tokens=per_token("predicted_tokens"), logprobs=per_token("logprobs"), lse=per_token("lse"),
+        token_loss=per_token("token_loss"), entropy=per_token("entropy"),
     )
 
 
