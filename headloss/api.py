@@ -33,6 +33,8 @@ def head_loss(
     spec: SpecLike | None = None,
     *,
     teacher_logits: torch.Tensor | None = None,
+    teacher_ids: torch.Tensor | None = None,
+    teacher_logprobs: torch.Tensor | None = None,
     advantages: torch.Tensor | None = None,
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
@@ -61,6 +63,10 @@ def head_loss(
             reads them (every row then counts).
         spec: a :class:`LossSpec`, a dict, or a YAML/JSON path (default: mean cross-entropy).
         teacher_logits: like ``logits``, for the distillation term; read only.
+        teacher_ids, teacher_logprobs: a sparse teacher (``spec.distillation.teacher``): its top-k ids
+            [.., K] (-1 where a row has fewer) and their log-probs [.., K], rows like ``logits``'; or
+            (teacher ``"token"``) its log-prob of each target, shaped like ``targets``
+            (docs/distillation.md).
         advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, rollout_logprobs,
             sequence_ids, num_sequences_in_batch, entropy_quantile_group: the policy term's inputs
             (:class:`headloss.batch.PolicyBatch`, docs/policy.md). Tokens outside ``loss_mask`` (0/1)
@@ -102,7 +108,8 @@ def head_loss(
     backend, route = _renamed(backend, route)
     options = Options(validate=validate, backend=backend, route=route, group=group, inplace_grad=inplace_grad)
     plan = plan_for(spec, has_targets=targets is not None)
-    return run_head(logits, targets, plan, teacher_logits, batch, layout=Layout(shift, cu_seqlens, position_ids),
+    teacher = Teacher(logits=teacher_logits, ids=teacher_ids, logprobs=teacher_logprobs)
+    return run_head(logits, targets, plan, teacher, batch, layout=Layout(shift, cu_seqlens, position_ids),
                     num_items_in_batch=num_items_in_batch, options=options)
 
 
@@ -120,6 +127,8 @@ def linear_head_loss(
     teacher_hidden: torch.Tensor | None = None,
     teacher_weight: torch.Tensor | None = None,
     teacher_bias: torch.Tensor | None = None,
+    teacher_ids: torch.Tensor | None = None,
+    teacher_logprobs: torch.Tensor | None = None,
     advantages: torch.Tensor | None = None,
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
@@ -169,7 +178,7 @@ def linear_head_loss(
     """
     if not torch.compiler.is_compiling():
         check_pending()
-    teacher = Teacher(teacher_logits, teacher_hidden, teacher_weight, teacher_bias)
+    teacher = Teacher(teacher_logits, teacher_hidden, teacher_weight, teacher_bias, teacher_ids, teacher_logprobs)
     batch = PolicyBatch(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                         loss_mask=loss_mask, importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
                         sequence_ids=sequence_ids, num_sequences_in_batch=num_sequences_in_batch,
@@ -229,6 +238,8 @@ class HeadLoss(torch.nn.Module):
         targets: torch.Tensor | None = None,
         *,
         teacher_logits: torch.Tensor | None = None,
+        teacher_ids: torch.Tensor | None = None,
+        teacher_logprobs: torch.Tensor | None = None,
         advantages: torch.Tensor | None = None,
         old_logprobs: torch.Tensor | None = None,
         ref_logprobs: torch.Tensor | None = None,
@@ -245,7 +256,8 @@ class HeadLoss(torch.nn.Module):
         route: str | None = None,
     ) -> HeadLossOutput:
         """:func:`head_loss` of these inputs under the module's spec and options."""
-        return head_loss(logits, targets, self.spec, teacher_logits=teacher_logits, advantages=advantages,
+        return head_loss(logits, targets, self.spec, teacher_logits=teacher_logits, teacher_ids=teacher_ids,
+                         teacher_logprobs=teacher_logprobs, advantages=advantages,
                          old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_mask=loss_mask,
                          importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
                          sequence_ids=sequence_ids, num_sequences_in_batch=num_sequences_in_batch,
@@ -280,6 +292,8 @@ class LinearHeadLoss(torch.nn.Module):
         teacher_hidden: torch.Tensor | None = None,
         teacher_weight: torch.Tensor | None = None,
         teacher_bias: torch.Tensor | None = None,
+        teacher_ids: torch.Tensor | None = None,
+        teacher_logprobs: torch.Tensor | None = None,
         advantages: torch.Tensor | None = None,
         old_logprobs: torch.Tensor | None = None,
         ref_logprobs: torch.Tensor | None = None,
@@ -298,7 +312,8 @@ class LinearHeadLoss(torch.nn.Module):
         """:func:`linear_head_loss` of these inputs under the module's spec and options."""
         return linear_head_loss(hidden, weight, targets, self.spec, bias=bias, teacher_logits=teacher_logits,
                                 teacher_hidden=teacher_hidden, teacher_weight=teacher_weight,
-                                teacher_bias=teacher_bias, advantages=advantages, old_logprobs=old_logprobs,
+                                teacher_bias=teacher_bias, teacher_ids=teacher_ids,
+                                teacher_logprobs=teacher_logprobs, advantages=advantages, old_logprobs=old_logprobs,
                                 ref_logprobs=ref_logprobs, loss_mask=loss_mask,
                                 importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
                                 sequence_ids=sequence_ids, num_sequences_in_batch=num_sequences_in_batch,

@@ -17,16 +17,26 @@ import torch
 @dataclass(frozen=True)
 class Teacher:
     """The teacher of the distillation term: its logits [.., V], or its hidden states [.., Ht] with its
-    lm_head weight [V, Ht] (and bias [V]), whose logits the lm_head computes chunk by chunk."""
+    lm_head weight [V, Ht] (and bias [V]), whose logits the lm_head computes chunk by chunk; or a sparse
+    teacher (spec.Distillation.teacher): its top-k ``ids`` [.., K] with their ``logprobs`` [.., K], or
+    ``logprobs`` at the target tokens."""
 
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     weight: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
 
     @property
     def given(self) -> bool:
-        return any(t is not None for t in (self.logits, self.hidden, self.weight, self.bias))
+        return any(t is not None for t in (self.logits, self.hidden, self.weight, self.bias, self.ids,
+                                           self.logprobs))
+
+    @property
+    def sparse(self) -> bool:
+        """A top-k or per-token teacher is given."""
+        return self.ids is not None or self.logprobs is not None
 
     @property
     def computed(self) -> bool:

@@ -47,9 +47,13 @@ def explain(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, with_grad
     plan = compile_plan(spec, has_targets=spec.needs_targets)
     elem = torch.empty((), dtype=dtype).element_size()
     traffic = plan.traffic_bytes(rows, vocab, elem, elem, with_grad)
+    sparse = {"TOPK_FORM", "TOPK_DIV", "TOPK_CLAMP", "TOKEN_EST", "TOKEN_CLAMP", "TOKEN_K2_GRAD"}
     flags = {name: value for name, value in plan.flags._asdict().items()
-             if not (spec.policy is None and name in POLICY_FLAGS or spec.distillation is None and name == "OWN_TEMP")}
-    codes = {"DISTILL_KIND": plan.has_teacher, "OBJECTIVE": plan.flags.HAS_POLICY}  # ints whose 0 is a value
+             if not (spec.policy is None and name in POLICY_FLAGS or not plan.has_teacher and name == "OWN_TEMP"
+                     or plan.flags.SPARSE == 0 and name in sparse)}
+    # ints whose 0 is a value
+    codes = {"DISTILL_KIND": plan.has_teacher, "OBJECTIVE": plan.flags.HAS_POLICY,
+             "TOPK_FORM": plan.flags.SPARSE == 1, "TOPK_DIV": plan.flags.SPARSE == 1}
     on = [name if value is True else f"{name}={value}" for name, value in flags.items()
           if value is True or type(value) is int and (codes[name] if name in codes else value != 0)]
     off = [name for name, value in flags.items() if value is False]
@@ -65,7 +69,8 @@ def explain(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, with_grad
         f"reduction   {plan.reduction}",
         f"inputs      {', '.join(plan.requires)}" + (f"; optional: {', '.join(plan.accepts)}" if plan.accepts else ""),
         f"logit reads {plan.logit_passes(with_grad)} pass(es) over [{rows}, {vocab}] {str(dtype)[6:]}"
-        + (" (student and teacher)" if plan.has_teacher else ""),
+        + (" (student and teacher)" if plan.has_teacher else "")
+        + (" + K logits per row at the teacher's ids" if plan.flags.SPARSE == 1 else ""),
         f"bytes       reads {traffic['logit_reads'] / 1e9:.3f} GB + gradient writes "
         f"{traffic['grad_writes'] / 1e9:.3f} GB = {traffic['total'] / 1e9:.3f} GB"
         f" (+ O(rows) per-token buffers)",
@@ -185,22 +190,23 @@ def demo(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, device: str)
         print(f"  {name}: " + text.strip().replace("\n", "\n    "))
     print(f"batch: logits [{rows}, {vocab}] {str(dtype)[6:]} on {device}, backend {backend}")
     print(_scored(spec, targets) + "\n")
-    print(f"{'value':<22}{'headloss':>16}{'fp64 reference':>18}{'abs err':>12}")
-    worst = 0.0
     got, want = out.metrics_as_floats(), ref.metrics_as_floats()
+    w = max([22, *(len(name) + 9 for name in got)])  # the first column, wide enough for every name
+    print(f"{'value':<{w}}{'headloss':>16}{'fp64 reference':>18}{'abs err':>12}")
+    worst = 0.0
     for name in got:
         err = abs(got[name] - want[name])
         worst = max(worst, err / max(1.0, abs(want[name])))
-        print(f"{'metric ' + name:<22}{got[name]:>16.6f}{want[name]:>18.6f}{err:>12.2e}")
+        print(f"{'metric ' + name:<{w}}{got[name]:>16.6f}{want[name]:>18.6f}{err:>12.2e}")
     for name in ("predicted_tokens", "logprobs", "lse", "token_loss", "entropy"):
         a, b = getattr(out, name), getattr(ref, name)
         if a is None:
             continue
         err = (a.double() - b.double()).abs().max().item()
         worst = max(worst, err / max(1.0, b.double().abs().max().item()))
-        print(f"{name + ' (max err)':<22}{'':>16}{'':>18}{err:>12.2e}")
+        print(f"{name + ' (max err)':<{w}}{'':>16}{'':>18}{err:>12.2e}")
     gerr = ((x.grad.double() - ref_x.grad).norm() / ref_x.grad.norm().clamp(min=1e-30)).item()
-    print(f"{'gradient (rel err)':<22}{'':>16}{'':>18}{gerr:>12.2e}")
+    print(f"{'gradient (rel err)':<{w}}{'':>16}{'':>18}{gerr:>12.2e}")
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     ok = worst < 1e-4 and gerr < tol
     print(f"\n{'OK' if ok else 'MISMATCH'}: values within 1e-4 relative, gradient within {tol:g}")
@@ -220,8 +226,16 @@ def synthetic_inputs(spec: LossSpec, logits: torch.Tensor, gen: torch.Generator)
     """The per-call inputs a spec's terms need, made up for a [rows, V] batch (one sequence per 16 rows)."""
     rows = logits.shape[0]
     inputs: dict[str, torch.Tensor] = {}
-    if spec.distillation is not None:
+    dist = spec.distillation
+    if dist is not None and dist.teacher == "logits":
         inputs["teacher_logits"] = (torch.randn(logits.shape, generator=gen) * 2.0).to(logits)
+    elif dist is not None:  # the teacher's top-8 (or its log-prob at each target, made up)
+        teacher = torch.log_softmax(torch.randn(logits.shape, generator=gen) * 2.0, dim=-1)
+        top = teacher.topk(min(8, logits.shape[-1]), dim=-1)
+        if dist.teacher == "topk":
+            inputs.update(teacher_ids=top.indices, teacher_logprobs=top.values)
+        else:
+            inputs["teacher_logprobs"] = top.values[:, 0]
     if spec.policy is not None:
         seq = torch.arange(rows) // 16
         logp_guess = -torch.rand(rows, generator=gen) * 4.0 - 4.0

@@ -30,6 +30,7 @@ from .kernels.head import PolicyRows, launch_backward, launch_head, prepare
 from .kernels.launch import Geometry, row_strides
 from .kernels.policy import launch_policy_objective
 from .kernels.shard import launch_merge, launch_shard_jsd, launch_shard_stats
+from .kernels.sparse import SparseRows, topk_block
 from .layouts import JSD_SHARES, OBJECTIVE_METRICS, OBJECTIVE_OUT, STATS, scratch_size
 from .ops import (
     BESIDE_GRAPH,
@@ -111,16 +112,37 @@ class CallTensors(NamedTuple):
     policy_weight: torch.Tensor | None = None
     num_items: torch.Tensor | None = None  # the normaliser, when a tensor
     sequence_ids: torch.Tensor | None = None  # [N] rows' sequences
+    teacher_ids: torch.Tensor | None = None  # a top-k teacher's ids [n_out, K] (kernels.sparse.SparseRows)
+    teacher_logprobs: torch.Tensor | None = None  # its log-probs [n_out, K], or a per-token teacher's [n_out]
 
     @classmethod
-    def of(cls, targets, teacher: Teacher, epilogue: PolicyInputs | None, num_items, sequence_ids) -> CallTensors:
-        """The tensors of a call; ``epilogue``: the policy inputs the fused epilogue reads (else None)."""
+    def of(cls, targets, teacher: Teacher, epilogue: PolicyInputs | None, num_items, sequence_ids,
+           sparse: SparseRows | None = None) -> CallTensors:
+        """The tensors of a call; ``epilogue``: the policy inputs the fused epilogue reads (else None);
+        ``sparse``: a top-k or per-token teacher, laid out per slot."""
         rows = (None,) * 5 if epilogue is None else (
             epilogue.old_logprobs, epilogue.ref_logprobs, epilogue.advantages, epilogue.importance_weights,
             epilogue.weight)
         old, ref, adv, iw, weight = rows
+        ids, logprobs = (None, None) if sparse is None else (sparse.ids, sparse.logprobs)
         return cls(targets, teacher.logits, teacher.hidden, teacher.weight, teacher.bias, old=old, ref=ref, adv=adv,
-                   iw=iw, policy_weight=weight, num_items=num_items, sequence_ids=sequence_ids)
+                   iw=iw, policy_weight=weight, num_items=num_items, sequence_ids=sequence_ids, teacher_ids=ids,
+                   teacher_logprobs=logprobs)
+
+    @property
+    def sparse(self) -> SparseRows | None:
+        """The sparse teacher as the kernels take it, or None."""
+        if self.teacher_logprobs is None:
+            return None
+        return SparseRows(self.teacher_ids, self.teacher_logprobs,
+                          1 if self.teacher_ids is None else self.teacher_ids.shape[-1])
+
+    def rows(self, lo: int, hi: int) -> CallTensors:
+        """The sparse teacher's slots lo:hi (a chunk of an lm_head call's rows); the rest as they are."""
+        if self.teacher_logprobs is None:
+            return self
+        return self._replace(teacher_ids=None if self.teacher_ids is None else self.teacher_ids[lo:hi],
+                             teacher_logprobs=self.teacher_logprobs[lo:hi])
 
     @property
     def teacher(self) -> Teacher:
@@ -194,7 +216,8 @@ def head_forward(run: HeadRun, logits, tensors: CallTensors, grad_mode: GradMode
     if shard is not None and validate == "sync":
         handshake_verdict(shard, verdict, device)
     if shard is not None and geo.n_rows:
-        stats, jsd = shard_statistics(plan, logits, tensors.targets, tensors.teacher_logits, geo, shard)
+        stats, jsd = shard_statistics(plan, logits, tensors.targets, tensors.teacher_logits, geo, shard,
+                                      tensors.sparse)
     rows, pred, loss, means = empty_outputs(plan, geo.n_out, device, run.token_shape, extra_means=extra_means)
     grad = None
     if grad_mode is GradMode.INPLACE:
@@ -208,16 +231,19 @@ def head_forward(run: HeadRun, logits, tensors: CallTensors, grad_mode: GradMode
         launch_head(plan, logits=logits, targets=tensors.targets, teacher=tensors.teacher_logits, grad=grad, rows=rows,
                     pred=optional(pred), policy=policy, num_items=tensors.num_items, scratch=scratch, loss=loss,
                     means=means, geo=geo, stats=stats, jsd=jsd, verdict=verdict, prepared=not inline,
-                    sequence_ids=tensors.sequence_ids, n_seq=n_seq)
+                    sequence_ids=tensors.sequence_ids, n_seq=n_seq, sparse=tensors.sparse)
     settle(verdict, validate, device)
     return loss, rows, pred, means, scratch, grad, stats
 
 
-def shard_statistics(plan: KernelPlan, logits, targets, teacher, geo: Geometry, shard):
+def shard_statistics(plan: KernelPlan, logits, targets, teacher, geo: Geometry, shard, sparse=None):
     """Vocab-parallel: (merged statistics, summed mixture-JSD shares or None) of this shard's rows --
-    one all_gather, and for the mixture JSD one all-reduce more."""
-    part = launch_shard_stats(plan, logits=logits, targets=targets, geo=geo, teacher=teacher)
-    stats = gather_merged(part, shard, plan.flags.OWN_TEMP)
+    one all_gather, and for the mixture JSD one all-reduce more. ``sparse``: a top-k teacher, whose K
+    logits per row follow the merged statistics (the same all_gather)."""
+    topk = sparse is not None and sparse.ids is not None
+    part = launch_shard_stats(plan, logits=logits, targets=targets, geo=geo, teacher=teacher,
+                              sparse=sparse if topk else None)
+    stats = gather_merged(part, shard, plan.flags.OWN_TEMP, topk)
     jsd = None
     if plan.flags.DISTILL_KIND == 2:
         jsd = launch_shard_jsd(plan, logits=logits, targets=targets, teacher=teacher, stats=stats, geo=geo)
@@ -225,16 +251,17 @@ def shard_statistics(plan: KernelPlan, logits, targets, teacher, geo: Geometry, 
     return stats, jsd
 
 
-def traced_shard_statistics(plan: KernelPlan, logits, targets, teacher, geo: Geometry, shard):
+def traced_shard_statistics(plan: KernelPlan, logits, targets, teacher, geo: Geometry, shard, sparse=None):
     """:func:`shard_statistics` under torch.compile: the kernels as ops, the all_gather (and the mixture
     JSD's all-reduce) as functional collectives the graph holds."""
     import torch.distributed._functional_collectives as funcol
 
-    part = shard_stats_op(logits, targets, teacher, plan.key, geo_ints(geo), geo.norm)
+    ids, logprobs = (sparse.ids, sparse.logprobs) if sparse is not None and sparse.ids is not None else (None, None)
+    part = shard_stats_op(logits, targets, teacher, ids, logprobs, plan.key, geo_ints(geo), geo.norm)
     width = part.shape[1]
     mine = part.cpu() if shard.comm_cpu else part
     gathered = funcol.all_gather_tensor(mine, 0, shard.group).to(part.device)
-    stats = merge_stats_op(gathered.view(shard.world, -1, width), plan.flags.OWN_TEMP)
+    stats = merge_stats_op(gathered.view(shard.world, -1, width), plan.flags.OWN_TEMP, ids is not None)
     jsd = None
     if plan.flags.DISTILL_KIND == 2:
         jsd = shard_jsd_op(logits, targets, teacher, stats, plan.key, geo_ints(geo), geo.norm)
@@ -242,24 +269,27 @@ def traced_shard_statistics(plan: KernelPlan, logits, targets, teacher, geo: Geo
     return stats, jsd
 
 
-def stats_width(has_teacher: bool) -> int:
-    """Columns of a row's vocab-parallel statistics (layouts.Stats)."""
-    return STATS.N_TEACHER if has_teacher else STATS.N
+def stats_width(has_teacher: bool, teacher_ids: torch.Tensor | None = None) -> int:
+    """Columns of a row's vocab-parallel statistics (layouts.Stats), and a top-k teacher's K logits."""
+    topk = 0 if teacher_ids is None else topk_block(SparseRows(teacher_ids, teacher_ids, teacher_ids.shape[-1]))
+    return (STATS.N_TEACHER if has_teacher else STATS.N) + topk
 
 
-@kernel_op("headloss::shard_stats", fake=lambda logits, targets, teacher, key, geo, norm: torch.empty(
-    geo_of(geo, norm).n_rows, stats_width(teacher is not None), dtype=torch.float32, device=logits.device))
-def shard_stats_op(logits: torch.Tensor, targets: torch.Tensor | None, teacher: torch.Tensor | None, key: str,
-                   geo: list[int], norm: float) -> torch.Tensor:
+@kernel_op("headloss::shard_stats", fake=lambda logits, targets, teacher, ids, logprobs, key, geo, norm: torch.empty(
+    geo_of(geo, norm).n_rows, stats_width(teacher is not None, ids), dtype=torch.float32, device=logits.device))
+def shard_stats_op(logits: torch.Tensor, targets: torch.Tensor | None, teacher: torch.Tensor | None,
+                   ids: torch.Tensor | None, logprobs: torch.Tensor | None, key: str, geo: list[int],
+                   norm: float) -> torch.Tensor:
     """kernels.shard.launch_shard_stats as an op (a vocab-parallel call under torch.compile)."""
+    sparse = None if ids is None else SparseRows(ids, logprobs, ids.shape[-1])
     return launch_shard_stats(plan_from_key(key), logits=logits, targets=targets, geo=geo_of(geo, norm),
-                              teacher=teacher)
+                              teacher=teacher, sparse=sparse)
 
 
-@kernel_op("headloss::merge_stats", fake=lambda parts, own_temp: parts.new_empty(parts.shape[1:]))
-def merge_stats_op(parts: torch.Tensor, own_temp: bool) -> torch.Tensor:
+@kernel_op("headloss::merge_stats", fake=lambda parts, own_temp, topk: parts.new_empty(parts.shape[1:]))
+def merge_stats_op(parts: torch.Tensor, own_temp: bool, topk: bool) -> torch.Tensor:
     """kernels.shard.launch_merge as an op."""
-    return launch_merge(parts, own_temp)
+    return launch_merge(parts, own_temp, topk)
 
 
 @kernel_op("headloss::shard_jsd", fake=lambda logits, targets, teacher, stats, key, geo, norm: torch.empty(
@@ -318,7 +348,7 @@ def head_backward(run: HeadRun, logits, tensors: CallTensors, rows, d_loss, d_ro
     launch_backward(run.plan, logits=logits, targets=tensors.targets, teacher=tensors.teacher_logits, grad=grad,
                     rows=rows, d_loss=None if d_loss is None else d_loss.float().reshape(-1).contiguous(),
                     d_rows=None if d_rows is None else d_rows.float().contiguous(), num_items=tensors.num_items,
-                    scratch=scratch, geo=grad_geometry(run.geo, grad), stats=stats)
+                    scratch=scratch, geo=grad_geometry(run.geo, grad), stats=stats, sparse=tensors.sparse)
     return grad
 
 
@@ -327,11 +357,12 @@ def head_backward(run: HeadRun, logits, tensors: CallTensors, rows, d_loss, d_ro
 def head_backward_op(logits: torch.Tensor, tensors: list[torch.Tensor | None], key: str, ints: list[int],
                      norm: float) -> torch.Tensor:
     """head_backward as an op (``tensors``: targets, teacher logits, rows, d_loss, d_rows, num_items,
-    scratch, stats; ``key, ints, norm``: HeadRun.op_args; in place: eager only)."""
-    targets, teacher, rows, d_loss, d_rows, num_items, scratch, stats = tensors
+    scratch, stats, the sparse teacher's ids and log-probs; ``key, ints, norm``: HeadRun.op_args; in
+    place: eager only)."""
+    targets, teacher, rows, d_loss, d_rows, num_items, scratch, stats, ids, logprobs = tensors
     run = HeadRun.from_op_args(key, ints, norm)
-    return head_backward(run, logits, CallTensors(targets, teacher, num_items=num_items), rows, d_loss, d_rows,
-                         scratch, stats, inplace=run.inplace)
+    call = CallTensors(targets, teacher, num_items=num_items, teacher_ids=ids, teacher_logprobs=logprobs)
+    return head_backward(run, logits, call, rows, d_loss, d_rows, scratch, stats, inplace=run.inplace)
 
 
 class HeadFunction(torch.autograd.Function):
@@ -349,7 +380,7 @@ class HeadFunction(torch.autograd.Function):
             stats = jsd = None
             if run.shard is not None and run.geo.n_rows:  # compiled vocab-parallel: the collective in the graph
                 stats, jsd = traced_shard_statistics(plan, logits, call.targets, call.teacher_logits, run.geo,
-                                                     run.shard)
+                                                     run.shard, call.sparse)
             op = head_forward_beside_op if grad_mode is GradMode.HANDOFF else head_forward_op
             loss, rows, pred, means, scratch, grad = op(logits, [*call, stats, jsd], *run.op_args(), grad_mode.value,
                                                         extra_means)
@@ -371,7 +402,7 @@ class HeadFunction(torch.autograd.Function):
             ctx.mark_non_differentiable(rows, means, scratch, pred)
         else:
             ctx.save_for_backward(logits, call.targets, call.teacher_logits, rows, call.num_items, scratch, stats,
-                                  d_objective)
+                                  d_objective, call.teacher_ids, call.teacher_logprobs)
             ctx.mark_non_differentiable(means, scratch, pred)
         return loss, rows, pred, means, scratch
 
@@ -389,17 +420,17 @@ class HeadFunction(torch.autograd.Function):
             return scale(grad, d_loss.float(), ctx.grad_geo), *nones
         if d_loss is None and d_rows is None:
             return None, *nones
-        logits, targets, teacher, rows, num_items, scratch, stats, d_objective = ctx.saved_tensors
+        logits, targets, teacher, rows, num_items, scratch, stats, d_objective, ids, logprobs = ctx.saved_tensors
         if d_objective is not None and d_loss is not None:  # the policy term's d rows, for one unit of d loss
             scaled = d_objective * d_loss
             d_rows = scaled if d_rows is None else d_rows + scaled
         if run.shard is not None and not run.traced:
-            grad = head_backward(run, logits, CallTensors(targets, teacher, num_items=num_items), rows, d_loss, d_rows,
-                                 scratch, stats, inplace=run.inplace)
+            call = CallTensors(targets, teacher, num_items=num_items, teacher_ids=ids, teacher_logprobs=logprobs)
+            grad = head_backward(run, logits, call, rows, d_loss, d_rows, scratch, stats, inplace=run.inplace)
         else:
             eager = replace(run, inplace=run.inplace and not run.traced)
-            grad = head_backward_op(logits, [targets, teacher, rows, d_loss, d_rows, num_items, scratch, stats],
-                                    *eager.op_args())
+            grad = head_backward_op(logits, [targets, teacher, rows, d_loss, d_rows, num_items, scratch, stats, ids,
+                                             logprobs], *eager.op_args())
         return grad, *nones
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .batch import Teacher
 from .kernels.launch import Geometry, row_strides
+from .kernels.sparse import SparseRows
 from .policy.inputs import policy_inputs
 from .routes import KERNEL_DTYPES
 from .spec import LossSpec
@@ -89,9 +90,11 @@ _NO_DISTILLATION = "given, but the spec has no distillation term, the only one t
 def check_teacher(logits_shape: tuple[int, ...], device: torch.device, teacher_logits: Any, spec: LossSpec,
                   kernel: bool) -> None:
     """teacher_logits must come with a distillation term, and look like the student's logits."""
-    if spec.distillation is None:
+    if spec.distillation is None or not spec.distillation.dense:
         if teacher_logits is not None:
-            raise ValueError(f"teacher_logits: {_NO_DISTILLATION}")
+            raise ValueError(f"teacher_logits: {_NO_DISTILLATION}" if spec.distillation is None else
+                             f"teacher_logits: the spec's distillation takes a {spec.distillation.teacher!r} teacher "
+                             "(teacher_ids / teacher_logprobs), not teacher logits")
         return
     if teacher_logits is None:
         raise ValueError("teacher_logits: required by distillation but not given")
@@ -137,6 +140,7 @@ class HeadCall:
     token_shape: tuple[int, ...]  # shape of the per-token outputs: the targets' (or the rows')
     validate: str  # async, sync, off
     targets_shape: tuple[int, ...]  # for error messages
+    sparse: SparseRows | None = None  # a top-k or per-token teacher, per slot
 
 
 def geometry(logits_shape: tuple[int, ...], logits_strides: tuple[int, int], slots_per_seq: int, shift: int,
@@ -170,7 +174,8 @@ def check_head(logits: Any, targets: Any, spec: LossSpec, teacher_logits: Any, s
 
 def head_call(logits: torch.Tensor, targets: torch.Tensor | None, spec: LossSpec, token_shape: tuple[int, ...], *,
               teacher_logits: torch.Tensor | None, policy_given: dict, num_items_in_batch: Any, shift: bool,
-              validate: Validate, raw_policy: bool = False) -> HeadCall:
+              validate: Validate, raw_policy: bool = False, sparse: Teacher | None = None,
+              vocab_total: int | None = None) -> HeadCall:
     """head_loss's inputs, checked by :func:`check_head`, flattened for the kernels (the policy
     inputs' checks and the normaliser's raise here, naming the argument). ``raw_policy``: the
     route's kernels read the policy inputs as given (policy.inputs.policy_inputs)."""
@@ -184,12 +189,15 @@ def head_call(logits: torch.Tensor, targets: torch.Tensor | None, spec: LossSpec
     policy, targets = policy_inputs(spec.policy, token_shape, targets, spec.ignore_index, norm.as_torch(),
                                     mode, policy_given, raw=raw_policy)
     teacher = teacher_logits.detach() if teacher_logits is not None else None
+    sparse_rows = sparse_teacher(spec, sparse if sparse is not None else Teacher(logits=teacher_logits),
+                                 tuple(logits.shape[:-1]), token_shape, logits.device, shift,
+                                 vocab_total or logits.shape[-1], mode)
     slots = token_shape[-1] if len(token_shape) == 2 else (token_shape[0] if token_shape else 0)
     geo = geometry(tuple(logits.shape), row_strides(logits), slots, shift_by, teacher, spec.ignore_index, norm)
     return HeadCall(
         logits=logits, targets=flat_targets(targets), teacher=teacher, policy=policy, norm=norm, geo=geo,
         token_shape=token_shape, validate=mode,
-        targets_shape=tuple(targets.shape) if isinstance(targets, torch.Tensor) else (),
+        targets_shape=tuple(targets.shape) if isinstance(targets, torch.Tensor) else (), sparse=sparse_rows,
     )
 
 
@@ -253,3 +261,99 @@ def teacher_source(spec, token_rows, hidden, weight, teacher: Teacher) -> Teache
     if logits is None:
         return Teacher()
     return Teacher(logits.detach().reshape(-1, logits.shape[-1]))
+
+
+# --- a sparse teacher: its top-k, or its log-prob at each target -------------------------------------
+
+MAX_TOPK = 1024
+"""The largest K the kernels take (one row's K entries live in registers)."""
+
+_DENSE_ONLY = ("given, but the spec's distillation takes teacher logits (teacher: 'logits'); set "
+               "distillation.teacher to 'topk' or 'token' for a sparse teacher")
+
+
+def sparse_teacher(spec: LossSpec, teacher: Teacher, rows_shape: tuple[int, ...], token_shape: tuple[int, ...],
+                   device: torch.device, shift: bool, vocab: int, mode: str) -> SparseRows | None:
+    """A top-k or per-token teacher, checked (errors name the argument) and laid out per slot as the
+    kernels read it (:class:`~headloss.kernels.sparse.SparseRows`); None without one. ``rows_shape``:
+    the logits' rows, ``token_shape`` the slots' (the targets' with ``shift``). Values (ids in
+    [0, V) or -1, each once per row; log-probs <= 0, not NaN) are read on the host with
+    ``mode`` "sync"."""
+    dist = spec.distillation
+    form = None if dist is None else dist.teacher
+    ids, lp = teacher.ids, teacher.logprobs
+    if form not in ("topk", "token"):
+        for name, value in (("teacher_ids", ids), ("teacher_logprobs", lp)):
+            if value is not None:
+                raise ValueError(f"{name}: {_NO_DISTILLATION if dist is None else _DENSE_ONLY}")
+        return None
+    if teacher.logits is not None or teacher.hidden is not None:
+        name = "teacher_logits" if teacher.logits is not None else "teacher_hidden"
+        raise ValueError(f"{name}: the spec's distillation takes a {form!r} teacher (teacher_ids / teacher_logprobs); "
+                         "give one teacher")
+    if form == "token":
+        if ids is not None:
+            raise ValueError("teacher_ids: a 'token' teacher is its log-prob at each target (teacher_logprobs) only")
+        lp = _float_input(lp, "teacher_logprobs", "distillation (teacher 'token')", device)
+        if tuple(lp.shape) != tuple(token_shape):
+            raise ValueError(f"teacher_logprobs: shape {tuple(lp.shape)} does not match the targets "
+                             f"{tuple(token_shape)} (teacher 'token': one log-prob per target)")
+        rows = SparseRows(None, lp.detach().reshape(-1).contiguous(), 1)
+    else:
+        if ids is None:
+            raise ValueError("teacher_ids: required by distillation (teacher 'topk') but not given")
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            got = getattr(ids, "dtype", type(ids).__name__)
+            raise TypeError(f"teacher_ids: expected an int64 or int32 tensor, got {got}")
+        lp = _float_input(lp, "teacher_logprobs", "distillation (teacher 'topk')", device)
+        if ids.device != device:
+            raise ValueError(f"teacher_ids: on {ids.device}, logits on {device}")
+        if ids.dim() != len(rows_shape) + 1 or tuple(ids.shape[:-1]) != tuple(rows_shape):
+            raise ValueError(f"teacher_ids: shape {tuple(ids.shape)} does not match the rows {tuple(rows_shape)} "
+                             "+ (K,)")
+        if tuple(lp.shape) != tuple(ids.shape):
+            raise ValueError(f"teacher_logprobs: shape {tuple(lp.shape)} does not match teacher_ids "
+                             f"{tuple(ids.shape)} (one log-prob per id)")
+        k = ids.shape[-1]
+        if not 1 <= k <= MAX_TOPK:
+            raise ValueError(f"teacher_ids: K = {k} entries per row; the kernels take 1 to {MAX_TOPK}")
+        if shift and len(token_shape) == 2:  # the scored rows: the first K of each sequence
+            ids, lp = ids[:, :token_shape[1]], lp[:, :token_shape[1]]
+        rows = SparseRows(ids.detach().reshape(-1, k).contiguous(), lp.detach().reshape(-1, k).contiguous(), k)
+    if mode == "sync":
+        check_sparse_values(rows, vocab, token_shape)
+    return rows
+
+
+def _float_input(value: Any, name: str, needed_by: str, device: torch.device) -> torch.Tensor:
+    if value is None:
+        raise ValueError(f"{name}: required by {needed_by} but not given")
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        got = getattr(value, "dtype", type(value).__name__)
+        raise TypeError(f"{name}: expected a floating-point tensor, got {got}")
+    if value.device != device:
+        raise ValueError(f"{name}: on {value.device}, logits on {device}")
+    return value
+
+
+def check_sparse_values(rows: SparseRows, vocab: int, token_shape: tuple[int, ...]) -> None:
+    """The sparse teacher's values, read on the host: ids in [0, V) or -1 and each once per row,
+    log-probs <= 0 and not NaN where an id is given (one sync)."""
+    lp = rows.logprobs.float()
+    if rows.ids is not None:
+        ids = rows.ids.long()
+        bad = (ids != -1) & ((ids < 0) | (ids >= vocab))
+        if bool(bad.any()):
+            row, k = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"teacher_ids: id {int(ids[row, k])} at row {row}, entry {k} is outside [0, {vocab}) "
+                             "(-1 marks no entry)")
+        ordered = ids.sort(-1).values
+        repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != -1)
+        if bool(repeated.any()):
+            row, k = (int(i) for i in repeated.nonzero()[0])
+            raise ValueError(f"teacher_ids: row {row} gives id {int(ordered[row, k])} more than once")
+        lp = torch.where(ids != -1, lp, 0.0)
+    bad = ~(lp <= 0.0)  # (NaN too)
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"teacher_logprobs: {float(lp[where])} at {where} is not a log-probability (<= 0, not NaN)")

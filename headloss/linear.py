@@ -28,6 +28,7 @@ from .chunks import Grads, LinearRun, LmHead, accumulate, chunks_of, finish_grad
 from .engine import CallTensors, empty_outputs, no_rows, optional, shard_statistics
 from .kernels.head import PolicyRows, launch_backward, launch_finish, launch_head, prepare
 from .kernels.launch import Geometry
+from .kernels.sparse import SparseRows
 from .linear_policy import cov_correction, entropy_mask_correction, guess_mask, sequence_chunk_grad
 from .parallel import all_reduce_sum, handshake_verdict
 from .plan import KernelPlan
@@ -71,6 +72,15 @@ def _compact_index(run: LinearRun, targets, scratch, rows: int, verdict):
     index = (targets != run.ignore_index).nonzero().squeeze(1)  # waits for the stream: prepare has run
     settle(verdict, "sync", scratch.device)
     return None if index.numel() == rows else index
+
+
+def sparse_rows(tensors: CallTensors, index, start: int, stop: int) -> SparseRows | None:
+    """The sparse teacher of the computed rows start:stop (``index``: the computed rows), or None."""
+    sparse = tensors.sparse
+    if sparse is None:
+        return None
+    return sparse._replace(ids=rows_of(sparse.ids, index, start, stop),
+                           logprobs=rows_of(sparse.logprobs, index, start, stop))
 
 
 def _pick_rows(policy: PolicyRows | None, index, start: int, stop: int) -> PolicyRows | None:
@@ -176,8 +186,9 @@ def _run_chunks(loop: _Loop, hidden, weight, bias, tensors: CallTensors) -> None
             geo = chunk_geometry(hi - lo, weight.shape[0], t_c, run)
             y_c = None if loop.targets is None else loop.targets[lo:hi]
             stats = jsd = None
+            sparse = sparse_rows(tensors, loop.index, lo, hi)
             if run.shard is not None:  # this chunk's statistics over every shard: one all_gather
-                stats, jsd = shard_statistics(plan, part, y_c, t_c, geo, run.shard)
+                stats, jsd = shard_statistics(plan, part, y_c, t_c, geo, run.shard, sparse)
                 if loop.kept is not None:
                     loop.kept.append(stats)
             chunk_policy = _pick_rows(policy, loop.index, lo, hi)
@@ -189,11 +200,11 @@ def _run_chunks(loop: _Loop, hidden, weight, bias, tensors: CallTensors) -> None
                 rows=loop.rows[lo:hi], pred=optional(loop.pred[lo:hi]), policy=chunk_policy,
                 num_items=tensors.num_items, scratch=loop.scratch,
                 loss=loop.loss.view(-1)[lo:hi] if plan.reduction == "none" else loop.loss, means=loop.means,
-                geo=geo, finish=False, stats=stats, jsd=jsd,
+                geo=geo, finish=False, stats=stats, jsd=jsd, sparse=sparse,
             )
             if by_sequence:
                 sequence_chunk_grad(run, part, y_c, t_c, rows=loop.rows[lo:hi], num_items=tensors.num_items,
-                                    scratch=loop.scratch, geo=geo, start=lo, stop=hi)
+                                    scratch=loop.scratch, geo=geo, start=lo, stop=hi, sparse=sparse)
         if fused:
             accumulate(loop.grads, logits, h_c, weight, loop.index, start, stop)
 
@@ -247,7 +258,7 @@ def linear_backward(run: LinearRun, wants, hidden, weight, bias, tensors: CallTe
                 else d_loss,
                 d_rows=None if d_rows is None else d_rows[lo:hi], num_items=tensors.num_items, scratch=saved.scratch,
                 geo=chunk_geometry(hi - lo, vocab, t_c, run),
-                stats=None if saved.stats is None else saved.stats[lo:hi],
+                stats=None if saved.stats is None else saved.stats[lo:hi], sparse=sparse_rows(tensors, index, lo, hi),
             )
         accumulate(grads, logits, h_c, weight, index, start, stop)
     dh, dw, db = finish_grads(grads, weight, bias)

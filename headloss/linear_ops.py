@@ -59,12 +59,12 @@ def run_of_args(policy_tensors, key: str, group: str, ints: list[int], floats: l
                      reduce_hidden_grad=bool(reduce), teacher_rows=teacher_rows)
 
 
-def stats_shape(plan: KernelPlan, chunks: Chunks, sharded: bool, wants, has_teacher: bool, rows: int
+def stats_shape(plan: KernelPlan, chunks: Chunks, sharded: bool, wants, call: CallTensors, rows: int
                 ) -> tuple[int, ...]:
     """The shape of linear_forward_op's last output: [rows, width] where linear_forward keeps each
     row's merged statistics for the backward (deferred mode, vocab-parallel), else empty."""
     kept = sharded and not (grads_in_forward(plan, chunks) and any(wants))
-    return (rows, stats_width(has_teacher)) if kept else (0,)
+    return (rows, stats_width(call.teacher.given, call.teacher_ids)) if kept else (0,)
 
 
 def _forward_outputs(hidden, weight, bias, tensors, key, group, ints, floats, layout, wants, handoff):
@@ -79,7 +79,7 @@ def _forward_outputs(hidden, weight, bias, tensors, key, group, ints, floats, la
     )
     token = token_fake() if handoff else hidden.new_empty(0, dtype=torch.int64)
     call = CallTensors(*tensors[:_N_CALL])
-    stats = torch.empty(stats_shape(plan, chunks, bool(group), wants, call.teacher.given, hidden.shape[0]),
+    stats = torch.empty(stats_shape(plan, chunks, bool(group), wants, call, hidden.shape[0]),
                         dtype=torch.float32, device=hidden.device)
     return loss, rows, pred, means, scratch, dh, dw, db, token, stats
 
@@ -103,7 +103,7 @@ def _forward_op(
         token = hand_off([None if g is None else (g, flat_geometry(g)) for g in (dh, dw, db)])
         dh = dw = db = None
     if stats is None:  # kept, with no row to compute; or not kept
-        stats = torch.empty(stats_shape(run.plan, run.chunks, run.shard is not None, wants, call.teacher.given,
+        stats = torch.empty(stats_shape(run.plan, run.chunks, run.shard is not None, wants, call,
                                         hidden.shape[0]), dtype=torch.float32, device=hidden.device)
     return (out.loss, out.rows, out.pred, out.means, out.scratch,
             *(g if g is not None else hidden.new_empty(0) for g in (dh, dw, db)), token, stats)

@@ -32,7 +32,7 @@ from .transform import transformed_logits
 
 
 def sequence_chunk_grad(run: LinearRun, logits, targets, teacher, rows, num_items, scratch, geo: Geometry,
-                         start: int, stop: int) -> None:
+                         start: int, stop: int, sparse=None) -> None:
     """Sequence-chunked fused mode, one chunk of whole sequences: d loss / d logp (and d entropy) per row
     of the chunk's policy objective (its sequence statistics need nothing outside the chunk) -- one
     launch of the objective kernel (route lm_head:sequences+kernels), else autograd over the torch ops --
@@ -68,7 +68,7 @@ def sequence_chunk_grad(run: LinearRun, logits, targets, teacher, rows, num_item
                 d_rows[:, col] = g
     launch_backward(plan, logits=logits, targets=targets, teacher=teacher, grad=logits, rows=rows,
                     d_loss=torch.ones(1, dtype=torch.float32, device=logits.device), d_rows=d_rows,
-                    num_items=num_items, scratch=scratch, geo=geo)
+                    num_items=num_items, scratch=scratch, geo=geo, sparse=sparse)
 
 
 def cov_correction(run: LinearRun, head: LmHead, rows, acc) -> None:

@@ -18,7 +18,16 @@ from . import ops, routes
 from .batch import Layout, LinearOptions, PolicyBatch, Teacher
 from .chunks import LinearRun, cut
 from .engine import CallTensors, policy_terms
-from .inputs import check_linear_inputs, check_targets, flat_targets, pad_shifted, teacher_precision, teacher_source
+from .inputs import (
+    check_linear_inputs,
+    check_targets,
+    flat_targets,
+    pad_shifted,
+    sparse_teacher,
+    teacher_precision,
+    teacher_source,
+)
+from .kernels.sparse import SparseRows
 from .linear import Saved, linear_backward, linear_forward
 from .linear_ops import linear_backward_op, linear_forward_beside_op, linear_forward_op, run_args
 from .ops import flat_geometry, take_grad
@@ -59,6 +68,7 @@ class _Call:
     given: PolicyBatch  # the policy inputs, row-aligned
     policy: PolicyInputs | None
     backend: str
+    sparse: SparseRows | None = None  # a top-k or per-token teacher, per row
 
 
 def run_linear(hidden, weight, bias, teacher: Teacher, targets, plan: KernelPlan, batch: PolicyBatch, layout: Layout,
@@ -101,7 +111,8 @@ def _local(hidden, weight, bias, targets, teacher: Teacher, options: LinearOptio
         weight, shard = rows_shard(weight, options.group, fresh=validation_mode(options.validate) == "sync")
     local = lambda t: t.to_local() if is_dtensor(t) else t  # noqa: E731
     whole = lambda t: t.full_tensor() if is_dtensor(t) else t  # noqa: E731
-    teacher = Teacher(local(teacher.logits), whole(teacher.hidden), local(teacher.weight), local(teacher.bias))
+    teacher = Teacher(local(teacher.logits), whole(teacher.hidden), local(teacher.weight), local(teacher.bias),
+                      whole(teacher.ids), whole(teacher.logprobs))
     return whole(hidden), weight, local(bias), whole(targets), teacher, shard
 
 
@@ -111,10 +122,11 @@ def _check(hidden, weight, bias, targets, spec: LossSpec, teacher: Teacher, batc
     shift = layout.shift
     packed = None
     if layout.packed:
-        hidden, targets, (t_hidden, t_logits), packed = packed_call(
-            hidden, targets, (teacher.hidden, teacher.logits), layout.cu_seqlens, layout.position_ids, shift,
-            spec.ignore_index, mode)
-        teacher, shift = replace(teacher, hidden=t_hidden, logits=t_logits), False
+        hidden, targets, (t_hidden, t_logits, t_ids, t_logprobs), packed = packed_call(
+            hidden, targets, (teacher.hidden, teacher.logits, teacher.ids, teacher.logprobs), layout.cu_seqlens,
+            layout.position_ids, shift, spec.ignore_index, mode)
+        teacher = replace(teacher, hidden=t_hidden, logits=t_logits, ids=t_ids, logprobs=t_logprobs)
+        shift = False
     check_linear_inputs(hidden, weight, bias)
     chunk_bytes = options.chunk_bytes
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
@@ -125,19 +137,34 @@ def _check(hidden, weight, bias, targets, spec: LossSpec, teacher: Teacher, batc
     if shift:
         targets = pad_shifted(targets if targets.dtype in (torch.int64, torch.int32) else targets.long(),
                               hidden.shape[1], spec.ignore_index)
+    completion = shift and targets.shape != token_shape  # rows padded by one: T - 1 scored positions
+    backend = resolve_backend(options.backend, hidden.device, hidden.dtype, name="hidden")
+    sparse = _sparse_rows(spec, teacher, token_rows, token_shape, hidden, weight.shape[0], completion,
+                          "sync" if mode == "sync" or (mode == "async" and backend == "torch") else "off")
     teacher = teacher_source(spec, token_rows, hidden, weight, teacher)
     norm = normaliser(num_items_in_batch, spec, hidden.device)
-    completion = shift and targets.shape != token_shape  # rows padded by one: T - 1 scored positions
     if completion:  # completion ids: per-token inputs get the unscored last row
         batch = batch.map_tokens(_pad_last)
     if packed is not None and spec.policy is not None:
         batch = PolicyBatch(**packed_policy_inputs(batch.given(), packed))
-    backend = resolve_backend(options.backend, hidden.device, hidden.dtype, name="hidden")
     rows_shape = tuple(targets.shape) if targets is not None else token_rows
     policy, targets = policy_inputs(spec.policy, rows_shape, targets, spec.ignore_index, norm.as_torch(), mode,
                                     batch.given(), norm_length=token_shape[1] if completion else None)
     return _Call(hidden=hidden, weight=weight, bias=bias, targets=targets, teacher=teacher, token_rows=token_rows,
-                 token_shape=token_shape, rows_shape=rows_shape, norm=norm, given=batch, policy=policy, backend=backend)
+                 token_shape=token_shape, rows_shape=rows_shape, norm=norm, given=batch, policy=policy, backend=backend,
+                 sparse=sparse)
+
+
+def _sparse_rows(spec: LossSpec, teacher: Teacher, token_rows, token_shape, hidden, vocab: int, completion: bool,
+                 mode: str) -> SparseRows | None:
+    """A top-k or per-token teacher over the lm_head's rows (all of them: the targets are row-aligned);
+    a per-token teacher of completion ids [B, T - 1] gets the unscored last row. Its values are read on
+    the host with ``mode`` "sync" (as the plain-torch path reads the targets')."""
+    check = "off" if torch.compiler.is_compiling() else mode
+    rows = sparse_teacher(spec, teacher, token_rows, token_shape, hidden.device, False, vocab, check)
+    if rows is not None and rows.ids is None and completion:
+        rows = rows._replace(logprobs=F.pad(rows.logprobs.reshape(token_shape), (0, 1)).reshape(-1))
+    return rows
 
 
 def _kernels(call: _Call, plan: KernelPlan, shard, options: LinearOptions, mode: str, traced: bool
@@ -165,7 +192,7 @@ def _kernels(call: _Call, plan: KernelPlan, shard, options: LinearOptions, mode:
     policy = call.policy
     tensors = CallTensors.of(flat_targets(call.targets), call.teacher,
                              policy if chosen.policy is PolicyAt.EPILOGUE else None, call.norm.tensor,
-                             None if policy is None else policy.sequence_ids)
+                             None if policy is None else policy.sequence_ids, call.sparse)
     loss, rows_out, pred, means, scratch = LinearFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
                                                                 call.bias, run, *tensors)
     loss, extra = policy_terms(chosen, run.plan, loss, rows_out, means, scratch, policy)
@@ -297,5 +324,7 @@ def _torch_linear_loss(call: _Call, spec: LossSpec, mode: str, own) -> HeadLossO
         t_logits = t_logits.reshape(logits.shape)
     given = {k: v for k, v in call.given.given().items() if v is not None}
     out = reference_head_loss(logits, targets, spec, teacher_logits=t_logits,
+                              teacher_ids=None if call.sparse is None else call.sparse.ids,
+                              teacher_logprobs=None if call.sparse is None else call.sparse.logprobs,
                               num_items_in_batch=call.norm.as_torch(), validate=mode, **given)
     return trim(out, call.token_shape) if targets is not None and tuple(targets.shape) != call.token_shape else out

@@ -25,6 +25,7 @@ from .inputs import (
     flat_targets,
     head_call,
     pad_shifted,
+    sparse_teacher,
     teacher_precision,
 )
 from .output import HeadLossOutput, assemble, assemble_deferred
@@ -48,21 +49,24 @@ from .spec import LossSpec
 from .validation import normaliser, validation_mode
 
 
-def run_head(logits, targets, plan: KernelPlan, teacher_logits, batch: PolicyBatch, layout: Layout, num_items_in_batch,
-             options: Options) -> HeadLossOutput:
+def run_head(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyBatch, layout: Layout,
+             num_items_in_batch, options: Options) -> HeadLossOutput:
     """head_loss of the bundled inputs (headloss.api)."""
     traced = torch.compiler.is_compiling()
     spec = plan.spec
     shift = layout.shift
-    teacher_logits = teacher_precision(teacher_logits, logits)
+    teacher_logits = teacher_precision(teacher.logits, logits)
     if layout.packed:
-        logits, targets, (teacher_logits,), packed = packed_call(
-            logits, targets, (teacher_logits,), layout.cu_seqlens, layout.position_ids, shift, spec.ignore_index,
-            validation_mode(options.validate))
+        logits, targets, (teacher_logits, ids, logprobs), packed = packed_call(
+            logits, targets, (teacher_logits, teacher.ids, teacher.logprobs), layout.cu_seqlens, layout.position_ids,
+            shift, spec.ignore_index, validation_mode(options.validate))
+        teacher = replace(teacher, ids=ids, logprobs=logprobs)
         shift = False
         if spec.policy is not None:
             batch = PolicyBatch(**packed_policy_inputs(batch.given(), packed))
-    if options.route is None and options.group is None and spec.policy is None and not traced and batch.empty:
+    teacher = replace(teacher, logits=teacher_logits)
+    if options.route is None and options.group is None and spec.policy is None and not traced and batch.empty \
+            and not teacher.sparse:
         recipe = _recipe_of(plan, logits, targets, teacher_logits, shift, options)
         if recipe is not None:
             return _run_recipe(recipe, logits, targets, teacher_logits, num_items_in_batch)
@@ -71,27 +75,30 @@ def run_head(logits, targets, plan: KernelPlan, teacher_logits, batch: PolicyBat
         logits, targets, teacher_logits, shard = _vocab_shard(logits, targets, teacher_logits, options)
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
     dtype = logits.dtype if isinstance(logits, torch.Tensor) else torch.float32
+    teacher = replace(teacher, logits=teacher_logits)
     if resolve_backend(options.backend, device, dtype) == "torch":
-        return _torch_head(logits, targets, plan, teacher_logits, batch, shift=shift,
+        return _torch_head(logits, targets, plan, teacher, batch, shift=shift,
                            num_items_in_batch=num_items_in_batch, options=options, shard=shard)
-    return _kernels(logits, targets, plan, teacher_logits, batch, shift=shift, num_items_in_batch=num_items_in_batch,
+    return _kernels(logits, targets, plan, teacher, batch, shift=shift, num_items_in_batch=num_items_in_batch,
                     options=options, shard=shard)
 
 
-def _kernels(logits, targets, plan: KernelPlan, teacher_logits, batch: PolicyBatch, shift: bool, num_items_in_batch,
+def _kernels(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyBatch, shift: bool, num_items_in_batch,
              options: Options, shard) -> HeadLossOutput:
     """The kernels' path: checks, the route, HeadFunction, the policy term's share outside it, the output."""
     spec = plan.spec
     sync = validation_mode(options.validate) == "sync"
     error = call = chosen = None
     given = batch.given()
+    teacher_logits = teacher.logits
     try:
         token_shape = check_head(logits, targets, spec, teacher_logits, shift, kernel=True)
         chosen = routes.choose(plan, facts_of("logits", "triton", logits.device, token_shape, given,
                                               sharded=shard is not None), options.route)
         call = head_call(logits, targets, spec, token_shape, teacher_logits=teacher_logits, policy_given=given,
                          num_items_in_batch=num_items_in_batch, shift=shift, validate=options.validate,
-                         raw_policy=chosen.raw_inputs)
+                         raw_policy=chosen.raw_inputs, sparse=teacher,
+                         vocab_total=None if shard is None else shard.vocab_total)
     except (ValueError, TypeError) as exc:
         if shard is None or not sync:
             raise
@@ -109,7 +116,7 @@ def _kernels(logits, targets, plan: KernelPlan, teacher_logits, batch: PolicyBat
                   adv_span=pol.adv_span if pol is not None else 1, seq_len=rows_per_seq, shard=shard,
                   objective=pol if inside else None)
     tensors = CallTensors.of(call.targets, Teacher(logits=call.teacher), pol if chosen.policy is PolicyAt.EPILOGUE
-                             else None, call.norm.tensor, None if pol is None else pol.sequence_ids)
+                             else None, call.norm.tensor, None if pol is None else pol.sequence_ids, call.sparse)
     loss, rows, pred, means, scratch = HeadFunction.apply(logits, run, *tensors)
     if inside:  # the loss has the policy term; its metrics follow the means
         extra = objective_metrics(plan, means[plan.means_size:])
@@ -120,10 +127,11 @@ def _kernels(logits, targets, plan: KernelPlan, teacher_logits, batch: PolicyBat
     return routes.record(out, chosen, "logits", logits)
 
 
-def _torch_head(logits, targets, plan: KernelPlan, teacher_logits, batch: PolicyBatch, shift: bool,
+def _torch_head(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyBatch, shift: bool,
                 num_items_in_batch, options: Options, shard) -> HeadLossOutput:
     """The plain-torch path: vocab-parallel logits gathered whole on every rank first."""
     spec = plan.spec
+    teacher_logits = teacher.logits
     traced = torch.compiler.is_compiling()
     mode = validation_mode(options.validate)
     if shard is not None and traced:
@@ -144,17 +152,22 @@ def _torch_head(logits, targets, plan: KernelPlan, teacher_logits, batch: Policy
     facts = routes.Facts("logits", "torch", shape, batch.sequence_ids is not None, False, traced, False, False)
     chosen = routes.choose(plan, facts, options.route)
     out = every_rank(shard, mode, logits,
-                     lambda: _torch_loss(logits, targets, spec, teacher_logits, batch, num_items_in_batch, shift,
-                                         options.validate))
+                     lambda: _torch_loss(logits, targets, spec, replace(teacher, logits=teacher_logits), batch,
+                                         num_items_in_batch, shift, options.validate))
     return routes.record(out, chosen, "logits", logits)
 
 
-def _torch_loss(logits, targets, spec: LossSpec, teacher_logits, batch: PolicyBatch, num_items_in_batch, shift: bool,
+def _torch_loss(logits, targets, spec: LossSpec, teacher: Teacher, batch: PolicyBatch, num_items_in_batch, shift: bool,
                 validate) -> HeadLossOutput:
     """The plain-torch path, with the same checks and the same shift conventions."""
+    teacher_logits = teacher.logits
     check_logits(logits)
     check_targets(targets, tuple(logits.shape[:-1]), spec, logits.device, shift)
     check_teacher(tuple(logits.shape), logits.device, teacher_logits, spec, kernel=False)
+    mode = validation_mode(validate)
+    sparse = sparse_teacher(spec, teacher, tuple(logits.shape[:-1]), tuple(targets.shape) if shift else
+                            tuple(logits.shape[:-1]), logits.device, shift, logits.shape[-1],
+                            "off" if mode == "off" or torch.compiler.is_compiling() else "sync")
     norm = normaliser(num_items_in_batch, spec, logits.device)
     given = {k: v for k, v in batch.given().items() if v is not None}
     if teacher_logits is not None:
@@ -172,6 +185,8 @@ def _torch_loss(logits, targets, spec: LossSpec, teacher_logits, batch: PolicyBa
     policy_inputs(spec.policy, token_shape, targets, spec.ignore_index, norm.as_torch(), validation_mode(validate),
                   batch.given())  # the same input errors as the kernel path
     return reference_head_loss(logits, targets, spec, teacher_logits=teacher_logits,
+                               teacher_ids=None if sparse is None else sparse.ids,
+                               teacher_logprobs=None if sparse is None else sparse.logprobs,
                                num_items_in_batch=norm.as_torch(), validate=validation_mode(validate), **given)
 
 

@@ -166,9 +166,10 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)  # (also while torch.compile traces, where hasattr misses its methods)
 
 
-def gather_merged(part: torch.Tensor, shard: VocabShard, own_temp: bool = False) -> torch.Tensor:
+def gather_merged(part: torch.Tensor, shard: VocabShard, own_temp: bool = False, topk: bool = False) -> torch.Tensor:
     """All ranks' (n_rows, layouts.Stats) statistics, merged into the whole vocabulary's (one
-    all_gather). ``own_temp``: the student's sums at the distillation temperature are their own."""
+    all_gather). ``own_temp``: the student's sums at the distillation temperature are their own;
+    ``topk``: a top-k teacher's K logits follow (kernels.shard.launch_merge)."""
     device = comm_device(shard.group, part.device)
     mine = part.to(device)
     width = mine.shape[1]
@@ -180,7 +181,7 @@ def gather_merged(part: torch.Tensor, shard: VocabShard, own_temp: bool = False)
         dist.all_gather(parts, mine, group=shard.group)
         gathered = torch.cat(parts)
     COLLECTIVES["stats"] += 1
-    return launch_merge(gathered.view(shard.world, -1, width).to(part.device), own_temp)
+    return launch_merge(gathered.view(shard.world, -1, width).to(part.device), own_temp, topk)
 
 
 def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group) -> None:

@@ -45,7 +45,9 @@ ROW_COLUMNS: dict[str, str] = {
     "accuracy": "1 where argmax == target",
     "divergence": "distillation divergence",
     "teacher_entropy": "teacher entropy at the distillation temperature",
-    "agreement": "1 where the student's argmax is the teacher's",
+    "student_mass": "top-k teacher: the student's probability on the teacher's ids",
+    "teacher_mass": "top-k teacher: the teacher's probability on its ids",
+    "agreement": "1 where the student's argmax is the teacher's (top-k: its top id)",
     "lse_s2": "student log2-normaliser at the distillation temperature (deferred backward)",
     "lse_t2": "teacher log2-normaliser (deferred backward)",
     "jsd_s": "KL(p || mixture) of the JSD (deferred backward)",
@@ -75,7 +77,8 @@ TERM_METRICS: dict[str, tuple[str, ...]] = {
     "z_loss": ("z_loss",),
     "dft": ("dft",),
     "entropy": ("entropy",),  # (the policy term's entropy too: one metric, one place)
-    "distillation": ("distill/divergence", "distill/teacher_entropy", "distill/top1_agreement"),
+    "distillation": ("distill/divergence", "distill/teacher_entropy", "distill/student_mass", "distill/teacher_mass",
+                     "distill/top1_agreement"),
     "policy": POLICY_METRICS,
     "token_accuracy": ("token_accuracy",),
 }
@@ -142,8 +145,15 @@ class Flags(NamedTuple):
     KL_CLAMP: bool  # verl's k3 clamps (ref - logp to +-20, the value to +-10)
     KL_K2_GRAD: bool  # the estimator's value with the k2 gradient (verl's "k3+")
     KL_IS_CORR: bool  # KL times the importance ratio
-    DISTILL_KIND: int  # -1 none, 0 forward KL, 1 reverse KL, 2 mixture JSD (an extra pass)
+    DISTILL_KIND: int  # dense teacher: -1 none, 0 forward KL, 1 reverse KL, 2 mixture JSD (an extra pass)
     OWN_TEMP: bool  # distillation temperature != 1: the student's softmax at T_d is its own
+    SPARSE: int  # sparse teacher: 0 none, 1 top-k, 2 per-token estimator (kernels.sparse)
+    TOPK_FORM: int  # top-k: 0 verl's unnormalised forward KL, 1 renormalised over the ids, 2 ids plus the rest
+    TOPK_DIV: int  # top-k forms 1 and 2: 0 forward KL, 1 reverse KL, 2 mixture JSD
+    TOPK_CLAMP: bool  # verl's log_prob_min_clamp (scalar topk_min_logprob)
+    TOKEN_EST: int  # per-token estimator: its kernel code (policy_tables.KL_ESTIMATORS)
+    TOKEN_CLAMP: bool  # verl's low_var_kl clamps of k3
+    TOKEN_K2_GRAD: bool  # the estimator's value with the k2 gradient
 
 
 class Scalars(NamedTuple):
@@ -161,6 +171,7 @@ class Scalars(NamedTuple):
     w_distill: float = 0.0  # weight (x T**2 when scaled)
     inv_distill_temp: float = 1.0
     jsd_beta: float = 0.0
+    topk_min_logprob: float = float("-inf")  # verl's log_prob_min_clamp
     eps_low: float = 0.0
     eps_high: float = 0.0
     pol_delta: float = float("inf")  # two-sided clip cap, inf when off
@@ -308,6 +319,8 @@ def _term_scalars(spec: LossSpec) -> dict[str, dict[str, float]]:
             "inv_distill_temp": 1.0 / dist.temperature,
             "jsd_beta": dist.beta,
         }
+        if dist.log_prob_min_clamp is not None:
+            out["distillation"]["topk_min_logprob"] = dist.log_prob_min_clamp
     pol = spec.policy
     if pol is not None:
         out["policy"] = {
@@ -397,6 +410,9 @@ def _flags(spec: LossSpec, fused_policy: bool) -> Flags:
         or (pol is not None and pol.entropy_coef != 0.0)
     )
     objective = objective_flags(pol) if fused_policy else None  # (the epilogue's fields, as the deferred kernels')
+    dense = dist is not None and dist.dense
+    topk = dist is not None and dist.teacher == "topk"
+    token = dist is not None and dist.teacher == "token"
     return Flags(
         REDUCTION=("mean", "sum", "none").index(spec.reduction),
         HAS_CE=ce is not None,
@@ -406,7 +422,7 @@ def _flags(spec: LossSpec, fused_policy: bool) -> Flags:
         HAS_ENTROPY=wants_entropy,
         ENTROPY_GRAD=entropy_grad,
         ENTROPY_TOKEN_MEAN=fused_policy and pol.entropy_coef != 0.0 and pol.entropy_aggregation == "token-mean",
-        HAS_ARGMAX=spec.token_accuracy or "predicted_tokens" in spec.outputs or dist is not None,
+        HAS_ARGMAX=spec.token_accuracy or "predicted_tokens" in spec.outputs or dense or topk,
         HAS_SOFTCAP=spec.transform.softcap is not None,
         HAS_POLICY=fused_policy,
         OBJECTIVE=objective.OBJECTIVE if fused_policy else 0,
@@ -416,8 +432,15 @@ def _flags(spec: LossSpec, fused_policy: bool) -> Flags:
         KL_CLAMP=fused_policy and objective.KL_CLAMP,
         KL_K2_GRAD=fused_policy and objective.KL_K2_GRAD,
         KL_IS_CORR=fused_policy and objective.KL_IS_CORR,
-        DISTILL_KIND=dist.kind if dist is not None else -1,
-        OWN_TEMP=dist is not None and dist.temperature != 1.0,
+        DISTILL_KIND=dist.kind if dense else -1,
+        OWN_TEMP=dense and dist.temperature != 1.0,
+        SPARSE=0 if dist is None else ("logits", "topk", "token").index(dist.teacher),
+        TOPK_FORM=("verl", "renormalized", "rest").index(dist.topk) if topk else 0,
+        TOPK_DIV=dist.kind if topk else 0,
+        TOPK_CLAMP=topk and dist.log_prob_min_clamp is not None,
+        TOKEN_EST=KL_ESTIMATORS[dist.estimator].kernel if token else 0,
+        TOKEN_CLAMP=token and dist.estimator_clamp and dist.estimator == "k3",
+        TOKEN_K2_GRAD=token and dist.estimator_grad == "k2" and dist.estimator != "k2",
     )
 
 
@@ -434,8 +457,10 @@ def _columns(spec: LossSpec, flags: Flags, has_targets: bool, fused_policy: bool
         "dft": flags.HAS_DFT,
         "entropy": flags.HAS_ENTROPY,
         "accuracy": spec.token_accuracy,
-        **{name: dist is not None for name in ("divergence", "teacher_entropy", "agreement", "lse_s2", "lse_t2",
-                                               "jsd_s")},
+        "divergence": dist is not None,
+        **{name: dist is not None and dist.dense for name in ("teacher_entropy", "lse_s2", "lse_t2", "jsd_s")},
+        **{name: flags.SPARSE == 1 for name in ("student_mass", "teacher_mass")},
+        "agreement": dist is not None and dist.teacher != "token",
         **{name: fused_policy for name in ("policy_loss", "counted", "ratio", "clip_low", "clip_high", "clip_dual",
                                            "ppo_kl")},
         "kl": flags.KL_EST != 0,
@@ -449,6 +474,7 @@ def _metric_columns(spec: LossSpec, cols: Columns, fused_policy: bool) -> tuple[
     metric_columns = {
         "ce": "ce", "nll": "nll", "z_loss": "z_loss", "dft": "dft", "token_accuracy": "accuracy",
         "distill/divergence": "divergence", "distill/teacher_entropy": "teacher_entropy",
+        "distill/student_mass": "student_mass", "distill/teacher_mass": "teacher_mass",
         "distill/top1_agreement": "agreement",
     }
     if spec.entropy is not None or spec.policy is not None:
@@ -465,8 +491,10 @@ def _plan_inputs(spec: LossSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(the inputs a call must give, those it may give): what explain prints."""
     requires = ("logits", "targets") if spec.needs_targets else ("logits",)
     accepts: tuple[str, ...] = () if spec.needs_targets else ("targets",)
-    if spec.distillation is not None:
-        requires += ("teacher_logits",)
+    dist = spec.distillation
+    if dist is not None:
+        requires += {"logits": ("teacher_logits",), "topk": ("teacher_ids", "teacher_logprobs"),
+                     "token": ("teacher_logprobs",)}[dist.teacher]
     if spec.policy is not None:
         requires += ("advantages",) + (("ref_logprobs",) if spec.policy.kl_beta != 0.0 else ())
         accepts += ("old_logprobs", "loss_mask", "importance_weights", "rollout_logprobs", "sequence_ids")

@@ -9,7 +9,8 @@ Conventions (x is the transformed logit row, see :class:`LogitTransform`; lse = 
 * z-loss             z    = lse ** 2
 * entropy            H    = lse - sum(softmax(x) * x)
 * DFT                dft  = -sg(p[y]) * log p[y]   (cross-entropy scaled by the detached target probability)
-* distillation       D    = KL / JSD between student and teacher at temperature T_d
+* distillation       D    = KL / JSD between student and teacher at temperature T_d (or from the
+                            teacher's top-k, or an estimator at the target token)
 * per-token loss     L    = w_ce * ce + w_z * z + w_dft * dft + w_H * H + w_D * D   (0 at ignored positions)
 * policy (GRPO)      a clipped surrogate on log p(target), aggregated by its own loss_type and
                      added to the reduced loss (see :class:`Policy`)
@@ -71,25 +72,64 @@ class Entropy(_Frozen):
 
 
 class Distillation(_Frozen):
-    """Divergence between the student and a teacher over the same vocabulary (needs teacher_logits).
+    """Divergence between the student and a teacher over the same vocabulary.
 
-    Both are taken at the distillation ``temperature`` T (student: the transformed logits / T,
-    teacher: its logits / T); p = student, q = teacher softmax.
+    ``teacher`` says what the call gives of the teacher (docs/distillation.md sets the conventions
+    side by side):
 
-    * ``forward_kl``  KL(q || p) = sum q (log q - log p)     (Hinton; TRL's beta = 0)
-    * ``reverse_kl``  KL(p || q)                              (TRL's beta = 1)
-    * ``jsd``         beta KL(q || M) + (1 - beta) KL(p || M), M = beta q + (1 - beta) p
-                      (TRL's generalized JSD; beta 0 and 1 are the two KLs above)
+    * ``"logits"``  its logits ``teacher_logits`` [.., V] (or its hidden states and lm_head on the
+      fused head). Both are taken at the distillation ``temperature`` T (student: the transformed
+      logits / T, teacher: its logits / T); p = student, q = teacher softmax:
 
+      - ``forward_kl``  KL(q || p) = sum q (log q - log p)     (Hinton; TRL's beta = 0)
+      - ``reverse_kl``  KL(p || q)                              (TRL's beta = 1)
+      - ``jsd``         beta KL(q || M) + (1 - beta) KL(p || M), M = beta q + (1 - beta) p
+        (TRL's generalized JSD; beta 0 and 1 are the two KLs above)
+    * ``"topk"``  its top-k: ``teacher_ids`` [.., K] (padded with -1) and ``teacher_logprobs``
+      [.., K]. ``topk`` names how K entries make a divergence: ``"verl"`` (verl's
+      ``forward_kl_topk``: sum_k q_k (log q_k - log p_k) over the unnormalised entries, clamped at
+      0, with its optional ``log_prob_min_clamp``; forward KL only), ``"renormalized"`` (both sides
+      renormalised over the K ids) or ``"rest"`` (the K ids plus one outcome for the rest of the
+      vocabulary, teacher mass 1 - sum q_k, student 1 - sum p_k).
+    * ``"token"``  the teacher's log-prob of each target token, ``teacher_logprobs`` shaped like the
+      targets: the per-token ``estimator`` of KL(student || teacher) as verl's ``kl_penalty``
+      (k1 logp - lq, k2 (logp - lq)^2 / 2, k3 exp(lq - logp) - (lq - logp) - 1, abs |logp - lq|;
+      ``estimator_clamp``: verl's low_var_kl clamps; ``estimator_grad="k2"``: verl's "k3+").
+
+    A top-k or per-token teacher's log-probs are taken as given, so ``temperature`` stays 1 there.
     ``scale_by_temperature_squared`` multiplies the term by T**2 (keeps gradient magnitudes
     comparable across temperatures). Gradient flows into the student only.
     """
 
     weight: float = Field(1.0, ge=0.0, description="weight of the divergence in the combined loss")
+    teacher: Literal["logits", "topk", "token"] = Field("logits", description="what the call gives of the teacher")
     divergence: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
     beta: float = Field(0.5, ge=0.0, le=1.0, description="jsd interpolation (ignored by the KLs)")
     temperature: float = Field(1.0, gt=0.0)
     scale_by_temperature_squared: bool = False
+    topk: Literal["verl", "renormalized", "rest"] = Field("verl", description="teacher 'topk': the K entries' "
+                                                          "convention")
+    log_prob_min_clamp: float | None = Field(None, le=0.0, description="topk 'verl': both sides' log-probs "
+                                             "clamped below at this value")
+    estimator: KLName = Field("k3", description="teacher 'token': the per-token KL estimator")
+    estimator_clamp: bool = Field(False, description="teacher 'token': verl's low_var_kl clamps of k3")
+    estimator_grad: Literal["estimator", "k2"] = Field("estimator", description="teacher 'token': 'k2' keeps "
+                                                       "the estimator's value with the k2 gradient")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Distillation:
+        sparse = self.teacher != "logits"
+        if sparse and self.temperature != 1.0:
+            raise ValueError(f"temperature: a {self.teacher!r} teacher's log-probs are taken as given; temperature "
+                             f"applies to teacher logits only (got {self.temperature})")
+        if self.teacher == "topk" and self.topk == "verl" and self.divergence != "forward_kl":
+            raise ValueError(f"divergence: topk 'verl' is verl's forward KL over the unnormalised top-k; use topk "
+                             f"'renormalized' or 'rest' for {self.divergence!r}")
+        if self.log_prob_min_clamp is not None and not (self.teacher == "topk" and self.topk == "verl"):
+            raise ValueError("log_prob_min_clamp: only verl's top-k convention reads it (teacher 'topk', topk 'verl')")
+        if self.teacher == "token" and self.divergence != "forward_kl":
+            raise ValueError("divergence: a 'token' teacher takes its estimator instead")
+        return self
 
     @property
     def kind(self) -> int:
@@ -99,6 +139,11 @@ class Distillation(_Frozen):
         if self.divergence == "reverse_kl" or (self.divergence == "jsd" and self.beta == 1.0):
             return 1
         return 2
+
+    @property
+    def dense(self) -> bool:
+        """The teacher is full logits (or hidden states and an lm_head)."""
+        return self.teacher == "logits"
 
 
 PolicyLossType = LossTypeName
@@ -320,6 +365,7 @@ class LossSpec(_Frozen):
             or self.token_accuracy
             or "logprobs" in self.outputs
             or self.policy is not None
+            or (self.distillation is not None and self.distillation.teacher == "token")
         )
 
     # --- construction and serialisation ---------------------------------------------------

@@ -152,7 +152,7 @@ def test_opcheck_head_backward():
     run = HeadRun(headloss.plan.compile_plan(spec), geo, False, "off", (5,))
     loss, rows, pred, means, scratch, _ = torch.ops.headloss.head_forward(
         logits, [*CallTensors(targets), None, None], *run.op_args(), "none", 0)
-    args = (logits, [targets, None, rows, torch.rand(5), torch.rand(rows.shape), None, scratch, None],
+    args = (logits, [targets, None, rows, torch.rand(5), torch.rand(rows.shape), None, scratch, None, None, None],
             *run.op_args())
     torch.library.opcheck(torch.ops.headloss.head_backward.default, args)
 
@@ -172,10 +172,10 @@ def test_opcheck_vocab_parallel_ops():
     geo = geometry((5, V), (0, V), 5, 0, teacher, -100, Normaliser())._replace(V_total=V)
     key = _plan_key(spec)
     ints = geo_ints(geo)
-    torch.library.opcheck(shard_stats_op.op, (logits, targets, teacher, key, ints, 0.0))
-    part = shard_stats_op(logits, targets, teacher, key, ints, 0.0)
-    torch.library.opcheck(merge_stats_op.op, (torch.stack([part, part]), False))
-    stats = merge_stats_op(part[None], False)
+    torch.library.opcheck(shard_stats_op.op, (logits, targets, teacher, None, None, key, ints, 0.0))
+    part = shard_stats_op(logits, targets, teacher, None, None, key, ints, 0.0)
+    torch.library.opcheck(merge_stats_op.op, (torch.stack([part, part]), False, False))
+    stats = merge_stats_op(part[None], False, False)
     torch.library.opcheck(shard_jsd_op.op, (logits, targets, teacher, stats, key, ints, 0.0))
     jsd = shard_jsd_op(logits, targets, teacher, stats, key, ints, 0.0)
     run = HeadRun(headloss.plan.compile_plan(spec), geo, False, "off", (5,))
@@ -183,8 +183,39 @@ def test_opcheck_vocab_parallel_ops():
     torch.library.opcheck(torch.ops.headloss.head_forward.default, forward)
     loss, rows, pred, means, scratch, _ = torch.ops.headloss.head_forward(*forward)
     torch.library.opcheck(torch.ops.headloss.head_backward.default,
-                          (logits, [targets, teacher, rows, torch.rand(5), None, None, scratch, stats],
+                          (logits, [targets, teacher, rows, torch.rand(5), None, None, scratch, stats, None, None],
                            *run.op_args()))
+
+
+@needs_kernel
+def test_opcheck_ops_with_a_top_k_teacher():
+    """A top-k teacher through the ops: its ids and log-probs in the tensor lists, its K logits after the
+    merged statistics of a vocab-parallel call (here one shard holding the whole vocabulary)."""
+    from headloss.engine import merge_stats_op, shard_stats_op
+    from headloss.inputs import geometry
+    from headloss.validation import Normaliser
+
+    spec = LossSpec(distillation={"teacher": "topk", "topk": "rest", "divergence": "reverse_kl"}, reduction="none")
+    logits, targets = make_logits((5, V), seed=15), make_targets((5,), V, seed=15)
+    ids = torch.stack([torch.randperm(V, generator=torch.Generator().manual_seed(i))[:3] for i in range(5)])
+    ids[1, 2] = -1
+    logprobs = -torch.rand(5, 3) * 3 - 0.5
+    geo = geometry((5, V), (0, V), 5, 0, None, -100, Normaliser())._replace(V_total=V)
+    key = _plan_key(spec)
+    ints = geo_ints(geo)
+    torch.library.opcheck(shard_stats_op.op, (logits, targets, None, ids, logprobs, key, ints, 0.0))
+    part = shard_stats_op(logits, targets, None, ids, logprobs, key, ints, 0.0)
+    torch.library.opcheck(merge_stats_op.op, (torch.stack([part, part]), False, True))
+    stats = merge_stats_op(part[None], False, True)
+    run = HeadRun(headloss.plan.compile_plan(spec), geo, False, "off", (5,))
+    call = CallTensors(targets, teacher_ids=ids, teacher_logprobs=logprobs)
+    for merged in (None, stats):
+        forward = (logits, [*call, merged, None], *run.op_args(), "none", 0)
+        torch.library.opcheck(torch.ops.headloss.head_forward.default, forward)
+        loss, rows, pred, means, scratch, _ = torch.ops.headloss.head_forward(*forward)
+        torch.library.opcheck(torch.ops.headloss.head_backward.default,
+                              (logits, [targets, None, rows, torch.rand(5), None, None, scratch, merged, ids,
+                                        logprobs], *run.op_args()))
 
 
 @needs_kernel

@@ -31,6 +31,12 @@ SPECS = {
     "distill_reverse_kl_temperature": LossSpec(distillation={"divergence": "reverse_kl", "temperature": 2.0},
                                                entropy=Entropy(weight=0.0)),
     "distill_jsd": LossSpec(distillation={"divergence": "jsd", "temperature": 1.5}),
+    # a sparse teacher: each rank scores the top-k ids in its shard, their logits merged in the same all_gather
+    "distill_topk_rest": LossSpec(distillation={"teacher": "topk", "topk": "rest", "divergence": "jsd"},
+                                  token_accuracy=True),
+    "distill_topk_verl": LossSpec(cross_entropy=None, distillation={"teacher": "topk", "log_prob_min_clamp": -6.0},
+                                  transform=LogitTransform(softcap=4.0)),
+    "distill_token": LossSpec(distillation={"teacher": "token", "estimator": "k3", "estimator_clamp": True}),
     "gspo": LossSpec(cross_entropy=None, policy=Policy(loss_type="grpo", importance_sampling="sequence")),
     "deferred": LossSpec(cross_entropy=CrossEntropy(label_smoothing=0.05), z_loss=ZLoss(weight=1e-2),
                          entropy=Entropy(weight=0.02), reduction="none", outputs=("logprobs", "lse", "entropy"),
@@ -54,7 +60,17 @@ def _inputs(name: str, dtype: torch.dtype):
     kwargs = {}
     if name.startswith("distill"):
         noise = torch.randn(b, t, V, generator=gen, dtype=torch.float64)
-        kwargs["teacher_logits"] = (logits.double() + noise).to(dtype)
+        teacher = (logits.double() + noise).to(dtype)
+        if name.startswith("distill_topk"):  # 6 ids per row (the first row gives 4), in every shard
+            top = torch.log_softmax(teacher.double(), -1).topk(6, dim=-1)
+            ids_k, logprobs = top.indices.clone(), top.values.float()
+            ids_k[0, 0, 4:] = -1
+            kwargs = dict(teacher_ids=ids_k, teacher_logprobs=logprobs)
+        elif name == "distill_token":
+            kwargs["teacher_logprobs"] = torch.log_softmax(teacher.double(), -1).gather(
+                -1, ids.clamp(min=0)[..., None])[..., 0].float()
+        else:
+            kwargs["teacher_logits"] = teacher
     if name in ("grpo", "gspo"):  # GSPO: sequence-level ratios, the objective in torch (deferred mode)
         old = -torch.rand(b, t, generator=gen) * 4
         kwargs = dict(advantages=torch.randn(b, generator=gen), old_logprobs=old,
@@ -96,7 +112,8 @@ def _backward(out) -> None:
 # mixture JSD's extra all-reduce), the reference path once, shifted and not
 QUICK = {("full_sft", torch.float32, "triton", False), ("full_sft", torch.float32, "torch", True),
          ("deferred", torch.float32, "triton", True), ("grpo", torch.bfloat16, "triton", False),
-         ("gspo", torch.float32, "triton", False), ("distill_jsd", torch.float32, "triton", False)}
+         ("gspo", torch.float32, "triton", False), ("distill_jsd", torch.float32, "triton", False),
+         ("distill_topk_rest", torch.float32, "triton", False)}
 
 
 def _cases(quick: bool) -> list[tuple]:
@@ -176,7 +193,7 @@ def check_logits_job(results, world: int, quick: bool) -> None:
     for rank in range(world):
         out, refusals, first, layouts = results[rank]["logits"]
         assert first == (2, 1) and layouts == 1  # the first call also learnt the layout; never again
-        assert len(out) == len(_cases(quick)) == (len(QUICK) if quick else 30)
+        assert len(out) == len(_cases(quick)) == (len(QUICK) if quick else 36)
         for (name, dtype, backend, shift), (errs, calls) in out.items():
             tol = 1e-5 if dtype == "torch.float32" else 2e-2  # bf16: the gradient's own rounding
             for what, err in errs.items():
@@ -222,8 +239,8 @@ def test_merge_matches_the_whole_row():
 
 H = 12
 LINEAR_NAMES = ("full_sft", "smoothing_softcap_temperature", "grpo", "gspo", "deferred", "teacher_weight",
-                "teacher_logits")
-LINEAR_QUICK = ("full_sft", "gspo", "teacher_weight")
+                "teacher_logits", "distill_topk_rest", "distill_topk_verl", "distill_token")
+LINEAR_QUICK = ("full_sft", "gspo", "teacher_weight", "distill_topk_rest")
 
 
 def _linear_job(rank: int, world: int, quick: bool) -> dict:
@@ -312,7 +329,7 @@ def check_linear_job(results, world: int, quick: bool) -> None:
 
 # compiled vocab-parallel calls: the fused kernel (shifted), the fused policy epilogue, the deferred
 # policy kernels, the mixture JSD (its second collective), deferred mode with differentiable outputs
-COMPILED = ("full_sft", "grpo", "gspo", "distill_jsd", "deferred")
+COMPILED = ("full_sft", "grpo", "gspo", "distill_jsd", "deferred", "distill_topk_rest", "distill_token")
 COMPILED_QUICK = ("grpo", "distill_jsd")
 
 
@@ -381,7 +398,7 @@ def _compiled_job(rank: int, world: int, quick: bool) -> dict:
 
 # compiled vocab-parallel lm_head calls: deferred mode (the forward's merged statistics reach the
 # backward op), a computed teacher (its weight's rows sharded), the fused kernel, the policy routes
-COMPILED_LINEAR = ("deferred", "teacher_weight", "full_sft", "grpo", "gspo")
+COMPILED_LINEAR = ("deferred", "teacher_weight", "full_sft", "grpo", "gspo", "distill_topk_verl")
 COMPILED_LINEAR_QUICK = ("deferred", "teacher_weight")
 
 

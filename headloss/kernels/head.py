@@ -44,8 +44,19 @@ from .blocks import (
     zero_row,
 )
 from .launch import SPECIALISED_BY, Geometry, launch, launch_config, spec_key
-from .primitives import LN2
+from .primitives import LN2, LOG2E
 from .shard import merged_stats, merged_teacher
+from .sparse import (
+    SparseRows,
+    estimator,
+    gathered_row,
+    token_values,
+    topk_block,
+    topk_inputs,
+    topk_math,
+    topk_scatter,
+    topk_values,
+)
 from .terms import distill_values, policy_values, put, row_coefficients, row_values
 
 
@@ -204,6 +215,7 @@ def head_kernel(
     means,  # (C.N + 1,) fp32 column means and the loss, written with FINISH
     shard,  # ShardRows: vocab-parallel merged row statistics and summed mixture-JSD shares (None: not sharded)
     prep,  # Prepare: with a nonce, program 0 does prepare_kernel's work first (see launch_head)
+    sparse,  # SparseRows: a top-k or per-token teacher (F.SPARSE), or None
     # sizes, strides, runtime scalars
     geo,
     S,
@@ -211,6 +223,7 @@ def head_kernel(
     F: tl.constexpr,
     C: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # the top-k teacher's K, a power of two (1 without one)
     R: tl.constexpr,  # Tiles of the last program's reduction
     FINISH: tl.constexpr,
 ):
@@ -229,7 +242,9 @@ def head_kernel(
     stats = shard.stats
     jsd = shard.jsd
     SHARDED: tl.constexpr = stats is not None
-    NCOL: tl.constexpr = STATS_AT.N_TEACHER if teacher is not None else STATS_AT.N  # merged statistics per row
+    # merged statistics per row: layouts.Stats, then a top-k teacher's K logits
+    NCOL: tl.constexpr = (STATS_AT.N_TEACHER if teacher is not None else STATS_AT.N) + \
+        (BLOCK_K if F.SPARSE == 1 else 0)
     V_math = geo.V_total if SHARDED else geo.V  # the vocabulary of the math (label smoothing's eps / V)
     row_ptr = row_start(logits, row, geo.T, geo.stride_b, geo.stride_t)
     t_row = row_start(teacher, row, geo.T, geo.t_stride_b, geo.t_stride_t)
@@ -277,6 +292,15 @@ def head_kernel(
             weighted, dstate = distill_values(row_out, row_ptr, t_row, m2, d, arg, tstats, geo.V, S, F, C, BLOCK_V,
                                               jsd_row)
             token_loss += weighted
+        if F.SPARSE == 1:
+            sp_ids, sp_local, sp_given, sp_mine, sp_x2, sp_slope, sp_lq = topk_inputs(
+                sparse, slot, row_ptr, gathered_row(stats, row, NCOL, F.SPARSE), geo.vocab_start, geo.V, V_math, S,
+                F, BLOCK_K)
+            weighted, sp_a, sp_h = topk_values(row_out, sp_x2, sp_lq, sp_ids, sp_given, lse2, arg, S, F, C, BLOCK_K)
+            token_loss += weighted
+        if F.SPARSE == 2:
+            weighted, d_token = token_values(row_out, sparse, slot, logp, S, F, C)
+            token_loss += weighted
         d_logp = zero
         d_entropy = zero
         if WAIT_IN_ROW:  # the policy counters and extremes in scratch, the token count: program 0's
@@ -295,11 +319,19 @@ def head_kernel(
         # --- 3. gradient pass
         if grad is not None:
             u = token_scale(scratch, num_items, geo, F)
+            if F.SPARSE == 2:
+                d_logp += u * S.w_distill * d_token
             A, B, Cc, D = row_coefficients(u, d_logp, d_entropy, zero, lse, logp, entropy, V_math, S, F)
+            if F.SPARSE == 1:
+                A += u * S.w_distill * sp_a
             sum_px2 = gradient_pass(
                 row_ptr, t_row, grad_row, geo.V, y_here, x2_y, slope_y, lse, A, B, Cc, D, dstate,
                 u * S.w_distill * S.inv_distill_temp, S, F, BLOCK_V, ENTROPY_IN_PASS_3,
             )
+            if F.SPARSE == 1:  # the teacher's ids, rewritten whole after every lane has stored
+                tl.debug_barrier()
+                topk_scatter(grad_row, sp_local, sp_mine, sp_x2, sp_slope, lse, A, B, Cc, D, y_here,
+                             u * S.w_distill * sp_h, S, F)
             if ENTROPY_IN_PASS_3:
                 put(row_out, C.entropy, sum_px2 * LN2)
     else:
@@ -354,6 +386,7 @@ def head_backward_kernel(
     num_items,  # (1,) or None
     scratch,  # int64 layouts.Scratch from the forward
     stats,  # vocab-parallel: the forward's merged (n_rows, layouts.Stats) statistics, or None
+    sparse,  # SparseRows, or None
     # sizes, strides, runtime scalars
     geo,
     S,
@@ -361,6 +394,7 @@ def head_backward_kernel(
     F: tl.constexpr,
     C: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     SHARDED: tl.constexpr = stats is not None
@@ -396,15 +430,28 @@ def head_backward_kernel(
         x2_y = zero
         slope_y = zero
         y_here = y
+        NCOL: tl.constexpr = (STATS_AT.N_TEACHER if teacher is not None else STATS_AT.N) + \
+            (BLOCK_K if F.SPARSE == 1 else 0)
         if targets is not None:
             if SHARDED:
                 y_here = y - geo.vocab_start
                 m2_unused, d_unused, sx_unused, sex_unused, arg_unused, x2_y, slope_y = merged_stats(
-                    stats, row, row_ptr, y_here, geo.V, S, F, STATS_AT.N_TEACHER if teacher is not None else STATS_AT.N)
+                    stats, row, row_ptr, y_here, geo.V, S, F, NCOL)
             else:
                 x2_y, slope_y = target_logit(row_ptr, y, geo.V, S, F.HAS_SOFTCAP)
         logp = x2_y * LN2 - lse
+        if F.SPARSE == 2:
+            lq = tl.load(sparse.logprobs + slot).to(tl.float32)
+            kl_unused, d_token = estimator(logp, lq, F.TOKEN_EST, F.TOKEN_CLAMP, F.TOKEN_K2_GRAD)
+            d_logp += u * S.w_distill * d_token
         A, B, Cc, D = row_coefficients(u, d_logp, d_entropy, d_lse, lse, logp, entropy, V_math, S, F)
+        if F.SPARSE == 1:
+            sp_ids, sp_local, sp_given, sp_mine, sp_x2, sp_slope, sp_lq = topk_inputs(
+                sparse, slot, row_ptr, gathered_row(stats, row, NCOL, F.SPARSE), geo.vocab_start, geo.V, V_math, S,
+                F, BLOCK_K)
+            div_unused, ms_unused, mt_unused, ag_unused, sp_a, sp_h = topk_math(
+                sp_x2, sp_lq, sp_ids, sp_given, lse * LOG2E, 0, S, F, BLOCK_K)
+            A += u * S.w_distill * sp_a
         dstate = (zero, zero, zero, zero)
         if teacher is not None:
             dstate = (tl.load(row_in + C.lse_s2), tl.load(row_in + C.lse_t2), tl.load(row_in + C.divergence),
@@ -413,6 +460,10 @@ def head_backward_kernel(
             row_ptr, t_row, grad_row, geo.V, y_here, x2_y, slope_y, lse, A, B, Cc, D, dstate,
             u * S.w_distill * S.inv_distill_temp, S, F, BLOCK_V, False,
         )
+        if F.SPARSE == 1:
+            tl.debug_barrier()
+            topk_scatter(grad_row, sp_local, sp_mine, sp_x2, sp_slope, lse, A, B, Cc, D, y_here,
+                         u * S.w_distill * sp_h, S, F)
     else:
         zero_row(grad_row, geo.V, BLOCK_V)
 
@@ -457,7 +508,7 @@ def prepare(targets: torch.Tensor | None, num_items: torch.Tensor | None, sequen
 def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred, policy, num_items, scratch, loss,
                 means, geo: Geometry, finish: bool = True, stats: torch.Tensor | None = None,
                 jsd: torch.Tensor | None = None, verdict: tuple | None = None, prepared: bool = True,
-                sequence_ids: torch.Tensor | None = None, n_seq: int = 0) -> None:
+                sequence_ids: torch.Tensor | None = None, n_seq: int = 0, sparse: SparseRows | None = None) -> None:
     """One program per logits row; with ``finish`` the last one writes ``means`` and the reduced loss.
     ``prepared=False``: ``scratch`` (scratch_size(n_seq) words, any content) was not filled by
     :func:`prepare`; program 0 does that work first (``verdict``, ``sequence_ids`` and ``n_seq`` as
@@ -473,8 +524,9 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
         head_kernel, geo.n_rows, cfg.num_warps,
         logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, pred=pred, policy=policy,
         num_items=num_items, scratch=scratch, loss=loss, means=means,
-        shard=_UNSHARDED if stats is None else ShardRows(stats, jsd), prep=prep, geo=geo, S=plan.scalars,
-        F=plan.flags, C=plan.cols, BLOCK_V=cfg.block_v, FINISH=finish, R=_tiles(plan.cols.N),
+        shard=_UNSHARDED if stats is None else ShardRows(stats, jsd), prep=prep, sparse=sparse, geo=geo,
+        S=plan.scalars, F=plan.flags, C=plan.cols, BLOCK_V=cfg.block_v, BLOCK_K=max(topk_block(sparse), 1),
+        FINISH=finish, R=_tiles(plan.cols.N),
     )
 
 
@@ -488,7 +540,7 @@ def launch_finish(plan: KernelPlan, *, rows, loss, means, scratch, num_items, ge
 
 
 def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d_loss, d_rows, num_items, scratch,
-                    geo: Geometry, stats: torch.Tensor | None = None) -> None:
+                    geo: Geometry, stats: torch.Tensor | None = None, sparse: SparseRows | None = None) -> None:
     """Deferred mode: d loss / d logits into ``grad`` from the saved rows and the upstream gradients."""
     if geo.n_rows == 0:
         return
@@ -496,8 +548,8 @@ def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d
     launch(
         head_backward_kernel, geo.n_rows, cfg.num_warps,
         logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, d_loss=d_loss, d_rows=d_rows,
-        num_items=num_items, scratch=scratch, stats=stats, geo=geo, S=plan.scalars, F=plan.flags, C=plan.cols,
-        BLOCK_V=cfg.block_v,
+        num_items=num_items, scratch=scratch, stats=stats, sparse=sparse, geo=geo, S=plan.scalars, F=plan.flags,
+        C=plan.cols, BLOCK_V=cfg.block_v, BLOCK_K=max(topk_block(sparse), 1),
     )
 
 

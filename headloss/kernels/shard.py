@@ -19,6 +19,7 @@ from ..layouts import JSD_AT, JSD_SHARES, STATS, STATS_AT
 from ..plan import KernelPlan
 from .blocks import online_stats, row_slot, row_start, target_logit
 from .launch import Geometry, launch, launch_config
+from .sparse import SparseRows, shard_topk, topk_block
 from .terms import distill_lse, jsd_sums
 
 
@@ -28,10 +29,13 @@ def shard_stats_kernel(
     targets,  # (n_out,) global ids, or None
     teacher,  # the teacher's logits on the same columns (geo.t_stride_*), or None
     part,  # (n_rows, NCOL) fp32 out: this shard's statistics (layouts.Stats: N columns, N_TEACHER with a teacher)
+    sparse,  # kernels.sparse.SparseRows of a top-k teacher (F.SPARSE == 1), or None
+    x2k,  # (n_rows, BLOCK_K) fp32 out: this shard's top-k logits (sparse.shard_topk), or None
     geo,
     S,
     F: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """Phase 1 of a vocab-parallel head on one shard: the statistics every rank exchanges."""
     NCOL: tl.constexpr = STATS_AT.N_TEACHER if teacher is not None else STATS_AT.N
@@ -40,6 +44,8 @@ def shard_stats_kernel(
     t_row = row_start(teacher, row, geo.T, geo.t_stride_b, geo.t_stride_t)
     slot, has_slot, y, counted = row_slot(targets, row, geo)
     out = part + row * NCOL
+    if F.SPARSE == 1:
+        shard_topk(x2k, sparse, slot, row, row_ptr, counted, geo, S, F, BLOCK_K)
     if counted:
         m2, d, sum_x2, sum_ex2, arg, tstats = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V, F.HAS_ENTROPY)
         x2_y = tl.zeros([], tl.float32)
@@ -242,15 +248,21 @@ def merged_stats(stats, row, row_ptr, y_here, V, S, F: tl.constexpr, NCOL: tl.co
 
 
 
-def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry, teacher=None) -> torch.Tensor:
-    """This shard's (n_rows, STATS.N or N_TEACHER) statistics (vocab-parallel phase 1)."""
+def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry, teacher=None,
+                       sparse: SparseRows | None = None) -> torch.Tensor:
+    """This shard's (n_rows, STATS.N or N_TEACHER) statistics (vocab-parallel phase 1), followed with a
+    top-k teacher by its share of the K logits (:func:`~headloss.kernels.sparse.shard_topk`, BLOCK_K
+    columns more, of which the merge takes the max)."""
     width = STATS.N_TEACHER if teacher is not None else STATS.N
+    block_k = topk_block(sparse)
     part = torch.empty(geo.n_rows, width, dtype=torch.float32, device=logits.device)
+    x2k = torch.empty(geo.n_rows, block_k, dtype=torch.float32, device=logits.device) if block_k else None
     if geo.n_rows:
         cfg = launch_config(geo.V, teacher is not None, geo.n_rows)
         launch(shard_stats_kernel, geo.n_rows, cfg.num_warps, logits=logits, targets=targets, teacher=teacher,
-               part=part, geo=geo, S=plan.scalars, F=plan.flags, BLOCK_V=cfg.block_v)
-    return part
+               part=part, sparse=sparse if block_k else None, x2k=x2k, geo=geo, S=plan.scalars, F=plan.flags,
+               BLOCK_V=cfg.block_v, BLOCK_K=max(block_k, 1))
+    return part if x2k is None else torch.cat((part, x2k), dim=1)
 
 
 def launch_shard_jsd(plan: KernelPlan, *, logits, targets, teacher, stats, geo: Geometry) -> torch.Tensor:
@@ -263,8 +275,13 @@ def launch_shard_jsd(plan: KernelPlan, *, logits, targets, teacher, stats, geo: 
     return jsd
 
 
-def launch_merge(parts: torch.Tensor, own_temp: bool = False) -> torch.Tensor:
-    """merge_stats_kernel over the (world, n_rows, N) gathered statistics (layouts.Stats): one launch."""
+def launch_merge(parts: torch.Tensor, own_temp: bool = False, topk: bool = False) -> torch.Tensor:
+    """merge_stats_kernel over the (world, n_rows, N) gathered statistics (layouts.Stats): one launch.
+    ``topk``: a top-k teacher's K logits follow layouts.Stats' N columns (launch_shard_stats); they
+    merge by their max (each id's logit comes from the shard holding it, -inf from the others)."""
+    if topk:
+        return torch.cat((launch_merge(parts[..., :STATS.N].contiguous(), own_temp), parts[..., STATS.N:].amax(0)),
+                         dim=1)
     world, n_rows, width = parts.shape
     merged = torch.empty(n_rows, width, dtype=torch.float32, device=parts.device)
     if n_rows:

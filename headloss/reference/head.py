@@ -7,6 +7,7 @@ label smoothing, an explicit entropy, TRL's generalized JSD. The policy term is 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from ..spec import LossSpec, row_local
 from ..transform import transformed_logits
 from ..validation import NOT_BINARY, Normaliser, raise_if_bad
 from .policy import reference_policy_loss
+from .sparse import estimator, topk_distillation
 
 
 def reference_head_loss(
@@ -25,6 +27,8 @@ def reference_head_loss(
     spec: LossSpec,
     *,
     teacher_logits: torch.Tensor | None = None,
+    teacher_ids: torch.Tensor | None = None,
+    teacher_logprobs: torch.Tensor | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
     validate: str = "off",
@@ -51,7 +55,12 @@ def reference_head_loss(
     x = torch.where(valid[:, None], x, 0.0)
     logp_all = torch.log_softmax(x, dim=-1)
     lse = torch.logsumexp(x, dim=-1)
-    token_loss, per_term, entropy, distill_rows = _terms(x, logp_all, lse, y, valid, nan_if_bad, spec, teacher_logits)
+    teacher = teacher_logits
+    if teacher_logprobs is not None:  # a sparse teacher, its rows flat like the logits'
+        teacher = _Sparse(None if teacher_ids is None else teacher_ids.reshape(-1, teacher_ids.shape[-1]),
+                          teacher_logprobs.reshape(-1) if teacher_ids is None else
+                          teacher_logprobs.reshape(-1, teacher_ids.shape[-1]))
+    token_loss, per_term, entropy, distill_rows = _terms(x, logp_all, lse, y, valid, nan_if_bad, spec, teacher)
     token_loss = torch.where(valid, token_loss, 0.0)
 
     entropy_for_policy = None
@@ -107,6 +116,13 @@ def _output(loss, metrics: dict, rows: dict, spec: LossSpec, token_shape, out_dt
     )
 
 
+class _Sparse(NamedTuple):
+    """A top-k teacher's ids and log-probs [rows, K], or a per-token teacher's log-probs [rows] (ids None)."""
+
+    ids: torch.Tensor | None
+    logprobs: torch.Tensor
+
+
 def _targets(targets, x, ignore_index: int, loss_mask):
     """(targets in range, the rows that count, NaN at a counted row whose target is out of range -- like
     the kernel, not an IndexError -- else 0) of the [rows, V] logits ``x``."""
@@ -139,9 +155,10 @@ def _metrics(loss, policy_metrics, per_term, distill_rows, logp_y, pred, y, vali
     return metrics
 
 
-def _terms(x, logp_all, lse, y, valid, nan_if_bad, spec: LossSpec, teacher_logits):
+def _terms(x, logp_all, lse, y, valid, nan_if_bad, spec: LossSpec, teacher):
     """(token loss, each term's per-token values, the entropy or None, the distillation's per-row
-    metrics) of the transformed logits ``x`` [rows, V]."""
+    metrics) of the transformed logits ``x`` [rows, V]; ``teacher``: its logits, or a sparse teacher
+    (:class:`_Sparse`, per row)."""
     vocab = x.shape[-1]
     # an empty slice's sum: zeros that still hang off the logits, so a spec with no loss term
     # backpropagates zero gradients (as the kernel path does) instead of raising
@@ -172,8 +189,15 @@ def _terms(x, logp_all, lse, y, valid, nan_if_bad, spec: LossSpec, teacher_logit
             per_term["entropy"] = entropy
             token_loss = token_loss + spec.entropy.weight * entropy
     distill_rows: dict[str, torch.Tensor] = {}
-    if spec.distillation is not None:
-        div, distill_rows = _distillation(x, teacher_logits.reshape(-1, vocab).to(x.dtype), spec)
+    d = spec.distillation
+    if d is not None and d.teacher == "topk":
+        div, distill_rows = topk_distillation(x, lse, teacher.ids, teacher.logprobs, d)
+    elif d is not None and d.teacher == "token":
+        logp_target = torch.where(valid, logp_all.gather(-1, y[:, None])[:, 0] + nan_if_bad, 0.0)
+        div = estimator(logp_target, teacher.logprobs.to(x.dtype), d)
+    elif d is not None:
+        div, distill_rows = _distillation(x, teacher.reshape(-1, vocab).to(x.dtype), spec)
+    if d is not None:
         per_term["distill/divergence"] = div
         token_loss = token_loss + spec.distillation.weight * div * (
             spec.distillation.temperature**2 if spec.distillation.scale_by_temperature_squared else 1.0

@@ -1,0 +1,250 @@
+"""The distillation term from a sparse teacher: its top-k, or its log-prob at the target token.
+
+A top-k teacher gives, per row, K ids (``-1``: no entry) and their log-probs lq_k. After the
+stats pass the kernel loads the student's K logits x_k (K reads of the row) and, with lse from
+the pass, computes every convention's value from the K pairs (x_k - lse, lq_k) alone. Its
+gradient with respect to x has the form
+
+    g_i = a * p_i + h_i * [i in K]
+
+so ``a`` joins the row's A coefficient (the gradient pass's dense share) and the K sparse
+entries are written after the pass, each over the value the pass stored there: no [N, V]
+temporary, one rounding. ``spec.Distillation`` defines the conventions; with outcomes o (the K
+ids, and for ``rest`` one more) and G_o = dD/dp_o of the divergence D:
+
+    verl          D = max(sum_k q_k (lq_k - lps_k), 0)      a = sum q_k,   h_k = -q_k     (on D >= 0)
+    renormalized  ps~, qt~ over the ids                     a = 0,         h_k = ps~_k (G_k - sum ps~ G)
+    rest          p_rest = 1 - sum p_k, q_rest = 1 - sum q  a = S G_r - sum_k p_k G_k, h_k = p_k (G_k - G_r)
+
+A per-token teacher gives lq at the target: the estimator f(logp, lq) is a function of log p(y),
+whose gradient the row's D coefficient carries (terms.row_coefficients' ``d_logp``).
+"""
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layouts import STATS_AT
+from .primitives import LN2, LOG2E, NEG_BIG, transform
+from .terms import put
+
+
+class SparseRows(NamedTuple):
+    """A sparse teacher's per-slot inputs: top-k ``ids`` [n_out, K] (int, -1 where no entry) and
+    ``logprobs`` [n_out, K]; or, per target token, ``logprobs`` [n_out] with ``ids`` None and K 1.
+    Both contiguous."""
+
+    ids: torch.Tensor | None
+    logprobs: torch.Tensor
+    K: int
+
+
+def topk_block(sparse: SparseRows | None) -> int:
+    """A top-k teacher's K rounded up to a power of two (the kernels' BLOCK_K); 0 without one."""
+    return 0 if sparse is None or sparse.ids is None else 1 << (max(sparse.K, 1) - 1).bit_length()
+
+
+@triton.jit
+def expm1_neg(z):
+    """exp(z) - 1 for z <= 0, accurate near 0 (the rest bucket's 1 - sum p_k when it is small)."""
+    u = tl.exp(z)
+    return tl.where(u == 1.0, z, tl.where(u == 0.0, -1.0, (u - 1.0) * z / tl.log(u)))
+
+
+@triton.jit
+def estimator(logp, lq, EST: tl.constexpr, CLAMP: tl.constexpr, K2_GRAD: tl.constexpr):
+    """(value, d value / d logp) of a per-token KL estimate between log p and the reference lq
+    (policy_tables.KL_ESTIMATORS' codes: 1 k1, 2 k2, 3 k3, 4 abs; verl's kl_penalty)."""
+    gap = logp - lq
+    if EST == 1:
+        kl = gap
+        d_kl = tl.full(logp.shape, 1.0, tl.float32)
+    elif EST == 2:
+        kl = 0.5 * gap * gap
+        d_kl = gap
+    elif EST == 4:
+        kl = tl.abs(gap)
+        d_kl = tl.where(gap > 0, 1.0, tl.where(gap < 0, -1.0, 0.0))
+    elif EST == 3:
+        delta = lq - logp
+        d_delta = tl.full(logp.shape, -1.0, tl.float32)
+        if CLAMP:
+            d_delta = tl.where((delta >= -20.0) & (delta <= 20.0), d_delta, 0.0)
+            delta = tl.minimum(tl.maximum(delta, -20.0), 20.0)
+        kl = tl.exp(delta) - delta - 1.0
+        d_kl = (tl.exp(delta) - 1.0) * d_delta
+        if CLAMP:
+            d_kl = tl.where((kl >= -10.0) & (kl <= 10.0), d_kl, 0.0)
+            kl = tl.minimum(tl.maximum(kl, -10.0), 10.0)
+    else:
+        tl.static_assert(False, "a KL estimator of policy_tables has no kernel piece in sparse.estimator")
+    if K2_GRAD:
+        d_kl = gap
+    return kl, d_kl
+
+
+@triton.jit
+def token_values(row_out, sparse, slot, logp, S, F: tl.constexpr, C: tl.constexpr):
+    """The per-token teacher's estimator at the target: (weighted value, d value / d logp)."""
+    lq = tl.load(sparse.logprobs + slot).to(tl.float32)
+    kl, d_kl = estimator(logp, lq, F.TOKEN_EST, F.TOKEN_CLAMP, F.TOKEN_K2_GRAD)
+    put(row_out, C.divergence, kl)
+    return S.w_distill * kl, d_kl
+
+
+@triton.jit
+def topk_inputs(sparse, slot, row_ptr, gathered, vocab_start, V, V_total, S, F: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """(ids, local ids, given, mine, x2, slope, lq) of a row's K teacher entries: ``given`` where an id
+    is not -1, ``mine`` where it is also in this row's columns [vocab_start, vocab_start + V) of
+    [0, V_total) (the student's logit there is read: its slope, and x2 unless ``gathered``, the
+    vocab-parallel row's K logits merged over the shards). An id outside [0, V_total) (validation
+    off) gives NaN, never an out-of-bounds read."""
+    k = tl.arange(0, BLOCK_K)
+    inside = k < sparse.K
+    at = slot * sparse.K + k
+    ids = tl.load(sparse.ids + at, mask=inside, other=-1).to(tl.int64)
+    given = inside & (ids != -1)
+    valid = given & (ids >= 0) & (ids < V_total)
+    local = ids - vocab_start
+    mine = valid & (local >= 0) & (local < V)
+    z = tl.load(row_ptr + local, mask=mine, other=0.0)
+    x2, slope = transform(z.to(tl.float32), S, F.HAS_SOFTCAP)
+    if gathered is not None:
+        x2 = tl.load(gathered + k, mask=inside, other=float("-inf"))
+    x2 = tl.where(given & ~valid, float("nan"), x2)
+    lq = tl.load(sparse.logprobs + at, mask=given, other=0.0).to(tl.float32)
+    return ids, local, given, mine, x2, slope, lq
+
+
+@triton.jit
+def gathered_row(stats, row, NCOL: tl.constexpr, SPARSE: tl.constexpr):
+    """Where a vocab-parallel row's merged top-k logits start in the merged statistics (after the
+    layouts.Stats columns); None when not vocab-parallel or without a top-k teacher."""
+    start = None
+    if stats is not None:
+        if SPARSE == 1:
+            start = stats + row * NCOL + STATS_AT.N
+    return start
+
+
+@triton.jit
+def shard_topk(x2k, sparse, slot, row, row_ptr, counted, geo, S, F: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A vocab-parallel shard's share of its rows' top-k logits: x2 at the ids in its columns, -inf at
+    the others (the merge takes the max over the shards), stored in ``x2k`` [n_rows, BLOCK_K]."""
+    k = tl.arange(0, BLOCK_K)
+    x2 = tl.full([BLOCK_K], float("-inf"), tl.float32)
+    if counted:
+        ids, local, given, mine, x2_mine, slope, lq = topk_inputs(sparse, slot, row_ptr, None, geo.vocab_start,
+                                                                  geo.V, geo.V_total, S, F, BLOCK_K)
+        x2 = tl.where(mine, x2_mine, float("-inf"))
+    tl.store(x2k + row * BLOCK_K + k, x2)
+
+
+@triton.jit
+def _outcome(ls, lt, given, S, F: tl.constexpr):
+    """(D_o, G_o, p_o G_o) of the divergence's outcomes (0 log 0 = 0; vectors or scalars) with student
+    log-prob ls and teacher lt: forward KL, reverse KL (G less its constant 1, which cancels), or the
+    mixture JSD (G = (1 - beta) log(p / M))."""
+    p = tl.where(given, tl.exp(ls), 0.0)
+    q = tl.where(given, tl.exp(lt), 0.0)
+    if F.TOPK_DIV == 0:
+        d = tl.where(q > 0.0, q * (lt - ls), 0.0)
+        G = tl.where(q > 0.0, -q / p, 0.0)
+        h = -q
+    elif F.TOPK_DIV == 1:
+        G = tl.where(p > 0.0, ls - lt, 0.0)
+        d = p * G
+        h = d
+    else:
+        a = ls + tl.log(1.0 - S.jsd_beta)
+        b = lt + tl.log(S.jsd_beta)
+        top = tl.maximum(a, b)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        log_m = top + tl.log(tl.exp(a - top) + tl.exp(b - top))
+        d = S.jsd_beta * tl.where(q > 0.0, q * (lt - log_m), 0.0) + \
+            (1.0 - S.jsd_beta) * tl.where(p > 0.0, p * (ls - log_m), 0.0)
+        G = tl.where(p > 0.0, (1.0 - S.jsd_beta) * (ls - log_m), 0.0)
+        h = p * G
+    return d, G, h
+
+
+@triton.jit
+def topk_math(x2, lq, ids, given, lse2, arg, S, F: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(D, student mass, teacher mass, top-1 agreement, a, h) of a row's top-k teacher (module
+    docstring); ``arg`` the student's argmax."""
+    lps = (x2 - lse2) * LN2
+    ps = tl.where(given, tl.exp(lps), 0.0)
+    qs = tl.where(given, tl.exp(lq), 0.0)
+    mass_s = tl.sum(ps, axis=0)
+    mass_t = tl.sum(qs, axis=0)
+    lq_given = tl.where(given, lq, float("-inf"))
+    top = tl.argmax(lq_given, axis=0)
+    k = tl.arange(0, BLOCK_K)
+    top_id = tl.sum(tl.where(k == top, ids, 0), axis=0)
+    agree = ((tl.max(given.to(tl.int32), axis=0) > 0) & (top_id == arg)).to(tl.float32)
+    if F.TOPK_FORM == 0:  # verl: sum q (lq - lps) over the entries as they are, clamped at 0
+        keep = given
+        lps_c = lps
+        lq_c = lq
+        if F.TOPK_CLAMP:
+            keep = given & (lps >= S.topk_min_logprob)
+            lps_c = tl.maximum(lps, S.topk_min_logprob)
+            lq_c = tl.maximum(lq, S.topk_min_logprob)
+        qc = tl.where(given, tl.exp(lq_c), 0.0)
+        D = tl.sum(tl.where(qc > 0.0, qc * (lq_c - lps_c), 0.0), axis=0)
+        on = (D >= 0.0).to(tl.float32)  # clamp_min's gradient: where D >= 0
+        D = tl.where(D < 0.0, 0.0, D)  # (NaN stays NaN)
+        h = -on * tl.where(keep, qc, 0.0)
+        a = -tl.sum(h, axis=0)
+    else:
+        xk = x2 * LN2
+        top_x = tl.max(tl.where(given, xk, float("-inf")), axis=0)
+        top_x = tl.where(top_x == float("-inf"), 0.0, top_x)
+        lse_k = top_x + tl.log(tl.sum(tl.where(given, tl.exp(xk - top_x), 0.0), axis=0))
+        if F.TOPK_FORM == 1:  # both sides renormalised over the ids
+            top_q = tl.max(lq_given, axis=0)
+            top_q = tl.where(top_q == float("-inf"), 0.0, top_q)
+            lse_q = top_q + tl.log(tl.sum(tl.where(given, tl.exp(lq - top_q), 0.0), axis=0))
+            ls = xk - lse_k
+            d, G, hp = _outcome(ls, lq - lse_q, given, S, F)
+            p_tilde = tl.where(given, tl.exp(ls), 0.0)
+            D = tl.sum(d, axis=0)
+            h = hp - p_tilde * tl.sum(hp, axis=0)
+            a = tl.zeros([], tl.float32)
+        else:  # the ids plus the rest of the vocabulary
+            p_rest = -expm1_neg(tl.minimum(lse_k - lse2 * LN2, 0.0))
+            q_rest = tl.maximum(1.0 - mass_t, 0.0)
+            d, G, hp = _outcome(lps, lq, given, S, F)
+            d_r, G_r, h_r = _outcome(tl.log(p_rest), tl.log(q_rest), p_rest >= 0.0, S, F)
+            G_r = tl.where(p_rest > 0.0, G_r, 0.0)
+            D = tl.sum(d, axis=0) + d_r
+            h = hp - ps * G_r
+            a = mass_s * G_r - tl.sum(hp, axis=0)
+    return D, mass_s, mass_t, agree, a, tl.where(given, h, 0.0)
+
+
+@triton.jit
+def topk_values(row_out, x2, lq, ids, given, lse2, arg, S, F: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A row's top-k values stored in their columns: (weighted D, a, h) for the gradient."""
+    D, mass_s, mass_t, agree, a, h = topk_math(x2, lq, ids, given, lse2, arg, S, F, BLOCK_K)
+    put(row_out, C.divergence, D)
+    put(row_out, C.student_mass, mass_s)
+    put(row_out, C.teacher_mass, mass_t)
+    put(row_out, C.agreement, agree)
+    return S.w_distill * D, a, h
+
+
+@triton.jit
+def topk_scatter(grad_row_ptr, ids, in_range, x2, slope, lse, A, B, C, D, y, h, S, F: tl.constexpr):
+    """Rewrite the gradient at the teacher's ids whole, after the gradient pass stored its dense share
+    there (the caller's barrier orders the two): p (A + B x) + C + D [id = y] + h, times dx/dz."""
+    p = tl.exp2(x2 - lse * LOG2E)
+    g = p * (A + B * LN2 * tl.maximum(x2, NEG_BIG)) + h
+    if F.HAS_SMOOTHING:
+        g += C
+    g += tl.where(ids == y, D, 0.0)
+    g = g * slope  # (without softcap, transform's constant dx/dz)
+    tl.store(grad_row_ptr + ids, g.to(grad_row_ptr.dtype.element_ty), mask=in_range)
