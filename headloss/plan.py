@@ -189,7 +189,7 @@ class Scalars(NamedTuple):
 class ObjectiveFlags(NamedTuple):
     """Constexpr structure of the deferred mode's policy-objective kernels (kernels.head
     policy_sequence_kernel): the objective's fields of :class:`Flags` (same names: terms.py's
-    ``_objective`` and ``_kl_penalty`` read them), and the sequence-level ones."""
+    ``_objective`` and ``kl_estimator`` read them), and the sequence-level ones."""
 
     OBJECTIVE: int
     CISPO_VERL: bool

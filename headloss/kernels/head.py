@@ -48,7 +48,6 @@ from .primitives import LN2, LOG2E
 from .shard import merged_stats, merged_teacher
 from .sparse import (
     SparseRows,
-    estimator,
     gathered_row,
     token_values,
     topk_block,
@@ -57,7 +56,7 @@ from .sparse import (
     topk_scatter,
     topk_values,
 )
-from .terms import distill_values, policy_values, put, row_coefficients, row_values
+from .terms import distill_values, kl_estimator, policy_values, put, row_coefficients, row_values
 
 
 class PolicyRows(NamedTuple):
@@ -442,7 +441,7 @@ def head_backward_kernel(
         logp = x2_y * LN2 - lse
         if F.SPARSE == 2:
             lq = tl.load(sparse.logprobs + slot).to(tl.float32)
-            kl_unused, d_token = estimator(logp, lq, F.TOKEN_EST, F.TOKEN_CLAMP, F.TOKEN_K2_GRAD)
+            kl_unused, d_token = kl_estimator(logp, lq, F.TOKEN_EST, F.TOKEN_CLAMP, F.TOKEN_K2_GRAD)
             d_logp += u * S.w_distill * d_token
         A, B, Cc, D = row_coefficients(u, d_logp, d_entropy, d_lse, lse, logp, entropy, V_math, S, F)
         if F.SPARSE == 1:

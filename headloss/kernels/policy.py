@@ -7,7 +7,7 @@
 ``sequence_extremes_kernel`` + ``extremes_finish_kernel``
     the token-level policy term's per-sequence clip fractions and ratio extremes, from its columns.
 
-The per-token objective is kernels/terms.py's ``_objective`` and ``_kl_penalty``, shared with the fused
+The per-token objective is kernels/terms.py's ``_objective`` and ``kl_estimator``, shared with the fused
 epilogue. What each program writes is a named layout (layouts.ObjectivePart, SequenceExtremes).
 """
 
@@ -30,7 +30,7 @@ from ..layouts import (
 from ..plan import Scalars
 from ..policy_tables import IMPORTANCE_SAMPLING
 from .launch import launch
-from .terms import _kl_penalty, _objective
+from .terms import _objective, kl_estimator
 
 IS_TOKEN = tl.constexpr(IMPORTANCE_SAMPLING["token"].kernel)
 IS_SEQUENCE = tl.constexpr(IMPORTANCE_SAMPLING["sequence"].kernel)
@@ -156,7 +156,7 @@ def _objective_token(lp, o, r, a, iwv, keepf, L, g_self, S, F: tl.constexpr):
     d_self = d_obj * iwv * keepf
     kl = tl.zeros_like(lp)
     if F.KL_EST != 0:
-        kl, d_kl = _kl_penalty(lp, r, S, F)
+        kl, d_kl = kl_estimator(lp, r, F.KL_EST, F.KL_CLAMP, F.KL_K2_GRAD)
         if F.KL_IS_CORR:
             d_kl = d_kl * ratio + kl * ratio * g_self
             if F.IS_MODE == IS_SEQUENCE:

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ..layouts import STATS_AT
 from .primitives import LN2, LOG2E, NEG_BIG, transform
-from .terms import put
+from .terms import kl_estimator, put
 
 
 class SparseRows(NamedTuple):
@@ -54,42 +54,10 @@ def expm1_neg(z):
 
 
 @triton.jit
-def estimator(logp, lq, EST: tl.constexpr, CLAMP: tl.constexpr, K2_GRAD: tl.constexpr):
-    """(value, d value / d logp) of a per-token KL estimate between log p and the reference lq
-    (policy_tables.KL_ESTIMATORS' codes: 1 k1, 2 k2, 3 k3, 4 abs; verl's kl_penalty)."""
-    gap = logp - lq
-    if EST == 1:
-        kl = gap
-        d_kl = tl.full(logp.shape, 1.0, tl.float32)
-    elif EST == 2:
-        kl = 0.5 * gap * gap
-        d_kl = gap
-    elif EST == 4:
-        kl = tl.abs(gap)
-        d_kl = tl.where(gap > 0, 1.0, tl.where(gap < 0, -1.0, 0.0))
-    elif EST == 3:
-        delta = lq - logp
-        d_delta = tl.full(logp.shape, -1.0, tl.float32)
-        if CLAMP:
-            d_delta = tl.where((delta >= -20.0) & (delta <= 20.0), d_delta, 0.0)
-            delta = tl.minimum(tl.maximum(delta, -20.0), 20.0)
-        kl = tl.exp(delta) - delta - 1.0
-        d_kl = (tl.exp(delta) - 1.0) * d_delta
-        if CLAMP:
-            d_kl = tl.where((kl >= -10.0) & (kl <= 10.0), d_kl, 0.0)
-            kl = tl.minimum(tl.maximum(kl, -10.0), 10.0)
-    else:
-        tl.static_assert(False, "a KL estimator of policy_tables has no kernel piece in sparse.estimator")
-    if K2_GRAD:
-        d_kl = gap
-    return kl, d_kl
-
-
-@triton.jit
 def token_values(row_out, sparse, slot, logp, S, F: tl.constexpr, C: tl.constexpr):
     """The per-token teacher's estimator at the target: (weighted value, d value / d logp)."""
     lq = tl.load(sparse.logprobs + slot).to(tl.float32)
-    kl, d_kl = estimator(logp, lq, F.TOKEN_EST, F.TOKEN_CLAMP, F.TOKEN_K2_GRAD)
+    kl, d_kl = kl_estimator(logp, lq, F.TOKEN_EST, F.TOKEN_CLAMP, F.TOKEN_K2_GRAD)
     put(row_out, C.divergence, kl)
     return S.w_distill * kl, d_kl
 

@@ -264,32 +264,35 @@ def _min_with_grad(a, da, b, db):
 
 
 @triton.jit
-def _kl_penalty(logp, ref, S, F: tl.constexpr):
-    """(kl, d kl / d logp) of the KL(pi || ref) estimate (policy.kl_estimate's formulas)."""
+def kl_estimator(logp, ref, EST: tl.constexpr, CLAMP: tl.constexpr, K2_GRAD: tl.constexpr):
+    """(kl, d kl / d logp) of a per-token KL(pi || ref) estimate (policy.kl_estimate's formulas, verl's
+    kl_penalty): EST is the estimator's code (policy_tables.KL_ESTIMATORS), CLAMP verl's k3 clamps,
+    K2_GRAD the value with the k2 gradient. The policy's KL penalty and a per-token teacher's
+    distillation (kernels.sparse) read it."""
     gap = logp - ref
-    if F.KL_EST == KL_K1:
+    if EST == KL_K1:
         kl = gap
         d_kl = tl.full(logp.shape, 1.0, tl.float32)
-    elif F.KL_EST == KL_K2:
+    elif EST == KL_K2:
         kl = 0.5 * gap * gap
         d_kl = gap
-    elif F.KL_EST == KL_ABS:
+    elif EST == KL_ABS:
         kl = tl.abs(gap)
         d_kl = tl.where(gap > 0, 1.0, tl.where(gap < 0, -1.0, 0.0))
-    elif F.KL_EST == KL_K3:
+    elif EST == KL_K3:
         delta = ref - logp
         d_delta = tl.full(logp.shape, -1.0, tl.float32)
-        if F.KL_CLAMP:
+        if CLAMP:
             d_delta = tl.where((delta >= -20.0) & (delta <= 20.0), d_delta, 0.0)
             delta = tl.minimum(tl.maximum(delta, -20.0), 20.0)
         kl = tl.exp(delta) - delta - 1.0
         d_kl = (tl.exp(delta) - 1.0) * d_delta
-        if F.KL_CLAMP:
+        if CLAMP:
             d_kl = tl.where((kl >= -10.0) & (kl <= 10.0), d_kl, 0.0)
             kl = tl.minimum(tl.maximum(kl, -10.0), 10.0)
     else:
-        tl.static_assert(False, "a KL estimator of policy_tables has no kernel piece in terms._kl_penalty")
-    if F.KL_K2_GRAD:
+        tl.static_assert(False, "a KL estimator of policy_tables has no kernel piece in terms.kl_estimator")
+    if K2_GRAD:
         d_kl = gap
     return kl, d_kl
 
@@ -395,7 +398,7 @@ def policy_token(logp, old, ref, adv, iw, S, F: tl.constexpr):
     d_per_token = d_per_token * iw
     kl = tl.zeros_like(logp)
     if F.KL_EST != 0:
-        kl, d_kl = _kl_penalty(logp, ref, S, F)
+        kl, d_kl = kl_estimator(logp, ref, F.KL_EST, F.KL_CLAMP, F.KL_K2_GRAD)
         if F.KL_IS_CORR:
             d_kl = d_kl * ratio + kl * d_ratio
             kl = kl * ratio

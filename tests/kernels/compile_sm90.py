@@ -112,6 +112,13 @@ def _head(spec, dtype=torch.bfloat16, backward=True, **kwargs):
         if "teacher" in extra:
             extra["teacher_logits"] = torch.randn(logits.shape).to(dtype)
             extra.pop("teacher")
+        if extra.pop("topk", False):  # the teacher's top-8 ids (two of a row's entries -1) and log-probs
+            ids = torch.stack([torch.randperm(logits.shape[-1])[:8] for _ in range(logits.shape[:-1].numel())])
+            ids[0, 6:] = -1
+            extra.update(teacher_ids=ids.reshape(*logits.shape[:-1], 8),
+                         teacher_logprobs=-torch.rand(*logits.shape[:-1], 8) * 4)
+        if extra.pop("token", False):
+            extra["teacher_logprobs"] = -torch.rand(targets.shape) * 4
         if "policy" in extra:
             extra.pop("policy")
             extra.update(advantages=torch.randn(logits.shape[0]), sequence_ids=torch.arange(logits.shape[0]) // 3,
@@ -164,8 +171,8 @@ def _sharded(call):
         stand_ins = {
             (logits_entry, "shard_of"): lambda group, width, device, fresh=False: layout,
             (lm_head, "rows_shard"): lambda weight, group, fresh=False: (weight, layout),
-            (engine, "gather_merged"): lambda part, _shard, own_temp=False: shard.launch_merge(
-                torch.stack([part, part]), own_temp),
+            (engine, "gather_merged"): lambda part, _shard, own_temp=False, topk=False: shard.launch_merge(
+                torch.stack([part, part]), own_temp, topk),
             (engine, "all_reduce_sum"): lambda t, _shard, what="dh": t,
             (linear, "all_reduce_sum"): lambda t, _shard, what="dh": t,
         }
@@ -224,6 +231,17 @@ VARIANTS = {
                                                group=object())),
     "sharded-linear": _sharded(_linear(headloss.LossSpec(token_accuracy=True, entropy={"weight": 0.0}),
                                        group=object())),
+    # a sparse teacher: its phase-2 piece, the K-sparse rewrite after the gradient pass, the shard's K logits
+    **{f"topk-{form}-{kind}": _head(headloss.LossSpec(distillation={"teacher": "topk", "topk": form,
+                                                                    "divergence": kind}), topk=True)
+       for form, kind in (("renormalized", "reverse_kl"), ("rest", "jsd"))},
+    "topk-verl-deferred-softcap": _head(headloss.LossSpec(
+        distillation={"teacher": "topk", "log_prob_min_clamp": -8.0}, reduction="none",
+        transform={"softcap": 30.0}), topk=True),
+    "token-k3": _head(headloss.LossSpec(distillation={"teacher": "token", "estimator": "k3",
+                                                      "estimator_clamp": True}), token=True),
+    "sharded-topk": _sharded(_head(headloss.LossSpec(distillation={"teacher": "topk"}, token_accuracy=True),
+                                   topk=True, group=object())),
 }
 
 
