@@ -269,9 +269,14 @@ def installed():
     """install() for one test, verl's functions and registry restored after."""
     import importlib
 
+    from verl.trainer.distillation import losses as distill
+    from verl.trainer.distillation.fsdp import losses as fsdp_distill
+
     kernel = importlib.import_module("verl.utils.kernel.linear_cross_entropy")
     dense = importlib.import_module("verl.models.transformers.dense_common")
-    saved = (kernel.linear_cross_entropy, dense.forward_with_triton_backend, dict(core_algos.POLICY_LOSS_REGISTRY))
+    saved = (kernel.linear_cross_entropy, dense.forward_with_triton_backend, dict(core_algos.POLICY_LOSS_REGISTRY),
+             fsdp_distill.compute_forward_kl_topk, dict(distill.DISTILLATION_LOSS_REGISTRY),
+             dict(distill.DISTILLATION_SETTINGS_REGISTRY))
     try:
         hv.install()
         yield kernel, dense
@@ -279,6 +284,11 @@ def installed():
         kernel.linear_cross_entropy, dense.forward_with_triton_backend = saved[:2]
         core_algos.POLICY_LOSS_REGISTRY.clear()
         core_algos.POLICY_LOSS_REGISTRY.update(saved[2])
+        fsdp_distill.compute_forward_kl_topk = saved[3]
+        for registry, was in ((distill.DISTILLATION_LOSS_REGISTRY, saved[4]),
+                              (distill.DISTILLATION_SETTINGS_REGISTRY, saved[5])):
+            registry.clear()
+            registry.update(was)
 
 
 @needs_kernel
@@ -396,3 +406,110 @@ def test_vocab_parallel_fused_head_and_packed_policy_equal_one_device():
             assert_close_norm(dh, h.grad, rtol=1e-4, atol=1e-6, name=f"{name} dh")
             start = [0, 20][rank]
             assert_close_norm(dw, w.grad[start:start + dw.shape[0]], rtol=1e-4, atol=1e-6, name=f"{name} dw")
+
+
+# --- distillation ---------------------------------------------------------------------------------
+
+
+def topk_batch(seed, k=6, vocab=V, rows=(2, 11), dtype=torch.float32):
+    """verl's top-k inputs: student logits [1, total_nnz, V] and the teacher's nested [bsz, seqlen, K] top-k
+    (ids and log-probs of a teacher near the student), flattened by verl to [1, total_nnz, K]."""
+    gen = generator(seed)
+    lengths = list(rows)
+    total = sum(lengths)
+    logits = (torch.randn(1, total, vocab, generator=gen, dtype=torch.float64) * 2).to(dtype)
+    teacher = torch.log_softmax(logits.double() + torch.randn(1, total, vocab, generator=gen, dtype=torch.float64),
+                                -1)
+    top = teacher.topk(k, dim=-1)
+    split = lambda t: torch.nested.as_nested_tensor(list(t[0].split(lengths)), layout=torch.jagged)  # noqa: E731
+    return logits, split(top.values.float()), split(top.indices)
+
+
+def distill_config(clamp=None, loss_mode="forward_kl_topk"):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(distillation_loss=SimpleNamespace(log_prob_min_clamp=clamp, use_chunked_topk=False,
+                                                             loss_mode=loss_mode, topk=6))
+
+
+@needs_kernel
+@pytest.mark.parametrize("clamp", [None, -3.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_kl_topk_equals_verls_own_top_k_step(clamp, dtype):
+    """forward_kl_topk against verl's compute_forward_kl_topk (its default path, which materialises the
+    log-softmax): the per-token loss as verl's loss clamps it at 0, the student and teacher mass, and
+    the gradient of a weighted sum of the clamped losses; verl's overlap outputs are left out."""
+    from verl.trainer.distillation.fsdp import losses as fsdp_distill
+
+    logits, lp, ids = topk_batch(3, dtype=dtype)
+    config = distill_config(clamp)
+    weights = torch.rand(logits.shape[:2], generator=generator(4)) + 0.5
+    x_verl, x_ours = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    want = fsdp_distill.compute_forward_kl_topk(x_verl, lp, ids, config, "thd")
+    got = hv.forward_kl_topk(x_ours, lp, ids, config, "thd")
+    assert set(got) == {"distillation_losses", "student_mass", "teacher_mass"}
+    (want["distillation_losses"].float().clamp_min(0.0) * weights).sum().backward()
+    (got["distillation_losses"] * weights).sum().backward()
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    assert_close_norm(got["distillation_losses"].detach(), want["distillation_losses"].float().clamp_min(0.0),
+                      name="distillation_losses", **tol)
+    for name in ("student_mass", "teacher_mass"):
+        assert_close_norm(got[name], want[name].float(), name=name, **tol)
+    assert_close_norm(x_ours.grad.float(), x_verl.grad.float(), name="grad", **tol)
+
+
+@needs_kernel
+def test_install_puts_forward_kl_topk_in_verls_top_k_step(installed):
+    """After install(), verl's own compute_topk_loss (its logits processor's call, strategy fsdp) runs
+    headloss's forward_kl_topk; the estimator losses are in verl's registry as headloss_<name>."""
+    from types import SimpleNamespace
+
+    from verl.trainer.distillation import losses as distill
+
+    logits, lp, ids = topk_batch(5)
+    out = distill.compute_topk_loss(SimpleNamespace(strategy="fsdp"), distill_config(),
+                                    {"teacher_logprobs": lp, "teacher_ids": ids}, logits, "thd")
+    want = hv.forward_kl_topk(logits, lp, ids, distill_config(), "thd")
+    for name, value in want.items():
+        assert torch.equal(out[name], value), name
+    for mode in hv.DISTILLATION_ESTIMATORS:
+        assert distill.get_distillation_loss_fn(f"headloss_{mode}").__name__ == f"headloss_{mode}"
+        assert distill.get_distillation_loss_settings(f"headloss_{mode}").use_estimator
+
+
+def _estimator_data(seed):
+    """verl's unpadded log-probs [total_nnz] and the TensorDict no_padding_2_padding reads (prompts,
+    responses, attention mask), with a ragged response mask and a teacher near the student."""
+    from tensordict import TensorDict
+
+    gen = generator(seed)
+    b, prompt, response = 3, 2, 5
+    student = -torch.rand(b * (prompt + response), generator=gen, dtype=torch.float64) * 4 - 0.05
+    teacher = student + 0.8 * torch.randn(student.shape, generator=gen, dtype=torch.float64)
+    mask = torch.arange(response)[None] < torch.tensor([5, 3, 1])[:, None]
+    data = TensorDict({"prompts": torch.ones(b, prompt, dtype=torch.long),
+                       "responses": torch.ones(b, response, dtype=torch.long),
+                       "attention_mask": torch.ones(b, prompt + response, dtype=torch.long),
+                       "response_mask": mask, "teacher_logprobs": teacher[:, None]}, batch_size=[])
+    return student, data
+
+
+@pytest.mark.parametrize("mode", sorted(hv.DISTILLATION_ESTIMATORS))
+def test_estimator_losses_equal_verls_own(mode):
+    """Each of verl's single-sample distillation losses (kl_penalty's names, '+' forms too) against
+    verl's registered compute_distillation_loss_reverse_kl_estimator: per-token losses, their gradient
+    and distillation/abs_loss."""
+    from verl.trainer.distillation import losses as distill
+
+    student, data = _estimator_data(7)
+    config = distill_config(loss_mode=mode)
+    results = []
+    for fn in (distill.get_distillation_loss_fn("k3"), hv.distillation_loss_fn(mode)):
+        leaf = student.clone().requires_grad_()
+        losses, metrics = fn(None, config, {"log_probs": leaf}, data)
+        (losses * data["response_mask"]).sum().backward()
+        results.append((losses.detach(), leaf.grad, metrics["distillation/abs_loss"].values))
+    (want, want_grad, want_abs), (got, got_grad, got_abs) = results
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
+    assert got_abs == pytest.approx(want_abs, rel=1e-12)  # (Metric.values: a list of floats)
