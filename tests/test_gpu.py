@@ -237,6 +237,58 @@ def test_distillation_matches_fp64_reference_at_llama3_vocab(divergence, beta):
     assert _rel(x.grad, r.grad) < 8e-3
 
 
+SPARSE_CASES = {
+    "verl": {"teacher": "topk", "topk": "verl", "log_prob_min_clamp": -12.0},
+    "renormalized-reverse": {"teacher": "topk", "topk": "renormalized", "divergence": "reverse_kl"},
+    "rest-jsd": {"teacher": "topk", "topk": "rest", "divergence": "jsd", "beta": 0.3},
+    "token-k3+": {"teacher": "token", "estimator": "k3", "estimator_clamp": True, "estimator_grad": "k2"},
+}
+
+
+def _sparse_teacher(logits, targets, k, seed):
+    """A teacher near the student: its top-k ids (a few rows padded with -1) and log-probs, and its
+    log-prob at each target."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    teacher = torch.log_softmax(logits.float() + torch.randn(logits.shape, device="cuda", generator=gen), -1)
+    top = teacher.topk(k, dim=-1)
+    ids = top.indices.clone()
+    ids[::7, k // 2:] = -1
+    return ids, top.values, teacher.gather(-1, targets.clamp(min=0)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("k", [64, 256])
+@pytest.mark.parametrize("case", list(SPARSE_CASES))
+def test_sparse_teacher_matches_fp64_reference_at_qwen_vocab(case, k):
+    """A top-k or per-token teacher on the compiled kernels (logits and lm_head, bf16, V 151936, an
+    odd row count) against the plain-torch path in fp64: loss, metrics, gradients."""
+    spec = headloss.LossSpec(cross_entropy={"weight": 0.5}, distillation=SPARSE_CASES[case], token_accuracy=True)
+    logits, targets = _batch(129, 151936, torch.bfloat16, seed=31)
+    ids, lp, lp_token = _sparse_teacher(logits, targets, k, seed=32)
+    kw = dict(teacher_ids=ids, teacher_logprobs=lp) if spec.distillation.teacher == "topk" else \
+        dict(teacher_logprobs=lp_token)
+    x = logits.clone().requires_grad_()
+    out = headloss.head_loss(x, targets, spec, **kw)
+    out.loss.backward()
+    r = logits.double().requires_grad_()
+    ref = headloss.head_loss(r, targets, spec, backend="torch", **kw)
+    ref.loss.backward()
+    assert abs(out.loss.item() - ref.loss.item()) <= 1e-5 * max(1.0, abs(ref.loss.item()))
+    for name, value in ref.metrics.items():
+        assert torch.allclose(out.metrics[name].double(), value.double(), rtol=1e-5, atol=1e-5), name
+    assert _rel(x.grad, r.grad) < 8e-3
+    # the fused lm_head on the same rows: hidden [129, 256] x weight [151936, 256]
+    gen = torch.Generator(device="cuda").manual_seed(33)
+    hidden = (torch.randn(129, 256, device="cuda", generator=gen)).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(151936, 256, device="cuda", generator=gen) / 8).to(torch.bfloat16).requires_grad_()
+    fused = headloss.linear_head_loss(hidden, weight, targets, spec, chunk_bytes=32 << 20, **kw)
+    fused.loss.backward()
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    want = headloss.head_loss(h64 @ w64.t(), targets, spec, backend="torch", **kw)
+    want.loss.backward()
+    assert abs(fused.loss.item() - want.loss.item()) <= 1e-4 * max(1.0, abs(want.loss.item()))
+    assert _rel(hidden.grad, h64.grad) < 2e-2 and _rel(weight.grad, w64.grad) < 2e-2
+
+
 OBJECTIVE_CASES = {
     "dapo": {"loss_type": "dapo"}, "grpo": {"loss_type": "grpo"},
     "cispo": {"objective": "cispo", "eps_high": 1.2}, "cispo-verl": {"objective": "cispo", "convention": "verl"},
