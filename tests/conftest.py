@@ -171,6 +171,25 @@ def run_pair(
     return Pair(spec, out, ref, grad, ref_grad, kleaf, x64, dtype)
 
 
+def teacher_inputs(spec, logits: torch.Tensor, targets: torch.Tensor | None, seed: int, k: int = 4) -> dict:
+    """The teacher a spec's distillation term reads, near the student's ``logits`` [.., V]: its logits,
+    its top-``k`` ids and log-probs (a few entries -1), or its log-prob at each target."""
+    dist = spec.distillation
+    if dist is None:
+        return {}
+    gen = generator(seed)
+    teacher = logits.detach().float() + torch.randn(logits.shape, generator=gen)
+    if dist.teacher == "logits":
+        return {"teacher_logits": teacher.to(logits.dtype)}
+    logprobs = torch.log_softmax(teacher, -1)
+    if dist.teacher == "token":
+        return {"teacher_logprobs": logprobs.gather(-1, targets.clamp(min=0)[..., None])[..., 0]}
+    top = logprobs.topk(min(k, logits.shape[-1]), dim=-1)
+    ids = top.indices.clone()
+    ids.view(-1, ids.shape[-1])[::3, -1] = -1
+    return {"teacher_ids": ids, "teacher_logprobs": top.values}
+
+
 def value_atol(x64: torch.Tensor) -> float:
     """Absolute slack of fp32 values that are differences of O(max |x|) quantities (entropy, lse - x)."""
     finite = x64[torch.isfinite(x64)]

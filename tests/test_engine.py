@@ -21,6 +21,7 @@ from conftest import (
     needs_kernel,
     run_pair,
     seed_of,
+    teacher_inputs,
     with_,
 )
 from hypothesis import given
@@ -658,9 +659,7 @@ def test_every_config_file_runs_on_the_kernel_and_matches_reference(path):
     spec = LossSpec.from_file(path)
     logits = make_logits((2, 4, 60), torch.bfloat16, seed=25)
     targets = make_targets((2, 4), 60, 25, 0.25, spec.ignore_index) if spec.needs_targets else None
-    inputs = {}
-    if spec.distillation is not None:
-        inputs["teacher_logits"] = make_logits((2, 4, 60), torch.bfloat16, seed=26)
+    inputs = teacher_inputs(spec, logits, targets, seed=26)
     if spec.policy is not None:
         logp = -torch.rand(2, 4, generator=torch.Generator().manual_seed(27)) * 4 - 2
         inputs.update(advantages=torch.tensor([0.7, -1.2]), old_logprobs=logp, ref_logprobs=logp - 0.1)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import generator, make_logits, make_targets, needs_kernel
+from conftest import generator, make_logits, make_targets, needs_kernel, teacher_inputs
 
 from headloss import LossSpec, head_loss, linear_head_loss
 from headloss.metrics import TRL_NAMES, MetricsAccumulator
@@ -33,6 +33,9 @@ SPECS = {
     "distill-jsd": LossSpec(cross_entropy=None, distillation={"divergence": "jsd", "beta": 0.5},
                             token_accuracy=True),
     "distill-reverse-and-ce": LossSpec(distillation={"divergence": "reverse_kl"}, entropy={}),
+    "distill-topk-rest-and-z": LossSpec(distillation={"teacher": "topk", "topk": "rest"}, z_loss={},
+                                        token_accuracy=True),
+    "distill-token-and-entropy": LossSpec(distillation={"teacher": "token", "estimator": "k2"}, entropy={}),
     "grpo-kl": _policy(kl_beta=0.04, entropy_coef=0.01),
     "grpo-with-ce": LossSpec(entropy={}, token_accuracy=True, policy=Policy(loss_type="dapo")),
     "gspo": _policy(importance_sampling="sequence", loss_type="grpo"),
@@ -60,8 +63,7 @@ def _inputs(spec: LossSpec, seed: int) -> dict:
     logits = make_logits((B, T, V), seed=seed)
     targets = make_targets((B, T), V, seed=seed, ignore_frac=0.2, ignore_index=spec.ignore_index)
     kwargs = {}
-    if spec.distillation is not None:
-        kwargs["teacher_logits"] = make_logits((B, T, V), seed=seed + 1)
+    kwargs.update(teacher_inputs(spec, logits, targets, seed + 1))
     if spec.policy is not None:
         logp = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
         kwargs.update(advantages=torch.randn(B, generator=gen),

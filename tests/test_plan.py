@@ -8,7 +8,7 @@ import torch
 from conftest import make_logits, make_targets, needs_kernel, with_
 
 from headloss import DFT, CrossEntropy, Entropy, LogitTransform, LossSpec, ZLoss, head_loss
-from headloss.kernels import blocks, head, policy, primitives, shard, terms
+from headloss.kernels import blocks, head, policy, primitives, shard, sparse, terms
 from headloss.plan import ROW_COLUMNS, Columns, Flags, Scalars, compile_plan, plan_from_key
 
 RICH = LossSpec(
@@ -84,7 +84,8 @@ def test_cross_entropy_only_plan_computes_nothing_else():
         REDUCTION=0, HAS_CE=True, HAS_SMOOTHING=False, HAS_Z=False, HAS_DFT=False, HAS_ENTROPY=False,
         ENTROPY_GRAD=False, ENTROPY_TOKEN_MEAN=False, HAS_ARGMAX=False, HAS_SOFTCAP=False, HAS_POLICY=False,
         OBJECTIVE=0, CISPO_VERL=False, LOG_RATIO_CLAMP=False, KL_EST=0, KL_CLAMP=False, KL_K2_GRAD=False,
-        KL_IS_CORR=False, DISTILL_KIND=-1, OWN_TEMP=False,
+        KL_IS_CORR=False, DISTILL_KIND=-1, OWN_TEMP=False, SPARSE=0, TOPK_FORM=0, TOPK_DIV=0, TOPK_CLAMP=False,
+        TOKEN_EST=0, TOKEN_CLAMP=False, TOKEN_K2_GRAD=False,
     )
     assert plan.mode == "fused" and plan.reduction == "mean"
     assert plan.requires == ("logits", "targets")
@@ -190,7 +191,7 @@ def test_kernels_take_the_plan_as_named_tuples_by_keyword():
 
 def test_every_flag_column_and_scalar_is_read_by_name_in_the_kernels():
     """A field no kernel reads is dead; a field read by a name the plan lacks would not compile."""
-    source = "\n".join(inspect.getsource(m) for m in (head, shard, policy, blocks, terms, primitives))
+    source = "\n".join(inspect.getsource(m) for m in (head, shard, policy, blocks, terms, primitives, sparse))
     for name in Flags._fields:
         assert f"F.{name}" in source, f"flag {name} is never read"
     for name in Columns._fields:

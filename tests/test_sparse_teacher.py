@@ -521,8 +521,9 @@ def test_verl_token_oracle_matches_verl_kl_penalty_value_and_gradient():
                                         mode["estimator"], mode.get("estimator_clamp", False),
                                         mode.get("estimator_grad", "estimator"))
         (value * weights).sum().backward()
-        torch.testing.assert_close(got_verl.detach(), plain, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name} grad: {m}")
+        torch.testing.assert_close(got_verl.detach(), plain, rtol=1e-12, atol=1e-12,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, msg=lambda m, name=name: f"{name} grad: {m}")
     # verl's k3 is always low_var_kl's clamped form; ours without estimator_clamp is not
     unclamped, _ = oracle_estimator(logp0, lq, "k3")
     assert float(unclamped[0]) > 1e10 and float(core_algos.kl_penalty(logp0, lq, "k3")[0]) == 10.0
@@ -578,8 +579,8 @@ def test_token_estimator_clamps_and_straight_through_gradient(backend):
     for mode in ("k3", "k3_clamp", "k3_plus"):
         spec = token_spec(mode, ce=False, weight=1.0)
         out, grad = run_logits(backend, logits, targets, spec=spec, teacher_logprobs=lq)
-        loss, metrics, want_grad = oracle_grad(logits, lambda x: oracle_token(x, targets, lq, TOKEN_MODES[mode],
-                                                                              weight=1.0))
+        loss, metrics, want_grad = oracle_grad(logits, lambda x, m=mode: oracle_token(x, targets, lq, TOKEN_MODES[m],
+                                                                                   weight=1.0))
         assert_matches_oracle(out, loss, metrics, [("logits", grad, want_grad)], F32)
         if mode == "k3_clamp":
             assert float(grad[:2].abs().max()) == 0.0  # both clamped at 10: no gradient

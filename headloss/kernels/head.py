@@ -80,6 +80,22 @@ class ShardRows(NamedTuple):
     jsd: torch.Tensor | None  # (n_rows, layouts.JsdShares) fp32 mixture-JSD shares summed over the shards
 
 
+class TeacherRows(NamedTuple):
+    """The head kernels' teacher: a dense teacher's logits (like the student's), a sparse teacher's
+    per-slot rows (kernels.sparse.SparseRows: F.SPARSE), each or None."""
+
+    logits: torch.Tensor | None
+    sparse: SparseRows | None
+
+
+class Blocks(NamedTuple):
+    """The head kernels' block sizes (constexpr): the vocabulary's, and the top-k teacher's K rounded up
+    to a power of two (1 without one)."""
+
+    V: int
+    K: int
+
+
 class Prepare(NamedTuple):
     """head_kernel's program 0 does prepare_kernel's work (see launch_head(prepared=False))."""
 
@@ -203,7 +219,7 @@ def head_kernel(
     # pointers
     logits,  # (rows, V) addressed through geo.stride_b / stride_t, any float dtype
     targets,  # (n_out,) int, or None
-    teacher,  # like logits (geo.t_stride_*), or None
+    teacher,  # TeacherRows: the dense teacher's logits (like logits, geo.t_stride_*) and a sparse teacher, each or None
     grad,  # like logits (geo.g_stride_*), may alias logits; None: no gradient pass
     rows,  # (n_out, C.N) fp32 packed per-row values
     pred,  # (n_out,) int64 argmax (-1 where not scored), or None
@@ -214,19 +230,21 @@ def head_kernel(
     means,  # (C.N + 1,) fp32 column means and the loss, written with FINISH
     shard,  # ShardRows: vocab-parallel merged row statistics and summed mixture-JSD shares (None: not sharded)
     prep,  # Prepare: with a nonce, program 0 does prepare_kernel's work first (see launch_head)
-    sparse,  # SparseRows: a top-k or per-token teacher (F.SPARSE), or None
     # sizes, strides, runtime scalars
     geo,
     S,
     # meta
     F: tl.constexpr,
     C: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # the top-k teacher's K, a power of two (1 without one)
+    BLOCKS: tl.constexpr,  # Blocks: the vocabulary block and the top-k teacher's
     R: tl.constexpr,  # Tiles of the last program's reduction
     FINISH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    BLOCK_V: tl.constexpr = BLOCKS.V
+    BLOCK_K: tl.constexpr = BLOCKS.K
+    t_logits = teacher.logits
+    sparse = teacher.sparse
     # Program 0 prepares and the others wait for it (await_prepared): this relies on program 0 running,
     # which CUDA does not promise but does (blocks start in index order; the interpreter runs them in order)
     PREPARE: tl.constexpr = prep.nonce is not None  # (a tuple holding None cannot be compared with None)
@@ -242,11 +260,11 @@ def head_kernel(
     jsd = shard.jsd
     SHARDED: tl.constexpr = stats is not None
     # merged statistics per row: layouts.Stats, then a top-k teacher's K logits
-    NCOL: tl.constexpr = (STATS_AT.N_TEACHER if teacher is not None else STATS_AT.N) + \
+    NCOL: tl.constexpr = (STATS_AT.N_TEACHER if t_logits is not None else STATS_AT.N) + \
         (BLOCK_K if F.SPARSE == 1 else 0)
     V_math = geo.V_total if SHARDED else geo.V  # the vocabulary of the math (label smoothing's eps / V)
     row_ptr = row_start(logits, row, geo.T, geo.stride_b, geo.stride_t)
-    t_row = row_start(teacher, row, geo.T, geo.t_stride_b, geo.t_stride_t)
+    t_row = row_start(t_logits, row, geo.T, geo.t_stride_b, geo.t_stride_t)
     grad_row = row_start(grad, row, geo.T, geo.g_stride_b, geo.g_stride_t)
     slot, has_slot, y, counted = row_slot(targets, row, geo)
     row_out = rows + slot * C.N
@@ -263,7 +281,7 @@ def head_kernel(
             m2, d, sum_x2, sum_ex2, arg, x2_y, slope_y = merged_stats(stats, row, row_ptr, y_here, geo.V, S, F,
                                                                      NCOL)
             tstats = 0
-            if teacher is not None:
+            if t_logits is not None:
                 tstats = merged_teacher(stats, row)
         else:
             m2, d, sum_x2, sum_ex2, arg, tstats = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V,
@@ -284,7 +302,7 @@ def head_kernel(
         token_loss = row_values(row_out, lse, logp, sum_x2, entropy, V_math, S, F, C)
         zero = tl.zeros([], tl.float32)
         dstate = (zero, zero, zero, zero)
-        if teacher is not None:
+        if t_logits is not None:
             jsd_row = jsd
             if jsd is not None:
                 jsd_row = jsd + row * JSD_AT.N
@@ -377,7 +395,7 @@ def head_backward_kernel(
     # pointers
     logits,  # (rows, V) addressed through geo.stride_*
     targets,  # (n_out,) int, or None
-    teacher,  # like logits, or None
+    teacher,  # TeacherRows, as head_kernel's
     grad,  # like logits (geo.g_stride_*), may alias logits
     rows,  # (n_out, C.N) fp32 saved by the forward
     d_loss,  # (1,) fp32 upstream gradient of the reduced loss, (n_out,) for reduction 'none', or None
@@ -385,21 +403,23 @@ def head_backward_kernel(
     num_items,  # (1,) or None
     scratch,  # int64 layouts.Scratch from the forward
     stats,  # vocab-parallel: the forward's merged (n_rows, layouts.Stats) statistics, or None
-    sparse,  # SparseRows, or None
     # sizes, strides, runtime scalars
     geo,
     S,
     # meta
     F: tl.constexpr,
     C: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCKS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    BLOCK_V: tl.constexpr = BLOCKS.V
+    BLOCK_K: tl.constexpr = BLOCKS.K
+    t_logits = teacher.logits
+    sparse = teacher.sparse
     SHARDED: tl.constexpr = stats is not None
     V_math = geo.V_total if SHARDED else geo.V
     row_ptr = row_start(logits, row, geo.T, geo.stride_b, geo.stride_t)
-    t_row = row_start(teacher, row, geo.T, geo.t_stride_b, geo.t_stride_t)
+    t_row = row_start(t_logits, row, geo.T, geo.t_stride_b, geo.t_stride_t)
     grad_row = row_start(grad, row, geo.T, geo.g_stride_b, geo.g_stride_t)
     slot, has_slot, y, counted = row_slot(targets, row, geo)
     if counted:
@@ -429,7 +449,7 @@ def head_backward_kernel(
         x2_y = zero
         slope_y = zero
         y_here = y
-        NCOL: tl.constexpr = (STATS_AT.N_TEACHER if teacher is not None else STATS_AT.N) + \
+        NCOL: tl.constexpr = (STATS_AT.N_TEACHER if t_logits is not None else STATS_AT.N) + \
             (BLOCK_K if F.SPARSE == 1 else 0)
         if targets is not None:
             if SHARDED:
@@ -452,7 +472,7 @@ def head_backward_kernel(
                 sp_x2, sp_lq, sp_ids, sp_given, lse * LOG2E, 0, S, F, BLOCK_K)
             A += u * S.w_distill * sp_a
         dstate = (zero, zero, zero, zero)
-        if teacher is not None:
+        if t_logits is not None:
             dstate = (tl.load(row_in + C.lse_s2), tl.load(row_in + C.lse_t2), tl.load(row_in + C.divergence),
                       tl.load(row_in + C.jsd_s))
         gradient_pass(
@@ -521,10 +541,10 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
         prep = Prepare(*(verdict if verdict is not None else (None, None)), next_nonce(), sequence_ids, n_seq)
     launch(
         head_kernel, geo.n_rows, cfg.num_warps,
-        logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, pred=pred, policy=policy,
-        num_items=num_items, scratch=scratch, loss=loss, means=means,
-        shard=_UNSHARDED if stats is None else ShardRows(stats, jsd), prep=prep, sparse=sparse, geo=geo,
-        S=plan.scalars, F=plan.flags, C=plan.cols, BLOCK_V=cfg.block_v, BLOCK_K=max(topk_block(sparse), 1),
+        logits=logits, targets=targets, teacher=TeacherRows(teacher, sparse), grad=grad, rows=rows, pred=pred,
+        policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means,
+        shard=_UNSHARDED if stats is None else ShardRows(stats, jsd), prep=prep, geo=geo,
+        S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=Blocks(cfg.block_v, max(topk_block(sparse), 1)),
         FINISH=finish, R=_tiles(plan.cols.N),
     )
 
@@ -546,9 +566,9 @@ def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d
     cfg = launch_config(geo.V, plan.has_teacher, geo.n_rows)
     launch(
         head_backward_kernel, geo.n_rows, cfg.num_warps,
-        logits=logits, targets=targets, teacher=teacher, grad=grad, rows=rows, d_loss=d_loss, d_rows=d_rows,
-        num_items=num_items, scratch=scratch, stats=stats, sparse=sparse, geo=geo, S=plan.scalars, F=plan.flags,
-        C=plan.cols, BLOCK_V=cfg.block_v, BLOCK_K=max(topk_block(sparse), 1),
+        logits=logits, targets=targets, teacher=TeacherRows(teacher, sparse), grad=grad, rows=rows, d_loss=d_loss,
+        d_rows=d_rows, num_items=num_items, scratch=scratch, stats=stats, geo=geo, S=plan.scalars, F=plan.flags,
+        C=plan.cols, BLOCKS=Blocks(cfg.block_v, max(topk_block(sparse), 1)),
     )
 
 
