@@ -1,0 +1,129 @@
+"""TRL's server distillation (``trl.experimental.server_distillation``) computing its loss with headloss.
+
+::
+
+    from headloss.integrations.trl_distill import HeadLossServerDistillationTrainer
+
+    trainer = HeadLossServerDistillationTrainer(model=model, args=ServerDistillationConfig(...), ...)
+
+TRL 1.16's ``ServerDistillationTrainer`` gets the teacher from a vLLM server as its top-k
+log-probs (``loss_top_k``) and its log-prob of each sampled token, then takes the student's whole
+log-softmax [B, T, V] to gather K columns. The subclass changes one method, ``compute_loss``: the
+same student forward, teacher request and slicing, then :func:`server_distillation_loss` -- one
+:func:`headloss.head_loss` pass over the student's logits with the teacher's support as a sparse
+teacher (no log-softmax, gradient written once into the logits' gradient):
+
+==============================  ==============================================================
+TRL                             headloss
+==============================  ==============================================================
+``beta == 0``                   the teacher's top-k, forward KL
+``beta > 0`` (top-1 support)    the teacher's top-1 id and the sampled token (once when they
+                                are the same), ``divergence="jsd"`` with ``beta`` (1: reverse KL)
+``loss_add_tail``               ``topk="rest"`` (else ``"renormalized"``)
+``temperature``                 ``LogitTransform.temperature`` (the student's logits / T)
+``batchmean`` over labels       the mean over counted rows (``labels`` as targets, -100 ignored)
+==============================  ==============================================================
+
+What TRL's hook does not allow: ``compute_loss`` calls the model for its full logits, so the
+student's [B, L, V] logits are still materialised by the model's forward (only the log-softmax and
+its backward are saved); a hidden-state path would need TRL's ``_get_last_hidden_state`` under the
+same ``_forward_redirection`` as its dense ``DistillationTrainer``, which this trainer's
+``compute_loss`` does not use. TRL's tail bucket clamps the top-k mass at ``1 - 1e-7``; headloss's
+rest outcome is exact (they differ only where the student puts all but 1e-7 of its mass on the ids).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..api import head_loss
+from ..bounded import memoize
+from ..spec import Distillation, LogitTransform, LossSpec
+
+__all__ = ["HeadLossServerDistillationTrainer", "server_distillation_loss", "server_distillation_spec",
+           "server_support"]
+
+
+@memoize("trl.server_spec", 64, "TRL server distillation specs by (beta, loss_add_tail, temperature)")
+def server_distillation_spec(beta: float, loss_add_tail: bool, temperature: float = 1.0) -> LossSpec:
+    """The LossSpec of TRL's server distillation loss: a sparse teacher's divergence alone."""
+    divergence = "forward_kl" if beta == 0 else "reverse_kl" if beta == 1 else "jsd"
+    return LossSpec(cross_entropy=None, transform=LogitTransform(temperature=float(temperature)),
+                    distillation=Distillation(teacher="topk", topk="rest" if loss_add_tail else "renormalized",
+                                              divergence=divergence, beta=float(beta) if 0 < beta < 1 else 0.5))
+
+
+def server_support(teacher_result: dict[str, torch.Tensor], completion_tokens: torch.Tensor, labels: torch.Tensor,
+                   beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, log-probs) [B, T, K] of the teacher's support as TRL's server loss takes it: the top-k
+    (-inf log-probs: no entry) for ``beta == 0``; else the teacher's top-1 id and the sampled token
+    (the sampled one alone for ``beta == 1``), with TRL's checks that the positions scored have
+    finite teacher log-probs."""
+    top_lp, top_ids = teacher_result["topk_logprobs"], teacher_result["topk_token_ids"]
+    if beta == 0:
+        given = top_lp > float("-inf")
+        return torch.where(given, top_ids, -1), torch.where(given, top_lp, 0.0)
+    actual = teacher_result["actual_logprobs"]
+    required = labels != -100
+    missing = required & ~torch.isfinite(actual)
+    if bool(missing.any()):
+        raise ValueError("teacher_result: the teacher server is missing actual-token logprobs for required "
+                         f"reverse-KL positions: {int(missing.sum())}/{int(required.sum())}")
+    actual = torch.where(required, actual, 0.0)
+    if beta == 1:
+        return completion_tokens[..., None], actual[..., None]
+    top1, top1_ids = top_lp[..., 0], top_ids[..., 0]
+    missing = required & ~torch.isfinite(top1)
+    if bool(missing.any()):
+        raise ValueError("teacher_result: the teacher server is missing top-1 logprobs for required forward-KL "
+                         f"positions: {int(missing.sum())}/{int(required.sum())}")
+    top1 = torch.where(required, top1, 0.0)
+    second = torch.where(completion_tokens == top1_ids, -1, completion_tokens)
+    return torch.stack([top1_ids, second], -1), torch.stack([top1, actual], -1)
+
+
+def server_distillation_loss(student_logits: torch.Tensor, teacher_result: dict[str, torch.Tensor],
+                             completion_tokens: torch.Tensor, labels: torch.Tensor, *, beta: float,
+                             loss_add_tail: bool, temperature: float = 1.0) -> torch.Tensor:
+    """TRL ServerDistillationTrainer's loss (its ``_compute_server_forward_kl_loss`` for ``beta == 0``,
+    else ``_compute_server_sparse_top_1_divergence_loss``) on the student's logits [B, T, V] of the
+    completion positions, by one head pass: the mean over positions whose label is not -100."""
+    ids, logprobs = server_support(teacher_result, completion_tokens, labels, beta)
+    spec = server_distillation_spec(beta, loss_add_tail, temperature)
+    return head_loss(student_logits, labels, spec, teacher_ids=ids, teacher_logprobs=logprobs).loss
+
+
+def _trainer_base():
+    from trl.experimental.server_distillation import ServerDistillationTrainer
+
+    return ServerDistillationTrainer
+
+
+class HeadLossServerDistillationTrainer(_trainer_base()):
+    """TRL's ServerDistillationTrainer with its loss computed by :func:`server_distillation_loss`."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # TRL's own preamble: the prompt and completion as one batch, labels -100 outside the completion
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        completion_labels = torch.where(completion_mask.bool(), completion_ids, torch.full_like(completion_ids, -100))
+        labels = torch.cat([torch.full_like(prompt_ids, -100), completion_labels], dim=1)
+        inputs: dict[str, Any] = {**inputs, "input_ids": input_ids, "attention_mask": attention_mask,
+                                  "labels": labels, "prompt_attention_mask": prompt_mask}
+        student_outputs = model(input_ids=input_ids, attention_mask=attention_mask)
+        prompt_length = self._compute_prompt_length(inputs)
+        labels = labels[:, prompt_length:]
+        completion_tokens = input_ids[:, prompt_length:]
+        teacher_result = self._get_teacher_token_logprobs_from_server(inputs, prompt_length)
+        comp_len = teacher_result["actual_logprobs"].shape[1]
+        student_logits = student_outputs.logits[:, prompt_length - 1: -1, :][:, :comp_len]
+        loss = server_distillation_loss(student_logits, teacher_result, completion_tokens[:, :comp_len],
+                                        labels[:, :comp_len], beta=self.beta, loss_add_tail=self.loss_add_tail,
+                                        temperature=self.temperature)
+        if self.model.training:  # (TRL: the server path normalises locally, then by the accumulation steps)
+            loss = loss / self.current_gradient_accumulation_steps
+        return (loss, student_outputs) if return_outputs else loss

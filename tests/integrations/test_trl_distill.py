@@ -1,0 +1,85 @@
+"""headloss.integrations.trl_distill against TRL 1.16's ServerDistillationTrainer's own loss methods:
+the same student logits and teacher-server result, TRL's loss on the student's log-softmax against
+headloss's one pass with the teacher's support as a sparse teacher."""
+
+import pytest
+import torch
+from conftest import generator, needs_kernel
+
+pytest.importorskip("trl")
+server = pytest.importorskip("trl.experimental.server_distillation")
+
+from headloss.integrations import trl_distill as td  # noqa: E402
+
+B, T, V = 3, 7, 41
+
+
+def trl_loss(beta, tail, temperature, logits, teacher_result, completion_tokens, labels):
+    """TRL's own methods on an instance built without its __init__ (which connects to the server)."""
+    trainer = object.__new__(server.ServerDistillationTrainer)
+    trainer.beta, trainer.loss_add_tail, trainer.reverse_kl_top_1_mode = beta, tail, "sampled"
+    log_probs = torch.log_softmax(logits / temperature, dim=-1)
+    if beta > 0:
+        return trainer._compute_server_sparse_top_1_divergence_loss(teacher_result=teacher_result,
+                                                                    student_log_probs=log_probs,
+                                                                    completion_tokens=completion_tokens,
+                                                                    labels=labels)
+    return trainer._compute_server_forward_kl_loss(teacher_result=teacher_result, student_log_probs=log_probs,
+                                                   labels=labels)
+
+
+def server_result(seed, k, logits):
+    """What the teacher server returns (trl's _get_teacher_token_logprobs_from_server): top-k
+    log-probs and ids (-inf where the server gave fewer), the sampled tokens' log-probs."""
+    gen = generator(seed)
+    teacher = torch.log_softmax(logits.detach().double() + torch.randn(B, T, V, generator=gen, dtype=torch.float64), -1)
+    top = teacher.topk(k, dim=-1)
+    lp, ids = top.values.float(), top.indices.clone()
+    if k > 1:
+        lp[0, 1, k - 2:] = float("-inf")
+        ids[0, 1, k - 2:] = 0
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    tokens[1, 2] = ids[1, 2, 0]  # the sampled token is the teacher's top-1 there
+    labels = tokens.clone()
+    labels[2, 4:] = -100
+    actual = teacher.gather(-1, tokens[..., None])[..., 0].float()
+    actual[2, 5] = float("-inf")  # padding: masked by its label
+    return {"topk_logprobs": lp, "topk_token_ids": ids, "actual_logprobs": actual}, tokens, labels
+
+
+@needs_kernel
+@pytest.mark.parametrize("backend_env", ["triton", "torch"])
+@pytest.mark.parametrize("tail", [True, False])
+@pytest.mark.parametrize("beta,temperature", [(0.0, 1.0), (0.0, 0.7), (0.4, 1.0), (1.0, 0.8)])
+def test_server_distillation_loss_equals_trls(beta, temperature, tail, backend_env, monkeypatch):
+    """Loss and d loss / d logits of TRL's forward-KL (top-k) and top-1 JSD / reverse-KL paths, with and
+    without the tail bucket, at two temperatures, on both headloss paths."""
+    monkeypatch.setattr(td, "head_loss", lambda *a, **kw: __import__("headloss").head_loss(*a, backend=backend_env,
+                                                                                             **kw))
+    logits = torch.randn(B, T, V, generator=generator(1)) * 2
+    result, tokens, labels = server_result(2, 5 if beta == 0 else 1, logits)
+    x_trl, x_ours = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    want = trl_loss(beta, tail, temperature, x_trl, result, tokens, labels)
+    got = td.server_distillation_loss(x_ours, result, tokens, labels, beta=beta, loss_add_tail=tail,
+                                      temperature=temperature)
+    want.backward()
+    got.backward()
+    if beta < 1 or tail:  # (one entry renormalised is the whole distribution on both sides: 0, for TRL too)
+        assert float(want) > 1e-3
+    torch.testing.assert_close(got.detach(), want.detach(), rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(x_ours.grad, x_trl.grad, rtol=2e-4, atol=1e-6)
+
+
+def test_server_support_refuses_missing_teacher_logprobs_as_trl_does():
+    logits = torch.randn(B, T, V, generator=generator(3))
+    result, tokens, labels = server_result(4, 1, logits)
+    result["actual_logprobs"][0, 0] = float("-inf")
+    with pytest.raises(ValueError, match="missing actual-token logprobs"):
+        td.server_support(result, tokens, labels, 0.5)
+
+
+def test_the_trainer_subclass_changes_only_compute_loss():
+    own = set(vars(td.HeadLossServerDistillationTrainer)) - {"__module__", "__doc__", "__qualname__",
+                                                            "__firstlineno__", "__static_attributes__"}
+    assert own == {"compute_loss"}
+    assert issubclass(td.HeadLossServerDistillationTrainer, server.ServerDistillationTrainer)
