@@ -174,6 +174,13 @@ def _dtensor_logits(ns: dict):
     return DTensor.from_local(ns["logits"], DeviceMesh("cpu", [0]), [Shard(-1)])
 
 
+def _teacher_top(ns: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    top = torch.log_softmax(ns["teacher_logits"], -1).topk(8, dim=-1)
+    ids = top.indices.clone()
+    ids[0, 0, 6:] = -1  # a row with 6 entries
+    return ids, top.values
+
+
 def _actor_config() -> dict:
     """The ``actor`` section of docs/verl.md's config."""
     return {"policy_loss": {"loss_mode": "vanilla"}, "loss_agg_mode": "token-mean", "clip_ratio_low": 0.2,
@@ -186,6 +193,11 @@ PADDED: dict[str, Factory] = {
     "logits": lambda ns: _leaf(B, T, V),  # the model's output, [B, T, V]
     "student_logits": lambda ns: _leaf(B, T, V),
     "teacher_logits": lambda ns: torch.randn(B, T, V, generator=torch.Generator().manual_seed(1)) * 2.0,
+    # a sparse teacher: its top-8 ids (padded with -1) and log-probs [B, T, 8], its log-prob of each label
+    "teacher_ids": lambda ns: _teacher_top(ns)[0],
+    "teacher_logprobs": lambda ns: _teacher_top(ns)[1],
+    "teacher_token_logprobs": lambda ns: torch.log_softmax(ns["teacher_logits"], -1).gather(
+        -1, ns["labels"].clamp(min=0)[..., None])[..., 0],
     "logits_shard": lambda ns: ns["logits"],  # this rank's columns: all of them on 1 rank
     "dtensor_logits": _dtensor_logits,
     "labels": lambda ns: _labels(),  # HF labels [B, T], -100 on the prompt
