@@ -942,3 +942,39 @@ def test_random_topk_cases_match_oracle_on_the_torch_path(case):
     loss, metrics, want_grad = oracle_grad(logits, lambda x: oracle_topk(
         x, targets, ids, lq, case["mode"], weight=case["weight"], ce_weight=CE_WEIGHT if case["ce"] else None))
     assert_matches_oracle(out, loss, metrics, [("logits", grad, want_grad)], case["dtype"])
+
+
+# --- the alignment of a per-token teacher with HF labels, and repeated ids ------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_token_teacher_with_hf_labels_is_row_aligned(backend):
+    """shift=True with HF labels [B, T]: teacher_logprobs[b, t] belongs to row t, scored against
+    labels[b, t + 1] (as the policy inputs are aligned); the same call without shift on the first
+    T - 1 rows gives the same loss and gradient there (zero on the last row)."""
+    gen = torch.Generator().manual_seed(11)
+    b, t, v = 2, 5, 37
+    logits = torch.randn(b, t, v, generator=gen) * 2
+    labels = torch.randint(0, v, (b, t), generator=gen)
+    labels[1, 3] = -100
+    lq = -torch.rand(b, t, generator=gen) * 3 - 0.1
+    spec = LossSpec(distillation={"teacher": "token", "estimator": "k3"})
+    x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    shifted = head_loss(x1, labels, spec, shift=True, teacher_logprobs=lq, backend=backend)
+    sliced = head_loss(x2[:, :-1], labels[:, 1:], spec, teacher_logprobs=lq[:, :-1], backend=backend)
+    shifted.loss.backward()
+    sliced.loss.backward()
+    torch.testing.assert_close(shifted.loss, sliced.loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-6, atol=1e-7)
+    assert torch.all(x1.grad[:, -1] == 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_id_twice_in_a_row_is_refused_with_validate_sync(backend):
+    logits = torch.randn(3, 20)
+    ids = torch.tensor([[1, 2, 3], [4, 4, -1], [5, 6, 7]])
+    lp = -torch.rand(3, 3) - 0.1
+    spec = LossSpec(distillation={"teacher": "topk"})
+    with pytest.raises(ValueError, match=r"teacher_ids: row 1 gives id 4 more than once"):
+        head_loss(logits, torch.zeros(3, dtype=torch.long), spec, teacher_ids=ids, teacher_logprobs=lp,
+                  backend=backend, validate="sync")
