@@ -9,7 +9,6 @@ headloss.logits / headloss.lm_head run: checks -> route -> kernels (or plain tor
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Any, Literal
 
@@ -187,24 +186,9 @@ def linear_head_loss(
     options = LinearOptions(validate=validate, backend=backend, route=route, group=group, chunk_bytes=chunk_bytes,
                             fp32_weight_grad=fp32_weight_grad, compact=compact, hidden_grad=hidden_grad)
     plan = plan_for(spec, has_targets=targets is not None)
-    run = functools.partial(run_linear, targets=targets, plan=plan, batch=batch,
-                            layout=Layout(shift, cu_seqlens, position_ids), num_items_in_batch=num_items_in_batch,
-                            options=options)
-    device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else None
-    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
-        with torch.autocast(device_type, enabled=False):
-            return run(*_autocast(torch.get_autocast_dtype(device_type), hidden, weight, bias, teacher))
-    return run(hidden, weight, bias, teacher)
-
-
-def _autocast(dtype: torch.dtype, hidden, weight, bias, teacher: Teacher) -> tuple:
-    """The GEMMs' operands in the autocast dtype, as ``F.linear`` would run them (gradients flow back to
-    the original dtypes)."""
-    def cast(t):
-        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-
-    return cast(hidden), cast(weight), cast(bias), Teacher(teacher.logits, cast(teacher.hidden),
-                                                           cast(teacher.weight), cast(teacher.bias))
+    return run_linear(hidden, weight, bias, teacher, targets, plan, batch=batch,
+                      layout=Layout(shift, cu_seqlens, position_ids), num_items_in_batch=num_items_in_batch,
+                      options=options)
 
 
 def _renamed(backend, route) -> tuple:

@@ -8,6 +8,7 @@ loop, or the plain-torch path (:func:`_torch_linear`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 
@@ -73,7 +74,23 @@ class _Call:
 
 def run_linear(hidden, weight, bias, teacher: Teacher, targets, plan: KernelPlan, batch: PolicyBatch, layout: Layout,
                num_items_in_batch, options: LinearOptions) -> HeadLossOutput:
-    """linear_head_loss of the bundled inputs (headloss.api)."""
+    """linear_head_loss of the bundled inputs (headloss.api). Under ``torch.autocast`` the GEMMs run in
+    the autocast dtype, as ``F.linear`` would run them (gradients flow back to the original dtypes)."""
+    device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else None
+    autocast = device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type)
+    with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
+        if autocast:
+            dtype = torch.get_autocast_dtype(device_type)
+            cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+            hidden, weight, bias = cast(hidden), cast(weight), cast(bias)
+            teacher = replace(teacher, hidden=cast(teacher.hidden), weight=cast(teacher.weight),
+                              bias=cast(teacher.bias))
+        return _run_linear(hidden, weight, bias, teacher, targets, plan, batch=batch, layout=layout,
+                           num_items_in_batch=num_items_in_batch, options=options)
+
+
+def _run_linear(hidden, weight, bias, teacher: Teacher, targets, plan: KernelPlan, batch: PolicyBatch,
+                layout: Layout, num_items_in_batch, options: LinearOptions) -> HeadLossOutput:
     traced = torch.compiler.is_compiling()
     teacher = replace(teacher, logits=teacher_precision(teacher.logits, hidden))  # (hidden: in the autocast dtype)
     shard = None

@@ -65,8 +65,8 @@ def run_head(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyB
         if spec.policy is not None:
             batch = PolicyBatch(**packed_policy_inputs(batch.given(), packed))
     teacher = replace(teacher, logits=teacher_logits)
-    if options.route is None and options.group is None and spec.policy is None and not traced and batch.empty \
-            and not teacher.sparse:
+    plain = options.route is None and options.group is None and spec.policy is None and batch.empty
+    if plain and not traced and not teacher.sparse:
         recipe = _recipe_of(plan, logits, targets, teacher_logits, shift, options)
         if recipe is not None:
             return _run_recipe(recipe, logits, targets, teacher_logits, num_items_in_batch)

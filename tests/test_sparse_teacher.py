@@ -978,3 +978,26 @@ def test_an_id_twice_in_a_row_is_refused_with_validate_sync(backend):
     with pytest.raises(ValueError, match=r"teacher_ids: row 1 gives id 4 more than once"):
         head_loss(logits, torch.zeros(3, dtype=torch.long), spec, teacher_ids=ids, teacher_logprobs=lp,
                   backend=backend, validate="sync")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_head_loss_under_autocast_keeps_the_sparse_teacher(backend):
+    """Under torch.autocast the lm_head's GEMMs run in the autocast dtype; the top-k teacher is passed
+    on as it is (the same call on bf16 operands gives the same loss and gradients)."""
+    gen = torch.Generator().manual_seed(12)
+    hidden, weight = torch.randn(6, 16, generator=gen), torch.randn(40, 16, generator=gen) / 4
+    ids = torch.stack([torch.randperm(40, generator=gen)[:5] for _ in range(6)])
+    lp = -torch.rand(6, 5, generator=gen) * 3 - 0.1
+    spec = LossSpec(distillation={"teacher": "topk", "topk": "renormalized"})
+    targets = torch.randint(0, 40, (6,), generator=gen)
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = headloss.linear_head_loss(h1, w1, targets, spec, teacher_ids=ids, teacher_logprobs=lp,
+                                        backend=backend)
+    got.loss.backward()
+    h2, w2 = hidden.to(torch.bfloat16).requires_grad_(), weight.to(torch.bfloat16).requires_grad_()
+    want = headloss.linear_head_loss(h2, w2, targets, spec, teacher_ids=ids, teacher_logprobs=lp, backend=backend)
+    want.loss.backward()
+    torch.testing.assert_close(got.loss, want.loss)
+    torch.testing.assert_close(h1.grad, h2.grad.float())
+    assert h1.grad.dtype == torch.float32
