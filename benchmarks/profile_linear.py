@@ -100,7 +100,37 @@ def ops(hidden, weight, targets, rows: int) -> dict[str, Callable[[], None]]:
         dw.addmm_(g.t(), hidden[s:e])
         torch.cuda.current_stream().wait_stream(side)
 
+    def chunk_all(s, e, g):
+        torch.mm(hidden[s:e], weight.t(), out=g)
+        chunk_head_(plan, g, targets[s:e])
+        torch.mm(g, weight, out=dh[s:e])
+        dw.addmm_(g.t(), hidden[s:e])
+
+    second = torch.empty_like(buf)
+
+    def pipelined():
+        """The chunk loop with the next chunk's logits GEMM on a side stream, into a second buffer,
+        beside this chunk's head kernel and gradient GEMMs (one chunk of memory more)."""
+        main = torch.cuda.current_stream()
+        bufs = (buf, second)
+        spans = [(s, min(s + rows, n)) for s in starts]
+        s0, e0 = spans[0]
+        torch.mm(hidden[s0:e0], weight.t(), out=buf[: e0 - s0])
+        for i, (s, e) in enumerate(spans):
+            g = bufs[i % 2][: e - s]
+            if i + 1 < len(spans):
+                s1, e1 = spans[i + 1]
+                side.wait_stream(main)  # (the buffer's last reader, chunk i - 1's GEMMs, is done)
+                with torch.cuda.stream(side):
+                    torch.mm(hidden[s1:e1], weight.t(), out=bufs[(i + 1) % 2][: e1 - s1])
+            chunk_head_(plan, g, targets[s:e])
+            torch.mm(g, weight, out=dh[s:e])
+            dw.addmm_(g.t(), hidden[s:e])
+            main.wait_stream(side)
+
     table = {
+        "chunk loop (logits, head, dh, dW)": sweep(chunk_all),
+        "chunk loop, next logits on a side stream": pipelined,
         "logits h@W^T": sweep(lambda s, e, g: torch.mm(hidden[s:e], weight.t(), out=g)),
         "head kernel (CE, grad in place)": sweep(lambda s, e, g: chunk_head_(plan, g, targets[s:e])),
         "dh = g@W": sweep(lambda s, e, g: torch.mm(g, weight, out=dh[s:e])),

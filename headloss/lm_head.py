@@ -100,7 +100,8 @@ def _run_linear(hidden, weight, bias, teacher: Teacher, targets, plan: KernelPla
     error = call = None
     try:  # every host-side check; with a group and validate="sync", every rank learns of any rank's error
         call = _check(hidden, weight, bias, targets, plan.spec, teacher, batch=batch, layout=layout,
-                      num_items_in_batch=num_items_in_batch, options=options, mode=mode)
+                      num_items_in_batch=num_items_in_batch, options=options, mode=mode,
+                      vocab=None if shard is None else shard.vocab_total)
     except (ValueError, TypeError) as exc:
         if shard is None or mode != "sync":
             raise
@@ -134,8 +135,9 @@ def _local(hidden, weight, bias, targets, teacher: Teacher, options: LinearOptio
 
 
 def _check(hidden, weight, bias, targets, spec: LossSpec, teacher: Teacher, batch: PolicyBatch, layout: Layout,
-           num_items_in_batch, options: LinearOptions, mode: str) -> _Call:
-    """Every host-side check of a linear_head_loss call, and its inputs made row-aligned."""
+           num_items_in_batch, options: LinearOptions, mode: str, vocab: int | None = None) -> _Call:
+    """Every host-side check of a linear_head_loss call, and its inputs made row-aligned (``vocab``: a
+    vocab-parallel call's whole vocabulary)."""
     shift = layout.shift
     packed = None
     if layout.packed:
@@ -156,7 +158,7 @@ def _check(hidden, weight, bias, targets, spec: LossSpec, teacher: Teacher, batc
                               hidden.shape[1], spec.ignore_index)
     completion = shift and targets.shape != token_shape  # rows padded by one: T - 1 scored positions
     backend = resolve_backend(options.backend, hidden.device, hidden.dtype, name="hidden")
-    sparse = _sparse_rows(spec, teacher, token_rows, token_shape, hidden, weight.shape[0], completion,
+    sparse = _sparse_rows(spec, teacher, token_rows, token_shape, hidden, vocab or weight.shape[0], completion,
                           "sync" if mode == "sync" or (mode == "async" and backend == "torch") else "off")
     teacher = teacher_source(spec, token_rows, hidden, weight, teacher)
     norm = normaliser(num_items_in_batch, spec, hidden.device)
