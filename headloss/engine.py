@@ -30,7 +30,7 @@ from .kernels.head import PolicyRows, launch_backward, launch_head, prepare
 from .kernels.launch import Geometry, row_strides
 from .kernels.policy import launch_policy_objective
 from .kernels.shard import launch_merge, launch_shard_jsd, launch_shard_stats
-from .kernels.sparse import SparseRows, topk_block
+from .kernels.sparse import SparseRows, launch_check_teacher, topk_block
 from .layouts import JSD_SHARES, OBJECTIVE_METRICS, OBJECTIVE_OUT, STATS, scratch_size
 from .ops import (
     BESIDE_GRAPH,
@@ -205,7 +205,9 @@ def head_forward(run: HeadRun, logits, tensors: CallTensors, grad_mode: GradMode
     device = logits.device
     sharded = shard is not None or stats is not None
     whole = geo._replace(V=geo.V_total) if sharded else geo  # targets are checked against all of V
-    verdict = verdict_slot(validate, device, CheckContext(run.token_shape, whole.V, geo.ignore_index))
+    sparse = tensors.sparse
+    verdict = verdict_slot(validate, device, CheckContext(run.token_shape, whole.V, geo.ignore_index,
+                                                          teacher_k(sparse)))
     # on one device, the head kernel's program 0 prepares (one launch fewer)
     inline = not sharded and 0 < geo.n_rows and geo.n_out <= INLINE_PREPARE_SLOTS
     n_seq = geo.n_out // policy.seq_len if policy is not None and policy.seq_len > 0 else 0
@@ -231,7 +233,9 @@ def head_forward(run: HeadRun, logits, tensors: CallTensors, grad_mode: GradMode
         launch_head(plan, logits=logits, targets=tensors.targets, teacher=tensors.teacher_logits, grad=grad, rows=rows,
                     pred=optional(pred), policy=policy, num_items=tensors.num_items, scratch=scratch, loss=loss,
                     means=means, geo=geo, stats=stats, jsd=jsd, verdict=verdict, prepared=not inline,
-                    sequence_ids=tensors.sequence_ids, n_seq=n_seq, sparse=tensors.sparse)
+                    sequence_ids=tensors.sequence_ids, n_seq=n_seq, sparse=sparse)
+    if sparse is not None and verdict is not None and validate != "sync":  # ("sync": read on the host, in inputs)
+        launch_check_teacher(sparse, whole.V, verdict)
     settle(verdict, validate, device)
     return loss, rows, pred, means, scratch, grad, stats
 
@@ -267,6 +271,11 @@ def traced_shard_statistics(plan: KernelPlan, logits, targets, teacher, geo: Geo
         jsd = shard_jsd_op(logits, targets, teacher, stats, plan.key, geo_ints(geo), geo.norm)
         jsd = funcol.all_reduce(jsd.cpu() if shard.comm_cpu else jsd, "sum", shard.group).to(part.device)
     return stats, jsd
+
+
+def teacher_k(sparse: SparseRows | None) -> int:
+    """CheckContext.teacher_k of a call's sparse teacher."""
+    return 0 if sparse is None else (-1 if sparse.ids is None else sparse.K)
 
 
 def stats_width(has_teacher: bool, teacher_ids: torch.Tensor | None = None) -> int:

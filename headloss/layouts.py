@@ -66,10 +66,14 @@ class Verdict(NamedTuple):
     bad_items: int = 3  # 1 when num_items_in_batch is not a positive finite number
     bad_ids: int = 4  # 1 when a sequence id lies outside [0, n_out)
     items: int = 5  # num_items_in_batch as the device read it (its fp32 bits), for the error message
-    N: int = 6
+    teacher: int = 6  # a sparse teacher's first bad entry: TEACHER_MARK - (2 x flat index + 1 if its log-prob), or 0
+    N: int = 7
 
 
 VERDICT = Verdict()
+TEACHER_MARK = 2**62
+"""Verdict.teacher holds TEACHER_MARK minus the first bad entry's key (a maximum over the device's
+programs finds the first entry; 0 is none)."""
 
 
 class Stats(NamedTuple):

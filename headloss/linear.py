@@ -25,10 +25,10 @@ from typing import NamedTuple
 import torch
 
 from .chunks import Grads, LinearRun, LmHead, accumulate, chunks_of, finish_grads, new_grads, rows_of, spread
-from .engine import CallTensors, empty_outputs, no_rows, optional, shard_statistics
+from .engine import CallTensors, empty_outputs, no_rows, optional, shard_statistics, teacher_k
 from .kernels.head import PolicyRows, launch_backward, launch_finish, launch_head, prepare
 from .kernels.launch import Geometry
-from .kernels.sparse import SparseRows
+from .kernels.sparse import SparseRows, launch_check_teacher
 from .linear_policy import cov_correction, entropy_mask_correction, guess_mask, sequence_chunk_grad
 from .parallel import all_reduce_sum, handshake_verdict
 from .plan import KernelPlan
@@ -119,8 +119,12 @@ def linear_forward(run: LinearRun, hidden, weight, bias, tensors: CallTensors, w
                     g_stride_b=0, g_stride_t=vocab, t_stride_b=0, t_stride_t=0, ignore_index=run.ignore_index,
                     norm=run.norm)
     targets = tensors.targets
-    verdict = verdict_slot(run.validate, hidden.device, CheckContext(run.token_shape, whole, run.ignore_index))
+    sparse = tensors.sparse
+    verdict = verdict_slot(run.validate, hidden.device, CheckContext(run.token_shape, whole, run.ignore_index,
+                                                                     teacher_k(sparse)))
     scratch = prepare(targets, tensors.num_items, tensors.sequence_ids, full, hidden.device, verdict)
+    if sparse is not None and verdict is not None and run.validate != "sync":  # ("sync": read on the host)
+        launch_check_teacher(sparse, whole, verdict)
     if run.shard is not None and run.validate == "sync":
         handshake_verdict(run.shard, verdict, hidden.device)
     loop = _start_loop(run, hidden, weight, bias, tensors, scratch, verdict, wants)

@@ -25,7 +25,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from . import env
-from .layouts import VERDICT
+from .layouts import TEACHER_MARK, VERDICT
 from .spec import LossSpec
 
 Validate = bool | Literal["sync"] | None
@@ -160,6 +160,7 @@ class CheckContext(NamedTuple):
     token_shape: tuple[int, ...]
     vocab: int
     ignore_index: int
+    teacher_k: int = 0  # a top-k teacher's K (its entries' rows), -1 a per-token teacher, 0 none
 
 
 class ErrorBoard:
@@ -218,7 +219,10 @@ class ErrorBoard:
         context = self._context_of(slot)
         found = [int(values[i]) for i in (VERDICT.where, VERDICT.value, VERDICT.bad_items, VERDICT.bad_ids)]
         items = struct.unpack("<f", struct.pack("<I", int(values[VERDICT.items]) & 0xFFFFFFFF))[0]
+        teacher = int(values[VERDICT.teacher])
         values[:] = 0
+        if teacher:  # (its own verdict: the target fields may be unwritten)
+            raise_teacher(TEACHER_MARK - teacher, context, deferred)
         raise_if_bad(found, context.token_shape, context.vocab, context.ignore_index, Normaliser(value=items),
                      deferred)
 
@@ -279,6 +283,23 @@ def settle(verdict: tuple | None, mode: str, device: torch.device) -> None:
             return
         torch.cuda.current_stream(device).synchronize()
     board_for(device).raise_slot(verdict[0], deferred=False)
+
+
+def raise_teacher(key: int, context: CheckContext, deferred: bool = False) -> None:
+    """The error of a sparse teacher's first bad entry (kernels.sparse.check_teacher_kernel's key:
+    2 x its flat index, + 1 when its log-prob is bad)."""
+    later = " (found on the device after that call returned: validate='sync' raises inside the call)" \
+        if deferred else ""
+    index, bad_logprob = divmod(key, 2)
+    if context.teacher_k > 0:
+        row, entry = divmod(index, context.teacher_k)
+        where = f"row {row}, entry {entry}"
+    else:
+        shape = context.token_shape or (index + 1,)
+        where = f"position {tuple(int(i) for i in torch.unravel_index(torch.tensor(index), shape))}"
+    if bad_logprob:
+        raise ValueError(f"teacher_logprobs: the value at {where} is not a log-probability (<= 0, not NaN){later}")
+    raise ValueError(f"teacher_ids: the id at {where} is outside [0, {context.vocab}) (-1 marks no entry){later}")
 
 
 def raise_if_bad(values: list[int], targets_shape: tuple[int, ...], vocab: int, ignore_index: int,

@@ -298,14 +298,23 @@ def test_check_pending_raises_an_error_written_by_an_earlier_call():
     """The asynchronous path (as on CUDA): a verdict written to the board is raised by the next check."""
     from headloss.validation import CheckContext, board_for
 
+    from headloss.layouts import TEACHER_MARK, VERDICT
+
     board = board_for(torch.device("cpu"))
     slot, dirty = board.take(CheckContext((2, 3), V, -100))
-    slot[1:] = torch.tensor([4, 99, 0, 0, 0])
+    slot[VERDICT.where], slot[VERDICT.value] = 4, 99
     slot[0] = 1
     dirty[0] = 1
     with pytest.raises(ValueError, match=r"targets: value 99 at position \(1, 1\) .* after that call returned"):
         headloss.check_pending()
     headloss.check_pending()  # raised once, then cleared
+    # a sparse teacher's verdict (kernels.sparse.check_teacher_kernel's): its own error, whatever the target fields
+    slot, dirty = board.take(CheckContext((2, 3), V, -100, teacher_k=3))
+    slot[VERDICT.teacher] = TEACHER_MARK - (2 * 7 + 1)  # entry 7 (row 2, entry 1), its log-prob
+    slot[0] = dirty[0] = 1
+    with pytest.raises(ValueError, match=r"teacher_logprobs: the value at row 2, entry 1 is not a log-probability"):
+        headloss.check_pending()
+    headloss.check_pending()
 
 
 # --- the same promises on both paths -------------------------------------------------------------------

@@ -855,6 +855,20 @@ def test_bad_targets_are_raised_by_the_next_call_without_a_host_wait():
     headloss.check_pending()  # nothing left
 
 
+def test_a_bad_teacher_id_is_raised_by_the_next_call_without_a_host_wait():
+    """A top-k teacher's id outside the vocabulary, with the default validation: the call returns (no
+    host wait), its row is NaN, and the next call raises naming teacher_ids and the entry."""
+    logits, targets = _batch(64, 32000, torch.bfloat16, seed=41)
+    ids, lp, _ = _sparse_teacher(logits, targets, 8, seed=42)
+    ids[5, 3] = 32000
+    spec = headloss.LossSpec(cross_entropy=None, distillation={"teacher": "topk"})
+    out = headloss.head_loss(logits, targets, spec, teacher_ids=ids, teacher_logprobs=lp)
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"teacher_ids: the id at row 5, entry 3 is outside \[0, 32000\)"):
+        headloss.head_loss(logits, targets)
+    assert not torch.isfinite(out.loss)
+
+
 def test_bad_num_items_on_the_device_is_raised_by_check_pending():
     logits, targets = _batch(64, 32000, torch.bfloat16, seed=23)
     headloss.head_loss(logits, targets, num_items_in_batch=torch.tensor(0.0, device="cuda"))

@@ -1001,3 +1001,38 @@ def test_linear_head_loss_under_autocast_keeps_the_sparse_teacher(backend):
     torch.testing.assert_close(got.loss, want.loss)
     torch.testing.assert_close(h1.grad, h2.grad.float())
     assert h1.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("entry", ["head_loss", "linear_head_loss"])
+@pytest.mark.parametrize("what", ["id", "logprob", "token"])
+def test_bad_teacher_values_are_found_on_the_device_with_the_default_validation(entry, what):
+    """The kernel path's default (asynchronous) validation checks a sparse teacher's values on the device
+    (kernels.sparse.check_teacher_kernel): on CPU tensors the error is raised in the call, naming the
+    argument and the entry; a log-prob behind a -1 id is not read."""
+    gen = torch.Generator().manual_seed(13)
+    x, targets = torch.randn(4, 30, generator=gen), torch.randint(0, 30, (4,), generator=gen)
+    ids = torch.tensor([[1, 2, 3], [4, 5, -1], [6, 7, 8], [9, 10, 11]])
+    lp = -torch.rand(4, 3, generator=gen)
+    lp[1, 2] = float("nan")  # behind a -1: not read
+    kwargs = dict(teacher_ids=ids, teacher_logprobs=lp)
+    spec = LossSpec(distillation={"teacher": "topk"})
+    if what == "id":
+        ids[2, 1] = 30
+        match = r"teacher_ids: the id at row 2, entry 1 is outside \[0, 30\)"
+    elif what == "logprob":
+        lp[3, 0] = 0.25
+        match = r"teacher_logprobs: the value at row 3, entry 0 is not a log-probability"
+    else:
+        spec = LossSpec(distillation={"teacher": "token"})
+        kwargs = dict(teacher_logprobs=torch.tensor([-1.0, float("nan"), -2.0, -0.5]))
+        match = r"teacher_logprobs: the value at position \(1,\) is not a log-probability"
+    with pytest.raises(ValueError, match=match):
+        if entry == "head_loss":
+            head_loss(x, targets, spec, backend="triton", **kwargs)
+        else:
+            headloss.linear_head_loss(torch.randn(4, 8, generator=gen), torch.randn(30, 8, generator=gen), targets,
+                                      spec, backend="triton", **kwargs)
+    ids[2, 1], lp[3, 0] = 7, -0.25  # the same call with good values runs
+    if what != "token":
+        head_loss(x, targets, LossSpec(distillation={"teacher": "topk"}), backend="triton", teacher_ids=ids,
+                  teacher_logprobs=lp)

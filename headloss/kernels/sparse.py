@@ -26,9 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layouts import STATS_AT
+from ..layouts import STATS_AT, TEACHER_MARK, VERDICT_AT
+from .launch import launch
 from .primitives import LN2, LOG2E, NEG_BIG, transform
 from .terms import kl_estimator, put
+
+NO_BAD_ENTRY = tl.constexpr(TEACHER_MARK)
 
 
 class SparseRows(NamedTuple):
@@ -216,3 +219,41 @@ def topk_scatter(grad_row_ptr, ids, in_range, x2, slope, lse, A, B, C, D, y, h, 
     g += tl.where(ids == y, D, 0.0)
     g = g * slope  # (without softcap, transform's constant dx/dz)
     tl.store(grad_row_ptr + ids, g.to(grad_row_ptr.dtype.element_ty), mask=in_range)
+
+
+@triton.jit
+def check_teacher_kernel(ids, logprobs, entries, V, verdict, dirty, BLOCK: tl.constexpr):
+    """The sparse teacher's values, on the device (validation): ids in [0, V) or -1, log-probs <= 0
+    and not NaN where an id is given (every entry of a per-token teacher). The first bad entry's key
+    (2 x flat index, + 1 for a log-prob) reaches the verdict slot as TEACHER_MARK - key by a maximum,
+    then the slot's flag and the dirty word are set; nothing is written when all is well."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < entries
+    lq = tl.load(logprobs + i, mask=inside, other=0.0).to(tl.float32)
+    given = inside
+    bad_id = inside & (i < 0)  # (False, shaped like i)
+    if ids is not None:
+        id_ = tl.load(ids + i, mask=inside, other=-1).to(tl.int64)
+        given = inside & (id_ != -1)
+        bad_id = given & ((id_ < 0) | (id_ >= V))
+    bad_lq = given & ~(lq <= 0.0)
+    none = NO_BAD_ENTRY
+    key = tl.where(bad_id, 2 * i, tl.where(bad_lq, 2 * i + 1, none))
+    first = tl.min(key, axis=0)
+    if first < none:
+        tl.atomic_max(verdict + VERDICT_AT.teacher, none - first, sem="relaxed", scope="sys")
+        tl.atomic_xchg(verdict + VERDICT_AT.flag, 1, sem="release", scope="sys")
+        tl.atomic_xchg(dirty, 1, sem="release", scope="sys")
+
+
+CHECK_BLOCK = 1024
+"""Entries per program of check_teacher_kernel."""
+
+
+def launch_check_teacher(sparse: SparseRows, vocab: int, verdict: tuple) -> None:
+    """check_teacher_kernel over a sparse teacher's entries into a call's verdict slot (slot, dirty)."""
+    entries = sparse.logprobs.numel()
+    if entries:
+        slot, dirty = verdict
+        launch(check_teacher_kernel, triton.cdiv(entries, CHECK_BLOCK), 4, ids=sparse.ids, logprobs=sparse.logprobs,
+               entries=entries, V=vocab, verdict=slot, dirty=dirty, BLOCK=CHECK_BLOCK)

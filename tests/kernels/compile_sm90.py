@@ -20,7 +20,7 @@ from triton.compiler import ASTSource
 
 import headloss
 import headloss.env
-from headloss.kernels import head, policy, shard
+from headloss.kernels import head, policy, shard, sparse
 
 HOPPER = GPUTarget("cuda", 90, 32)
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
@@ -84,7 +84,8 @@ def launches(call) -> list:
     kernels = {head: ("prepare_kernel", "head_kernel", "head_backward_kernel", "finish_kernel", "scale_grad_kernel"),
                shard: ("shard_stats_kernel", "merge_stats_kernel", "shard_jsd_kernel"),
                policy: ("sequence_extremes_kernel", "extremes_finish_kernel", "policy_sequence_kernel",
-                        "policy_objective_finish_kernel")}
+                        "policy_objective_finish_kernel"),
+               sparse: ("check_teacher_kernel",)}
     real = {(module, name): getattr(module, name) for module, names in kernels.items() for name in names}
     try:
         for (module, name), kernel in real.items():
@@ -124,7 +125,8 @@ def _head(spec, dtype=torch.bfloat16, backward=True, **kwargs):
             extra.update(advantages=torch.randn(logits.shape[0]), sequence_ids=torch.arange(logits.shape[0]) // 3,
                          old_logprobs=torch.randn(logits.shape[0]), ref_logprobs=torch.randn(logits.shape[0]),
                          importance_weights=torch.rand(logits.shape[0]))
-        out = headloss.head_loss(logits, targets, spec, backend="triton", validate=False, **extra)
+        validate = extra.pop("validate", False)
+        out = headloss.head_loss(logits, targets, spec, backend="triton", validate=validate, **extra)
         if backward:
             out.loss.sum().backward()
 
@@ -240,6 +242,7 @@ VARIANTS = {
         transform={"softcap": 30.0}), topk=True),
     "token-k3": _head(headloss.LossSpec(distillation={"teacher": "token", "estimator": "k3",
                                                       "estimator_clamp": True}), token=True),
+    "topk-validated": _head(headloss.LossSpec(distillation={"teacher": "topk"}), topk=True, validate=True),
     "sharded-topk": _sharded(_head(headloss.LossSpec(distillation={"teacher": "topk"}, token_accuracy=True),
                                    topk=True, group=object())),
 }

@@ -26,14 +26,17 @@ VARIANTS = ("ce-only", "all-bf16", "all-fp16", "all-fp32", "entropy-metric-no-ta
             "policy-sequence", "policy-batched", "linear-policy", "linear-fused", "linear-deferred",
             "sharded-all", "sharded-deferred", "sharded-policy", "sharded-linear", "sharded-distill-forward_kl",
             "sharded-distill-reverse_kl", "sharded-distill-jsd", "policy-gspo-batched", "linear-gspo",
-            "topk-renormalized-reverse_kl", "topk-rest-jsd", "topk-verl-deferred-softcap", "token-k3", "sharded-topk")
+            "topk-renormalized-reverse_kl", "topk-rest-jsd", "topk-verl-deferred-softcap", "token-k3", "sharded-topk",
+            "topk-validated")
 # every kernel tests/kernels/compile_sm90.py intercepts
 KERNELS = {"prepare_kernel", "head_kernel", "head_backward_kernel", "finish_kernel", "scale_grad_kernel",
            "shard_stats_kernel", "merge_stats_kernel", "shard_jsd_kernel", "sequence_extremes_kernel",
-           "extremes_finish_kernel", "policy_sequence_kernel", "policy_objective_finish_kernel"}
+           "extremes_finish_kernel", "policy_sequence_kernel", "policy_objective_finish_kernel",
+           "check_teacher_kernel"}
 # the fast tier's variants: every SFT term and transform; the lm_head's chunks with the deferred policy
-# kernels; the token-level policy epilogue with the sequence extremes; the vocab-parallel JSD's kernels
-FAST = ("all-bf16", "linear-gspo", "linear-policy", "sharded-distill-jsd")
+# kernels; the token-level policy epilogue with the sequence extremes; the vocab-parallel JSD's kernels;
+# a top-k teacher with its values checked on the device
+FAST = ("all-bf16", "linear-gspo", "linear-policy", "sharded-distill-jsd", "topk-validated")
 # compile_sm90.py's variants restricted to those named in argv
 SUBSET = ("import json, sys; import compile_sm90 as c; "
           "c.VARIANTS = {name: c.VARIANTS[name] for name in sys.argv[1:]}; json.dump(c.variants(), sys.stdout)")
