@@ -296,9 +296,8 @@ def test_validate_rejects_other_values_naming_it():
 
 def test_check_pending_raises_an_error_written_by_an_earlier_call():
     """The asynchronous path (as on CUDA): a verdict written to the board is raised by the next check."""
-    from headloss.validation import CheckContext, board_for
-
     from headloss.layouts import TEACHER_MARK, VERDICT
+    from headloss.validation import CheckContext, board_for
 
     board = board_for(torch.device("cpu"))
     slot, dirty = board.take(CheckContext((2, 3), V, -100))
