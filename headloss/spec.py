@@ -28,7 +28,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .policy_tables import IMPORTANCE_SAMPLING, OBJECTIVES, KLName, LossTypeName, ObjectiveName, RatioLevelName
+from .policy_tables import (
+    IMPORTANCE_SAMPLING,
+    KL_ESTIMATORS,
+    OBJECTIVES,
+    KLName,
+    LossTypeName,
+    ObjectiveName,
+    RatioLevelName,
+)
 
 OutputName = Literal["predicted_tokens", "logprobs", "lse", "token_loss", "entropy"]
 """Per-token tensors a spec may ask for (each shaped like the targets, fp32 or int64)."""
@@ -69,6 +77,14 @@ class Entropy(_Frozen):
     """
 
     weight: float = Field(0.0, description="signed weight of H in the combined loss; 0 = metric only")
+
+
+VERL_ESTIMATORS: dict[str, tuple[str, bool]] = {
+    "kl": ("k1", False), "k1": ("k1", False), "abs": ("abs", False), "mse": ("k2", False), "k2": ("k2", False),
+    "low_var_kl": ("k3", True), "k3": ("k3", True),
+}
+"""verl's kl_penalty names -> (headloss's estimator, verl's clamps): verl's k3 is always low_var_kl's
+clamped form. The distillation's ``estimator`` takes them (and their '+' forms)."""
 
 
 class Distillation(_Frozen):
@@ -115,6 +131,26 @@ class Distillation(_Frozen):
     estimator_clamp: bool = Field(False, description="teacher 'token': verl's low_var_kl clamps of k3")
     estimator_grad: Literal["estimator", "k2"] = Field("estimator", description="teacher 'token': 'k2' keeps "
                                                        "the estimator's value with the k2 gradient")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _verl_estimator_names(cls, data: Any) -> Any:
+        """verl's kl_penalty names as the estimator: kl (k1), mse (k2), low_var_kl (k3 with its clamps),
+        and with a trailing '+' (the k2 gradient, verl's straight-through form) any of verl's names, k3+
+        being verl's clamped k3. headloss's own k1, k2, k3, abs keep their meaning (k3 unclamped)."""
+        if not isinstance(data, dict) or not isinstance(data.get("estimator"), str):
+            return data
+        name = data["estimator"]
+        base = name[:-1] if name.endswith("+") else name
+        if base not in VERL_ESTIMATORS or (name == base and name in KL_ESTIMATORS):  # (headloss's own names)
+            return data
+        estimator, clamp = VERL_ESTIMATORS[base]
+        data = {**data, "estimator": estimator}
+        if clamp:
+            data["estimator_clamp"] = True
+        if name.endswith("+") and estimator != "k2":
+            data["estimator_grad"] = "k2"
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> Distillation:

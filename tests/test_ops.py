@@ -157,12 +157,23 @@ def test_opcheck_head_backward():
     torch.library.opcheck(torch.ops.headloss.head_backward.default, args)
 
 
+def _checked_merged_stats(logits, targets, teacher, ids, logprobs, key, ints):
+    """The shard statistics and their merge, each through opcheck; the merged statistics of one shard."""
+    from headloss.engine import merge_stats_op, shard_stats_op
+
+    torch.library.opcheck(shard_stats_op.op, (logits, targets, teacher, ids, logprobs, key, ints, 0.0))
+    part = shard_stats_op(logits, targets, teacher, ids, logprobs, key, ints, 0.0)
+    topk = ids is not None
+    torch.library.opcheck(merge_stats_op.op, (torch.stack([part, part]), False, topk))
+    return merge_stats_op(part[None], False, topk)
+
+
 @needs_kernel
 def test_opcheck_vocab_parallel_ops():
     """The shard statistics, their merge and the mixture JSD's shares (a compiled vocab-parallel call),
     here on a shard that is the whole vocabulary; and the head kernel and its backward on merged
     statistics."""
-    from headloss.engine import merge_stats_op, shard_jsd_op, shard_stats_op
+    from headloss.engine import shard_jsd_op
     from headloss.inputs import geometry
     from headloss.validation import Normaliser
 
@@ -172,10 +183,7 @@ def test_opcheck_vocab_parallel_ops():
     geo = geometry((5, V), (0, V), 5, 0, teacher, -100, Normaliser())._replace(V_total=V)
     key = _plan_key(spec)
     ints = geo_ints(geo)
-    torch.library.opcheck(shard_stats_op.op, (logits, targets, teacher, None, None, key, ints, 0.0))
-    part = shard_stats_op(logits, targets, teacher, None, None, key, ints, 0.0)
-    torch.library.opcheck(merge_stats_op.op, (torch.stack([part, part]), False, False))
-    stats = merge_stats_op(part[None], False, False)
+    stats = _checked_merged_stats(logits, targets, teacher, None, None, key, ints)
     torch.library.opcheck(shard_jsd_op.op, (logits, targets, teacher, stats, key, ints, 0.0))
     jsd = shard_jsd_op(logits, targets, teacher, stats, key, ints, 0.0)
     run = HeadRun(headloss.plan.compile_plan(spec), geo, False, "off", (5,))
@@ -191,7 +199,6 @@ def test_opcheck_vocab_parallel_ops():
 def test_opcheck_ops_with_a_top_k_teacher():
     """A top-k teacher through the ops: its ids and log-probs in the tensor lists, its K logits after the
     merged statistics of a vocab-parallel call (here one shard holding the whole vocabulary)."""
-    from headloss.engine import merge_stats_op, shard_stats_op
     from headloss.inputs import geometry
     from headloss.validation import Normaliser
 
@@ -203,10 +210,7 @@ def test_opcheck_ops_with_a_top_k_teacher():
     geo = geometry((5, V), (0, V), 5, 0, None, -100, Normaliser())._replace(V_total=V)
     key = _plan_key(spec)
     ints = geo_ints(geo)
-    torch.library.opcheck(shard_stats_op.op, (logits, targets, None, ids, logprobs, key, ints, 0.0))
-    part = shard_stats_op(logits, targets, None, ids, logprobs, key, ints, 0.0)
-    torch.library.opcheck(merge_stats_op.op, (torch.stack([part, part]), False, True))
-    stats = merge_stats_op(part[None], False, True)
+    stats = _checked_merged_stats(logits, targets, None, ids, logprobs, key, ints)
     run = HeadRun(headloss.plan.compile_plan(spec), geo, False, "off", (5,))
     call = CallTensors(targets, teacher_ids=ids, teacher_logprobs=logprobs)
     for merged in (None, stats):

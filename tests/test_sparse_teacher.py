@@ -1036,3 +1036,50 @@ def test_bad_teacher_values_are_found_on_the_device_with_the_default_validation(
     if what != "token":
         head_loss(x, targets, LossSpec(distillation={"teacher": "topk"}), backend="triton", teacher_ids=ids,
                   teacher_logprobs=lp)
+
+
+@pytest.mark.parametrize("name,want", [
+    ("kl", ("k1", False, "estimator")), ("mse", ("k2", False, "estimator")), ("low_var_kl", ("k3", True, "estimator")),
+    ("k3+", ("k3", True, "k2")), ("low_var_kl+", ("k3", True, "k2")), ("abs+", ("abs", False, "k2")),
+    ("k3", ("k3", False, "estimator")), ("k2", ("k2", False, "estimator")),
+])
+def test_the_estimator_takes_verls_names(name, want):
+    """verl's kl_penalty names map to headloss's estimator fields (verl's k3 is clamped, so its '+' form
+    is too); headloss's own k1, k2, k3, abs keep their meaning."""
+    d = Distillation(teacher="token", estimator=name)
+    assert (d.estimator, d.estimator_clamp, d.estimator_grad) == want
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("teacher", ["topk", "token"])
+@pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
+def test_a_sparse_teacher_beside_the_policy_term_equals_the_sum_of_the_two(backend, teacher, importance_sampling):
+    """On-policy distillation: the policy objective (fused epilogue, or deferred sequence ratios) and a
+    sparse teacher's term in one call give the sum of the two calls' losses and gradients."""
+    gen = torch.Generator().manual_seed(14)
+    b, t, v = 2, 6, 40
+    logits = torch.randn(b, t, v, generator=gen) * 2
+    ids = torch.randint(0, v, (b, t), generator=gen)
+    policy = dict(advantages=torch.randn(b, generator=gen), old_logprobs=-torch.rand(b, t, generator=gen) * 3)
+    if teacher == "topk":
+        top = torch.log_softmax(torch.randn(b, t, v, generator=gen), -1).topk(5, dim=-1)
+        sparse = dict(teacher_ids=top.indices, teacher_logprobs=top.values)
+        dist = {"teacher": "topk", "topk": "rest"}
+    else:
+        sparse = dict(teacher_logprobs=-torch.rand(b, t, generator=gen) * 3)
+        dist = {"teacher": "token", "estimator": "k3"}
+    pol = {"loss_type": "dapo", "importance_sampling": importance_sampling}
+    both = LossSpec(cross_entropy=None, policy=pol, distillation={**dist, "weight": 0.7})
+    alone = [LossSpec(cross_entropy=None, policy=pol),
+             LossSpec(cross_entropy=None, distillation={**dist, "weight": 0.7})]
+    x = logits.clone().requires_grad_()
+    out = head_loss(x, ids, both, backend=backend, **policy, **sparse)
+    out.loss.backward()
+    parts = []
+    for spec, kwargs in zip(alone, (policy, sparse)):
+        leaf = logits.clone().requires_grad_()
+        part = head_loss(leaf, ids, spec, backend=backend, **kwargs)
+        part.loss.backward()
+        parts.append((part.loss.detach(), leaf.grad))
+    torch.testing.assert_close(out.loss.detach(), parts[0][0] + parts[1][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, parts[0][1] + parts[1][1], rtol=1e-4, atol=1e-6)

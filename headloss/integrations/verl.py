@@ -53,7 +53,7 @@ from ..chunks import DEFAULT_CHUNK_BYTES
 from ..packed import packed_rows, packed_targets
 from ..policy.logprobs import policy_loss
 from ..policy.objectives import kl_estimate
-from ..spec import Distillation, Entropy, LogitTransform, LossSpec, Policy
+from ..spec import VERL_ESTIMATORS, Distillation, Entropy, LogitTransform, LossSpec, Policy
 
 __all__ = ["KL_LOSS_TYPES", "LOSS_MODES", "distillation_loss_fn", "forward_kl_topk", "install",
            "linear_cross_entropy", "policy_counts", "policy_for", "policy_loss_fn", "policy_spec"]
@@ -67,10 +67,7 @@ LOSS_MODES: dict[str, tuple[str, ...]] = {  # verl loss_mode -> the metrics its 
 """verl's loss modes that headloss runs (verl 0.9: ``verl/trainer/ppo/core_algos.py``); bypass_mode
 stays verl's (its rollout-correction metrics and rejection sampling are verl's own)."""
 
-KL_LOSS_TYPES: dict[str, tuple[str, bool]] = {  # verl kl_loss_type -> (kl_estimator, kl_clamp)
-    "kl": ("k1", False), "k1": ("k1", False), "abs": ("abs", False), "mse": ("k2", False), "k2": ("k2", False),
-    "low_var_kl": ("k3", True), "k3": ("k3", True),
-}
+KL_LOSS_TYPES: dict[str, tuple[str, bool]] = VERL_ESTIMATORS  # verl kl_loss_type -> (kl_estimator, kl_clamp)
 
 _IGNORE = -100
 
