@@ -1,4 +1,13 @@
-"""TRL's server distillation (``trl.experimental.server_distillation``) computing its loss with headloss.
+"""TRL's distillation trainers computing their loss with headloss.
+
+* ``HeadLossDistillationTrainer`` -- TRL 1.16's ``DistillationTrainer`` (a dense teacher model beside
+  the student: generalized JSD from both models' hidden states and lm_heads). TRL's own loss already
+  never materialises the [N, V] logits (its chunked ``ChunkedDivergenceFunction``); the subclass
+  runs that step as one :func:`headloss.linear_head_loss` with the teacher's hidden states and
+  weight instead (the fused head's chunks, its gradient in forward: :func:`dense_distillation_loss`,
+  the same contract as TRL's ``_chunked_divergence_loss``). Everything else stays TRL's.
+* ``HeadLossServerDistillationTrainer`` -- TRL's experimental ``ServerDistillationTrainer`` (the
+  teacher's top-k from a vLLM server), its loss as one head pass with a sparse teacher.
 
 ::
 
@@ -24,12 +33,16 @@ TRL                             headloss
 ``batchmean`` over labels       the mean over counted rows (``labels`` as targets, -100 ignored)
 ==============================  ==============================================================
 
-What TRL's hook does not allow: ``compute_loss`` calls the model for its full logits, so the
-student's [B, L, V] logits are still materialised by the model's forward (only the log-softmax and
-its backward are saved); a hidden-state path would need TRL's ``_get_last_hidden_state`` under the
-same ``_forward_redirection`` as its dense ``DistillationTrainer``, which this trainer's
-``compute_loss`` does not use. TRL's tail bucket clamps the top-k mass at ``1 - 1e-7``; headloss's
-rest outcome is exact (they differ only where the student puts all but 1e-7 of its mass on the ids).
+What TRL's hooks do not allow: the server trainer's ``compute_loss`` calls the model for its full
+logits, so the student's [B, L, V] logits are still materialised by the model's forward (only the
+log-softmax and its backward are saved); a hidden-state path would need TRL's
+``_get_last_hidden_state`` under the same ``_forward_redirection`` as its dense ``DistillationTrainer``,
+which this trainer's ``compute_loss`` does not use. TRL's tail bucket clamps the top-k mass at
+``1 - 1e-7``; headloss's rest outcome is exact (they differ only where the student puts all but 1e-7
+of its mass on the ids). In the dense trainer a teacher with its own logit scale or softcap is
+refused (headloss transforms the student's logits only), and with ``temperature`` != 1 the logged
+entropy is the student's at temperature 1 (TRL logs it at the distillation temperature); the loss
+and its gradient are TRL's at any temperature.
 """
 
 from __future__ import annotations
@@ -38,12 +51,18 @@ from typing import Any
 
 import torch
 
-from ..api import head_loss
+from ..api import head_loss, linear_head_loss
 from ..bounded import memoize
-from ..spec import Distillation, LogitTransform, LossSpec
+from ..spec import Distillation, Entropy, LogitTransform, LossSpec
 
-__all__ = ["HeadLossServerDistillationTrainer", "server_distillation_loss", "server_distillation_spec",
-           "server_support"]
+__all__ = ["HeadLossDistillationTrainer", "HeadLossServerDistillationTrainer", "dense_distillation_loss",
+           "server_distillation_loss", "server_distillation_spec", "server_support"]
+
+
+def _trl_trainer(module: str, name: str) -> type:
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
 
 
 @memoize("trl.server_spec", 64, "TRL server distillation specs by (beta, loss_add_tail, temperature)")
@@ -95,13 +114,75 @@ def server_distillation_loss(student_logits: torch.Tensor, teacher_result: dict[
     return head_loss(student_logits, labels, spec, teacher_ids=ids, teacher_logprobs=logprobs).loss
 
 
-def _trainer_base():
-    from trl.experimental.server_distillation import ServerDistillationTrainer
+@memoize("trl.dense_spec", 64, "TRL dense distillation specs by (beta, temperature, student scale and softcap)")
+def dense_distillation_spec(beta: float, temperature: float = 1.0, logit_scale: float = 1.0,
+                            softcap: float | None = None) -> LossSpec:
+    """The LossSpec of TRL's generalized JSD (``beta`` 0: forward KL, 1: reverse KL) at ``temperature``,
+    summed, with the student's entropy as a metric."""
+    divergence = "forward_kl" if beta == 0 else "reverse_kl" if beta == 1 else "jsd"
+    return LossSpec(cross_entropy=None, entropy=Entropy(weight=0.0), reduction="sum",
+                    transform=LogitTransform(logit_scale=float(logit_scale), softcap=softcap),
+                    distillation=Distillation(divergence=divergence, beta=float(beta) if 0 < beta < 1 else 0.5,
+                                              temperature=float(temperature)))
 
-    return ServerDistillationTrainer
+
+def _full(weight, bias, dtype):
+    """A DTensor lm_head (FSDP2) gathered once, as TRL does, in the hidden states' dtype."""
+    if isinstance(weight, torch.distributed.tensor.DTensor):
+        weight = weight.full_tensor().to(dtype)
+        bias = bias.full_tensor() if bias is not None else None
+    return weight, bias
 
 
-class HeadLossServerDistillationTrainer(_trainer_base()):
+def dense_distillation_loss(student_hidden_states: torch.Tensor, teacher_hidden_states: torch.Tensor,
+                            student_lm_head_weight: torch.Tensor, teacher_lm_head_weight: torch.Tensor,
+                            completion_mask: torch.Tensor, beta: float, num_items_in_batch: Any = None,
+                            student_lm_head_bias: torch.Tensor | None = None,
+                            teacher_lm_head_bias: torch.Tensor | None = None, student_logit_scale: float = 1.0,
+                            teacher_logit_scale: float = 1.0, student_final_logit_softcapping: float | None = None,
+                            teacher_final_logit_softcapping: float | None = None, temperature: float = 1.0):
+    """TRL DistillationTrainer's ``_chunked_divergence_loss`` (same arguments and returns: the loss, the
+    sum of the student's per-token entropy and the number of valid positions) as one fused head with
+    the teacher's hidden states and weight."""
+    if teacher_logit_scale != 1.0 or teacher_final_logit_softcapping is not None:
+        raise ValueError("teacher_logit_scale / teacher_final_logit_softcapping: headloss transforms the student's "
+                         "logits only; a teacher with its own logit scale or softcap runs on TRL's own loss")
+    student_lm_head_weight, student_lm_head_bias = _full(student_lm_head_weight, student_lm_head_bias,
+                                                         student_hidden_states.dtype)
+    teacher_lm_head_weight, teacher_lm_head_bias = _full(teacher_lm_head_weight, teacher_lm_head_bias,
+                                                         teacher_hidden_states.dtype)
+    valid = completion_mask != 0
+    spec = dense_distillation_spec(beta, temperature, student_logit_scale, student_final_logit_softcapping)
+    out = linear_head_loss(student_hidden_states, student_lm_head_weight, torch.where(valid, 0, -100), spec,
+                           bias=student_lm_head_bias, teacher_hidden=teacher_hidden_states,
+                           teacher_weight=teacher_lm_head_weight, teacher_bias=teacher_lm_head_bias)
+    n_valid = valid.sum()
+    if num_items_in_batch is None:
+        loss = out.loss / n_valid.clamp(min=1)
+    else:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(out.loss.device)
+        loss = out.loss / num_items_in_batch
+    entropy_sum = (out.metrics["entropy"] * out.metrics["n_tokens"]).detach()
+    return loss, entropy_sum, n_valid
+
+
+class HeadLossDistillationTrainer(_trl_trainer("trl.trainer.distillation_trainer", "DistillationTrainer")):
+    """TRL's DistillationTrainer with its divergence computed by :func:`dense_distillation_loss`."""
+
+    def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
+        import trl.trainer.distillation_trainer as trl_module
+
+        own = trl_module._chunked_divergence_loss
+        trl_module._chunked_divergence_loss = dense_distillation_loss  # (TRL reads it from its module per call)
+        try:
+            return super()._compute_loss(unwrapped_student, inputs, num_items_in_batch)
+        finally:
+            trl_module._chunked_divergence_loss = own
+
+
+class HeadLossServerDistillationTrainer(_trl_trainer("trl.experimental.server_distillation",
+                                                     "ServerDistillationTrainer")):
     """TRL's ServerDistillationTrainer with its loss computed by :func:`server_distillation_loss`."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -83,3 +83,71 @@ def test_the_trainer_subclass_changes_only_compute_loss():
                                                             "__firstlineno__", "__static_attributes__"}
     assert own == {"compute_loss"}
     assert issubclass(td.HeadLossServerDistillationTrainer, server.ServerDistillationTrainer)
+
+
+# --- TRL's DistillationTrainer (a dense teacher beside the student) ----------------------------------
+
+trl_trainer = pytest.importorskip("trl.trainer.distillation_trainer")
+
+
+def dense_inputs(seed, scale=1.0, softcap=None):
+    gen = generator(seed)
+    hs = torch.randn(2, 5, 16, generator=gen)
+    ht = torch.randn(2, 5, 12, generator=gen)
+    ws, bs = torch.randn(V, 16, generator=gen) / 2, torch.randn(V, generator=gen) * 0.1
+    wt, bt = torch.randn(V, 12, generator=gen) / 2, torch.randn(V, generator=gen) * 0.1
+    mask = torch.ones(2, 5, dtype=torch.int64)
+    mask[1, 3:] = 0
+    return hs, ht, ws, bs, wt, bt, mask
+
+
+@needs_kernel
+@pytest.mark.parametrize("backend_env", ["triton", "torch"])
+@pytest.mark.parametrize("beta,temperature,items,scale,softcap", [
+    (0.0, 1.0, None, 1.0, None), (0.5, 1.0, 7, 1.3, None), (1.0, 1.0, None, 1.0, 6.0), (0.3, 0.8, None, 1.0, None),
+])
+def test_dense_distillation_loss_equals_trls_chunked_divergence(beta, temperature, items, scale, softcap, backend_env,
+                                                                monkeypatch):
+    """The loss, d loss / d (student hidden, weight, bias), the valid count and (at temperature 1) the
+    entropy sum of TRL's _chunked_divergence_loss (its CPU path), from the same hidden states and heads."""
+    import headloss
+
+    monkeypatch.setattr(td, "linear_head_loss",
+                        lambda *a, **kw: headloss.linear_head_loss(*a, backend=backend_env, **kw))
+    hs, ht, ws, bs, wt, bt, mask = dense_inputs(5)
+    results = []
+    for fn in (trl_trainer._chunked_divergence_loss, td.dense_distillation_loss):
+        h, w, b = (t.clone().requires_grad_() for t in (hs, ws, bs))
+        loss, entropy_sum, n_valid = fn(h, ht, w, wt, mask, beta, num_items_in_batch=items, student_lm_head_bias=b,
+                                        teacher_lm_head_bias=bt, student_logit_scale=scale,
+                                        student_final_logit_softcapping=softcap, temperature=temperature)
+        loss.backward()
+        results.append((loss.detach(), entropy_sum, int(n_valid), h.grad, w.grad, b.grad))
+    (want, want_h, want_n, *want_g), (got, got_h, got_n, *got_g) = results
+    assert float(want) > 1e-3 and got_n == want_n == 8
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    if temperature == 1.0:
+        torch.testing.assert_close(got_h.float(), want_h.float(), rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_g, want_g):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_dense_distillation_refuses_a_teacher_logit_transform():
+    hs, ht, ws, bs, wt, bt, mask = dense_inputs(6)
+    with pytest.raises(ValueError, match="teacher_logit_scale"):
+        td.dense_distillation_loss(hs, ht, ws, wt, mask, 0.5, teacher_final_logit_softcapping=30.0)
+
+
+def test_the_dense_trainer_swaps_only_the_divergence_step(monkeypatch):
+    """HeadLossDistillationTrainer changes _compute_loss only, and there TRL's module-level
+    _chunked_divergence_loss is headloss's for the call, TRL's again after."""
+    own = set(vars(td.HeadLossDistillationTrainer)) - {"__module__", "__doc__", "__qualname__", "__firstlineno__",
+                                                       "__static_attributes__"}
+    assert own == {"_compute_loss"}
+    seen = []
+    monkeypatch.setattr(trl_trainer.DistillationTrainer, "_compute_loss",
+                        lambda self, *args: seen.append(trl_trainer._chunked_divergence_loss) or "loss")
+    trainer = object.__new__(td.HeadLossDistillationTrainer)
+    assert trainer._compute_loss(None, {}, None) == "loss"
+    assert seen == [td.dense_distillation_loss]
+    assert trl_trainer._chunked_divergence_loss is not td.dense_distillation_loss
