@@ -8,6 +8,9 @@
   the same contract as TRL's ``_chunked_divergence_loss``). Everything else stays TRL's.
 * ``HeadLossServerDistillationTrainer`` -- TRL's experimental ``ServerDistillationTrainer`` (the
   teacher's top-k from a vLLM server), its loss as one head pass with a sparse teacher.
+* ``HeadLossGKDTrainer`` -- TRL's experimental ``GKDTrainer``, whose ``generalized_jsd_loss`` takes
+  both models' logits: one head pass with the teacher's logits (:func:`generalized_jsd_loss`) instead
+  of both log-softmaxes, the mixture and the [B, T, V] divergence.
 
 ::
 
@@ -55,8 +58,9 @@ from ..api import head_loss, linear_head_loss
 from ..bounded import memoize
 from ..spec import Distillation, Entropy, LogitTransform, LossSpec
 
-__all__ = ["HeadLossDistillationTrainer", "HeadLossServerDistillationTrainer", "dense_distillation_loss",
-           "server_distillation_loss", "server_distillation_spec", "server_support"]
+__all__ = ["HeadLossDistillationTrainer", "HeadLossGKDTrainer", "HeadLossServerDistillationTrainer",
+           "dense_distillation_loss", "generalized_jsd_loss", "server_distillation_loss", "server_distillation_spec",
+           "server_support"]
 
 
 def _trl_trainer(module: str, name: str) -> type:
@@ -208,3 +212,39 @@ class HeadLossServerDistillationTrainer(_trl_trainer("trl.experimental.server_di
         if self.model.training:  # (TRL: the server path normalises locally, then by the accumulation steps)
             loss = loss / self.current_gradient_accumulation_steps
         return (loss, student_outputs) if return_outputs else loss
+
+
+@memoize("trl.gkd_spec", 64, "TRL GKD specs by (beta, temperature)")
+def _gkd_spec(beta: float, temperature: float) -> LossSpec:
+    divergence = "forward_kl" if beta == 0 else "reverse_kl" if beta == 1 else "jsd"
+    return LossSpec(cross_entropy=None, reduction="sum",
+                    distillation=Distillation(divergence=divergence, beta=float(beta) if 0 < beta < 1 else 0.5,
+                                              temperature=float(temperature)))
+
+
+def generalized_jsd_loss(student_logits, teacher_logits, labels=None, beta=0.5, temperature=1.0,
+                         reduction="batchmean", num_items_in_batch=None):
+    """TRL GKDTrainer's ``generalized_jsd_loss`` (the same arguments and value) as one head pass: the
+    divergence summed over the positions whose label is not -100, divided by ``num_items_in_batch``,
+    or reduced as ``reduction`` says ("batchmean": per position, "mean": per position and vocabulary
+    entry, "sum"). TRL's "none" (its [positions, V] element-wise divergence) is not formed by a head
+    pass and is refused."""
+    if reduction not in ("batchmean", "mean", "sum"):
+        raise ValueError(f"reduction: 'batchmean', 'mean' or 'sum' (TRL's 'none' is its [positions, V] "
+                         f"element-wise divergence, which one head pass does not form), got {reduction!r}")
+    out = head_loss(student_logits, labels, _gkd_spec(float(beta), float(temperature)), teacher_logits=teacher_logits)
+    total = out.loss
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
+    if reduction == "sum":
+        return total
+    count = out.metrics["n_tokens"].clamp(min=1).to(total.dtype)
+    return total / count if reduction == "batchmean" else total / (count * student_logits.shape[-1])
+
+
+class HeadLossGKDTrainer(_trl_trainer("trl.experimental.gkd", "GKDTrainer")):
+    """TRL's GKDTrainer with its generalized JSD computed by :func:`generalized_jsd_loss`."""
+
+    generalized_jsd_loss = staticmethod(generalized_jsd_loss)

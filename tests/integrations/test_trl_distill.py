@@ -151,3 +151,44 @@ def test_the_dense_trainer_swaps_only_the_divergence_step(monkeypatch):
     assert trainer._compute_loss(None, {}, None) == "loss"
     assert seen == [td.dense_distillation_loss]
     assert trl_trainer._chunked_divergence_loss is not td.dense_distillation_loss
+
+
+# --- TRL's GKDTrainer (both models' logits) ------------------------------------------------------------
+
+gkd = pytest.importorskip("trl.experimental.gkd")
+
+
+@needs_kernel
+@pytest.mark.parametrize("backend_env", ["triton", "torch"])
+@pytest.mark.parametrize("beta,temperature,reduction,items", [
+    (0.5, 1.0, "batchmean", None), (0.0, 0.9, "batchmean", None), (1.0, 1.0, "sum", None), (0.3, 1.2, "mean", None),
+    (0.5, 1.0, "batchmean", 11),
+])
+def test_generalized_jsd_loss_equals_trls(beta, temperature, reduction, items, backend_env, monkeypatch):
+    """TRL GKDTrainer.generalized_jsd_loss and headloss's, on the same logits and labels (-100 masked):
+    value and d loss / d student logits; the subclass takes headloss's."""
+    import headloss
+
+    monkeypatch.setattr(td, "head_loss", lambda *a, **kw: headloss.head_loss(*a, backend=backend_env, **kw))
+    gen = generator(8)
+    student = torch.randn(B, T, V, generator=gen) * 2
+    teacher = student + torch.randn(B, T, V, generator=gen)
+    labels = torch.randint(0, V, (B, T), generator=gen)
+    labels[0, :3] = -100
+    results = []
+    for fn in (gkd.GKDTrainer.generalized_jsd_loss, td.generalized_jsd_loss):
+        x = student.clone().requires_grad_()
+        loss = fn(x, teacher, labels=labels, beta=beta, temperature=temperature, reduction=reduction,
+                  num_items_in_batch=items)
+        loss.backward()
+        results.append((loss.detach(), x.grad))
+    (want, want_grad), (got, got_grad) = results
+    assert float(want) > 1e-4
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-7)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-7)
+    assert td.HeadLossGKDTrainer.generalized_jsd_loss is td.generalized_jsd_loss
+
+
+def test_generalized_jsd_loss_refuses_trls_elementwise_reduction():
+    with pytest.raises(ValueError, match="reduction"):
+        td.generalized_jsd_loss(torch.randn(1, 2, V), torch.randn(1, 2, V), reduction="none")
