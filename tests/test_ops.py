@@ -204,9 +204,11 @@ def test_opcheck_ops_with_a_top_k_teacher():
 
     spec = LossSpec(distillation={"teacher": "topk", "topk": "rest", "divergence": "reverse_kl"}, reduction="none")
     logits, targets = make_logits((5, V), seed=15), make_targets((5,), V, seed=15)
-    ids = torch.stack([torch.randperm(V, generator=torch.Generator().manual_seed(i))[:3] for i in range(5)])
+    gen = torch.Generator().manual_seed(16)
+    ids = torch.stack([torch.randperm(V, generator=gen)[:3] for _ in range(5)])
+    # a teacher's log-probs of those ids (its mass on them below 1: the rest outcome has some)
+    logprobs = torch.log_softmax(torch.randn(5, V, generator=gen) * 2, -1).gather(-1, ids)
     ids[1, 2] = -1
-    logprobs = -torch.rand(5, 3) * 3 - 0.5
     geo = geometry((5, V), (0, V), 5, 0, None, -100, Normaliser())._replace(V_total=V)
     key = _plan_key(spec)
     ints = geo_ints(geo)
