@@ -1066,7 +1066,7 @@ def test_the_estimator_takes_verls_names(name, want):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("teacher", ["topk", "token"])
-@pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
+@pytest.mark.parametrize("importance_sampling", ["token", pytest.param("sequence", marks=pytest.mark.slow)])
 def test_a_sparse_teacher_beside_the_policy_term_equals_the_sum_of_the_two(backend, teacher, importance_sampling):
     """On-policy distillation: the policy objective (fused epilogue, or deferred sequence ratios) and a
     sparse teacher's term in one call give the sum of the two calls' losses and gradients."""

@@ -48,7 +48,7 @@ def server_result(seed, k, logits):
 
 
 @needs_kernel
-@pytest.mark.parametrize("backend_env", ["triton", "torch"])
+@pytest.mark.parametrize("backend_env", ["triton", pytest.param("torch", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("tail", [True, False])
 @pytest.mark.parametrize("beta,temperature", [(0.0, 1.0), (0.0, 0.7), (0.4, 1.0), (1.0, 0.8)])
 def test_server_distillation_loss_equals_trls(beta, temperature, tail, backend_env, monkeypatch):
@@ -102,7 +102,7 @@ def dense_inputs(seed, scale=1.0, softcap=None):
 
 
 @needs_kernel
-@pytest.mark.parametrize("backend_env", ["triton", "torch"])
+@pytest.mark.parametrize("backend_env", ["triton", pytest.param("torch", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("beta,temperature,items,scale,softcap", [
     (0.0, 1.0, None, 1.0, None), (0.5, 1.0, 7, 1.3, None), (1.0, 1.0, None, 1.0, 6.0), (0.3, 0.8, None, 1.0, None),
 ])
@@ -159,7 +159,7 @@ gkd = pytest.importorskip("trl.experimental.gkd")
 
 
 @needs_kernel
-@pytest.mark.parametrize("backend_env", ["triton", "torch"])
+@pytest.mark.parametrize("backend_env", ["triton", pytest.param("torch", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("beta,temperature,reduction,items", [
     (0.5, 1.0, "batchmean", None), (0.0, 0.9, "batchmean", None), (1.0, 1.0, "sum", None), (0.3, 1.2, "mean", None),
     (0.5, 1.0, "batchmean", 11),
