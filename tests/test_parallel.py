@@ -240,7 +240,7 @@ def test_merge_matches_the_whole_row():
 H = 12
 LINEAR_NAMES = ("full_sft", "smoothing_softcap_temperature", "grpo", "gspo", "deferred", "teacher_weight",
                 "teacher_logits", "distill_topk_rest", "distill_topk_verl", "distill_token")
-LINEAR_QUICK = ("full_sft", "gspo", "teacher_weight", "distill_topk_rest")
+LINEAR_QUICK = ("full_sft", "gspo", "teacher_weight")
 
 
 def _linear_job(rank: int, world: int, quick: bool) -> dict:
