@@ -47,10 +47,11 @@ def explain(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, with_grad
     plan = compile_plan(spec, has_targets=spec.needs_targets)
     elem = torch.empty((), dtype=dtype).element_size()
     traffic = plan.traffic_bytes(rows, vocab, elem, elem, with_grad)
-    sparse = {"TOPK_FORM", "TOPK_DIV", "TOPK_CLAMP", "TOKEN_EST", "TOKEN_CLAMP", "TOKEN_K2_GRAD"}
+    unread = {0: set(), 1: {"TOKEN_EST", "TOKEN_CLAMP", "TOKEN_K2_GRAD"}, 2: {"TOPK_FORM", "TOPK_DIV", "TOPK_CLAMP"}}
+    unread[0] = unread[1] | unread[2]  # (the sparse teacher's flags of the form the plan does not run)
     flags = {name: value for name, value in plan.flags._asdict().items()
              if not (spec.policy is None and name in POLICY_FLAGS or not plan.has_teacher and name == "OWN_TEMP"
-                     or plan.flags.SPARSE == 0 and name in sparse)}
+                     or name in unread[plan.flags.SPARSE])}
     # ints whose 0 is a value
     codes = {"DISTILL_KIND": plan.has_teacher, "OBJECTIVE": plan.flags.HAS_POLICY,
              "TOPK_FORM": plan.flags.SPARSE == 1, "TOPK_DIV": plan.flags.SPARSE == 1}

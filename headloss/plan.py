@@ -315,10 +315,11 @@ def _term_scalars(spec: LossSpec) -> dict[str, dict[str, float]]:
     dist = spec.distillation
     if dist is not None:
         out["distillation"] = {
-            "w_distill": dist.weight * (dist.temperature**2 if dist.scale_by_temperature_squared else 1.0),
-            "inv_distill_temp": 1.0 / dist.temperature,
-            "jsd_beta": dist.beta,
-        }
+            "w_distill": dist.weight * (dist.temperature**2 if dist.scale_by_temperature_squared else 1.0)}
+        if dist.dense:
+            out["distillation"].update(inv_distill_temp=1.0 / dist.temperature, jsd_beta=dist.beta)
+        elif dist.teacher == "topk" and dist.kind == 2:  # (a sparse teacher's JSD: renormalized or rest)
+            out["distillation"]["jsd_beta"] = dist.beta
         if dist.log_prob_min_clamp is not None:
             out["distillation"]["topk_min_logprob"] = dist.log_prob_min_clamp
     pol = spec.policy
