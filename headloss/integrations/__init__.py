@@ -1,5 +1,6 @@
 """Where users train: Hugging Face models and Trainer (:mod:`headloss.integrations.transformers`),
-TRL's trainers (:mod:`~headloss.integrations.trl`), verl's fused head and policy losses
+TRL's trainers (:mod:`~headloss.integrations.trl`, its distillation trainers
+:mod:`~headloss.integrations.trl_distill`), verl's fused head, policy and distillation losses
 (:mod:`~headloss.integrations.verl`).
 
 Each integration imports its framework lazily; ``import headloss`` never needs them.
