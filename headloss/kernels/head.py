@@ -412,11 +412,9 @@ def head_backward_kernel(
     BLOCKS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    BLOCK_V: tl.constexpr = BLOCKS.V
-    BLOCK_K: tl.constexpr = BLOCKS.K
-    t_logits = teacher.logits
-    sparse = teacher.sparse
     SHARDED: tl.constexpr = stats is not None
+    BLOCK_V: tl.constexpr = BLOCKS.V
+    t_logits = teacher.logits  # (the sparse teacher: teacher.sparse, BLOCKS.K wide)
     V_math = geo.V_total if SHARDED else geo.V
     row_ptr = row_start(logits, row, geo.T, geo.stride_b, geo.stride_t)
     t_row = row_start(t_logits, row, geo.T, geo.t_stride_b, geo.t_stride_t)
@@ -450,7 +448,7 @@ def head_backward_kernel(
         slope_y = zero
         y_here = y
         NCOL: tl.constexpr = (STATS_AT.N_TEACHER if t_logits is not None else STATS_AT.N) + \
-            (BLOCK_K if F.SPARSE == 1 else 0)
+            (BLOCKS.K if F.SPARSE == 1 else 0)
         if targets is not None:
             if SHARDED:
                 y_here = y - geo.vocab_start
@@ -460,16 +458,16 @@ def head_backward_kernel(
                 x2_y, slope_y = target_logit(row_ptr, y, geo.V, S, F.HAS_SOFTCAP)
         logp = x2_y * LN2 - lse
         if F.SPARSE == 2:
-            lq = tl.load(sparse.logprobs + slot).to(tl.float32)
+            lq = tl.load(teacher.sparse.logprobs + slot).to(tl.float32)
             kl_unused, d_token = kl_estimator(logp, lq, F.TOKEN_EST, F.TOKEN_CLAMP, F.TOKEN_K2_GRAD)
             d_logp += u * S.w_distill * d_token
         A, B, Cc, D = row_coefficients(u, d_logp, d_entropy, d_lse, lse, logp, entropy, V_math, S, F)
         if F.SPARSE == 1:
             sp_ids, sp_local, sp_given, sp_mine, sp_x2, sp_slope, sp_lq = topk_inputs(
-                sparse, slot, row_ptr, gathered_row(stats, row, NCOL, F.SPARSE), geo.vocab_start, geo.V, V_math, S,
-                F, BLOCK_K)
+                teacher.sparse, slot, row_ptr, gathered_row(stats, row, NCOL, F.SPARSE), geo.vocab_start, geo.V,
+                V_math, S, F, BLOCKS.K)
             div_unused, ms_unused, mt_unused, ag_unused, sp_a, sp_h = topk_math(
-                sp_x2, sp_lq, sp_ids, sp_given, lse * LOG2E, 0, S, F, BLOCK_K)
+                sp_x2, sp_lq, sp_ids, sp_given, lse * LOG2E, 0, S, F, BLOCKS.K)
             A += u * S.w_distill * sp_a
         dstate = (zero, zero, zero, zero)
         if t_logits is not None:
