@@ -30,7 +30,7 @@ from .kernels.head import PolicyRows, launch_backward, launch_head, prepare
 from .kernels.launch import Geometry, row_strides
 from .kernels.policy import launch_policy_objective
 from .kernels.shard import launch_merge, launch_shard_jsd, launch_shard_stats
-from .kernels.sparse import SparseRows, launch_check_teacher, topk_block
+from .kernels.sparse import SparseRows, block_of, launch_check_teacher
 from .layouts import JSD_SHARES, OBJECTIVE_METRICS, OBJECTIVE_OUT, STATS, scratch_size
 from .ops import (
     BESIDE_GRAPH,
@@ -137,12 +137,6 @@ class CallTensors(NamedTuple):
         return SparseRows(self.teacher_ids, self.teacher_logprobs,
                           1 if self.teacher_ids is None else self.teacher_ids.shape[-1])
 
-    def rows(self, lo: int, hi: int) -> CallTensors:
-        """The sparse teacher's slots lo:hi (a chunk of an lm_head call's rows); the rest as they are."""
-        if self.teacher_logprobs is None:
-            return self
-        return self._replace(teacher_ids=None if self.teacher_ids is None else self.teacher_ids[lo:hi],
-                             teacher_logprobs=self.teacher_logprobs[lo:hi])
 
     @property
     def teacher(self) -> Teacher:
@@ -280,7 +274,7 @@ def teacher_k(sparse: SparseRows | None) -> int:
 
 def stats_width(has_teacher: bool, teacher_ids: torch.Tensor | None = None) -> int:
     """Columns of a row's vocab-parallel statistics (layouts.Stats), and a top-k teacher's K logits."""
-    topk = 0 if teacher_ids is None else topk_block(SparseRows(teacher_ids, teacher_ids, teacher_ids.shape[-1]))
+    topk = 0 if teacher_ids is None else block_of(teacher_ids.shape[-1])
     return (STATS.N_TEACHER if has_teacher else STATS.N) + topk
 
 

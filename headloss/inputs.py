@@ -89,12 +89,13 @@ _NO_DISTILLATION = "given, but the spec has no distillation term, the only one t
 
 def check_teacher(logits_shape: tuple[int, ...], device: torch.device, teacher_logits: Any, spec: LossSpec,
                   kernel: bool) -> None:
-    """teacher_logits must come with a distillation term, and look like the student's logits."""
-    if spec.distillation is None or not spec.distillation.dense:
+    """teacher_logits must come with a distillation term, and look like the student's logits (a top-k or
+    per-token teacher's inputs are :func:`sparse_teacher`'s to check, teacher_logits given beside them too)."""
+    if spec.distillation is None:
         if teacher_logits is not None:
-            raise ValueError(f"teacher_logits: {_NO_DISTILLATION}" if spec.distillation is None else
-                             f"teacher_logits: the spec's distillation takes a {spec.distillation.teacher!r} teacher "
-                             "(teacher_ids / teacher_logprobs), not teacher logits")
+            raise ValueError(f"teacher_logits: {_NO_DISTILLATION}")
+        return
+    if not spec.distillation.dense:
         return
     if teacher_logits is None:
         raise ValueError("teacher_logits: required by distillation but not given")
@@ -173,9 +174,8 @@ def check_head(logits: Any, targets: Any, spec: LossSpec, teacher_logits: Any, s
 
 
 def head_call(logits: torch.Tensor, targets: torch.Tensor | None, spec: LossSpec, token_shape: tuple[int, ...], *,
-              teacher_logits: torch.Tensor | None, policy_given: dict, num_items_in_batch: Any, shift: bool,
-              validate: Validate, raw_policy: bool = False, sparse: Teacher | None = None,
-              vocab_total: int | None = None) -> HeadCall:
+              teacher: Teacher, policy_given: dict, num_items_in_batch: Any, shift: bool, validate: Validate,
+              raw_policy: bool = False, vocab_total: int | None = None) -> HeadCall:
     """head_loss's inputs, checked by :func:`check_head`, flattened for the kernels (the policy
     inputs' checks and the normaliser's raise here, naming the argument). ``raw_policy``: the
     route's kernels read the policy inputs as given (policy.inputs.policy_inputs)."""
@@ -188,14 +188,14 @@ def head_call(logits: torch.Tensor, targets: torch.Tensor | None, spec: LossSpec
         shift_by = 0
     policy, targets = policy_inputs(spec.policy, token_shape, targets, spec.ignore_index, norm.as_torch(),
                                     mode, policy_given, raw=raw_policy)
-    teacher = teacher_logits.detach() if teacher_logits is not None else None
-    sparse_rows = sparse_teacher(spec, sparse if sparse is not None else Teacher(logits=teacher_logits),
-                                 tuple(logits.shape[:-1]), token_shape, logits.device, shift,
+    sparse_rows = sparse_teacher(spec, teacher, tuple(logits.shape[:-1]), token_shape, logits.device, shift,
                                  vocab_total or logits.shape[-1], mode)
+    teacher_logits = teacher.logits.detach() if teacher.logits is not None else None
     slots = token_shape[-1] if len(token_shape) == 2 else (token_shape[0] if token_shape else 0)
-    geo = geometry(tuple(logits.shape), row_strides(logits), slots, shift_by, teacher, spec.ignore_index, norm)
+    geo = geometry(tuple(logits.shape), row_strides(logits), slots, shift_by, teacher_logits, spec.ignore_index,
+                   norm)
     return HeadCall(
-        logits=logits, targets=flat_targets(targets), teacher=teacher, policy=policy, norm=norm, geo=geo,
+        logits=logits, targets=flat_targets(targets), teacher=teacher_logits, policy=policy, norm=norm, geo=geo,
         token_shape=token_shape, validate=mode,
         targets_shape=tuple(targets.shape) if isinstance(targets, torch.Tensor) else (), sparse=sparse_rows,
     )

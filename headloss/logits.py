@@ -64,7 +64,6 @@ def run_head(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyB
         shift = False
         if spec.policy is not None:
             batch = PolicyBatch(**packed_policy_inputs(batch.given(), packed))
-    teacher = replace(teacher, logits=teacher_logits)
     plain = options.route is None and options.group is None and spec.policy is None and batch.empty
     if plain and not traced and not teacher.sparse:
         recipe = _recipe_of(plan, logits, targets, teacher_logits, shift, options)
@@ -95,10 +94,9 @@ def _kernels(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyB
         token_shape = check_head(logits, targets, spec, teacher_logits, shift, kernel=True)
         chosen = routes.choose(plan, facts_of("logits", "triton", logits.device, token_shape, given,
                                               sharded=shard is not None), options.route)
-        call = head_call(logits, targets, spec, token_shape, teacher_logits=teacher_logits, policy_given=given,
+        call = head_call(logits, targets, spec, token_shape, teacher=teacher, policy_given=given,
                          num_items_in_batch=num_items_in_batch, shift=shift, validate=options.validate,
-                         raw_policy=chosen.raw_inputs, sparse=teacher,
-                         vocab_total=None if shard is None else shard.vocab_total)
+                         raw_policy=chosen.raw_inputs, vocab_total=None if shard is None else shard.vocab_total)
     except (ValueError, TypeError) as exc:
         if shard is None or not sync:
             raise
@@ -266,7 +264,7 @@ def _recipe_of(plan: KernelPlan, logits, targets, teacher_logits, shift, options
         return None  # (not kept: the plain-torch path has no host cost to save)
     token_shape = check_head(logits, targets, plan.spec, teacher_logits, shift, kernel=True)
     route = routes.choose(plan, facts_of("logits", "triton", logits.device, token_shape, {}, sharded=False))
-    call = head_call(logits, targets, plan.spec, token_shape, teacher_logits=teacher_logits, policy_given={},
+    call = head_call(logits, targets, plan.spec, token_shape, teacher=Teacher(logits=teacher_logits), policy_given={},
                      num_items_in_batch=None, shift=shift, validate=validate)
     flat = targets is None or (targets.dim() == 1 and targets.dtype in (torch.int64, torch.int32)
                                and targets.is_contiguous())

@@ -285,18 +285,27 @@ def settle(verdict: tuple | None, mode: str, device: torch.device) -> None:
     board_for(device).raise_slot(verdict[0], deferred=False)
 
 
+def _later(deferred: bool) -> str:
+    """What an error found on the device after its call returned adds to its message."""
+    return (" (found on the device after that call returned: validate='sync' raises inside the call, "
+            "validate=False skips the check)") if deferred else ""
+
+
+def _position(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The index into ``shape`` of a flat position (itself when there is no shape)."""
+    return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape)) if shape else (flat,)
+
+
 def raise_teacher(key: int, context: CheckContext, deferred: bool = False) -> None:
     """The error of a sparse teacher's first bad entry (kernels.sparse.check_teacher_kernel's key:
     2 x its flat index, + 1 when its log-prob is bad)."""
-    later = " (found on the device after that call returned: validate='sync' raises inside the call)" \
-        if deferred else ""
+    later = _later(deferred)
     index, bad_logprob = divmod(key, 2)
     if context.teacher_k > 0:
         row, entry = divmod(index, context.teacher_k)
         where = f"row {row}, entry {entry}"
     else:
-        shape = context.token_shape or (index + 1,)
-        where = f"position {tuple(int(i) for i in torch.unravel_index(torch.tensor(index), shape))}"
+        where = f"position {_position(index, context.token_shape)}"
     if bad_logprob:
         raise ValueError(f"teacher_logprobs: the value at {where} is not a log-probability (<= 0, not NaN){later}")
     raise ValueError(f"teacher_ids: the id at {where} is outside [0, {context.vocab}) (-1 marks no entry){later}")
@@ -306,11 +315,9 @@ def raise_if_bad(values: list[int], targets_shape: tuple[int, ...], vocab: int, 
                  norm: Normaliser, deferred: bool = False) -> None:
     """values = [first bad target index or -1, its value, bad num_items flag, bad sequence id flag]."""
     where, value, bad_items, bad_ids = values
-    later = (" (found on the device after that call returned: validate='sync' raises inside the call, "
-             "validate=False skips the check)") if deferred else ""
+    later = _later(deferred)
     if where >= 0:
-        position = tuple(int(i) for i in torch.unravel_index(torch.tensor(where), targets_shape)) \
-            if targets_shape else (where,)
+        position = _position(where, targets_shape)
         if NOT_BINARY < value <= PACKING_MARK:
             raise ValueError(packing_error(value, math.prod(targets_shape)) + later)
         if value == NOT_BINARY:

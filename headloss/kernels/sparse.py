@@ -44,9 +44,14 @@ class SparseRows(NamedTuple):
     K: int
 
 
+def block_of(k: int) -> int:
+    """K entries rounded up to a power of two: the kernels' BLOCK_K."""
+    return 1 << (max(k, 1) - 1).bit_length()
+
+
 def topk_block(sparse: SparseRows | None) -> int:
-    """A top-k teacher's K rounded up to a power of two (the kernels' BLOCK_K); 0 without one."""
-    return 0 if sparse is None or sparse.ids is None else 1 << (max(sparse.K, 1) - 1).bit_length()
+    """A top-k teacher's BLOCK_K; 0 without one."""
+    return 0 if sparse is None or sparse.ids is None else block_of(sparse.K)
 
 
 @triton.jit
