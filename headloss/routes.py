@@ -48,9 +48,8 @@ from . import env
 from .bounded import BoundedDict, cache
 from .output import HeadLossOutput
 from .plan import KernelPlan, compile_plan
-from .policy.objectives import base_policy
 from .policy_tables import IMPORTANCE_SAMPLING, OBJECTIVES
-from .spec import separate_kl_entropy
+from .spec import base_policy, separate_kl_entropy
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -297,7 +296,8 @@ def _base_plan(plan: KernelPlan) -> KernelPlan | None:
     base = _BASES.get(plan.key, False)
     if base is False:
         spec = plan.spec
-        candidate = compile_plan(spec.model_copy(update={"policy": base_policy(spec.policy)}), has_targets=True)
+        policy = base_policy(spec.policy)
+        candidate = compile_plan(spec.model_copy(update={"policy": policy}), has_targets=True)
         base = _BASES[plan.key] = candidate if candidate.mode == "fused" else None
     return base
 

@@ -22,6 +22,7 @@ Conventions (x is the transformed logit row, see :class:`LogitTransform`; lse = 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -294,6 +295,20 @@ class Policy(_Frozen):
     def row_local(self) -> bool:
         """The objective needs nothing but each token's own values (the fused kernel computes it)."""
         return row_local(self)
+
+
+def base_policy(policy: Policy) -> Policy:
+    """The row-local objective the fused lm_head runs before a batch statistic corrects a few rows
+    (policy_tables: ``base``): for clip_cov the clip objective without dual clip, cap or +-20 clamp, for
+    kl_cov unclipped (-A r); for a row-local objective under the top-entropy mask, the objective
+    without the mask."""
+    base = OBJECTIVES[policy.objective].base
+    if base is None:
+        return policy.model_copy(update={"top_entropy_quantile": 1.0})
+    update = dict(objective=base, convention="trl", delta=None, dual_clip_c=None)
+    if policy.objective == "kl_cov":
+        update.update(eps_low=1.0, eps_high=math.inf)  # clip(r, 0, inf) = r
+    return policy.model_copy(update=update)
 
 
 def clamps_log_ratio(policy: Policy) -> bool:

@@ -287,20 +287,6 @@ def clip_cov_chosen(adv, logp, old, valid, policy: Policy) -> torch.Tensor:
     return torch.zeros_like(valid).index_fill_(0, candidates, True)
 
 
-def base_policy(policy: Policy) -> Policy:
-    """The row-local objective the fused lm_head runs before a batch statistic corrects a few rows
-    (tables: ``base``): for clip_cov the clip objective without dual clip, cap or +-20 clamp, for
-    kl_cov unclipped (-A r); for a row-local objective under the top-entropy mask, the objective
-    without the mask."""
-    base = OBJECTIVES[policy.objective].base
-    if base is None:
-        return policy.model_copy(update={"top_entropy_quantile": 1.0})
-    update = dict(objective=base, convention="trl", delta=None, dual_clip_c=None)
-    if policy.objective == "kl_cov":
-        update.update(eps_low=1.0, eps_high=math.inf)  # clip(r, 0, inf) = r
-    return policy.model_copy(update=update)
-
-
 def _covariance(logp, old, adv, iw, mask, seq, n_slots, count, policy: Policy, seq_adv) -> TokenObjective:
     """verl compute_policy_loss_clip_cov / _kl_cov: the tokens whose (A - mean A)(logp - mean logp)
     is largest (kl_cov: the top cov_ratio share; clip_cov: a random cov_ratio share of those with
