@@ -236,6 +236,7 @@ def check_linear_inputs(hidden, weight, bias) -> None:
 def teacher_source(spec, token_rows, hidden, weight, teacher: Teacher) -> Teacher:
     """The lm_head's teacher, checked (errors name the argument): detached, its rows flat."""
     logits, t_hidden, t_weight, t_bias = teacher.logits, teacher.hidden, teacher.weight, teacher.bias
+    logits = teacher_precision(logits, hidden)  # (hidden: in the autocast dtype)
     if t_hidden is None and (t_weight is not None or t_bias is not None):
         raise ValueError("teacher_hidden: required with teacher_weight / teacher_bias")
     if t_hidden is not None:
@@ -273,12 +274,14 @@ _DENSE_ONLY = ("given, but the spec's distillation takes teacher logits (teacher
 
 
 def sparse_teacher(spec: LossSpec, teacher: Teacher, rows_shape: tuple[int, ...], token_shape: tuple[int, ...],
-                   device: torch.device, shift: bool, vocab: int, mode: str) -> SparseRows | None:
+                   device: torch.device, shift: bool, vocab: int, mode: str, pad_last: bool = False
+                   ) -> SparseRows | None:
     """A top-k or per-token teacher, checked (errors name the argument) and laid out per slot as the
     kernels read it (:class:`~headloss.kernels.sparse.SparseRows`); None without one. ``rows_shape``:
     the logits' rows, ``token_shape`` the slots' (the targets' with ``shift``). Values (ids in
     [0, V) or -1, each once per row; log-probs <= 0, not NaN) are read on the host with
-    ``mode`` "sync"."""
+    ``mode`` "sync". ``pad_last``: the lm_head's rows [B, T] of completion ids [B, T - 1], a
+    per-token teacher padded with the unscored last row."""
     dist = spec.distillation
     form = None if dist is None else dist.teacher
     ids, lp = teacher.ids, teacher.logprobs
@@ -322,6 +325,8 @@ def sparse_teacher(spec: LossSpec, teacher: Teacher, rows_shape: tuple[int, ...]
         rows = SparseRows(ids.detach().reshape(-1, k).contiguous(), lp.detach().reshape(-1, k).contiguous(), k)
     if mode == "sync":
         check_sparse_values(rows, vocab, token_shape)
+    if pad_last and rows.ids is None:
+        rows = rows._replace(logprobs=F.pad(rows.logprobs.reshape(token_shape), (0, 1)).reshape(-1))
     return rows
 
 

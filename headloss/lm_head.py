@@ -25,7 +25,6 @@ from .inputs import (
     flat_targets,
     pad_shifted,
     sparse_teacher,
-    teacher_precision,
     teacher_source,
 )
 from .kernels.sparse import SparseRows
@@ -92,7 +91,6 @@ def run_linear(hidden, weight, bias, teacher: Teacher, targets, plan: KernelPlan
 def _run_linear(hidden, weight, bias, teacher: Teacher, targets, plan: KernelPlan, batch: PolicyBatch,
                 layout: Layout, num_items_in_batch, options: LinearOptions) -> HeadLossOutput:
     traced = torch.compiler.is_compiling()
-    teacher = replace(teacher, logits=teacher_precision(teacher.logits, hidden))  # (hidden: in the autocast dtype)
     shard = None
     if options.group is not None or is_dtensor(weight):
         hidden, weight, bias, targets, teacher, shard = _local(hidden, weight, bias, targets, teacher, options)
@@ -122,7 +120,7 @@ def _local(hidden, weight, bias, targets, teacher: Teacher, options: LinearOptio
     if torch.compiler.is_compiling():  # the kernels' path: the layout a constant; each chunk's all_gather in the op
         traced_refusals("weight", (hidden, weight, bias, targets, teacher.logits, teacher.hidden, teacher.weight,
                                    teacher.bias), validation_mode(options.validate) == "sync")
-        if resolve_backend(options.backend, hidden.device, hidden.dtype, name="hidden") == "torch":
+        if resolve_backend(options.backend, weight.device, weight.dtype, name="weight") == "torch":
             raise NotImplementedError(TRACED_TORCH)
         shard = traced_shard(options.group, weight.shape[0], weight.device)
     else:
@@ -158,8 +156,9 @@ def _check(hidden, weight, bias, targets, spec: LossSpec, teacher: Teacher, batc
                               hidden.shape[1], spec.ignore_index)
     completion = shift and targets.shape != token_shape  # rows padded by one: T - 1 scored positions
     backend = resolve_backend(options.backend, hidden.device, hidden.dtype, name="hidden")
-    sparse = _sparse_rows(spec, teacher, token_rows, token_shape, hidden, vocab or weight.shape[0], completion,
-                          "sync" if mode == "sync" or (mode == "async" and backend == "torch") else "off")
+    check = "sync" if mode == "sync" or (mode == "async" and backend == "torch") else "off"
+    sparse = sparse_teacher(spec, teacher, token_rows, token_shape, hidden.device, False, vocab or weight.shape[0],
+                            "off" if torch.compiler.is_compiling() else check, pad_last=completion)
     teacher = teacher_source(spec, token_rows, hidden, weight, teacher)
     norm = normaliser(num_items_in_batch, spec, hidden.device)
     if completion:  # completion ids: per-token inputs get the unscored last row
@@ -172,18 +171,6 @@ def _check(hidden, weight, bias, targets, spec: LossSpec, teacher: Teacher, batc
     return _Call(hidden=hidden, weight=weight, bias=bias, targets=targets, teacher=teacher, token_rows=token_rows,
                  token_shape=token_shape, rows_shape=rows_shape, norm=norm, given=batch, policy=policy, backend=backend,
                  sparse=sparse)
-
-
-def _sparse_rows(spec: LossSpec, teacher: Teacher, token_rows, token_shape, hidden, vocab: int, completion: bool,
-                 mode: str) -> SparseRows | None:
-    """A top-k or per-token teacher over the lm_head's rows (all of them: the targets are row-aligned);
-    a per-token teacher of completion ids [B, T - 1] gets the unscored last row. Its values are read on
-    the host with ``mode`` "sync" (as the plain-torch path reads the targets')."""
-    check = "off" if torch.compiler.is_compiling() else mode
-    rows = sparse_teacher(spec, teacher, token_rows, token_shape, hidden.device, False, vocab, check)
-    if rows is not None and rows.ids is None and completion:
-        rows = rows._replace(logprobs=F.pad(rows.logprobs.reshape(token_shape), (0, 1)).reshape(-1))
-    return rows
 
 
 def _kernels(call: _Call, plan: KernelPlan, shard, options: LinearOptions, mode: str, traced: bool
