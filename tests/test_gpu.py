@@ -1242,3 +1242,23 @@ def test_verl_fused_head_drop_in_equals_verls_triton_kernel_and_the_fused_policy
         for got, want, what in zip(losses[name], losses["verl"], ("loss", "dh", "dw")):
             rel = float((got - want).norm() / want.norm())
             assert rel < 2e-2, f"{name} {what}: relative difference {rel:.2e}"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fused, sequence_parallel, tied", [(True, True, False), (True, False, True),
+                                                           (False, True, True), (True, True, True)])
+def test_megatron_gpt_model_over_nccl_equals_megatrons_own(fused, sequence_parallel, tied, dtype):
+    """The patched GPTModel's loss and gradients against Megatron's own, tensor parallel over NCCL on 2
+    GPUs, with sequence parallelism (which needs CUDA: tests/integrations/test_megatron.py has the rest)."""
+    pytest.importorskip("megatron.core")
+    from conftest import spawn_ranks
+    from megatron_cases import patched_equals_megatron
+
+    results = spawn_ranks(patched_equals_megatron, 2, fused, sequence_parallel, tied, "nccl", dtype)
+    loss_tol, grad_tol = (1e-4, 2e-5) if dtype == torch.float32 else (3e-2, 2e-2)
+    for rank, r in results.items():
+        assert r["names"], rank
+        assert r["loss"] < loss_tol and r["restored"] == 0.0, (rank, r)
+        for name, err in r["grads"].items():
+            assert err < grad_tol, (rank, name, err)

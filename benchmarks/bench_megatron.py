@@ -1,0 +1,119 @@
+"""A megatron-core GPTModel's loss step, Megatron's own against headloss's patch, tensor parallel over NCCL.
+
+The model is the part the loss sees (embedding, final norm, output layer; no transformer layers:
+they are the same in every case), bf16, hidden 4096, V 128256, ``--seq`` tokens of one sequence,
+tensor parallel over ``--world`` GPUs with sequence parallelism. One step: forward with labels, the
+per-token loss times a loss mask summed, backward. Cases:
+
+  megatron            Megatron's output layer + tensor_parallel.vocab_parallel_cross_entropy
+  megatron-fused-ce   Megatron's output layer + its fused_vocab_parallel_cross_entropy (native)
+  headloss-logits     Megatron's output layer + headloss on the vocab-parallel logits (patch fused=False)
+  headloss-fused      headloss from the hidden states and the output weight shard (patch fused=True)
+
+Per rank: median step time (CUDA events) and peak memory above the model and inputs (GB).
+
+  python -m benchmarks.bench_megatron [--world 2] [--seq 8192] [--hidden 4096] [--vocab 128256]
+
+Writes $OUT (or ./results)/bench_megatron.{json,csv,png}; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+import torch
+import torch.multiprocessing as mp
+
+from benchmarks.common import Row, gpu_name, out_dir_default, peak_extra_gb, pyplot, time_ms, write_rows
+
+CASES = ("megatron", "megatron-fused-ce", "headloss-logits", "headloss-fused")
+
+
+def _rank(rank: int, world: int, port: int, args, results) -> None:
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from megatron_cases import init, model_of
+
+    from headloss.integrations.megatron import patch_gpt_model
+
+    device = init(rank, world, port, "nccl")
+    model = model_of(world, True, False, torch.bfloat16, device, vocab=args.vocab, hidden=args.hidden)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.vocab, (1, args.seq), generator=gen).to(device)
+    labels = torch.randint(0, args.vocab, (1, args.seq), generator=gen).to(device)
+    position = torch.arange(args.seq, device=device)[None]
+    loss_mask = (torch.rand(1, args.seq, generator=gen) > 0.1).float().to(device)
+    out = []
+    for case in CASES:
+        patch = None
+        model.config.cross_entropy_loss_fusion = case == "megatron-fused-ce"
+        model.config.cross_entropy_fusion_impl = "native"
+        if case.startswith("headloss"):
+            patch = patch_gpt_model(model, fused=case == "headloss-fused")
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            loss = model(ids, position, None, labels=labels)
+            (loss.float() * loss_mask).sum().backward()
+
+        p50, p20, p80 = time_ms(step, reps=args.reps)
+        model.zero_grad(set_to_none=True)
+        peak = peak_extra_gb(step)
+        out.append({"case": case, "p50": p50, "p20": p20, "p80": p80, "peak": peak})
+        if patch is not None:
+            patch.restore()
+    results[rank] = out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=min(2, torch.cuda.device_count()))
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--name", default="bench_megatron")
+    args = parser.parse_args(argv)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        shared = manager.dict()
+        mp.spawn(_rank, args=(args.world, port, args, shared), nprocs=args.world, join=True)
+        results = dict(shared)
+    config = {"world": args.world, "seq": args.seq, "vocab": args.vocab, "hidden": args.hidden, "dtype": "bf16",
+              "sequence_parallel": True}
+    rows: list[Row] = []
+    base = {r["case"]: r for r in results[0]}["megatron"]["p50"]
+    print(f"\n{'case':20s} {'p50 ms (rank 0)':>16s} {'x megatron':>11s} {'slowest rank ms':>16s} {'peak GB/rank':>13s}")
+    for i, case in enumerate(CASES):
+        per_rank = [results[r][i] for r in sorted(results)]
+        p50 = per_rank[0]["p50"]
+        slowest = max(r["p50"] for r in per_rank)
+        peak = max(r["peak"] for r in per_rank)
+        print(f"{case:20s} {p50:16.2f} {p50 / base:11.2f} {slowest:16.2f} {peak:13.2f}")
+        rows.append(Row(case="gpt-loss-step", provider=case, metric="time", unit="ms", x_name="seq", x=args.seq,
+                        p50=p50, p20=per_rank[0]["p20"], p80=per_rank[0]["p80"],
+                        note=f"rank 0; slowest rank {slowest:.2f}", config=config, gpu=gpu_name()))
+        rows.append(Row(case="gpt-loss-step", provider=case, metric="memory", unit="GB", x_name="seq", x=args.seq,
+                        p50=peak, note="max over ranks", config=config, gpu=gpu_name()))
+    out = out_dir_default()
+    write_rows(rows, out, args.name)
+    plt = pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    times = [r.p50 for r in rows if r.metric == "time"]
+    peaks = [r.p50 for r in rows if r.metric == "memory"]
+    a.barh(CASES, times)
+    a.set_xlabel("ms per step (rank 0)")
+    b.barh(CASES, peaks)
+    b.set_xlabel("peak GB per rank")
+    fig.suptitle(f"GPTModel loss step, TP {args.world} + SP, seq {args.seq}, H {args.hidden}, V {args.vocab}, bf16")
+    fig.tight_layout()
+    fig.savefig(out / f"{args.name}.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
