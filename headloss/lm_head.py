@@ -36,6 +36,8 @@ from .packed import packed_call, packed_policy_inputs
 from .parallel import (
     TRACED_TORCH,
     every_rank,
+    fingerprint,
+    first_sight,
     gather_vocab,
     handshake,
     is_dtensor,
@@ -91,22 +93,26 @@ def run_linear(hidden, weight, bias, teacher: Teacher, targets, plan: KernelPlan
 def _run_linear(hidden, weight, bias, teacher: Teacher, targets, plan: KernelPlan, batch: PolicyBatch,
                 layout: Layout, num_items_in_batch, options: LinearOptions) -> HeadLossOutput:
     traced = torch.compiler.is_compiling()
+    mode = validation_mode(options.validate)
+    # the first call with a DTensor weight of a layout checks, as validate="sync" does, that every rank has
+    # the same rows (FSDP2's data-parallel shard of a weight looks like a vocab-parallel one)
+    exchange = mode == "sync" or (is_dtensor(weight) and mode != "off" and not traced and first_sight(weight))
     shard = None
     if options.group is not None or is_dtensor(weight):
         hidden, weight, bias, targets, teacher, shard = _local(hidden, weight, bias, targets, teacher, options)
-    mode = validation_mode(options.validate)
     error = call = None
-    try:  # every host-side check; with a group and validate="sync", every rank learns of any rank's error
+    try:  # every host-side check; with a group and an exchange, every rank learns of any rank's error
         call = _check(hidden, weight, bias, targets, plan.spec, teacher, batch=batch, layout=layout,
                       num_items_in_batch=num_items_in_batch, options=options, mode=mode,
                       vocab=None if shard is None else shard.vocab_total)
     except (ValueError, TypeError) as exc:
-        if shard is None or mode != "sync":
+        if shard is None or not exchange:
             raise
         error = exc
-    if shard is not None and mode == "sync":
-        handshake(shard, math.prod(hidden.shape[:-1]) if isinstance(hidden, torch.Tensor) else -1, error,
-                  weight.device)
+    if shard is not None and exchange:
+        rows = math.prod(hidden.shape[:-1]) if isinstance(hidden, torch.Tensor) else -1
+        same = fingerprint(call.hidden, call.targets) if call is not None else 0
+        handshake(shard, rows, error, weight.device, replicated=("hidden", same))
     if call.backend == "torch":
         facts = routes.Facts("hidden", "torch", tuple(call.hidden.shape[:-1]), call.given.sequence_ids is not None,
                              False, traced, False, False)

@@ -34,6 +34,7 @@ from .parallel import (
     TRACED_TORCH,
     dtensor_shard,
     every_rank,
+    fingerprint,
     gather_vocab,
     handshake,
     is_dtensor,
@@ -101,9 +102,9 @@ def _kernels(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyB
         if shard is None or not sync:
             raise
         error = exc
-    if shard is not None and sync:  # every rank learns of any rank's error
+    if shard is not None and sync:  # every rank learns of any rank's error; the targets are the same on every rank
         handshake(shard, logits.shape[:-1].numel() if isinstance(logits, torch.Tensor) else -1, error,
-                  logits.device)
+                  logits.device, replicated=("targets", fingerprint(call.targets) if call is not None else 0))
     pol = call.policy
     rows_per_seq = pol.seq_len if pol is not None and isinstance(pol.seq_len, int) else 0
     geo = call.geo

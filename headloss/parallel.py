@@ -20,6 +20,7 @@ functional collective of the graph (engine.traced_shard_statistics).
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +131,31 @@ def _whole(total: int) -> int:
 def clear_layouts() -> None:
     """Forget every cached shard layout (call on every rank, e.g. after re-sharding a model)."""
     _SHARDS.clear()
+    _SEEN.clear()
+
+
+_SEEN: BoundedDict[tuple, bool] = cache(
+    "parallel.dtensor_weights", 256, "DTensor lm_head weights whose rows were checked once, by (mesh, local shape)")
+
+
+def first_sight(weight) -> bool:
+    """True the first time a DTensor weight of this mesh and local shape is seen: that call checks
+    that the rows are the same on every rank (a weight that FSDP2 shards for data parallelism has the
+    placement of a vocab-parallel one, with each rank's own rows beside it)."""
+    key = (id(weight.device_mesh), tuple(weight.to_local().shape))
+    if key in _SEEN:
+        return False
+    _SEEN[key] = True
+    return True
+
+
+def fingerprint(*tensors) -> int:
+    """A number equal on ranks that hold equal tensors (float64 sums; one host read)."""
+    parts = [t.detach().double() for t in tensors if isinstance(t, torch.Tensor) and t.numel()]
+    if not parts:
+        return 0
+    sums = torch.stack([torch.stack([p.sum(), (p * p).sum()]) for p in parts]).cpu().tolist()
+    return struct.unpack("<q", struct.pack("<d", float(sum(i * a + b for i, (a, b) in enumerate(sums, 1)))))[0]
 
 
 def dtensor_shard(t, dim: int = -1, group=None, name: str = "logits") -> tuple[torch.Tensor, VocabShard]:
@@ -264,17 +290,20 @@ def rows_shard(weight, group, fresh: bool = False) -> tuple[torch.Tensor, VocabS
     return weight, shard_of(group, weight.shape[0], weight.device, fresh)
 
 
-def handshake(shard: VocabShard, rows: int, error: BaseException | None, device: torch.device) -> None:
+def handshake(shard: VocabShard, rows: int, error: BaseException | None, device: torch.device,
+              replicated: tuple[str, int] | None = None) -> None:
     """``validate="sync"``'s extra collective: every rank's row count, shard width and host-side
     error, so that a bad input on one rank (or row counts that differ across ranks) raises on every
     rank instead of leaving the others waiting in the statistics exchange. Raises the local error
-    itself where there is one."""
+    itself where there is one. ``replicated``: (name, :func:`fingerprint`) of the inputs every rank
+    must hold alike."""
 
-    values = _gather_ints([rows, int(error is not None), shard.vocab_start, shard.vocab_total], shard.group, device)
+    mine = [rows, int(error is not None), shard.vocab_start, shard.vocab_total, replicated[1] if replicated else 0]
+    values = _gather_ints(mine, shard.group, device)
     COLLECTIVES["handshake"] += 1
     if error is not None:
         raise error
-    failed = [rank for rank, (_, bad, _, _) in enumerate(values) if bad]
+    failed = [rank for rank, (_, bad, *_) in enumerate(values) if bad]
     if failed:
         raise ValueError(f"group: rank(s) {failed} rejected their inputs (their own error says why); no rank ran")
     counts = sorted({v[0] for v in values})
@@ -286,6 +315,13 @@ def handshake(shard: VocabShard, rows: int, error: BaseException | None, device:
         _SHARDS.clear()
         raise ValueError(f"group: the ranks' cached vocabulary layouts disagree (starts {starts}, totals "
                          f"{sorted(totals)}): a shard changed width; the cache is cleared, call again")
+    if replicated is not None and len({v[4] for v in values}) > 1:
+        name = replicated[0]
+        hint = "" if name != "hidden" else (
+            ". A weight that FSDP2 shards for data parallelism has a vocab-parallel shard's placement outside the "
+            "module's forward: call inside the forward, or pass weight.full_tensor()")
+        raise ValueError(f"{name}: differs across the ranks of the group; vocab-parallel needs the same rows on every "
+                         f"rank (only the vocabulary is sharded){hint}")
 
 
 def handshake_verdict(shard: VocabShard, verdict, device: torch.device) -> None:

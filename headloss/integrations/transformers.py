@@ -99,11 +99,12 @@ def head_transform(model) -> LogitTransform:
 
 
 def _causal_lm(model):
-    """The model whose forward takes labels: a PEFT wrapper's base model, else the model."""
+    """The model whose forward takes labels: a PEFT wrapper's base model, else the model. (FSDP2's
+    fully_shard makes a subclass of the wrapper's class: its bases are read, not its own name.)"""
     get_base = getattr(model, "get_base_model", None)
     if callable(get_base) and not hasattr(model, "get_output_embeddings"):
         return get_base()
-    if callable(get_base) and type(model).__name__.startswith("Peft"):
+    if callable(get_base) and any(cls.__name__.startswith("Peft") for cls in type(model).__mro__):
         return get_base()
     return model
 
@@ -145,6 +146,7 @@ class HeadPatch:
     def __init__(self, model, spec: SpecLike | None = None, *, chunk_bytes: int = PATCH_CHUNK_BYTES,
                  keep_logits: bool = False, fp32_weight_grad: bool = False, verify: bool = True,
                  validate=None, backend: str = "auto", metric_names: dict[str, str] | None = None) -> None:
+        self.outer = model  # what the caller runs (a PEFT wrapper, an FSDP2 root): the probe runs through it
         self.model = _causal_lm(model)
         self.head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         _check_head(self.head)
@@ -327,7 +329,7 @@ class HeadPatch:
 
     def _verify(self) -> None:
         """Run a short probe through the stock model and through the patch, and compare logits and loss."""
-        model, head = self.model, self.head
+        model, head = self.outer, self.head
         vocab = head.weight.shape[0]
         device = head.weight.device
         if device.type == "meta":
@@ -412,9 +414,9 @@ class HeadPatch:
         try:
             with torch.no_grad():
                 try:
-                    mine = self.model(input_ids=ids, labels=labels, use_cache=False)
+                    mine = self.outer(input_ids=ids, labels=labels, use_cache=False)
                 except TypeError:
-                    mine = self.model(input_ids=ids, labels=labels)
+                    mine = self.outer(input_ids=ids, labels=labels)
         finally:
             self.undo()
             self.spec = full

@@ -375,7 +375,7 @@ def test_callback_without_transformers_objects_reads_an_accumulator():
 # --- FSDP2 ---------------------------------------------------------------------------------------
 
 
-def _fsdp2_rank(rank: int, world: int, port: int, tied: bool, results) -> None:
+def _fsdp2_rank(rank: int, world: int, port: int, tied: bool, lora: bool, results) -> None:
     import os
 
     import torch.distributed as dist
@@ -387,32 +387,39 @@ def _fsdp2_rank(rank: int, world: int, port: int, tied: bool, results) -> None:
     try:
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES, tie_word_embeddings=tied))
+        if lora:  # trl #6065: PEFT adapters (trainable) beside frozen sharded weights
+            import peft
+
+            model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                               init_lora_weights=False))
         mesh = init_device_mesh("cpu", (world,))
-        for layer in model.model.layers:
+        for layer in (model.base_model.model if lora else model).model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         ids, labels, mask = batch(20 + rank)  # each rank its own data
         stock = model(input_ids=ids, attention_mask=mask, labels=labels)
         stock.loss.backward()
-        stock_grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        stock_grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad(set_to_none=True)
         handle = patch(model, FULL.model_copy(update={"z_loss": None}))
         mine = model(input_ids=ids, attention_mask=mask, labels=labels)
         mine.loss.backward()
-        mine_grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        mine_grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.grad is not None}
         handle.undo()
+        assert sorted(mine_grads) == sorted(stock_grads) and mine_grads
         err = max(float((mine_grads[n] - g).abs().max() / g.abs().max()) for n, g in stock_grads.items())
-        results[rank] = (float(stock.loss.detach()), float(mine.loss.detach()), err,
-                         type(model.lm_head.weight).__name__)
+        lm_head = model.get_output_embeddings()
+        results[rank] = (float(stock.loss.detach()), float(mine.loss.detach()), err, type(lm_head.weight).__name__)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_fsdp2_sharded_model_matches_stock(tied):
+@pytest.mark.parametrize("tied, lora", [(False, False), (True, False), (False, True)],
+                         ids=["untied", "tied", "lora"])
+def test_fsdp2_sharded_model_matches_stock(tied, lora):
 
-    results = spawn_ranks(_fsdp2_rank, 2, tied)
+    results = spawn_ranks(_fsdp2_rank, 2, tied, lora)
     for rank in (0, 1):
         stock, mine, err, weight_type = results[rank]
         assert weight_type == "DTensor"  # the weight is sharded outside the forward

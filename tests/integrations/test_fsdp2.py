@@ -1,0 +1,141 @@
+"""headloss under FSDP2 and torchtitan's layouts (gloo, CPU): ``linear_head_loss`` called directly in an
+FSDP2 model's forward; the same weight outside the forward (FSDP2's data-parallel shard, which has a
+vocab-parallel shard's placement) refused on every rank; logits a DTensor Shard(-1) over the
+tensor-parallel half of a 2-D (data, tensor) mesh, and a 2-D placement refused."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from conftest import spawn_ranks
+
+pytestmark = pytest.mark.slow
+
+VOCAB, HIDDEN = 40, 16
+SPEC = {"cross_entropy": {}, "z_loss": {"weight": 1e-3}, "entropy": {"weight": 0.0}, "token_accuracy": True}
+
+
+class Tiny(torch.nn.Module):
+    """A language model whose forward calls linear_head_loss on its own lm_head weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.proj = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(self.embed(ids)))
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor):
+        from headloss import linear_head_loss
+
+        return linear_head_loss(self.hidden(ids), self.lm_head.weight, labels, SPEC, shift=True)
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _direct_rank(rank: int, world: int, port: int, results) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from headloss import linear_head_loss
+
+    _init(rank, world, port)
+    try:
+        torch.manual_seed(0)
+        reference = Tiny()
+        model = copy.deepcopy(reference)
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        gen = torch.Generator().manual_seed(10 + rank)  # each rank its own data
+        ids = torch.randint(0, VOCAB, (2, 7), generator=gen)
+        labels = ids.clone()
+        labels[0, :2] = -100
+        out = model(ids, labels)
+        out.loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        # each rank's loss on the unsharded model, the gradients averaged over the ranks (FSDP2's reduce-scatter)
+        want = reference(ids, labels)
+        want.loss.backward()
+        errs = {}
+        for name, p in reference.named_parameters():
+            dist.all_reduce(p.grad)
+            errs[name] = float((grads[name] - p.grad / world).abs().max() / p.grad.abs().max())
+        refused = []
+        for validate in (None, "sync"):  # outside the forward the weight is FSDP2's shard of the rows
+            weight = model.lm_head.weight
+            try:
+                linear_head_loss(reference.hidden(ids).detach(), weight, labels, SPEC, shift=True, validate=validate)
+                refused.append(f"no error ({type(weight).__name__})")
+            except ValueError as exc:
+                refused.append(str(exc))
+        results[rank] = {"loss": float((out.loss - want.loss).abs()), "grads": errs, "refused": refused,
+                         "metrics": list(out.metrics) == list(want.metrics)}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_linear_head_loss_in_an_fsdp2_forward_and_its_shard_outside_refused():
+    results = spawn_ranks(_direct_rank, 2)
+    assert len(results) == 2
+    for rank, r in results.items():
+        assert r["loss"] < 1e-6 and r["metrics"], (rank, r)
+        for name, err in r["grads"].items():
+            assert err < 1e-5, (rank, name, err)
+        for msg in r["refused"]:
+            assert msg.startswith("hidden: differs across the ranks of the group"), (rank, msg)
+            assert "FSDP2" in msg
+
+
+def _titan_rank(rank: int, world: int, port: int, results) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from headloss import head_loss
+
+    _init(rank, world, port)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dp, tp = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+        gen = torch.Generator().manual_seed(20 + dp)  # each data-parallel rank its own rows
+        logits = torch.randn(2, 5, VOCAB, generator=gen) * 2
+        labels = torch.randint(0, VOCAB, (2, 5), generator=gen)
+        width = VOCAB // 2
+        local = logits[..., tp * width:(tp + 1) * width].clone().requires_grad_(True)
+        sharded = DTensor.from_local(local, mesh["tp"], [Shard(-1)])
+        out = head_loss(sharded, labels, SPEC)
+        out.loss.backward()
+        whole = logits.clone().requires_grad_(True)
+        want = head_loss(whole, labels, SPEC, backend="torch")
+        want.loss.backward()
+        err = float((local.grad - whole.grad[..., tp * width:(tp + 1) * width]).abs().max())
+        metrics = max(abs(float(out.metrics[k]) - float(want.metrics[k])) for k in want.metrics)
+        try:
+            two_d = DTensor.from_local(local.detach(), mesh, [Replicate(), Shard(-1)])
+            head_loss(two_d, labels, SPEC)
+            refused = "no error"
+        except ValueError as exc:
+            refused = str(exc)
+        results[rank] = (float((out.loss - want.loss).abs()), err, metrics, refused)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torchtitan_loss_parallel_layout_on_a_2d_mesh():
+    results = spawn_ranks(_titan_rank, 4)
+    assert len(results) == 4
+    for rank, (loss_err, grad_err, metric_err, refused) in results.items():
+        assert loss_err < 1e-5 and grad_err < 1e-6 and metric_err < 1e-5, (rank, loss_err, grad_err, metric_err)
+        assert refused.startswith("logits: a DTensor must be sharded on its vocabulary dimension"), (rank, refused)
