@@ -3,6 +3,9 @@ torch eager and the 3 bare cuBLAS GEMMs (the floor), in one run.
 
   python -m benchmarks.bench_linear              # H=4096; N in {2048, 8192, 32768} at V=128256,
                                                  # V in {32000, 151936} at N=8192, chunk sweep, dW accuracy
+  python -m benchmarks.bench_linear --frontier 16384 151936 --stem bench_linear_frontier
+                                                 # time against peak memory at one shape: the chunk
+                                                 # budgets beside the floor and the peers
 
 Writes $OUT (or ./results)/bench_linear.{json,csv,png}; prints a table with the ratio to the GEMM
 floor and the peak memory above the inputs (gradients dW and dh included, for every provider).
@@ -91,9 +94,21 @@ def run(rows: list[Row], case: str, n: int, h: int, v: int, names: list[str] | N
     for name, fn in table.items():
         if names and name not in names:
             continue
-        measure(rows, case, name, "N" if case == "sweep-N" else "V", n if case == "sweep-N" else v,
+        measure(rows, case, name, "N" if case in ("sweep-N", "frontier") else "V",
+                n if case in ("sweep-N", "frontier") else v,
                 lambda fn=fn: fn(hidden, weight, targets), setup, config={"N": n, "H": h, "V": v}, cold_blas=True)
         torch.cuda.empty_cache()
+
+
+FRONTIER_MIB = (128, 192, 256, 384, 512, 1024, 2048)
+
+
+def frontier(rows: list[Row], n: int, v: int, h: int) -> None:
+    """The chunk budget's trade at one shape: headloss at each budget (its peak memory counts dW and
+    dh), the 3 GEMMs and the peers, one run."""
+    extra = {f"headloss chunk={mib}MiB": (lambda h_, w_, y_, mib=mib: linear_head_loss(
+        h_, w_, y_, chunk_bytes=mib << 20).loss.backward()) for mib in FRONTIER_MIB}
+    run(rows, "frontier", n, h, v, ["3-gemm-floor", "liger-flce", "cce", *extra], extra)
 
 
 def dw_accuracy(rows: list[Row], n: int, h: int, v: int) -> None:
@@ -177,9 +192,18 @@ def main() -> None:
     parser.add_argument("--providers", nargs="*")
     parser.add_argument("--no-sweep-chunks", action="store_true")
     parser.add_argument("--stem", default="bench_linear")
+    parser.add_argument("--frontier", type=int, nargs=2, metavar=("N", "V"),
+                        help="only the time / memory frontier of the chunk budgets at N rows, V words")
     args = parser.parse_args()
     rows: list[Row] = []
     h = args.hidden
+    if args.frontier:
+        frontier(rows, *args.frontier, h)
+        out = out_dir_default()
+        js, cs = write_rows(rows, out, args.stem)
+        print_table(rows)
+        print(f"\nwrote {js}, {cs}")
+        return
     for n in args.rows:
         run(rows, "sweep-N", n, h, 128256, args.providers)
     for v in args.vocab:

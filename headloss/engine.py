@@ -368,6 +368,19 @@ def head_backward_op(logits: torch.Tensor, tensors: list[torch.Tensor | None], k
     return head_backward(run, logits, call, rows, d_loss, d_rows, scratch, stats, inplace=run.inplace)
 
 
+NO_GRADS = (None,) * (1 + len(CallTensors._fields))
+"""backward's None for the run and each of CallTensors (an autograd Function's inputs after its rows)."""
+
+
+def keep(ctx, run, saved: tuple, non_differentiable: tuple) -> None:
+    """What an autograd Function's forward leaves for backward: the run, the tensors ``saved``; outputs
+    without a gradient get None in backward, not a zero tensor."""
+    ctx.run = run
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*saved)
+    ctx.mark_non_differentiable(*non_differentiable)
+
+
 class HeadFunction(torch.autograd.Function):
     """apply(logits, run, *tensors) -> (loss, rows, pred, means, scratch); ``tensors``: CallTensors."""
 
@@ -395,24 +408,20 @@ class HeadFunction(torch.autograd.Function):
         elif run.objective is not None:  # the same, written into ``loss`` and the means' room for them
             _, _, d_objective = objective_launch(plan, rows, run.objective, base_loss=loss, total=loss,
                                                  out=means[plan.means_size:], grad=ctx.needs_input_grad[0])
-        ctx.run = run
-        ctx.set_materialize_grads(False)  # outputs without a gradient get None, not a zero tensor
         if plan.mode == "fused":
             ctx.grad_geo = grad_geometry(run.geo, grad) if grad_mode is GradMode.INPLACE else run.geo
             ctx.grad_like = (list(logits.shape), logits.dtype)
             ctx.handoff = grad_mode is GradMode.HANDOFF
-            ctx.save_for_backward(grad if grad_mode is not GradMode.NONE else None)
-            ctx.mark_non_differentiable(rows, means, scratch, pred)
+            keep(ctx, run, (grad if grad_mode is not GradMode.NONE else None,), (rows, means, scratch, pred))
         else:
-            ctx.save_for_backward(logits, call.targets, call.teacher_logits, rows, call.num_items, scratch, stats,
-                                  d_objective, call.teacher_ids, call.teacher_logprobs)
-            ctx.mark_non_differentiable(means, scratch, pred)
+            keep(ctx, run, (logits, call.targets, call.teacher_logits, rows, call.num_items, scratch, stats,
+                            d_objective, call.teacher_ids, call.teacher_logprobs), (means, scratch, pred))
         return loss, rows, pred, means, scratch
 
     @staticmethod
     def backward(ctx, d_loss, d_rows, *_):
         run: HeadRun = ctx.run
-        nones = (None,) * (1 + len(CallTensors._fields))
+        nones = NO_GRADS
         if run.plan.mode == "fused":
             (grad,) = ctx.saved_tensors
             if grad is None or d_loss is None:

@@ -34,11 +34,16 @@ def teacher_precision(teacher_logits, student):
     return teacher_logits
 
 
+def _floating(value: Any, name: str, dtypes: str = "") -> None:
+    """``value`` is a floating-point tensor (errors name it)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(f"{name}: expected a floating dtype{dtypes}, got {value.dtype}")
+
+
 def check_logits(logits: Any) -> None:
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits: expected a torch.Tensor, got {type(logits).__name__}")
-    if not logits.is_floating_point():
-        raise TypeError(f"logits: expected a floating dtype (float32, bfloat16, float16), got {logits.dtype}")
+    _floating(logits, "logits", " (float32, bfloat16, float16)")
     if logits.dim() not in (2, 3):
         raise ValueError(f"logits: expected [N, V] or [B, T, V], got shape {tuple(logits.shape)}")
     if logits.shape[-1] == 0:
@@ -209,11 +214,8 @@ def pad_shifted(targets: torch.Tensor, rows_per_seq: int, ignore_index: int) -> 
 
 
 def check_linear_inputs(hidden, weight, bias) -> None:
-    for name, t in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name}: expected a floating dtype, got {t.dtype}")
+    _floating(hidden, "hidden")
+    _floating(weight, "weight")
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden: expected [N, H] or [B, T, H], got shape {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from . import ops, routes
 from .batch import Layout, LinearOptions, PolicyBatch, Teacher
 from .chunks import LinearRun, cut
-from .engine import CallTensors, policy_terms
+from .engine import NO_GRADS, CallTensors, keep, policy_terms
 from .inputs import (
     check_linear_inputs,
     check_targets,
@@ -241,21 +241,17 @@ class LinearFunction(torch.autograd.Function):
             loss, rows, rows_c, pred, means, scratch = out.loss, out.rows, out.rows_computed, out.pred, out.means, \
                 out.scratch
             index, dh, dw, db, stats = out.index, out.dh, out.dw, out.db, out.stats
-        ctx.run, ctx.wants = run, wants
-        ctx.handoff = handoff
-        ctx.set_materialize_grads(False)
+        ctx.wants, ctx.handoff = wants, handoff
         if run.grads_in_forward:
-            ctx.save_for_backward(dh, dw, db)
-            ctx.mark_non_differentiable(rows, pred, means, scratch)
+            keep(ctx, run, (dh, dw, db), (rows, pred, means, scratch))
         else:
-            ctx.save_for_backward(hidden, weight, bias, *call, index, rows_c, scratch, stats)
-            ctx.mark_non_differentiable(pred, means, scratch)
+            keep(ctx, run, (hidden, weight, bias, *call, index, rows_c, scratch, stats), (pred, means, scratch))
         return loss, rows, pred, means, scratch
 
     @staticmethod
     def backward(ctx, d_loss, d_rows, *_):
         run: LinearRun = ctx.run
-        nones = (None,) * (1 + len(CallTensors._fields))
+        nones = NO_GRADS
         if d_loss is None and d_rows is None:
             return None, None, None, *nones
         if run.grads_in_forward:

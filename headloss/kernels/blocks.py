@@ -52,6 +52,16 @@ def _stats_block(z, start, V, m, d, sum_x, sum_ex, arg, S, BLOCK_V: tl.constexpr
 
 
 @triton.jit
+def _pair(row_ptr, t_row_ptr, at, offs, HAS_TEACHER: tl.constexpr):
+    """One full block of the row and of the teacher's row (the row again without one)."""
+    z = tl.load(row_ptr + at + offs)
+    zt = z
+    if HAS_TEACHER:
+        zt = tl.load(t_row_ptr + at + offs)
+    return z, zt
+
+
+@triton.jit
 def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexpr, NEED_SUM_EX: tl.constexpr):
     """Phase 1: one read of a row (and of the teacher's, when t_row_ptr is not None), in base 2.
 
@@ -76,15 +86,9 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
     v_full = (V // BLOCK_V) * BLOCK_V
     if v_full > 0:
         # full blocks, unmasked, each load issued one block ahead of its use
-        z = tl.load(row_ptr + offs)
-        zt = z
-        if HAS_TEACHER:
-            zt = tl.load(t_row_ptr + offs)
+        z, zt = _pair(row_ptr, t_row_ptr, 0, offs, HAS_TEACHER)
         for start in range(BLOCK_V, v_full, BLOCK_V):
-            z_next = tl.load(row_ptr + start + offs)
-            zt_next = z_next
-            if HAS_TEACHER:
-                zt_next = tl.load(t_row_ptr + start + offs)
+            z_next, zt_next = _pair(row_ptr, t_row_ptr, start, offs, HAS_TEACHER)
             m, d, sum_x, sum_ex, arg, x2, e, alpha = _stats_block(
                 z, start - BLOCK_V, V, m, d, sum_x, sum_ex, arg, S,
                 BLOCK_V, F.HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, False,
@@ -205,15 +209,9 @@ def gradient_pass(row_ptr, t_row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A,
                                  wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False)
     else:
         if v_full > 0:
-            z = tl.load(row_ptr + offs)
-            zt = z
-            if HAS_TEACHER:
-                zt = tl.load(t_row_ptr + offs)
+            z, zt = _pair(row_ptr, t_row_ptr, 0, offs, HAS_TEACHER)
             for start in range(BLOCK_V, v_full, BLOCK_V):
-                z_next = tl.load(row_ptr + start + offs)
-                zt_next = z_next
-                if HAS_TEACHER:
-                    zt_next = tl.load(t_row_ptr + start + offs)
+                z_next, zt_next = _pair(row_ptr, t_row_ptr, start, offs, HAS_TEACHER)
                 sum_px = _grad_block(z, zt, grad_row_ptr, start - BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
                                      wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False)
                 z = z_next

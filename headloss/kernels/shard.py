@@ -153,6 +153,15 @@ def _merge_rank(base, inside, top, acc, M: tl.constexpr, SUM_A: tl.constexpr, SU
 
 
 @triton.jit
+def _store4(out, inside, A: tl.constexpr, a, B: tl.constexpr, b, C: tl.constexpr, c, D: tl.constexpr, d):
+    """Columns A, B, C, D of the merged rows ``out`` (masked by ``inside``)."""
+    tl.store(out + A, a, mask=inside)
+    tl.store(out + B, b, mask=inside)
+    tl.store(out + C, c, mask=inside)
+    tl.store(out + D, d, mask=inside)
+
+
+@triton.jit
 def merge_stats_kernel(parts, merged, n_rows, world, BLOCK: tl.constexpr, NCOL: tl.constexpr,
                        OWN_TEMP: tl.constexpr):
     """(world, n_rows, NCOL) per-shard statistics (layouts.Stats) -> (n_rows, NCOL) of the whole vocabulary: the max
@@ -184,14 +193,9 @@ def merge_stats_kernel(parts, merged, n_rows, world, BLOCK: tl.constexpr, NCOL: 
         nan_top = nan_top | (m != m)
     top = tl.where(nan_top, float("nan"), top)
     out = merged + at
-    tl.store(out + STATS_AT.m2, top, mask=inside)
-    tl.store(out + STATS_AT.d, d, mask=inside)
-    tl.store(out + STATS_AT.sum_x2, sum_x2, mask=inside)
-    tl.store(out + STATS_AT.sum_ex2, sum_ex2, mask=inside)
-    tl.store(out + STATS_AT.arg, arg, mask=inside)
-    tl.store(out + STATS_AT.x2_y, x2_y, mask=inside)
-    tl.store(out + STATS_AT.owned, owners, mask=inside)
-    tl.store(out + STATS_AT.pad, tl.zeros([BLOCK], tl.float32), mask=inside)
+    _store4(out, inside, STATS_AT.m2, top, STATS_AT.d, d, STATS_AT.sum_x2, sum_x2, STATS_AT.sum_ex2, sum_ex2)
+    _store4(out, inside, STATS_AT.arg, arg, STATS_AT.x2_y, x2_y, STATS_AT.owned, owners, STATS_AT.pad,
+            tl.zeros([BLOCK], tl.float32))
     if NCOL == STATS_AT.N_TEACHER:  # the teacher's sums against its max; the student's at T_d against theirs
         top_t = tl.full([BLOCK], float("-inf"), tl.float32)
         top_s = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -212,14 +216,8 @@ def merge_stats_kernel(parts, merged, n_rows, world, BLOCK: tl.constexpr, NCOL: 
                 at_temp = _merge_rank(base, inside, top, at_temp, STATS_AT.m2, -1, STATS_AT.s_cross, -1, -1)
         dt, sum_t, sum_ts, t_arg, _ = teacher
         ds, sum_st, _, _, _ = at_temp
-        tl.store(out + STATS_AT.t_m2, top_t, mask=inside)
-        tl.store(out + STATS_AT.t_d, dt, mask=inside)
-        tl.store(out + STATS_AT.t_sum, sum_t, mask=inside)
-        tl.store(out + STATS_AT.t_cross, sum_ts, mask=inside)
-        tl.store(out + STATS_AT.s_m2, top_s, mask=inside)
-        tl.store(out + STATS_AT.s_d, ds, mask=inside)
-        tl.store(out + STATS_AT.s_cross, sum_st, mask=inside)
-        tl.store(out + STATS_AT.t_arg, t_arg, mask=inside)
+        _store4(out, inside, STATS_AT.t_m2, top_t, STATS_AT.t_d, dt, STATS_AT.t_sum, sum_t, STATS_AT.t_cross, sum_ts)
+        _store4(out, inside, STATS_AT.s_m2, top_s, STATS_AT.s_d, ds, STATS_AT.s_cross, sum_st, STATS_AT.t_arg, t_arg)
 
 
 @triton.jit
