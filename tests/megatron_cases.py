@@ -95,3 +95,72 @@ def patched_equals_megatron(rank, world, port, fused, sequence_parallel, tied, b
                   for n, g in want_grads.items()},
         "names": sorted(got_grads) == sorted(want_grads),
     }
+
+
+def verl_swap_equals_megatron(rank, world, port, tied, backend, via_verl, results):
+    """verl's Megatron fused forward after install(), against Megatron's own logits. Without sequence
+    parallelism dh stays each rank's share, as verl's own kernel leaves it (verl runs tensor parallelism
+    with sequence parallelism, whose gather reduce-scatters it): the replicated parameters' gradients
+    then sum over the ranks to the reference's. ``via_verl``: through verl's own forward (else its
+    head's steps written out: the decoder's output gathered along s, headloss's verl contract)."""
+    import torch.distributed as dist
+
+    from headloss.integrations import verl as headloss_verl
+
+    device = init(rank, world, port, backend)
+    sequence_parallel = backend == "nccl"
+    if via_verl:
+        import verl.models.mcore.model_forward_fused as fused_forward
+
+        headloss_verl.install(policy_losses=False, distillation=False)
+        assert fused_forward.linear_cross_entropy is headloss_verl.linear_cross_entropy
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (1, 8), generator=gen).to(device)  # verl's packed rows: one batch row
+    labels = torch.randint(0, VOCAB, (1, 8), generator=gen).to(device)
+    position = torch.arange(8, device=device)[None]
+    w_lp, w_ent = (torch.rand(1, 8, generator=gen).to(device) for _ in range(2))
+
+    model = model_of(world, sequence_parallel, tied, device=device)
+    logits = model(ids, position, None)  # Megatron's own output layer: [b, s, V / tp]
+    parts = [torch.empty_like(logits) for _ in range(world)]
+    dist.all_gather(parts, logits.detach().contiguous())
+    whole = torch.cat(parts, -1).double().requires_grad_(True)
+    logp = whole.log_softmax(-1)
+    want_lp = logp.gather(-1, labels[..., None])[..., 0]
+    want_ent = -(logp.exp() * logp).sum(-1)
+    (want_lp * w_lp + want_ent * w_ent).sum().backward()
+    width = logits.shape[-1]
+    logits.backward(whole.grad[..., rank * width:(rank + 1) * width].to(logits.dtype))
+    want = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    if via_verl:
+        fused_forward.patch_fused_forward(model)
+        out = model(ids, position, None, labels=labels)
+        log_probs, entropy = out.log_probs, out.entropy
+    else:  # _fused_GPTModel_forward's steps
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        hidden = model.decoder(hidden_states=model.embedding(ids, position), attention_mask=None)
+        if sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden)
+        weight = model.shared_embedding_or_output_weight() if tied else model.output_layer.weight
+        log_probs, entropy = headloss_verl.linear_cross_entropy(
+            hidden, weight, labels, 1.0, "none", parallel_state.get_tensor_model_parallel_group())
+    (log_probs * w_lp + entropy * w_ent).sum().backward()
+    got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    errs = {}
+    for name, g in want.items():
+        mine = got[name]
+        if not sequence_parallel and "output_layer" not in name:
+            if "word_embeddings" in name:
+                continue  # (each rank's vocabulary rows of a partial dh: no sum to compare)
+            dist.all_reduce(mine)
+        errs[name] = float((mine - g).abs().max() / g.abs().max())
+    results[rank] = {
+        "lp": float((log_probs.double() - want_lp).abs().max()),
+        "ent": float((entropy.double() - want_ent).abs().max()),
+        "names": sorted(got) == sorted(want),
+        "grads": errs,
+    }

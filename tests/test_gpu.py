@@ -1262,3 +1262,28 @@ def test_megatron_gpt_model_over_nccl_equals_megatrons_own(fused, sequence_paral
         assert r["loss"] < loss_tol and r["restored"] == 0.0, (rank, r)
         for name, err in r["grads"].items():
             assert err < grad_tol, (rank, name, err)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_verl_megatron_fused_forward_over_nccl_with_sequence_parallelism(tied):
+    """verl's Megatron fused forward after headloss's install() (or, where verl's Megatron modules do not
+    import, its head's steps), sequence parallel over NCCL on 2 GPUs: log-probs, entropy and every
+    gradient equal to Megatron's own logits'."""
+    import importlib.util
+
+    pytest.importorskip("megatron.core")
+    from conftest import spawn_ranks
+    from megatron_cases import verl_swap_equals_megatron
+
+    try:
+        via_verl = importlib.util.find_spec("verl.models.mcore.model_forward_fused") is not None
+        if via_verl:
+            importlib.import_module("verl.models.mcore.model_forward_fused")
+    except ImportError:
+        via_verl = False
+    for rank, r in spawn_ranks(verl_swap_equals_megatron, 2, tied, "nccl", via_verl).items():
+        assert r["names"], rank
+        assert r["lp"] < 1e-4 and r["ent"] < 1e-4, (rank, r)
+        for name, err in r["grads"].items():
+            assert err < 2e-5, (rank, name, err)

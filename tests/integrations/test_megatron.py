@@ -13,7 +13,7 @@ from conftest import spawn_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-from megatron_cases import VOCAB, init, model_of, patched_equals_megatron, step  # noqa: E402
+from megatron_cases import VOCAB, init, model_of, patched_equals_megatron, step, verl_swap_equals_megatron  # noqa: E402,E501
 
 # Megatron's sequence-parallel collectives allocate on CUDA (and gloo has no reduce_scatter): those
 # cases need 2 GPUs over NCCL
@@ -125,3 +125,18 @@ def test_spec_errors_name_the_argument():
         from headloss.integrations.megatron import patch_gpt_model
 
         patch_gpt_model(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_verl_megatron_fused_forward_through_headloss(world, tied):
+    """verl's Megatron fused forward (its _fused_GPTModel_forward, the output_processor's body) after
+    install() computes its log-probs and entropy with headloss: equal to Megatron's own logits' and
+    with the same gradients, tensor parallel over gloo (tests/test_gpu.py: with sequence parallelism
+    over NCCL)."""
+    pytest.importorskip("verl.models.mcore.model_forward_fused")
+    for rank, r in spawn_ranks(verl_swap_equals_megatron, world, tied, "gloo", True).items():
+        assert r["names"], rank
+        assert r["lp"] < 1e-4 and r["ent"] < 1e-4, (rank, r)
+        for name, err in r["grads"].items():
+            assert err < 2e-5, (rank, name, err)
