@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 
 import torch
-import torch.multiprocessing as mp
 
-from benchmarks.common import Row, gpu_name, out_dir_default, peak_extra_gb, pyplot, time_ms, write_rows
+from benchmarks.common import peak_extra_gb, per_rank_report, spawn_world, time_ms
 
 CASES = ("stock", "headloss")
 
@@ -76,40 +74,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--name", default="bench_fsdp2")
     args = parser.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        shared = manager.dict()
-        mp.spawn(_rank, args=(args.world, port, args, shared), nprocs=args.world, join=True)
-        results = dict(shared)
+    results = spawn_world(_rank, args.world, args)
     config = {"world": args.world, "seq": args.seq, "hidden": args.hidden, "layers": args.layers,
               "vocab": args.vocab, "dtype": "bf16"}
-    rows: list[Row] = []
-    base = results[0][0]["p50"]
-    print(f"\n{'case':10s} {'p50 ms (rank 0)':>16s} {'x stock':>8s} {'slowest rank ms':>16s} {'peak GB/rank':>13s}")
-    for i, case in enumerate(CASES):
-        per_rank = [results[r][i] for r in sorted(results)]
-        p50, slowest, peak = per_rank[0]["p50"], max(r["p50"] for r in per_rank), max(r["peak"] for r in per_rank)
-        print(f"{case:10s} {p50:16.2f} {p50 / base:8.2f} {slowest:16.2f} {peak:13.2f}")
-        rows.append(Row(case="fsdp2-hf-step", provider=case, metric="time", unit="ms", x_name="seq", x=args.seq,
-                        p50=p50, p20=per_rank[0]["p20"], p80=per_rank[0]["p80"],
-                        note=f"rank 0; slowest rank {slowest:.2f}", config=config, gpu=gpu_name()))
-        rows.append(Row(case="fsdp2-hf-step", provider=case, metric="memory", unit="GB", x_name="seq", x=args.seq,
-                        p50=peak, note="max over ranks", config=config, gpu=gpu_name()))
-    out = out_dir_default()
-    write_rows(rows, out, args.name)
-    plt = pyplot()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3))
-    a.barh(CASES, [r.p50 for r in rows if r.metric == "time"])
-    a.set_xlabel("ms per step (rank 0)")
-    b.barh(CASES, [r.p50 for r in rows if r.metric == "memory"])
-    b.set_xlabel("peak GB per rank")
-    fig.suptitle(f"HF Llama step under FSDP2 on {args.world} GPUs: seq {args.seq}, H {args.hidden}, "
-                 f"{args.layers} layers, V {args.vocab}, bf16")
-    fig.tight_layout()
-    fig.savefig(out / f"{args.name}.png", dpi=120)
-
+    per_rank_report(results, CASES, "fsdp2-hf-step", "seq", args.seq, config, args.name,
+                    f"HF Llama step under FSDP2 on {args.world} GPUs: seq {args.seq}, H {args.hidden}, "
+                    f"{args.layers} layers, V {args.vocab}, bf16")
 
 if __name__ == "__main__":
     main()

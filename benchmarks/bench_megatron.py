@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 
 import torch
-import torch.multiprocessing as mp
 
-from benchmarks.common import Row, gpu_name, out_dir_default, peak_extra_gb, pyplot, time_ms, write_rows
+from benchmarks.common import peak_extra_gb, per_rank_report, spawn_world, time_ms
 
 CASES = ("megatron", "megatron-fused-ce", "headloss-logits", "headloss-fused")
 
@@ -77,43 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--name", default="bench_megatron")
     args = parser.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        shared = manager.dict()
-        mp.spawn(_rank, args=(args.world, port, args, shared), nprocs=args.world, join=True)
-        results = dict(shared)
+    results = spawn_world(_rank, args.world, args)
     config = {"world": args.world, "seq": args.seq, "vocab": args.vocab, "hidden": args.hidden, "dtype": "bf16",
               "sequence_parallel": True}
-    rows: list[Row] = []
-    base = {r["case"]: r for r in results[0]}["megatron"]["p50"]
-    print(f"\n{'case':20s} {'p50 ms (rank 0)':>16s} {'x megatron':>11s} {'slowest rank ms':>16s} {'peak GB/rank':>13s}")
-    for i, case in enumerate(CASES):
-        per_rank = [results[r][i] for r in sorted(results)]
-        p50 = per_rank[0]["p50"]
-        slowest = max(r["p50"] for r in per_rank)
-        peak = max(r["peak"] for r in per_rank)
-        print(f"{case:20s} {p50:16.2f} {p50 / base:11.2f} {slowest:16.2f} {peak:13.2f}")
-        rows.append(Row(case="gpt-loss-step", provider=case, metric="time", unit="ms", x_name="seq", x=args.seq,
-                        p50=p50, p20=per_rank[0]["p20"], p80=per_rank[0]["p80"],
-                        note=f"rank 0; slowest rank {slowest:.2f}", config=config, gpu=gpu_name()))
-        rows.append(Row(case="gpt-loss-step", provider=case, metric="memory", unit="GB", x_name="seq", x=args.seq,
-                        p50=peak, note="max over ranks", config=config, gpu=gpu_name()))
-    out = out_dir_default()
-    write_rows(rows, out, args.name)
-    plt = pyplot()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
-    times = [r.p50 for r in rows if r.metric == "time"]
-    peaks = [r.p50 for r in rows if r.metric == "memory"]
-    a.barh(CASES, times)
-    a.set_xlabel("ms per step (rank 0)")
-    b.barh(CASES, peaks)
-    b.set_xlabel("peak GB per rank")
-    fig.suptitle(f"GPTModel loss step, TP {args.world} + SP, seq {args.seq}, H {args.hidden}, V {args.vocab}, bf16")
-    fig.tight_layout()
-    fig.savefig(out / f"{args.name}.png", dpi=120)
-
+    per_rank_report(results, CASES, "gpt-loss-step", "seq", args.seq, config, args.name,
+                    f"GPTModel loss step, TP {args.world} + SP, seq {args.seq}, H {args.hidden}, V {args.vocab}, bf16")
 
 if __name__ == "__main__":
     main()

@@ -21,13 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from benchmarks.common import Row, gpu_name, out_dir_default, peak_extra_gb, pyplot, time_ms, write_rows
+from benchmarks.common import (
+    Row,
+    gpu_name,
+    out_dir_default,
+    peak_extra_gb,
+    pyplot,
+    spawn_world,
+    time_ms,
+    write_rows,
+)
 
 FULL = dict(z_loss={"weight": 1e-4}, entropy={"weight": 0.0}, token_accuracy=True, outputs=("predicted_tokens",))
 GRPO = dict(cross_entropy=None, entropy={"weight": 0.0},
@@ -182,13 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=25)
     args = parser.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        shared = manager.dict()
-        mp.spawn(_rank, args=(args.world, port, args, shared), nprocs=args.world, join=True)
-        results = {k: list(v) for k, v in shared.items()}
+    results = spawn_world(_rank, args.world, args)
     rows: list[Row] = []
     single = {r["case"]: r for r in results[0] if r["provider"] == "headloss single GPU"}
     config = {"world": args.world, "rows": args.rows, "vocab": args.vocab, "hidden": args.hidden, "dtype": "bf16"}

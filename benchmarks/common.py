@@ -188,3 +188,51 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def spawn_world(rank_fn: Callable, world: int, args) -> dict:
+    """``rank_fn(rank, world, port, args, results)`` on ``world`` spawned processes (a free local port
+    for their process group); returns ``results``, the dict each rank writes its rows into."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        shared = manager.dict()
+        mp.spawn(rank_fn, args=(world, port, args, shared), nprocs=world, join=True)
+        return {k: list(v) for k, v in shared.items()}
+
+
+def per_rank_report(results: dict, cases: tuple[str, ...], case: str, x_name: str, x: int, config: dict,
+                    name: str, title: str) -> list[Row]:
+    """Rows, a printed table and a bar plot of per-rank cases (each rank's list of {"case", "p50",
+    "p20", "p80", "peak"} in ``cases`` order): rank 0's median time against the first case's, the
+    slowest rank's, the largest peak over the ranks. Writes $OUT (or ./results)/<name>.{json,csv,png}."""
+    rows: list[Row] = []
+    base = results[0][0]["p50"]
+    print(f"\n{'case':20s} {'p50 ms (rank 0)':>16s} {'x ' + cases[0]:>12s} {'slowest rank ms':>16s} "
+          f"{'peak GB/rank':>13s}")
+    for i, provider in enumerate(cases):
+        per_rank = [results[r][i] for r in sorted(results)]
+        p50, slowest, peak = per_rank[0]["p50"], max(r["p50"] for r in per_rank), max(r["peak"] for r in per_rank)
+        print(f"{provider:20s} {p50:16.2f} {p50 / base:12.2f} {slowest:16.2f} {peak:13.2f}")
+        rows.append(Row(case=case, provider=provider, metric="time", unit="ms", x_name=x_name, x=x, p50=p50,
+                        p20=per_rank[0]["p20"], p80=per_rank[0]["p80"], note=f"rank 0; slowest rank {slowest:.2f}",
+                        config=config, gpu=gpu_name()))
+        rows.append(Row(case=case, provider=provider, metric="memory", unit="GB", x_name=x_name, x=x, p50=peak,
+                        note="max over ranks", config=config, gpu=gpu_name()))
+    out = out_dir_default()
+    write_rows(rows, out, name)
+    plt = pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    a.barh(cases, [r.p50 for r in rows if r.metric == "time"])
+    a.set_xlabel("ms per step (rank 0)")
+    b.barh(cases, [r.p50 for r in rows if r.metric == "memory"])
+    b.set_xlabel("peak GB per rank")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png", dpi=120)
+    return rows
