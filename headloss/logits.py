@@ -34,7 +34,6 @@ from .parallel import (
     TRACED_TORCH,
     dtensor_shard,
     every_rank,
-    fingerprint,
     gather_vocab,
     handshake,
     is_dtensor,
@@ -102,9 +101,9 @@ def _kernels(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyB
         if shard is None or not sync:
             raise
         error = exc
-    if shard is not None and sync:  # every rank learns of any rank's error; the targets are the same on every rank
+    if shard is not None and sync:  # every rank learns of any rank's error
         handshake(shard, logits.shape[:-1].numel() if isinstance(logits, torch.Tensor) else -1, error,
-                  logits.device, replicated=("targets", fingerprint(call.targets) if call is not None else 0))
+                  logits.device)
     pol = call.policy
     rows_per_seq = pol.seq_len if pol is not None and isinstance(pol.seq_len, int) else 0
     geo = call.geo

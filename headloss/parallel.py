@@ -316,12 +316,10 @@ def handshake(shard: VocabShard, rows: int, error: BaseException | None, device:
         raise ValueError(f"group: the ranks' cached vocabulary layouts disagree (starts {starts}, totals "
                          f"{sorted(totals)}): a shard changed width; the cache is cleared, call again")
     if replicated is not None and len({v[4] for v in values}) > 1:
-        name = replicated[0]
-        hint = "" if name != "hidden" else (
-            ". A weight that FSDP2 shards for data parallelism has a vocab-parallel shard's placement outside the "
-            "module's forward: call inside the forward, or pass weight.full_tensor()")
-        raise ValueError(f"{name}: differs across the ranks of the group; vocab-parallel needs the same rows on every "
-                         f"rank (only the vocabulary is sharded){hint}")
+        raise ValueError(f"{replicated[0]}: differs across the ranks of the group; vocab-parallel needs the same rows "
+                         "on every rank (only the vocabulary is sharded). A weight that FSDP2 shards for data "
+                         "parallelism has a vocab-parallel shard's placement outside the module's forward: call "
+                         "inside the forward, or pass weight.full_tensor()")
 
 
 def handshake_verdict(shard: VocabShard, verdict, device: torch.device) -> None:

@@ -622,7 +622,8 @@ def _rank_more_errors(rank: int, world: int, port: int, results) -> None:
         except ValueError as exc:
             out["empty_shard"] = str(exc)
         widths = _splits(world)
-        hidden, weight = torch.randn(4, H), torch.randn(widths[rank], H)
+        gen = torch.Generator().manual_seed(0)  # the same hidden states on every rank, as vocab-parallel needs
+        hidden, weight = torch.randn(4, H, generator=gen), torch.randn(widths[rank], H)
         ids = torch.zeros(4 if rank == 0 else 3, dtype=torch.long)  # wrong on rank 1
         grpo = LossSpec(cross_entropy=None, policy=Policy())
         mask = torch.ones(2, 2)
@@ -641,6 +642,10 @@ def _rank_more_errors(rank: int, world: int, port: int, results) -> None:
                     hidden.reshape(2, 2, H), weight, torch.zeros(2, 2, dtype=torch.long), grpo,
                     group=dist.group.WORLD, validate="sync", backend=backend, advantages=torch.ones(2),
                     loss_mask=mask),
+                # rows that differ across the ranks (each rank its own batch): refused on every rank
+                "linear_hidden_differs": lambda backend=backend: linear_head_loss(
+                    hidden + rank, weight, torch.zeros(4, dtype=torch.long), group=dist.group.WORLD,
+                    validate="sync", backend=backend),
             }
             for name, call in calls.items():
                 try:
@@ -667,3 +672,4 @@ def test_an_empty_shard_and_a_bad_lm_head_input_raise_on_every_rank():
                                        ("linear_loss_mask", "loss_mask: the value at position (0, 1)", found)):
                 message = out[backend, name]
                 assert (mine in message) if rank == 1 else (others in message), (backend, name, rank, message)
+            assert out[backend, "linear_hidden_differs"].startswith("hidden: differs across the ranks of the group")
