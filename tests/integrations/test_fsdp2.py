@@ -5,7 +5,6 @@ tensor-parallel half of a 2-D (data, tensor) mesh, and a 2-D placement refused."
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
@@ -14,26 +13,7 @@ from conftest import spawn_ranks
 
 pytestmark = pytest.mark.slow
 
-VOCAB, HIDDEN = 40, 16
-SPEC = {"cross_entropy": {}, "z_loss": {"weight": 1e-3}, "entropy": {"weight": 0.0}, "token_accuracy": True}
-
-
-class Tiny(torch.nn.Module):
-    """A language model whose forward calls linear_head_loss on its own lm_head weight."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
-        self.proj = torch.nn.Linear(HIDDEN, HIDDEN)
-        self.lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
-
-    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.proj(self.embed(ids)))
-
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor):
-        from headloss import linear_head_loss
-
-        return linear_head_loss(self.hidden(ids), self.lm_head.weight, labels, SPEC, shift=True)
+from fsdp2_cases import SPEC, VOCAB, direct_in_forward  # noqa: E402
 
 
 def _init(rank: int, world: int, port: int) -> None:
@@ -44,49 +24,8 @@ def _init(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def _direct_rank(rank: int, world: int, port: int, results) -> None:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from headloss import linear_head_loss
-
-    _init(rank, world, port)
-    try:
-        torch.manual_seed(0)
-        reference = Tiny()
-        model = copy.deepcopy(reference)
-        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-        gen = torch.Generator().manual_seed(10 + rank)  # each rank its own data
-        ids = torch.randint(0, VOCAB, (2, 7), generator=gen)
-        labels = ids.clone()
-        labels[0, :2] = -100
-        out = model(ids, labels)
-        out.loss.backward()
-        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-        # each rank's loss on the unsharded model, the gradients averaged over the ranks (FSDP2's reduce-scatter)
-        want = reference(ids, labels)
-        want.loss.backward()
-        errs = {}
-        for name, p in reference.named_parameters():
-            dist.all_reduce(p.grad)
-            errs[name] = float((grads[name] - p.grad / world).abs().max() / p.grad.abs().max())
-        refused = []
-        for validate in (None, "sync"):  # outside the forward the weight is FSDP2's shard of the rows
-            weight = model.lm_head.weight
-            try:
-                linear_head_loss(reference.hidden(ids).detach(), weight, labels, SPEC, shift=True, validate=validate)
-                refused.append(f"no error ({type(weight).__name__})")
-            except ValueError as exc:
-                refused.append(str(exc))
-        results[rank] = {"loss": float((out.loss - want.loss).abs()), "grads": errs, "refused": refused,
-                         "metrics": list(out.metrics) == list(want.metrics)}
-    finally:
-        dist.destroy_process_group()
-
-
 def test_linear_head_loss_in_an_fsdp2_forward_and_its_shard_outside_refused():
-    results = spawn_ranks(_direct_rank, 2)
+    results = spawn_ranks(direct_in_forward, 2, "gloo")
     assert len(results) == 2
     for rank, r in results.items():
         assert r["loss"] < 1e-6 and r["metrics"], (rank, r)

@@ -1,0 +1,83 @@
+"""``linear_head_loss`` in an FSDP2 model's forward, on one rank: shared by tests/integrations/test_fsdp2.py
+(gloo, CPU) and tests/test_gpu.py (NCCL, 2 GPUs)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+VOCAB, HIDDEN = 40, 16
+SPEC = {"cross_entropy": {}, "z_loss": {"weight": 1e-3}, "entropy": {"weight": 0.0}, "token_accuracy": True}
+
+
+class Tiny(torch.nn.Module):
+    """A language model whose forward calls linear_head_loss on its own lm_head weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.proj = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(self.embed(ids)))
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor):
+        """(loss, metrics): FSDP2 finds a forward's output tensors through pytree containers (tuples,
+        dicts), which a HeadLossOutput is not."""
+        from headloss import linear_head_loss
+
+        out = linear_head_loss(self.hidden(ids), self.lm_head.weight, labels, SPEC, shift=True)
+        return out.loss, out.metrics
+
+
+def direct_in_forward(rank: int, world: int, port: int, backend: str, results) -> None:
+    """results[rank]: the FSDP2 model's loss, metrics and gradients against each rank's loss on the
+    unsharded model with the gradients averaged over the ranks (FSDP2's reduce-scatter), and the
+    messages of the two calls on the sharded weight outside the forward (default and sync validation)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from headloss import linear_head_loss
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend, rank=rank, world_size=world, device_id=device)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        reference = Tiny().to(device)
+        model = copy.deepcopy(reference)
+        fully_shard(model, mesh=init_device_mesh(device.type, (world,)))
+        gen = torch.Generator().manual_seed(10 + rank)  # each rank its own data
+        ids = torch.randint(0, VOCAB, (2, 7), generator=gen).to(device)
+        labels = ids.clone()
+        labels[0, :2] = -100
+        loss, metrics = model(ids, labels)
+        loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        want_loss, want_metrics = reference(ids, labels)
+        want_loss.backward()
+        errs = {}
+        for name, p in reference.named_parameters():
+            dist.all_reduce(p.grad)
+            errs[name] = float((grads[name] - p.grad / world).abs().max() / p.grad.abs().max())
+        refused = []
+        for validate in (None, "sync"):  # outside the forward the weight is FSDP2's shard of the rows
+            weight = model.lm_head.weight
+            try:
+                linear_head_loss(reference.hidden(ids).detach(), weight, labels, SPEC, shift=True, validate=validate)
+                refused.append(f"no error ({type(weight).__name__})")
+            except ValueError as exc:
+                refused.append(str(exc))
+        results[rank] = {"loss": float((loss - want_loss).abs()), "grads": errs, "refused": refused,
+                         "metrics": list(metrics) == list(want_metrics)}
+    finally:
+        dist.destroy_process_group()
