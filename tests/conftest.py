@@ -301,18 +301,27 @@ def tiered(*axes, ids=None, pairs: bool = True) -> list:
 
 def spawn_ranks(fn: Callable, world: int, *args) -> dict:
     """Run ``fn(rank, world, port, *args, results)`` in ``world`` spawned processes (a free local
-    port for their process group); returns ``results`` (a dict each rank writes into)."""
+    port for their process group); returns ``results`` (a dict each rank writes into). A port taken
+    by another process between its choice and the group's start (parallel test workers) is chosen
+    again, up to three times."""
     import socket
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(fn, args=(world, port, *args, results), nprocs=world, join=True)
-        return dict(results)
+    for attempt in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with mp.Manager() as manager:
+            results = manager.dict()
+            try:
+                mp.spawn(fn, args=(world, port, *args, results), nprocs=world, join=True)
+            except mp.ProcessRaisedException as exc:
+                if "EADDRINUSE" not in str(exc) or attempt == 2:
+                    raise
+                continue
+            return dict(results)
+    raise AssertionError("unreachable")
 
 
 def torchrun(script: str, out_dir, timeout: int = 900) -> dict:
