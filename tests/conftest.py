@@ -299,6 +299,22 @@ def tiered(*axes, ids=None, pairs: bool = True) -> list:
     return params
 
 
+def init_process(rank: int, world: int, port: int, backend: str = "gloo"):
+    """This spawned rank's process group on the local ``port``: gloo on the CPU, or NCCL on GPU
+    ``rank``. Returns the rank's device."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend, rank=rank, world_size=world, device_id=device)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world)
+    return device
+
+
 def spawn_ranks(fn: Callable, world: int, *args) -> dict:
     """Run ``fn(rank, world, port, *args, results)`` in ``world`` spawned processes (a free local
     port for their process group); returns ``results`` (a dict each rank writes into). A port taken

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 
@@ -38,19 +37,13 @@ def direct_in_forward(rank: int, world: int, port: int, backend: str, results) -
     unsharded model with the gradients averaged over the ranks (FSDP2's reduce-scatter), and the
     messages of the two calls on the sharded weight outside the forward (default and sync validation)."""
     import torch.distributed as dist
+    from conftest import init_process
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from headloss import linear_head_loss
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        dist.init_process_group(backend, rank=rank, world_size=world, device_id=device)
-    else:
-        dist.init_process_group(backend, rank=rank, world_size=world)
+    device = init_process(rank, world, port, backend)
     try:
         torch.manual_seed(0)
         reference = Tiny().to(device)
@@ -81,3 +74,15 @@ def direct_in_forward(rank: int, world: int, port: int, backend: str, results) -
                          "metrics": list(metrics) == list(want_metrics)}
     finally:
         dist.destroy_process_group()
+
+
+def check_direct(results: dict, grad_tol: float) -> None:
+    """The assertions on :func:`direct_in_forward`'s results."""
+    assert len(results) == 2
+    for rank, r in results.items():
+        assert r["loss"] < 1e-5 and r["metrics"], (rank, r)
+        for name, err in r["grads"].items():
+            assert err < grad_tol, (rank, name, err)
+        for msg in r["refused"]:
+            assert msg.startswith("hidden: differs across the ranks of the group"), (rank, msg)
+            assert "FSDP2" in msg

@@ -3,7 +3,6 @@ group: shared by tests/integrations/test_megatron.py (gloo, CPU) and tests/test_
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
@@ -14,18 +13,11 @@ HIDDEN = 24
 
 def init(rank: int, world: int, port: int, backend: str = "gloo") -> torch.device:
     """The process group and Megatron's model-parallel state (tensor parallel over every rank)."""
-    import torch.distributed as dist
+    from conftest import init_process
     from megatron.core import parallel_state
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        dist.init_process_group(backend, rank=rank, world_size=world, device_id=device)
-    else:
-        dist.init_process_group(backend, rank=rank, world_size=world)
+    device = init_process(rank, world, port, backend)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     if device.type == "cuda":  # Megatron's CUDA RNG states (its sequence-parallel embedding forks one)
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

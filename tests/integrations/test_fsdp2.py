@@ -5,35 +5,17 @@ tensor-parallel half of a 2-D (data, tensor) mesh, and a 2-D placement refused."
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from conftest import spawn_ranks
+from conftest import init_process, spawn_ranks
 
 pytestmark = pytest.mark.slow
 
-from fsdp2_cases import SPEC, VOCAB, direct_in_forward  # noqa: E402
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+from fsdp2_cases import SPEC, VOCAB, check_direct, direct_in_forward  # noqa: E402
 
 
 def test_linear_head_loss_in_an_fsdp2_forward_and_its_shard_outside_refused():
-    results = spawn_ranks(direct_in_forward, 2, "gloo")
-    assert len(results) == 2
-    for rank, r in results.items():
-        assert r["loss"] < 1e-6 and r["metrics"], (rank, r)
-        for name, err in r["grads"].items():
-            assert err < 1e-5, (rank, name, err)
-        for msg in r["refused"]:
-            assert msg.startswith("hidden: differs across the ranks of the group"), (rank, msg)
-            assert "FSDP2" in msg
+    check_direct(spawn_ranks(direct_in_forward, 2, "gloo"), grad_tol=1e-5)
 
 
 def _titan_rank(rank: int, world: int, port: int, results) -> None:
@@ -43,7 +25,7 @@ def _titan_rank(rank: int, world: int, port: int, results) -> None:
 
     from headloss import head_loss
 
-    _init(rank, world, port)
+    init_process(rank, world, port)
     try:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         dp, tp = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
