@@ -111,8 +111,7 @@ def _run_linear(hidden, weight, bias, teacher: Teacher, targets, plan: KernelPla
         error = exc
     if shard is not None and exchange:
         rows = math.prod(hidden.shape[:-1]) if isinstance(hidden, torch.Tensor) else -1
-        same = fingerprint(call.hidden) if call is not None else 0
-        handshake(shard, rows, error, weight.device, replicated=("hidden", same))
+        handshake(shard, rows, error, weight.device, hidden=fingerprint(call.hidden) if call is not None else 0)
     if call.backend == "torch":
         facts = routes.Facts("hidden", "torch", tuple(call.hidden.shape[:-1]), call.given.sequence_ids is not None,
                              False, traced, False, False)

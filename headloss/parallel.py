@@ -149,13 +149,16 @@ def first_sight(weight) -> bool:
     return True
 
 
-def fingerprint(*tensors) -> int:
-    """A number equal on ranks that hold equal tensors (float64 sums; one host read)."""
-    parts = [t.detach().double() for t in tensors if isinstance(t, torch.Tensor) and t.numel()]
-    if not parts:
-        return 0
-    sums = torch.stack([torch.stack([p.sum(), (p * p).sum()]) for p in parts]).cpu().tolist()
-    return struct.unpack("<q", struct.pack("<d", float(sum(i * a + b for i, (a, b) in enumerate(sums, 1)))))[0]
+def fingerprint(t: torch.Tensor) -> int:
+    """A number equal on ranks that hold equal rows: float64 sums of ``t`` and of its squares, taken in
+    parts of 1024 rows (a bounded float64 temporary, not a copy of the whole), read on the host once."""
+    rows = t.detach().reshape(-1, t.shape[-1]) if t.dim() else t.detach().reshape(1, 1)
+    acc = torch.zeros(2, dtype=torch.float64, device=t.device)
+    for part in rows.split(1024):
+        p = part.double()
+        acc += torch.stack([p.sum(), (p * p).sum()])
+    total, squares = acc.tolist()
+    return struct.unpack("<q", struct.pack("<d", total + squares))[0]
 
 
 def dtensor_shard(t, dim: int = -1, group=None, name: str = "logits") -> tuple[torch.Tensor, VocabShard]:
@@ -291,14 +294,14 @@ def rows_shard(weight, group, fresh: bool = False) -> tuple[torch.Tensor, VocabS
 
 
 def handshake(shard: VocabShard, rows: int, error: BaseException | None, device: torch.device,
-              replicated: tuple[str, int] | None = None) -> None:
-    """``validate="sync"``'s extra collective: every rank's row count, shard width and host-side
-    error, so that a bad input on one rank (or row counts that differ across ranks) raises on every
-    rank instead of leaving the others waiting in the statistics exchange. Raises the local error
-    itself where there is one. ``replicated``: (name, :func:`fingerprint`) of the inputs every rank
-    must hold alike."""
+              hidden: int | None = None) -> None:
+    """``validate="sync"``'s extra collective (and a DTensor weight's first call's): every rank's row
+    count, shard width and host-side error, so that a bad input on one rank (or row counts that differ
+    across ranks) raises on every rank instead of leaving the others waiting in the statistics
+    exchange. Raises the local error itself where there is one. ``hidden``: the :func:`fingerprint`
+    of the lm_head's hidden states, which every rank must hold alike."""
 
-    mine = [rows, int(error is not None), shard.vocab_start, shard.vocab_total, replicated[1] if replicated else 0]
+    mine = [rows, int(error is not None), shard.vocab_start, shard.vocab_total, hidden or 0]
     values = _gather_ints(mine, shard.group, device)
     COLLECTIVES["handshake"] += 1
     if error is not None:
@@ -315,8 +318,8 @@ def handshake(shard: VocabShard, rows: int, error: BaseException | None, device:
         _SHARDS.clear()
         raise ValueError(f"group: the ranks' cached vocabulary layouts disagree (starts {starts}, totals "
                          f"{sorted(totals)}): a shard changed width; the cache is cleared, call again")
-    if replicated is not None and len({v[4] for v in values}) > 1:
-        raise ValueError(f"{replicated[0]}: differs across the ranks of the group; vocab-parallel needs the same rows "
+    if hidden is not None and len({v[4] for v in values}) > 1:
+        raise ValueError("hidden: differs across the ranks of the group; vocab-parallel needs the same rows "
                          "on every rank (only the vocabulary is sharded). A weight that FSDP2 shards for data "
                          "parallelism has a vocab-parallel shard's placement outside the module's forward: call "
                          "inside the forward, or pass weight.full_tensor()")

@@ -43,7 +43,7 @@ def megatron_spec(spec: Any = None) -> LossSpec:
     spec = LossSpec.coerce(spec if spec is not None else {"cross_entropy": {}, "reduction": "none"})
     if spec.reduction != "none":
         raise ValueError(_REDUCTION.format(spec.reduction))
-    if spec.policy is not None or (spec.distillation is not None):
+    if spec.policy is not None or spec.distillation is not None:
         raise ValueError("spec: a GPTModel's loss gets the labels only; its policy or distillation inputs have no way "
                          "in (call headloss.linear_head_loss from the training step instead)")
     return spec
