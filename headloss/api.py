@@ -10,11 +10,11 @@ headloss.logits / headloss.lm_head run: checks -> route -> kernels (or plain tor
 from __future__ import annotations
 
 import warnings
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 import torch
 
-from .batch import Layout, LinearOptions, Options, PolicyBatch, Teacher
+from .batch import CallInputs, HeadInputs, LinearInputs, LinearOptions, Options
 from .chunks import DEFAULT_CHUNK_BYTES
 from .lm_head import run_linear
 from .logits import run_head
@@ -31,27 +31,11 @@ def head_loss(
     targets: torch.Tensor | None = None,
     spec: SpecLike | None = None,
     *,
-    teacher_logits: torch.Tensor | None = None,
-    teacher_ids: torch.Tensor | None = None,
-    teacher_logprobs: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    old_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    loss_mask: torch.Tensor | None = None,
-    importance_weights: torch.Tensor | None = None,
-    rollout_logprobs: torch.Tensor | None = None,
-    sequence_ids: torch.Tensor | None = None,
-    num_items_in_batch: int | float | torch.Tensor | None = None,
-    num_sequences_in_batch: int | float | torch.Tensor | None = None,
-    entropy_quantile_group: Any = None,
-    shift: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
     inplace_grad: bool = False,
     validate: Validate = None,
     backend: Backend = "auto",
     group: Any = None,
-    route: str | None = None,
+    **inputs: Unpack[HeadInputs],
 ) -> HeadLossOutput:
     """Every loss, metric and per-token output of ``spec`` from one pass over ``logits``.
 
@@ -61,6 +45,7 @@ def head_loss(
         targets: [N] or [B, T] ids in [0, V) or ``spec.ignore_index``; optional when nothing requested
             reads them (every row then counts).
         spec: a :class:`LossSpec`, a dict, or a YAML/JSON path (default: mean cross-entropy).
+        teacher_logits, ..., route: the per-call keywords (:class:`headloss.batch.HeadInputs`), below.
         teacher_logits: like ``logits``, for the distillation term; read only.
         teacher_ids, teacher_logprobs: a sparse teacher (``spec.distillation.teacher``): its top-k ids
             [.., K] (-1 where a row has fewer) and their log-probs [.., K], rows like ``logits``'; or
@@ -68,7 +53,7 @@ def head_loss(
             (docs/distillation.md).
         advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, rollout_logprobs,
             sequence_ids, num_sequences_in_batch, entropy_quantile_group: the policy term's inputs
-            (:class:`headloss.batch.PolicyBatch`, docs/policy.md). Tokens outside ``loss_mask`` (0/1)
+            (:class:`headloss.batch.PolicyInputs`, docs/policy.md). Tokens outside ``loss_mask`` (0/1)
             count for no term.
         num_items_in_batch: with ``reduction="mean"``, divide the summed loss by this instead of the
             number of counted tokens (HF gradient accumulation). Number or tensor.
@@ -97,19 +82,12 @@ def head_loss(
     """
     if not torch.compiler.is_compiling():
         check_pending()
-        # a lazily negated view (torch._neg_view): the kernels read the stored values, torch applies the sign
-        logits, teacher_logits = (t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t
-                                  for t in (logits, teacher_logits))
-    batch = PolicyBatch(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                        loss_mask=loss_mask, importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
-                        sequence_ids=sequence_ids, num_sequences_in_batch=num_sequences_in_batch,
-                        entropy_quantile_group=entropy_quantile_group)
-    backend, route = _renamed(backend, route)
+    call = CallInputs.of(inputs, HeadInputs, "head_loss")
+    backend, route = _renamed(backend, call.route)
     options = Options(validate=validate, backend=backend, route=route, group=group, inplace_grad=inplace_grad)
     plan = plan_for(spec, has_targets=targets is not None)
-    teacher = Teacher(logits=teacher_logits, ids=teacher_ids, logprobs=teacher_logprobs)
-    return run_head(logits, targets, plan, teacher, batch, layout=Layout(shift, cu_seqlens, position_ids),
-                    num_items_in_batch=num_items_in_batch, options=options)
+    return run_head(logits, targets, plan, call.teacher, call.batch, layout=call.layout,
+                    num_items_in_batch=call.num_items_in_batch, options=options)
 
 
 def linear_head_loss(
@@ -118,26 +96,6 @@ def linear_head_loss(
     targets: torch.Tensor | None = None,
     spec: SpecLike | None = None,
     *,
-    bias: torch.Tensor | None = None,
-    shift: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    teacher_logits: torch.Tensor | None = None,
-    teacher_hidden: torch.Tensor | None = None,
-    teacher_weight: torch.Tensor | None = None,
-    teacher_bias: torch.Tensor | None = None,
-    teacher_ids: torch.Tensor | None = None,
-    teacher_logprobs: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    old_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    loss_mask: torch.Tensor | None = None,
-    importance_weights: torch.Tensor | None = None,
-    rollout_logprobs: torch.Tensor | None = None,
-    sequence_ids: torch.Tensor | None = None,
-    num_items_in_batch: int | float | torch.Tensor | None = None,
-    num_sequences_in_batch: int | float | torch.Tensor | None = None,
-    entropy_quantile_group: Any = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     fp32_weight_grad: bool = False,
     compact: bool = True,
@@ -145,7 +103,7 @@ def linear_head_loss(
     backend: Backend = "auto",
     group: Any = None,
     hidden_grad: str = "reduced",
-    route: str | None = None,
+    **inputs: Unpack[LinearInputs],
 ) -> HeadLossOutput:
     """:func:`head_loss` of ``hidden @ weight.T + bias`` without materialising the logits.
 
@@ -177,18 +135,13 @@ def linear_head_loss(
     """
     if not torch.compiler.is_compiling():
         check_pending()
-    teacher = Teacher(teacher_logits, teacher_hidden, teacher_weight, teacher_bias, teacher_ids, teacher_logprobs)
-    batch = PolicyBatch(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                        loss_mask=loss_mask, importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
-                        sequence_ids=sequence_ids, num_sequences_in_batch=num_sequences_in_batch,
-                        entropy_quantile_group=entropy_quantile_group)
-    backend, route = _renamed(backend, route)
+    call = CallInputs.of(inputs, LinearInputs, "linear_head_loss")
+    backend, route = _renamed(backend, call.route)
     options = LinearOptions(validate=validate, backend=backend, route=route, group=group, chunk_bytes=chunk_bytes,
                             fp32_weight_grad=fp32_weight_grad, compact=compact, hidden_grad=hidden_grad)
     plan = plan_for(spec, has_targets=targets is not None)
-    return run_linear(hidden, weight, bias, teacher, targets, plan, batch=batch,
-                      layout=Layout(shift, cu_seqlens, position_ids), num_items_in_batch=num_items_in_batch,
-                      options=options)
+    return run_linear(hidden, weight, call.bias, call.teacher, targets, plan, batch=call.batch, layout=call.layout,
+                      num_items_in_batch=call.num_items_in_batch, options=options)
 
 
 def _renamed(backend, route) -> tuple:
@@ -216,38 +169,11 @@ class HeadLoss(torch.nn.Module):
         self.backend = backend
         self.group = group
 
-    def forward(
-        self,
-        logits: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        *,
-        teacher_logits: torch.Tensor | None = None,
-        teacher_ids: torch.Tensor | None = None,
-        teacher_logprobs: torch.Tensor | None = None,
-        advantages: torch.Tensor | None = None,
-        old_logprobs: torch.Tensor | None = None,
-        ref_logprobs: torch.Tensor | None = None,
-        loss_mask: torch.Tensor | None = None,
-        importance_weights: torch.Tensor | None = None,
-        rollout_logprobs: torch.Tensor | None = None,
-        sequence_ids: torch.Tensor | None = None,
-        num_items_in_batch: int | float | torch.Tensor | None = None,
-        num_sequences_in_batch: int | float | torch.Tensor | None = None,
-        entropy_quantile_group: Any = None,
-        shift: bool = False,
-        cu_seqlens: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        route: str | None = None,
-    ) -> HeadLossOutput:
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor | None = None,
+                **inputs: Unpack[HeadInputs]) -> HeadLossOutput:
         """:func:`head_loss` of these inputs under the module's spec and options."""
-        return head_loss(logits, targets, self.spec, teacher_logits=teacher_logits, teacher_ids=teacher_ids,
-                         teacher_logprobs=teacher_logprobs, advantages=advantages,
-                         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, loss_mask=loss_mask,
-                         importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
-                         sequence_ids=sequence_ids, num_sequences_in_batch=num_sequences_in_batch,
-                         entropy_quantile_group=entropy_quantile_group, num_items_in_batch=num_items_in_batch,
-                         shift=shift, cu_seqlens=cu_seqlens, position_ids=position_ids, route=route,
-                         inplace_grad=self.inplace_grad, validate=self.validate, backend=self.backend, group=self.group)
+        return head_loss(logits, targets, self.spec, inplace_grad=self.inplace_grad, validate=self.validate,
+                         backend=self.backend, group=self.group, **inputs)
 
     def extra_repr(self) -> str:
         return f"spec={self.spec!r}"
@@ -265,45 +191,10 @@ class LinearHeadLoss(torch.nn.Module):
         self.options = dict(chunk_bytes=chunk_bytes, fp32_weight_grad=fp32_weight_grad, compact=compact,
                             validate=validate, backend=backend, group=group, hidden_grad=hidden_grad)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        *,
-        bias: torch.Tensor | None = None,
-        teacher_logits: torch.Tensor | None = None,
-        teacher_hidden: torch.Tensor | None = None,
-        teacher_weight: torch.Tensor | None = None,
-        teacher_bias: torch.Tensor | None = None,
-        teacher_ids: torch.Tensor | None = None,
-        teacher_logprobs: torch.Tensor | None = None,
-        advantages: torch.Tensor | None = None,
-        old_logprobs: torch.Tensor | None = None,
-        ref_logprobs: torch.Tensor | None = None,
-        loss_mask: torch.Tensor | None = None,
-        importance_weights: torch.Tensor | None = None,
-        rollout_logprobs: torch.Tensor | None = None,
-        sequence_ids: torch.Tensor | None = None,
-        num_items_in_batch: int | float | torch.Tensor | None = None,
-        num_sequences_in_batch: int | float | torch.Tensor | None = None,
-        entropy_quantile_group: Any = None,
-        shift: bool = False,
-        cu_seqlens: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        route: str | None = None,
-    ) -> HeadLossOutput:
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor | None = None,
+                **inputs: Unpack[LinearInputs]) -> HeadLossOutput:
         """:func:`linear_head_loss` of these inputs under the module's spec and options."""
-        return linear_head_loss(hidden, weight, targets, self.spec, bias=bias, teacher_logits=teacher_logits,
-                                teacher_hidden=teacher_hidden, teacher_weight=teacher_weight,
-                                teacher_bias=teacher_bias, teacher_ids=teacher_ids,
-                                teacher_logprobs=teacher_logprobs, advantages=advantages, old_logprobs=old_logprobs,
-                                ref_logprobs=ref_logprobs, loss_mask=loss_mask,
-                                importance_weights=importance_weights, rollout_logprobs=rollout_logprobs,
-                                sequence_ids=sequence_ids, num_sequences_in_batch=num_sequences_in_batch,
-                                entropy_quantile_group=entropy_quantile_group,
-                                num_items_in_batch=num_items_in_batch, shift=shift, cu_seqlens=cu_seqlens,
-                                position_ids=position_ids, route=route, **self.options)
+        return linear_head_loss(hidden, weight, targets, self.spec, **self.options, **inputs)
 
     def extra_repr(self) -> str:
         return f"spec={self.spec!r}"

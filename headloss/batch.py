@@ -7,9 +7,9 @@ the policy inputs is written here once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypedDict
 
 import torch
 
@@ -44,43 +44,93 @@ class Teacher:
         return self.hidden is not None
 
 
-@dataclass(frozen=True)
-class PolicyBatch:
-    """The policy term's inputs of one call, as given (checked and flattened by headloss.policy.inputs).
+class PolicyInputs(TypedDict, total=False):
+    """The policy term's inputs (:class:`headloss.spec.Policy`, docs/policy.md): keywords of every entry
+    point, and the one list of them.
 
     Per-token tensors are shaped like the targets; ``advantages`` [B] or like the targets (packed rows:
     [S] per sequence or [N]); ``sequence_ids`` [N] name each row's sequence for [N, V] rows.
     ``num_sequences_in_batch`` divides sequence-mean losses (verl's global batch);
     ``entropy_quantile_group`` is the process group of the top-entropy quantile (TRL)."""
 
-    advantages: torch.Tensor | None = None
-    old_logprobs: torch.Tensor | None = None
-    ref_logprobs: torch.Tensor | None = None
-    loss_mask: torch.Tensor | None = None
-    importance_weights: torch.Tensor | None = None
-    rollout_logprobs: torch.Tensor | None = None
-    sequence_ids: torch.Tensor | None = None
-    num_sequences_in_batch: int | float | torch.Tensor | None = None
-    entropy_quantile_group: Any = None
+    advantages: torch.Tensor | None
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    loss_mask: torch.Tensor | None
+    importance_weights: torch.Tensor | None
+    rollout_logprobs: torch.Tensor | None
+    sequence_ids: torch.Tensor | None
+    num_sequences_in_batch: int | float | torch.Tensor | None
+    entropy_quantile_group: Any
+
+
+class HeadInputs(PolicyInputs, total=False):
+    """:func:`headloss.head_loss`'s per-call keywords besides the logits, targets, spec and options (its
+    docstring says each): the teacher, the policy inputs, the rows' layout and the route."""
+
+    teacher_logits: torch.Tensor | None
+    teacher_ids: torch.Tensor | None
+    teacher_logprobs: torch.Tensor | None
+    num_items_in_batch: int | float | torch.Tensor | None
+    shift: bool
+    cu_seqlens: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    route: str | None
+
+
+class LinearInputs(HeadInputs, total=False):
+    """:func:`headloss.linear_head_loss`'s per-call keywords: head_loss's, the lm_head's bias and a teacher
+    whose logits the chunks compute from its hidden states."""
+
+    bias: torch.Tensor | None
+    teacher_hidden: torch.Tensor | None
+    teacher_weight: torch.Tensor | None
+    teacher_bias: torch.Tensor | None
+
+
+POLICY_INPUTS = tuple(PolicyInputs.__annotations__)
+"""The policy inputs by name, in PolicyInputs' order."""
+TOKEN_INPUTS = POLICY_INPUTS[:-2]
+"""The policy inputs that hold a value per row (or per sequence): every one but the two batch-wide ones."""
+_ACCEPTED = {kind: frozenset(kind.__annotations__) for kind in (PolicyInputs, HeadInputs, LinearInputs)}
+
+
+def check_keywords(inputs: Mapping[str, Any], accepted: type, caller: str) -> None:
+    """A TypeError naming the first keyword of ``inputs`` that ``accepted`` (one of the TypedDicts above)
+    does not hold, as Python's own for a ``caller`` with these keywords written out."""
+    names = _ACCEPTED[accepted]
+    for name in inputs:
+        if name not in names:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+
+
+@dataclass(frozen=True)
+class PolicyBatch:
+    """The policy term's inputs of one call, as given (checked and flattened by headloss.policy.inputs):
+    every name of :data:`POLICY_INPUTS`, None where not given."""
+
+    inputs: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, given: Mapping[str, Any]) -> PolicyBatch:
+        return cls({name: given.get(name) for name in POLICY_INPUTS})
 
     def given(self) -> dict[str, Any]:
         """Every input by name (None where not given): the form headloss.policy.inputs checks."""
-        return {name: getattr(self, name) for name in POLICY_INPUTS}
+        return dict(self.inputs)
+
+    @property
+    def sequence_ids(self) -> torch.Tensor | None:
+        return self.inputs["sequence_ids"]
 
     @property
     def empty(self) -> bool:
-        return all(value is None for value in self.given().values())
+        return all(value is None for value in self.inputs.values())
 
     def map_tokens(self, fn: Callable[[torch.Tensor | None, str], torch.Tensor | None]) -> PolicyBatch:
         """The batch with ``fn(tensor, name)`` applied to its per-row tensors (every input but the two
         batch-wide ones)."""
-        return replace(self, **{name: fn(getattr(self, name), name) for name in TOKEN_INPUTS})
-
-
-POLICY_INPUTS = tuple(f.name for f in fields(PolicyBatch))
-"""The policy inputs by name, in the order of PolicyBatch's fields."""
-TOKEN_INPUTS = POLICY_INPUTS[:-2]
-"""The policy inputs that hold a value per row (or per sequence): every one but the two batch-wide ones."""
+        return PolicyBatch({**self.inputs, **{name: fn(self.inputs[name], name) for name in TOKEN_INPUTS}})
 
 
 @dataclass(frozen=True)
@@ -120,3 +170,27 @@ class LinearOptions(Options):
     def __post_init__(self):
         if self.hidden_grad not in ("reduced", "partial"):
             raise ValueError(f"hidden_grad: expected 'reduced' or 'partial', got {self.hidden_grad!r}")
+
+
+@dataclass(frozen=True)
+class CallInputs:
+    """A call's per-call keywords bundled at the door (headloss.api): what headloss.logits.run_head and
+    headloss.lm_head.run_linear take."""
+
+    teacher: Teacher
+    batch: PolicyBatch
+    layout: Layout
+    num_items_in_batch: Any = None
+    route: str | None = None
+    bias: torch.Tensor | None = None  # the lm_head's
+
+    @classmethod
+    def of(cls, inputs: Mapping[str, Any], accepted: type, caller: str) -> CallInputs:
+        """The bundle of ``inputs``, the keywords of a ``caller`` taking ``accepted`` (HeadInputs or
+        LinearInputs): an unknown keyword is a TypeError naming it, as Python's own."""
+        check_keywords(inputs, accepted, caller)
+        get = inputs.get
+        teacher = Teacher(get("teacher_logits"), get("teacher_hidden"), get("teacher_weight"), get("teacher_bias"),
+                          get("teacher_ids"), get("teacher_logprobs"))
+        layout = Layout(get("shift", False), get("cu_seqlens"), get("position_ids"))
+        return cls(teacher, PolicyBatch.of(inputs), layout, get("num_items_in_batch"), get("route"), get("bias"))

@@ -578,20 +578,20 @@ def policy_terms(route: Route, plan: KernelPlan, loss, rows, means, scratch, pol
     spec = plan.spec
     if spec.policy is None:
         return loss, {}
+    if route.policy is PolicyAt.KERNELS:
+        total, out = PolicyObjectiveFunction.apply(loss, rows, plan, pol)
+        return total, objective_metrics(plan, out)
+    if route.policy is PolicyAt.TORCH:
+        entropy = None if plan.cols.entropy < 0 else rows[:, plan.cols.entropy]
+        policy_loss, metrics = policy_objective(rows[:, plan.cols.logp], entropy, pol.mask, spec.policy, pol,
+                                                extremes_by_kernel=route.sequence_kernels)
+        loss = loss + policy_loss
+        metrics["loss"] = loss.detach().clone()
+        return loss, metrics
     if route.policy is PolicyAt.EPILOGUE:
         if kernel_sequences:
             return loss, {}
         token_means = {name: means[index] for name, index in plan.metric_index}
         return loss, extremes(token_means, column(rows, plan, "ratio"), column(rows, plan, "clip_low"),
                               column(rows, plan, "clip_high"), pol.mask, scratch[0], pol, route.sequence_kernels)
-    if route.policy is PolicyAt.KERNELS:
-        total, out = PolicyObjectiveFunction.apply(loss, rows, plan, pol)
-        return total, objective_metrics(plan, out)
-    if route.policy is PolicyAt.TORCH:
-        entropy = column(rows, plan, "entropy")
-        policy_loss, metrics = policy_objective(column(rows, plan, "logp"), entropy, pol.mask, spec.policy, pol,
-                                                extremes_by_kernel=route.sequence_kernels)
-        loss = loss + policy_loss
-        metrics["loss"] = loss.detach().clone()
-        return loss, metrics
     raise ValueError(f"route: {route.name!r} runs no policy term, but the spec has one")

@@ -22,7 +22,9 @@ variable                       read       effect
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 
 
 def _flag(name: str, default: str) -> bool:
@@ -51,3 +53,19 @@ def validate_default() -> str:
     """``validate=None`` as HEADLOSS_VALIDATE says, read on each call: ``off``, ``sync`` or ``async``."""
     value = os.environ.get("HEADLOSS_VALIDATE", "1").strip().lower()
     return "off" if value in ("0", "false", "off") else ("sync" if value == "sync" else "async")
+
+
+_ROUTE_LOG = logging.getLogger("headloss.routes")
+
+
+def log_route(entry: str, source, route: str) -> None:
+    """Under HEADLOSS_LOG_ROUTES=1, log a call's route (logger ``headloss.routes``, INFO; a stderr handler
+    added where no handler is set): the entry point, the shape and dtype of its first tensor, the route."""
+    if not LOG_ROUTES:
+        return
+    if not _ROUTE_LOG.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        _ROUTE_LOG.addHandler(handler)
+        _ROUTE_LOG.setLevel(logging.INFO)
+    _ROUTE_LOG.info("%s %s %s -> %s", entry, list(source.shape), str(source.dtype).removeprefix("torch."), route)

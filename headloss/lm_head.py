@@ -19,6 +19,7 @@ from . import ops, routes
 from .batch import Layout, LinearOptions, PolicyBatch, Teacher
 from .chunks import LinearRun, cut
 from .engine import NO_GRADS, CallTensors, keep, policy_terms
+from .env import log_route
 from .inputs import (
     check_linear_inputs,
     check_targets,
@@ -116,7 +117,10 @@ def _run_linear(hidden, weight, bias, teacher: Teacher, targets, plan: KernelPla
         facts = routes.Facts("hidden", "torch", tuple(call.hidden.shape[:-1]), call.given.sequence_ids is not None,
                              False, traced, False, False)
         chosen = routes.choose(plan, facts, options.route)
-        return routes.record(_torch_linear(call, plan.spec, shard, options, mode), chosen, "hidden", call.hidden)
+        out = _torch_linear(call, plan.spec, shard, options, mode)
+        out.route = chosen.name
+        log_route("linear_head_loss", call.hidden, chosen.name)
+        return out
     return _kernels(call, plan, shard, options, mode, traced)
 
 
@@ -169,7 +173,7 @@ def _check(hidden, weight, bias, targets, spec: LossSpec, teacher: Teacher, batc
     if completion:  # completion ids: per-token inputs get the unscored last row
         batch = batch.map_tokens(_pad_last)
     if packed is not None and spec.policy is not None:
-        batch = PolicyBatch(**packed_policy_inputs(batch.given(), packed))
+        batch = PolicyBatch.of(packed_policy_inputs(batch.given(), packed))
     rows_shape = tuple(targets.shape) if targets is not None else token_rows
     policy, targets = policy_inputs(spec.policy, rows_shape, targets, spec.ignore_index, norm.as_torch(), mode,
                                     batch.given(), norm_length=token_shape[1] if completion else None)
@@ -208,9 +212,10 @@ def _kernels(call: _Call, plan: KernelPlan, shard, options: LinearOptions, mode:
                                                                 call.bias, run, *tensors)
     loss, extra = policy_terms(chosen, run.plan, loss, rows_out, means, scratch, policy)
     extra.update(getattr(policy, "correction_metrics", None) or {})
-    out = assemble(run.plan, run.token_shape, loss, rows_out, pred, means, scratch, extra)
+    out = assemble(run.plan, run.token_shape, loss, rows_out, pred, means, scratch, extra, route=chosen.name)
     out = trim(out, call.token_shape) if call.token_shape != run.token_shape else out
-    return routes.record(out, chosen, "hidden", hidden)
+    log_route("linear_head_loss", hidden, chosen.name)
+    return out
 
 
 class LinearFunction(torch.autograd.Function):

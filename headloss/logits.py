@@ -1,9 +1,10 @@
-"""The logits entry point's run: checks -> plan -> route -> kernels (or plain torch) -> output.
+"""The logits entry point's run: checks -> route -> kernels (or plain torch) -> output.
 
-:func:`run_head` is :func:`headloss.head_loss` after the door bundled its keywords. A call without
-policy inputs or a group takes its recipe (:func:`_recipe_of`: the checks and geometry its signature
-decides, made once); otherwise the vocab-parallel layout, the host-side checks (headloss.inputs), the
-route (headloss.routes), then :class:`~headloss.engine.HeadFunction` or the plain-torch path.
+:func:`run_head` is :func:`headloss.head_loss` after the door bundled its keywords and made the plan:
+the vocab-parallel layout, then the plain-torch path or the kernels' path. On the kernels' path the
+host-side checks (headloss.inputs) and the route (headloss.routes) come first, then
+:class:`~headloss.engine.HeadFunction`; a repeated call without policy inputs or a group finds its
+checks' outcome and its route in its recipe (made on its first call, found by its signature).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from . import env, routes
 from .batch import Layout, Options, PolicyBatch, Teacher
 from .bounded import BoundedDict, cache
 from .engine import CallTensors, HeadFunction, HeadRun, objective_metrics, policy_terms
+from .env import log_route
 from .inputs import (
     check_head,
     check_logits,
@@ -28,7 +30,7 @@ from .inputs import (
     sparse_teacher,
     teacher_precision,
 )
-from .output import HeadLossOutput, assemble, assemble_deferred
+from .output import HeadLossOutput, assemble
 from .packed import packed_call, packed_policy_inputs
 from .parallel import (
     TRACED_TORCH,
@@ -45,7 +47,6 @@ from .plan import KernelPlan
 from .policy.inputs import policy_inputs
 from .reference import reference_head_loss
 from .routes import PolicyAt, Route, facts_of, resolve_backend
-from .spec import LossSpec
 from .validation import normaliser, validation_mode
 
 
@@ -55,6 +56,8 @@ def run_head(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyB
     traced = torch.compiler.is_compiling()
     spec = plan.spec
     shift = layout.shift
+    if not traced:  # a lazily negated view (torch._neg_view): the kernels read the stored values, torch the sign
+        logits, teacher = _resolved(logits), replace(teacher, logits=_resolved(teacher.logits))
     teacher_logits = teacher_precision(teacher.logits, logits)
     if layout.packed:
         logits, targets, (teacher_logits, ids, logprobs), packed = packed_call(
@@ -63,12 +66,11 @@ def run_head(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyB
         teacher = replace(teacher, ids=ids, logprobs=logprobs)
         shift = False
         if spec.policy is not None:
-            batch = PolicyBatch(**packed_policy_inputs(batch.given(), packed))
+            batch = PolicyBatch.of(packed_policy_inputs(batch.given(), packed))
     plain = options.route is None and options.group is None and spec.policy is None and batch.empty
+    recipe_key = None
     if plain and not traced and not teacher.sparse:
-        recipe = _recipe_of(plan, logits, targets, teacher_logits, shift, options)
-        if recipe is not None:
-            return _run_recipe(recipe, logits, targets, teacher_logits, num_items_in_batch)
+        recipe_key = _recipe_key(plan, logits, targets, teacher_logits, shift, options)
     shard = None
     if options.group is not None or is_dtensor(logits):
         logits, targets, teacher_logits, shard = _vocab_shard(logits, targets, teacher_logits, options)
@@ -79,19 +81,54 @@ def run_head(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyB
         return _torch_head(logits, targets, plan, teacher, batch, shift=shift,
                            num_items_in_batch=num_items_in_batch, options=options, shard=shard)
     return _kernels(logits, targets, plan, teacher, batch, shift=shift, num_items_in_batch=num_items_in_batch,
-                    options=options, shard=shard)
+                    options=options, shard=shard, recipe_key=recipe_key)
+
+
+def _resolved(t):
+    return t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t
 
 
 def _kernels(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyBatch, shift: bool, num_items_in_batch,
-             options: Options, shard) -> HeadLossOutput:
-    """The kernels' path: checks, the route, HeadFunction, the policy term's share outside it, the output."""
+             options: Options, shard, recipe_key: tuple | None) -> HeadLossOutput:
+    """The kernels' path: checks and the route (a repeated plain call finds both in its recipe), HeadFunction,
+    the policy term's share outside it, the output."""
+    recipe = None if recipe_key is None else _RECIPES.get(recipe_key)
+    if recipe is None or recipe.plan is not plan:
+        run, tensors, chosen, pol = _checked(logits, targets, plan, teacher, batch, shift=shift,
+                                             num_items_in_batch=num_items_in_batch, options=options, shard=shard)
+        if recipe_key is not None:
+            flat = targets is None or (targets.dim() == 1 and targets.dtype in (torch.int64, torch.int32)
+                                       and targets.is_contiguous())
+            _RECIPES[recipe_key] = _Recipe(plan, replace(run, geo=run.geo._replace(norm=0.0)), flat, chosen)
+    else:  # a repeated call without policy inputs or a group: only num_items_in_batch is checked
+        norm = normaliser(num_items_in_batch, recipe.plan.spec, logits.device)
+        run = recipe.run if not norm.value else replace(recipe.run, geo=recipe.run.geo._replace(norm=norm.value))
+        tensors = CallTensors(targets if recipe.flat_targets else flat_targets(targets),
+                              None if teacher.logits is None else teacher.logits.detach(), num_items=norm.tensor)
+        chosen, pol = recipe.route, None
+    loss, rows, pred, means, scratch = HeadFunction.apply(logits, run, *tensors)
+    if run.objective is not None:  # the loss has the policy term; its metrics follow the means
+        extra = objective_metrics(plan, means[plan.means_size:])
+        means = means[:plan.means_size]
+    else:
+        loss, extra = policy_terms(chosen, plan, loss, rows, means, scratch, pol, kernel_sequences=run.seq_len > 0)
+    # a plain call's output is made when first read (a step that reads only the loss skips its host time)
+    out = assemble(plan, run.token_shape, loss, rows, pred, means, scratch, extra, route=chosen.name,
+                   lazy=recipe_key is not None)
+    log_route("head_loss", logits, chosen.name)
+    return out
+
+
+def _checked(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyBatch, shift: bool, num_items_in_batch,
+             options: Options, shard) -> tuple:
+    """(HeadRun, CallTensors, Route, PolicyInputs or None) of a call after every host-side check; with a
+    group and validate="sync", every rank learns of any rank's error."""
     spec = plan.spec
     sync = validation_mode(options.validate) == "sync"
     error = call = chosen = None
     given = batch.given()
-    teacher_logits = teacher.logits
     try:
-        token_shape = check_head(logits, targets, spec, teacher_logits, shift, kernel=True)
+        token_shape = check_head(logits, targets, spec, teacher.logits, shift, kernel=True)
         chosen = routes.choose(plan, facts_of("logits", "triton", logits.device, token_shape, given,
                                               sharded=shard is not None), options.route)
         call = head_call(logits, targets, spec, token_shape, teacher=teacher, policy_given=given,
@@ -115,20 +152,12 @@ def _kernels(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyB
                   objective=pol if inside else None)
     tensors = CallTensors.of(call.targets, Teacher(logits=call.teacher), pol if chosen.policy is PolicyAt.EPILOGUE
                              else None, call.norm.tensor, None if pol is None else pol.sequence_ids, call.sparse)
-    loss, rows, pred, means, scratch = HeadFunction.apply(logits, run, *tensors)
-    if inside:  # the loss has the policy term; its metrics follow the means
-        extra = objective_metrics(plan, means[plan.means_size:])
-        means = means[:plan.means_size]
-    else:
-        loss, extra = policy_terms(chosen, plan, loss, rows, means, scratch, pol, kernel_sequences=rows_per_seq > 0)
-    out = assemble(plan, call.token_shape, loss, rows, pred, means, scratch, extra)
-    return routes.record(out, chosen, "logits", logits)
+    return run, tensors, chosen, pol
 
 
 def _torch_head(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyBatch, shift: bool,
                 num_items_in_batch, options: Options, shard) -> HeadLossOutput:
     """The plain-torch path: vocab-parallel logits gathered whole on every rank first."""
-    spec = plan.spec
     teacher_logits = teacher.logits
     traced = torch.compiler.is_compiling()
     mode = validation_mode(options.validate)
@@ -146,19 +175,21 @@ def _torch_head(logits, targets, plan: KernelPlan, teacher: Teacher, batch: Poli
         logits = gather_vocab(logits, shard)
         if teacher_logits is not None:
             teacher_logits = gather_vocab(teacher_logits.detach(), shard)
-    shape = tuple(logits.shape[:-1]) if isinstance(logits, torch.Tensor) else ()
-    facts = routes.Facts("logits", "torch", shape, batch.sequence_ids is not None, False, traced, False, False)
-    chosen = routes.choose(plan, facts, options.route)
-    out = every_rank(shard, mode, logits,
-                     lambda: _torch_loss(logits, targets, spec, replace(teacher, logits=teacher_logits), batch,
-                                         num_items_in_batch, shift, options.validate))
-    return routes.record(out, chosen, "logits", logits)
+    return every_rank(shard, mode, logits,
+                      lambda: _torch_loss(logits, targets, plan, replace(teacher, logits=teacher_logits), batch,
+                                          num_items_in_batch, shift, options))
 
 
-def _torch_loss(logits, targets, spec: LossSpec, teacher: Teacher, batch: PolicyBatch, num_items_in_batch, shift: bool,
-                validate) -> HeadLossOutput:
-    """The plain-torch path, with the same checks and the same shift conventions."""
+def _torch_loss(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyBatch, num_items_in_batch,
+                shift: bool, options: Options) -> HeadLossOutput:
+    """The plain-torch path, with the same checks and the same shift conventions; the route (torch) is
+    chosen after them, as on the kernels' path."""
+    spec = plan.spec
+    validate = options.validate
+    traced = torch.compiler.is_compiling()
     teacher_logits = teacher.logits
+    facts = routes.Facts("logits", "torch", tuple(logits.shape[:-1]) if isinstance(logits, torch.Tensor) else (),
+                         batch.sequence_ids is not None, False, traced, False, False)
     check_logits(logits)
     check_targets(targets, tuple(logits.shape[:-1]), spec, logits.device, shift)
     check_teacher(tuple(logits.shape), logits.device, teacher_logits, spec, kernel=False)
@@ -182,10 +213,14 @@ def _torch_loss(logits, targets, spec: LossSpec, teacher: Teacher, batch: Policy
     token_shape = tuple(logits.shape[:-1]) if targets is None else tuple(targets.shape)
     policy_inputs(spec.policy, token_shape, targets, spec.ignore_index, norm.as_torch(), validation_mode(validate),
                   batch.given())  # the same input errors as the kernel path
-    return reference_head_loss(logits, targets, spec, teacher_logits=teacher_logits,
+    chosen = routes.choose(plan, facts, options.route)
+    out = reference_head_loss(logits, targets, spec, teacher_logits=teacher_logits,
                                teacher_ids=None if sparse is None else sparse.ids,
                                teacher_logprobs=None if sparse is None else sparse.logprobs,
                                num_items_in_batch=norm.as_torch(), validate=validation_mode(validate), **given)
+    out.route = chosen.name
+    log_route("head_loss", logits, chosen.name)
+    return out
 
 
 def _vocab_shard(logits, targets, teacher_logits, options: Options):
@@ -244,9 +279,9 @@ def _signature(t: Any) -> tuple | None:
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
 
 
-def _recipe_of(plan: KernelPlan, logits, targets, teacher_logits, shift, options: Options) -> _Recipe | None:
-    """The cached recipe of a call's signature (made, after every check, on its first call); None
-    where the call is not one (unusual argument types take the checked path, which names them)."""
+def _recipe_key(plan: KernelPlan, logits, targets, teacher_logits, shift, options: Options) -> tuple | None:
+    """The key of a call's recipe: its signature; None where the call is not one (unusual argument types
+    take the checked path, which names them)."""
     validate, backend = options.validate, options.backend
     known_validate = validate is None or validate is True or validate is False or \
         (type(validate) is str and validate == "sync")
@@ -254,35 +289,6 @@ def _recipe_of(plan: KernelPlan, logits, targets, teacher_logits, shift, options
             not (teacher_logits is None or type(teacher_logits) is torch.Tensor) or not known_validate or \
             type(backend) is not str or backend not in _KNOWN_BACKENDS:
         return None
-    key = (id(plan), _signature(logits), _signature(targets), _signature(teacher_logits), bool(shift),
-           bool(options.inplace_grad), validate, env.validate_default() if validate is None else None, backend,
-           env.INTERPRETER)
-    recipe = _RECIPES.get(key)
-    if recipe is not None and recipe.plan is plan:
-        return recipe
-    if resolve_backend(backend, logits.device, logits.dtype) == "torch":
-        return None  # (not kept: the plain-torch path has no host cost to save)
-    token_shape = check_head(logits, targets, plan.spec, teacher_logits, shift, kernel=True)
-    route = routes.choose(plan, facts_of("logits", "triton", logits.device, token_shape, {}, sharded=False))
-    call = head_call(logits, targets, plan.spec, token_shape, teacher=Teacher(logits=teacher_logits), policy_given={},
-                     num_items_in_batch=None, shift=shift, validate=validate)
-    flat = targets is None or (targets.dim() == 1 and targets.dtype in (torch.int64, torch.int32)
-                               and targets.is_contiguous())
-    recipe = _Recipe(plan, HeadRun(plan, call.geo, options.inplace_grad, call.validate, call.token_shape), flat,
-                     route)
-    _RECIPES[key] = recipe
-    return recipe
-
-
-def _run_recipe(recipe: _Recipe, logits, targets, teacher_logits, num_items_in_batch) -> HeadLossOutput:
-    """head_loss of a call whose recipe is known: only num_items_in_batch is checked per call."""
-    plan = recipe.plan
-    run = recipe.run
-    norm = normaliser(num_items_in_batch, plan.spec, logits.device)
-    if norm.value:
-        run = replace(run, geo=run.geo._replace(norm=norm.value))
-    tensors = CallTensors(targets if recipe.flat_targets else flat_targets(targets),
-                          None if teacher_logits is None else teacher_logits.detach(), num_items=norm.tensor)
-    loss, rows, pred, means, scratch = HeadFunction.apply(logits, run, *tensors)
-    out = assemble_deferred(plan, run.token_shape, loss, rows, pred, means, scratch)
-    return routes.record(out, recipe.route, "logits", logits)
+    return (id(plan), _signature(logits), _signature(targets), _signature(teacher_logits), bool(shift),
+            bool(options.inplace_grad), validate, env.validate_default() if validate is None else None, backend,
+            env.INTERPRETER)

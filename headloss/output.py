@@ -98,10 +98,16 @@ def column(rows: torch.Tensor, plan: KernelPlan, name: str) -> torch.Tensor | No
 
 def assemble(plan: KernelPlan, token_shape: tuple[int, ...], loss: torch.Tensor, rows: torch.Tensor,
              pred: torch.Tensor, means: torch.Tensor, scratch: torch.Tensor,
-             extra_metrics: dict[str, torch.Tensor] | None = None) -> HeadLossOutput:
+             extra_metrics: dict[str, torch.Tensor] | None = None, *, route: str | None = None,
+             lazy: bool = False) -> HeadLossOutput:
     """HeadLossOutput from the engine's buffers: metrics are views of the column means (in
     plan.METRIC_ORDER, as the plain-torch path gives them), per-token outputs views of the packed rows
-    (differentiable in deferred mode)."""
+    (differentiable in deferred mode); ``route`` the name of the route that ran. ``lazy``: the metrics
+    and per-token views made when one of them is first read (no ``extra_metrics``)."""
+    if lazy:
+        out = _Deferred(loss, (plan, token_shape, loss, rows, pred, means, scratch))
+        out.__dict__["route"] = route
+        return out
     means = means.unbind(0)
     metrics = {"loss": means[plan.cols.N]}  # its own storage: an in-place change of the loss leaves it
     for name, index in plan.metric_index:  # (in METRIC_ORDER already)
@@ -111,7 +117,7 @@ def assemble(plan: KernelPlan, token_shape: tuple[int, ...], loss: torch.Tensor,
     metrics["n_tokens"] = scratch[0]
     if extra_metrics:
         metrics = in_metric_order(metrics)
-    out = HeadLossOutput(loss=loss, metrics=metrics)
+    out = HeadLossOutput(loss=loss, metrics=metrics, route=route)
     if plan.output_index:
         flat = len(token_shape) == 1
         detach = rows.requires_grad and not plan.spec.differentiable_outputs
@@ -162,9 +168,3 @@ def _deferred_field(name: str) -> property:
 
 for _name in _DEFERRED_FIELDS:
     setattr(_Deferred, _name, _deferred_field(_name))
-
-
-def assemble_deferred(plan: KernelPlan, token_shape: tuple[int, ...], loss: torch.Tensor, rows: torch.Tensor,
-                      pred: torch.Tensor | None, means: torch.Tensor, scratch: torch.Tensor) -> HeadLossOutput:
-    """:func:`assemble`, made when the metrics or a per-token output are first read."""
-    return _Deferred(loss, (plan, token_shape, loss, rows, pred, means, scratch))

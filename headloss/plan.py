@@ -27,43 +27,11 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from .bounded import BoundedDict, cache, memoize
-from .layouts import EXTREME_METRICS, EXTREMES, OBJECTIVE_METRICS
+from .layouts import EXTREME_METRICS, EXTREMES, OBJECTIVE_METRICS, ROW_COLUMNS, Columns
 from .policy_tables import IMPORTANCE_SAMPLING, KL_ESTIMATORS, OBJECTIVES
-from .spec import FIELD_NAMES, LossSpec, Policy
+from .spec import FIELD_NAMES, LossSpec, Policy, base_policy
 
 Mode = Literal["fused", "deferred"]
-
-ROW_COLUMNS: dict[str, str] = {
-    "token_loss": "combined per-token loss (before reduction)",
-    "lse": "logsumexp of the transformed logits",
-    "logp": "log p(target)",
-    "ce": "cross-entropy (with smoothing)",
-    "nll": "-log p(target) (with label smoothing, where it differs from ce)",
-    "z_loss": "lse ** 2",
-    "dft": "-sg(p(target)) * log p(target)",
-    "entropy": "entropy of the softmax",
-    "accuracy": "1 where argmax == target",
-    "divergence": "distillation divergence",
-    "teacher_entropy": "teacher entropy at the distillation temperature",
-    "student_mass": "top-k teacher: the student's probability on the teacher's ids",
-    "teacher_mass": "top-k teacher: the teacher's probability on its ids",
-    "agreement": "1 where the student's argmax is the teacher's (top-k: its top id)",
-    "lse_s2": "student log2-normaliser at the distillation temperature (deferred backward)",
-    "lse_t2": "teacher log2-normaliser (deferred backward)",
-    "jsd_s": "KL(p || mixture) of the JSD (deferred backward)",
-    "policy_loss": "aggregation weight x per-token policy loss",
-    "counted": "1 where the token counts (the policy term's per-sequence metrics)",
-    "ratio": "importance ratio",
-    "kl": "per-token KL estimate",
-    "clip_low": "1 where the objective clips the token below (clip: ratio < 1 - eps_low, A < 0)",
-    "clip_high": "1 where the objective clips the token above (clip: ratio > 1 + eps_high, A > 0)",
-    "clip_dual": "verl's pg_clipfrac_lower indicator (dual clip active; DPPO: ratio truncated, token kept)",
-    "ppo_kl": "old - logp (verl's ppo_kl is its mean)",
-}
-"""Every value a kernel may store per row, by name. A plan uses a subset, packed in this order."""
-
-Columns = NamedTuple("Columns", [(name, int) for name in ROW_COLUMNS] + [("N", int)])
-Columns.__doc__ = "Column of each per-row value in the packed row buffer (-1 when absent); N columns in all."
 
 POLICY_METRICS = (
     "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
@@ -255,6 +223,7 @@ class KernelPlan:
     metric_index: tuple[tuple[str, int], ...]  # (metric name, index into the means), in METRIC_ORDER
     means_size: int  # the column means, the loss, then the policy metrics the last program computes
     output_index: tuple[tuple[str, int], ...]  # (output name, column index) of the per-token float outputs
+    base: KernelPlan | None = None  # the fused plan a corrected lm_head route runs first (_base_of)
 
     @property
     def reduction(self) -> str:
@@ -396,9 +365,22 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
             key=lambda item: _METRIC_RANK[item[0]])),  # METRIC_ORDER's order: assemble keeps it
         means_size=cols.N + 1 + len(extra),
         output_index=tuple((name, getattr(cols, col)) for name, col in outputs),
+        base=_base_of(spec) if deferred and pol is not None else None,
     )
     _BY_KEY[key] = plan
     return plan
+
+
+def _base_of(spec: LossSpec) -> KernelPlan | None:
+    """The fused plan of the row-local objective that the lm_head's corrected routes (routes: covariance,
+    entropy-guess) run before a batch statistic corrects a few rows; None where the spec has none or
+    its base still needs deferred mode (a top-entropy mask under a covariance objective)."""
+    pol = spec.policy
+    objective = OBJECTIVES[pol.objective]
+    if objective.base is None and not (objective.row_local and pol.top_entropy_quantile < 1.0):
+        return None
+    candidate = compile_plan(spec.model_copy(update={"policy": base_policy(pol)}), has_targets=True)
+    return candidate if candidate.mode == "fused" else None
 
 
 def _flags(spec: LossSpec, fused_policy: bool) -> Flags:

@@ -37,19 +37,16 @@ route                          how it runs
 from __future__ import annotations
 
 import enum
-import logging
 import math
-import sys
 from typing import Literal, NamedTuple
 
 import torch
 
 from . import env
 from .bounded import BoundedDict, cache
-from .output import HeadLossOutput
-from .plan import KernelPlan, compile_plan
+from .plan import KernelPlan
 from .policy_tables import IMPORTANCE_SAMPLING, OBJECTIVES
-from .spec import base_policy, separate_kl_entropy
+from .spec import separate_kl_entropy
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -215,21 +212,6 @@ def choose(plan: KernelPlan, facts: Facts, requested: str | None = None) -> Rout
 
 
 _ROUTES: BoundedDict[tuple, tuple[Route, ...]] = cache("routes", 1024, "routes_for's answers by (plan key, facts)")
-_LOG = logging.getLogger("headloss.routes")
-
-
-def record(out: HeadLossOutput, route: Route, entry: str, source: torch.Tensor) -> HeadLossOutput:
-    """``out`` with the route it took, logged under HEADLOSS_LOG_ROUTES=1 (logger ``headloss.routes``)."""
-    out.route = route.name
-    if env.LOG_ROUTES:
-        if not _LOG.handlers and not logging.getLogger().handlers:
-            handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-            _LOG.addHandler(handler)
-            _LOG.setLevel(logging.INFO)
-        _LOG.info("%s %s %s -> %s", "head_loss" if entry == "logits" else "linear_head_loss", list(source.shape),
-                  str(source.dtype).removeprefix("torch."), route.name)
-    return out
 
 
 def _routes(plan: KernelPlan, facts: Facts) -> tuple[Route, ...]:
@@ -275,32 +257,12 @@ def _lm_head_routes(plan: KernelPlan, facts: Facts, by_kernels: bool, route) -> 
     # a batch statistic that changes a few rows: the base objective fused, those rows corrected (a host read:
     # not under CUDA-graph capture or torch.compile)
     if token_ratios and not facts.capturing and not facts.traced:
-        if objective.base is not None:
-            base = _base_plan(plan)
-            if base is not None:
-                return [route("covariance", of=base)]
-        elif objective.row_local and pol.top_entropy_quantile < 1.0 and not token_mean_bonus:
-            base = _base_plan(plan)
-            if base is not None:
-                return [route("entropy-guess", of=base)]
+        if objective.base is not None and plan.base is not None:
+            return [route("covariance", of=plan.base)]
+        if objective.row_local and pol.top_entropy_quantile < 1.0 and not token_mean_bonus and plan.base is not None:
+            return [route("entropy-guess", of=plan.base)]
     # sequence statistics: chunks of whole sequences
     if (pol.top_entropy_quantile == 1.0 and objective.scope != "batch" and not token_mean_bonus
             and len(facts.token_shape) == 2 and not facts.sequence_ids and facts.sequence_fits):
         return ([route("sequences+kernels")] if by_kernels else []) + [route("sequences+torch")]
     return []
-
-
-def _base_plan(plan: KernelPlan) -> KernelPlan | None:
-    """The fused plan of the row-local objective a corrected route runs first (None when the base
-    still needs deferred mode: a top-entropy mask under a covariance objective)."""
-    base = _BASES.get(plan.key, False)
-    if base is False:
-        spec = plan.spec
-        policy = base_policy(spec.policy)
-        candidate = compile_plan(spec.model_copy(update={"policy": policy}), has_targets=True)
-        base = _BASES[plan.key] = candidate if candidate.mode == "fused" else None
-    return base
-
-
-_BASES: BoundedDict[str, KernelPlan | None] = cache("routes.bases", 256,
-                                                  "a policy plan's fused base plan (None: none) by plan key")

@@ -24,6 +24,7 @@ from conftest import (
 
 import headloss
 from headloss import DFT, LossSpec, head_loss, linear_head_loss
+from headloss.policy.logprobs import policy_loss
 from headloss.reference import reference_head_loss
 
 BACKENDS = ["torch", pytest.param("triton", marks=needs_kernel)]
@@ -471,3 +472,61 @@ def test_interpreter_warnings_are_ignored_inside_the_call_and_the_callers_filter
     assert [str(w.message) for w in caught if "triton" in w.filename] == []
     assert after == before
     assert [w.category for w in caught] == [RuntimeWarning]
+
+
+# --- the door's keywords -------------------------------------------------------------------------------
+
+
+def _entry_calls():
+    logits, hidden, weight = torch.randn(3, 11), torch.randn(3, 5), torch.randn(11, 5)
+    targets = torch.randint(0, 11, (3,))
+    logp = torch.randn(1, 3)
+    return {
+        "head_loss": lambda **kw: head_loss(logits, targets, **kw),
+        "linear_head_loss": lambda **kw: linear_head_loss(hidden, weight, targets, **kw),
+        "HeadLoss": lambda **kw: headloss.HeadLoss()(logits, targets, **kw),
+        "LinearHeadLoss": lambda **kw: headloss.LinearHeadLoss()(hidden, weight, targets, **kw),
+        "policy_loss": lambda **kw: policy_loss(logp, headloss.Policy(), advantages=torch.randn(1), **kw),
+    }
+
+
+@pytest.mark.parametrize("entry", ["head_loss", "linear_head_loss", "HeadLoss", "LinearHeadLoss", "policy_loss"])
+def test_an_unknown_keyword_is_a_type_error_naming_it(entry):
+    call = _entry_calls()[entry]
+    caller = {"HeadLoss": "head_loss", "LinearHeadLoss": "linear_head_loss"}.get(entry, entry)
+    with pytest.raises(TypeError, match=rf"{caller}\(\) got an unexpected keyword argument 'advantage'"):
+        call(advantage=torch.randn(3))
+    if entry in ("head_loss", "HeadLoss"):  # the lm_head's own keywords are not head_loss's
+        with pytest.raises(TypeError, match="unexpected keyword argument 'teacher_hidden'"):
+            call(teacher_hidden=torch.randn(3, 5))
+
+
+def test_policy_loss_without_advantages_names_them():
+    with pytest.raises(TypeError, match="missing required keyword argument: 'advantages'"):
+        policy_loss(torch.randn(1, 3), headloss.Policy(), loss_mask=torch.ones(1, 3))
+
+
+def test_the_module_forms_take_the_same_keywords_and_give_the_same_values():
+    torch.manual_seed(3)
+    logits, targets = torch.randn(2, 4, 37), torch.randint(0, 37, (2, 4))
+    spec = LossSpec(cross_entropy=None, policy={"loss_type": "dapo"}, entropy={"weight": 0.0})
+    inputs = dict(advantages=torch.randn(2), old_logprobs=-torch.rand(2, 4), loss_mask=torch.ones(2, 4), shift=False)
+    want = head_loss(logits, targets, spec, backend="torch", **inputs)
+    got = headloss.HeadLoss(spec, backend="torch")(logits, targets, **inputs)
+    torch.testing.assert_close(got.loss, want.loss)
+    assert list(got.metrics) == list(want.metrics)
+    hidden, weight = torch.randn(2, 4, 6), torch.randn(37, 6)
+    want = linear_head_loss(hidden, weight, targets, spec, backend="torch", **inputs)
+    got = headloss.LinearHeadLoss(spec, backend="torch")(hidden, weight, targets, **inputs)
+    torch.testing.assert_close(got.loss, want.loss)
+
+
+def test_every_keyword_of_the_door_is_documented():
+    from headloss.batch import HeadInputs, LinearInputs, PolicyInputs
+
+    head_doc = head_loss.__doc__
+    for name in HeadInputs.__annotations__:
+        assert name in head_doc, name
+    for name in set(LinearInputs.__annotations__) - set(HeadInputs.__annotations__):
+        assert name in linear_head_loss.__doc__, name
+    assert set(PolicyInputs.__annotations__) <= set(HeadInputs.__annotations__)

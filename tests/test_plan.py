@@ -9,7 +9,8 @@ from conftest import make_logits, make_targets, needs_kernel, with_
 
 from headloss import DFT, CrossEntropy, Entropy, LogitTransform, LossSpec, ZLoss, head_loss
 from headloss.kernels import blocks, head, policy, primitives, shard, sparse, terms
-from headloss.plan import ROW_COLUMNS, Columns, Flags, Scalars, compile_plan, plan_from_key
+from headloss.layouts import ROW_COLUMNS, Columns
+from headloss.plan import Flags, Scalars, compile_plan, plan_from_key
 
 RICH = LossSpec(
     cross_entropy=CrossEntropy(label_smoothing=0.1),

@@ -49,10 +49,8 @@ __all__ = ["HeadLossCallback", "HeadPatch", "head_transform", "patch"]
 
 
 PATCH_CHUNK_BYTES = 128 << 20
-"""The patch's logits chunk: half linear_head_loss's default. In a whole training step the head's
-working set adds to the body's activations; at 128 MiB a Llama-3.2-1B-shaped step (4 x 4096 tokens,
-H200) peaked at Liger's 28.28 GB and ran in 267 vs 271 ms; at 256 MiB, 263 ms but 28.38 GB
-(benchmarks/bench_hf.py, results/bench_hf*.json)."""
+"""The patch's logits chunk: half linear_head_loss's default, because in a whole training step the
+head's working set adds to the body's activations (the trade is measured in docs/integrations.md)."""
 
 
 class PatchError(ValueError):

@@ -4,9 +4,11 @@ a head pass."""
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
 
-from ..batch import PolicyBatch
+from ..batch import PolicyBatch, PolicyInputs, check_keywords
 from ..output import HeadLossOutput
 from ..plan import in_metric_order
 from ..spec import LossSpec, Policy
@@ -21,25 +23,23 @@ def policy_loss(
     logprobs: torch.Tensor,
     policy: Policy | LossSpec,
     *,
-    advantages: torch.Tensor,
-    old_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    loss_mask: torch.Tensor | None = None,
-    importance_weights: torch.Tensor | None = None,
-    rollout_logprobs: torch.Tensor | None = None,
-    sequence_ids: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     num_items_in_batch: float | torch.Tensor | None = None,
-    num_sequences_in_batch: float | torch.Tensor | None = None,
     norm_length: int | None = None,
+    **inputs: Unpack[PolicyInputs],
 ) -> HeadLossOutput:
     """``Policy``'s loss and metrics from per-token log-probs ``logprobs`` ([B, T], or [N] with
     ``sequence_ids``), with gradient to them (and to ``entropy`` when the policy has an entropy
-    bonus). Inputs as :func:`headloss.head_loss` takes them; ``norm_length`` replaces T in
+    bonus). Inputs (:class:`headloss.batch.PolicyInputs`; ``advantages`` required) as
+    :func:`headloss.head_loss` takes them; ``norm_length`` replaces T in
     seq-mean-token-sum-norm (verl's ``loss_scale_factor``).
 
     No host read for a bool ``loss_mask``; another dtype is checked to hold only 0 and 1 on the
     host (one read; the error names ``loss_mask``)."""
+    check_keywords(inputs, PolicyInputs, "policy_loss")
+    if inputs.get("advantages") is None:
+        raise TypeError("policy_loss() missing required keyword argument: 'advantages'")
+    loss_mask = inputs.get("loss_mask")
     if isinstance(policy, LossSpec):
         policy = policy.policy
     if not isinstance(policy, Policy):
@@ -59,8 +59,7 @@ def policy_loss(
         raise ValueError("loss_mask: holds a value that is neither 0 nor 1 (the mask says which tokens count; a "
                          "token's weight goes in importance_weights)")
     targets = torch.zeros(shape, dtype=torch.long, device=logprobs.device)
-    given = PolicyBatch(advantages, old_logprobs, ref_logprobs, loss_mask, importance_weights, rollout_logprobs,
-                        sequence_ids, num_sequences_in_batch).given()
+    given = PolicyBatch.of(inputs).given()
     if num_items_in_batch is not None:
         num_items_in_batch = count_value(num_items_in_batch, "num_items_in_batch", logprobs.device)
     inp, _ = policy_inputs(policy, shape, targets, _IGNORE, num_items_in_batch, "off", given, norm_length=norm_length)

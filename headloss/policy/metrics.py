@@ -45,14 +45,15 @@ def policy_metrics(logp, entropy, tok: TokenObjective, kl, mask, inp: PolicyInpu
             for name, t in (("clip_ratio/low_mean", low), ("clip_ratio/high_mean", high)):
                 out[name] = ((seq_sum(t * mask, seq, inp.n_slots) / tokens.clamp(min=1.0)).sum() / n_seq).float()
     clipfrac = out.pop("pg_clipfrac", None)
+    high_entropy = {} if tok.high_entropy is None or entropy is None else \
+        high_entropy_metrics(entropy, tok.high_entropy, mask)
     out.update(extremes(out, tok.ratio, low, high, mask, count, inp, extremes_by_kernel))
     if empty is not None:  # TRL's masked_seq_mean: a sequence without counted tokens enters nanmin as 0
         out["clip_ratio/low_min"] = torch.where(empty, 0.0, out["clip_ratio/low_min"])
     if clipfrac is not None:
         out["pg_clipfrac"] = clipfrac
     out.update({k: v.float() for k, v in (tok.extra or {}).items()})
-    if tok.high_entropy is not None and entropy is not None:
-        out.update(high_entropy_metrics(entropy, tok.high_entropy, mask))
+    out.update(high_entropy)
     return out
 
 
