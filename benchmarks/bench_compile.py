@@ -428,7 +428,7 @@ def profile_distill(n: int = 8192, hidden: int = 4096, vocab: int = 128256, trac
     chunks of rows (the chunk's share of the full GEMM's time: how the chunk size costs); device time
     per kernel (summed over one call's chunks), the device's idle time and the host's launch time for
     each divergence, and any call that waits for the device; forward KL against the teacher's share
-    of the chunk budget (api.TEACHER_SHARE), the budget, and the head kernel's block and warps with a
+    of the chunk budget (chunks.TEACHER_SHARE), the budget, and the head kernel's block and warps with a
     teacher. ``trace``: a folder for each divergence's torch.profiler trace (two steps, host and
     device)."""
     import time
