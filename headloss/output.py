@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils._pytree as pytree
 
 from .plan import KernelPlan, in_metric_order
 from .validation import check_pending
@@ -168,3 +169,26 @@ def _deferred_field(name: str) -> property:
 
 for _name in _DEFERRED_FIELDS:
     setattr(_Deferred, _name, _deferred_field(_name))
+
+
+# A pytree node (its tensors the children, the route the context), as tuples and dicts are: code that finds
+# a forward's output tensors through torch.utils._pytree (FSDP2's backward hooks, DDP, activation
+# checkpointing, torch.export) finds the loss inside it. Flattening makes a lazily built output.
+_TENSOR_FIELDS = ("loss", "metrics", "predicted_tokens", "logprobs", "lse", "token_loss", "entropy")
+
+
+def _flatten(out: HeadLossOutput) -> tuple[list, str | None]:
+    return [getattr(out, name) for name in _TENSOR_FIELDS], out.route
+
+
+def _flatten_with_keys(out: HeadLossOutput) -> tuple[list, str | None]:
+    return [(pytree.GetAttrKey(name), getattr(out, name)) for name in _TENSOR_FIELDS], out.route
+
+
+def _unflatten(values, route: str | None) -> HeadLossOutput:
+    return HeadLossOutput(*values, route=route)
+
+
+for _type in (HeadLossOutput, _Deferred):
+    pytree.register_pytree_node(_type, _flatten, _unflatten, serialized_type_name=f"headloss.{_type.__name__}",
+                                flatten_with_keys_fn=_flatten_with_keys)

@@ -530,3 +530,35 @@ def test_every_keyword_of_the_door_is_documented():
     for name in set(LinearInputs.__annotations__) - set(HeadInputs.__annotations__):
         assert name in linear_head_loss.__doc__, name
     assert set(PolicyInputs.__annotations__) <= set(HeadInputs.__annotations__)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("entry", ["logits", "hidden"])
+def test_the_output_is_a_pytree_node_whose_leaves_hold_its_tensors(entry, backend):
+    """torch.utils._pytree finds the loss inside a HeadLossOutput (what FSDP2's backward hooks, DDP and
+    activation checkpointing look through), the lazily made output too, and builds it back."""
+    import torch.utils._pytree as pytree
+
+    torch.manual_seed(5)
+    spec = LossSpec(z_loss={"weight": 1e-3}, entropy={"weight": 0.0}, outputs=("logprobs", "predicted_tokens"))
+    targets = torch.randint(0, 37, (6,))
+    if entry == "logits":
+        leaf = torch.randn(6, 37, requires_grad=True)
+        out = head_loss(leaf, targets, spec, backend=backend)
+    else:
+        leaf, weight = torch.randn(6, 8, requires_grad=True), torch.randn(37, 8)
+        out = linear_head_loss(leaf, weight, targets, spec, backend=backend)
+    leaves, tree = pytree.tree_flatten(out)
+    assert leaves[0] is out.loss and any(t is out.logprobs for t in leaves)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    assert len(tensors) == 1 + len(out.metrics) + 2  # the loss, every metric, two per-token outputs
+    again = pytree.tree_unflatten(leaves, tree)
+    assert type(again) is headloss.HeadLossOutput and again.route == out.route
+    assert list(again.metrics) == list(out.metrics) and again.logprobs is out.logprobs
+    doubled = pytree.tree_map(lambda t: 2 * t if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
+    doubled.loss.backward()
+    out2 = head_loss(leaf, targets, spec, backend=backend) if entry == "logits" else \
+        linear_head_loss(leaf, weight, targets, spec, backend=backend)
+    grad, leaf.grad = leaf.grad, None
+    (2 * out2.loss).backward()
+    torch.testing.assert_close(grad, leaf.grad)
