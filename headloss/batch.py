@@ -1,8 +1,10 @@
-"""A call's optional inputs as typed objects: what the public entry points bundle their keywords into.
+"""A call's optional inputs: the entry points' keywords and the typed objects they become.
 
-:class:`Teacher` is the distillation term's teacher, :class:`PolicyBatch` the policy term's inputs
-(:class:`headloss.spec.Policy`). Every layer below the entry points takes these by name; the list of
-the policy inputs is written here once.
+:class:`PolicyInputs`, :class:`HeadInputs` and :class:`LinearInputs` are the per-call keywords of the
+entry points (``**inputs: Unpack[...]``), each list written here once. :meth:`CallInputs.of` bundles
+them into a :class:`Teacher`, a :class:`PolicyBatch` (the policy term's inputs by name) and a row
+:class:`Layout`, which every layer below the entry points takes by name; :class:`Options` holds how
+the call runs.
 """
 
 from __future__ import annotations
