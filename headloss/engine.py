@@ -582,8 +582,8 @@ def policy_terms(route: Route, plan: KernelPlan, loss, rows, means, scratch, pol
         total, out = PolicyObjectiveFunction.apply(loss, rows, plan, pol)
         return total, objective_metrics(plan, out)
     if route.policy is PolicyAt.TORCH:
-        entropy = None if plan.cols.entropy < 0 else rows[:, plan.cols.entropy]
-        policy_loss, metrics = policy_objective(rows[:, plan.cols.logp], entropy, pol.mask, spec.policy, pol,
+        entropy = column(rows, plan, "entropy")
+        policy_loss, metrics = policy_objective(column(rows, plan, "logp"), entropy, pol.mask, spec.policy, pol,
                                                 extremes_by_kernel=route.sequence_kernels)
         loss = loss + policy_loss
         metrics["loss"] = loss.detach().clone()

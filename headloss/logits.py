@@ -188,15 +188,13 @@ def _torch_loss(logits, targets, plan: KernelPlan, teacher: Teacher, batch: Poli
     validate = options.validate
     traced = torch.compiler.is_compiling()
     teacher_logits = teacher.logits
-    facts = routes.Facts("logits", "torch", tuple(logits.shape[:-1]) if isinstance(logits, torch.Tensor) else (),
-                         batch.sequence_ids is not None, False, traced, False, False)
     check_logits(logits)
-    check_targets(targets, tuple(logits.shape[:-1]), spec, logits.device, shift)
+    rows_shape = tuple(logits.shape[:-1])
+    check_targets(targets, rows_shape, spec, logits.device, shift)
     check_teacher(tuple(logits.shape), logits.device, teacher_logits, spec, kernel=False)
     mode = validation_mode(validate)
-    sparse = sparse_teacher(spec, teacher, tuple(logits.shape[:-1]), tuple(targets.shape) if shift else
-                            tuple(logits.shape[:-1]), logits.device, shift, logits.shape[-1],
-                            "off" if mode == "off" or torch.compiler.is_compiling() else "sync")
+    sparse = sparse_teacher(spec, teacher, rows_shape, tuple(targets.shape) if shift else rows_shape, logits.device,
+                            shift, logits.shape[-1], "off" if mode == "off" or traced else "sync")
     norm = normaliser(num_items_in_batch, spec, logits.device)
     given = {k: v for k, v in batch.given().items() if v is not None}
     if teacher_logits is not None:
@@ -211,13 +209,14 @@ def _torch_loss(logits, targets, plan: KernelPlan, teacher: Teacher, batch: Poli
             if teacher_logits is not None:
                 teacher_logits = teacher_logits[:, :keep]
     token_shape = tuple(logits.shape[:-1]) if targets is None else tuple(targets.shape)
-    policy_inputs(spec.policy, token_shape, targets, spec.ignore_index, norm.as_torch(), validation_mode(validate),
+    policy_inputs(spec.policy, token_shape, targets, spec.ignore_index, norm.as_torch(), mode,
                   batch.given())  # the same input errors as the kernel path
+    facts = routes.Facts("logits", "torch", rows_shape, batch.sequence_ids is not None, False, traced, False, False)
     chosen = routes.choose(plan, facts, options.route)
     out = reference_head_loss(logits, targets, spec, teacher_logits=teacher_logits,
                                teacher_ids=None if sparse is None else sparse.ids,
                                teacher_logprobs=None if sparse is None else sparse.logprobs,
-                               num_items_in_batch=norm.as_torch(), validate=validation_mode(validate), **given)
+                               num_items_in_batch=norm.as_torch(), validate=mode, **given)
     out.route = chosen.name
     log_route("head_loss", logits, chosen.name)
     return out
