@@ -12,12 +12,11 @@ Writes $OUT (or ./results)/bench_fsdp2.{json,csv,png}; prints a table.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 
-from benchmarks.common import peak_extra_gb, per_rank_report, spawn_world, time_ms
+from benchmarks.common import peak_extra_gb, per_rank_report, spawn_world, time_ms, world_parser
 
 CASES = ("stock", "headloss")
 
@@ -65,14 +64,7 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=int, default=min(2, torch.cuda.device_count()))
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--name", default="bench_fsdp2")
+    parser = world_parser(__doc__, "bench_fsdp2", 15, seq=4096, hidden=2048, layers=4, vocab=128256)
     args = parser.parse_args(argv)
     results = spawn_world(_rank, args.world, args)
     config = {"world": args.world, "seq": args.seq, "hidden": args.hidden, "layers": args.layers,

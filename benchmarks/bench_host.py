@@ -12,6 +12,9 @@
 Cases (bf16 logits [N, V], 5% of targets ignored): ``ce`` (CE only) and ``full`` (CE + z-loss +
 token accuracy + predicted tokens + entropy metric; Liger: its CE with z-loss, accuracy and
 predicted tokens, without entropy). N in {512, 1024, 2048, 8192}, V in {32000, 128256, 151936}.
+``ce-group`` / ``full-group``: the same calls with ``group=`` a one-rank NCCL process group (started
+here), the vocab-parallel call's whole host path -- layout, shard statistics, the all_gather, the
+merge -- on one GPU (Liger: LigerVocabParallelCrossEntropy with the same group).
 RL-shaped cases, N = B x 256 completion tokens (the model's [B, 257, V] output, TRL's completion ids,
 per-sequence advantages, a loss mask ending each sequence at 90%):
   ``grpo``         TRL's dapo loss with a k3 KL on the logits (shift=True; Liger: triton_grpo_loss)
@@ -51,7 +54,7 @@ from benchmarks.common import Row, gpu_name, out_dir_default, pyplot, time_ms, w
 
 ROWS = (512, 1024, 2048, 8192)
 VOCABS = (32000, 128256, 151936)
-CASES = ("ce", "full", "grpo", "gspo", "score", "linear", "linear-grpo", "linear-gspo")
+CASES = ("ce", "full", "ce-group", "full-group", "grpo", "gspo", "score", "linear", "linear-grpo", "linear-gspo")
 RL_CASES = ("grpo", "gspo", "score", "linear", "linear-grpo", "linear-gspo")
 COMPLETION = 256  # tokens per sequence of the RL-shaped cases
 HIDDEN = 2048  # the lm_head cases' hidden size
@@ -216,13 +219,31 @@ def rl_providers(case: str, b: dict[str, torch.Tensor], y: torch.Tensor) -> dict
     return table
 
 
+def one_rank_group():
+    """torch.distributed's default group, started here with NCCL and one rank if it is not yet."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    return dist.group.WORLD
+
+
 def providers(case: str) -> dict[str, Callable[[torch.Tensor, torch.Tensor], None]]:
-    spec = FULL_SPEC if case == "full" else CE_SPEC
+    spec = FULL_SPEC if case.startswith("full") else CE_SPEC
+    group = one_rank_group() if case.endswith("-group") else None
     liger = liger_ce_fn()
 
     def ours(x, y):
         x.grad = None
-        headloss.head_loss(x, y, spec).loss.backward()
+        headloss.head_loss(x, y, spec, group=group).loss.backward()
 
     def floor(x, y):
         x.grad = None
@@ -236,6 +257,22 @@ def providers(case: str) -> dict[str, Callable[[torch.Tensor, torch.Tensor], Non
     if case == "ce":  # (the floor does not depend on the spec)
         table["headloss-1t"] = ours_one_thread
         table["floor"] = floor
+    if case == "ce-group":
+        try:
+            from liger_kernel.transformers import LigerVocabParallelCrossEntropy
+
+            vocab_parallel = LigerVocabParallelCrossEntropy()
+
+            def liger_vp(x, y):
+                x.grad = None
+                vocab_parallel(x[None], y[None], tp_group=group).mean().backward()
+
+            table["liger"] = liger_vp
+        except Exception as exc:  # a missing peer is a result
+            print(f"liger vocab-parallel CE unavailable: {exc}")
+        return table
+    if group is not None:
+        return table
     if liger is not None:
         def liger_step(x, y):
             x.grad = None

@@ -19,12 +19,11 @@ Writes $OUT (or ./results)/bench_megatron.{json,csv,png}; prints a table.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 
-from benchmarks.common import peak_extra_gb, per_rank_report, spawn_world, time_ms
+from benchmarks.common import peak_extra_gb, per_rank_report, spawn_world, time_ms, world_parser
 
 CASES = ("megatron", "megatron-fused-ce", "headloss-logits", "headloss-fused")
 
@@ -67,13 +66,7 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=int, default=min(2, torch.cuda.device_count()))
-    parser.add_argument("--seq", type=int, default=8192)
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--name", default="bench_megatron")
+    parser = world_parser(__doc__, "bench_megatron", 20, seq=8192, vocab=128256, hidden=4096)
     args = parser.parse_args(argv)
     results = spawn_world(_rank, args.world, args)
     config = {"world": args.world, "seq": args.seq, "vocab": args.vocab, "hidden": args.hidden, "dtype": "bf16",

@@ -12,13 +12,13 @@ memory for the lm_head case (above the inputs, gradients dW and dh included); ra
 single-GPU call on the whole vocabulary.
 
   python -m benchmarks.bench_parallel [--world 2] [--rows 8192] [--vocab 128256] [--hidden 4096]
+                                      [--cases full ce grpo linear] [--name bench_parallel]
 
-Writes $OUT (or ./results)/bench_parallel.{json,csv,png}; prints a table.
+Writes $OUT (or ./results)/<name>.{json,csv,png}; prints a table.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -33,10 +33,12 @@ from benchmarks.common import (
     pyplot,
     spawn_world,
     time_ms,
+    world_parser,
     write_rows,
 )
 
 FULL = dict(z_loss={"weight": 1e-4}, entropy={"weight": 0.0}, token_accuracy=True, outputs=("predicted_tokens",))
+CASES = ("full", "ce", "grpo", "linear")
 GRPO = dict(cross_entropy=None, entropy={"weight": 0.0},
             policy={"loss_type": "dapo", "kl_beta": 0.04, "eps_low": 0.2, "eps_high": 0.28})
 
@@ -102,11 +104,15 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
             dist.barrier()
 
     # --- logits path: full, ce, grpo
+    cases = set(args.cases)
     logits = (torch.randn(n, v, device="cuda", generator=gen) * 2).to(torch.bfloat16)
     ids = torch.randint(0, v, (n,), device="cuda", generator=gen)
     local = logits[:, start: start + width].contiguous().requires_grad_()
     whole = logits.requires_grad_() if rank == 0 else None
     for case, spec in (("full", headloss.LossSpec(**FULL)), ("ce", headloss.LossSpec())):
+        if case not in cases:
+            continue
+
         def sharded(spec=spec):
             local.grad = None
             headloss.head_loss(local, ids, spec, group=group).loss.backward()
@@ -118,6 +124,8 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
         record(case, "headloss single GPU", single, single=True)
         record(case, f"headloss {world} ranks", sharded)
     try:
+        if "ce" not in cases:
+            raise RuntimeError("the ce case is not run")
         from liger_kernel.transformers import LigerVocabParallelCrossEntropy
 
         liger = LigerVocabParallelCrossEntropy()
@@ -152,8 +160,9 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
         gwhole.grad = None
         headloss.head_loss(gwhole, gids, spec, **inputs).loss.backward()
 
-    record("grpo", "headloss single GPU", gsingle, single=True)
-    record("grpo", f"headloss {world} ranks", gsharded)
+    if "grpo" in cases:
+        record("grpo", "headloss single GPU", gsingle, single=True)
+        record("grpo", f"headloss {world} ranks", gsharded)
     glogits = gwhole = glocal = None
     torch.cuda.empty_cache()
 
@@ -175,19 +184,16 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
     def clear_single():
         hidden.grad = wwhole.grad = None
 
-    record("linear", "headloss single GPU", lsingle, clear_single, single=True, mem=True)
-    record("linear", f"headloss {world} ranks", lsharded, clear_sharded, mem=True)
+    if "linear" in cases:
+        record("linear", "headloss single GPU", lsingle, clear_single, single=True, mem=True)
+        record("linear", f"headloss {world} ranks", lsharded, clear_sharded, mem=True)
     results[rank] = out
     dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=int, default=min(2, torch.cuda.device_count()))
-    parser.add_argument("--rows", type=int, default=8192)
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--reps", type=int, default=25)
+    parser = world_parser(__doc__, "bench_parallel", 25, rows=8192, vocab=128256, hidden=4096)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     args = parser.parse_args(argv)
     results = spawn_world(_rank, args.world, args)
     rows: list[Row] = []
@@ -211,8 +217,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(Row(case=entry["case"], provider=entry["provider"], metric="memory", unit="GB",
                             x_name="rows", x=args.rows, p50=entry["peak_gb"], config=config, gpu=gpu_name()))
     out = out_dir_default()
-    write_rows(rows, out, "bench_parallel")
-    _plot(rows, out / "bench_parallel.png")
+    write_rows(rows, out, args.name)
+    _plot(rows, out / f"{args.name}.png")
 
 
 def _plot(rows: list[Row], path) -> None:

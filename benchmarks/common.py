@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime as _dt
 import json
@@ -188,6 +189,20 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def world_parser(doc: str, name: str, reps: int, **sizes: int) -> argparse.ArgumentParser:
+    """The multi-GPU benchmarks' arguments: --world (the GPUs here, 2 at most by default), each of
+    ``sizes`` as --<size> with its default, --reps and --name (the results file's name)."""
+    import torch
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=min(2, torch.cuda.device_count()))
+    for size, default in sizes.items():
+        parser.add_argument(f"--{size}", type=int, default=default)
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--name", default=name, help=f"results file name (default {name})")
+    return parser
 
 
 def spawn_world(rank_fn: Callable, world: int, args) -> dict:

@@ -179,16 +179,18 @@ class HeadRun:
 INLINE_PREPARE_SLOTS = 1 << 14
 """Up to this many slots, head_forward leaves prepare's work (count the scored rows, check the
 targets and sequence ids, zero the policy term's counters: O(slots), one program, 512 targets a step)
-to the head kernel's program 0 instead of a launch of its own: one launch less, 20-40 us of host time
-per call (benchmarks/bench_host.py). Other programs wait for it only before their policy values,
-their gradient pass and their completion count, so with rows of any real vocabulary it is done long
-before. Above this (and vocab-parallel), prepare_kernel (4096 targets a step, 8 warps) keeps one
-program's longer serial pass off the critical path."""
+to the head kernel's first program to take the call's ticket instead of a launch of its own: one
+launch less, 20-40 us of host time per call (benchmarks/bench_host.py; more on a slower host, where
+a vocab-parallel call's host time can exceed its GPU time: benchmarks/profile_parallel.py). Other
+programs wait for it only before their policy values, their gradient pass and their completion count,
+so with rows of any real vocabulary it is done long before. Above this, prepare_kernel (4096 targets
+a step, 8 warps) keeps one program's longer serial pass off the critical path; so it does for a
+vocab-parallel call with validate="sync", whose verdict every rank learns before the statistics."""
 
 
 def head_forward(run: HeadRun, logits, tensors: CallTensors, grad_mode: GradMode, extra_means: int = 0,
                  stats: torch.Tensor | None = None, jsd: torch.Tensor | None = None):
-    """The head kernel (its program 0 prepares, see INLINE_PREPARE_SLOTS; else prepare_kernel first):
+    """The head kernel (one of its programs prepares, see INLINE_PREPARE_SLOTS; else prepare_kernel first):
     (loss, rows, pred, means, scratch, grad, stats). ``run.shard``: logits are this rank's vocabulary
     slice; the shard's statistics are exchanged with one all_gather before the head kernel and
     returned as ``stats`` for a deferred backward. ``extra_means``: room after the plan's means
@@ -202,8 +204,9 @@ def head_forward(run: HeadRun, logits, tensors: CallTensors, grad_mode: GradMode
     sparse = tensors.sparse
     verdict = verdict_slot(validate, device, CheckContext(run.token_shape, whole.V, geo.ignore_index,
                                                           teacher_k(sparse)))
-    # on one device, the head kernel's program 0 prepares (one launch fewer)
-    inline = not sharded and 0 < geo.n_rows and geo.n_out <= INLINE_PREPARE_SLOTS
+    # one of the head kernel's programs prepares (one launch fewer); not where validate="sync" exchanges
+    # the verdict of a vocab-parallel call before its statistics (prepare_kernel's, read on the host)
+    inline = (not sharded or validate != "sync") and 0 < geo.n_rows and geo.n_out <= INLINE_PREPARE_SLOTS
     n_seq = geo.n_out // policy.seq_len if policy is not None and policy.seq_len > 0 else 0
     if inline:
         scratch = torch.empty(scratch_size(n_seq), dtype=torch.int64, device=device)
@@ -213,7 +216,7 @@ def head_forward(run: HeadRun, logits, tensors: CallTensors, grad_mode: GradMode
         handshake_verdict(shard, verdict, device)
     if shard is not None and geo.n_rows:
         stats, jsd = shard_statistics(plan, logits, tensors.targets, tensors.teacher_logits, geo, shard,
-                                      tensors.sparse)
+                                      tensors.sparse, merged=False)
     rows, pred, loss, means = empty_outputs(plan, geo.n_out, device, run.token_shape, extra_means=extra_means)
     grad = None
     if grad_mode is GradMode.INPLACE:
@@ -234,14 +237,18 @@ def head_forward(run: HeadRun, logits, tensors: CallTensors, grad_mode: GradMode
     return loss, rows, pred, means, scratch, grad, stats
 
 
-def shard_statistics(plan: KernelPlan, logits, targets, teacher, geo: Geometry, shard, sparse=None):
+def shard_statistics(plan: KernelPlan, logits, targets, teacher, geo: Geometry, shard, sparse=None,
+                     merged: bool = True):
     """Vocab-parallel: (merged statistics, summed mixture-JSD shares or None) of this shard's rows --
     one all_gather, and for the mixture JSD one all-reduce more. ``sparse``: a top-k teacher, whose K
-    logits per row follow the merged statistics (the same all_gather)."""
+    logits per row follow the merged statistics (the same all_gather). ``merged=False``: statistics
+    that are the student's alone stay as gathered, (world, rows, N), and the head kernels merge each
+    row's (kernels.shard.gathered_stats: one launch fewer; the rows are not cut after)."""
     topk = sparse is not None and sparse.ids is not None
     part = launch_shard_stats(plan, logits=logits, targets=targets, geo=geo, teacher=teacher,
                               sparse=sparse if topk else None)
-    stats = gather_merged(part, shard, plan.flags.OWN_TEMP, topk)
+    student_only = teacher is None and not topk
+    stats = gather_merged(part, shard, plan.flags.OWN_TEMP, topk, merge=merged or not student_only)
     jsd = None
     if plan.flags.DISTILL_KIND == 2:
         jsd = launch_shard_jsd(plan, logits=logits, targets=targets, teacher=teacher, stats=stats, geo=geo)

@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from .batch import Teacher
 from .kernels.launch import Geometry, row_strides
 from .kernels.sparse import SparseRows
+from .layouts import TEACHER_KEY
 from .policy.inputs import policy_inputs
 from .routes import KERNEL_DTYPES
 from .spec import LossSpec
-from .validation import Normaliser, Validate, normaliser, validation_mode
+from .validation import CheckContext, Normaliser, Validate, normaliser, raise_teacher, validation_mode
 
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
@@ -344,23 +345,32 @@ def _float_input(value: Any, name: str, needed_by: str, device: torch.device) ->
 
 
 def check_sparse_values(rows: SparseRows, vocab: int, token_shape: tuple[int, ...]) -> None:
-    """The sparse teacher's values, read on the host: ids in [0, V) or -1 and each once per row,
-    log-probs <= 0 and not NaN where an id is given (one sync)."""
+    """The sparse teacher's values, read on the host (one sync), with the promises and the error of the
+    kernels' check (kernels.sparse.check_teacher_kernel): ids in [0, V) or -1, log-probs <= 0 and not NaN
+    where an id is given, no id twice among a row's entries (an entry with id -1 or log-prob -inf is
+    no entry); the first bad entry by position is the one named."""
     lp = rows.logprobs.float()
-    if rows.ids is not None:
+    none = torch.iinfo(torch.int64).max
+    at = torch.arange(lp.numel(), device=lp.device).view(lp.shape) * TEACHER_KEY.N
+    if rows.ids is None:
+        keys = torch.where(~(lp <= 0.0), at + TEACHER_KEY.logprob, none)
+        value = None
+    else:
         ids = rows.ids.long()
-        bad = (ids != -1) & ((ids < 0) | (ids >= vocab))
-        if bool(bad.any()):
-            row, k = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"teacher_ids: id {int(ids[row, k])} at row {row}, entry {k} is outside [0, {vocab}) "
-                             "(-1 marks no entry)")
-        ordered = ids.sort(-1).values
-        repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != -1)
-        if bool(repeated.any()):
-            row, k = (int(i) for i in repeated.nonzero()[0])
-            raise ValueError(f"teacher_ids: row {row} gives id {int(ordered[row, k])} more than once")
-        lp = torch.where(ids != -1, lp, 0.0)
-    bad = ~(lp <= 0.0)  # (NaN too)
-    if bool(bad.any()):
-        where = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"teacher_logprobs: {float(lp[where])} at {where} is not a log-probability (<= 0, not NaN)")
+        has_id = ids != -1
+        bad_id = has_id & ((ids < 0) | (ids >= vocab))
+        entry = has_id & ~bad_id & (lp != float("-inf"))
+        # an entry repeats when a stable sort by id puts an entry of the same id before it
+        slots = torch.arange(ids.shape[1], device=ids.device)
+        ordered, order = torch.where(entry, ids, vocab + 1 + slots).sort(dim=-1, stable=True)
+        repeat = torch.zeros_like(entry)
+        repeat.scatter_(-1, order[:, 1:], ordered[:, 1:] == ordered[:, :-1])
+        keys = torch.stack([torch.where(bad_id, at + TEACHER_KEY.id, none),
+                            torch.where(has_id & ~(lp <= 0.0), at + TEACHER_KEY.logprob, none),
+                            torch.where(repeat, at + TEACHER_KEY.repeat, none)]).amin(0)
+        value = ids.reshape(-1)
+    first = int(keys.min()) if keys.numel() else none
+    if first < none:
+        teacher_k = rows.K if rows.ids is not None else -1
+        raise_teacher(first, CheckContext(token_shape, vocab, -100, teacher_k),
+                      entry_id=None if value is None else int(value[first // TEACHER_KEY.N]))

@@ -31,6 +31,7 @@ ROW_COLUMNS: dict[str, str] = {
     "student_mass": "top-k teacher: the student's probability on the teacher's ids",
     "teacher_mass": "top-k teacher: the teacher's probability on its ids",
     "agreement": "1 where the student's argmax is the teacher's (top-k: its top id)",
+    "rest_mass": "top-k 'rest': the student's probability off the teacher's ids (deferred backward)",
     "lse_s2": "student log2-normaliser at the distillation temperature (deferred backward)",
     "lse_t2": "teacher log2-normaliser (deferred backward)",
     "jsd_s": "KL(p || mixture) of the JSD (deferred backward)",
@@ -63,10 +64,11 @@ class Scratch(NamedTuple):
 
     counted: int = 0  # rows that are scored (prepare)
     done: int = 1  # programs finished: the last one reduces the rows
-    ratio_min: int = 2  # smallest ratio over counted tokens, as fp32 bits (a ratio >= 0 orders like its bits)
-    ratio_max: int = 3  # largest
-    sequences: int = 4  # first per-sequence counter
-    N: int = 2  # entries of a call without the policy counters
+    ticket: int = 2  # an in-kernel prepare's election: the first program to swap in the call's nonce prepares
+    ratio_min: int = 3  # smallest ratio over counted tokens, as fp32 bits (a ratio >= 0 orders like its bits)
+    ratio_max: int = 4  # largest
+    sequences: int = 5  # first per-sequence counter
+    N: int = 3  # entries of a call without the policy counters
 
 
 class SequenceCounters(NamedTuple):
@@ -98,7 +100,7 @@ class Verdict(NamedTuple):
     bad_items: int = 3  # 1 when num_items_in_batch is not a positive finite number
     bad_ids: int = 4  # 1 when a sequence id lies outside [0, n_out)
     items: int = 5  # num_items_in_batch as the device read it (its fp32 bits), for the error message
-    teacher: int = 6  # a sparse teacher's first bad entry: TEACHER_MARK - (2 x flat index + 1 if its log-prob), or 0
+    teacher: int = 6  # a sparse teacher's first bad entry: TEACHER_MARK - its key (TeacherKeys), or 0
     N: int = 7
 
 
@@ -106,6 +108,19 @@ VERDICT = Verdict()
 TEACHER_MARK = 2**62
 """Verdict.teacher holds TEACHER_MARK minus the first bad entry's key (a maximum over the device's
 programs finds the first entry; 0 is none)."""
+
+
+class TeacherKeys(NamedTuple):
+    """A sparse teacher's bad entry as one key, N x its flat index + its kind: the least key is the first
+    bad entry, and of one entry's faults its id's first."""
+
+    id: int = 0  # its id lies outside [0, V) and is not -1
+    logprob: int = 1  # its log-prob is above 0 or NaN
+    repeat: int = 2  # its id is an earlier entry's of the same row
+    N: int = 3
+
+
+TEACHER_KEY = TeacherKeys()
 
 
 class Stats(NamedTuple):
@@ -119,7 +134,7 @@ class Stats(NamedTuple):
     arg: int = 4  # the argmax as a global id
     x2_y: int = 5  # the target's x2 where the shard holds it, else 0
     owned: int = 6  # 1 where the shard holds the target
-    pad: int = 7  # unused, written 0: the student's statistics fill N = 8 columns
+    rest: int = 7  # top-k 'rest': the sum 2^(x2 - m2) off the teacher's ids (kernels.sparse.rest_sum), else 0
     t_m2: int = 8  # with a teacher: its max (terms.teacher_block's tstats from here on)
     t_d: int = 9  # its sum of exponentials
     t_sum: int = 10  # its sum e_t t2
@@ -216,6 +231,7 @@ OBJECTIVE_OUT = ObjectiveOut(*range(len(OBJECTIVE_METRICS)), len(OBJECTIVE_METRI
 SCRATCH_AT = kernel_view(SCRATCH, "SCRATCH_AT")
 SEQUENCE_AT = kernel_view(SEQUENCE_COUNTERS, "SEQUENCE_AT")
 VERDICT_AT = kernel_view(VERDICT, "VERDICT_AT")
+TEACHER_KEYS = kernel_view(TEACHER_KEY, "TEACHER_KEYS")
 STATS_AT = kernel_view(STATS, "STATS_AT")
 JSD_AT = kernel_view(JSD_SHARES, "JSD_AT")
 EXTREMES_AT = kernel_view(EXTREMES, "EXTREMES_AT")

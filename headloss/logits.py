@@ -3,8 +3,9 @@
 :func:`run_head` is :func:`headloss.head_loss` after the door bundled its keywords and made the plan:
 the vocab-parallel layout, then the plain-torch path or the kernels' path. On the kernels' path the
 host-side checks (headloss.inputs) and the route (headloss.routes) come first, then
-:class:`~headloss.engine.HeadFunction`; a repeated call without policy inputs or a group finds its
-checks' outcome and its route in its recipe (made on its first call, found by its signature).
+:class:`~headloss.engine.HeadFunction`; a repeated call without policy inputs finds its checks'
+outcome and its route in its recipe (made on its first call, found by its signature and, with a
+group, its cached vocabulary layout).
 """
 
 from __future__ import annotations
@@ -67,13 +68,15 @@ def run_head(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyB
         shift = False
         if spec.policy is not None:
             batch = PolicyBatch.of(packed_policy_inputs(batch.given(), packed))
-    plain = options.route is None and options.group is None and spec.policy is None and batch.empty
-    recipe_key = None
-    if plain and not traced and not teacher.sparse:
-        recipe_key = _recipe_key(plan, logits, targets, teacher_logits, shift, options)
     shard = None
+    reusable = True  # a recipe may hold the call's layout: a group's cached one, not a DTensor's or a "sync" call's
     if options.group is not None or is_dtensor(logits):
+        reusable = not is_dtensor(logits) and validation_mode(options.validate) != "sync"
         logits, targets, teacher_logits, shard = _vocab_shard(logits, targets, teacher_logits, options)
+    recipe_key = None
+    plain = options.route is None and spec.policy is None and batch.empty and reusable
+    if plain and not traced and not teacher.sparse:
+        recipe_key = _recipe_key(plan, logits, targets, teacher_logits, shift, options, shard)
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
     dtype = logits.dtype if isinstance(logits, torch.Tensor) else torch.float32
     teacher = replace(teacher, logits=teacher_logits)
@@ -93,14 +96,14 @@ def _kernels(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyB
     """The kernels' path: checks and the route (a repeated plain call finds both in its recipe), HeadFunction,
     the policy term's share outside it, the output."""
     recipe = None if recipe_key is None else _RECIPES.get(recipe_key)
-    if recipe is None or recipe.plan is not plan:
+    if recipe is None or recipe.plan is not plan or recipe.run.shard is not shard:
         run, tensors, chosen, pol = _checked(logits, targets, plan, teacher, batch, shift=shift,
                                              num_items_in_batch=num_items_in_batch, options=options, shard=shard)
         if recipe_key is not None:
             flat = targets is None or (targets.dim() == 1 and targets.dtype in (torch.int64, torch.int32)
                                        and targets.is_contiguous())
             _RECIPES[recipe_key] = _Recipe(plan, replace(run, geo=run.geo._replace(norm=0.0)), flat, chosen)
-    else:  # a repeated call without policy inputs or a group: only num_items_in_batch is checked
+    else:  # a repeated call without policy inputs: only num_items_in_batch is checked
         norm = normaliser(num_items_in_batch, recipe.plan.spec, logits.device)
         run = recipe.run if not norm.value else replace(recipe.run, geo=recipe.run.geo._replace(norm=norm.value))
         tensors = CallTensors(targets if recipe.flat_targets else flat_targets(targets),
@@ -258,10 +261,12 @@ def _vocab_shard(logits, targets, teacher_logits, options: Options):
 
 
 class _Recipe(NamedTuple):
-    """What a head_loss call without policy inputs or a group runs with, apart from its tensors and its
-    num_items_in_batch: found again by the call's signature (the plan, and every input's type, shape,
-    strides, dtype and device), so a repeated call skips the input checks, which its signature
-    decides, and the geometry (host time, see benchmarks/bench_host.py)."""
+    """What a head_loss call without policy inputs runs with, apart from its tensors and its
+    num_items_in_batch: found again by the call's signature (the plan, every input's type, shape,
+    strides, dtype and device, and a group's cached vocabulary layout), so a repeated call skips the
+    input checks, which its signature decides, and the geometry (host time, see benchmarks/bench_host.py).
+    A group's call with validate="sync" (which exchanges every rank's verdict) and a DTensor's take the
+    checked path each time."""
 
     plan: KernelPlan
     run: HeadRun  # the kernel run (its geometry without num_items_in_batch)
@@ -278,9 +283,10 @@ def _signature(t: Any) -> tuple | None:
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
 
 
-def _recipe_key(plan: KernelPlan, logits, targets, teacher_logits, shift, options: Options) -> tuple | None:
-    """The key of a call's recipe: its signature; None where the call is not one (unusual argument types
-    take the checked path, which names them)."""
+def _recipe_key(plan: KernelPlan, logits, targets, teacher_logits, shift, options: Options, shard) -> tuple | None:
+    """The key of a call's recipe: its signature, and a group's cached vocabulary layout (the recipe's run
+    holds it: its id is not reused while the recipe lives; clear_layouts makes a new one); None where the
+    call is not one (unusual argument types take the checked path, which names them)."""
     validate, backend = options.validate, options.backend
     known_validate = validate is None or validate is True or validate is False or \
         (type(validate) is str and validate == "sync")
@@ -290,4 +296,4 @@ def _recipe_key(plan: KernelPlan, logits, targets, teacher_logits, shift, option
         return None
     return (id(plan), _signature(logits), _signature(targets), _signature(teacher_logits), bool(shift),
             bool(options.inplace_grad), validate, env.validate_default() if validate is None else None, backend,
-            env.INTERPRETER)
+            env.INTERPRETER, None if shard is None else id(shard))

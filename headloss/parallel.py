@@ -195,10 +195,12 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)  # (also while torch.compile traces, where hasattr misses its methods)
 
 
-def gather_merged(part: torch.Tensor, shard: VocabShard, own_temp: bool = False, topk: bool = False) -> torch.Tensor:
+def gather_merged(part: torch.Tensor, shard: VocabShard, own_temp: bool = False, topk: bool = False,
+                  merge: bool = True) -> torch.Tensor:
     """All ranks' (n_rows, layouts.Stats) statistics, merged into the whole vocabulary's (one
     all_gather). ``own_temp``: the student's sums at the distillation temperature are their own;
-    ``topk``: a top-k teacher's K logits follow (kernels.shard.launch_merge)."""
+    ``topk``: a top-k teacher's K logits follow (kernels.shard.launch_merge). ``merge=False``: the
+    gathered (world, n_rows, width) statistics as they are, for head kernels that merge each row's."""
     device = comm_device(shard.group, part.device)
     mine = part.to(device)
     width = mine.shape[1]
@@ -210,7 +212,8 @@ def gather_merged(part: torch.Tensor, shard: VocabShard, own_temp: bool = False,
         dist.all_gather(parts, mine, group=shard.group)
         gathered = torch.cat(parts)
     COLLECTIVES["stats"] += 1
-    return launch_merge(gathered.view(shard.world, -1, width).to(part.device), own_temp, topk)
+    parts = gathered.view(shard.world, -1, width).to(part.device)
+    return launch_merge(parts, own_temp, topk) if merge else parts
 
 
 def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
@@ -232,6 +235,7 @@ def merge(parts: torch.Tensor) -> torch.Tensor:
     out[:, STATS.d] = (parts[..., STATS.d] * scale).sum(0)
     out[:, STATS.sum_x2] = parts[..., STATS.sum_x2].sum(0)
     out[:, STATS.sum_ex2] = (parts[..., STATS.sum_ex2] * scale).sum(0)
+    out[:, STATS.rest] = (parts[..., STATS.rest] * scale).sum(0)
     first = (m == top).to(torch.int8).argmax(dim=0)  # the lowest rank holding the max: its first index
     out[:, STATS.arg] = parts[..., STATS.arg].gather(0, first[None]).squeeze(0)
     owned = parts[..., STATS.owned]

@@ -443,6 +443,7 @@ def _columns(spec: LossSpec, flags: Flags, has_targets: bool, fused_policy: bool
         "divergence": dist is not None,
         **{name: dist is not None and dist.dense for name in ("teacher_entropy", "lse_s2", "lse_t2", "jsd_s")},
         **{name: flags.SPARSE == 1 for name in ("student_mass", "teacher_mass")},
+        "rest_mass": flags.TOPK_FORM == 2,
         "agreement": dist is not None and dist.teacher != "token",
         **{name: fused_policy for name in ("policy_loss", "counted", "ratio", "clip_low", "clip_high", "clip_dual",
                                            "ppo_kl")},

@@ -25,7 +25,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from . import env
-from .layouts import TEACHER_MARK, VERDICT
+from .layouts import TEACHER_KEY, TEACHER_MARK, VERDICT
 from .spec import LossSpec
 
 Validate = bool | Literal["sync"] | None
@@ -296,19 +296,24 @@ def _position(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape)) if shape else (flat,)
 
 
-def raise_teacher(key: int, context: CheckContext, deferred: bool = False) -> None:
+def raise_teacher(key: int, context: CheckContext, deferred: bool = False, entry_id: int | None = None) -> None:
     """The error of a sparse teacher's first bad entry (kernels.sparse.check_teacher_kernel's key:
-    2 x its flat index, + 1 when its log-prob is bad)."""
+    layouts.TeacherKeys.N x its flat index + its kind); ``entry_id``: its id, where the host knows it."""
     later = _later(deferred)
-    index, bad_logprob = divmod(key, 2)
+    index, kind = divmod(key, TEACHER_KEY.N)
     if context.teacher_k > 0:
         row, entry = divmod(index, context.teacher_k)
         where = f"row {row}, entry {entry}"
     else:
         where = f"position {_position(index, context.token_shape)}"
-    if bad_logprob:
+    shown = "" if entry_id is None else f" {entry_id}"
+    if kind == TEACHER_KEY.logprob:
         raise ValueError(f"teacher_logprobs: the value at {where} is not a log-probability (<= 0, not NaN){later}")
-    raise ValueError(f"teacher_ids: the id at {where} is outside [0, {context.vocab}) (-1 marks no entry){later}")
+    if kind == TEACHER_KEY.repeat:
+        raise ValueError(f"teacher_ids: the id{shown} at {where} repeats an earlier entry of the row (each id once "
+                         f"per row; an entry with id -1 or log-prob -inf is no entry){later}")
+    raise ValueError(f"teacher_ids: the id{shown} at {where} is outside [0, {context.vocab}) (-1 marks no "
+                     f"entry){later}")
 
 
 def raise_if_bad(values: list[int], targets_shape: tuple[int, ...], vocab: int, ignore_index: int,

@@ -297,7 +297,7 @@ def test_validate_rejects_other_values_naming_it():
 
 def test_check_pending_raises_an_error_written_by_an_earlier_call():
     """The asynchronous path (as on CUDA): a verdict written to the board is raised by the next check."""
-    from headloss.layouts import TEACHER_MARK, VERDICT
+    from headloss.layouts import TEACHER_KEY, TEACHER_MARK, VERDICT
     from headloss.validation import CheckContext, board_for
 
     board = board_for(torch.device("cpu"))
@@ -310,7 +310,7 @@ def test_check_pending_raises_an_error_written_by_an_earlier_call():
     headloss.check_pending()  # raised once, then cleared
     # a sparse teacher's verdict (kernels.sparse.check_teacher_kernel's): its own error, whatever the target fields
     slot, dirty = board.take(CheckContext((2, 3), V, -100, teacher_k=3))
-    slot[VERDICT.teacher] = TEACHER_MARK - (2 * 7 + 1)  # entry 7 (row 2, entry 1), its log-prob
+    slot[VERDICT.teacher] = TEACHER_MARK - (TEACHER_KEY.N * 7 + TEACHER_KEY.logprob)  # entry 7 (row 2, entry 1)
     slot[0] = dirty[0] = 1
     with pytest.raises(ValueError, match=r"teacher_logprobs: the value at row 2, entry 1 is not a log-probability"):
         headloss.check_pending()

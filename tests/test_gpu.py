@@ -783,8 +783,9 @@ def test_make_graphed_callables_replays_equal_eager_with_new_inputs(case):
 
 
 def test_graph_replays_with_new_targets_each_prepare_their_own_count():
-    """The head kernel's program 0 prepares the call (counted rows) and tags it with a nonce baked
-    into the graph: every replay must wait for its own count, never read the last replay's."""
+    """One of the head kernel's programs prepares the call (counted rows) and tags it with a nonce baked
+    into the graph: every replay elects its own preparer (the last program clears the ticket) and must
+    wait for its own count, never read the last replay's."""
     logits, targets = _batch(4096, 32000, torch.bfloat16, seed=31)
     x = logits.clone().requires_grad_()
     y = targets.clone()
@@ -820,8 +821,8 @@ def test_graph_replays_with_new_targets_each_prepare_their_own_count():
 
 @pytest.mark.parametrize("rows", [INLINE_PREPARE_SLOTS, INLINE_PREPARE_SLOTS + 1])
 def test_in_kernel_prepare_with_a_tiny_vocabulary(rows):
-    """V = 8: every row's stats pass ends long before program 0 has counted all the targets, so the
-    other programs really wait for it (one slot more: a prepare launch of its own)."""
+    """V = 8: every row's stats pass ends long before the preparing program has counted all the targets,
+    so the other programs really wait for it (one slot more: a prepare launch of its own)."""
     logits, targets = _batch(rows, 8, torch.float32, seed=33, ignore_frac=0.3)
     x = logits.clone().requires_grad_()
     out = headloss.head_loss(x, targets, FULL)
@@ -867,6 +868,136 @@ def test_a_bad_teacher_id_is_raised_by_the_next_call_without_a_host_wait():
     with pytest.raises(ValueError, match=r"teacher_ids: the id at row 5, entry 3 is outside \[0, 32000\)"):
         headloss.head_loss(logits, targets)
     assert not torch.isfinite(out.loss)
+
+
+def test_a_repeated_teacher_id_is_raised_by_the_next_call_without_a_host_wait():
+    """Two entries of one id in a row (each a real entry), with the default validation: the device check
+    (each row's ids sorted, neighbours compared) finds it without a host wait, and the next call raises
+    naming teacher_ids, the row and the later entry; TRL's padding (id 0 at log-prob -inf, repeated) is
+    no entry and passes, as on the plain-torch path."""
+    logits, targets = _batch(300, 32000, torch.bfloat16, seed=43)
+    ids, lp, _ = _sparse_teacher(logits, targets, 64, seed=44)
+    ids, lp = ids.clone(), lp.clone()
+    ids[::7] = torch.arange(64, device="cuda")  # rows without -1 entries
+    spec = headloss.LossSpec(cross_entropy=None, distillation={"teacher": "topk", "topk": "rest"})
+    padded_ids, padded_lp = ids.clone(), lp.clone()
+    padded_ids[3, 40:], padded_lp[3, 40:] = 0, float("-inf")
+    headloss.head_loss(logits, targets, spec, teacher_ids=padded_ids, teacher_logprobs=padded_lp)
+    torch.cuda.synchronize()
+    headloss.check_pending()
+    ids[211, 50] = ids[211, 17]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        headloss.head_loss(logits, targets, spec, teacher_ids=ids, teacher_logprobs=lp)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"teacher_ids: the id at row 211, entry 50 repeats an earlier entry"):
+        headloss.head_loss(logits, targets)
+    with pytest.raises(ValueError, match=r"teacher_ids: the id \d+ at row 211, entry 50 repeats an earlier entry"):
+        headloss.head_loss(logits, targets, spec, teacher_ids=ids, teacher_logprobs=lp, validate="sync")
+
+
+def test_rest_teacher_at_its_edges_is_trls_fp64_value_on_the_compiled_kernels():
+    """``topk: rest`` where the student's or the teacher's top-k mass is (or rounds to) 1, and student tails
+    from 1e-3 down to TRL's clamp, on the logits (fused and per-token) and the lm_head: TRL's value
+    (tests/trl_oracle.py, fp64), finite, with its gradient."""
+    import math
+
+    import trl_oracle
+
+    z = torch.tensor([7.0, 10.0, 12.0, 14.0, 15.5, 16.5, 17.5, 24.0, 30.0])
+    logits = torch.zeros(len(z) + 2, 128, device="cuda")
+    logits[:len(z), 0] = z.cuda()
+    logits[len(z):] = torch.randn(2, 128, device="cuda")
+    k = 128
+    ids = torch.full((len(z) + 2, k), -1, dtype=torch.long, device="cuda")
+    lq = torch.zeros(len(z) + 2, k, device="cuda")
+    ids[:len(z), 0], lq[:len(z), 0] = 0, math.log(0.9)
+    ids[-2] = torch.arange(k, device="cuda")  # K = V: the student's tail is 0
+    lq[-2] = (torch.log_softmax(torch.randn(k, device="cuda", dtype=torch.float64), 0) + math.log1p(-1e-5)).float()
+    ids[-1, 0], lq[-1, 0] = 5, 0.0  # a certain teacher: its tail is 0
+    for divergence in ("forward_kl", "reverse_kl", "jsd"):
+        beta = trl_oracle.beta_of(divergence, 0.5)
+        x64 = logits.detach().double().cpu().requires_grad_()
+        want = trl_oracle.token_divergence(x64, ids.cpu(), lq.cpu(), "rest", beta)
+        want.mean().backward()
+        spec = headloss.LossSpec(cross_entropy=None, distillation={"teacher": "topk", "topk": "rest",
+                                                                   "divergence": divergence})
+        for entry in ("logits", "none", "lm_head"):
+            if entry == "lm_head":
+                x = logits.clone().requires_grad_()
+                out = headloss.linear_head_loss(x, torch.eye(128, device="cuda"), None, spec, teacher_ids=ids,
+                                                teacher_logprobs=lq)
+                out.loss.backward()
+            elif entry == "none":
+                x = logits.clone().requires_grad_()
+                out = headloss.head_loss(x, None, spec.model_copy(update={"reduction": "none"}), teacher_ids=ids,
+                                         teacher_logprobs=lq)
+                torch.testing.assert_close(out.loss.detach().double().cpu(), want.detach(), rtol=2e-5, atol=1e-6)
+                (out.loss.mean()).backward()
+            else:
+                x = logits.clone().requires_grad_()
+                out = headloss.head_loss(x, None, spec, teacher_ids=ids, teacher_logprobs=lq)
+                out.loss.backward()
+            loss = out.loss.mean().item()
+            assert math.isfinite(loss) and abs(loss - want.mean().item()) <= 2e-5 * abs(want.mean().item()), \
+                (divergence, entry, loss, want.mean().item())
+            assert _rel(x.grad.cpu(), x64.grad) < 1e-4, (divergence, entry)
+
+
+def test_the_head_kernel_runs_beside_a_kernel_holding_most_sms():
+    """The in-kernel prepare's preparer is the first program to take the call's ticket, not program 0:
+    with another stream's kernel holding most of the SMs (its programs spin until the host lets them go),
+    the call (inline prepare, gradient, policy counters) completes, with the values of the call run alone."""
+    import time
+
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def hold(flag):
+        spins = 0
+        while tl.load(flag, volatile=True) == 0:
+            spins += 1
+
+    b, t, vocab = 16, 256, 32000
+    logits, ids = _batch(b * t, vocab, torch.bfloat16, seed=51)
+    logits, ids = logits.view(b, t, vocab), ids.clamp(min=0).view(b, t)
+    assert b * t <= INLINE_PREPARE_SLOTS
+    gen = torch.Generator(device="cuda").manual_seed(52)
+    policy = dict(advantages=torch.randn(b, device="cuda", generator=gen),
+                  old_logprobs=-torch.rand(b, t, device="cuda", generator=gen))
+    spec = headloss.LossSpec(cross_entropy=None, entropy={"weight": 0.0}, policy={"loss_type": "dapo"})
+
+    def call():
+        x = logits.clone().requires_grad_()
+        out = headloss.head_loss(x, ids, spec, **policy)
+        out.loss.backward()
+        return out, x
+
+    want, want_x = call()
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")  # polled in device memory: no host traffic
+    release = torch.ones(1, dtype=torch.int32, pin_memory=True)
+    torch.cuda.synchronize()
+    side, copier = torch.cuda.Stream(), torch.cuda.Stream()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    with torch.cuda.stream(side):
+        hold[(2 * (sms - 8),)](flag, num_warps=32)  # two 1024-thread programs fill an SM's threads
+    got, got_x = call()
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.time() + 60
+    while not done.query() and time.time() < deadline:
+        time.sleep(0.01)
+    finished = done.query()
+    with torch.cuda.stream(copier):  # a copy engine lets the holding programs go, whatever the SMs do
+        flag.copy_(release, non_blocking=True)
+    torch.cuda.synchronize()
+    assert finished, "the head call did not finish beside the kernel holding the SMs"
+    assert torch.equal(got.loss, want.loss)
+    assert {k: v.item() for k, v in got.metrics.items()} == {k: v.item() for k, v in want.metrics.items()}
+    assert torch.equal(got_x.grad, want_x.grad)
 
 
 def test_bad_num_items_on_the_device_is_raised_by_check_pending():

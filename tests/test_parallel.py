@@ -673,3 +673,66 @@ def test_an_empty_shard_and_a_bad_lm_head_input_raise_on_every_rank():
                 message = out[backend, name]
                 assert (mine in message) if rank == 1 else (others in message), (backend, name, rank, message)
             assert out[backend, "linear_hidden_differs"].startswith("hidden: differs across the ranks of the group")
+
+
+def _rank_recipes(rank: int, world: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from headloss.logits import _RECIPES
+    from headloss.parallel import COLLECTIVES, clear_layouts
+
+    try:
+        widths = _splits(world)
+        start = sum(widths[:rank])
+        gen = torch.Generator().manual_seed(2)
+        logits = torch.randn(6, V, generator=gen)
+        ids = torch.randint(0, V, (6,), generator=gen)
+        local = logits[:, start: start + widths[rank]].contiguous()
+        spec = LossSpec(z_loss=ZLoss(weight=1e-3), token_accuracy=True)
+        out = {"whole": float(head_loss(logits, ids, spec).loss)}
+
+        def call(y, **kwargs):
+            leaf = local.clone().requires_grad_()
+            got = head_loss(leaf, y, spec, group=dist.group.WORLD, backend="triton", **kwargs)
+            got.loss.backward()
+            return float(got.loss), leaf.grad
+
+        before = len(_RECIPES)
+        out["first"], grad = call(ids)
+        out["recipes_made"] = len(_RECIPES) - before
+        out["again"], grad_again = call(ids)
+        out["same_grad"] = bool(torch.equal(grad, grad_again))
+        out["recipes_after_again"] = len(_RECIPES) - before
+        try:  # a repeated call's recipe skips the host checks; the device still checks the values
+            call(torch.where(torch.arange(6) == 4, V + 1, ids))
+            out["bad_target"] = "ok"
+        except ValueError as exc:
+            out["bad_target"] = str(exc)
+        clear_layouts()  # a new layout, so a new recipe
+        layouts = COLLECTIVES["layout"]
+        out["after_clear"], _ = call(ids)
+        out["layout_exchanges"] = COLLECTIVES["layout"] - layouts
+        handshakes = COLLECTIVES["handshake"]
+        for _ in range(2):
+            call(ids, validate="sync")
+        out["sync_handshakes"] = COLLECTIVES["handshake"] - handshakes
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_a_repeated_group_call_takes_its_recipe_and_keeps_its_promises():
+    """A group's repeated call (the default validation) finds its checks and route in a recipe keyed by the
+    cached vocabulary layout: the same values, the target values still checked on the device, a new recipe
+    after clear_layouts(); validate="sync" calls still exchange every rank's verdict each time."""
+    results = spawn_ranks(_rank_recipes, 2)
+    for rank in (0, 1):
+        out = results[rank]
+        assert out["first"] == pytest.approx(out["whole"], rel=1e-5)
+        assert out["again"] == out["first"] and out["same_grad"]
+        assert out["recipes_made"] == 1 and out["recipes_after_again"] == 1
+        assert f"targets: value {V + 1} at position (4,)" in out["bad_target"]
+        assert out["after_clear"] == out["first"] and out["layout_exchanges"] == 1
+        assert out["sync_handshakes"] == 4  # two a call: the inputs, then the device verdict

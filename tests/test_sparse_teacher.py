@@ -10,19 +10,19 @@ headloss), which are first held to verl 0.9.1's own functions (the installed pac
   (``verl/trainer/distillation/losses.py`` line 365): per row, lps_k = x[id_k] - lse(x),
   student_mass = sum exp(lps_k), teacher_mass = sum exp(lq_k) (both before the clamp), then with
   ``log_prob_min_clamp`` c both lps and lq clamped below at c, value = max(sum exp(lq_k) (lq_k - lps_k), 0).
-* topk "renormalized"  both sides renormalised over the present ids: ps~ = softmax(x[ids]), qt~ = softmax(lq).
-* topk "rest"  K + 1 outcomes, the present ids and the rest of the vocabulary: p_rest = 1 - sum p_k,
-  q_rest = max(1 - sum q_k, 0).
-  Both take the dense term's divergences: forward KL(q || p), reverse KL(p || q), jsd(beta) =
-  beta KL(q || M) + (1 - beta) KL(p || M), M = beta q + (1 - beta) p, jsd at beta 0 / 1 the forward / reverse KL.
+* topk "renormalized" and "rest"  TRL 1.16's server distillation (tests/trl_oracle.py, transcribed from
+  its source and held to its own functions in tests/test_topk_edges.py): both sides renormalised over the
+  present ids, or K + 1 outcomes, the present ids and TRL's tail bucket (1 - the mass, its log clamped at
+  -1e-7); forward KL(q || p), reverse KL(p || q), jsd(beta) = beta KL(q || M) + (1 - beta) KL(p || M),
+  M = beta q + (1 - beta) p, jsd at beta 0 / 1 the forward / reverse KL.
 * token  transcribes ``verl/trainer/ppo/core_algos.py`` ``kl_penalty`` (lines 2188-2213) and
   ``kl_penalty_forward`` (lines 2216-2251), with d = logp - lq: k1 = d, k2 = d^2 / 2, abs = |d|,
   k3 = exp(-d) + d - 1; ``estimator_clamp`` is low_var_kl's clamp of -d to [-20, 20] and of the result to
   [-10, 10]; ``estimator_grad="k2"`` the "+" straight-through: k2 - sg(k2) + sg(estimator).
 
-A row counts when its target is not ignore_index (every row without targets); a -1 id is no entry at all
-(its log-prob is garbage here: 0.0). The loss is the mean over counted rows of weight * value (+ the CE term);
-the metrics are means over counted rows.
+A row counts when its target is not ignore_index (every row without targets); a -1 id, or a -inf log-prob,
+is no entry at all (a -1 id's log-prob is garbage here: 0.0). The loss is the mean over counted rows of
+weight * value (+ the CE term); the metrics are means over counted rows.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import math
 
 import pytest
 import torch
+import trl_oracle
 from conftest import assert_close_norm, generator, make_logits, make_targets, needs_kernel, seed_of
 from hypothesis import given
 from hypothesis import strategies as st
@@ -94,23 +95,6 @@ GRAD_ATOL = {F32: 2e-7, BF16: 1e-4}
 # --- the fp64 oracles ---------------------------------------------------------------------------------
 
 
-def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
-    """KL(a || b) = sum a (log a - log b) over the outcomes with a > 0 (0 log 0 = 0)."""
-    a = log_a.exp()
-    keep = a > 0
-    return (a[keep] * (log_a[keep] - log_b[keep])).sum()
-
-
-def _divergence(log_s: torch.Tensor, log_t: torch.Tensor, divergence: str, beta: float) -> torch.Tensor:
-    """The dense term's conventions over a set of outcomes: s student, t teacher."""
-    if divergence == "forward_kl" or (divergence == "jsd" and beta == 0.0):
-        return _kl(log_t, log_s)
-    if divergence == "reverse_kl" or (divergence == "jsd" and beta == 1.0):
-        return _kl(log_s, log_t)
-    log_m = torch.log(beta * log_t.exp() + (1.0 - beta) * log_s.exp())
-    return beta * _kl(log_t, log_m) + (1.0 - beta) * _kl(log_s, log_m)
-
-
 def _first_argmax(values: torch.Tensor) -> int:
     best = 0
     for i in range(1, values.numel()):
@@ -120,34 +104,25 @@ def _first_argmax(values: torch.Tensor) -> int:
 
 
 def oracle_topk_row(x: torch.Tensor, ids: torch.Tensor, lq: torch.Tensor, mode: dict) -> dict:
-    """One row: x [V] fp64 (in the graph), ids [K] (-1: no entry), lq [K] (upcast here). Returns the value
-    (a graph tensor) and the three other metrics (floats)."""
-    present = ids >= 0
+    """One row: x [V] fp64 (in the graph), ids [K] (-1: no entry), lq [K] (upcast here; -inf: no entry).
+    Returns the value (a graph tensor) and the three other metrics (floats)."""
+    present = (ids >= 0) & (lq.detach().double() > float("-inf"))
     idx = ids[present].long()
-    lq = lq.detach().double()[present]
+    lq_present = lq.detach().double()[present]
     assert idx.numel() > 0, "the oracle takes rows with at least one entry"
-    lse = torch.logsumexp(x, 0)
-    lps = x[idx] - lse
+    lps = x[idx] - torch.logsumexp(x, 0)
     convention = mode["topk"]
     if convention == "verl":
         # fsdp/losses.py 125-130 (masses before the clamp), losses.py 365 (clamp_min(0))
         clamp = mode.get("log_prob_min_clamp")
-        ls, lt = (lps, lq) if clamp is None else (lps.clamp_min(clamp), lq.clamp_min(clamp))
+        ls, lt = (lps, lq_present) if clamp is None else (lps.clamp_min(clamp), lq_present.clamp_min(clamp))
         value = (lt.exp() * (lt - ls)).sum().clamp_min(0.0)
-    elif convention == "renormalized":
-        value = _divergence(torch.log_softmax(x[idx], 0), torch.log_softmax(lq, 0), mode.get("divergence",
-                            "forward_kl"), mode.get("beta", 0.5))
-    else:  # rest: p_rest = 1 - sum p_k, computed as the mass of the other ids (the same number, no cancellation)
-        others = torch.ones(x.shape[0], dtype=torch.bool)
-        others[idx] = False
-        log_p_rest = torch.logsumexp(x[others], 0) - lse if bool(others.any()) else x.new_tensor(-math.inf)
-        q_rest = (1.0 - lq.exp().sum()).clamp_min(0.0)
-        ls = torch.cat([lps, log_p_rest.reshape(1)])
-        lt = torch.cat([lq, torch.log(q_rest).reshape(1)])
-        value = _divergence(ls, lt, mode.get("divergence", "forward_kl"), mode.get("beta", 0.5))
-    top1 = float(_first_argmax(x.detach()) == int(idx[_first_argmax(lq)]))
+    else:
+        beta = trl_oracle.beta_of(mode.get("divergence", "forward_kl"), mode.get("beta", 0.5))
+        value = trl_oracle.token_divergence(x[None], ids[None], lq[None], convention, beta)[0]
+    top1 = float(_first_argmax(x.detach()) == int(idx[_first_argmax(lq_present)]))
     return {"value": value, "distill/student_mass": float(lps.detach().exp().sum()),
-            "distill/teacher_mass": float(lq.exp().sum()), "distill/top1_agreement": top1}
+            "distill/teacher_mass": float(lq_present.exp().sum()), "distill/top1_agreement": top1}
 
 
 def _counted(targets: torch.Tensor | None, rows: int, ignore_index: int = -100) -> list[int]:
@@ -989,7 +964,7 @@ def test_an_id_twice_in_a_row_is_refused_with_validate_sync(backend):
     ids = torch.tensor([[1, 2, 3], [4, 4, -1], [5, 6, 7]])
     lp = -torch.rand(3, 3) - 0.1
     spec = LossSpec(distillation={"teacher": "topk"})
-    with pytest.raises(ValueError, match=r"teacher_ids: row 1 gives id 4 more than once"):
+    with pytest.raises(ValueError, match=r"teacher_ids: the id 4 at row 1, entry 1 repeats an earlier entry"):
         head_loss(logits, torch.zeros(3, dtype=torch.long), spec, teacher_ids=ids, teacher_logprobs=lp,
                   backend=backend, validate="sync")
 

@@ -52,6 +52,25 @@ def _stats_block(z, start, V, m, d, sum_x, sum_ex, arg, S, BLOCK_V: tl.constexpr
 
 
 @triton.jit
+def _off_max(x2, e, alpha, m, off, BLOCK_V: tl.constexpr):
+    """A block's share of the top-k ``rest`` form's statistics against the running max m (before the
+    block): (per-lane sum of 2^(x2 - m2) without the row's max elements, how many elements hold the
+    max). A tail far below the max then keeps its digits, and the max's own term (2 to a rounding
+    residual where the compiler fuses x2 - m2, not always exactly 1) never enters it."""
+    d_off, count = off
+    block_max = tl.max(x2, axis=0)
+    at_max = x2 == block_max
+    n_at = tl.sum(at_max.to(tl.float32), axis=0)
+    top = block_max >= m  # the block's max is the row's so far
+    # a new max makes the old max's elements ordinary: 2^(m - m_new) = alpha each (on lane 0)
+    old_max = tl.where(block_max > m, count * alpha, 0.0)
+    d_off = d_off * alpha + tl.where(at_max & (x2 >= m), 0.0, e) + \
+        tl.where(tl.arange(0, BLOCK_V) == 0, old_max, 0.0)
+    count = tl.where(block_max > m, n_at, tl.where(top, count + n_at, count))
+    return d_off, count
+
+
+@triton.jit
 def _pair(row_ptr, t_row_ptr, at, offs, HAS_TEACHER: tl.constexpr):
     """One full block of the row and of the teacher's row (the row again without one)."""
     z = tl.load(row_ptr + at + offs)
@@ -68,7 +87,9 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
     Student: (m2, d, sum_x2, sum_ex2, argmax) with m2 = max x2, d = sum 2^(x2 - m2),
     sum_x2 = sum x2 (with label smoothing), sum_ex2 = sum 2^(x2 - m2) * x2 (when NEED_SUM_EX),
     argmax = first index of the max. So lse = (m2 + log2 d) ln 2, mean_p(x) = ln 2 sum_ex2 / d,
-    sum x = ln 2 sum_x2. tstats: the teacher's statistics (terms.teacher_block).
+    sum x = ln 2 sum_x2. tstats: the teacher's statistics (terms.teacher_block). off: for a top-k
+    teacher's ``rest`` form (F.TOPK_FORM == 2) the sum of 2^(x2 - m2) without the max's elements and
+    their count (:func:`_off_max`; kernels.sparse.rest_sum), else zeros.
     -inf logits (a masked vocabulary) are allowed; NaN and +inf propagate to NaN.
     """
     HAS_TEACHER: tl.constexpr = t_row_ptr is not None
@@ -76,6 +97,8 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
     NEED_ARGMAX: tl.constexpr = F.HAS_ARGMAX
     m = tl.full([], float("-inf"), tl.float32)
     d = tl.zeros([BLOCK_V], tl.float32)
+    REST: tl.constexpr = F.TOPK_FORM == 2
+    off = (tl.zeros([BLOCK_V], tl.float32), tl.zeros([], tl.float32))
     sum_x = tl.zeros([BLOCK_V], tl.float32)
     sum_ex = tl.zeros([BLOCK_V], tl.float32)
     arg = tl.zeros([], tl.int32)
@@ -89,27 +112,36 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
         z, zt = _pair(row_ptr, t_row_ptr, 0, offs, HAS_TEACHER)
         for start in range(BLOCK_V, v_full, BLOCK_V):
             z_next, zt_next = _pair(row_ptr, t_row_ptr, start, offs, HAS_TEACHER)
+            m_before = m
             m, d, sum_x, sum_ex, arg, x2, e, alpha = _stats_block(
                 z, start - BLOCK_V, V, m, d, sum_x, sum_ex, arg, S,
                 BLOCK_V, F.HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, False,
             )
+            if REST:
+                off = _off_max(x2, e, alpha, m_before, off, BLOCK_V)
             if HAS_TEACHER:
                 tstats = teacher_block(zt, x2, e, alpha, start - BLOCK_V, V, tstats, S, BLOCK_V, F, False)
             z = z_next
             zt = zt_next
+        m_before = m
         m, d, sum_x, sum_ex, arg, x2, e, alpha = _stats_block(
             z, v_full - BLOCK_V, V, m, d, sum_x, sum_ex, arg, S,
             BLOCK_V, F.HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, False,
         )
+        if REST:
+            off = _off_max(x2, e, alpha, m_before, off, BLOCK_V)
         if HAS_TEACHER:
             tstats = teacher_block(zt, x2, e, alpha, v_full - BLOCK_V, V, tstats, S, BLOCK_V, F, False)
     if v_full < V:
         mask = v_full + offs < V
         z = tl.load(row_ptr + v_full + offs, mask=mask, other=0.0)
+        m_before = m
         m, d, sum_x, sum_ex, arg, x2, e, alpha = _stats_block(
             z, v_full, V, m, d, sum_x, sum_ex, arg, S,
             BLOCK_V, F.HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, True,
         )
+        if REST:
+            off = _off_max(x2, e, alpha, m_before, off, BLOCK_V)
         if HAS_TEACHER:
             zt = tl.load(t_row_ptr + v_full + offs, mask=mask, other=0.0)
             tstats = teacher_block(zt, x2, e, alpha, v_full, V, tstats, S, BLOCK_V, F, True)
@@ -126,7 +158,8 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
         t_arg = t_arg + tl.argmax(tl.where(cols < V, zt, float("-inf")), axis=0)
     tstats = (mt, tl.sum(dt, axis=0), tl.sum(sum_t, axis=0), tl.sum(sum_ts, axis=0), ms, tl.sum(ds, axis=0),
               tl.sum(sum_st, axis=0), t_arg)
-    return m, tl.sum(d, axis=0), tl.sum(sum_x, axis=0), tl.sum(sum_ex, axis=0), arg, tstats
+    off = (tl.sum(off[0], axis=0), off[1])
+    return m, tl.sum(d, axis=0), tl.sum(sum_x, axis=0), tl.sum(sum_ex, axis=0), arg, tstats, off
 
 
 @triton.jit

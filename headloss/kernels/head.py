@@ -2,7 +2,8 @@
 
 ``prepare_kernel``        one program: counts the rows that are scored, checks the targets' range
                           and num_items_in_batch, zeroes the completion counter. O(rows). Calls
-                          on one device leave this to head_kernel's program 0 (``prep``).
+                          on one device leave this to one of head_kernel's programs (``prep``):
+                          the first to take the call's ticket.
 ``head_kernel``           one program per logits row: phase 1 (stats), phase 2 (per-token values,
                           gradient coefficients, term by term), phase 3 (gradient, when ``grad`` is
                           given); the last program to finish reduces the packed per-row buffer to
@@ -45,10 +46,11 @@ from .blocks import (
 )
 from .launch import SPECIALISED_BY, Geometry, launch, launch_config, spec_key
 from .primitives import LN2, LOG2E
-from .shard import merged_stats, merged_teacher
+from .shard import merged_rest, merged_stats, merged_teacher
 from .sparse import (
     SparseRows,
     gathered_row,
+    rest_sum,
     token_values,
     topk_block,
     topk_inputs,
@@ -74,10 +76,19 @@ class PolicyRows(NamedTuple):
 
 
 class ShardRows(NamedTuple):
-    """head_kernel's vocab-parallel inputs."""
+    """The head kernels' vocab-parallel inputs."""
 
-    stats: torch.Tensor | None  # (n_rows, layouts.Stats) fp32 row statistics merged over the shards
+    stats: torch.Tensor | None  # (n_rows, layouts.Stats) fp32 row statistics merged over the shards, or with
+    # world > 0 the student's statistics of every shard as gathered, (world, n_rows, STATS.N): merged per row
     jsd: torch.Tensor | None  # (n_rows, layouts.JsdShares) fp32 mixture-JSD shares summed over the shards
+    world: int = 0
+
+
+def shard_rows(stats: torch.Tensor | None, jsd: torch.Tensor | None = None) -> ShardRows:
+    """ShardRows of a call's statistics: merged (2-D), or gathered (3-D: the shards first)."""
+    if stats is None:
+        return _UNSHARDED
+    return ShardRows(stats, jsd, stats.shape[0] if stats.dim() == 3 else 0)
 
 
 class TeacherRows(NamedTuple):
@@ -97,13 +108,13 @@ class Blocks(NamedTuple):
 
 
 class Prepare(NamedTuple):
-    """head_kernel's program 0 does prepare_kernel's work (see launch_head(prepared=False))."""
+    """One of head_kernel's programs does prepare_kernel's work (see launch_head(prepared=False))."""
 
     verdict: torch.Tensor | None  # prepare_kernel's verdict slot and dirty word, or None: no validation
     dirty: torch.Tensor | None
     nonce: int | None  # this call's tag (next_nonce); None: prepare_kernel ran
     sequence_ids: torch.Tensor | None = None  # prepare_kernel's: checked in range
-    n_seq: int = 0  # sequences whose policy counters program 0 zeroes (scratch_size)
+    n_seq: int = 0  # sequences whose policy counters the preparing program zeroes (scratch_size)
 
 
 SPECIALISED_BY[Prepare] = lambda arg: (Prepare, spec_key((arg.verdict, arg.dirty)), arg.nonce is None,
@@ -111,7 +122,7 @@ SPECIALISED_BY[Prepare] = lambda arg: (Prepare, spec_key((arg.verdict, arg.dirty
 """Its nonce changes every call (next_nonce fixes how Triton specialises it): by everything else."""
 
 _PREPARED = Prepare(None, None, None)
-_UNSHARDED = ShardRows(None, None)
+_UNSHARDED = ShardRows(None, None, 0)
 _NONCES = itertools.count(int.from_bytes(os.urandom(3), "little"))
 SCALE_PROGRAMS = 2048
 """scale_grad_kernel's programs loop over the rows: fewer early exits when d loss == 1."""
@@ -131,7 +142,7 @@ class Tiles(NamedTuple):
     COLS_P2: int
     BLOCK_R: int
     SEQ_BLOCK: int
-    PREP_BLOCK: int  # targets per step of the head kernel's in-kernel prepare (program 0): small, as the
+    PREP_BLOCK: int  # targets per step of the head kernel's in-kernel prepare (one program): small, as the
     # registers of a wide step are reserved for the whole kernel (docs/performance.md, "Launch settings")
 
 
@@ -157,11 +168,13 @@ def prepare_kernel(
 ):
     prepare_call(targets, num_items, sequence_ids, scratch, verdict, dirty, geo, n_seq, BLOCK)
     tl.store(scratch + SCRATCH_AT.done, 0)
+    tl.store(scratch + SCRATCH_AT.ticket, 0)  # (unused here: written, so a call's scratch is the same each time)
 
 
 @triton.jit
 def prepare_call(targets, num_items, sequence_ids, scratch, verdict, dirty, geo, n_seq, BLOCK: tl.constexpr):
-    """prepare_kernel's work but the completion counter (scratch's ``done``): by one program."""
+    """prepare_kernel's work but the completion counter and the ticket (scratch's ``done``, ``ticket``): by one
+    program."""
     offs = tl.arange(0, BLOCK)
     counted = tl.zeros([BLOCK], tl.int32)
     bad_ids = tl.zeros([BLOCK], tl.int32)
@@ -179,8 +192,8 @@ def prepare_call(targets, num_items, sequence_ids, scratch, verdict, dirty, geo,
             y = tl.load(targets + slot + geo.shift, mask=scored, other=geo.ignore_index).to(tl.int64)
             valid = scored & (y != geo.ignore_index)
             counted += valid.to(tl.int32)
-            if verdict is not None:
-                bad = valid & ((y < 0) | (y >= geo.V))
+            if verdict is not None:  # (against the whole vocabulary: a vocab-parallel call's V_total)
+                bad = valid & ((y < 0) | (y >= tl.maximum(geo.V, geo.V_total)))
                 first_bad = tl.minimum(first_bad, tl.where(bad, slot + geo.shift, big))
         if verdict is not None and sequence_ids is not None:
             ids = tl.load(sequence_ids + slot, mask=inside, other=0)
@@ -229,7 +242,7 @@ def head_kernel(
     loss,  # () fp32 reduced loss, or (n_out,) for reduction 'none'
     means,  # (C.N + 1,) fp32 column means and the loss, written with FINISH
     shard,  # ShardRows: vocab-parallel merged row statistics and summed mixture-JSD shares (None: not sharded)
-    prep,  # Prepare: with a nonce, program 0 does prepare_kernel's work first (see launch_head)
+    prep,  # Prepare: with a nonce, one program does prepare_kernel's work first (see launch_head)
     # sizes, strides, runtime scalars
     geo,
     S,
@@ -245,13 +258,16 @@ def head_kernel(
     BLOCK_K: tl.constexpr = BLOCKS.K
     t_logits = teacher.logits
     sparse = teacher.sparse
-    # Program 0 prepares and the others wait for it (await_prepared): this relies on program 0 running,
-    # which CUDA does not promise but does (blocks start in index order; the interpreter runs them in order)
+    # In-kernel prepare: the first program to swap the call's nonce into scratch's ticket prepares, and the
+    # others wait for it (await_prepared) only where they read what it writes. It is a program that runs
+    # (it took the ticket), so none waits on a program that may not have started: nothing relies on the
+    # order programs start in (MPS, green contexts, another stream's kernels holding the SMs). The last
+    # program clears the ticket, so a CUDA graph's next replay (the same nonce) elects afresh.
     PREPARE: tl.constexpr = prep.nonce is not None  # (a tuple holding None cannot be compared with None)
     # a counted row waits once, before its first read of scratch; other rows before the completion count
     WAIT_IN_ROW: tl.constexpr = PREPARE and (F.HAS_POLICY or grad is not None)
     if PREPARE:
-        if row == 0:
+        if tl.atomic_xchg(scratch + SCRATCH_AT.ticket, prep.nonce, sem="acq_rel") != prep.nonce:
             prepare_call(targets, num_items, prep.sequence_ids, scratch, prep.verdict, prep.dirty, geo, prep.n_seq,
                          R.PREP_BLOCK)
             # the counted rows (and the verdicts) are published
@@ -279,19 +295,20 @@ def head_kernel(
         # --- 1. stats pass (sharded: this shard's pass ran in shard_stats_kernel; merged stats)
         if SHARDED:
             m2, d, sum_x2, sum_ex2, arg, x2_y, slope_y = merged_stats(stats, row, row_ptr, y_here, geo.V, S, F,
-                                                                     NCOL)
+                                                                     NCOL, shard.world, geo.n_rows)
             tstats = 0
             if t_logits is not None:
                 tstats = merged_teacher(stats, row)
         else:
-            m2, d, sum_x2, sum_ex2, arg, tstats = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V,
-                                                               ENTROPY_IN_PASS_1)
+            m2, d, sum_x2, sum_ex2, arg, tstats, off = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V,
+                                                                    ENTROPY_IN_PASS_1)
             x2_y = tl.zeros([], tl.float32)
             slope_y = tl.zeros([], tl.float32)
             if targets is not None:
                 # out-of-range targets (validation off) give NaN, never an out-of-bounds read
                 x2_y, slope_y = target_logit(row_ptr, y, geo.V, S, F.HAS_SOFTCAP)
         # --- 2. per-token values, term by term (natural units from here on)
+        zero = tl.zeros([], tl.float32)
         lse2 = m2 + tl.log2(d)
         lse = lse2 * LN2
         logp = (x2_y - lse2) * LN2
@@ -300,7 +317,6 @@ def head_kernel(
             entropy = lse - sum_ex2 * LN2 / d
             put(row_out, C.entropy, entropy)
         token_loss = row_values(row_out, lse, logp, sum_x2, entropy, V_math, S, F, C)
-        zero = tl.zeros([], tl.float32)
         dstate = (zero, zero, zero, zero)
         if t_logits is not None:
             jsd_row = jsd
@@ -313,14 +329,21 @@ def head_kernel(
             sp_ids, sp_local, sp_given, sp_mine, sp_x2, sp_slope, sp_lq = topk_inputs(
                 sparse, slot, row_ptr, gathered_row(stats, row, NCOL, F.SPARSE), geo.vocab_start, geo.V, V_math, S,
                 F, BLOCK_K)
-            weighted, sp_a, sp_h = topk_values(row_out, sp_x2, sp_lq, sp_ids, sp_given, lse2, arg, S, F, C, BLOCK_K)
+            p_rest = zero
+            if F.TOPK_FORM == 2:  # the student's probability off the ids
+                if SHARDED:
+                    p_rest = merged_rest(stats, row, NCOL) / d
+                else:
+                    p_rest = rest_sum(sp_x2, sp_given, m2, off) / d
+            weighted, sp_a, sp_h = topk_values(row_out, sp_x2, sp_lq, sp_ids, sp_given, lse2, p_rest, arg, S, F, C,
+                                               BLOCK_K)
             token_loss += weighted
         if F.SPARSE == 2:
             weighted, d_token = token_values(row_out, sparse, slot, logp, S, F, C)
             token_loss += weighted
         d_logp = zero
         d_entropy = zero
-        if WAIT_IN_ROW:  # the policy counters and extremes in scratch, the token count: program 0's
+        if WAIT_IN_ROW:  # the policy counters and extremes in scratch, the token count: the preparer's
             await_prepared(scratch, prep.nonce, geo.n_rows)
         if F.HAS_POLICY:
             d_logp, d_entropy = policy_values(row_out, scratch, logp, entropy, policy, slot, S, F, C)
@@ -339,6 +362,7 @@ def head_kernel(
             if F.SPARSE == 2:
                 d_logp += u * S.w_distill * d_token
             A, B, Cc, D = row_coefficients(u, d_logp, d_entropy, zero, lse, logp, entropy, V_math, S, F)
+            A_ids = A  # the other terms' share at the teacher's ids (topk_scatter adds the teacher's whole)
             if F.SPARSE == 1:
                 A += u * S.w_distill * sp_a
             sum_px2 = gradient_pass(
@@ -347,7 +371,7 @@ def head_kernel(
             )
             if F.SPARSE == 1:  # the teacher's ids, rewritten whole after every lane has stored
                 tl.debug_barrier()
-                topk_scatter(grad_row, sp_local, sp_mine, sp_x2, sp_slope, lse, A, B, Cc, D, y_here,
+                topk_scatter(grad_row, sp_local, sp_mine, sp_x2, sp_slope, lse, A_ids, B, Cc, D, y_here,
                              u * S.w_distill * sp_h, S, F)
             if ENTROPY_IN_PASS_3:
                 put(row_out, C.entropy, sum_px2 * LN2)
@@ -376,13 +400,14 @@ def head_kernel(
             done -= prep.nonce
         if done == geo.n_rows - 1:
             reduce_rows(rows, loss, means, scratch, num_items, policy, geo, F, C, R)
-            if PREPARE:
-                tl.store(scratch + SCRATCH_AT.done, geo.n_rows)  # what a prepared call leaves: no trace of the nonce
+            if PREPARE:  # what a prepared call leaves: no trace of the nonce
+                tl.store(scratch + SCRATCH_AT.done, geo.n_rows)
+                tl.store(scratch + SCRATCH_AT.ticket, 0)
 
 
 @triton.jit
 def await_prepared(scratch, nonce, n_rows):
-    """Wait until program 0 has published this call's counted rows: scratch's ``done`` then counts finished
+    """Wait until the preparing program has published this call's counted rows: scratch's ``done`` then counts finished
     programs up from ``nonce``. A value outside [nonce, nonce + n_rows) is another call's (a stale
     buffer; a finished call, the last replay of a CUDA graph included, leaves n_rows < 2**32)."""
     seen = tl.atomic_add(scratch + SCRATCH_AT.done, 0, sem="acquire")
@@ -402,7 +427,7 @@ def head_backward_kernel(
     d_rows,  # (n_out, C.N) fp32 upstream gradients of the per-row outputs, or None
     num_items,  # (1,) or None
     scratch,  # int64 layouts.Scratch from the forward
-    stats,  # vocab-parallel: the forward's merged (n_rows, layouts.Stats) statistics, or None
+    shard,  # ShardRows: vocab-parallel, the forward's merged (or gathered) statistics (stats None: not sharded)
     # sizes, strides, runtime scalars
     geo,
     S,
@@ -412,6 +437,7 @@ def head_backward_kernel(
     BLOCKS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    stats = shard.stats
     SHARDED: tl.constexpr = stats is not None
     BLOCK_V: tl.constexpr = BLOCKS.V
     t_logits = teacher.logits  # (the sparse teacher: teacher.sparse, BLOCKS.K wide)
@@ -453,7 +479,7 @@ def head_backward_kernel(
             if SHARDED:
                 y_here = y - geo.vocab_start
                 m2_unused, d_unused, sx_unused, sex_unused, arg_unused, x2_y, slope_y = merged_stats(
-                    stats, row, row_ptr, y_here, geo.V, S, F, NCOL)
+                    stats, row, row_ptr, y_here, geo.V, S, F, NCOL, shard.world, geo.n_rows)
             else:
                 x2_y, slope_y = target_logit(row_ptr, y, geo.V, S, F.HAS_SOFTCAP)
         logp = x2_y * LN2 - lse
@@ -462,12 +488,16 @@ def head_backward_kernel(
             kl_unused, d_token = kl_estimator(logp, lq, F.TOKEN_EST, F.TOKEN_CLAMP, F.TOKEN_K2_GRAD)
             d_logp += u * S.w_distill * d_token
         A, B, Cc, D = row_coefficients(u, d_logp, d_entropy, d_lse, lse, logp, entropy, V_math, S, F)
+        A_ids = A
         if F.SPARSE == 1:
             sp_ids, sp_local, sp_given, sp_mine, sp_x2, sp_slope, sp_lq = topk_inputs(
                 teacher.sparse, slot, row_ptr, gathered_row(stats, row, NCOL, F.SPARSE), geo.vocab_start, geo.V,
                 V_math, S, F, BLOCKS.K)
+            p_rest = zero
+            if F.TOPK_FORM == 2:
+                p_rest = tl.load(row_in + C.rest_mass)
             div_unused, ms_unused, mt_unused, ag_unused, sp_a, sp_h = topk_math(
-                sp_x2, sp_lq, sp_ids, sp_given, lse * LOG2E, 0, S, F, BLOCKS.K)
+                sp_x2, sp_lq, sp_ids, sp_given, lse * LOG2E, p_rest, 0, S, F, BLOCKS.K)
             A += u * S.w_distill * sp_a
         dstate = (zero, zero, zero, zero)
         if t_logits is not None:
@@ -479,7 +509,7 @@ def head_backward_kernel(
         )
         if F.SPARSE == 1:
             tl.debug_barrier()
-            topk_scatter(grad_row, sp_local, sp_mine, sp_x2, sp_slope, lse, A, B, Cc, D, y_here,
+            topk_scatter(grad_row, sp_local, sp_mine, sp_x2, sp_slope, lse, A_ids, B, Cc, D, y_here,
                          u * S.w_distill * sp_h, S, F)
     else:
         zero_row(grad_row, geo.V, BLOCK_V)
@@ -528,11 +558,14 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
                 sequence_ids: torch.Tensor | None = None, n_seq: int = 0, sparse: SparseRows | None = None) -> None:
     """One program per logits row; with ``finish`` the last one writes ``means`` and the reduced loss.
     ``prepared=False``: ``scratch`` (scratch_size(n_seq) words, any content) was not filled by
-    :func:`prepare`; program 0 does that work first (``verdict``, ``sequence_ids`` and ``n_seq`` as
-    prepare takes them), and the other programs wait for it only where they read what it writes --
-    one launch fewer per call."""
+    :func:`prepare`; the first program to take the call's ticket does that work first (``verdict``,
+    ``sequence_ids`` and ``n_seq`` as prepare takes them), and the other programs wait for it only where
+    they read what it writes -- one launch fewer per call (with ``finish``: its last program clears the
+    ticket)."""
     if geo.n_rows == 0:
         return
+    if not prepared and not finish:
+        raise ValueError("launch_head: an in-kernel prepare (prepared=False) needs finish=True")
     cfg = launch_config(geo.V, plan.has_teacher, geo.n_rows)
     prep = _PREPARED
     if not prepared:
@@ -541,7 +574,7 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
         head_kernel, geo.n_rows, cfg.num_warps,
         logits=logits, targets=targets, teacher=TeacherRows(teacher, sparse), grad=grad, rows=rows, pred=pred,
         policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means,
-        shard=_UNSHARDED if stats is None else ShardRows(stats, jsd), prep=prep, geo=geo,
+        shard=shard_rows(stats, jsd), prep=prep, geo=geo,
         S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=Blocks(cfg.block_v, max(topk_block(sparse), 1)),
         FINISH=finish, R=_tiles(plan.cols.N),
     )
@@ -565,7 +598,8 @@ def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d
     launch(
         head_backward_kernel, geo.n_rows, cfg.num_warps,
         logits=logits, targets=targets, teacher=TeacherRows(teacher, sparse), grad=grad, rows=rows, d_loss=d_loss,
-        d_rows=d_rows, num_items=num_items, scratch=scratch, stats=stats, geo=geo, S=plan.scalars, F=plan.flags,
+        d_rows=d_rows, num_items=num_items, scratch=scratch, shard=shard_rows(stats), geo=geo, S=plan.scalars,
+        F=plan.flags,
         C=plan.cols, BLOCKS=Blocks(cfg.block_v, max(topk_block(sparse), 1)),
     )
 

@@ -3,7 +3,8 @@
 ``shard_stats_kernel``  phase 1 on one shard: per row the layouts.Stats values every rank exchanges
 ``merge_stats_kernel``  the gathered (world, rows, N) statistics -> the whole vocabulary's, one launch
 ``shard_jsd_kernel``    the mixture JSD's extra pass on one shard, with the merged normalisers
-``merged_stats`` / ``merged_teacher``  a row's merged statistics, read by the head kernels
+``merged_stats`` / ``merged_teacher``  a row's merged statistics, read by the head kernels (a call whose
+                          statistics are the student's alone: the gathered shares, merged per row)
 
 The head kernel then runs phases 2 and 3 on the shard with the merged statistics (headloss.parallel
 does the one collective between).
@@ -19,7 +20,7 @@ from ..layouts import JSD_AT, JSD_SHARES, STATS, STATS_AT
 from ..plan import KernelPlan
 from .blocks import online_stats, row_slot, row_start, target_logit
 from .launch import Geometry, launch, launch_config
-from .sparse import SparseRows, shard_topk, topk_block
+from .sparse import SparseRows, rest_sum, shard_topk, topk_block
 from .terms import distill_lse, jsd_sums
 
 
@@ -44,10 +45,15 @@ def shard_stats_kernel(
     t_row = row_start(teacher, row, geo.T, geo.t_stride_b, geo.t_stride_t)
     slot, has_slot, y, counted = row_slot(targets, row, geo)
     out = part + row * NCOL
+    x2_ids = tl.zeros([BLOCK_K], tl.float32)
     if F.SPARSE == 1:
-        shard_topk(x2k, sparse, slot, row, row_ptr, counted, geo, S, F, BLOCK_K)
+        x2_ids = shard_topk(x2k, sparse, slot, row, row_ptr, counted, geo, S, F, BLOCK_K)
     if counted:
-        m2, d, sum_x2, sum_ex2, arg, tstats = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V, F.HAS_ENTROPY)
+        m2, d, sum_x2, sum_ex2, arg, tstats, off = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V,
+                                                                F.HAS_ENTROPY)
+        rest = tl.zeros([], tl.float32)
+        if F.TOPK_FORM == 2:  # this shard's sum off the teacher's ids (its ids: x2 > -inf)
+            rest = rest_sum(x2_ids, x2_ids > float("-inf"), m2, off)
         x2_y = tl.zeros([], tl.float32)
         owned = tl.zeros([], tl.float32)
         if targets is not None:
@@ -62,7 +68,7 @@ def shard_stats_kernel(
         tl.store(out + STATS_AT.arg, (arg + geo.vocab_start).to(tl.float32))
         tl.store(out + STATS_AT.x2_y, x2_y)
         tl.store(out + STATS_AT.owned, owned)
-        tl.store(out + STATS_AT.pad, 0.0)  # every column written: a call's output is the same each time
+        tl.store(out + STATS_AT.rest, rest)
         if teacher is not None:
             mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg = tstats
             tl.store(out + STATS_AT.t_m2, mt)
@@ -81,7 +87,7 @@ def shard_stats_kernel(
         tl.store(out + STATS_AT.arg, 0.0)
         tl.store(out + STATS_AT.x2_y, 0.0)
         tl.store(out + STATS_AT.owned, 0.0)
-        tl.store(out + STATS_AT.pad, 0.0)
+        tl.store(out + STATS_AT.rest, 0.0)
         if teacher is not None:
             tl.store(out + STATS_AT.t_m2, float("-inf"))
             tl.store(out + STATS_AT.t_d, 0.0)
@@ -180,12 +186,13 @@ def merge_stats_kernel(parts, merged, n_rows, world, BLOCK: tl.constexpr, NCOL: 
     owners = tl.zeros([BLOCK], tl.float32)
     for r in range(world):
         base = parts + r * stride + at
-        student = _merge_rank(base, inside, top, student, STATS_AT.m2, STATS_AT.d, STATS_AT.sum_ex2, -1, STATS_AT.arg)
+        student = _merge_rank(base, inside, top, student, STATS_AT.m2, STATS_AT.d, STATS_AT.sum_ex2, STATS_AT.rest,
+                              STATS_AT.arg)
         sum_x2 += tl.load(base + STATS_AT.sum_x2, mask=inside, other=0.0)
         owned = tl.load(base + STATS_AT.owned, mask=inside, other=0.0)
         x2_y += tl.where(owned > 0.5, tl.load(base + STATS_AT.x2_y, mask=inside, other=0.0), 0.0)
         owners += owned
-    d, sum_ex2, _, arg, _ = student
+    d, sum_ex2, rest, arg, _ = student
     # a NaN max (NaN logits) propagates as tl.maximum would not: keep it
     nan_top = tl.zeros([BLOCK], tl.int1)
     for r in range(world):
@@ -194,8 +201,7 @@ def merge_stats_kernel(parts, merged, n_rows, world, BLOCK: tl.constexpr, NCOL: 
     top = tl.where(nan_top, float("nan"), top)
     out = merged + at
     _store4(out, inside, STATS_AT.m2, top, STATS_AT.d, d, STATS_AT.sum_x2, sum_x2, STATS_AT.sum_ex2, sum_ex2)
-    _store4(out, inside, STATS_AT.arg, arg, STATS_AT.x2_y, x2_y, STATS_AT.owned, owners, STATS_AT.pad,
-            tl.zeros([BLOCK], tl.float32))
+    _store4(out, inside, STATS_AT.arg, arg, STATS_AT.x2_y, x2_y, STATS_AT.owned, owners, STATS_AT.rest, rest)
     if NCOL == STATS_AT.N_TEACHER:  # the teacher's sums against its max; the student's at T_d against theirs
         top_t = tl.full([BLOCK], float("-inf"), tl.float32)
         top_s = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -230,19 +236,71 @@ def merged_teacher(stats, row):
 
 
 @triton.jit
-def merged_stats(stats, row, row_ptr, y_here, V, S, F: tl.constexpr, NCOL: tl.constexpr):
-    """(m2, d, sum_x2, sum_ex2, arg, x2_y, slope_y) of a row from the merged statistics. x2_y is NaN
+def merged_stats(stats, row, row_ptr, y_here, V, S, F: tl.constexpr, NCOL: tl.constexpr, world, n_rows):
+    """(m2, d, sum_x2, sum_ex2, arg, x2_y, slope_y) of a row from the merged statistics, or with ``world`` > 0
+    from the gathered (world, n_rows, STATS.N) shares, merged here (:func:`gathered_stats`). x2_y is NaN
     when no shard holds the target (out of range); slope_y (dx/dz at the target) is read here, and
-    used by the gradient pass only where this shard holds the target."""
-    at = stats + row * NCOL
-    m2 = tl.load(at + STATS_AT.m2)
-    d = tl.load(at + STATS_AT.d)
-    sum_x2 = tl.load(at + STATS_AT.sum_x2)
-    sum_ex2 = tl.load(at + STATS_AT.sum_ex2)
-    arg = tl.load(at + STATS_AT.arg).to(tl.int32)
-    x2_y = tl.where(tl.load(at + STATS_AT.owned) > 0.5, tl.load(at + STATS_AT.x2_y), float("nan"))
+    used by the gradient pass only where this shard holds the target. (A top-k 'rest' row's sum off
+    the teacher's ids: :func:`merged_rest`.)"""
+    if world > 0:
+        m2, d, sum_x2, sum_ex2, arg, x2_y, owned = gathered_stats(stats, row, n_rows, world)
+    else:
+        at = stats + row * NCOL
+        m2 = tl.load(at + STATS_AT.m2)
+        d = tl.load(at + STATS_AT.d)
+        sum_x2 = tl.load(at + STATS_AT.sum_x2)
+        sum_ex2 = tl.load(at + STATS_AT.sum_ex2)
+        arg = tl.load(at + STATS_AT.arg)
+        x2_y = tl.load(at + STATS_AT.x2_y)
+        owned = tl.load(at + STATS_AT.owned)
+    x2_y = tl.where(owned > 0.5, x2_y, float("nan"))
     x2_unused, slope_y = target_logit(row_ptr, y_here, V, S, F.HAS_SOFTCAP)  # (masked: no read off this shard)
-    return m2, d, sum_x2, sum_ex2, arg, x2_y, slope_y
+    return m2, d, sum_x2, sum_ex2, arg.to(tl.int32), x2_y, slope_y
+
+
+@triton.jit
+def gathered_stats(parts, row, n_rows, world):
+    """A row's student statistics (m2, d, sum_x2, sum_ex2, arg, x2_y, owners) from every shard's
+    (world, n_rows, STATS.N) share, merged as merge_stats_kernel merges them: the head kernels of a call
+    whose statistics are the student's alone take them gathered (one launch fewer per call)."""
+    stride = tl.full([], STATS_AT.N, tl.int64) * n_rows
+    at = parts + row * STATS_AT.N
+    top = tl.full([], float("-inf"), tl.float32)
+    nan_top = tl.zeros([], tl.int1)
+    for r in range(world):
+        m = tl.load(at + r * stride + STATS_AT.m2)
+        top = tl.maximum(top, m)
+        nan_top = nan_top | (m != m)
+    zero = tl.zeros([], tl.float32)
+    d = zero
+    sum_x2 = zero
+    sum_ex2 = zero
+    x2_y = zero
+    owners = zero
+    arg = zero
+    found = tl.zeros([], tl.int1)
+    for r in range(world):
+        base = at + r * stride
+        m = tl.load(base + STATS_AT.m2)
+        scale = tl.where(m == float("-inf"), 0.0, tl.exp2(m - top))
+        d += tl.load(base + STATS_AT.d) * scale
+        sum_ex2 += tl.load(base + STATS_AT.sum_ex2) * scale
+        sum_x2 += tl.load(base + STATS_AT.sum_x2)
+        first = (m == top) & (found == 0)
+        arg = tl.where(first, tl.load(base + STATS_AT.arg), arg)
+        found = found | (m == top)
+        owned = tl.load(base + STATS_AT.owned)
+        x2_y += tl.where(owned > 0.5, tl.load(base + STATS_AT.x2_y), 0.0)
+        owners += owned
+    top = tl.where(nan_top, float("nan"), top)  # a NaN max (NaN logits) propagates
+    return top, d, sum_x2, sum_ex2, arg, x2_y, owners
+
+
+@triton.jit
+def merged_rest(stats, row, NCOL: tl.constexpr):
+    """A top-k 'rest' row's sum of 2^(x2 - m2) off the teacher's ids, merged over the shards: a sum of
+    positive shares, so it keeps the digits 1 - sum p_k would lose."""
+    return tl.load(stats + row * NCOL + STATS_AT.rest)
 
 
 

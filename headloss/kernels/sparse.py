@@ -14,24 +14,35 @@ ids, and for ``rest`` one more) and G_o = dD/dp_o of the divergence D:
 
     verl          D = max(sum_k q_k (lq_k - lps_k), 0)      a = sum q_k,   h_k = -q_k     (on D >= 0)
     renormalized  ps~, qt~ over the ids                     a = 0,         h_k = ps~_k (G_k - sum ps~ G)
-    rest          p_rest = 1 - sum p_k, q_rest = 1 - sum q  a = S G_r - sum_k p_k G_k, h_k = p_k (G_k - G_r)
+    rest          tails p_r, q_r (TRL's clamp, below)       a = (1 - p_r) G_r - sum_k p_k G_k, h_k = p_k (G_k - G_r)
+
+An entry whose id is -1 or whose teacher log-prob is -inf is no entry (TRL's ``valid`` mask): it is not read,
+counts in neither mass and may repeat another entry's id. ``rest`` follows TRL's ``_add_tail_bucket``: each
+side's log top-k mass is clamped at -1e-7 before ``log(-expm1(.))``, so a tail is at least REST_FLOOR and a
+clamped tail is a constant (no gradient through it). The student's tail p_r is the exponential sum off the
+ids (:func:`rest_sum`, from online_stats' sum without the max's elements), not 1 - sum p_k in fp32; the
+teacher's is 1 - sum q_k in float64. The kernels store the whole gradient at the ids (``h`` below is a + h_k there,
+written over the pass's value with the other terms' share), so a large G_r never cancels in fp32.
 
 A per-token teacher gives lq at the target: the estimator f(logp, lq) is a function of log p(y),
 whose gradient the row's D coefficient carries (terms.row_coefficients' ``d_logp``).
 """
 
+import math
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ..layouts import STATS_AT, TEACHER_MARK, VERDICT_AT
+from ..layouts import STATS_AT, TEACHER_KEYS, TEACHER_MARK, VERDICT_AT
 from .launch import launch
 from .primitives import LN2, LOG2E, NEG_BIG, transform
 from .terms import kl_estimator, put
 
 NO_BAD_ENTRY = tl.constexpr(TEACHER_MARK)
+REST_FLOOR = tl.constexpr(-math.expm1(-1e-7))
+"""The least tail of ``topk: rest``: TRL clamps the log top-k mass at -1e-7, so 1 - mass >= -expm1(-1e-7)."""
 
 
 class SparseRows(NamedTuple):
@@ -55,10 +66,16 @@ def topk_block(sparse: SparseRows | None) -> int:
 
 
 @triton.jit
-def expm1_neg(z):
-    """exp(z) - 1 for z <= 0, accurate near 0 (the rest bucket's 1 - sum p_k when it is small)."""
-    u = tl.exp(z)
-    return tl.where(u == 1.0, z, tl.where(u == 0.0, -1.0, (u - 1.0) * z / tl.log(u)))
+def rest_sum(x2, mask, m2, off):
+    """A row's sum of 2^(x2 - m2) off its top-k ids (``mask``: the ids of these columns) from the row's
+    ``off`` statistics (blocks.online_stats: the sum without the max's elements, and their count): ids
+    at the max take one of the count each, the others their term from the sum. No term near 1 is
+    subtracted from another, so a tail far below fp32's resolution of the top-k mass keeps its digits."""
+    d_off, count = off
+    at_max = mask & (x2 == m2)
+    e = tl.where(mask & (x2 != m2), tl.exp2(x2 - m2), 0.0)
+    rest = (count - tl.sum(at_max.to(tl.float32), axis=0)) + (d_off - tl.sum(e, axis=0))
+    return tl.maximum(rest, 0.0)
 
 
 @triton.jit
@@ -74,15 +91,18 @@ def token_values(row_out, sparse, slot, logp, S, F: tl.constexpr, C: tl.constexp
 def topk_inputs(sparse, slot, row_ptr, gathered, vocab_start, V, V_total, S, F: tl.constexpr,
                 BLOCK_K: tl.constexpr):
     """(ids, local ids, given, mine, x2, slope, lq) of a row's K teacher entries: ``given`` where an id
-    is not -1, ``mine`` where it is also in this row's columns [vocab_start, vocab_start + V) of
-    [0, V_total) (the student's logit there is read: its slope, and x2 unless ``gathered``, the
-    vocab-parallel row's K logits merged over the shards). An id outside [0, V_total) (validation
-    off) gives NaN, never an out-of-bounds read."""
+    is not -1 and its log-prob not -inf, ``mine`` where it is also in this row's columns
+    [vocab_start, vocab_start + V) of [0, V_total) (the student's logit there is read: its slope, and x2
+    unless ``gathered``, the vocab-parallel row's K logits merged over the shards). An id outside
+    [0, V_total) (validation off) gives NaN, never an out-of-bounds read; lq is 0 where not given."""
     k = tl.arange(0, BLOCK_K)
     inside = k < sparse.K
     at = slot * sparse.K + k
     ids = tl.load(sparse.ids + at, mask=inside, other=-1).to(tl.int64)
-    given = inside & (ids != -1)
+    has_id = inside & (ids != -1)
+    lq = tl.load(sparse.logprobs + at, mask=has_id, other=0.0).to(tl.float32)
+    given = has_id & (lq != float("-inf"))  # (a NaN log-prob stays an entry: its NaN reaches the row)
+    lq = tl.where(given, lq, 0.0)
     valid = given & (ids >= 0) & (ids < V_total)
     local = ids - vocab_start
     mine = valid & (local >= 0) & (local < V)
@@ -91,7 +111,6 @@ def topk_inputs(sparse, slot, row_ptr, gathered, vocab_start, V, V_total, S, F: 
     if gathered is not None:
         x2 = tl.load(gathered + k, mask=inside, other=float("-inf"))
     x2 = tl.where(given & ~valid, float("nan"), x2)
-    lq = tl.load(sparse.logprobs + at, mask=given, other=0.0).to(tl.float32)
     return ids, local, given, mine, x2, slope, lq
 
 
@@ -109,7 +128,8 @@ def gathered_row(stats, row, NCOL: tl.constexpr, SPARSE: tl.constexpr):
 @triton.jit
 def shard_topk(x2k, sparse, slot, row, row_ptr, counted, geo, S, F: tl.constexpr, BLOCK_K: tl.constexpr):
     """A vocab-parallel shard's share of its rows' top-k logits: x2 at the ids in its columns, -inf at
-    the others (the merge takes the max over the shards), stored in ``x2k`` [n_rows, BLOCK_K]."""
+    the others (the merge takes the max over the shards), stored in ``x2k`` [n_rows, BLOCK_K] and
+    returned for the shard's rest sum (:func:`rest_sum` over the ids it holds)."""
     k = tl.arange(0, BLOCK_K)
     x2 = tl.full([BLOCK_K], float("-inf"), tl.float32)
     if counted:
@@ -117,13 +137,14 @@ def shard_topk(x2k, sparse, slot, row, row_ptr, counted, geo, S, F: tl.constexpr
                                                                   geo.V, geo.V_total, S, F, BLOCK_K)
         x2 = tl.where(mine, x2_mine, float("-inf"))
     tl.store(x2k + row * BLOCK_K + k, x2)
+    return x2
 
 
 @triton.jit
 def _outcome(ls, lt, given, S, F: tl.constexpr):
     """(D_o, G_o, p_o G_o) of the divergence's outcomes (0 log 0 = 0; vectors or scalars) with student
-    log-prob ls and teacher lt: forward KL, reverse KL (G less its constant 1, which cancels), or the
-    mixture JSD (G = (1 - beta) log(p / M))."""
+    log-prob ls and teacher lt, G_o = dD/dp_o: forward KL -q/p, reverse KL log(p / q) + 1, or the mixture
+    JSD's (1 - beta) log(p / M)."""
     p = tl.where(given, tl.exp(ls), 0.0)
     q = tl.where(given, tl.exp(lt), 0.0)
     if F.TOPK_DIV == 0:
@@ -131,9 +152,10 @@ def _outcome(ls, lt, given, S, F: tl.constexpr):
         G = tl.where(q > 0.0, -q / p, 0.0)
         h = -q
     elif F.TOPK_DIV == 1:
-        G = tl.where(p > 0.0, ls - lt, 0.0)
-        d = p * G
-        h = d
+        gap = tl.where(p > 0.0, ls - lt, 0.0)
+        d = p * gap
+        G = tl.where(p > 0.0, gap + 1.0, 0.0)
+        h = d + p
     else:
         a = ls + tl.log(1.0 - S.jsd_beta)
         b = lt + tl.log(S.jsd_beta)
@@ -148,9 +170,10 @@ def _outcome(ls, lt, given, S, F: tl.constexpr):
 
 
 @triton.jit
-def topk_math(x2, lq, ids, given, lse2, arg, S, F: tl.constexpr, BLOCK_K: tl.constexpr):
+def topk_math(x2, lq, ids, given, lse2, p_rest, arg, S, F: tl.constexpr, BLOCK_K: tl.constexpr):
     """(D, student mass, teacher mass, top-1 agreement, a, h) of a row's top-k teacher (module
-    docstring); ``arg`` the student's argmax."""
+    docstring); ``arg`` the student's argmax, ``p_rest`` its probability off the ids (``rest`` only:
+    :func:`rest_sum` / d). The gradient is a p_i everywhere but at the ids, h_k there (a p_k included)."""
     lps = (x2 - lse2) * LN2
     ps = tl.where(given, tl.exp(lps), 0.0)
     qs = tl.where(given, tl.exp(lq), 0.0)
@@ -175,37 +198,45 @@ def topk_math(x2, lq, ids, given, lse2, arg, S, F: tl.constexpr, BLOCK_K: tl.con
         D = tl.where(D < 0.0, 0.0, D)  # (NaN stays NaN)
         h = -on * tl.where(keep, qc, 0.0)
         a = -tl.sum(h, axis=0)
-    else:
+        h = h + a * ps
+    elif F.TOPK_FORM == 1:  # both sides renormalised over the ids
         xk = x2 * LN2
         top_x = tl.max(tl.where(given, xk, float("-inf")), axis=0)
         top_x = tl.where(top_x == float("-inf"), 0.0, top_x)
         lse_k = top_x + tl.log(tl.sum(tl.where(given, tl.exp(xk - top_x), 0.0), axis=0))
-        if F.TOPK_FORM == 1:  # both sides renormalised over the ids
-            top_q = tl.max(lq_given, axis=0)
-            top_q = tl.where(top_q == float("-inf"), 0.0, top_q)
-            lse_q = top_q + tl.log(tl.sum(tl.where(given, tl.exp(lq - top_q), 0.0), axis=0))
-            ls = xk - lse_k
-            d, G, hp = _outcome(ls, lq - lse_q, given, S, F)
-            p_tilde = tl.where(given, tl.exp(ls), 0.0)
-            D = tl.sum(d, axis=0)
-            h = hp - p_tilde * tl.sum(hp, axis=0)
-            a = tl.zeros([], tl.float32)
-        else:  # the ids plus the rest of the vocabulary
-            p_rest = -expm1_neg(tl.minimum(lse_k - lse2 * LN2, 0.0))
-            q_rest = tl.maximum(1.0 - mass_t, 0.0)
-            d, G, hp = _outcome(lps, lq, given, S, F)
-            d_r, G_r, h_r = _outcome(tl.log(p_rest), tl.log(q_rest), p_rest >= 0.0, S, F)
-            G_r = tl.where(p_rest > 0.0, G_r, 0.0)
-            D = tl.sum(d, axis=0) + d_r
-            h = hp - ps * G_r
-            a = mass_s * G_r - tl.sum(hp, axis=0)
+        top_q = tl.max(lq_given, axis=0)
+        top_q = tl.where(top_q == float("-inf"), 0.0, top_q)
+        lse_q = top_q + tl.log(tl.sum(tl.where(given, tl.exp(lq - top_q), 0.0), axis=0))
+        ls = xk - lse_k
+        d, G, hp = _outcome(ls, lq - lse_q, given, S, F)
+        p_tilde = tl.where(given, tl.exp(ls), 0.0)
+        D = tl.sum(d, axis=0)
+        h = hp - p_tilde * tl.sum(hp, axis=0)
+        a = tl.zeros([], tl.float32)
+    else:  # the ids plus the rest of the vocabulary: TRL's tail bucket, each side's tail at least REST_FLOOR
+        mass_t64 = tl.sum(tl.where(given, tl.exp(lq.to(tl.float64)), 0.0), axis=0)
+        q_rest = (1.0 - mass_t64).to(tl.float32)
+        d, G, hp = _outcome(lps, lq, given, S, F)
+        d_r, G_r, h_r = _outcome(tl.log(tl.maximum(p_rest, REST_FLOOR)), tl.log(tl.maximum(q_rest, REST_FLOOR)),
+                                 True, S, F)
+        free = p_rest > REST_FLOOR  # a clamped tail is a constant: nothing flows through it
+        G_r = tl.where(free, G_r, 0.0)
+        h_r = tl.where(free, h_r, 0.0)
+        sum_hp = tl.sum(hp, axis=0)
+        D = tl.sum(d, axis=0) + d_r
+        # dD/dx_i = p_i ((1 - p_r) G_r - sum_k p_k G_k) + [i in K] p_i (G_i - G_r); at the ids that is
+        # p_k G_k - p_k (p_r G_r + sum p G), with no large G_r to cancel
+        a = G_r - h_r - sum_hp
+        h = hp - ps * (h_r + sum_hp)
     return D, mass_s, mass_t, agree, a, tl.where(given, h, 0.0)
 
 
 @triton.jit
-def topk_values(row_out, x2, lq, ids, given, lse2, arg, S, F: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr):
+def topk_values(row_out, x2, lq, ids, given, lse2, p_rest, arg, S, F: tl.constexpr, C: tl.constexpr,
+                BLOCK_K: tl.constexpr):
     """A row's top-k values stored in their columns: (weighted D, a, h) for the gradient."""
-    D, mass_s, mass_t, agree, a, h = topk_math(x2, lq, ids, given, lse2, arg, S, F, BLOCK_K)
+    D, mass_s, mass_t, agree, a, h = topk_math(x2, lq, ids, given, lse2, p_rest, arg, S, F, BLOCK_K)
+    put(row_out, C.rest_mass, p_rest)
     put(row_out, C.divergence, D)
     put(row_out, C.student_mass, mass_s)
     put(row_out, C.teacher_mass, mass_t)
@@ -216,7 +247,8 @@ def topk_values(row_out, x2, lq, ids, given, lse2, arg, S, F: tl.constexpr, C: t
 @triton.jit
 def topk_scatter(grad_row_ptr, ids, in_range, x2, slope, lse, A, B, C, D, y, h, S, F: tl.constexpr):
     """Rewrite the gradient at the teacher's ids whole, after the gradient pass stored its dense share
-    there (the caller's barrier orders the two): p (A + B x) + C + D [id = y] + h, times dx/dz."""
+    there (the caller's barrier orders the two): p (A + B x) + C + D [id = y] + h, times dx/dz, with
+    ``A`` the other terms' share (without the teacher's a) and ``h`` the teacher's whole share there."""
     p = tl.exp2(x2 - lse * LOG2E)
     g = p * (A + B * LN2 * tl.maximum(x2, NEG_BIG)) + h
     if F.HAS_SMOOTHING:
@@ -227,32 +259,54 @@ def topk_scatter(grad_row_ptr, ids, in_range, x2, slope, lse, A, B, C, D, y, h, 
 
 
 @triton.jit
-def check_teacher_kernel(ids, logprobs, entries, V, verdict, dirty, BLOCK: tl.constexpr):
+def check_teacher_kernel(
+    ids,  # (n_rows, K) int top-k ids, or None: a per-token teacher
+    logprobs,  # (n_rows, K) float, (n_rows,) for a per-token teacher
+    n_rows,
+    K,  # entries per row (1 for a per-token teacher)
+    V,
+    verdict,  # (VERDICT.N,) int64 slot (host memory), written only when an entry is bad
+    dirty,  # (1,) int64 host word set with it
+    ROWS: tl.constexpr,  # rows per program
+    BLOCK_K: tl.constexpr,  # K rounded up to a power of two
+):
     """The sparse teacher's values, on the device (validation): ids in [0, V) or -1, log-probs <= 0
-    and not NaN where an id is given (every entry of a per-token teacher). The first bad entry's key
-    (2 x flat index, + 1 for a log-prob) reaches the verdict slot as TEACHER_MARK - key by a maximum,
-    then the slot's flag and the dirty word are set; nothing is written when all is well."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = i < entries
+    and not NaN where an id is given (every entry of a per-token teacher), and no id twice among a
+    row's entries (an entry with id -1 or log-prob -inf is no entry). Each row's entries are sorted by
+    (id, position), so an entry that repeats an id follows its first one. The first bad entry's key
+    (layouts.TeacherKeys: 3 x its flat index + the kind) reaches the verdict slot as
+    TEACHER_MARK - key by a maximum, then the slot's flag and the dirty word are set; nothing is
+    written when all is well."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    k = tl.arange(0, BLOCK_K)[None, :]
+    inside = (r < n_rows) & (k < K)
+    i = r * K + k
     lq = tl.load(logprobs + i, mask=inside, other=0.0).to(tl.float32)
-    given = inside
-    bad_id = inside & (i < 0)  # (False, shaped like i)
-    if ids is not None:
-        id_ = tl.load(ids + i, mask=inside, other=-1).to(tl.int64)
-        given = inside & (id_ != -1)
-        bad_id = given & ((id_ < 0) | (id_ >= V))
-    bad_lq = given & ~(lq <= 0.0)
     none = NO_BAD_ENTRY
-    key = tl.where(bad_id, 2 * i, tl.where(bad_lq, 2 * i + 1, none))
-    first = tl.min(key, axis=0)
+    if ids is None:
+        key = tl.where(inside & ~(lq <= 0.0), TEACHER_KEYS.N * i + TEACHER_KEYS.logprob, none)
+    else:
+        id_ = tl.load(ids + i, mask=inside, other=-1).to(tl.int64)
+        has_id = inside & (id_ != -1)
+        bad_id = has_id & ((id_ < 0) | (id_ >= V))
+        key = tl.where(bad_id, TEACHER_KEYS.N * i + TEACHER_KEYS.id,
+                       tl.where(has_id & ~(lq <= 0.0), TEACHER_KEYS.N * i + TEACHER_KEYS.logprob, none))
+        if BLOCK_K > 1:  # duplicates: an entry sorts as id * BLOCK_K + position, a non-entry as an id past V
+            entry = has_id & ~bad_id & (lq != float("-inf"))
+            order = tl.sort(tl.where(entry, id_, V + 1 + k) * BLOCK_K + k, dim=1)
+            following = tl.gather(order, tl.minimum(k + 1, BLOCK_K - 1) + tl.zeros([ROWS, BLOCK_K], tl.int32), 1)
+            repeats = (k < BLOCK_K - 1) & (following // BLOCK_K == order // BLOCK_K)
+            at = r * K + following % BLOCK_K  # the entry that repeats the id
+            key = tl.minimum(key, tl.where(repeats, TEACHER_KEYS.N * at + TEACHER_KEYS.repeat, none))
+    first = tl.min(tl.min(key, axis=1), axis=0)
     if first < none:
         tl.atomic_max(verdict + VERDICT_AT.teacher, none - first, sem="relaxed", scope="sys")
         tl.atomic_xchg(verdict + VERDICT_AT.flag, 1, sem="release", scope="sys")
         tl.atomic_xchg(dirty, 1, sem="release", scope="sys")
 
 
-CHECK_BLOCK = 1024
-"""Entries per program of check_teacher_kernel."""
+CHECK_ENTRIES = 2048
+"""Entries per program of check_teacher_kernel (a power of two: whole rows of a top-k teacher)."""
 
 
 def launch_check_teacher(sparse: SparseRows, vocab: int, verdict: tuple) -> None:
@@ -260,5 +314,8 @@ def launch_check_teacher(sparse: SparseRows, vocab: int, verdict: tuple) -> None
     entries = sparse.logprobs.numel()
     if entries:
         slot, dirty = verdict
-        launch(check_teacher_kernel, triton.cdiv(entries, CHECK_BLOCK), 4, ids=sparse.ids, logprobs=sparse.logprobs,
-               entries=entries, V=vocab, verdict=slot, dirty=dirty, BLOCK=CHECK_BLOCK)
+        block_k = topk_block(sparse) if sparse.ids is not None else 1
+        n_rows = entries // sparse.K
+        rows = max(CHECK_ENTRIES // block_k, 1)
+        launch(check_teacher_kernel, triton.cdiv(n_rows, rows), 4, ids=sparse.ids, logprobs=sparse.logprobs,
+               n_rows=n_rows, K=sparse.K, V=vocab, verdict=slot, dirty=dirty, ROWS=rows, BLOCK_K=block_k)

@@ -1,8 +1,11 @@
 """The distillation term from a sparse teacher, in plain torch (spec.Distillation's conventions).
 
 ``x`` are the transformed logits [rows, V], ``lse`` their logsumexp; a top-k teacher gives ``ids``
-[rows, K] (-1: no entry) and ``logprobs`` [rows, K]; a per-token teacher ``logprobs`` [rows] at the
-targets. Values follow 0 log 0 = 0; an id outside [0, V) (validation off) gives NaN in its row.
+[rows, K] and ``logprobs`` [rows, K] (an entry with id -1 or log-prob -inf is no entry, TRL's ``valid``
+mask); a per-token teacher ``logprobs`` [rows] at the targets. Values follow 0 log 0 = 0; an id outside
+[0, V) (validation off) gives NaN in its row. ``rest`` is TRL's tail bucket: each side's tail
+1 - sum_k is at least REST_FLOOR (TRL clamps the log top-k mass at -1e-7), a clamped tail is a constant,
+and the student's tail is the mass of the other columns (no 1 - sum p_k).
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import math
 import torch
 
 from ..spec import Distillation
+
+REST_FLOOR = -math.expm1(-1e-7)
+"""The least tail of ``topk: rest`` (TRL's ``_add_tail_bucket`` clamps log sum_k p_k at -1e-7)."""
 
 
 def estimator(logp: torch.Tensor, lq: torch.Tensor, d: Distillation) -> torch.Tensor:
@@ -63,11 +69,12 @@ def topk_distillation(x: torch.Tensor, lse: torch.Tensor, ids: torch.Tensor, log
     the student's argmax against the teacher's top id)."""
     vocab = x.shape[-1]
     ids = ids.long()
-    given = ids != -1
+    lp = logprobs.to(x.dtype)
+    given = (ids != -1) & (lp != float("-inf"))
     in_range = given & (ids >= 0) & (ids < vocab)
     xk = x.gather(-1, torch.where(in_range, ids, 0))
     xk = torch.where(given & ~in_range, float("nan"), xk)
-    lq = torch.where(given, logprobs.to(x.dtype), 0.0)
+    lq = torch.where(given, lp, 0.0)
     lps = xk - lse[:, None]
     with torch.no_grad():
         mass_s = torch.where(given, lps.exp(), 0.0).sum(-1)
@@ -79,16 +86,18 @@ def topk_distillation(x: torch.Tensor, lse: torch.Tensor, ids: torch.Tensor, log
         if d.log_prob_min_clamp is not None:
             lps, lq = lps.clamp_min(d.log_prob_min_clamp), lq.clamp_min(d.log_prob_min_clamp)
         return _kl(lq, lps, given).clamp_min(0.0), metrics
-    lse_k = torch.logsumexp(torch.where(given, xk, float("-inf")), dim=-1)
     if d.topk == "renormalized":
+        lse_k = torch.logsumexp(torch.where(given, xk, float("-inf")), dim=-1)
         lse_q = torch.logsumexp(torch.where(given, lq, float("-inf")), dim=-1)
         lse_k, lse_q = (torch.where(t > float("-inf"), t, 0.0) for t in (lse_k, lse_q))
         return _divergence(xk - lse_k[:, None], lq - lse_q[:, None], given, d), metrics
-    # the ids plus one outcome for the rest of the vocabulary: student 1 - sum p_k = -expm1(lse_k - lse)
-    p_rest = -torch.expm1(torch.clamp(lse_k - lse, max=0.0))
-    q_rest = (1.0 - lq.exp().where(given, 0.0).sum(-1)).clamp_min(0.0)
-    log_p_rest = torch.where(p_rest > 0, torch.log(torch.where(p_rest > 0, p_rest, 1.0)), float("-inf"))
-    ls = torch.cat([lps, log_p_rest[:, None]], dim=-1)
-    lt = torch.cat([lq, torch.log(q_rest)[:, None]], dim=-1)
+    # the ids plus one outcome for the rest of the vocabulary: the student's, the mass of the other columns
+    off = torch.ones(x.shape[0], vocab + 1, dtype=torch.bool, device=x.device)
+    off.scatter_(-1, torch.where(in_range, ids, vocab), False)
+    log_p_rest = torch.logsumexp(torch.where(off[:, :vocab], x, float("-inf")), dim=-1) - lse
+    q_rest = 1.0 - torch.where(given, lq.double().exp(), 0.0).sum(-1)
+    floor = math.log(REST_FLOOR)
+    ls = torch.cat([lps, log_p_rest.clamp_min(floor)[:, None]], dim=-1)
+    lt = torch.cat([lq, torch.log(q_rest.clamp_min(REST_FLOOR)).to(x.dtype)[:, None]], dim=-1)
     keep = torch.cat([given, torch.ones_like(given[:, :1])], dim=-1)
     return _divergence(ls, lt, keep, d), metrics

@@ -173,8 +173,9 @@ def _sharded(call):
         stand_ins = {
             (logits_entry, "shard_of"): lambda group, width, device, fresh=False: layout,
             (lm_head, "rows_shard"): lambda weight, group, fresh=False: (weight, layout),
-            (engine, "gather_merged"): lambda part, _shard, own_temp=False, topk=False: shard.launch_merge(
-                torch.stack([part, part]), own_temp, topk),
+            (engine, "gather_merged"): lambda part, _shard, own_temp=False, topk=False, merge=True: (
+                shard.launch_merge(torch.stack([part, part]), own_temp, topk) if merge else
+                torch.stack([part, part])),
             (engine, "all_reduce_sum"): lambda t, _shard, what="dh": t,
             (linear, "all_reduce_sum"): lambda t, _shard, what="dh": t,
         }
@@ -243,8 +244,15 @@ VARIANTS = {
     "token-k3": _head(headloss.LossSpec(distillation={"teacher": "token", "estimator": "k3",
                                                       "estimator_clamp": True}), token=True),
     "topk-validated": _head(headloss.LossSpec(distillation={"teacher": "topk"}), topk=True, validate=True),
+    "token-validated": _head(headloss.LossSpec(distillation={"teacher": "token"}), token=True, validate=True),
     "sharded-topk": _sharded(_head(headloss.LossSpec(distillation={"teacher": "topk"}, token_accuracy=True),
                                    topk=True, group=object())),
+    # the rest form: d summed in float64, the shard's sum off the ids merged, the tail read back in backward
+    "sharded-topk-rest": _sharded(_head(headloss.LossSpec(distillation={"teacher": "topk", "topk": "rest"}),
+                                        topk=True, group=object())),
+    "topk-rest-deferred": _head(headloss.LossSpec(distillation={"teacher": "topk", "topk": "rest",
+                                                                "divergence": "reverse_kl"}, reduction="none"),
+                                topk=True),
 }
 
 

@@ -211,11 +211,11 @@ def test_a_cached_signature_still_checks_num_items_and_values_and_rereads_headlo
 
 
 @needs_kernel
-@pytest.mark.parametrize("inline", [True, False], ids=["program-0-prepares", "prepare-launch"])
+@pytest.mark.parametrize("inline", [True, False], ids=["a-program-prepares", "prepare-launch"])
 def test_both_prepare_routes_give_the_reference_and_the_same_errors(inline, monkeypatch):
     """Calls up to INLINE_PREPARE_SLOTS slots leave prepare's work (counted rows, target, num_items and
-    sequence id checks, the policy term's counters) to the head kernel's program 0; above,
-    prepare_kernel runs first."""
+    sequence id checks, the policy term's counters) to one of the head kernel's programs (the first to
+    take the call's ticket); above, prepare_kernel runs first."""
     from headloss import engine
 
     monkeypatch.setattr(engine, "INLINE_PREPARE_SLOTS", 1 << 14 if inline else 0)
@@ -230,7 +230,7 @@ def test_both_prepare_routes_give_the_reference_and_the_same_errors(inline, monk
         assert_nontrivial(pair)
         pair = run_pair(logits, targets, spec)
         assert_matches_reference(pair)
-    # a policy term: program 0 also zeroes the per-sequence clip counters and ratio extremes
+    # a policy term: the preparing program also zeroes the per-sequence clip counters and ratio extremes
     grpo = LossSpec(cross_entropy=None, entropy={"weight": 0.0}, policy={"loss_type": "grpo", "kl_beta": 0.04})
     gen = torch.Generator().manual_seed(5)
     inputs = dict(advantages=torch.randn(2, generator=gen), old_logprobs=-torch.rand(2, 5, generator=gen) * 3,
