@@ -57,9 +57,10 @@ def run_head(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyB
     traced = torch.compiler.is_compiling()
     spec = plan.spec
     shift = layout.shift
+    teacher_logits = teacher.logits
     if not traced:  # a lazily negated view (torch._neg_view): the kernels read the stored values, torch the sign
-        logits, teacher = _resolved(logits), replace(teacher, logits=_resolved(teacher.logits))
-    teacher_logits = teacher_precision(teacher.logits, logits)
+        logits, teacher_logits = _resolved(logits), _resolved(teacher_logits)
+    teacher_logits = teacher_precision(teacher_logits, logits)
     if layout.packed:
         logits, targets, (teacher_logits, ids, logprobs), packed = packed_call(
             logits, targets, (teacher_logits, teacher.ids, teacher.logprobs), layout.cu_seqlens, layout.position_ids,
@@ -71,15 +72,17 @@ def run_head(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyB
     shard = None
     reusable = True  # a recipe may hold the call's layout: a group's cached one, not a DTensor's or a "sync" call's
     if options.group is not None or is_dtensor(logits):
-        reusable = not is_dtensor(logits) and validation_mode(options.validate) != "sync"
-        logits, targets, teacher_logits, shard = _vocab_shard(logits, targets, teacher_logits, options)
+        sync = validation_mode(options.validate) == "sync"
+        reusable = not sync and not is_dtensor(logits)
+        logits, targets, teacher_logits, shard = _vocab_shard(logits, targets, teacher_logits, options, sync)
     recipe_key = None
     plain = options.route is None and spec.policy is None and batch.empty and reusable
     if plain and not traced and not teacher.sparse:
         recipe_key = _recipe_key(plan, logits, targets, teacher_logits, shift, options, shard)
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
     dtype = logits.dtype if isinstance(logits, torch.Tensor) else torch.float32
-    teacher = replace(teacher, logits=teacher_logits)
+    if teacher_logits is not teacher.logits:
+        teacher = replace(teacher, logits=teacher_logits)
     if resolve_backend(options.backend, device, dtype) == "torch":
         return _torch_head(logits, targets, plan, teacher, batch, shift=shift,
                            num_items_in_batch=num_items_in_batch, options=options, shard=shard)
@@ -225,11 +228,11 @@ def _torch_loss(logits, targets, plan: KernelPlan, teacher: Teacher, batch: Poli
     return out
 
 
-def _vocab_shard(logits, targets, teacher_logits, options: Options):
-    """(local logits, local targets, local teacher logits, VocabShard) of a vocab-parallel call;
-    what it cannot do yet is refused here, on every rank alike, before any collective."""
+def _vocab_shard(logits, targets, teacher_logits, options: Options, sync: bool):
+    """(local logits, local targets, local teacher logits, VocabShard) of a vocab-parallel call
+    (``sync``: validate="sync"); what it cannot do yet is refused here, on every rank alike, before any
+    collective."""
     group = options.group
-    sync = validation_mode(options.validate) == "sync"
     if torch.compiler.is_compiling():  # the kernels' path: the layout a constant, the statistics' all_gather traced
         traced_refusals("logits", (logits, targets, teacher_logits), sync)
         check_logits(logits)
