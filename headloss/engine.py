@@ -45,10 +45,11 @@ from .ops import (
 )
 from .output import column, guard_second_backward
 from .parallel import all_reduce_sum, gather_merged, handshake_verdict
-from .plan import KernelPlan, objective_flags, plan_from_key
+from .plan import KernelPlan, plan_from_key
 from .policy.metrics import extremes
 from .policy.objectives import policy_objective
 from .policy.tokens import PolicyInputs
+from .registry import objective_flags
 from .routes import PolicyAt, Route
 from .validation import VALIDATE_MODES, CheckContext, settle, verdict_slot
 

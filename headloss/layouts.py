@@ -5,8 +5,9 @@ Each layout is one NamedTuple of positions, written once here. Python reads it b
 ``tl.constexpr`` copies (``SCRATCH_AT.counted``), because a ``@triton.jit`` function can read a
 global only as a constexpr or through a module. There is no second list to keep in step.
 
-The per-row buffer's columns (:class:`Columns`) are named here too, but which of them a call stores
-depends on its spec: the plan's Columns value crosses into the kernels as a constexpr argument.
+The per-row buffer's columns are the terms' (headloss.registry: ROW_COLUMNS, Columns): which of them a
+call stores depends on its spec, and the plan's Columns value crosses into the kernels as a constexpr
+argument.
 """
 
 from __future__ import annotations
@@ -15,39 +16,6 @@ import types
 from typing import NamedTuple
 
 import triton.language as tl
-
-ROW_COLUMNS: dict[str, str] = {
-    "token_loss": "combined per-token loss (before reduction)",
-    "lse": "logsumexp of the transformed logits",
-    "logp": "log p(target)",
-    "ce": "cross-entropy (with smoothing)",
-    "nll": "-log p(target) (with label smoothing, where it differs from ce)",
-    "z_loss": "lse ** 2",
-    "dft": "-sg(p(target)) * log p(target)",
-    "entropy": "entropy of the softmax",
-    "accuracy": "1 where argmax == target",
-    "divergence": "distillation divergence",
-    "teacher_entropy": "teacher entropy at the distillation temperature",
-    "student_mass": "top-k teacher: the student's probability on the teacher's ids",
-    "teacher_mass": "top-k teacher: the teacher's probability on its ids",
-    "agreement": "1 where the student's argmax is the teacher's (top-k: its top id)",
-    "rest_mass": "top-k 'rest': the student's probability off the teacher's ids (deferred backward)",
-    "lse_s2": "student log2-normaliser at the distillation temperature (deferred backward)",
-    "lse_t2": "teacher log2-normaliser (deferred backward)",
-    "jsd_s": "KL(p || mixture) of the JSD (deferred backward)",
-    "policy_loss": "aggregation weight x per-token policy loss",
-    "counted": "1 where the token counts (the policy term's per-sequence metrics)",
-    "ratio": "importance ratio",
-    "kl": "per-token KL estimate",
-    "clip_low": "1 where the objective clips the token below (clip: ratio < 1 - eps_low, A < 0)",
-    "clip_high": "1 where the objective clips the token above (clip: ratio > 1 + eps_high, A > 0)",
-    "clip_dual": "verl's pg_clipfrac_lower indicator (dual clip active; DPPO: ratio truncated, token kept)",
-    "ppo_kl": "old - logp (verl's ppo_kl is its mean)",
-}
-"""Every value a kernel may store per row, by name. A plan uses a subset, packed in this order."""
-
-Columns = NamedTuple("Columns", [(name, int) for name in ROW_COLUMNS] + [("N", int)])
-Columns.__doc__ = "Column of each per-row value in the packed row buffer (-1 when absent); N columns in all."
 
 
 def kernel_view(layout: NamedTuple, name: str) -> types.ModuleType:

@@ -2,15 +2,18 @@
 
 import ast
 import inspect
+import re
 
 import pytest
 import torch
 from conftest import make_logits, make_targets, needs_kernel, with_
+from hypothesis import given
+from strategies import CI, valid_specs
 
 from headloss import DFT, CrossEntropy, Entropy, LogitTransform, LossSpec, ZLoss, head_loss
 from headloss.kernels import blocks, head, policy, primitives, shard, sparse, terms
-from headloss.layouts import ROW_COLUMNS, Columns
-from headloss.plan import Flags, Scalars, compile_plan, plan_from_key
+from headloss.plan import compile_plan, plan_from_key
+from headloss.registry import ROW_COLUMNS, Columns, Flags, Scalars
 
 RICH = LossSpec(
     cross_entropy=CrossEntropy(label_smoothing=0.1),
@@ -206,3 +209,30 @@ def test_columns_are_packed_without_gaps():
         cols = compile_plan(spec).cols
         used = sorted(i for i in cols[:-1] if i >= 0)
         assert used == list(range(cols.N))
+
+
+@CI
+@given(spec=valid_specs())
+def test_the_registry_names_every_reader_of_the_targets(spec):
+    """A spec needs targets exactly where some term of the registry reads them, and a call without them
+    names those terms."""
+    from headloss.registry import target_readers
+
+    assert spec.needs_targets == bool(target_readers(spec))
+    if spec.needs_targets:
+        with pytest.raises(ValueError, match="targets: required by " + re.escape(", ".join(target_readers(spec)))):
+            compile_plan(spec, has_targets=False)
+
+
+def test_the_registry_generates_flags_scalars_columns_and_the_metric_order():
+    """Each name once, every term's pieces in the generated records, the columns in the terms' order."""
+    from headloss.registry import METRIC_ORDER, TERMS
+
+    assert list(Flags._fields) == [flag.name for term in TERMS for flag in term.flags]
+    assert list(Scalars._fields) == [s.name for term in TERMS for s in term.scalars]
+    assert Scalars() == Scalars(**{s.name: s.default for term in TERMS for s in term.scalars})
+    assert list(ROW_COLUMNS) == [c.name for term in TERMS for c in term.columns] == list(Columns._fields[:-1])
+    assert METRIC_ORDER[0] == "loss" and METRIC_ORDER[-1] == "n_tokens" and len(set(METRIC_ORDER)) == len(METRIC_ORDER)
+    for name in ("flags", "scalars", "columns"):
+        names = [part.name for term in TERMS for part in getattr(term, name)]
+        assert len(names) == len(set(names)), name

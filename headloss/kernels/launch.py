@@ -19,7 +19,7 @@ import torch
 import triton
 
 from .. import bounded, env
-from ..plan import Scalars
+from ..registry import Scalars
 
 try:  # Triton's private C binder: the fast path needs it, launch() works without it
     from triton._C.libtriton import native_specialize_impl as _native_specialize

@@ -27,8 +27,8 @@ from ..layouts import (
     SEQUENCE_EXTREMES,
     SEQUENCE_EXTREMES_AT,
 )
-from ..plan import Scalars
 from ..policy_tables import IMPORTANCE_SAMPLING
+from ..registry import Scalars
 from .launch import launch
 from .terms import _objective, kl_estimator
 
@@ -425,7 +425,7 @@ def launch_policy_objective(flags, scalars: Scalars, *, logp: torch.Tensor, entr
                             total: torch.Tensor | None = None, out: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(loss, metrics (OBJECTIVE_OUT.N,), d_rows (N, d_cols)) of the deferred mode's policy term on
-    ``n_seq`` sequences of ``seq_len`` rows (plan.ObjectiveFlags ``flags``; inputs as
+    ``n_seq`` sequences of ``seq_len`` rows (registry.ObjectiveFlags ``flags``; inputs as
     policy_sequence_kernel takes them): two launches, or one without ``metrics`` (loss and metrics
     None). The loss is ``base_loss`` plus the policy term; d_rows (``grad``, else None) is d loss / d rows
     for one unit of upstream gradient. ``total`` / ``out``: where to write the loss (it may be

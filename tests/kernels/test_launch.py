@@ -20,7 +20,8 @@ from headloss import logits as logits_module
 from headloss.kernels import launch as launch_module
 from headloss.kernels.head import PolicyRows, Prepare, next_nonce
 from headloss.kernels.launch import Geometry, spec_key, triton_specialisation
-from headloss.plan import Scalars, compile_plan
+from headloss.plan import compile_plan
+from headloss.registry import Scalars
 
 
 def one_call(args: tuple):

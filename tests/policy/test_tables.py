@@ -17,9 +17,10 @@ from test_oracles import ORACLE_TESTS
 from headloss import LossSpec, Policy, head_loss
 from headloss import policy_tables as tables
 from headloss.kernels import terms
-from headloss.plan import compile_plan, objective_flags
+from headloss.plan import compile_plan
 from headloss.policy import objectives
 from headloss.reference import policy as reference_policy
+from headloss.registry import objective_flags
 from headloss.spec import PolicyLossType, PolicyObjective
 
 
