@@ -14,7 +14,7 @@ import torch
 
 from .batch import Teacher
 from .plan import KernelPlan
-from .policy.tokens import PolicyInputs
+from .policy.tokens import PolicyTokens
 from .routes import Chunks
 from .spec import Policy
 
@@ -70,7 +70,7 @@ class LinearRun:
     traced: bool = False  # under torch.compile (the route's)
     shard: Any = None  # vocab-parallel: a headloss.parallel.VocabShard (the weight's rows)
     seq_len: int = 0  # sequences: rows per sequence (each chunk holds whole sequences)
-    policy: PolicyInputs | None = None  # sequences and the corrected routes: the call's policy inputs
+    policy: PolicyTokens | None = None  # sequences and the corrected routes: the call's policy inputs
     objective: Policy | None = None  # the corrected routes: the spec's policy (``plan`` runs its base)
     d_rows_by_kernel: bool = False  # sequences: each chunk's d loss / d rows by the objective kernel
     reduce_hidden_grad: bool = True  # vocab-parallel: dh summed over the group (else this rank's share)

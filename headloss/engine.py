@@ -48,7 +48,7 @@ from .parallel import all_reduce_sum, gather_merged, handshake_verdict
 from .plan import KernelPlan, plan_from_key
 from .policy.metrics import extremes
 from .policy.objectives import policy_objective
-from .policy.tokens import PolicyInputs
+from .policy.tokens import PolicyTokens
 from .registry import objective_flags
 from .routes import PolicyAt, Route
 from .validation import VALIDATE_MODES, CheckContext, settle, verdict_slot
@@ -117,7 +117,7 @@ class CallTensors(NamedTuple):
     teacher_logprobs: torch.Tensor | None = None  # its log-probs [n_out, K], or a per-token teacher's [n_out]
 
     @classmethod
-    def of(cls, targets, teacher: Teacher, epilogue: PolicyInputs | None, num_items, sequence_ids,
+    def of(cls, targets, teacher: Teacher, epilogue: PolicyTokens | None, num_items, sequence_ids,
            sparse: SparseRows | None = None) -> CallTensors:
         """The tensors of a call; ``epilogue``: the policy inputs the fused epilogue reads (else None);
         ``sparse``: a top-k or per-token teacher, laid out per slot."""
@@ -162,7 +162,7 @@ class HeadRun:
     adv_span: int = 1  # policy: slots per advantage (K: one per sequence of [B, K])
     seq_len: int = 0  # policy: K when sequences are the rows of [B, K] (see PolicyRows)
     shard: Any = None  # vocab-parallel: a headloss.parallel.VocabShard
-    objective: PolicyInputs | None = None  # deferred+kernels: the policy term's inputs, run in this Function
+    objective: PolicyTokens | None = None  # deferred+kernels: the policy term's inputs, run in this Function
 
     def op_args(self) -> tuple[str, list[int], float]:
         """The run as a head op takes it (:meth:`from_op_args`): the plan's key, ints, the normaliser."""
@@ -467,7 +467,7 @@ def _grad_mode(run: HeadRun, logits: torch.Tensor, wanted: bool) -> GradMode:
 
 
 class ObjectiveTensors(NamedTuple):
-    """The policy objective kernels' per-token inputs (flat, from PolicyInputs), in op order."""
+    """The policy objective kernels' per-token inputs (flat, from PolicyTokens), in op order."""
 
     old: torch.Tensor | None
     ref: torch.Tensor | None
@@ -478,18 +478,18 @@ class ObjectiveTensors(NamedTuple):
     sampled: torch.Tensor | None  # the rollout's log-probs (else the old ones): the off-policy mask's
 
     @classmethod
-    def of(cls, inp: PolicyInputs) -> ObjectiveTensors:
+    def of(cls, inp: PolicyTokens) -> ObjectiveTensors:
         sampled = inp.rollout_logprobs if inp.rollout_logprobs is not None else inp.old_logprobs
         return cls(inp.old_logprobs, inp.ref_logprobs, inp.advantages, inp.importance_weights, inp.mask, inp.weight,
                    sampled)
 
 
-def _objective_layout(inp: PolicyInputs) -> list[int]:
+def _objective_layout(inp: PolicyTokens) -> list[int]:
     """sequence_level, n_seq, seq_len, adv_span: the objective kernels' layout of ``inp``'s rows."""
     return [int(inp.sequence_level), inp.n_slots, inp.seq_len, inp.adv_span]
 
 
-def objective_launch(plan: KernelPlan, rows: torch.Tensor, inp: PolicyInputs, *, traced: bool = False, **kwargs):
+def objective_launch(plan: KernelPlan, rows: torch.Tensor, inp: PolicyTokens, *, traced: bool = False, **kwargs):
     """kernels.policy.launch_policy_objective on the deferred mode's packed rows and flat policy inputs;
     ``traced`` (under torch.compile): through the ``policy_objective`` op, into fresh outputs (``total``
     and ``out`` are not taken)."""
@@ -543,7 +543,7 @@ class PolicyObjectiveFunction(torch.autograd.Function):
     gradient) to the head's backward."""
 
     @staticmethod
-    def forward(ctx, loss, rows, plan: KernelPlan, inp: PolicyInputs):
+    def forward(ctx, loss, rows, plan: KernelPlan, inp: PolicyTokens):
         total, out, d_rows = objective_launch(plan, rows, inp, base_loss=loss, grad=ctx.needs_input_grad[1],
                                               traced=torch.compiler.is_compiling())
         ctx.save_for_backward(d_rows)
@@ -576,7 +576,7 @@ _OBJECTIVE_NAMES: dict[str, tuple[str, ...]] = cache("engine.objective_names", 1
                                                      "objective_metrics' metric names by plan key")
 
 
-def policy_terms(route: Route, plan: KernelPlan, loss, rows, means, scratch, pol: PolicyInputs | None,
+def policy_terms(route: Route, plan: KernelPlan, loss, rows, means, scratch, pol: PolicyTokens | None,
                  kernel_sequences: bool = False) -> tuple[torch.Tensor, dict]:
     """The policy term's share outside the head kernel, as ``route`` says: after the fused epilogue
     the metrics the kernel did not reduce (per-sequence clip fractions of rows with sequence_ids, or

@@ -141,7 +141,7 @@ class HeadCall:
     logits: torch.Tensor  # [N, V] or [B, T, V], as given (strided rows allowed)
     targets: torch.Tensor | None  # flat [B * K (+ shift)] dense ints
     teacher: torch.Tensor | None  # like logits
-    policy: Any  # headloss.policy.PolicyInputs or None
+    policy: Any  # headloss.policy.PolicyTokens or None
     norm: Normaliser
     geo: Geometry  # gradient strides for a fresh contiguous buffer (engine swaps them in place)
     token_shape: tuple[int, ...]  # shape of the per-token outputs: the targets' (or the rows')

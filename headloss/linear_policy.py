@@ -75,7 +75,7 @@ def cov_correction(run: LinearRun, head: LmHead, rows, acc) -> None:
     """clip_cov / kl_cov on the lm_head: the chunks ran the base objective fused (three GEMMs); the
     few selected tokens (cov_ratio of them, verl's 2e-4 by default) then change: kl_cov adds
     coef |log r| to theirs, clip_cov drops the base objective's (:func:`correct_rows`). The metrics
-    the base does not have go on the call's PolicyInputs (``correction_metrics``). ``rows``: every row's
+    the base does not have go on the call's PolicyTokens (``correction_metrics``). ``rows``: every row's
     values (skipped rows hold 0); ``acc``: the forward's gradients, loss and means (headloss.linear)."""
     plan, pol, policy = run.plan, run.policy, run.objective
     logp = rows[:, plan.cols.logp].detach()
@@ -140,9 +140,6 @@ def correct_rows(run: LinearRun, head: LmHead, chosen, d_logp, added, acc) -> No
         grads.db += g.sum(dim=0, dtype=torch.float32)
 
 
-LN2 = 0.6931471805599453
-
-
 def guess_mask(run: LinearRun, logits, y_c, geo: Geometry, chunk: PolicyRows, guess: torch.Tensor,
                 seen: torch.Tensor, start: int, stop: int) -> PolicyRows:
     """The top-entropy mask on the lm_head, before its batch quantile is known: this chunk's
@@ -155,7 +152,8 @@ def guess_mask(run: LinearRun, logits, y_c, geo: Geometry, chunk: PolicyRows, gu
     valid = y_c != run.ignore_index
     d = part[:, STATS.d].clamp(min=1e-30)
     # base-2 statistics (m2, sum 2^(x2 - m2), sum 2^(x2 - m2) x2) -> the entropy in nats
-    entropy = torch.where(valid, LN2 * (part[:, STATS.m2] + torch.log2(d) - part[:, STATS.sum_ex2] / d), math.nan)
+    entropy = torch.where(valid, math.log(2.0) * (part[:, STATS.m2] + torch.log2(d) - part[:, STATS.sum_ex2] / d),
+                          math.nan)
     seen[start:stop] = entropy
     keep = (entropy >= _guess_threshold(seen[:stop], run.objective.top_entropy_quantile)) & valid
     guess[start:stop] = keep
@@ -173,7 +171,7 @@ def entropy_mask_correction(run: LinearRun, head: LmHead, rows, guess, acc) -> N
     (:func:`guess_mask`); the batch quantile of the entropies (over ``entropy_quantile_group``
     when given) now gives the true mask, and the rows whose guess was wrong gain or lose their
     objective (:func:`correct_rows`). The KL and a loss-aggregated entropy bonus never depend on
-    the mask. The mask's metrics go on the call's PolicyInputs (``correction_metrics``). ``rows`` and
+    the mask. The mask's metrics go on the call's PolicyTokens (``correction_metrics``). ``rows`` and
     ``guess`` hold every row (skipped rows 0); ``acc`` as :func:`cov_correction`'s."""
     plan, pol, policy = run.plan, run.policy, run.objective
     logp = rows[:, plan.cols.logp].detach()

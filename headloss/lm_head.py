@@ -48,7 +48,7 @@ from .parallel import (
 )
 from .plan import KernelPlan
 from .policy.inputs import policy_inputs
-from .policy.tokens import PolicyInputs
+from .policy.tokens import PolicyTokens
 from .reference import reference_head_loss
 from .routes import Chunks, PolicyAt, facts_of, resolve_backend
 from .spec import LossSpec
@@ -56,7 +56,7 @@ from .validation import Normaliser, normaliser, validation_mode
 
 
 @dataclass
-class _Call:
+class LinearCall:
     """A linear_head_loss call after its host-side checks."""
 
     hidden: torch.Tensor  # [.., H]
@@ -69,7 +69,7 @@ class _Call:
     rows_shape: tuple[int, ...]  # the row-aligned targets' shape
     norm: Normaliser
     given: PolicyBatch  # the policy inputs, row-aligned
-    policy: PolicyInputs | None
+    policy: PolicyTokens | None
     backend: str
     sparse: SparseRows | None = None  # a top-k or per-token teacher, per row
 
@@ -142,7 +142,7 @@ def _local(hidden, weight, bias, targets, teacher: Teacher, options: LinearOptio
 
 
 def _check(hidden, weight, bias, targets, spec: LossSpec, teacher: Teacher, batch: PolicyBatch, layout: Layout,
-           num_items_in_batch, options: LinearOptions, mode: str, vocab: int | None = None) -> _Call:
+           num_items_in_batch, options: LinearOptions, mode: str, vocab: int | None = None) -> LinearCall:
     """Every host-side check of a linear_head_loss call, and its inputs made row-aligned (``vocab``: a
     vocab-parallel call's whole vocabulary)."""
     shift = layout.shift
@@ -177,12 +177,12 @@ def _check(hidden, weight, bias, targets, spec: LossSpec, teacher: Teacher, batc
     rows_shape = tuple(targets.shape) if targets is not None else token_rows
     policy, targets = policy_inputs(spec.policy, rows_shape, targets, spec.ignore_index, norm.as_torch(), mode,
                                     batch.given(), norm_length=token_shape[1] if completion else None)
-    return _Call(hidden=hidden, weight=weight, bias=bias, targets=targets, teacher=teacher, token_rows=token_rows,
+    return LinearCall(hidden=hidden, weight=weight, bias=bias, targets=targets, teacher=teacher, token_rows=token_rows,
                  token_shape=token_shape, rows_shape=rows_shape, norm=norm, given=batch, policy=policy, backend=backend,
                  sparse=sparse)
 
 
-def _kernels(call: _Call, plan: KernelPlan, shard, options: LinearOptions, mode: str, traced: bool
+def _kernels(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, mode: str, traced: bool
              ) -> HeadLossOutput:
     """The kernels' path: the route, its chunk cut, the chunk loop in LinearFunction, the policy term's
     share outside it, the output."""
@@ -300,7 +300,7 @@ def trim(out: HeadLossOutput, token_shape: tuple[int, ...]) -> HeadLossOutput:
     return out
 
 
-def _torch_linear(call: _Call, spec: LossSpec, shard, options: LinearOptions, mode: str) -> HeadLossOutput:
+def _torch_linear(call: LinearCall, spec: LossSpec, shard, options: LinearOptions, mode: str) -> HeadLossOutput:
     """The plain-torch path: the whole weight (and teacher) on every rank, each keeping its rows' gradient;
     with hidden_grad="partial" dh through this rank's columns only."""
     weight, bias, teacher = call.weight, call.bias, call.teacher
@@ -318,7 +318,7 @@ def _torch_linear(call: _Call, spec: LossSpec, shard, options: LinearOptions, mo
                                                  own))
 
 
-def _torch_linear_loss(call: _Call, spec: LossSpec, mode: str, own) -> HeadLossOutput:
+def _torch_linear_loss(call: LinearCall, spec: LossSpec, mode: str, own) -> HeadLossOutput:
     """``own`` (vocab start, width): hidden_grad="partial", dh through this rank's columns only."""
     hidden, weight, bias, targets = call.hidden, call.weight, call.bias, call.targets
     if targets is not None:  # as the kernel path skips them: an ignored row's hidden state reaches nothing

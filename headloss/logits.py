@@ -127,7 +127,7 @@ def _kernels(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyB
 
 def _checked(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyBatch, shift: bool, num_items_in_batch,
              options: Options, shard) -> tuple:
-    """(HeadRun, CallTensors, Route, PolicyInputs or None) of a call after every host-side check; with a
+    """(HeadRun, CallTensors, Route, PolicyTokens or None) of a call after every host-side check; with a
     group and validate="sync", every rank learns of any rank's error."""
     spec = plan.spec
     sync = validation_mode(options.validate) == "sync"

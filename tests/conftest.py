@@ -364,7 +364,7 @@ def check_sequence_extremes(device, batch: int, length: int, strided: bool, nan:
     """policy.metrics.extremes on [B, T] rows by its two launches against its torch ops, on ``device``
     (tests/policy, tests/test_gpu.py)."""
     from headloss.policy.metrics import extremes
-    from headloss.policy.tokens import PolicyInputs
+    from headloss.policy.tokens import PolicyTokens
 
     gen = torch.Generator(device).manual_seed(seed)
     n = batch * length
@@ -386,7 +386,7 @@ def check_sequence_extremes(device, batch: int, length: int, strided: bool, nan:
         low, high, ratio = packed[:, 1], packed[:, 3], packed[:, 4]
     means = {name: torch.rand((), generator=gen, device=device)
              for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "ratio/mean")}
-    inp = PolicyInputs(advantages=torch.zeros(n, device=device), old_logprobs=None, ref_logprobs=None,
+    inp = PolicyTokens(advantages=torch.zeros(n, device=device), old_logprobs=None, ref_logprobs=None,
                        importance_weights=None, seq=None, n_slots=batch, n_seq=batch, seq_len=length,
                        num_items_in_batch=None)
     count = mask.sum()

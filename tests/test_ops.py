@@ -325,7 +325,7 @@ def test_opcheck_policy_ops():
     (sequence chunks)."""
     from headloss.engine import policy_objective_op
     from headloss.policy.metrics import sequence_extremes
-    from headloss.policy.tokens import PolicyInputs, policy_as_lists, policy_from_lists
+    from headloss.policy.tokens import PolicyTokens, policy_as_lists, policy_from_lists
 
     gen = torch.Generator().manual_seed(12)
     batch, length = 3, 4
@@ -344,7 +344,7 @@ def test_opcheck_policy_ops():
     ratio, low, high = (torch.rand(n, generator=gen) for _ in range(3))
     means = [torch.rand((), generator=gen) for _ in range(3)]
     torch.library.opcheck(sequence_extremes.op, (ratio, low, high, mask, mask.sum(), *means, batch, length))
-    inp = PolicyInputs(advantages=adv, old_logprobs=old, ref_logprobs=None, importance_weights=None, seq=None,
+    inp = PolicyTokens(advantages=adv, old_logprobs=old, ref_logprobs=None, importance_weights=None, seq=None,
                        n_slots=batch, n_seq=torch.tensor(batch), seq_len=length, num_items_in_batch=7.0, mask=mask,
                        weight=weight, sequence_level=True, norm_length=None, adv_span=2, raw=True)
     back = policy_from_lists(*policy_as_lists(inp))

@@ -58,7 +58,7 @@ class PatchError(ValueError):
 
 
 @dataclass
-class _Call:
+class _PendingLoss:
     """One forward with labels, between the model's forward and its head."""
 
     labels: torch.Tensor | None
@@ -159,7 +159,7 @@ class HeadPatch:
         self.metrics = MetricsAccumulator(names=metric_names)
         self.eval_metrics = MetricsAccumulator(names=metric_names, prefix="eval_")
         self.last: HeadLossOutput | None = None
-        self._pending: _Call | None = None
+        self._pending: _PendingLoss | None = None
         self._inputs: dict[str, Any] = {}
         self._specs: dict[int, LossSpec] = {}
         self._active = False
@@ -192,7 +192,7 @@ class HeadPatch:
             if not self._active or (labels is None and shift_labels is None) or self._pending is not None \
                     or kwargs.get("fused_lm_head"):
                 return original_forward(*args, **kwargs)  # (fused_lm_head: TRL's own head, as TRL asks)
-            call = _Call(labels=labels, shift_labels=shift_labels,
+            call = _PendingLoss(labels=labels, shift_labels=shift_labels,
                          num_items_in_batch=kwargs.get("num_items_in_batch"), ignore_index=kwargs.get("ignore_index"))
             self._pending = call
             try:
@@ -283,7 +283,7 @@ class HeadPatch:
             self._specs[ignore_index] = spec
         return spec
 
-    def _head_loss(self, call: _Call, hidden: torch.Tensor, original_head) -> torch.Tensor:
+    def _head_loss(self, call: _PendingLoss, hidden: torch.Tensor, original_head) -> torch.Tensor:
         spec = self._spec_for(call.ignore_index)
         if call.shift_labels is not None:
             targets, shift = call.shift_labels, False
@@ -307,7 +307,7 @@ class HeadPatch:
         )
         return hidden.new_empty(*hidden.shape[:-1], 0)
 
-    def _finish(self, out, call: _Call):
+    def _finish(self, out, call: _PendingLoss):
         result = call.result
         self.last = result
         accumulator = self.metrics if self.model.training else self.eval_metrics

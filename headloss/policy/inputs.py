@@ -16,7 +16,7 @@ from ..packed import Packed, marked, packed_per_sequence
 from ..policy_tables import LOSS_TYPES
 from ..spec import Policy, separate_kl_entropy
 from ..validation import NOT_BINARY, count_value
-from .tokens import PolicyInputs, seq_of
+from .tokens import PolicyTokens, seq_of
 from .weights import aggregation_weights, kl_entropy_weights, rollout_weights
 
 
@@ -30,7 +30,7 @@ def policy_inputs(
     given: dict[str, torch.Tensor | None],
     raw: bool = False,
     norm_length: int | None = None,
-) -> tuple[PolicyInputs | None, torch.Tensor | None]:
+) -> tuple[PolicyTokens | None, torch.Tensor | None]:
     """Check and flatten the policy term's per-call inputs; returns (inputs, effective targets).
 
     Tokens outside ``loss_mask`` become ``ignore_index`` in the effective targets: every term sees the
@@ -76,7 +76,7 @@ def policy_inputs(
         advantages = advantages.contiguous()
     else:
         advantages = flat(advantages.repeat_interleave(token_shape[1]) if per_sequence else advantages)
-    inputs = PolicyInputs(
+    inputs = PolicyTokens(
         advantages=advantages, old_logprobs=flat(present.get("old_logprobs")),
         ref_logprobs=flat(present.get("ref_logprobs")), importance_weights=flat(present.get("importance_weights")),
         seq=seq, n_slots=n_slots, n_seq=n_seq, seq_len=seq_len, num_items_in_batch=num_items_in_batch,
@@ -111,7 +111,7 @@ def _token_mask(targets: torch.Tensor, ignore_index: int, loss_mask: torch.Tenso
     return mask & loss_mask.bool(), not_binary
 
 
-def _rollout_inputs(inputs: PolicyInputs, present: dict[str, Any], flat_mask: torch.Tensor, policy: Policy) -> None:
+def _rollout_inputs(inputs: PolicyTokens, present: dict[str, Any], flat_mask: torch.Tensor, policy: Policy) -> None:
     """The rollout's log-probs (fp32, 0 at masked tokens) and, with policy.rollout_is, the importance
     weights they give."""
     masked = lambda t: torch.where(flat_mask, t.reshape(-1).float(), 0.0)  # noqa: E731

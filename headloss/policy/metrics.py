@@ -10,10 +10,10 @@ from ..kernels.policy import launch_sequence_extremes
 from ..layouts import EXTREME_METRICS, EXTREMES
 from ..ops import kernel_op
 from .masks import high_entropy_metrics
-from .tokens import PolicyInputs, TokenObjective, seq_of, seq_sum
+from .tokens import PolicyTokens, TokenObjective, seq_of, seq_sum
 
 
-def policy_metrics(logp, entropy, tok: TokenObjective, kl, mask, inp: PolicyInputs, extremes_by_kernel: bool = False
+def policy_metrics(logp, entropy, tok: TokenObjective, kl, mask, inp: PolicyTokens, extremes_by_kernel: bool = False
                    ) -> dict[str, torch.Tensor]:
     """TRL / verl metric names: means over masked tokens; clip_ratio/low_min and high_max over
     sequences (of each sequence's clipped fraction); ratio/min and max over masked tokens.
@@ -57,7 +57,7 @@ def policy_metrics(logp, entropy, tok: TokenObjective, kl, mask, inp: PolicyInpu
     return out
 
 
-def extremes(means: dict[str, torch.Tensor], ratio, low, high, mask, count, inp: PolicyInputs,
+def extremes(means: dict[str, torch.Tensor], ratio, low, high, mask, count, inp: PolicyTokens,
              by_kernel: bool = False) -> dict[str, torch.Tensor]:
     """The metrics that are not token means (layouts.EXTREME_METRICS): each sequence's clipped
     fractions (their min / max), the ratio's min / max over counted tokens, the clipped region;

@@ -35,7 +35,7 @@ from ..policy_tables import IMPORTANCE_SAMPLING, KL_ESTIMATORS, OBJECTIVES
 from ..spec import Policy, clamps_log_ratio
 from .masks import high_entropy_mask, off_policy_keep
 from .metrics import policy_metrics
-from .tokens import PolicyInputs, TokenObjective, seq_of, seq_sum
+from .tokens import PolicyTokens, TokenObjective, seq_of, seq_sum
 from .weights import entropy_bonus_weight
 
 
@@ -357,7 +357,7 @@ def policy_objective(
     entropy: torch.Tensor | None,
     mask: torch.Tensor,
     policy: Policy,
-    inp: PolicyInputs,
+    inp: PolicyTokens,
     with_metrics: bool = True,
     extremes_by_kernel: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

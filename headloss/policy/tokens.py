@@ -10,7 +10,7 @@ import torch
 
 
 @dataclass
-class PolicyInputs:
+class PolicyTokens:
     """Per-call inputs of the policy term, flattened to rows (tokens) or sequences."""
 
     advantages: torch.Tensor  # (N,) per token (a per-sequence advantage repeated over its tokens)
@@ -39,12 +39,12 @@ class PolicyInputs:
     # at masked tokens, for torch
 
 
-_CARRIED = tuple(f.name for f in fields(PolicyInputs) if f.name not in ("quantile_group", "correction_metrics"))
+_CARRIED = tuple(f.name for f in fields(PolicyTokens) if f.name not in ("quantile_group", "correction_metrics"))
 _INT_FIELDS = frozenset({"n_slots", "n_seq", "seq_len", "norm_length", "adv_span"})
 _BOOL_FIELDS = frozenset({"sequence_level", "raw"})
 
 
-def policy_as_lists(inp: PolicyInputs | None) -> tuple[list[torch.Tensor | None], list[float]]:
+def policy_as_lists(inp: PolicyTokens | None) -> tuple[list[torch.Tensor | None], list[float]]:
     """``inp`` as a torch.library op takes it: each field a tensor (its value 0.0) or a number (its
     tensor None; NaN: None). Not carried: a process group (``quantile_group``) and the metrics a
     route sets (``correction_metrics``)."""
@@ -59,8 +59,8 @@ def policy_as_lists(inp: PolicyInputs | None) -> tuple[list[torch.Tensor | None]
     return tensors, values
 
 
-def policy_from_lists(tensors: list[torch.Tensor | None], values: list[float]) -> PolicyInputs | None:
-    """The PolicyInputs that :func:`policy_as_lists` flattened (None for empty lists)."""
+def policy_from_lists(tensors: list[torch.Tensor | None], values: list[float]) -> PolicyTokens | None:
+    """The PolicyTokens that :func:`policy_as_lists` flattened (None for empty lists)."""
     if not tensors:
         return None
     kwargs: dict[str, Any] = {}
@@ -71,10 +71,10 @@ def policy_from_lists(tensors: list[torch.Tensor | None], values: list[float]) -
             kwargs[name] = None
         else:
             kwargs[name] = int(value) if name in _INT_FIELDS else bool(value) if name in _BOOL_FIELDS else value
-    return PolicyInputs(**kwargs)
+    return PolicyTokens(**kwargs)
 
 
-def seq_of(inp: PolicyInputs) -> torch.Tensor:
+def seq_of(inp: PolicyTokens) -> torch.Tensor:
     """The sequence of each row, built on first use for [B, T] rows (the fused kernel needs none:
     two launches fewer per call)."""
     if inp.seq is None:

@@ -8,10 +8,10 @@ import torch
 
 from ..policy_tables import LOSS_TYPES
 from ..spec import Policy, separate_kl_entropy
-from .tokens import PolicyInputs, seq_of, seq_sum
+from .tokens import PolicyTokens, seq_of, seq_sum
 
 
-def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs, kind: str | None = None
+def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyTokens, kind: str | None = None
                         ) -> torch.Tensor:
     """Per-token weight w with loss = sum(w * per_token), as TRL / verl aggregate each loss type:
     the objective's (``policy.loss_type``), or ``kind`` (the KL penalty's and entropy bonus's
@@ -61,7 +61,7 @@ def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs, k
     raise ValueError(f"policy.loss_type: unknown {kind!r}")
 
 
-def kl_entropy_weights(mask: torch.Tensor, policy: Policy, inp: PolicyInputs) -> torch.Tensor | None:
+def kl_entropy_weights(mask: torch.Tensor, policy: Policy, inp: PolicyTokens) -> torch.Tensor | None:
     """The KL penalty's and the entropy bonus's per-token weights when they aggregate apart from the
     objective (Policy.separate_kl_entropy; else None: the objective's weights)."""
     if not separate_kl_entropy(policy):

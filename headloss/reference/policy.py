@@ -38,7 +38,7 @@ class Batch:
 
 
 @dataclass
-class Objective:
+class PerToken:
     """What an objective gives per token ([B, T], or [B, 1] broadcast)."""
 
     loss: torch.Tensor
@@ -83,7 +83,7 @@ def _ratio(b: Batch) -> torch.Tensor:
 # --- objectives ----------------------------------------------------------------------------------------
 
 
-def _clip(b: Batch) -> Objective:
+def _clip(b: Batch) -> PerToken:
     """TRL: ``coef_2 = clamp(coef_1, 1 - eps_low, 1 + eps_high)``; ``coef_1 = clamp(coef_1, max=delta)``;
     ``-min(coef_1 A, coef_2 A)``; verl's dual clip: ``where(A < 0, min(-A c, loss), loss)``."""
     p = b.policy
@@ -98,44 +98,44 @@ def _clip(b: Batch) -> Objective:
         loss = torch.where(b.adv < 0, torch.min(floor, loss), loss)
     low = (coef_1 < 1 - p.eps_low) & (b.adv < 0)
     high = (capped > 1 + p.eps_high) & (b.adv > 0)  # TRL reassigns coef_1 = clamp(coef_1, max=delta) first
-    return Objective(loss, coef_1, -_log_ratio(b).detach(), low, high, dual)
+    return PerToken(loss, coef_1, -_log_ratio(b).detach(), low, high, dual)
 
 
-def _cispo(b: Batch) -> Objective:
+def _cispo(b: Batch) -> PerToken:
     """TRL: ``-clamp(coef_1, max=epsilon_high).detach() A logp``; verl: ``-clamp(ratio, 1 - eps_low,
     1 + eps_high).detach() A logp``."""
     p = b.policy
     ratio = _ratio(b)
     if p.convention == "trl":
         loss = -torch.clamp(ratio, max=p.eps_high).detach() * b.adv * b.logp
-        return Objective(loss, ratio, -_log_ratio(b).detach(), high=(ratio > p.eps_high) & (b.adv > 0))
+        return PerToken(loss, ratio, -_log_ratio(b).detach(), high=(ratio > p.eps_high) & (b.adv > 0))
     clipped = torch.clamp(ratio, 1 - p.eps_low, 1 + p.eps_high)
-    return Objective(-clipped.detach() * b.adv * b.logp, ratio, -_log_ratio(b).detach(), low=ratio < 1 - p.eps_low,
+    return PerToken(-clipped.detach() * b.adv * b.logp, ratio, -_log_ratio(b).detach(), low=ratio < 1 - p.eps_low,
                      high=ratio > 1 + p.eps_high)
 
 
-def _sapo(b: Batch) -> Objective:
+def _sapo(b: Batch) -> PerToken:
     """``-sigmoid(tau (r - 1)) 4 / tau A``, tau by the sign of A."""
     p = b.policy
     ratio = _ratio(b)
     tau = torch.where(b.adv > 0, p.sapo_tau_pos, p.sapo_tau_neg)
-    return Objective(-torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * b.adv, ratio, -_log_ratio(b).detach())
+    return PerToken(-torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * b.adv, ratio, -_log_ratio(b).detach())
 
 
-def _gpg(b: Batch) -> Objective:
+def _gpg(b: Batch) -> PerToken:
     """verl: ``-log_prob * advantages``."""
-    return Objective(-b.logp * b.adv, torch.exp(_log_ratio(b)), -_log_ratio(b).detach())
+    return PerToken(-b.logp * b.adv, torch.exp(_log_ratio(b)), -_log_ratio(b).detach())
 
 
-def _dro(b: Batch) -> Objective:
+def _dro(b: Batch) -> PerToken:
     """verl: ``-(log_prob * advantages - 0.5 * beta * log_ratio.square())``."""
     log_ratio = b.logp - b.old
-    return Objective(-(b.logp * b.adv - 0.5 * b.policy.dro_beta * log_ratio.square()), torch.exp(_log_ratio(b)),
+    return PerToken(-(b.logp * b.adv - 0.5 * b.policy.dro_beta * log_ratio.square()), torch.exp(_log_ratio(b)),
                      -_log_ratio(b).detach())
 
 
-def _dppo(divergence: str) -> Callable[[Batch], Objective]:
-    def dppo(b: Batch) -> Objective:
+def _dppo(divergence: str) -> Callable[[Batch], PerToken]:
+    def dppo(b: Batch) -> PerToken:
         """verl: ``-A sg(clamp(ratio, max=clip_ratio_c)) logp`` on the tokens whose total variation
         (or binary KL) stays within eps_high (A > 0) / eps_low (A <= 0)."""
         p = b.policy
@@ -152,13 +152,13 @@ def _dppo(divergence: str) -> Callable[[Batch], Objective]:
         valid = torch.where(b.adv > 0, valid_pos, valid_neg)
         truncated = torch.clamp(ratio, max=p.dppo_ratio_cap).detach()
         loss = -b.adv * truncated * b.logp * valid.to(b.logp.dtype)
-        return Objective(loss, ratio, -_log_ratio(b).detach(), low=~valid & (b.adv <= 0), high=~valid & (b.adv > 0),
+        return PerToken(loss, ratio, -_log_ratio(b).detach(), low=~valid & (b.adv <= 0), high=~valid & (b.adv > 0),
                          dual=(ratio > p.dppo_ratio_cap) & valid)
 
     return dppo
 
 
-def _reinforce(b: Batch) -> Objective:
+def _reinforce(b: Batch) -> PerToken:
     """verl bypass mode, ``loss_type="reinforce"``, ``rollout_is="token"``: the weights of
     rollout_corr_helper (``exp(clamp(log_prob - old_log_prob, -20, 20))`` truncated at
     ``rollout_is_threshold``, no gradient) in compute_policy_loss_reinforce's ``-advantages * log_prob *
@@ -167,10 +167,10 @@ def _reinforce(b: Batch) -> Objective:
         weights = torch.exp(torch.clamp(b.logp - b.old, min=-20.0, max=20.0)) * b.mask
         weights = weights.clamp(max=b.policy.reinforce_is_max)
     log_ratio = b.logp - b.old
-    return Objective(-b.adv * b.logp * weights, torch.exp(log_ratio), -log_ratio.detach())
+    return PerToken(-b.adv * b.logp * weights, torch.exp(log_ratio), -log_ratio.detach())
 
 
-def _geo_mean(b: Batch) -> Objective:
+def _geo_mean(b: Batch) -> PerToken:
     """verl compute_policy_loss_geo_mean: ``-advantage * exp(sum(sign A min(sign A log r, sign A
     clamp(log r)) mask) / (mask_sum + 1e-8))`` per sequence, the rollout weights' geometric mean."""
     p = b.policy
@@ -187,11 +187,11 @@ def _geo_mean(b: Batch) -> Objective:
     clipped = torch.ne(negative_approx_kl, clamped).detach()
     low, high = clipped & (b.adv < 0), clipped & (b.adv > 0)
     shape = b.logp.shape
-    return Objective(loss[:, None].expand(shape), ratio[:, None].expand(shape), -negative_approx_kl.detach(), low,
+    return PerToken(loss[:, None].expand(shape), ratio[:, None].expand(shape), -negative_approx_kl.detach(), low,
                      high, dual=low, clipfrac=high)
 
 
-def _vespo(b: Batch) -> Objective:
+def _vespo(b: Batch) -> PerToken:
     """TRL get_gamma_weights: phi(w) = exp(lambda + k log w - lambda w) of the sequence's clamped log
     ratio sum (plus the rollout weights' logs), by the sign of A; ``-phi A logp``."""
     p = b.policy
@@ -215,11 +215,11 @@ def _vespo(b: Batch) -> Objective:
         # TRL's global_masked_mean: over the sequences with [B, 1] values, else over the tokens
         phi_mean = phi(b.seq_adv[:, None].to(log_w.dtype)).mean() if b.seq_adv is not None else \
             _masked_mean(phi_tok, b.mask)
-    return Objective(-phi_tok * b.adv * b.logp, torch.exp(b.logp - b.old), (b.old - b.logp).detach(),
+    return PerToken(-phi_tok * b.adv * b.logp, torch.exp(b.logp - b.old), (b.old - b.logp).detach(),
                      extra={"vespo/phi_seq_mean": phi_mean})
 
 
-def _clip_cov(b: Batch) -> Objective:
+def _clip_cov(b: Batch) -> PerToken:
     """verl compute_policy_loss_clip_cov: a random ``clip_num`` of the tokens with cov in (lb, ub) and
     not clipped lose the gradient (``torch.randperm`` on the default generator)."""
     p = b.policy
@@ -239,11 +239,11 @@ def _clip_cov(b: Batch) -> Objective:
         top_k_idx = top_k_idx[perm[: min(clip_num, len(top_k_idx))].to(top_k_idx.device)]
     corr = torch.ones_like(b.adv)
     corr[top_k_idx[:, 0], top_k_idx[:, 1]] = 0
-    return Objective(torch.maximum(pg_losses1, pg_losses2) * corr, ratio, -negative_approx_kl.detach(),
+    return PerToken(torch.maximum(pg_losses1, pg_losses2) * corr, ratio, -negative_approx_kl.detach(),
                      low=clip_by_origin & (b.adv < 0), high=clip_by_origin & (b.adv > 0), clipfrac=corr == 0)
 
 
-def _kl_cov(b: Batch) -> Objective:
+def _kl_cov(b: Batch) -> PerToken:
     """verl compute_policy_loss_kl_cov: the top ``max(1, int(n kl_cov_ratio))`` covariances get
     ``ppo_kl_coef |log r|`` added to ``-A r``."""
     p = b.policy
@@ -262,11 +262,11 @@ def _kl_cov(b: Batch) -> Objective:
         large = torch.topk(cov, max(1, int(cov.numel() * p.cov_ratio)), largest=True).indices
         chosen[valid_idx[large]] = True
     chosen = chosen.reshape(b.mask.shape)
-    return Objective(torch.where(chosen, pg_losses_kl, pg_losses), ratio, abs_kl.detach(),
+    return PerToken(torch.where(chosen, pg_losses_kl, pg_losses), ratio, abs_kl.detach(),
                      clipfrac=torch.zeros_like(chosen))
 
 
-OBJECTIVES: dict[str, Callable[[Batch], Objective]] = {
+OBJECTIVES: dict[str, Callable[[Batch], PerToken]] = {
     "clip": _clip, "cispo": _cispo, "sapo": _sapo, "gpg": _gpg, "dro": _dro, "dppo_tv": _dppo("tv"),
     "dppo_kl": _dppo("kl"), "reinforce": _reinforce, "gmpo": _geo_mean, "vespo": _vespo, "clip_cov": _clip_cov,
     "kl_cov": _kl_cov,
@@ -512,7 +512,7 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
                           pol.importance_sampling == "sequence" and per_sequence_adv)
 
 
-def _metrics(tok: Objective, per_token_logps, ent, per_token_kl, mask, high_entropy, pol: Policy,
+def _metrics(tok: PerToken, per_token_logps, ent, per_token_kl, mask, high_entropy, pol: Policy,
              per_sequence: bool) -> dict:
     """TRL's metric names (clip_ratio/*, ratio/*, logprob/mean, entropy, kl) and verl's (pg_clipfrac,
     pg_clipfrac_lower, ppo_kl), branchless (no host reads). ``per_sequence``: TRL's [B, 1] clip

@@ -55,7 +55,7 @@ def kernel_code(objective: str) -> int:
 @memoize("registry.objective_flags", 256, "objective_flags' answers by (spec.Policy, sequence-level clip means)")
 def objective_flags(pol, seq_clip_means: bool = False) -> ObjectiveFlags:
     """The policy term's flags (a spec.Policy; cached). ``seq_clip_means``: the call's clip fractions are
-    TRL's means over sequences (PolicyInputs.sequence_level)."""
+    TRL's means over sequences (PolicyTokens.sequence_level)."""
     kl = pol.kl_beta != 0.0
     return ObjectiveFlags(
         OBJECTIVE=kernel_code(pol.objective),
