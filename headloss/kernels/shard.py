@@ -129,10 +129,10 @@ def shard_jsd_kernel(
 
 
 @triton.jit
-def _merge_start(BLOCK: tl.constexpr):
-    """The empty accumulator of :func:`_merge_rank`: (sum_a, sum_b, sum_c, arg, found) per row."""
-    zero = tl.zeros([BLOCK], tl.float32)
-    return zero, zero, zero, zero, tl.zeros([BLOCK], tl.int1)
+def _merge_start(zero):
+    """The empty accumulator of :func:`_merge_rank`, shaped like ``zero`` (a block of rows, or one row):
+    (sum_a, sum_b, sum_c, arg, found)."""
+    return zero, zero, zero, zero, zero != zero
 
 
 @triton.jit
@@ -168,6 +168,38 @@ def _store4(out, inside, A: tl.constexpr, a, B: tl.constexpr, b, C: tl.constexpr
 
 
 @triton.jit
+def _merge_student(rows, stride, inside, world, zero):
+    """The student's statistics of ``rows`` (pointers to rank 0's share of each row; rank r's ``r * stride``
+    on), merged over ``world`` shards: (m2, d, sum_x2, sum_ex2, rest, arg, x2_y, owners) -- the max of the
+    maxima, the sums rescaled to it, the argmax of the lowest rank holding the max (its first index:
+    shards are in vocabulary order), the owner's target logit and the owner count; a NaN max propagates.
+    Shaped like ``zero``: a block of rows (merge_stats_kernel) or one row (the head kernels)."""
+    top = zero + float("-inf")
+    for r in range(world):
+        top = tl.maximum(top, tl.load(rows + r * stride + STATS_AT.m2, mask=inside, other=float("-inf")))
+    student = _merge_start(zero)
+    sum_x2 = zero
+    x2_y = zero
+    owners = zero
+    for r in range(world):
+        base = rows + r * stride
+        student = _merge_rank(base, inside, top, student, STATS_AT.m2, STATS_AT.d, STATS_AT.sum_ex2, STATS_AT.rest,
+                              STATS_AT.arg)
+        sum_x2 += tl.load(base + STATS_AT.sum_x2, mask=inside, other=0.0)
+        owned = tl.load(base + STATS_AT.owned, mask=inside, other=0.0)
+        x2_y += tl.where(owned > 0.5, tl.load(base + STATS_AT.x2_y, mask=inside, other=0.0), 0.0)
+        owners += owned
+    d, sum_ex2, rest, arg, _ = student
+    # a NaN max (NaN logits) propagates as tl.maximum would not: keep it
+    nan_top = zero != zero
+    for r in range(world):
+        m = tl.load(rows + r * stride + STATS_AT.m2, mask=inside, other=0.0)
+        nan_top = nan_top | (m != m)
+    top = tl.where(nan_top, float("nan"), top)
+    return top, d, sum_x2, sum_ex2, rest, arg, x2_y, owners
+
+
+@triton.jit
 def merge_stats_kernel(parts, merged, n_rows, world, BLOCK: tl.constexpr, NCOL: tl.constexpr,
                        OWN_TEMP: tl.constexpr):
     """(world, n_rows, NCOL) per-shard statistics (layouts.Stats) -> (n_rows, NCOL) of the whole vocabulary: the max
@@ -177,28 +209,8 @@ def merge_stats_kernel(parts, merged, n_rows, world, BLOCK: tl.constexpr, NCOL: 
     inside = rows < n_rows
     at = rows.to(tl.int64) * NCOL
     stride = tl.full([], NCOL, tl.int64) * n_rows
-    top = tl.full([BLOCK], float("-inf"), tl.float32)
-    for r in range(world):
-        top = tl.maximum(top, tl.load(parts + r * stride + at, mask=inside, other=float("-inf")))
-    student = _merge_start(BLOCK)
-    sum_x2 = tl.zeros([BLOCK], tl.float32)
-    x2_y = tl.zeros([BLOCK], tl.float32)
-    owners = tl.zeros([BLOCK], tl.float32)
-    for r in range(world):
-        base = parts + r * stride + at
-        student = _merge_rank(base, inside, top, student, STATS_AT.m2, STATS_AT.d, STATS_AT.sum_ex2, STATS_AT.rest,
-                              STATS_AT.arg)
-        sum_x2 += tl.load(base + STATS_AT.sum_x2, mask=inside, other=0.0)
-        owned = tl.load(base + STATS_AT.owned, mask=inside, other=0.0)
-        x2_y += tl.where(owned > 0.5, tl.load(base + STATS_AT.x2_y, mask=inside, other=0.0), 0.0)
-        owners += owned
-    d, sum_ex2, rest, arg, _ = student
-    # a NaN max (NaN logits) propagates as tl.maximum would not: keep it
-    nan_top = tl.zeros([BLOCK], tl.int1)
-    for r in range(world):
-        m = tl.load(parts + r * stride + at, mask=inside, other=0.0)
-        nan_top = nan_top | (m != m)
-    top = tl.where(nan_top, float("nan"), top)
+    zero = tl.zeros([BLOCK], tl.float32)
+    top, d, sum_x2, sum_ex2, rest, arg, x2_y, owners = _merge_student(parts + at, stride, inside, world, zero)
     out = merged + at
     _store4(out, inside, STATS_AT.m2, top, STATS_AT.d, d, STATS_AT.sum_x2, sum_x2, STATS_AT.sum_ex2, sum_ex2)
     _store4(out, inside, STATS_AT.arg, arg, STATS_AT.x2_y, x2_y, STATS_AT.owned, owners, STATS_AT.rest, rest)
@@ -209,8 +221,8 @@ def merge_stats_kernel(parts, merged, n_rows, world, BLOCK: tl.constexpr, NCOL: 
             base = parts + r * stride + at
             top_t = tl.maximum(top_t, tl.load(base + STATS_AT.t_m2, mask=inside, other=float("-inf")))
             top_s = tl.maximum(top_s, tl.load(base + STATS_AT.s_m2, mask=inside, other=float("-inf")))
-        teacher = _merge_start(BLOCK)
-        at_temp = _merge_start(BLOCK)
+        teacher = _merge_start(zero)
+        at_temp = _merge_start(zero)
         for r in range(world):
             base = parts + r * stride + at
             teacher = _merge_rank(base, inside, top_t, teacher, STATS_AT.t_m2, STATS_AT.t_d, STATS_AT.t_sum,
@@ -261,38 +273,11 @@ def merged_stats(stats, row, row_ptr, y_here, V, S, F: tl.constexpr, NCOL: tl.co
 @triton.jit
 def gathered_stats(parts, row, n_rows, world):
     """A row's student statistics (m2, d, sum_x2, sum_ex2, arg, x2_y, owners) from every shard's
-    (world, n_rows, STATS.N) share, merged as merge_stats_kernel merges them: the head kernels of a call
-    whose statistics are the student's alone take them gathered (one launch fewer per call)."""
+    (world, n_rows, STATS.N) share, merged as merge_stats_kernel merges them (:func:`_merge_student`): the
+    head kernels of a call whose statistics are the student's alone take them gathered (one launch fewer)."""
     stride = tl.full([], STATS_AT.N, tl.int64) * n_rows
-    at = parts + row * STATS_AT.N
-    top = tl.full([], float("-inf"), tl.float32)
-    nan_top = tl.zeros([], tl.int1)
-    for r in range(world):
-        m = tl.load(at + r * stride + STATS_AT.m2)
-        top = tl.maximum(top, m)
-        nan_top = nan_top | (m != m)
-    zero = tl.zeros([], tl.float32)
-    d = zero
-    sum_x2 = zero
-    sum_ex2 = zero
-    x2_y = zero
-    owners = zero
-    arg = zero
-    found = tl.zeros([], tl.int1)
-    for r in range(world):
-        base = at + r * stride
-        m = tl.load(base + STATS_AT.m2)
-        scale = tl.where(m == float("-inf"), 0.0, tl.exp2(m - top))
-        d += tl.load(base + STATS_AT.d) * scale
-        sum_ex2 += tl.load(base + STATS_AT.sum_ex2) * scale
-        sum_x2 += tl.load(base + STATS_AT.sum_x2)
-        first = (m == top) & (found == 0)
-        arg = tl.where(first, tl.load(base + STATS_AT.arg), arg)
-        found = found | (m == top)
-        owned = tl.load(base + STATS_AT.owned)
-        x2_y += tl.where(owned > 0.5, tl.load(base + STATS_AT.x2_y), 0.0)
-        owners += owned
-    top = tl.where(nan_top, float("nan"), top)  # a NaN max (NaN logits) propagates
+    top, d, sum_x2, sum_ex2, rest_unused, arg, x2_y, owners = _merge_student(
+        parts + row * STATS_AT.N, stride, row < n_rows, world, tl.zeros([], tl.float32))
     return top, d, sum_x2, sum_ex2, arg, x2_y, owners
 
 
