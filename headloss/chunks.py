@@ -15,7 +15,6 @@ import torch
 from .batch import Teacher
 from .plan import KernelPlan
 from .policy.tokens import PolicyTokens
-from .routes import Chunks
 from .spec import Policy
 
 DEFAULT_CHUNK_BYTES = 256 << 20
@@ -54,6 +53,60 @@ class ChunkCut(NamedTuple):
     seq_len: int = 0
 
 
+class ChunkLoop:
+    """What the fused lm_head's chunk loop does on a route: how it cuts the rows, whether the gradient is
+    computed in forward, its steps between and after the chunks, and the metrics it adds. headloss.routes
+    gives each route one (headloss.linear_policy holds the others); this one runs plain chunks of rows
+    under the byte budget, a computed teacher's logits in parts of a chunk."""
+
+    name = "rows"
+    whole_sequences = False  # chunks hold whole sequences
+    compacts = True  # ignored rows may be skipped (LinearOptions.compact)
+    kernel_writes_grad = True  # fused mode's gradient: written by the head kernel over each chunk's logits
+    takes_policy = False  # reads the call's policy inputs itself (LinearRun.policy)
+    corrects = False  # runs the base objective (KernelPlan.base) and corrects rows after (LinearRun.objective)
+
+    def __repr__(self) -> str:
+        return f"<chunk loop {self.name}>"
+
+    def grads_in_forward(self, plan: KernelPlan) -> bool:
+        """The gradient is computed in forward and scaled by d loss in backward (3 GEMMs), not recomputed."""
+        return plan.mode == "fused"
+
+    def cut(self, chunk_bytes: int, width: int, elem_bytes: int, computed_teacher: bool, seq_len: int,
+            sharded: bool) -> ChunkCut:
+        """The chunks (``width``: the whole vocabulary, so that every rank of a vocab-parallel call cuts the
+        same chunks; ``seq_len``: rows per sequence of [B, T] rows)."""
+        if computed_teacher and not sharded:  # the teacher's share in parts of a chunk
+            return ChunkCut(chunk_rows_for(int(chunk_bytes * (1.0 - TEACHER_SHARE)), width, elem_bytes),
+                            chunk_rows_for(int(chunk_bytes * TEACHER_SHARE), width, elem_bytes))
+        return ChunkCut(budget_rows(chunk_bytes, width, elem_bytes, computed_teacher))
+
+    def metric_names(self, policy: Policy | None) -> tuple[str, ...]:
+        """The metrics this loop adds after the plan's means (in this order), for the spec's ``policy``."""
+        return ()
+
+    def metrics(self, means: torch.Tensor, plan: KernelPlan, policy: Policy | None) -> dict[str, torch.Tensor]:
+        """The metrics this loop added, read from the room after ``plan``'s means."""
+        return {name: means[plan.means_size + i] for i, name in enumerate(self.metric_names(policy))}
+
+    def start(self, loop, computed: int, device) -> None:
+        """Before the chunks: state of the loop's own on ``loop`` (headloss.linear's forward loop)."""
+
+    def part_policy(self, loop, block, start: int, stop: int):
+        """The policy rows the head kernel reads for the rows start:stop of ``block`` (a Block)."""
+        return block.policy
+
+    def after_part(self, loop, block, start: int, stop: int) -> None:
+        """After the head kernel on the rows start:stop (``block``), before the chunk's gradient GEMMs."""
+
+    def after_finish(self, loop, head: LmHead, rows: torch.Tensor) -> None:
+        """After the finish (the loss and the means written): ``rows`` every row's values (skipped rows 0)."""
+
+
+ROWS = ChunkLoop()
+
+
 @dataclass(frozen=True)
 class LinearRun:
     """Everything but tensors that a linear_head_loss call runs with."""
@@ -66,24 +119,19 @@ class LinearRun:
     token_shape: tuple[int, ...]
     ignore_index: int
     norm: float
-    chunks: Chunks = Chunks.ROWS  # the route's
+    loop: ChunkLoop = ROWS  # the route's
     traced: bool = False  # under torch.compile (the route's)
     shard: Any = None  # vocab-parallel: a headloss.parallel.VocabShard (the weight's rows)
     seq_len: int = 0  # sequences: rows per sequence (each chunk holds whole sequences)
     policy: PolicyTokens | None = None  # sequences and the corrected routes: the call's policy inputs
     objective: Policy | None = None  # the corrected routes: the spec's policy (``plan`` runs its base)
-    d_rows_by_kernel: bool = False  # sequences: each chunk's d loss / d rows by the objective kernel
     reduce_hidden_grad: bool = True  # vocab-parallel: dh summed over the group (else this rank's share)
     teacher_rows: int = 0  # a computed teacher's logits in parts of this many rows of a chunk (0: whole chunks)
 
     @property
     def grads_in_forward(self) -> bool:
         """The gradient is computed in forward (fused, or sequence-chunked) and scaled in backward."""
-        return grads_in_forward(self.plan, self.chunks)
-
-
-def grads_in_forward(plan: KernelPlan, chunks: Chunks) -> bool:
-    return plan.mode == "fused" or chunks is Chunks.SEQUENCES
+        return self.loop.grads_in_forward(self.plan)
 
 
 def chunk_rows_for(budget_bytes: int, vocab: int, elem_bytes: int) -> int:
@@ -96,19 +144,6 @@ def chunk_rows_for(budget_bytes: int, vocab: int, elem_bytes: int) -> int:
 def budget_rows(chunk_bytes: int, width: int, elem_bytes: int, computed_teacher: bool) -> int:
     """Rows per chunk of plain row chunks: a computed teacher's logits share the budget."""
     return chunk_rows_for(chunk_bytes, width, elem_bytes * (2 if computed_teacher else 1))
-
-
-def cut(chunks: Chunks, chunk_bytes: int, width: int, elem_bytes: int, computed_teacher: bool, seq_len: int,
-        sharded: bool) -> ChunkCut:
-    """The chunks of a route's chunking (``width``: the whole vocabulary, so that every rank of a
-    vocab-parallel call cuts the same chunks; ``seq_len``: rows per sequence of [B, T] rows)."""
-    rows = budget_rows(chunk_bytes, width, elem_bytes, computed_teacher)
-    if chunks is Chunks.SEQUENCES:  # whole sequences, contiguous
-        return ChunkCut(max(seq_len, rows // seq_len * seq_len), 0, seq_len)
-    if computed_teacher and chunks is Chunks.ROWS and not sharded:  # the teacher's share in parts of a chunk
-        return ChunkCut(chunk_rows_for(int(chunk_bytes * (1.0 - TEACHER_SHARE)), width, elem_bytes),
-                        chunk_rows_for(int(chunk_bytes * TEACHER_SHARE), width, elem_bytes))
-    return ChunkCut(rows)
 
 
 @dataclass

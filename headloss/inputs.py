@@ -15,11 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from .batch import Teacher
-from .kernels.launch import Geometry, row_strides
+from .kernels.launch import KERNEL_DTYPES, Geometry, row_strides
 from .kernels.sparse import SparseRows
 from .layouts import TEACHER_KEY
 from .policy.inputs import policy_inputs
-from .routes import KERNEL_DTYPES
 from .spec import LossSpec
 from .validation import CheckContext, Normaliser, Validate, normaliser, raise_teacher, validation_mode
 
@@ -135,7 +134,7 @@ def flat_targets(targets: torch.Tensor | None) -> torch.Tensor | None:
 
 
 @dataclass
-class HeadCall:
+class LogitsCall:
     """One head_loss call, checked and flattened: what the engine launches on."""
 
     logits: torch.Tensor  # [N, V] or [B, T, V], as given (strided rows allowed)
@@ -181,7 +180,7 @@ def check_head(logits: Any, targets: Any, spec: LossSpec, teacher_logits: Any, s
 
 def head_call(logits: torch.Tensor, targets: torch.Tensor | None, spec: LossSpec, token_shape: tuple[int, ...], *,
               teacher: Teacher, policy_given: dict, num_items_in_batch: Any, shift: bool, validate: Validate,
-              raw_policy: bool = False, vocab_total: int | None = None) -> HeadCall:
+              raw_policy: bool = False, vocab_total: int | None = None) -> LogitsCall:
     """head_loss's inputs, checked by :func:`check_head`, flattened for the kernels (the policy
     inputs' checks and the normaliser's raise here, naming the argument). ``raw_policy``: the
     route's kernels read the policy inputs as given (policy.inputs.policy_inputs)."""
@@ -200,7 +199,7 @@ def head_call(logits: torch.Tensor, targets: torch.Tensor | None, spec: LossSpec
     slots = token_shape[-1] if len(token_shape) == 2 else (token_shape[0] if token_shape else 0)
     geo = geometry(tuple(logits.shape), row_strides(logits), slots, shift_by, teacher_logits, spec.ignore_index,
                    norm)
-    return HeadCall(
+    return LogitsCall(
         logits=logits, targets=flat_targets(targets), teacher=teacher_logits, policy=policy, norm=norm, geo=geo,
         token_shape=token_shape, validate=mode,
         targets_shape=tuple(targets.shape) if isinstance(targets, torch.Tensor) else (), sparse=sparse_rows,

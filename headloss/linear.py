@@ -2,8 +2,8 @@
 
 Per chunk of rows (headloss.chunks cuts them): one cuBLAS GEMM for the logits, the head kernel in place
 on them, then ``dh_c = g_c @ W`` and ``dW += g_c.T @ h_c`` -- the three GEMMs of a plain lm_head
-forward and backward. The call's route (headloss.routes) says how the rows are cut and what runs
-between the chunks (:class:`headloss.routes.Chunks`):
+forward and backward. The call's route (headloss.routes) gives the chunk loop (chunks.ChunkLoop): how
+the rows are cut and what runs between and after the chunks:
 
 * ``rows``            the fused kernel on each chunk (backward scales dh, dW, db by d loss); deferred
                       mode keeps the per-row values and :func:`linear_backward` recomputes each chunk's
@@ -25,15 +25,13 @@ from typing import NamedTuple
 import torch
 
 from .chunks import Grads, LinearRun, LmHead, accumulate, chunks_of, finish_grads, new_grads, rows_of, spread
-from .engine import CallTensors, empty_outputs, no_rows, optional, shard_statistics, teacher_k
-from .kernels.head import PolicyRows, launch_backward, launch_finish, launch_head, prepare
+from .head import Block, CallTensors, HeadCall, HeadOutputs
+from .kernels.head import PolicyRows, launch_backward
 from .kernels.launch import Geometry
-from .kernels.sparse import SparseRows, launch_check_teacher
-from .linear_policy import cov_correction, entropy_mask_correction, guess_mask, sequence_chunk_grad
-from .parallel import all_reduce_sum, handshake_verdict
+from .kernels.sparse import SparseRows
+from .parallel import all_reduce_sum
 from .plan import KernelPlan
-from .routes import Chunks
-from .validation import CheckContext, settle, verdict_slot
+from .validation import settle
 
 
 class LinearForward(NamedTuple):
@@ -95,13 +93,10 @@ class _Loop:
     """The state of one forward chunk loop."""
 
     run: LinearRun
+    call: HeadCall
     index: torch.Tensor | None  # the computed rows (None: every row)
     targets: torch.Tensor | None  # of the computed rows
-    scratch: torch.Tensor
-    rows: torch.Tensor  # [computed, cols]
-    pred: torch.Tensor
-    loss: torch.Tensor
-    means: torch.Tensor
+    out: HeadOutputs  # of the computed rows
     grads: Grads | None  # gradients computed in forward
     kept: list | None  # deferred + sharded: each chunk's merged statistics, for backward
     guess: torch.Tensor | None = None  # entropy-guess: the guessed top-entropy mask of the computed rows
@@ -110,8 +105,9 @@ class _Loop:
 
 def linear_forward(run: LinearRun, hidden, weight, bias, tensors: CallTensors, wants: tuple[bool, bool, bool]
                    ) -> LinearForward:
-    """A chunked lm_head call's forward: each chunk's logits, its head kernel (and the gradient GEMMs
-    where the gradient is computed in forward), then the finish and the route's corrections."""
+    """A chunked lm_head call's forward: the head call opened (headloss.head), each chunk's logits and the
+    head on them (and the gradient GEMMs where the gradient is computed in forward), then the finish
+    and the route's corrections."""
     plan = run.plan
     rows, vocab = hidden.shape[0], weight.shape[0]
     whole = vocab if run.shard is None else run.shard.vocab_total  # targets are checked against all of V
@@ -119,109 +115,77 @@ def linear_forward(run: LinearRun, hidden, weight, bias, tensors: CallTensors, w
                     g_stride_b=0, g_stride_t=vocab, t_stride_b=0, t_stride_t=0, ignore_index=run.ignore_index,
                     norm=run.norm)
     targets = tensors.targets
-    sparse = tensors.sparse
-    verdict = verdict_slot(run.validate, hidden.device, CheckContext(run.token_shape, whole, run.ignore_index,
-                                                                     teacher_k(sparse)))
-    scratch = prepare(targets, tensors.num_items, tensors.sequence_ids, full, hidden.device, verdict)
-    if sparse is not None and verdict is not None and run.validate != "sync":  # ("sync": read on the host)
-        launch_check_teacher(sparse, whole, verdict)
-    if run.shard is not None and run.validate == "sync":
-        handshake_verdict(run.shard, verdict, hidden.device)
-    loop = _start_loop(run, hidden, weight, bias, tensors, scratch, verdict, wants)
-    computed = loop.rows.shape[0]
+    call = HeadCall.open(run, tensors, full, hidden.device)
+    loop = _start_loop(run, call, hidden, weight, bias, wants)
     _run_chunks(loop, hidden, weight, bias, tensors)
-    if computed == 0:
-        no_rows(plan, loop.loss, loop.means)
-    else:
-        launch_finish(plan, rows=loop.rows, loss=loop.loss, means=loop.means, scratch=scratch,
-                      num_items=tensors.num_items, geo=full._replace(n_out=computed))
-    index = loop.index
-    if run.chunks is Chunks.COVARIANCE and computed:  # after the finish, which writes the loss and the metrics
-        cov_correction(run, LmHead(hidden, weight, bias, targets), spread(loop.rows, index, rows, 0.0), loop)
-    if loop.guess is not None:  # with no row too: the quantile's collective (entropy_quantile_group) joins all
-        entropy_mask_correction(run, LmHead(hidden, weight, bias, targets), spread(loop.rows, index, rows, 0.0),
-                                spread(loop.guess, index, rows, 0.0), loop)
-    settle(verdict, run.validate, hidden.device)
+    call.finish(loop.out)
+    index, out = loop.index, loop.out
+    every_row = spread(out.rows, index, rows, 0.0)
+    run.loop.after_finish(loop, LmHead(hidden, weight, bias, targets), every_row)  # (the route's corrections)
+    call.close()
     dh, dw, db = finish_grads(loop.grads, weight, bias) if loop.grads is not None else (None, None, None)
     if run.shard is not None and run.reduce_hidden_grad and dh is not None:  # the column-parallel all-reduce
         dh = all_reduce_sum(dh, run.shard)
-    loss = loop.loss
+    loss = out.loss
     if plan.reduction == "none" and index is not None:
         loss = torch.zeros(run.token_shape, dtype=loss.dtype, device=loss.device)
-        loss.view(-1).index_copy_(0, index, loop.loss)
-    pred = spread(loop.pred, index, rows, -1) if plan.flags.HAS_ARGMAX else loop.pred
+        loss.view(-1).index_copy_(0, index, out.loss)
+    pred = spread(out.pred, index, rows, -1) if plan.flags.HAS_ARGMAX else out.pred
     stats = torch.cat(loop.kept) if loop.kept else None
-    return LinearForward(loss=loss, rows=spread(loop.rows, index, rows, 0.0), rows_computed=loop.rows, pred=pred,
-                         means=loop.means, scratch=scratch, index=index, dh=dh, dw=dw, db=db, stats=stats)
+    return LinearForward(loss=loss, rows=every_row, rows_computed=out.rows, pred=pred,
+                         means=out.means, scratch=call.scratch, index=index, dh=dh, dw=dw, db=db, stats=stats)
 
 
-def _start_loop(run: LinearRun, hidden, weight, bias, tensors: CallTensors, scratch, verdict, wants) -> _Loop:
+def _start_loop(run: LinearRun, call: HeadCall, hidden, weight, bias, wants) -> _Loop:
     """The forward loop's buffers: the computed rows (ignored ones skipped when ``run.compact``), the
     per-row outputs, the gradients computed in forward, the entropy guess's state."""
-    index = _compact_index(run, tensors.targets, scratch, hidden.shape[0], verdict)
+    index = _compact_index(run, call.tensors.targets, call.scratch, hidden.shape[0], call.verdict)
     computed = hidden.shape[0] if index is None else index.numel()
-    targets = tensors.targets
+    targets = call.tensors.targets
     y = targets if index is None or targets is None else targets.index_select(0, index)
-    rows, pred, loss, means = empty_outputs(run.plan, computed, hidden.device,
-                                            run.token_shape if index is None else (computed,))
+    out = HeadOutputs.empty(run.plan, computed, hidden.device, run.token_shape if index is None else (computed,),
+                            extra_means=len(run.loop.metric_names(run.objective)))
     fused = run.grads_in_forward and any(wants)
     grads = new_grads(hidden, weight, bias, wants, run.fp32_weight_grad, index, computed) if fused else None
     kept = [] if run.shard is not None and not fused else None
-    loop = _Loop(run=run, index=index, targets=y, scratch=scratch, rows=rows, pred=pred, loss=loss, means=means,
-                 grads=grads, kept=kept)
-    if run.chunks is Chunks.ENTROPY_GUESS and tensors.adv is not None:  # also without gradient: it changes the loss
-        loop.guess = torch.zeros(computed, dtype=torch.float32, device=hidden.device)
-        loop.seen = torch.empty(computed, dtype=torch.float32, device=hidden.device)
+    loop = _Loop(run=run, call=call, index=index, targets=y, out=out, grads=grads, kept=kept)
+    run.loop.start(loop, computed, hidden.device)
     return loop
 
 
 def _run_chunks(loop: _Loop, hidden, weight, bias, tensors: CallTensors) -> None:
-    """Every chunk: its logits, the head kernel on each part (one, or a computed teacher's parts), the
-    sequence chunks' gradient pass, the gradient GEMMs."""
-    run, plan = loop.run, loop.run.plan
+    """Every chunk: its logits, the head on each part (one, or a computed teacher's parts), the sequence
+    chunks' gradient pass, the gradient GEMMs."""
+    run, call = loop.run, loop.call
     fused = loop.grads is not None
-    by_sequence = fused and run.chunks is Chunks.SEQUENCES  # the gradient pass after the sequence statistics
     policy = tensors.policy_rows()
-    computed = loop.rows.shape[0]
+    computed = loop.out.rows.shape[0]
     for start, stop, h_c, parts, logits in chunks_of(hidden, weight, bias, loop.index, tensors.teacher, computed,
                                                      run.chunk_rows, run.teacher_rows):
         for a, b, t_c in parts:
             lo, hi, part = start + a, start + b, logits[a:b]
-            geo = chunk_geometry(hi - lo, weight.shape[0], t_c, run)
-            y_c = None if loop.targets is None else loop.targets[lo:hi]
-            stats = jsd = None
-            sparse = sparse_rows(tensors, loop.index, lo, hi)
-            if run.shard is not None:  # this chunk's statistics over every shard: one all_gather
-                stats, jsd = shard_statistics(plan, part, y_c, t_c, geo, run.shard, sparse)
-                if loop.kept is not None:
-                    loop.kept.append(stats)
-            chunk_policy = _pick_rows(policy, loop.index, lo, hi)
-            if loop.guess is not None:
-                chunk_policy = guess_mask(run, part, y_c, geo, chunk_policy, guess=loop.guess, seen=loop.seen,
-                                          start=lo, stop=hi)
-            launch_head(
-                plan, logits=part, targets=y_c, teacher=t_c, grad=part if fused and not by_sequence else None,
-                rows=loop.rows[lo:hi], pred=optional(loop.pred[lo:hi]), policy=chunk_policy,
-                num_items=tensors.num_items, scratch=loop.scratch,
-                loss=loop.loss.view(-1)[lo:hi] if plan.reduction == "none" else loop.loss, means=loop.means,
-                geo=geo, finish=False, stats=stats, jsd=jsd, sparse=sparse,
-            )
-            if by_sequence:
-                sequence_chunk_grad(run, part, y_c, t_c, rows=loop.rows[lo:hi], num_items=tensors.num_items,
-                                    scratch=loop.scratch, geo=geo, start=lo, stop=hi, sparse=sparse)
+            block = Block(part, chunk_geometry(hi - lo, weight.shape[0], t_c, run),
+                          None if loop.targets is None else loop.targets[lo:hi], t_c,
+                          sparse_rows(tensors, loop.index, lo, hi), _pick_rows(policy, loop.index, lo, hi))
+            block = block._replace(policy=run.loop.part_policy(loop, block, lo, hi))
+            stats = call.block(block, loop.out.of_rows(lo, hi),
+                               grad=part if fused and run.loop.kernel_writes_grad else None)
+            if loop.kept is not None and stats is not None:  # this chunk's merged statistics, for backward
+                loop.kept.append(stats)
+            run.loop.after_part(loop, block, lo, hi)
         if fused:
             accumulate(loop.grads, logits, h_c, weight, loop.index, start, stop)
 
 
 def chunk_head_(plan: KernelPlan, logits: torch.Tensor, targets: torch.Tensor | None) -> None:
     """The fused lm_head's per-chunk kernel on its own: the spec's kernel in place on one [C, V]
-    chunk of logits, whose gradient overwrites it (benchmarks/profile_linear.py times it)."""
+    chunk of logits, whose gradient overwrites it, as the chunk loop runs it (the rows left unreduced,
+    no validation; benchmarks/profile_linear.py times it)."""
     run = LinearRun(plan, logits.shape[0], False, False, "off", (logits.shape[0],), plan.spec.ignore_index, 0.0)
     geo = chunk_geometry(logits.shape[0], logits.shape[1], None, run)
-    scratch = prepare(targets, None, None, geo, logits.device, None)
-    rows, pred, loss, means = empty_outputs(plan, logits.shape[0], logits.device, (logits.shape[0],))
-    launch_head(plan, logits=logits, targets=targets, teacher=None, grad=logits, rows=rows, pred=optional(pred),
-                policy=None, num_items=None, scratch=scratch, loss=loss, means=means, geo=geo)
+    call = HeadCall.open(run, CallTensors(targets), geo, logits.device)
+    out = HeadOutputs.empty(plan, logits.shape[0], logits.device, (logits.shape[0],))
+    call.block(Block(logits, geo, targets, None), out, grad=logits)
 
 
 class Saved(NamedTuple):

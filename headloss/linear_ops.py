@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import torch
 
-from .chunks import LinearRun, grads_in_forward
-from .engine import CallTensors, empty_outputs, stats_width
+from .chunks import ChunkLoop, LinearRun
+from .head import CallTensors, HeadOutputs, stats_width
 from .layouts import SCRATCH
 from .linear import Saved, linear_backward, linear_forward
+from .linear_policy import LOOPS
 from .ops import BESIDE_GRAPH, flat_geometry, hand_off, kernel_op, token_fake
 from .parallel import VocabShard
 from .plan import KernelPlan, plan_from_key
 from .policy.tokens import policy_as_lists, policy_from_lists
-from .routes import Chunks
 from .validation import VALIDATE_MODES
 
 _N_CALL = len(CallTensors._fields)
-_TOKEN_SHAPE_AT = 9  # run_args' ints: the token shape after nine scalars
-_CHUNKS = tuple(Chunks)
+_TOKEN_SHAPE_AT = 8  # run_args' ints: the token shape after eight scalars, the chunk loop's index the sixth
+_LOOPS = tuple(LOOPS)
 
 
 def run_args(run: LinearRun) -> tuple[list[torch.Tensor | None], str, str, list[int], list[float], list[int]]:
@@ -35,9 +35,9 @@ def run_args(run: LinearRun) -> tuple[list[torch.Tensor | None], str, str, list[
     shard = run.shard
     group = "" if shard is None else shard.group.group_name
     layout = [] if shard is None else [shard.vocab_start, shard.vocab_total, shard.world, int(shard.comm_cpu)]
-    ints = [run.chunk_rows, run.teacher_rows, run.seq_len, int(run.d_rows_by_kernel), int(run.fp32_weight_grad),
-            run.ignore_index, int(run.reduce_hidden_grad), _CHUNKS.index(run.chunks),
-            VALIDATE_MODES.index(run.validate), *run.token_shape]
+    ints = [run.chunk_rows, run.teacher_rows, run.seq_len, int(run.fp32_weight_grad), run.ignore_index,
+            int(run.reduce_hidden_grad), _LOOPS.index(run.loop.name), VALIDATE_MODES.index(run.validate),
+            *run.token_shape]
     return policy_tensors, run.plan.key, group, ints, [run.norm, *policy_values], layout
 
 
@@ -50,36 +50,34 @@ def run_of_args(policy_tensors, key: str, group: str, ints: list[int], floats: l
 
         start, total, world, comm_cpu = layout
         shard = VocabShard(_resolve_process_group(group), start, total, world, bool(comm_cpu))
-    (chunk_rows, teacher_rows, seq_len, by_kernel, fp32_weight_grad, ignore_index, reduce, chunks, validate,
-     *token_shape) = ints
+    chunk_rows, teacher_rows, seq_len, fp32_weight_grad, ignore_index, reduce, loop, validate, *token_shape = ints
     return LinearRun(plan_from_key(key), chunk_rows, bool(fp32_weight_grad), False, VALIDATE_MODES[validate],
-                     tuple(token_shape), ignore_index, floats[0], chunks=_CHUNKS[chunks], traced=True, shard=shard,
-                     seq_len=seq_len,
-                     policy=policy_from_lists(policy_tensors, floats[1:]), d_rows_by_kernel=bool(by_kernel),
+                     tuple(token_shape), ignore_index, floats[0], loop=LOOPS[_LOOPS[loop]], traced=True, shard=shard,
+                     seq_len=seq_len, policy=policy_from_lists(policy_tensors, floats[1:]),
                      reduce_hidden_grad=bool(reduce), teacher_rows=teacher_rows)
 
 
-def stats_shape(plan: KernelPlan, chunks: Chunks, sharded: bool, wants, call: CallTensors, rows: int
+def stats_shape(plan: KernelPlan, loop: ChunkLoop, sharded: bool, wants, call: CallTensors, rows: int
                 ) -> tuple[int, ...]:
     """The shape of linear_forward_op's last output: [rows, width] where linear_forward keeps each
     row's merged statistics for the backward (deferred mode, vocab-parallel), else empty."""
-    kept = sharded and not (grads_in_forward(plan, chunks) and any(wants))
+    kept = sharded and not (loop.grads_in_forward(plan) and any(wants))
     return (rows, stats_width(call.teacher.given, call.teacher_ids)) if kept else (0,)
 
 
 def _forward_outputs(hidden, weight, bias, tensors, key, group, ints, floats, layout, wants, handoff):
     """linear_forward_op's outputs, unfilled: its fake."""
-    plan, chunks = plan_from_key(key), _CHUNKS[ints[_TOKEN_SHAPE_AT - 2]]
-    rows, pred, loss, means = empty_outputs(plan, hidden.shape[0], hidden.device, tuple(ints[_TOKEN_SHAPE_AT:]))
+    plan, loop = plan_from_key(key), LOOPS[_LOOPS[ints[_TOKEN_SHAPE_AT - 2]]]
+    loss, rows, pred, means = HeadOutputs.empty(plan, hidden.shape[0], hidden.device, tuple(ints[_TOKEN_SHAPE_AT:]))
     scratch = torch.empty(SCRATCH.N, dtype=torch.int64, device=hidden.device)
-    fused = grads_in_forward(plan, chunks) and not handoff
+    fused = loop.grads_in_forward(plan) and not handoff
     dh, dw, db = (
         torch.empty(like.shape if fused and want else (0,), dtype=like.dtype, device=hidden.device)
         for like, want in zip((hidden, weight, bias if bias is not None else hidden.new_empty(0)), wants)
     )
     token = token_fake() if handoff else hidden.new_empty(0, dtype=torch.int64)
     call = CallTensors(*tensors[:_N_CALL])
-    stats = torch.empty(stats_shape(plan, chunks, bool(group), wants, call, hidden.shape[0]),
+    stats = torch.empty(stats_shape(plan, loop, bool(group), wants, call, hidden.shape[0]),
                         dtype=torch.float32, device=hidden.device)
     return loss, rows, pred, means, scratch, dh, dw, db, token, stats
 
@@ -103,7 +101,7 @@ def _forward_op(
         token = hand_off([None if g is None else (g, flat_geometry(g)) for g in (dh, dw, db)])
         dh = dw = db = None
     if stats is None:  # kept, with no row to compute; or not kept
-        stats = torch.empty(stats_shape(run.plan, run.chunks, run.shard is not None, wants, call,
+        stats = torch.empty(stats_shape(run.plan, run.loop, run.shard is not None, wants, call,
                                         hidden.shape[0]), dtype=torch.float32, device=hidden.device)
     return (out.loss, out.rows, out.pred, out.means, out.scratch,
             *(g if g is not None else hidden.new_empty(0) for g in (dh, dw, db)), token, stats)

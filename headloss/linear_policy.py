@@ -1,12 +1,13 @@
-"""The lm_head routes' policy pieces between and after the chunks.
+"""The lm_head routes' chunk loops beyond plain rows (chunks.ChunkLoop), with their policy pieces between
+and after the chunks (:data:`LOOPS` names every loop):
 
-* ``lm_head:sequences+...``  :func:`sequence_chunk_grad`: a chunk of whole sequences' d loss / d rows
-                             (its sequence statistics need nothing outside the chunk), then its
-                             gradient pass in forward
-* ``lm_head:covariance``     :func:`cov_correction`: the base objective ran fused; the few
-                             covariance-selected rows change after
-* ``lm_head:entropy-guess``  :func:`guess_mask` per chunk, :func:`entropy_mask_correction` once the
-                             batch quantile is known
+* ``lm_head:sequences+...``  :class:`SequenceLoop`, :func:`sequence_chunk_grad`: a chunk of whole
+                             sequences' d loss / d rows (its sequence statistics need nothing outside
+                             the chunk), then its gradient pass in forward
+* ``lm_head:covariance``     :class:`CovarianceLoop`, :func:`cov_correction`: the base objective ran
+                             fused; the few covariance-selected rows change after
+* ``lm_head:entropy-guess``  :class:`EntropyGuessLoop`: :func:`guess_mask` per chunk,
+                             :func:`entropy_mask_correction` once the batch quantile is known
 
 A correction recomputes the changed rows' logits by one GEMM over those rows only and carries the
 change through log_softmax (and the logit transform) to dh, dW and db.
@@ -20,12 +21,12 @@ from dataclasses import replace
 import torch
 
 from . import ops
-from .chunks import LinearRun, LmHead, add_dw, linear_into
-from .engine import objective_launch
+from .chunks import ROWS, ChunkCut, ChunkLoop, LinearRun, LmHead, add_dw, budget_rows, linear_into, spread
 from .kernels.head import PolicyRows, launch_backward
 from .kernels.launch import Geometry
 from .kernels.shard import launch_shard_stats
 from .layouts import STATS
+from .objective import objective_launch
 from .policy.masks import high_entropy_mask, high_entropy_metrics, masked_quantile
 from .policy.objectives import clip_cov_chosen, kl_cov_chosen, policy_objective, token_objective
 from .transform import transformed_logits
@@ -50,7 +51,7 @@ def sequence_chunk_grad(run: LinearRun, logits, targets, teacher, rows, num_item
                   seq_advantages=None if pol.seq_advantages is None else
                   pol.seq_advantages[start // run.seq_len:stop // run.seq_len])
     policy = plan.spec.policy
-    if run.d_rows_by_kernel:
+    if run.loop.by_kernel:
         _, _, d_rows = objective_launch(plan, rows, inp, metrics=False)
     else:
         with ops.autograd_inside():  # (inside the compiled graph's op too)
@@ -71,12 +72,12 @@ def sequence_chunk_grad(run: LinearRun, logits, targets, teacher, rows, num_item
                     num_items=num_items, scratch=scratch, geo=geo, sparse=sparse)
 
 
-def cov_correction(run: LinearRun, head: LmHead, rows, acc) -> None:
+def cov_correction(run: LinearRun, head: LmHead, rows, acc) -> dict[str, torch.Tensor]:
     """clip_cov / kl_cov on the lm_head: the chunks ran the base objective fused (three GEMMs); the
     few selected tokens (cov_ratio of them, verl's 2e-4 by default) then change: kl_cov adds
     coef |log r| to theirs, clip_cov drops the base objective's (:func:`correct_rows`). The metrics
-    the base does not have go on the call's PolicyTokens (``correction_metrics``). ``rows``: every row's
-    values (skipped rows hold 0); ``acc``: the forward's gradients, loss and means (headloss.linear)."""
+    the base does not have are returned. ``rows``: every row's values (skipped rows hold 0); ``acc``: the
+    forward's gradients and outputs (headloss.linear's loop)."""
     plan, pol, policy = run.plan, run.policy, run.objective
     logp = rows[:, plan.cols.logp].detach()
     mask, adv = pol.mask, pol.advantages
@@ -89,14 +90,15 @@ def cov_correction(run: LinearRun, head: LmHead, rows, acc) -> None:
         chosen = kl_cov_chosen(adv, logp, valid, policy)
         d_logp = scale * policy.kl_cov_coef * torch.sign(log_ratio)
         added = scale * policy.kl_cov_coef * log_ratio.abs()
-        pol.correction_metrics = {"ppo_kl": ((log_ratio.abs() * mask).sum() / count).float()}
+        metrics = {"ppo_kl": ((log_ratio.abs() * mask).sum() / count).float()}
     else:
         chosen = clip_cov_chosen(adv, logp, old, valid, policy)
         d_base, base = _objective_slope(logp, old, adv, scale, plan.spec.policy)  # the base objective
         d_logp, added = -d_base, -base
-        pol.correction_metrics = {"pg_clipfrac": ((chosen.to(mask.dtype) * mask).sum() / count).float()}
+        metrics = {"pg_clipfrac": ((chosen.to(mask.dtype) * mask).sum() / count).float()}
     # (clip_cov's draw already made a host read)
     correct_rows(run, head, chosen, torch.where(chosen, d_logp, 0.0), torch.where(chosen, added, 0.0).sum(), acc)
+    return metrics
 
 
 def _objective_slope(logp, old, adv, scale, policy) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,8 +117,8 @@ def correct_rows(run: LinearRun, head: LmHead, chosen, d_logp, added, acc) -> No
     (the number of chosen rows)."""
     plan, grads = run.plan, acc.grads
     hidden, weight, bias, targets = head
-    acc.loss += added
-    acc.means[plan.cols.N] += added  # the 'loss' metric
+    acc.out.loss.add_(added)
+    acc.out.means[plan.cols.N] += added  # the 'loss' metric
     if grads is None:
         return
     picked = torch.nonzero(chosen).squeeze(1)
@@ -166,12 +168,12 @@ def _guess_threshold(seen: torch.Tensor, quantile: float) -> torch.Tensor:
     return masked_quantile(seen, ~seen.isnan(), 1.0 - quantile)
 
 
-def entropy_mask_correction(run: LinearRun, head: LmHead, rows, guess, acc) -> None:
+def entropy_mask_correction(run: LinearRun, head: LmHead, rows, guess, acc) -> dict[str, torch.Tensor]:
     """The top-entropy mask on the lm_head: the chunks ran the objective fused with a guessed mask
     (:func:`guess_mask`); the batch quantile of the entropies (over ``entropy_quantile_group``
     when given) now gives the true mask, and the rows whose guess was wrong gain or lose their
     objective (:func:`correct_rows`). The KL and a loss-aggregated entropy bonus never depend on
-    the mask. The mask's metrics go on the call's PolicyTokens (``correction_metrics``). ``rows`` and
+    the mask. Returns the mask's metrics. ``rows`` and
     ``guess`` hold every row (skipped rows 0); ``acc`` as :func:`cov_correction`'s."""
     plan, pol, policy = run.plan, run.policy, run.objective
     logp = rows[:, plan.cols.logp].detach()
@@ -182,5 +184,105 @@ def entropy_mask_correction(run: LinearRun, head: LmHead, rows, guess, acc) -> N
     old = pol.old_logprobs if pol.old_logprobs is not None else logp
     scale = pol.weight * (pol.importance_weights if pol.importance_weights is not None else 1.0)
     d_base, base = _objective_slope(logp, old, pol.advantages, scale, plan.spec.policy)  # the unmasked one
-    pol.correction_metrics = high_entropy_metrics(entropy, high, mask)
     correct_rows(run, head, delta != 0, delta * d_base, (delta * base).sum(), acc)
+    return high_entropy_metrics(entropy, high, mask)
+
+
+# --- the chunk loops ----------------------------------------------------------------------------------
+
+
+class SequenceLoop(ChunkLoop):
+    """Chunks of whole sequences: each chunk's sequence statistics give its d loss / d rows (``by_kernel``:
+    one launch of the objective kernel, else autograd over the torch ops), and its gradient pass runs in
+    forward (:func:`sequence_chunk_grad`): three GEMMs."""
+
+    whole_sequences = True
+    compacts = False
+    kernel_writes_grad = False  # the gradient pass after the chunk's sequence statistics
+    takes_policy = True
+
+    def __init__(self, by_kernel: bool):
+        self.by_kernel = by_kernel
+        self.name = "sequences+kernels" if by_kernel else "sequences+torch"
+
+    def grads_in_forward(self, plan) -> bool:
+        return True
+
+    def cut(self, chunk_bytes: int, width: int, elem_bytes: int, computed_teacher: bool, seq_len: int,
+            sharded: bool) -> ChunkCut:
+        rows = budget_rows(chunk_bytes, width, elem_bytes, computed_teacher)
+        return ChunkCut(max(seq_len, rows // seq_len * seq_len), 0, seq_len)  # whole sequences, contiguous
+
+    def after_part(self, loop, block, start: int, stop: int) -> None:
+        if loop.grads is None:  # no gradient wanted
+            return
+        sequence_chunk_grad(loop.run, block.logits, block.targets, block.teacher, rows=loop.out.rows[start:stop],
+                            num_items=loop.call.tensors.num_items, scratch=loop.call.scratch, geo=block.geo,
+                            start=start, stop=stop, sparse=block.sparse)
+
+
+class _CorrectingLoop(ChunkLoop):
+    """Row chunks that run the base objective fused, then correct a few rows (one host read)."""
+
+    takes_policy = True
+    corrects = True
+
+    def cut(self, chunk_bytes: int, width: int, elem_bytes: int, computed_teacher: bool, seq_len: int,
+            sharded: bool) -> ChunkCut:
+        return ChunkCut(budget_rows(chunk_bytes, width, elem_bytes, computed_teacher))
+
+    @staticmethod
+    def write_metrics(loop, metrics: dict[str, torch.Tensor], names: tuple[str, ...]) -> None:
+        """The loop's metrics into the room after the plan's means (read back by :meth:`ChunkLoop.metrics`)."""
+        tail = loop.out.means[loop.run.plan.means_size:]
+        for i, name in enumerate(names):
+            tail[i] = metrics[name]
+
+
+class CovarianceLoop(_CorrectingLoop):
+    """clip_cov / kl_cov: the base objective fused, then the covariance-selected rows corrected
+    (:func:`cov_correction`)."""
+
+    name = "covariance"
+
+    def metric_names(self, policy) -> tuple[str, ...]:
+        return ("ppo_kl",) if policy.objective == "kl_cov" else ("pg_clipfrac",)
+
+    def after_finish(self, loop, head: LmHead, rows: torch.Tensor) -> None:
+        if loop.out.rows.shape[0]:
+            metrics = cov_correction(loop.run, head, rows, loop)
+            self.write_metrics(loop, metrics, self.metric_names(loop.run.objective))
+
+
+class EntropyGuessLoop(_CorrectingLoop):
+    """A row-local objective under the top-entropy mask: fused under a mask guessed chunk by chunk
+    (:func:`guess_mask`), the rows guessed wrong corrected once the batch quantile is known
+    (:func:`entropy_mask_correction`)."""
+
+    name = "entropy-guess"
+
+    def metric_names(self, policy) -> tuple[str, ...]:
+        return ("high_entropy/fraction", "high_entropy/entropy")
+
+    def start(self, loop, computed: int, device) -> None:
+        if loop.call.tensors.adv is not None:  # (without gradient too: the guess changes the loss)
+            loop.guess = torch.zeros(computed, dtype=torch.float32, device=device)
+            loop.seen = torch.empty(computed, dtype=torch.float32, device=device)
+
+    def part_policy(self, loop, block, start: int, stop: int):
+        if loop.guess is None:
+            return block.policy
+        return guess_mask(loop.run, block.logits, block.targets, block.geo, block.policy, guess=loop.guess,
+                          seen=loop.seen, start=start, stop=stop)
+
+    def after_finish(self, loop, head: LmHead, rows: torch.Tensor) -> None:
+        if loop.guess is None:  # with no row too: the quantile's collective (entropy_quantile_group) joins all
+            return
+        guess = spread(loop.guess, loop.index, rows.shape[0], 0.0)
+        metrics = entropy_mask_correction(loop.run, head, rows, guess, loop)
+        self.write_metrics(loop, metrics, self.metric_names(loop.run.objective))
+
+
+LOOPS: dict[str, ChunkLoop] = {loop.name: loop for loop in (
+    ROWS, SequenceLoop(by_kernel=True), SequenceLoop(by_kernel=False), CovarianceLoop(), EntropyGuessLoop())}
+"""Every chunk loop by name (the routes' table; the ops carry a loop by its name)."""

@@ -17,9 +17,10 @@ import torch.nn.functional as F
 
 from . import ops, routes
 from .batch import Layout, LinearOptions, PolicyBatch, Teacher
-from .chunks import LinearRun, cut
-from .engine import NO_GRADS, CallTensors, keep, policy_terms
+from .chunks import LinearRun
+from .engine import NO_GRADS, keep
 from .env import log_route
+from .head import CallTensors, HeadOutputs
 from .inputs import (
     check_linear_inputs,
     check_targets,
@@ -50,7 +51,7 @@ from .plan import KernelPlan
 from .policy.inputs import policy_inputs
 from .policy.tokens import PolicyTokens
 from .reference import reference_head_loss
-from .routes import Chunks, PolicyAt, facts_of, resolve_backend
+from .routes import facts_of, resolve_backend
 from .spec import LossSpec
 from .validation import Normaliser, normaliser, validation_mode
 
@@ -193,25 +194,22 @@ def _kernels(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, 
     facts = facts_of("hidden", "triton", hidden.device, call.rows_shape, call.given.given(),
                      sharded=shard is not None, sequence_bytes=seq_len * width * elem, chunk_bytes=options.chunk_bytes)
     chosen = routes.choose(plan, facts, options.route)
-    chunks = cut(chosen.chunks, options.chunk_bytes, width, hidden.element_size(), call.teacher.computed, seq_len,
-                 shard is not None)
-    corrected = chosen.chunks in (Chunks.COVARIANCE, Chunks.ENTROPY_GUESS)
-    by_sequence = chosen.chunks is Chunks.SEQUENCES
+    loop = chosen.loop  # the route's chunk loop: its cut, its steps between and after the chunks, its metrics
+    chunks = loop.cut(options.chunk_bytes, width, hidden.element_size(), call.teacher.computed, seq_len,
+                      shard is not None)
     run = LinearRun(chosen.plan, chunks.rows, options.fp32_weight_grad,
-                    options.compact and not chosen.traced and not by_sequence, mode, call.rows_shape,
-                    spec.ignore_index, call.norm.value, chunks=chosen.chunks, traced=chosen.traced, shard=shard,
-                    seq_len=chunks.seq_len, policy=call.policy if corrected or by_sequence else None,
-                    objective=spec.policy if corrected else None,
-                    d_rows_by_kernel=by_sequence and chosen.policy is PolicyAt.KERNELS,
+                    options.compact and not chosen.traced and loop.compacts, mode, call.rows_shape,
+                    spec.ignore_index, call.norm.value, loop=loop, traced=chosen.traced, shard=shard,
+                    seq_len=chunks.seq_len, policy=call.policy if loop.takes_policy else None,
+                    objective=spec.policy if loop.corrects else None,
                     reduce_hidden_grad=options.hidden_grad == "reduced", teacher_rows=chunks.teacher_rows)
     policy = call.policy
-    tensors = CallTensors.of(flat_targets(call.targets), call.teacher,
-                             policy if chosen.policy is PolicyAt.EPILOGUE else None, call.norm.tensor,
-                             None if policy is None else policy.sequence_ids, call.sparse)
+    tensors = CallTensors.of(flat_targets(call.targets), call.teacher, chosen.epilogue_policy(policy),
+                             call.norm.tensor, None if policy is None else policy.sequence_ids, call.sparse)
     loss, rows_out, pred, means, scratch = LinearFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
                                                                 call.bias, run, *tensors)
-    loss, extra = policy_terms(chosen, run.plan, loss, rows_out, means, scratch, policy)
-    extra.update(getattr(policy, "correction_metrics", None) or {})
+    loss, extra = chosen.policy_share(run.plan, HeadOutputs(loss, rows_out, pred, means), scratch, policy)
+    extra.update(loop.metrics(means, run.plan, spec.policy))  # (after the plan's means)
     out = assemble(run.plan, run.token_shape, loss, rows_out, pred, means, scratch, extra, route=chosen.name)
     out = trim(out, call.token_shape) if call.token_shape != run.token_shape else out
     log_route("linear_head_loss", hidden, chosen.name)

@@ -18,8 +18,9 @@ import torch
 from . import env, routes
 from .batch import Layout, Options, PolicyBatch, Teacher
 from .bounded import BoundedDict, cache
-from .engine import CallTensors, HeadFunction, HeadRun, objective_metrics, policy_terms
+from .engine import HeadFunction, HeadRun
 from .env import log_route
+from .head import CallTensors, HeadOutputs
 from .inputs import (
     check_head,
     check_logits,
@@ -47,7 +48,7 @@ from .parallel import (
 from .plan import KernelPlan
 from .policy.inputs import policy_inputs
 from .reference import reference_head_loss
-from .routes import PolicyAt, Route, facts_of, resolve_backend
+from .routes import Route, facts_of, resolve_backend
 from .validation import normaliser, validation_mode
 
 
@@ -113,11 +114,8 @@ def _kernels(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyB
                               None if teacher.logits is None else teacher.logits.detach(), num_items=norm.tensor)
         chosen, pol = recipe.route, None
     loss, rows, pred, means, scratch = HeadFunction.apply(logits, run, *tensors)
-    if run.objective is not None:  # the loss has the policy term; its metrics follow the means
-        extra = objective_metrics(plan, means[plan.means_size:])
-        means = means[:plan.means_size]
-    else:
-        loss, extra = policy_terms(chosen, plan, loss, rows, means, scratch, pol, kernel_sequences=run.seq_len > 0)
+    loss, extra = chosen.policy_share(plan, HeadOutputs(loss, rows, pred, means), scratch, pol,
+                                      reduced=run.seq_len > 0)
     # a plain call's output is made when first read (a step that reads only the loss skips its host time)
     out = assemble(plan, run.token_shape, loss, rows, pred, means, scratch, extra, route=chosen.name,
                    lazy=recipe_key is not None)
@@ -152,12 +150,12 @@ def _checked(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyB
     geo = call.geo
     if shard is not None:
         geo = geo._replace(vocab_start=shard.vocab_start, V_total=shard.vocab_total)
-    inside = chosen.policy is PolicyAt.KERNELS  # deferred+kernels: the policy term inside the head's autograd node
+    inside = chosen.term.in_head_node  # deferred+kernels: the policy term inside the head's autograd node
     run = HeadRun(plan, geo, options.inplace_grad, call.validate, call.token_shape, traced=chosen.traced,
                   adv_span=pol.adv_span if pol is not None else 1, seq_len=rows_per_seq, shard=shard,
                   objective=pol if inside else None)
-    tensors = CallTensors.of(call.targets, Teacher(logits=call.teacher), pol if chosen.policy is PolicyAt.EPILOGUE
-                             else None, call.norm.tensor, None if pol is None else pol.sequence_ids, call.sparse)
+    tensors = CallTensors.of(call.targets, Teacher(logits=call.teacher), chosen.epilogue_policy(pol), call.norm.tensor,
+                             None if pol is None else pol.sequence_ids, call.sparse)
     return run, tensors, chosen, pol
 
 

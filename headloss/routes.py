@@ -1,9 +1,14 @@
-"""Which way a call runs: :func:`routes_for` decides, the engine dispatches on its answer.
+"""Which way a call runs: :func:`routes_for` decides, and the route it returns runs the call.
 
 A route names the whole path of one call, from its inputs to its gradient. Every choice a call
 makes beyond its plan -- the backend, where the policy objective runs, how the lm_head cuts its
-rows -- is made here, once, from the plan and the facts of the call (:class:`Facts`): nothing
-downstream asks again. :func:`routes_for` lists every route that can run a call, the default first;
+rows and what runs between its chunks -- is made here, once, from the plan and the facts of the call
+(:class:`Facts`). A :class:`Route` carries the objects that run those choices: its policy term
+(objective.PolicyTerm: where the objective runs besides the head kernel, what it adds to the output)
+and, on the lm_head, its chunk loop (chunks.ChunkLoop: the cut, the steps between and after the
+chunks, the metrics they add); nothing downstream asks which route it is.
+
+:func:`routes_for` lists every route that can run a call, the default first;
 ``head_loss(..., route=NAME)`` / ``linear_head_loss(..., route=NAME)`` takes another one of them
 (testing, A/B), ``out.route`` says which ran, ``python -m headloss explain`` prints them and
 ``HEADLOSS_LOG_ROUTES=1`` logs each call's.
@@ -44,11 +49,13 @@ import torch
 
 from . import env
 from .bounded import BoundedDict, cache
+from .chunks import ROWS, ChunkLoop
+from .kernels.launch import KERNEL_DTYPES
+from .linear_policy import LOOPS
+from .objective import EPILOGUE, KERNELS, KERNELS_IN_HEAD, NO_POLICY, TORCH, PolicyTerm
 from .plan import KernelPlan
 from .policy_tables import IMPORTANCE_SAMPLING, OBJECTIVES
 from .spec import separate_kl_entropy
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Mode(str, enum.Enum):
@@ -59,58 +66,38 @@ class Mode(str, enum.Enum):
     DEFERRED = "deferred"  # stats in forward, the gradient pass in backward
 
 
-class PolicyAt(str, enum.Enum):
-    """Where a route runs the policy objective (NONE: the call has no policy term)."""
-
-    NONE = ""
-    EPILOGUE = "epilogue"  # the head kernel's row epilogue (row-local objectives)
-    KERNELS = "kernels"  # two launches over [B, T] sequences (kernels/policy.py)
-    TORCH = "torch"  # torch ops on the per-token log-probs (policy.objectives)
-
-
-class Chunks(str, enum.Enum):
-    """How the lm_head cuts its rows (NONE on the logits entry point)."""
-
-    NONE = ""
-    ROWS = "rows"  # chunks of rows under the byte budget
-    SEQUENCES = "sequences"  # chunks of whole sequences: each chunk's sequence statistics in forward
-    COVARIANCE = "covariance"  # rows; then the covariance-selected rows corrected
-    ENTROPY_GUESS = "entropy-guess"  # rows under a guessed top-entropy mask; then the wrong guesses corrected
-
-
 class RouteKind(NamedTuple):
     """A row of the route table: everything a route's name stands for."""
 
     name: str
     mode: Mode
-    policy: PolicyAt  # where a policy term runs, when the call has one
-    chunks: Chunks
+    term: PolicyTerm  # where a policy term runs besides the head kernel, when the call has one
+    loop: ChunkLoop | None  # the lm_head's chunk loop (None on the logits entry point)
     description: str
 
 
 _TABLE = (
-    RouteKind("torch", Mode.TORCH, PolicyAt.TORCH, Chunks.NONE, "plain torch, term by term (headloss.reference)"),
-    RouteKind("fused", Mode.FUSED, PolicyAt.EPILOGUE, Chunks.NONE, "one launch: stats, row epilogue, gradient"),
-    RouteKind("deferred", Mode.DEFERRED, PolicyAt.NONE, Chunks.NONE, "stats in forward, the gradient pass in backward"),
-    RouteKind("deferred+kernels", Mode.DEFERRED, PolicyAt.KERNELS, Chunks.NONE,
+    RouteKind("torch", Mode.TORCH, TORCH, None, "plain torch, term by term (headloss.reference)"),
+    RouteKind("fused", Mode.FUSED, EPILOGUE, None, "one launch: stats, row epilogue, gradient"),
+    RouteKind("deferred", Mode.DEFERRED, NO_POLICY, None, "stats in forward, the gradient pass in backward"),
+    RouteKind("deferred+kernels", Mode.DEFERRED, KERNELS_IN_HEAD, None,
               "deferred; the policy objective by two launches over [B, T] sequences"),
-    RouteKind("deferred+torch", Mode.DEFERRED, PolicyAt.TORCH, Chunks.NONE,
-              "deferred; the policy objective by torch ops"),
-    RouteKind("lm_head:fused", Mode.FUSED, PolicyAt.EPILOGUE, Chunks.ROWS,
+    RouteKind("deferred+torch", Mode.DEFERRED, TORCH, None, "deferred; the policy objective by torch ops"),
+    RouteKind("lm_head:fused", Mode.FUSED, EPILOGUE, ROWS,
               "chunks of hidden x weight, the fused kernel in place on each (3 GEMMs)"),
-    RouteKind("lm_head:deferred", Mode.DEFERRED, PolicyAt.NONE, Chunks.ROWS,
+    RouteKind("lm_head:deferred", Mode.DEFERRED, NO_POLICY, ROWS,
               "chunks; the gradient pass in backward over recomputed logits (4 GEMMs)"),
-    RouteKind("lm_head:deferred+kernels", Mode.DEFERRED, PolicyAt.KERNELS, Chunks.ROWS,
+    RouteKind("lm_head:deferred+kernels", Mode.DEFERRED, KERNELS, ROWS,
               "lm_head:deferred; the policy objective by the sequence kernels"),
-    RouteKind("lm_head:deferred+torch", Mode.DEFERRED, PolicyAt.TORCH, Chunks.ROWS,
+    RouteKind("lm_head:deferred+torch", Mode.DEFERRED, TORCH, ROWS,
               "lm_head:deferred; the policy objective by torch ops"),
-    RouteKind("lm_head:sequences+kernels", Mode.DEFERRED, PolicyAt.KERNELS, Chunks.SEQUENCES,
+    RouteKind("lm_head:sequences+kernels", Mode.DEFERRED, KERNELS, LOOPS["sequences+kernels"],
               "chunks of whole sequences, each one's objective by one launch (3 GEMMs)"),
-    RouteKind("lm_head:sequences+torch", Mode.DEFERRED, PolicyAt.TORCH, Chunks.SEQUENCES,
+    RouteKind("lm_head:sequences+torch", Mode.DEFERRED, TORCH, LOOPS["sequences+torch"],
               "chunks of whole sequences, each one's objective by autograd over torch (3 GEMMs)"),
-    RouteKind("lm_head:covariance", Mode.FUSED, PolicyAt.EPILOGUE, Chunks.COVARIANCE,
+    RouteKind("lm_head:covariance", Mode.FUSED, EPILOGUE, LOOPS["covariance"],
               "the base objective fused, then the covariance-selected rows corrected"),
-    RouteKind("lm_head:entropy-guess", Mode.FUSED, PolicyAt.EPILOGUE, Chunks.ENTROPY_GUESS,
+    RouteKind("lm_head:entropy-guess", Mode.FUSED, EPILOGUE, LOOPS["entropy-guess"],
               "fused under a guessed top-entropy mask, then the rows guessed wrong corrected"),
 )
 KINDS: dict[str, RouteKind] = {kind.name: kind for kind in _TABLE}
@@ -136,16 +123,26 @@ class Facts(NamedTuple):
 
 
 class Route(NamedTuple):
-    """One way to run a call: a row of the table (``name``, ``mode``, ``policy``, ``chunks``) for one plan."""
+    """One way to run a call: a row of the table (``name``, ``mode``, ``term``, ``loop``) for one plan."""
 
     name: str
     mode: Mode
     plan: KernelPlan  # the variant the head kernel runs: the call's, or the base objective's (corrected routes)
-    policy: PolicyAt  # where the policy objective runs (NONE: no policy term)
-    chunks: Chunks  # the lm_head's chunking (NONE on logits)
+    term: PolicyTerm  # where the policy objective runs besides the head kernel (NO_POLICY: no policy term)
+    loop: ChunkLoop | None  # the lm_head's chunk loop (None on logits)
     sequence_kernels: bool  # the policy's per-sequence metrics may launch kernels/policy.py ([B, T] rows)
     raw_inputs: bool  # the kernels read the policy inputs as given (no fp32 copies)
     traced: bool  # under torch.compile (the engine calls the torch.library ops)
+
+    def epilogue_policy(self, pol):
+        """``pol`` (the call's policy inputs) where the head kernel's epilogue reads them, else None."""
+        return pol if self.term.epilogue else None
+
+    def policy_share(self, plan: KernelPlan, out, scratch, pol, reduced: bool = False) -> tuple:
+        """The policy term's share outside the head kernel: (the loss with it, its metrics); ``out``: the
+        head's outputs (head.HeadOutputs); ``reduced``: the head kernel's last program reduced the
+        per-sequence metrics."""
+        return self.term.share(plan, out, scratch, pol, self.sequence_kernels, reduced)
 
 
 BACKENDS = ("auto", "triton", "torch")
@@ -221,7 +218,7 @@ def _routes(plan: KernelPlan, facts: Facts) -> tuple[Route, ...]:
 
     def route(name: str, raw: bool = False, of: KernelPlan = plan) -> Route:
         kind = KINDS[name if name == "torch" or not lm_head else "lm_head:" + name]
-        return Route(kind.name, kind.mode, of, kind.policy if pol is not None else PolicyAt.NONE, kind.chunks,
+        return Route(kind.name, kind.mode, of, kind.term if pol is not None else NO_POLICY, kind.loop,
                      sequences and kind.mode is not Mode.TORCH, raw, facts.traced)
 
     if facts.backend == "torch":

@@ -355,8 +355,26 @@ def torchrun(script: str, out_dir, timeout: int = 900) -> dict:
                            str(out_dir)], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path})
     found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and found, done.stderr[-3000:]
+    assert done.returncode == 0 and found, (f"exit code {done.returncode}, "
+                                            f"{'after' if found else 'before'} rank 0 printed its RESULT line\n"
+                                            + done.stderr[-3000:])
     return json.loads(found[0][len("RESULT "):])
+
+
+def end_of_script() -> None:
+    """The end of a :func:`torchrun` script: every rank done (a barrier), output flushed, then the process
+    leaves without the interpreter's teardown. Left to it, the destruction of a gloo process group's
+    and the trainers' threads can abort a rank after its work ("terminate called without an active
+    exception", now and then under load), even after destroy_process_group."""
+    import sys
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def check_sequence_extremes(device, batch: int, length: int, strided: bool, nan: bool, empty: str, seed: int,

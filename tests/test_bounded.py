@@ -16,7 +16,7 @@ from headloss import LossSpec, bounded, head_loss
 
 REGISTERED = {"launch.compiled", "launch.fast", "launch.params", "launch.config", "head.tiles",
               "registry.objective_flags", "plan.compile_plan", "plan.by_key", "plan.by_id", "plan.by_data",
-              "routes", "logits.recipes", "engine.objective_names", "parallel.shards",
+              "routes", "logits.recipes", "objective.names", "parallel.shards",
               "policy.unread_inputs", "verl.head_spec"}
 """Caches registered by the modules that import with headloss (and its verl integration)."""
 

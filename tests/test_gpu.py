@@ -15,7 +15,7 @@ import torch
 from conftest import check_sequence_extremes
 
 import headloss
-from headloss.engine import INLINE_PREPARE_SLOTS
+from headloss.head import INLINE_PREPARE_SLOTS
 from headloss.kernels.head import head_kernel
 
 pytestmark = [

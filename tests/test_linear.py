@@ -34,6 +34,7 @@ from conftest import (
 )
 
 import headloss.chunks
+import headloss.head
 import headloss.linear
 from headloss import CrossEntropy, Entropy, HeadLossOutput, LogitTransform, LossSpec, ZLoss
 from headloss.api import LinearHeadLoss, linear_head_loss
@@ -260,7 +261,7 @@ def chunk_log(monkeypatch):
     """Logits shape of every forward / backward kernel launch of the fused lm_head, in order, and
     whether the forward launch writes the gradient over the chunk (fused mode)."""
     log = {"forward": [], "backward": [], "fused": []}
-    real_forward, real_backward = headloss.linear.launch_head, headloss.linear.launch_backward
+    real_forward, real_backward = headloss.head.launch_head, headloss.linear.launch_backward
 
     def forward(plan, **kwargs):
         log["forward"].append(tuple(kwargs["logits"].shape))
@@ -271,7 +272,7 @@ def chunk_log(monkeypatch):
         log["backward"].append(tuple(kwargs["logits"].shape))
         return real_backward(plan, **kwargs)
 
-    monkeypatch.setattr(headloss.linear, "launch_head", forward)
+    monkeypatch.setattr(headloss.head, "launch_head", forward)
     monkeypatch.setattr(headloss.linear, "launch_backward", backward)
     return log
 

@@ -14,7 +14,8 @@ from conftest import assert_close_norm, make_logits, make_targets, needs_kernel
 import headloss
 from headloss import LossSpec, head_loss, linear_head_loss
 from headloss.chunks import LinearRun
-from headloss.engine import CallTensors, HeadRun
+from headloss.engine import HeadRun
+from headloss.head import CallTensors
 from headloss.linear_ops import run_args
 from headloss.ops import flat_geometry, geo_ints, hand_off
 from headloss.output import RETAIN_GRAPH_ERROR
@@ -159,7 +160,7 @@ def test_opcheck_head_backward():
 
 def _checked_merged_stats(logits, targets, teacher, ids, logprobs, key, ints):
     """The shard statistics and their merge, each through opcheck; the merged statistics of one shard."""
-    from headloss.engine import merge_stats_op, shard_stats_op
+    from headloss.head import merge_stats_op, shard_stats_op
 
     torch.library.opcheck(shard_stats_op.op, (logits, targets, teacher, ids, logprobs, key, ints, 0.0))
     part = shard_stats_op(logits, targets, teacher, ids, logprobs, key, ints, 0.0)
@@ -173,7 +174,7 @@ def test_opcheck_vocab_parallel_ops():
     """The shard statistics, their merge and the mixture JSD's shares (a compiled vocab-parallel call),
     here on a shard that is the whole vocabulary; and the head kernel and its backward on merged
     statistics."""
-    from headloss.engine import shard_jsd_op
+    from headloss.head import shard_jsd_op
     from headloss.inputs import geometry
     from headloss.validation import Normaliser
 
@@ -323,7 +324,7 @@ def test_opcheck_policy_ops():
     """The deferred mode's policy objective (its loss, metrics and d rows, or d rows alone) and the
     per-sequence clip extremes as ops; and the policy inputs carried through the lm_head's op
     (sequence chunks)."""
-    from headloss.engine import policy_objective_op
+    from headloss.objective import policy_objective_op
     from headloss.policy.metrics import sequence_extremes
     from headloss.policy.tokens import PolicyTokens, policy_as_lists, policy_from_lists
 

@@ -26,6 +26,9 @@ try:  # Triton's private C binder: the fast path needs it, launch() works withou
 except ImportError:
     _native_specialize = None
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The logits (and hidden states') dtypes the kernels read."""
+
 
 class Geometry(NamedTuple):
     """Sizes and strides of one launch (runtime ints; Triton specializes 1 and multiples of 16)."""

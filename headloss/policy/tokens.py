@@ -29,7 +29,6 @@ class PolicyTokens:
     rollout_logprobs: torch.Tensor | None = None  # (N,) fp32, 0 at masked tokens
     sequence_level: bool = False  # TRL's sequence-level ratios with [B] advantages: clip fractions over sequences
     seq_advantages: torch.Tensor | None = None  # (B,) as given, when one per sequence of [B, T] tokens
-    correction_metrics: dict | None = None  # lm_head base + correction (engine): the metrics the correction sets
     norm_length: int | None = None  # seq-mean-token-sum-norm's T when the rows are longer (padded)
     num_sequences_in_batch: float | torch.Tensor | None = None  # verl's global_batch_size (seq-mean modes)
     adv_span: int = 1  # tokens per entry of ``advantages`` (K: one per sequence of [B, K], kernel only)
@@ -39,15 +38,14 @@ class PolicyTokens:
     # at masked tokens, for torch
 
 
-_CARRIED = tuple(f.name for f in fields(PolicyTokens) if f.name not in ("quantile_group", "correction_metrics"))
+_CARRIED = tuple(f.name for f in fields(PolicyTokens) if f.name != "quantile_group")
 _INT_FIELDS = frozenset({"n_slots", "n_seq", "seq_len", "norm_length", "adv_span"})
 _BOOL_FIELDS = frozenset({"sequence_level", "raw"})
 
 
 def policy_as_lists(inp: PolicyTokens | None) -> tuple[list[torch.Tensor | None], list[float]]:
     """``inp`` as a torch.library op takes it: each field a tensor (its value 0.0) or a number (its
-    tensor None; NaN: None). Not carried: a process group (``quantile_group``) and the metrics a
-    route sets (``correction_metrics``)."""
+    tensor None; NaN: None). Not carried: a process group (``quantile_group``)."""
     if inp is None:
         return [], []
     tensors: list[torch.Tensor | None] = []

@@ -5,12 +5,13 @@ import json
 import os
 import sys
 
-import torch  # (before transformers)
+import torch  # noqa: F401  (before transformers)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import transformers  # noqa: E402
+from conftest import end_of_script  # noqa: E402
 from test_transformers import _Batches, tiny  # noqa: E402
 
 from headloss import Entropy, LossSpec, ZLoss  # noqa: E402
@@ -44,9 +45,4 @@ if __name__ == "__main__":
             "mine": [h["loss"] for h in logs], "ce": [h.get("ce") for h in logs],
             "accuracy": [h.get("token_accuracy") for h in logs],
         }))
-    # a clean shutdown: a process group left to interpreter exit can abort in the teardown of its
-    # threads ("terminate called without an active exception", about one run in ten)
-    sys.stdout.flush()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_of_script()

@@ -6,13 +6,12 @@ import json
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import test_trl  # noqa: E402
 import trl  # noqa: E402
+from conftest import end_of_script  # noqa: E402
 from test_trl import grpo, sft  # noqa: E402
 
 from headloss.integrations.trl import HeadLossGRPOTrainer, HeadLossSFTTrainer  # noqa: E402
@@ -49,9 +48,4 @@ if __name__ == "__main__":
         result[name] = {"err": err, "stock": runs["stock"][0], "mine": runs["mine"][0]}
     if int(os.environ.get("RANK", 0)) == 0:
         print("RESULT " + json.dumps({"world": int(os.environ.get("WORLD_SIZE", 1)), **result}))
-    # a clean shutdown: a process group left to interpreter exit can abort in the teardown of its
-    # threads ("terminate called without an active exception", about one run in ten)
-    sys.stdout.flush()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_of_script()

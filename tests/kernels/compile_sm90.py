@@ -163,7 +163,7 @@ def _sharded(call):
     """``call`` as rank 1 of 2 vocab-parallel ranks (columns 300..599 of 600), without a process
     group: the layout and the statistics exchange are stood in for; the kernels are the real ones."""
     def run():
-        import headloss.engine as engine
+        import headloss.head as head
         import headloss.linear as linear
         import headloss.lm_head as lm_head
         import headloss.logits as logits_entry
@@ -173,10 +173,10 @@ def _sharded(call):
         stand_ins = {
             (logits_entry, "shard_of"): lambda group, width, device, fresh=False: layout,
             (lm_head, "rows_shard"): lambda weight, group, fresh=False: (weight, layout),
-            (engine, "gather_merged"): lambda part, _shard, own_temp=False, topk=False, merge=True: (
+            (head, "gather_merged"): lambda part, _shard, own_temp=False, topk=False, merge=True: (
                 shard.launch_merge(torch.stack([part, part]), own_temp, topk) if merge else
                 torch.stack([part, part])),
-            (engine, "all_reduce_sum"): lambda t, _shard, what="dh": t,
+            (head, "all_reduce_sum"): lambda t, _shard, what="dh": t,
             (linear, "all_reduce_sum"): lambda t, _shard, what="dh": t,
         }
         saved = {key: getattr(*key) for key in stand_ins}

@@ -217,12 +217,12 @@ def test_both_prepare_routes_give_the_reference_and_the_same_errors(inline, monk
     """Calls up to INLINE_PREPARE_SLOTS slots leave prepare's work (counted rows, target, num_items and
     sequence id checks, the policy term's counters) to one of the head kernel's programs (the first to
     take the call's ticket); above, prepare_kernel runs first."""
-    from headloss import engine
+    from headloss import head
 
-    monkeypatch.setattr(engine, "INLINE_PREPARE_SLOTS", 1 << 14 if inline else 0)
+    monkeypatch.setattr(head, "INLINE_PREPARE_SLOTS", 1 << 14 if inline else 0)
     launched = []
-    real = engine.prepare
-    monkeypatch.setattr(engine, "prepare", lambda *a, **k: launched.append(1) or real(*a, **k))
+    real = head.prepare
+    monkeypatch.setattr(head, "prepare", lambda *a, **k: launched.append(1) or real(*a, **k))
     logits = make_logits((2, 5, 29), seed=3)
     targets = make_targets((2, 5), 29, seed=3, ignore_frac=0.4)
     for spec in (SPEC, SPEC.model_copy(update={"differentiable_outputs": True})):  # fused, deferred
