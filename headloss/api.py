@@ -86,8 +86,7 @@ def head_loss(
     backend, route = _renamed(backend, call.route)
     options = Options(validate=validate, backend=backend, route=route, group=group, inplace_grad=inplace_grad)
     plan = plan_for(spec, has_targets=targets is not None)
-    return run_head(logits, targets, plan, call.teacher, call.batch, layout=call.layout,
-                    num_items_in_batch=call.num_items_in_batch, options=options)
+    return run_head(logits, targets, plan, call, options)
 
 
 def linear_head_loss(
@@ -140,8 +139,7 @@ def linear_head_loss(
     options = LinearOptions(validate=validate, backend=backend, route=route, group=group, chunk_bytes=chunk_bytes,
                             fp32_weight_grad=fp32_weight_grad, compact=compact, hidden_grad=hidden_grad)
     plan = plan_for(spec, has_targets=targets is not None)
-    return run_linear(hidden, weight, call.bias, call.teacher, targets, plan, batch=call.batch, layout=call.layout,
-                      num_items_in_batch=call.num_items_in_batch, options=options)
+    return run_linear(hidden, weight, targets, plan, call, options)
 
 
 def _renamed(backend, route) -> tuple:

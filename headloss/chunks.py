@@ -107,9 +107,9 @@ class ChunkLoop:
 ROWS = ChunkLoop()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LinearRun:
-    """Everything but tensors that a linear_head_loss call runs with."""
+    """Everything but tensors that a linear_head_loss call runs with (by keyword)."""
 
     plan: KernelPlan  # the variant the chunks run: the call's, or its base objective's (corrected routes)
     chunk_rows: int

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .head import Block, CallTensors, HeadCall, HeadOutputs, traced_shard_statistics
+from .head import Block, CallTensors, HeadCall, traced_shard_statistics
 from .kernels.head import launch_backward
 from .kernels.launch import Geometry, row_strides
 from .layouts import OBJECTIVE_OUT, scratch_size
@@ -41,7 +41,7 @@ from .ops import (
     take_grad,
     token_fake,
 )
-from .output import guard_second_backward
+from .output import HeadOutputs, guard_second_backward
 from .plan import KernelPlan, plan_from_key
 from .policy.tokens import PolicyTokens
 from .validation import VALIDATE_MODES
@@ -157,10 +157,10 @@ head_forward_beside_op = kernel_op("headloss::head_forward_beside", fake=_fake_h
 
 
 def head_backward(run: HeadRun, logits, tensors: CallTensors, rows, d_loss, d_rows, scratch,
-                  stats: torch.Tensor | None = None, inplace: bool = False) -> torch.Tensor:
+                  stats: torch.Tensor | None = None) -> torch.Tensor:
     """Deferred mode's gradient pass (``d_loss`` or ``d_rows`` None: that output took no gradient);
-    ``stats``: a vocab-parallel forward's merged statistics."""
-    grad = logits.detach() if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    ``stats``: a vocab-parallel forward's merged statistics; ``run.inplace``: over the logits."""
+    grad = logits.detach() if run.inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     launch_backward(run.plan, logits=logits, targets=tensors.targets, teacher=tensors.teacher_logits, grad=grad,
                     rows=rows, d_loss=None if d_loss is None else d_loss.float().reshape(-1).contiguous(),
                     d_rows=None if d_rows is None else d_rows.float().contiguous(), num_items=tensors.num_items,
@@ -178,7 +178,7 @@ def head_backward_op(logits: torch.Tensor, tensors: list[torch.Tensor | None], k
     targets, teacher, rows, d_loss, d_rows, num_items, scratch, stats, ids, logprobs = tensors
     run = HeadRun.from_op_args(key, ints, norm)
     call = CallTensors(targets, teacher, num_items=num_items, teacher_ids=ids, teacher_logprobs=logprobs)
-    return head_backward(run, logits, call, rows, d_loss, d_rows, scratch, stats, inplace=run.inplace)
+    return head_backward(run, logits, call, rows, d_loss, d_rows, scratch, stats)
 
 
 NO_GRADS = (None,) * (1 + len(CallTensors._fields))
@@ -252,7 +252,7 @@ class HeadFunction(torch.autograd.Function):
             d_rows = scaled if d_rows is None else d_rows + scaled
         if run.shard is not None and not run.traced:
             call = CallTensors(targets, teacher, num_items=num_items, teacher_ids=ids, teacher_logprobs=logprobs)
-            grad = head_backward(run, logits, call, rows, d_loss, d_rows, scratch, stats, inplace=run.inplace)
+            grad = head_backward(run, logits, call, rows, d_loss, d_rows, scratch, stats)
         else:
             eager = replace(run, inplace=run.inplace and not run.traced)
             grad = head_backward_op(logits, [targets, teacher, rows, d_loss, d_rows, num_items, scratch, stats, ids,

@@ -26,6 +26,7 @@ from .kernels.shard import launch_merge, launch_shard_jsd, launch_shard_stats
 from .kernels.sparse import SparseRows, block_of, launch_check_teacher
 from .layouts import JSD_SHARES, STATS, scratch_size
 from .ops import geo_ints, geo_of, kernel_op
+from .output import HeadOutputs
 from .parallel import all_reduce_sum, gather_merged, handshake_verdict
 from .plan import KernelPlan, plan_from_key
 from .policy.tokens import PolicyTokens
@@ -81,36 +82,6 @@ class CallTensors(NamedTuple):
         if self.adv is None:
             return None
         return PolicyRows(self.old, self.ref, self.adv, self.iw, self.policy_weight, adv_span, seq_len)
-
-
-class HeadOutputs(NamedTuple):
-    """What the head writes: the loss (token-shaped for reduction "none", so the loss is never a view), the
-    packed per-row values (per-token outputs are its columns), the argmax (empty without it) and the
-    column means (the metrics), in the order of HeadFunction's outputs."""
-
-    loss: torch.Tensor
-    rows: torch.Tensor
-    pred: torch.Tensor
-    means: torch.Tensor
-
-    @classmethod
-    def empty(cls, plan: KernelPlan, n_out: int, device, token_shape: tuple[int, ...], extra_means: int = 0
-              ) -> HeadOutputs:
-        """The outputs of a call with ``n_out`` slots, unfilled; ``extra_means``: room after the plan's
-        means (deferred mode's policy metrics)."""
-        f32 = dict(dtype=torch.float32, device=device)
-        rows = torch.empty(n_out, plan.cols.N, **f32)
-        pred = torch.empty(n_out if plan.flags.HAS_ARGMAX else 0, dtype=torch.int64, device=device)
-        loss = torch.empty(token_shape if plan.reduction == "none" else (), **f32)
-        means = torch.empty(plan.means_size + extra_means, **f32)  # column means, the loss ('loss' metric), policy
-        return cls(loss, rows, pred, means)
-
-    def of_rows(self, start: int, stop: int) -> HeadOutputs:
-        """The outputs of the rows start:stop (a chunk's part): its rows, argmax and per-row losses; the
-        call's means and scalar loss."""
-        loss = self.loss.view(-1)[start:stop] if self.loss.dim() else self.loss
-        return HeadOutputs(loss, self.rows[start:stop], self.pred[start:stop] if self.pred.numel() else self.pred,
-                           self.means)
 
 
 def no_rows(plan: KernelPlan, loss: torch.Tensor, means: torch.Tensor) -> None:

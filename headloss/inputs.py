@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .batch import Teacher
+from .batch import CallInputs, Teacher
 from .kernels.launch import KERNEL_DTYPES, Geometry, row_strides
 from .kernels.sparse import SparseRows
 from .layouts import TEACHER_KEY
@@ -178,12 +178,15 @@ def check_head(logits: Any, targets: Any, spec: LossSpec, teacher_logits: Any, s
     return tuple(targets.shape) if shift else token_rows
 
 
-def head_call(logits: torch.Tensor, targets: torch.Tensor | None, spec: LossSpec, token_shape: tuple[int, ...], *,
-              teacher: Teacher, policy_given: dict, num_items_in_batch: Any, shift: bool, validate: Validate,
-              raw_policy: bool = False, vocab_total: int | None = None) -> LogitsCall:
+def head_call(logits: torch.Tensor, targets: torch.Tensor | None, spec: LossSpec, token_shape: tuple[int, ...],
+              inputs: CallInputs, *, validate: Validate, raw_policy: bool = False, vocab_total: int | None = None
+              ) -> LogitsCall:
     """head_loss's inputs, checked by :func:`check_head`, flattened for the kernels (the policy
-    inputs' checks and the normaliser's raise here, naming the argument). ``raw_policy``: the
+    inputs' checks and the normaliser's raise here, naming the argument). ``inputs``: the call's
+    teacher, policy inputs, shift and normaliser (its rows unpacked already); ``raw_policy``: the
     route's kernels read the policy inputs as given (policy.inputs.policy_inputs)."""
+    teacher, shift, num_items_in_batch = inputs.teacher, inputs.layout.shift, inputs.num_items_in_batch
+    policy_given = inputs.batch.given()
     norm = normaliser(num_items_in_batch, spec, logits.device)
     mode = validation_mode(validate)
     shift_by = 1 if shift and targets.shape[1] == logits.shape[1] else 0

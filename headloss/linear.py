@@ -25,10 +25,11 @@ from typing import NamedTuple
 import torch
 
 from .chunks import Grads, LinearRun, LmHead, accumulate, chunks_of, finish_grads, new_grads, rows_of, spread
-from .head import Block, CallTensors, HeadCall, HeadOutputs
+from .head import Block, CallTensors, HeadCall
 from .kernels.head import PolicyRows, launch_backward
 from .kernels.launch import Geometry
 from .kernels.sparse import SparseRows
+from .output import HeadOutputs
 from .parallel import all_reduce_sum
 from .plan import KernelPlan
 from .validation import settle
@@ -181,7 +182,8 @@ def chunk_head_(plan: KernelPlan, logits: torch.Tensor, targets: torch.Tensor | 
     """The fused lm_head's per-chunk kernel on its own: the spec's kernel in place on one [C, V]
     chunk of logits, whose gradient overwrites it, as the chunk loop runs it (the rows left unreduced,
     no validation; benchmarks/profile_linear.py times it)."""
-    run = LinearRun(plan, logits.shape[0], False, False, "off", (logits.shape[0],), plan.spec.ignore_index, 0.0)
+    run = LinearRun(plan=plan, chunk_rows=logits.shape[0], fp32_weight_grad=False, compact=False, validate="off",
+                    token_shape=(logits.shape[0],), ignore_index=plan.spec.ignore_index, norm=0.0)
     geo = chunk_geometry(logits.shape[0], logits.shape[1], None, run)
     call = HeadCall.open(run, CallTensors(targets), geo, logits.device)
     out = HeadOutputs.empty(plan, logits.shape[0], logits.device, (logits.shape[0],))
@@ -197,8 +199,10 @@ class Saved(NamedTuple):
     stats: torch.Tensor | None  # vocab-parallel: each row's merged statistics
 
 
-def linear_backward(run: LinearRun, wants, hidden, weight, bias, tensors: CallTensors, saved: Saved, d_loss, d_rows):
-    """Deferred mode: recompute each chunk's logits, one gradient pass, the gradient GEMMs (4 GEMMs in all)."""
+def linear_backward(run: LinearRun, wants, head: LmHead, tensors: CallTensors, saved: Saved, d_loss, d_rows):
+    """Deferred mode: recompute each chunk's logits, one gradient pass, the gradient GEMMs (4 GEMMs in all);
+    ``head``: the hidden states, weight and bias (its targets unread: ``tensors``' are)."""
+    hidden, weight, bias, _ = head
     plan = run.plan
     vocab = weight.shape[0]
     index = saved.index

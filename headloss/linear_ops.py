@@ -9,14 +9,17 @@ one list (:class:`~headloss.engine.CallTensors`, then the policy inputs' tensors
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from .chunks import ChunkLoop, LinearRun
-from .head import CallTensors, HeadOutputs, stats_width
+from .chunks import ChunkLoop, LinearRun, LmHead
+from .head import CallTensors, stats_width
 from .layouts import SCRATCH
 from .linear import Saved, linear_backward, linear_forward
 from .linear_policy import LOOPS
 from .ops import BESIDE_GRAPH, flat_geometry, hand_off, kernel_op, token_fake
+from .output import HeadOutputs
 from .parallel import VocabShard
 from .plan import KernelPlan, plan_from_key
 from .policy.tokens import policy_as_lists, policy_from_lists
@@ -27,9 +30,20 @@ _TOKEN_SHAPE_AT = 8  # run_args' ints: the token shape after eight scalars, the 
 _LOOPS = tuple(LOOPS)
 
 
-def run_args(run: LinearRun) -> tuple[list[torch.Tensor | None], str, str, list[int], list[float], list[int]]:
-    """``run`` as the ops take it: (its policy inputs' tensors, the plan's key, the group's name (""
-    on one device), ints, floats, the shard's layout).
+class OpArgs(NamedTuple):
+    """A LinearRun as the ops take it (:func:`run_args`), in their argument order after the tensors."""
+
+    policy_tensors: list[torch.Tensor | None]  # its policy inputs' tensors (after CallTensors in the tensor list)
+    key: str  # the plan's
+    group: str  # the process group's name ("" on one device)
+    ints: list[int]
+    floats: list[float]
+    layout: list[int]  # the shard's
+
+
+def run_args(run: LinearRun) -> OpArgs:
+    """``run`` as the ops take it: its policy inputs' tensors, the plan's key, the group's name (""
+    on one device), ints, floats, the shard's layout.
     Not carried: ``compact`` (off under compile) and ``objective`` (the corrected routes are not traced)."""
     policy_tensors, policy_values = policy_as_lists(run.policy)
     shard = run.shard
@@ -38,7 +52,7 @@ def run_args(run: LinearRun) -> tuple[list[torch.Tensor | None], str, str, list[
     ints = [run.chunk_rows, run.teacher_rows, run.seq_len, int(run.fp32_weight_grad), run.ignore_index,
             int(run.reduce_hidden_grad), _LOOPS.index(run.loop.name), VALIDATE_MODES.index(run.validate),
             *run.token_shape]
-    return policy_tensors, run.plan.key, group, ints, [run.norm, *policy_values], layout
+    return OpArgs(policy_tensors, run.plan.key, group, ints, [run.norm, *policy_values], layout)
 
 
 def run_of_args(policy_tensors, key: str, group: str, ints: list[int], floats: list[float], layout: list[int]
@@ -51,8 +65,9 @@ def run_of_args(policy_tensors, key: str, group: str, ints: list[int], floats: l
         start, total, world, comm_cpu = layout
         shard = VocabShard(_resolve_process_group(group), start, total, world, bool(comm_cpu))
     chunk_rows, teacher_rows, seq_len, fp32_weight_grad, ignore_index, reduce, loop, validate, *token_shape = ints
-    return LinearRun(plan_from_key(key), chunk_rows, bool(fp32_weight_grad), False, VALIDATE_MODES[validate],
-                     tuple(token_shape), ignore_index, floats[0], loop=LOOPS[_LOOPS[loop]], traced=True, shard=shard,
+    return LinearRun(plan=plan_from_key(key), chunk_rows=chunk_rows, fp32_weight_grad=bool(fp32_weight_grad),
+                     compact=False, validate=VALIDATE_MODES[validate], token_shape=tuple(token_shape),
+                     ignore_index=ignore_index, norm=floats[0], loop=LOOPS[_LOOPS[loop]], traced=True, shard=shard,
                      seq_len=seq_len, policy=policy_from_lists(policy_tensors, floats[1:]),
                      reduce_hidden_grad=bool(reduce), teacher_rows=teacher_rows)
 
@@ -65,8 +80,8 @@ def stats_shape(plan: KernelPlan, loop: ChunkLoop, sharded: bool, wants, call: C
     return (rows, stats_width(call.teacher.given, call.teacher_ids)) if kept else (0,)
 
 
-def _forward_outputs(hidden, weight, bias, tensors, key, group, ints, floats, layout, wants, handoff):
-    """linear_forward_op's outputs, unfilled: its fake."""
+def _fake_linear_forward(hidden, weight, bias, tensors, key, group, ints, floats, layout, wants, handoff):
+    """linear_forward_op's outputs, unfilled."""
     plan, loop = plan_from_key(key), LOOPS[_LOOPS[ints[_TOKEN_SHAPE_AT - 2]]]
     loss, rows, pred, means = HeadOutputs.empty(plan, hidden.shape[0], hidden.device, tuple(ints[_TOKEN_SHAPE_AT:]))
     scratch = torch.empty(SCRATCH.N, dtype=torch.int64, device=hidden.device)
@@ -107,20 +122,20 @@ def _forward_op(
             *(g if g is not None else hidden.new_empty(0) for g in (dh, dw, db)), token, stats)
 
 
-linear_forward_op = kernel_op("headloss::linear_forward", fake=_forward_outputs)(_forward_op)
-linear_forward_beside_op = kernel_op("headloss::linear_forward_beside", fake=_forward_outputs,
+linear_forward_op = kernel_op("headloss::linear_forward", fake=_fake_linear_forward)(_forward_op)
+linear_forward_beside_op = kernel_op("headloss::linear_forward_beside", fake=_fake_linear_forward,
                                      tags=BESIDE_GRAPH)(_forward_op)
 
 
-def _backward_outputs(hidden, weight, bias, *rest):
-    """linear_backward_op's outputs, unfilled: its fake (``wants`` is the last argument)."""
+def _fake_linear_backward(hidden, weight, bias, *rest):
+    """linear_backward_op's outputs, unfilled (``wants`` is the last argument)."""
     wants = rest[-1]
     likes = (hidden, weight, bias if bias is not None else hidden.new_empty(0))
     return tuple(torch.empty(like.shape if want else (0,), dtype=like.dtype, device=hidden.device)
                  for like, want in zip(likes, wants))
 
 
-@kernel_op("headloss::linear_backward", fake=_backward_outputs)
+@kernel_op("headloss::linear_backward", fake=_fake_linear_backward)
 def linear_backward_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tensors: list[torch.Tensor | None],
     key: str, group: str, ints: list[int], floats: list[float], layout: list[int], wants: list[bool],
@@ -132,7 +147,7 @@ def linear_backward_op(
     call = CallTensors(*tensors[:_N_CALL])
     rows, scratch, d_loss, d_rows, stats = tensors[_N_CALL:]
     saved = Saved(None, rows, scratch, stats if run.shard is not None else None)
-    grads = linear_backward(run, tuple(wants), hidden, weight, bias, tensors=call, saved=saved, d_loss=d_loss,
-                            d_rows=d_rows)
+    grads = linear_backward(run, tuple(wants), LmHead(hidden, weight, bias, None), tensors=call, saved=saved,
+                            d_loss=d_loss, d_rows=d_rows)
     return tuple(g if g is not None else hidden.new_empty(0) for g in grads)
 

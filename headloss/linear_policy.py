@@ -22,8 +22,8 @@ import torch
 
 from . import ops
 from .chunks import ROWS, ChunkCut, ChunkLoop, LinearRun, LmHead, add_dw, budget_rows, linear_into, spread
+from .head import Block
 from .kernels.head import PolicyRows, launch_backward
-from .kernels.launch import Geometry
 from .kernels.shard import launch_shard_stats
 from .layouts import STATS
 from .objective import objective_launch
@@ -32,14 +32,16 @@ from .policy.objectives import clip_cov_chosen, kl_cov_chosen, policy_objective,
 from .transform import transformed_logits
 
 
-def sequence_chunk_grad(run: LinearRun, logits, targets, teacher, rows, num_items, scratch, geo: Geometry,
-                         start: int, stop: int, sparse=None) -> None:
-    """Sequence-chunked fused mode, one chunk of whole sequences: d loss / d logp (and d entropy) per row
-    of the chunk's policy objective (its sequence statistics need nothing outside the chunk) -- one
-    launch of the objective kernel (route lm_head:sequences+kernels), else autograd over the torch ops --
-    then the deferred gradient pass over the chunk's logits, in place. Three GEMMs per chunk, as in
-    fused mode; deferred mode recomputes the logits (four)."""
+def sequence_chunk_grad(loop, block: Block, start: int, stop: int) -> None:
+    """Sequence-chunked fused mode, one chunk of whole sequences (``block``, the rows start:stop of the
+    forward ``loop``): d loss / d logp (and d entropy) per row of the chunk's policy objective (its
+    sequence statistics need nothing outside the chunk) -- one launch of the objective kernel (route
+    lm_head:sequences+kernels), else autograd over the torch ops -- then the deferred gradient pass over
+    the chunk's logits, in place. Three GEMMs per chunk, as in fused mode; deferred mode recomputes the
+    logits (four)."""
+    run = loop.run
     plan, pol = run.plan, run.policy
+    logits, rows = block.logits, loop.out.rows[start:stop]
     cols = plan.cols
     part = lambda t: None if t is None else t[start:stop]  # noqa: E731
     n_seq = (stop - start) // run.seq_len
@@ -67,9 +69,10 @@ def sequence_chunk_grad(run: LinearRun, logits, targets, teacher, rows, num_item
         for col, g in zip((cols.logp, cols.entropy), found):
             if g is not None:
                 d_rows[:, col] = g
-    launch_backward(plan, logits=logits, targets=targets, teacher=teacher, grad=logits, rows=rows,
+    launch_backward(plan, logits=logits, targets=block.targets, teacher=block.teacher, grad=logits, rows=rows,
                     d_loss=torch.ones(1, dtype=torch.float32, device=logits.device), d_rows=d_rows,
-                    num_items=num_items, scratch=scratch, geo=geo, sparse=sparse)
+                    num_items=loop.call.tensors.num_items, scratch=loop.call.scratch, geo=block.geo,
+                    sparse=block.sparse)
 
 
 def cov_correction(run: LinearRun, head: LmHead, rows, acc) -> dict[str, torch.Tensor]:
@@ -142,15 +145,15 @@ def correct_rows(run: LinearRun, head: LmHead, chosen, d_logp, added, acc) -> No
         grads.db += g.sum(dim=0, dtype=torch.float32)
 
 
-def guess_mask(run: LinearRun, logits, y_c, geo: Geometry, chunk: PolicyRows, guess: torch.Tensor,
-                seen: torch.Tensor, start: int, stop: int) -> PolicyRows:
+def guess_mask(loop, block: Block, start: int, stop: int) -> PolicyRows:
     """The top-entropy mask on the lm_head, before its batch quantile is known: this chunk's
-    entropies (one statistics pass over its logits, no gradient) against the quantile of the rows
-    seen so far. The guess multiplies the objective as importance weights do; the rows it gets
-    wrong are corrected at the end (:func:`entropy_mask_correction`): a few percent of the rows,
-    where deferred mode would recompute every chunk's logits. ``seen`` holds the entropies of the
-    counted rows so far (NaN elsewhere), ``guess`` the guessed mask."""
-    part = launch_shard_stats(run.plan, logits=logits, targets=y_c, geo=geo)
+    entropies (one statistics pass over ``block``'s logits, the rows start:stop, no gradient) against the
+    quantile of the rows seen so far. The guess multiplies the objective as importance weights do; the
+    rows it gets wrong are corrected at the end (:func:`entropy_mask_correction`): a few percent of the
+    rows, where deferred mode would recompute every chunk's logits. ``loop.seen`` holds the entropies of
+    the counted rows so far (NaN elsewhere), ``loop.guess`` the guessed mask."""
+    run, y_c, chunk, guess, seen = loop.run, block.targets, block.policy, loop.guess, loop.seen
+    part = launch_shard_stats(run.plan, logits=block.logits, targets=y_c, geo=block.geo)
     valid = y_c != run.ignore_index
     d = part[:, STATS.d].clamp(min=1e-30)
     # base-2 statistics (m2, sum 2^(x2 - m2), sum 2^(x2 - m2) x2) -> the entropy in nats
@@ -214,11 +217,8 @@ class SequenceLoop(ChunkLoop):
         return ChunkCut(max(seq_len, rows // seq_len * seq_len), 0, seq_len)  # whole sequences, contiguous
 
     def after_part(self, loop, block, start: int, stop: int) -> None:
-        if loop.grads is None:  # no gradient wanted
-            return
-        sequence_chunk_grad(loop.run, block.logits, block.targets, block.teacher, rows=loop.out.rows[start:stop],
-                            num_items=loop.call.tensors.num_items, scratch=loop.call.scratch, geo=block.geo,
-                            start=start, stop=stop, sparse=block.sparse)
+        if loop.grads is not None:  # (a gradient wanted)
+            sequence_chunk_grad(loop, block, start, stop)
 
 
 class _CorrectingLoop(ChunkLoop):
@@ -272,8 +272,7 @@ class EntropyGuessLoop(_CorrectingLoop):
     def part_policy(self, loop, block, start: int, stop: int):
         if loop.guess is None:
             return block.policy
-        return guess_mask(loop.run, block.logits, block.targets, block.geo, block.policy, guess=loop.guess,
-                          seen=loop.seen, start=start, stop=stop)
+        return guess_mask(loop, block, start, stop)
 
     def after_finish(self, loop, head: LmHead, rows: torch.Tensor) -> None:
         if loop.guess is None:  # with no row too: the quantile's collective (entropy_quantile_group) joins all

@@ -11,16 +11,17 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from . import ops, routes
-from .batch import Layout, LinearOptions, PolicyBatch, Teacher
-from .chunks import LinearRun
+from .batch import CallInputs, LinearOptions, PolicyBatch, Teacher
+from .chunks import LinearRun, LmHead
 from .engine import NO_GRADS, keep
 from .env import log_route
-from .head import CallTensors, HeadOutputs
+from .head import CallTensors
 from .inputs import (
     check_linear_inputs,
     check_targets,
@@ -33,7 +34,7 @@ from .kernels.sparse import SparseRows
 from .linear import Saved, linear_backward, linear_forward
 from .linear_ops import linear_backward_op, linear_forward_beside_op, linear_forward_op, run_args
 from .ops import flat_geometry, take_grad
-from .output import HeadLossOutput, assemble, guard_second_backward
+from .output import HeadLossOutput, HeadOutputs, assemble, guard_second_backward
 from .packed import packed_call, packed_policy_inputs
 from .parallel import (
     TRACED_TORCH,
@@ -75,8 +76,7 @@ class LinearCall:
     sparse: SparseRows | None = None  # a top-k or per-token teacher, per row
 
 
-def run_linear(hidden, weight, bias, teacher: Teacher, targets, plan: KernelPlan, batch: PolicyBatch, layout: Layout,
-               num_items_in_batch, options: LinearOptions) -> HeadLossOutput:
+def run_linear(hidden, weight, targets, plan: KernelPlan, call: CallInputs, options: LinearOptions) -> HeadLossOutput:
     """linear_head_loss of the bundled inputs (headloss.api). Under ``torch.autocast`` the GEMMs run in
     the autocast dtype, as ``F.linear`` would run them (gradients flow back to the original dtypes)."""
     device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else None
@@ -85,15 +85,16 @@ def run_linear(hidden, weight, bias, teacher: Teacher, targets, plan: KernelPlan
         if autocast:
             dtype = torch.get_autocast_dtype(device_type)
             cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
-            hidden, weight, bias = cast(hidden), cast(weight), cast(bias)
-            teacher = replace(teacher, hidden=cast(teacher.hidden), weight=cast(teacher.weight),
-                              bias=cast(teacher.bias))
-        return _run_linear(hidden, weight, bias, teacher, targets, plan, batch=batch, layout=layout,
-                           num_items_in_batch=num_items_in_batch, options=options)
+            hidden, weight = cast(hidden), cast(weight)
+            teacher = call.teacher
+            call = replace(call, bias=cast(call.bias), teacher=replace(teacher, hidden=cast(teacher.hidden),
+                                                                       weight=cast(teacher.weight),
+                                                                       bias=cast(teacher.bias)))
+        return _run_linear(hidden, weight, targets, plan, call, options)
 
 
-def _run_linear(hidden, weight, bias, teacher: Teacher, targets, plan: KernelPlan, batch: PolicyBatch,
-                layout: Layout, num_items_in_batch, options: LinearOptions) -> HeadLossOutput:
+def _run_linear(hidden, weight, targets, plan: KernelPlan, call: CallInputs, options: LinearOptions
+                ) -> HeadLossOutput:
     traced = torch.compiler.is_compiling()
     mode = validation_mode(options.validate)
     # the first call with a DTensor weight of a layout checks, as validate="sync" does, that every rank has
@@ -101,32 +102,42 @@ def _run_linear(hidden, weight, bias, teacher: Teacher, targets, plan: KernelPla
     exchange = mode == "sync" or (is_dtensor(weight) and mode != "off" and not traced and first_sight(weight))
     shard = None
     if options.group is not None or is_dtensor(weight):
-        hidden, weight, bias, targets, teacher, shard = _local(hidden, weight, bias, targets, teacher, options)
-    error = call = None
+        hidden, weight, targets, call, shard = _local(hidden, weight, targets, call, options)
+    error = checked = None
     try:  # every host-side check; with a group and an exchange, every rank learns of any rank's error
-        call = _check(hidden, weight, bias, targets, plan.spec, teacher, batch=batch, layout=layout,
-                      num_items_in_batch=num_items_in_batch, options=options, mode=mode,
-                      vocab=None if shard is None else shard.vocab_total)
+        checked = _check(hidden, weight, targets, plan.spec, call, options, mode,
+                         vocab=None if shard is None else shard.vocab_total)
     except (ValueError, TypeError) as exc:
         if shard is None or not exchange:
             raise
         error = exc
     if shard is not None and exchange:
         rows = math.prod(hidden.shape[:-1]) if isinstance(hidden, torch.Tensor) else -1
-        handshake(shard, rows, error, weight.device, hidden=fingerprint(call.hidden) if call is not None else 0)
-    if call.backend == "torch":
-        facts = routes.Facts("hidden", "torch", tuple(call.hidden.shape[:-1]), call.given.sequence_ids is not None,
-                             False, traced, False, False)
+        handshake(shard, rows, error, weight.device, hidden=fingerprint(checked.hidden) if checked is not None else 0)
+    if checked.backend == "torch":
+        facts = routes.Facts("hidden", "torch", tuple(checked.hidden.shape[:-1]),
+                             checked.given.sequence_ids is not None, False, traced, False, False)
         chosen = routes.choose(plan, facts, options.route)
-        out = _torch_linear(call, plan.spec, shard, options, mode)
+        out = _torch_linear(checked, plan.spec, shard, options, mode)
         out.route = chosen.name
-        log_route("linear_head_loss", call.hidden, chosen.name)
+        log_route("linear_head_loss", checked.hidden, chosen.name)
         return out
-    return _kernels(call, plan, shard, options, mode, traced)
+    return _kernels(checked, plan, shard, options, mode, traced)
 
 
-def _local(hidden, weight, bias, targets, teacher: Teacher, options: LinearOptions):
+class _Local(NamedTuple):
+    """A vocab-parallel lm_head call's local tensors (the weight's rows; hidden states and targets whole)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    targets: torch.Tensor | None
+    call: CallInputs  # its bias and teacher local
+    shard: Any  # headloss.parallel.VocabShard
+
+
+def _local(hidden, weight, targets, call: CallInputs, options: LinearOptions) -> _Local:
     """A vocab-parallel call's local tensors and its VocabShard (the weight's rows)."""
+    teacher, bias = call.teacher, call.bias
     if torch.compiler.is_compiling():  # the kernels' path: the layout a constant; each chunk's all_gather in the op
         traced_refusals("weight", (hidden, weight, bias, targets, teacher.logits, teacher.hidden, teacher.weight,
                                    teacher.bias), validation_mode(options.validate) == "sync")
@@ -139,13 +150,15 @@ def _local(hidden, weight, bias, targets, teacher: Teacher, options: LinearOptio
     whole = lambda t: t.full_tensor() if is_dtensor(t) else t  # noqa: E731
     teacher = Teacher(local(teacher.logits), whole(teacher.hidden), local(teacher.weight), local(teacher.bias),
                       whole(teacher.ids), whole(teacher.logprobs))
-    return whole(hidden), weight, local(bias), whole(targets), teacher, shard
+    return _Local(whole(hidden), weight, whole(targets), replace(call, bias=local(bias), teacher=teacher), shard)
 
 
-def _check(hidden, weight, bias, targets, spec: LossSpec, teacher: Teacher, batch: PolicyBatch, layout: Layout,
-           num_items_in_batch, options: LinearOptions, mode: str, vocab: int | None = None) -> LinearCall:
+def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: LinearOptions, mode: str,
+           vocab: int | None = None) -> LinearCall:
     """Every host-side check of a linear_head_loss call, and its inputs made row-aligned (``vocab``: a
     vocab-parallel call's whole vocabulary)."""
+    bias, teacher, batch, layout = call.bias, call.teacher, call.batch, call.layout
+    num_items_in_batch = call.num_items_in_batch
     shift = layout.shift
     packed = None
     if layout.packed:
@@ -197,9 +210,10 @@ def _kernels(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, 
     loop = chosen.loop  # the route's chunk loop: its cut, its steps between and after the chunks, its metrics
     chunks = loop.cut(options.chunk_bytes, width, hidden.element_size(), call.teacher.computed, seq_len,
                       shard is not None)
-    run = LinearRun(chosen.plan, chunks.rows, options.fp32_weight_grad,
-                    options.compact and not chosen.traced and loop.compacts, mode, call.rows_shape,
-                    spec.ignore_index, call.norm.value, loop=loop, traced=chosen.traced, shard=shard,
+    run = LinearRun(plan=chosen.plan, chunk_rows=chunks.rows, fp32_weight_grad=options.fp32_weight_grad,
+                    compact=options.compact and not chosen.traced and loop.compacts, validate=mode,
+                    token_shape=call.rows_shape, ignore_index=spec.ignore_index, norm=call.norm.value, loop=loop,
+                    traced=chosen.traced, shard=shard,
                     seq_len=chunks.seq_len, policy=call.policy if loop.takes_policy else None,
                     objective=spec.policy if loop.corrects else None,
                     reduce_hidden_grad=options.hidden_grad == "reduced", teacher_rows=chunks.teacher_rows)
@@ -208,9 +222,11 @@ def _kernels(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, 
                              call.norm.tensor, None if policy is None else policy.sequence_ids, call.sparse)
     loss, rows_out, pred, means, scratch = LinearFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
                                                                 call.bias, run, *tensors)
-    loss, extra = chosen.policy_share(run.plan, HeadOutputs(loss, rows_out, pred, means), scratch, policy)
+    head = HeadOutputs(loss, rows_out, pred, means)
+    loss, extra = chosen.policy_share(run.plan, head, scratch, policy)
+    head = head._replace(loss=loss)
     extra.update(loop.metrics(means, run.plan, spec.policy))  # (after the plan's means)
-    out = assemble(run.plan, run.token_shape, loss, rows_out, pred, means, scratch, extra, route=chosen.name)
+    out = assemble(run.plan, run.token_shape, head, scratch, extra, route=chosen.name)
     out = trim(out, call.token_shape) if call.token_shape != run.token_shape else out
     log_route("linear_head_loss", hidden, chosen.name)
     return out
@@ -274,8 +290,8 @@ class LinearFunction(torch.autograd.Function):
                                                                    kept.stats], *args, list(ctx.wants))
             dh, dw, db = (g if want else None for g, want in zip((dh, dw, db), ctx.wants))
         else:
-            dh, dw, db = linear_backward(run, ctx.wants, hidden, weight, bias, tensors=call, saved=kept, d_loss=d_loss,
-                                         d_rows=d_rows)
+            dh, dw, db = linear_backward(run, ctx.wants, LmHead(hidden, weight, bias, None), tensors=call, saved=kept,
+                                         d_loss=d_loss, d_rows=d_rows)
         return dh, dw, db, *nones
 
 

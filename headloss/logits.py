@@ -16,11 +16,11 @@ from typing import Any, NamedTuple
 import torch
 
 from . import env, routes
-from .batch import Layout, Options, PolicyBatch, Teacher
+from .batch import CallInputs, Layout, Options, PolicyBatch, Teacher
 from .bounded import BoundedDict, cache
 from .engine import HeadFunction, HeadRun
 from .env import log_route
-from .head import CallTensors, HeadOutputs
+from .head import CallTensors
 from .inputs import (
     check_head,
     check_logits,
@@ -32,7 +32,7 @@ from .inputs import (
     sparse_teacher,
     teacher_precision,
 )
-from .output import HeadLossOutput, assemble
+from .output import HeadLossOutput, HeadOutputs, assemble
 from .packed import packed_call, packed_policy_inputs
 from .parallel import (
     TRACED_TORCH,
@@ -52,11 +52,26 @@ from .routes import Route, facts_of, resolve_backend
 from .validation import normaliser, validation_mode
 
 
-def run_head(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyBatch, layout: Layout,
-             num_items_in_batch, options: Options) -> HeadLossOutput:
+class _Laid(NamedTuple):
+    """A head_loss call after its layouts (packed rows unpacked, a vocab-parallel call's local slice): what
+    each path takes."""
+
+    logits: Any
+    targets: Any
+    plan: KernelPlan
+    teacher: Teacher
+    batch: PolicyBatch
+    shift: bool
+    num_items_in_batch: Any
+    options: Options
+    shard: Any  # vocab-parallel: a headloss.parallel.VocabShard, else None
+
+
+def run_head(logits, targets, plan: KernelPlan, call: CallInputs, options: Options) -> HeadLossOutput:
     """head_loss of the bundled inputs (headloss.api)."""
     traced = torch.compiler.is_compiling()
     spec = plan.spec
+    teacher, batch, layout = call.teacher, call.batch, call.layout
     shift = layout.shift
     teacher_logits = teacher.logits
     if not traced:  # a lazily negated view (torch._neg_view): the kernels read the stored values, torch the sign
@@ -84,49 +99,47 @@ def run_head(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyB
     dtype = logits.dtype if isinstance(logits, torch.Tensor) else torch.float32
     if teacher_logits is not teacher.logits:
         teacher = replace(teacher, logits=teacher_logits)
+    laid = _Laid(logits, targets, plan, teacher, batch, shift, call.num_items_in_batch, options, shard)
     if resolve_backend(options.backend, device, dtype) == "torch":
-        return _torch_head(logits, targets, plan, teacher, batch, shift=shift,
-                           num_items_in_batch=num_items_in_batch, options=options, shard=shard)
-    return _kernels(logits, targets, plan, teacher, batch, shift=shift, num_items_in_batch=num_items_in_batch,
-                    options=options, shard=shard, recipe_key=recipe_key)
+        return _torch_head(laid)
+    return _kernels(laid, recipe_key)
 
 
 def _resolved(t):
     return t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t
 
 
-def _kernels(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyBatch, shift: bool, num_items_in_batch,
-             options: Options, shard, recipe_key: tuple | None) -> HeadLossOutput:
+def _kernels(laid: _Laid, recipe_key: tuple | None) -> HeadLossOutput:
     """The kernels' path: checks and the route (a repeated plain call finds both in its recipe), HeadFunction,
     the policy term's share outside it, the output."""
+    logits, targets, plan, teacher = laid.logits, laid.targets, laid.plan, laid.teacher
     recipe = None if recipe_key is None else _RECIPES.get(recipe_key)
-    if recipe is None or recipe.plan is not plan or recipe.run.shard is not shard:
-        run, tensors, chosen, pol = _checked(logits, targets, plan, teacher, batch, shift=shift,
-                                             num_items_in_batch=num_items_in_batch, options=options, shard=shard)
+    if recipe is None or recipe.plan is not plan or recipe.run.shard is not laid.shard:
+        run, tensors, chosen, pol = _checked(laid)
         if recipe_key is not None:
             flat = targets is None or (targets.dim() == 1 and targets.dtype in (torch.int64, torch.int32)
                                        and targets.is_contiguous())
             _RECIPES[recipe_key] = _Recipe(plan, replace(run, geo=run.geo._replace(norm=0.0)), flat, chosen)
     else:  # a repeated call without policy inputs: only num_items_in_batch is checked
-        norm = normaliser(num_items_in_batch, recipe.plan.spec, logits.device)
+        norm = normaliser(laid.num_items_in_batch, recipe.plan.spec, logits.device)
         run = recipe.run if not norm.value else replace(recipe.run, geo=recipe.run.geo._replace(norm=norm.value))
         tensors = CallTensors(targets if recipe.flat_targets else flat_targets(targets),
                               None if teacher.logits is None else teacher.logits.detach(), num_items=norm.tensor)
         chosen, pol = recipe.route, None
     loss, rows, pred, means, scratch = HeadFunction.apply(logits, run, *tensors)
-    loss, extra = chosen.policy_share(plan, HeadOutputs(loss, rows, pred, means), scratch, pol,
-                                      reduced=run.seq_len > 0)
+    head = HeadOutputs(loss, rows, pred, means)
+    loss, extra = chosen.policy_share(plan, head, scratch, pol, reduced=run.seq_len > 0)
     # a plain call's output is made when first read (a step that reads only the loss skips its host time)
-    out = assemble(plan, run.token_shape, loss, rows, pred, means, scratch, extra, route=chosen.name,
+    out = assemble(plan, run.token_shape, head._replace(loss=loss), scratch, extra, route=chosen.name,
                    lazy=recipe_key is not None)
     log_route("head_loss", logits, chosen.name)
     return out
 
 
-def _checked(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyBatch, shift: bool, num_items_in_batch,
-             options: Options, shard) -> tuple:
+def _checked(laid: _Laid) -> tuple:
     """(HeadRun, CallTensors, Route, PolicyTokens or None) of a call after every host-side check; with a
     group and validate="sync", every rank learns of any rank's error."""
+    logits, targets, plan, teacher, batch, shift, num_items_in_batch, options, shard = laid
     spec = plan.spec
     sync = validation_mode(options.validate) == "sync"
     error = call = chosen = None
@@ -135,8 +148,8 @@ def _checked(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyB
         token_shape = check_head(logits, targets, spec, teacher.logits, shift, kernel=True)
         chosen = routes.choose(plan, facts_of("logits", "triton", logits.device, token_shape, given,
                                               sharded=shard is not None), options.route)
-        call = head_call(logits, targets, spec, token_shape, teacher=teacher, policy_given=given,
-                         num_items_in_batch=num_items_in_batch, shift=shift, validate=options.validate,
+        unpacked = CallInputs(teacher, batch, Layout(shift), num_items_in_batch)
+        call = head_call(logits, targets, spec, token_shape, unpacked, validate=options.validate,
                          raw_policy=chosen.raw_inputs, vocab_total=None if shard is None else shard.vocab_total)
     except (ValueError, TypeError) as exc:
         if shard is None or not sync:
@@ -159,9 +172,9 @@ def _checked(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyB
     return run, tensors, chosen, pol
 
 
-def _torch_head(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyBatch, shift: bool,
-                num_items_in_batch, options: Options, shard) -> HeadLossOutput:
+def _torch_head(laid: _Laid) -> HeadLossOutput:
     """The plain-torch path: vocab-parallel logits gathered whole on every rank first."""
+    logits, teacher, options, shard = laid.logits, laid.teacher, laid.options, laid.shard
     teacher_logits = teacher.logits
     traced = torch.compiler.is_compiling()
     mode = validation_mode(options.validate)
@@ -180,14 +193,14 @@ def _torch_head(logits, targets, plan: KernelPlan, teacher: Teacher, batch: Poli
         if teacher_logits is not None:
             teacher_logits = gather_vocab(teacher_logits.detach(), shard)
     return every_rank(shard, mode, logits,
-                      lambda: _torch_loss(logits, targets, plan, replace(teacher, logits=teacher_logits), batch,
-                                          num_items_in_batch, shift, options))
+                      lambda: _torch_loss(laid._replace(logits=logits, teacher=replace(teacher, logits=teacher_logits),
+                                                        shard=None)))
 
 
-def _torch_loss(logits, targets, plan: KernelPlan, teacher: Teacher, batch: PolicyBatch, num_items_in_batch,
-                shift: bool, options: Options) -> HeadLossOutput:
-    """The plain-torch path, with the same checks and the same shift conventions; the route (torch) is
-    chosen after them, as on the kernels' path."""
+def _torch_loss(laid: _Laid) -> HeadLossOutput:
+    """The plain-torch path (the logits whole), with the same checks and the same shift conventions; the
+    route (torch) is chosen after them, as on the kernels' path."""
+    logits, targets, plan, teacher, batch, shift, num_items_in_batch, options, _ = laid
     spec = plan.spec
     validate = options.validate
     traced = torch.compiler.is_compiling()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -97,16 +98,46 @@ def column(rows: torch.Tensor, plan: KernelPlan, name: str) -> torch.Tensor | No
     return None if index < 0 else rows[:, index]
 
 
-def assemble(plan: KernelPlan, token_shape: tuple[int, ...], loss: torch.Tensor, rows: torch.Tensor,
-             pred: torch.Tensor, means: torch.Tensor, scratch: torch.Tensor,
+class HeadOutputs(NamedTuple):
+    """What the head writes: the loss (token-shaped for reduction "none", so the loss is never a view), the
+    packed per-row values (per-token outputs are its columns), the argmax (empty without it) and the
+    column means (the metrics), in the order of HeadFunction's outputs."""
+
+    loss: torch.Tensor
+    rows: torch.Tensor
+    pred: torch.Tensor
+    means: torch.Tensor
+
+    @classmethod
+    def empty(cls, plan: KernelPlan, n_out: int, device, token_shape: tuple[int, ...], extra_means: int = 0
+              ) -> HeadOutputs:
+        """The outputs of a call with ``n_out`` slots, unfilled; ``extra_means``: room after the plan's
+        means (deferred mode's policy metrics)."""
+        f32 = dict(dtype=torch.float32, device=device)
+        rows = torch.empty(n_out, plan.cols.N, **f32)
+        pred = torch.empty(n_out if plan.flags.HAS_ARGMAX else 0, dtype=torch.int64, device=device)
+        loss = torch.empty(token_shape if plan.reduction == "none" else (), **f32)
+        means = torch.empty(plan.means_size + extra_means, **f32)  # column means, the loss ('loss' metric), policy
+        return cls(loss, rows, pred, means)
+
+    def of_rows(self, start: int, stop: int) -> HeadOutputs:
+        """The outputs of the rows start:stop (a chunk's part): its rows, argmax and per-row losses; the
+        call's means and scalar loss."""
+        loss = self.loss.view(-1)[start:stop] if self.loss.dim() else self.loss
+        return HeadOutputs(loss, self.rows[start:stop], self.pred[start:stop] if self.pred.numel() else self.pred,
+                           self.means)
+
+
+def assemble(plan: KernelPlan, token_shape: tuple[int, ...], head: HeadOutputs, scratch: torch.Tensor,
              extra_metrics: dict[str, torch.Tensor] | None = None, *, route: str | None = None,
              lazy: bool = False) -> HeadLossOutput:
     """HeadLossOutput from the engine's buffers: metrics are views of the column means (in
     plan.METRIC_ORDER, as the plain-torch path gives them), per-token outputs views of the packed rows
     (differentiable in deferred mode); ``route`` the name of the route that ran. ``lazy``: the metrics
     and per-token views made when one of them is first read (no ``extra_metrics``)."""
+    loss, rows, pred, means = head
     if lazy:
-        out = _Deferred(loss, (plan, token_shape, loss, rows, pred, means, scratch))
+        out = _Deferred(loss, (plan, token_shape, head, scratch))
         out.__dict__["route"] = route
         return out
     means = means.unbind(0)

@@ -305,7 +305,8 @@ def test_opcheck_linear_ops(spec, handoff):
     gen = torch.Generator().manual_seed(11)
     hidden, weight = torch.randn(7, 8, generator=gen), torch.randn(V, 8, generator=gen)
     targets = make_targets((7,), V, seed=11)
-    run = LinearRun(headloss.plan.compile_plan(spec), 3, False, False, "off", (7,), -100, 0.0)
+    run = LinearRun(plan=headloss.plan.compile_plan(spec), chunk_rows=3, fp32_weight_grad=False, compact=False,
+                    validate="off", token_shape=(7,), ignore_index=-100, norm=0.0)
     policy_tensors, *args = run_args(run)
     forward_args = (hidden, weight, None, [*CallTensors(targets), *policy_tensors], *args, [True, True, False],
                     handoff)
