@@ -115,7 +115,10 @@ class PolicyBatch:
 
     @classmethod
     def of(cls, given: Mapping[str, Any]) -> PolicyBatch:
-        return cls({name: given.get(name) for name in POLICY_INPUTS})
+        for name in given:
+            if name in _POLICY_NAMES:
+                return cls({name: given.get(name) for name in POLICY_INPUTS})
+        return _NO_POLICY_INPUTS  # (most calls: no policy input; one shared empty batch)
 
     def given(self) -> dict[str, Any]:
         """Every input by name (None where not given): the form headloss.policy.inputs checks."""
@@ -127,12 +130,16 @@ class PolicyBatch:
 
     @property
     def empty(self) -> bool:
-        return all(value is None for value in self.inputs.values())
+        return self is _NO_POLICY_INPUTS or all(value is None for value in self.inputs.values())
 
     def map_tokens(self, fn: Callable[[torch.Tensor | None, str], torch.Tensor | None]) -> PolicyBatch:
         """The batch with ``fn(tensor, name)`` applied to its per-row tensors (every input but the two
         batch-wide ones)."""
         return PolicyBatch({**self.inputs, **{name: fn(self.inputs[name], name) for name in TOKEN_INPUTS}})
+
+
+_POLICY_NAMES = frozenset(POLICY_INPUTS)
+_NO_POLICY_INPUTS = PolicyBatch(dict.fromkeys(POLICY_INPUTS))  # (never written: given() and map_tokens copy)
 
 
 @dataclass(frozen=True)

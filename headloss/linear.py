@@ -168,7 +168,8 @@ def _run_chunks(loop: _Loop, hidden, weight, bias, tensors: CallTensors) -> None
             block = Block(part, chunk_geometry(hi - lo, weight.shape[0], t_c, run),
                           None if loop.targets is None else loop.targets[lo:hi], t_c,
                           sparse_rows(tensors, loop.index, lo, hi), _pick_rows(policy, loop.index, lo, hi))
-            block = block._replace(policy=run.loop.part_policy(loop, block, lo, hi))
+            policy_c = run.loop.part_policy(loop, block, lo, hi)
+            block = block if policy_c is block.policy else block._replace(policy=policy_c)
             stats = call.block(block, loop.out.of_rows(lo, hi),
                                grad=part if fused and run.loop.kernel_writes_grad else None)
             if loop.kept is not None and stats is not None:  # this chunk's merged statistics, for backward

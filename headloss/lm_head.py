@@ -222,9 +222,7 @@ def _kernels(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, 
                              call.norm.tensor, None if policy is None else policy.sequence_ids, call.sparse)
     loss, rows_out, pred, means, scratch = LinearFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
                                                                 call.bias, run, *tensors)
-    head = HeadOutputs(loss, rows_out, pred, means)
-    loss, extra = chosen.policy_share(run.plan, head, scratch, policy)
-    head = head._replace(loss=loss)
+    head, extra = chosen.policy_share(run.plan, HeadOutputs(loss, rows_out, pred, means), scratch, policy)
     extra.update(loop.metrics(means, run.plan, spec.policy))  # (after the plan's means)
     out = assemble(run.plan, run.token_shape, head, scratch, extra, route=chosen.name)
     out = trim(out, call.token_shape) if call.token_shape != run.token_shape else out

@@ -127,10 +127,10 @@ def _kernels(laid: _Laid, recipe_key: tuple | None) -> HeadLossOutput:
                               None if teacher.logits is None else teacher.logits.detach(), num_items=norm.tensor)
         chosen, pol = recipe.route, None
     loss, rows, pred, means, scratch = HeadFunction.apply(logits, run, *tensors)
-    head = HeadOutputs(loss, rows, pred, means)
-    loss, extra = chosen.policy_share(plan, head, scratch, pol, reduced=run.seq_len > 0)
+    head, extra = chosen.policy_share(plan, HeadOutputs(loss, rows, pred, means), scratch, pol,
+                                      reduced=run.seq_len > 0)
     # a plain call's output is made when first read (a step that reads only the loss skips its host time)
-    out = assemble(plan, run.token_shape, head._replace(loss=loss), scratch, extra, route=chosen.name,
+    out = assemble(plan, run.token_shape, head, scratch, extra, route=chosen.name,
                    lazy=recipe_key is not None)
     log_route("head_loss", logits, chosen.name)
     return out

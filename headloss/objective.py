@@ -147,13 +147,13 @@ class PolicyTerm:
 
     def share(self, plan: KernelPlan, out, scratch, pol: PolicyTokens | None, sequence_kernels: bool = False,
               reduced: bool = False) -> tuple[torch.Tensor, dict]:
-        """The policy term's share outside the head kernel: (the loss with it, its metrics). ``out``: the
-        head's outputs (head.HeadOutputs: loss, rows, pred, means); ``sequence_kernels``: the per-sequence
-        metrics may launch kernels/policy.py ([B, T] rows); ``reduced``: the head kernel's last program
-        reduced them."""
+        """The policy term's share outside the head kernel: (the head's outputs with the loss that has it,
+        its metrics). ``out``: the head's outputs (output.HeadOutputs: loss, rows, pred, means);
+        ``sequence_kernels``: the per-sequence metrics may launch kernels/policy.py ([B, T] rows);
+        ``reduced``: the head kernel's last program reduced them."""
         if plan.spec.policy is not None:
             raise ValueError(f"route: this route runs no policy term ({self!r}), but the spec has one")
-        return out.loss, {}
+        return out, {}
 
 
 class EpiloguePolicy(PolicyTerm):
@@ -166,9 +166,9 @@ class EpiloguePolicy(PolicyTerm):
 
     def share(self, plan, out, scratch, pol, sequence_kernels=False, reduced=False):
         if reduced:
-            return out.loss, {}
+            return out, {}
         token_means = {name: out.means[index] for name, index in plan.metric_index}
-        return out.loss, extremes(token_means, column(out.rows, plan, "ratio"), column(out.rows, plan, "clip_low"),
+        return out, extremes(token_means, column(out.rows, plan, "ratio"), column(out.rows, plan, "clip_low"),
                                   column(out.rows, plan, "clip_high"), pol.mask, scratch[0], pol, sequence_kernels)
 
 
@@ -180,7 +180,7 @@ class KernelsPolicy(PolicyTerm):
 
     def share(self, plan, out, scratch, pol, sequence_kernels=False, reduced=False):
         total, values = PolicyObjectiveFunction.apply(out.loss, out.rows, plan, pol)
-        return total, objective_metrics(plan, values)
+        return out._replace(loss=total), objective_metrics(plan, values)
 
 
 class KernelsInHeadPolicy(KernelsPolicy):
@@ -190,7 +190,7 @@ class KernelsInHeadPolicy(KernelsPolicy):
     in_head_node = True
 
     def share(self, plan, out, scratch, pol, sequence_kernels=False, reduced=False):
-        return out.loss, objective_metrics(plan, out.means[plan.means_size:])
+        return out, objective_metrics(plan, out.means[plan.means_size:])
 
 
 class TorchPolicy(PolicyTerm):
@@ -203,7 +203,7 @@ class TorchPolicy(PolicyTerm):
                                                 pol.mask, plan.spec.policy, pol, extremes_by_kernel=sequence_kernels)
         loss = out.loss + policy_loss
         metrics["loss"] = loss.detach().clone()
-        return loss, metrics
+        return out._replace(loss=loss), metrics
 
 
 NO_POLICY, EPILOGUE, KERNELS, KERNELS_IN_HEAD, TORCH = (PolicyTerm(), EpiloguePolicy(), KernelsPolicy(),

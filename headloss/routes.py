@@ -139,9 +139,9 @@ class Route(NamedTuple):
         return pol if self.term.epilogue else None
 
     def policy_share(self, plan: KernelPlan, out, scratch, pol, reduced: bool = False) -> tuple:
-        """The policy term's share outside the head kernel: (the loss with it, its metrics); ``out``: the
-        head's outputs (head.HeadOutputs); ``reduced``: the head kernel's last program reduced the
-        per-sequence metrics."""
+        """The policy term's share outside the head kernel: (the head's outputs with the loss that has it,
+        its metrics); ``out``: the head's outputs (output.HeadOutputs); ``reduced``: the head kernel's last
+        program reduced the per-sequence metrics."""
         return self.term.share(plan, out, scratch, pol, self.sequence_kernels, reduced)
 
 
