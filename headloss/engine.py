@@ -41,7 +41,7 @@ from .ops import (
     take_grad,
     token_fake,
 )
-from .output import HeadOutputs, guard_second_backward
+from .output import FunctionOutputs, HeadOutputs, guard_second_backward
 from .plan import KernelPlan, plan_from_key
 from .policy.tokens import PolicyTokens
 from .validation import VALIDATE_MODES
@@ -230,7 +230,7 @@ class HeadFunction(torch.autograd.Function):
         else:
             keep(ctx, run, (logits, call.targets, call.teacher_logits, rows, call.num_items, scratch, stats,
                             d_objective, call.teacher_ids, call.teacher_logprobs), (means, scratch, pred))
-        return loss, rows, pred, means, scratch
+        return FunctionOutputs(loss, rows, pred, means, scratch)
 
     @staticmethod
     def backward(ctx, d_loss, d_rows, *_):

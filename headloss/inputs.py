@@ -194,10 +194,10 @@ def head_call(logits: torch.Tensor, targets: torch.Tensor | None, spec: LossSpec
         # per-token policy inputs are row-aligned [B, T]: give the kernels row-aligned targets
         targets = pad_shifted(targets, logits.shape[1], spec.ignore_index)
         shift_by = 0
-    policy, targets = policy_inputs(spec.policy, token_shape, targets, spec.ignore_index, norm.as_torch(),
+    policy, targets = policy_inputs(spec.policy, targets, spec.ignore_index, norm.as_torch(),
                                     mode, policy_given, raw=raw_policy)
-    sparse_rows = sparse_teacher(spec, teacher, tuple(logits.shape[:-1]), token_shape, logits.device, shift,
-                                 vocab_total or logits.shape[-1], mode)
+    sparse_rows = sparse_teacher(spec, teacher, tuple(logits.shape[:-1]), token_shape, logits.device,
+                                 vocab_total or logits.shape[-1], mode, align="shift" if shift else "rows")
     teacher_logits = teacher.logits.detach() if teacher.logits is not None else None
     slots = token_shape[-1] if len(token_shape) == 2 else (token_shape[0] if token_shape else 0)
     geo = geometry(tuple(logits.shape), row_strides(logits), slots, shift_by, teacher_logits, spec.ignore_index,
@@ -279,14 +279,14 @@ _DENSE_ONLY = ("given, but the spec's distillation takes teacher logits (teacher
 
 
 def sparse_teacher(spec: LossSpec, teacher: Teacher, rows_shape: tuple[int, ...], token_shape: tuple[int, ...],
-                   device: torch.device, shift: bool, vocab: int, mode: str, pad_last: bool = False
-                   ) -> SparseRows | None:
+                   device: torch.device, vocab: int, mode: str, align: str = "rows") -> SparseRows | None:
     """A top-k or per-token teacher, checked (errors name the argument) and laid out per slot as the
     kernels read it (:class:`~headloss.kernels.sparse.SparseRows`); None without one. ``rows_shape``:
-    the logits' rows, ``token_shape`` the slots' (the targets' with ``shift``). Values (ids in
-    [0, V) or -1, each once per row; log-probs <= 0, not NaN) are read on the host with
-    ``mode`` "sync". ``pad_last``: the lm_head's rows [B, T] of completion ids [B, T - 1], a
-    per-token teacher padded with the unscored last row."""
+    the logits' rows, ``token_shape`` the slots' (the targets'). Values (ids in [0, V) or -1, each
+    once per row; log-probs <= 0, not NaN) are read on the host with ``mode`` "sync". ``align``: how
+    the slots sit on the rows -- "rows" one per row; "shift" (a shifted call) the first
+    ``token_shape[1]`` rows of each sequence; "pad_last" the lm_head's rows [B, T] of completion ids
+    [B, T - 1], a per-token teacher padded with the unscored last row."""
     dist = spec.distillation
     form = None if dist is None else dist.teacher
     ids, lp = teacher.ids, teacher.logprobs
@@ -325,12 +325,12 @@ def sparse_teacher(spec: LossSpec, teacher: Teacher, rows_shape: tuple[int, ...]
         k = ids.shape[-1]
         if not 1 <= k <= MAX_TOPK:
             raise ValueError(f"teacher_ids: K = {k} entries per row; the kernels take 1 to {MAX_TOPK}")
-        if shift and len(token_shape) == 2:  # the scored rows: the first K of each sequence
+        if align == "shift" and len(token_shape) == 2:  # the scored rows: the first K of each sequence
             ids, lp = ids[:, :token_shape[1]], lp[:, :token_shape[1]]
         rows = SparseRows(ids.detach().reshape(-1, k).contiguous(), lp.detach().reshape(-1, k).contiguous(), k)
     if mode == "sync":
         check_sparse_values(rows, vocab, token_shape)
-    if pad_last and rows.ids is None:
+    if align == "pad_last" and rows.ids is None:
         rows = rows._replace(logprobs=F.pad(rows.logprobs.reshape(token_shape), (0, 1)).reshape(-1))
     return rows
 

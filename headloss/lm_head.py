@@ -34,7 +34,7 @@ from .kernels.sparse import SparseRows
 from .linear import Saved, linear_backward, linear_forward
 from .linear_ops import linear_backward_op, linear_forward_beside_op, linear_forward_op, run_args
 from .ops import flat_geometry, take_grad
-from .output import HeadLossOutput, HeadOutputs, assemble, guard_second_backward
+from .output import FunctionOutputs, HeadLossOutput, HeadOutputs, assemble, guard_second_backward
 from .packed import packed_call, packed_policy_inputs
 from .parallel import (
     TRACED_TORCH,
@@ -180,8 +180,9 @@ def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: L
     completion = shift and targets.shape != token_shape  # rows padded by one: T - 1 scored positions
     backend = resolve_backend(options.backend, hidden.device, hidden.dtype, name="hidden")
     check = "sync" if mode == "sync" or (mode == "async" and backend == "torch") else "off"
-    sparse = sparse_teacher(spec, teacher, token_rows, token_shape, hidden.device, False, vocab or weight.shape[0],
-                            "off" if torch.compiler.is_compiling() else check, pad_last=completion)
+    sparse = sparse_teacher(spec, teacher, token_rows, token_shape, hidden.device, vocab or weight.shape[0],
+                            "off" if torch.compiler.is_compiling() else check,
+                            align="pad_last" if completion else "rows")
     teacher = teacher_source(spec, token_rows, hidden, weight, teacher)
     norm = normaliser(num_items_in_batch, spec, hidden.device)
     if completion:  # completion ids: per-token inputs get the unscored last row
@@ -189,7 +190,7 @@ def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: L
     if packed is not None and spec.policy is not None:
         batch = PolicyBatch.of(packed_policy_inputs(batch.given(), packed))
     rows_shape = tuple(targets.shape) if targets is not None else token_rows
-    policy, targets = policy_inputs(spec.policy, rows_shape, targets, spec.ignore_index, norm.as_torch(), mode,
+    policy, targets = policy_inputs(spec.policy, targets, spec.ignore_index, norm.as_torch(), mode,
                                     batch.given(), norm_length=token_shape[1] if completion else None)
     return LinearCall(hidden=hidden, weight=weight, bias=bias, targets=targets, teacher=teacher, token_rows=token_rows,
                  token_shape=token_shape, rows_shape=rows_shape, norm=norm, given=batch, policy=policy, backend=backend,
@@ -262,7 +263,7 @@ class LinearFunction(torch.autograd.Function):
             keep(ctx, run, (dh, dw, db), (rows, pred, means, scratch))
         else:
             keep(ctx, run, (hidden, weight, bias, *call, index, rows_c, scratch, stats), (pred, means, scratch))
-        return loss, rows, pred, means, scratch
+        return FunctionOutputs(loss, rows, pred, means, scratch)
 
     @staticmethod
     def backward(ctx, d_loss, d_rows, *_):

@@ -211,7 +211,8 @@ def _torch_loss(laid: _Laid) -> HeadLossOutput:
     check_teacher(tuple(logits.shape), logits.device, teacher_logits, spec, kernel=False)
     mode = validation_mode(validate)
     sparse = sparse_teacher(spec, teacher, rows_shape, tuple(targets.shape) if shift else rows_shape, logits.device,
-                            shift, logits.shape[-1], "off" if mode == "off" or traced else "sync")
+                            logits.shape[-1], "off" if mode == "off" or traced else "sync",
+                            align="shift" if shift else "rows")
     norm = normaliser(num_items_in_batch, spec, logits.device)
     given = {k: v for k, v in batch.given().items() if v is not None}
     if teacher_logits is not None:
@@ -225,8 +226,7 @@ def _torch_loss(laid: _Laid) -> HeadLossOutput:
             logits = logits[:, :keep]
             if teacher_logits is not None:
                 teacher_logits = teacher_logits[:, :keep]
-    token_shape = tuple(logits.shape[:-1]) if targets is None else tuple(targets.shape)
-    policy_inputs(spec.policy, token_shape, targets, spec.ignore_index, norm.as_torch(), mode,
+    policy_inputs(spec.policy, targets, spec.ignore_index, norm.as_torch(), mode,
                   batch.given())  # the same input errors as the kernel path
     facts = routes.Facts("logits", "torch", rows_shape, batch.sequence_ids is not None, False, traced, False, False)
     chosen = routes.choose(plan, facts, options.route)

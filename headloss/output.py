@@ -128,6 +128,18 @@ class HeadOutputs(NamedTuple):
                            self.means)
 
 
+class FunctionOutputs(NamedTuple):
+    """The outputs of the doors' autograd Functions (engine.HeadFunction, lm_head.LinearFunction): the
+    head's outputs and the call's scratch (layouts.Scratch; its first word the counted rows). ``apply``
+    returns them as a plain tuple, in this order."""
+
+    loss: torch.Tensor
+    rows: torch.Tensor
+    pred: torch.Tensor
+    means: torch.Tensor
+    scratch: torch.Tensor
+
+
 def assemble(plan: KernelPlan, token_shape: tuple[int, ...], head: HeadOutputs, scratch: torch.Tensor,
              extra_metrics: dict[str, torch.Tensor] | None = None, *, route: str | None = None,
              lazy: bool = False) -> HeadLossOutput:

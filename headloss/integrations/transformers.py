@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,17 +43,24 @@ from ..output import HeadLossOutput
 from ..plan import SpecLike
 from ..spec import LogitTransform, LossSpec
 from ..transform import transformed_logits
+from .hf_model import (
+    PatchError,
+    causal_lm,
+    check_head,
+    full_tensor,
+    head_transform,
+    labels_position,
+    merged_spec,
+    restore_attribute,
+    tolerance,
+)
 
-__all__ = ["HeadLossCallback", "HeadPatch", "head_transform", "patch"]
+__all__ = ["HeadLossCallback", "HeadPatch", "PatchError", "head_transform", "patch"]
 
 
 PATCH_CHUNK_BYTES = 128 << 20
 """The patch's logits chunk: half linear_head_loss's default, because in a whole training step the
 head's working set adds to the body's activations (the trade is measured in docs/integrations.md)."""
-
-
-class PatchError(ValueError):
-    """The model's head cannot be reproduced by headloss (the message says why)."""
 
 
 @dataclass
@@ -67,67 +73,6 @@ class _PendingLoss:
     ignore_index: int | None
     result: HeadLossOutput | None = None
     extra: dict = field(default_factory=dict)
-
-
-def _text_config(config):
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
-
-
-def head_transform(model) -> LogitTransform:
-    """The transform a model applies to its lm_head's output, from its config (and attributes)."""
-    config = _text_config(model.config)
-    scale = 1.0
-    softcap = getattr(config, "final_logit_softcapping", None)
-    cohere = getattr(model, "logit_scale", None)
-    if isinstance(cohere, (int, float)) and not isinstance(cohere, bool):
-        scale *= float(cohere)
-    elif isinstance(getattr(config, "logit_scale", None), (int, float)) and config.model_type.startswith("cohere"):
-        scale *= float(config.logit_scale)
-    granite = getattr(config, "logits_scaling", None)
-    if isinstance(granite, (int, float)) and not isinstance(granite, bool) and granite != 1.0:
-        scale /= float(granite)
-    inner = getattr(model, "model", None)
-    falcon = getattr(inner, "lm_head_multiplier", None)
-    if falcon is None:
-        falcon = getattr(config, "lm_head_multiplier", None)
-    if isinstance(falcon, (int, float)) and not isinstance(falcon, bool):
-        scale *= float(falcon)
-    return LogitTransform(logit_scale=scale, softcap=float(softcap) if softcap else None)
-
-
-def _causal_lm(model):
-    """The model whose forward takes labels: a PEFT wrapper's base model, else the model. (FSDP2's
-    fully_shard makes a subclass of the wrapper's class: its bases are read, not its own name.)"""
-    get_base = getattr(model, "get_base_model", None)
-    if callable(get_base) and not hasattr(model, "get_output_embeddings"):
-        return get_base()
-    if callable(get_base) and any(cls.__name__.startswith("Peft") for cls in type(model).__mro__):
-        return get_base()
-    return model
-
-
-def _check_head(head) -> None:
-    if head is None:
-        raise PatchError("model: get_output_embeddings() is None; headloss patches causal LMs with an lm_head")
-    for name in ("lora_A", "base_layer", "lora_embedding_A"):
-        if hasattr(head, name):
-            raise PatchError(
-                "model: the lm_head carries LoRA adapters; merge them (merge_and_unload) or leave lm_head out "
-                "of target_modules -- headloss reads the plain weight"
-            )
-    weight = getattr(head, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise PatchError(f"model: the lm_head ({type(head).__name__}) has no 2-D weight")
-    if not (weight.is_floating_point() and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)):
-        raise PatchError(f"model: the lm_head weight is {weight.dtype} (quantised?); headloss needs a float weight")
-
-
-def _full(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A DTensor (FSDP2 outside its forward, tensor parallel) as a full tensor; others as they are."""
-    if t is not None and hasattr(t, "full_tensor") and type(t).__name__ == "DTensor":
-        return t.full_tensor()
-    return t
 
 
 class HeadPatch:
@@ -145,12 +90,12 @@ class HeadPatch:
                  keep_logits: bool = False, fp32_weight_grad: bool = False, verify: bool = True,
                  validate=None, backend: str = "auto", metric_names: dict[str, str] | None = None) -> None:
         self.outer = model  # what the caller runs (a PEFT wrapper, an FSDP2 root): the probe runs through it
-        self.model = _causal_lm(model)
+        self.model = causal_lm(model)
         self.head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
-        _check_head(self.head)
+        check_head(self.head)
         if getattr(self.model, "_headloss_patch", None) is not None:
             raise PatchError("model: already patched by headloss; undo() the earlier patch first")
-        self.spec = _merged_spec(LossSpec.coerce(spec), head_transform(self.model))
+        self.spec = merged_spec(LossSpec.coerce(spec), head_transform(self.model))
         self.chunk_bytes = chunk_bytes
         self.keep_logits = keep_logits
         self.fp32_weight_grad = fp32_weight_grad
@@ -181,7 +126,7 @@ class HeadPatch:
         original_head = head.forward
         original_loss = model.loss_function
         self._original_loss = original_loss
-        labels_at = _labels_position(original_forward)
+        labels_at = labels_position(original_forward)
 
         @functools.wraps(original_forward)
         def forward(*args, **kwargs):
@@ -242,12 +187,12 @@ class HeadPatch:
         # restore only what is still ours: a wrapper installed over ours (accelerate's autocast
         # forward, say) stays, and reaches the original through our now inactive one
         if model.__dict__.get("forward") is forward:
-            _restore(model, "forward", self._had_forward, self._saved_forward)
+            restore_attribute(model, "forward", self._had_forward, self._saved_forward)
         if head.__dict__.get("forward") is head_forward:
-            _restore(head, "forward", self._had_head_forward, self._saved_head_forward)
+            restore_attribute(head, "forward", self._had_head_forward, self._saved_head_forward)
         if model.__dict__.get("_loss_function") is loss_function:
-            _restore(model, "_loss_function", self._had_loss_function, self._saved_loss_function)
-        _restore(model.config, "keys_to_ignore_at_inference", self._had_ignore, self._saved_ignore)
+            restore_attribute(model, "_loss_function", self._had_loss_function, self._saved_loss_function)
+        restore_attribute(model.config, "keys_to_ignore_at_inference", self._had_ignore, self._saved_ignore)
         model.__dict__.pop("_headloss_patch", None)
 
     @contextlib.contextmanager
@@ -299,7 +244,7 @@ class HeadPatch:
             call.result = head_loss(logits, targets, spec, shift=shift, num_items_in_batch=num_items,
                                     validate=self.validate, backend=self.backend, **self._inputs)
             return logits
-        weight, bias = _full(self.head.weight), _full(getattr(self.head, "bias", None))
+        weight, bias = full_tensor(self.head.weight), full_tensor(getattr(self.head, "bias", None))
         call.result = linear_head_loss(
             hidden, weight, targets, spec, bias=bias, shift=shift, num_items_in_batch=num_items,
             chunk_bytes=self.chunk_bytes, fp32_weight_grad=self.fp32_weight_grad, validate=self.validate,
@@ -363,7 +308,7 @@ class HeadPatch:
         hidden, z = seen["hidden"], seen["z"]
         name = type(model).__name__
         plain = F.linear(hidden, head.weight, getattr(head, "bias", None))
-        if not torch.allclose(plain.float(), z.float(), **_tolerance(z.dtype)):
+        if not torch.allclose(plain.float(), z.float(), **tolerance(z.dtype)):
             raise PatchError(
                 f"{name}: its lm_head ({type(head).__name__}) is not hidden @ weight.T + bias; headloss cannot "
                 "reproduce it"
@@ -373,7 +318,7 @@ class HeadPatch:
             raise PatchError(f"{name}: its output has no logits to check the head's transform against")
         def matches(spec: LossSpec) -> bool:
             expected = transformed_logits(z.float(), spec, torch.float32) * spec.transform.temperature
-            return torch.allclose(logits.float(), expected, **_tolerance(logits.dtype))
+            return torch.allclose(logits.float(), expected, **tolerance(logits.dtype))
 
         if not matches(self.spec):
             # the config names a transform the model's forward does not apply (Gemma 3's
@@ -400,7 +345,7 @@ class HeadPatch:
         aux = getattr(stock, "aux_loss", None)
         if aux is not None:  # a MoE router's auxiliary loss, added by the model
             expected = expected + getattr(self.model, "router_aux_loss_coef", 0.0) * aux.double()
-        if not torch.allclose(stock.loss.double(), expected, **_tolerance(stock.logits.dtype)):
+        if not torch.allclose(stock.loss.double(), expected, **tolerance(stock.logits.dtype)):
             raise PatchError(
                 f"{name}: its loss for labels ({float(stock.loss):.6g}) is not the causal-LM cross-entropy of its "
                 f"logits ({float(expected):.6g}); refused rather than mis-scored"
@@ -421,7 +366,7 @@ class HeadPatch:
             self.metrics.reset()
             self.eval_metrics.reset()
             self.last = None
-        if not torch.allclose(mine.loss.float(), stock.loss.float(), **_tolerance(stock.logits.dtype)):
+        if not torch.allclose(mine.loss.float(), stock.loss.float(), **tolerance(stock.logits.dtype)):
             raise PatchError(
                 f"{name}: the patched loss of a probe ({float(mine.loss):.6g}) differs from the model's own "
                 f"({float(stock.loss):.6g}); refused rather than mis-scored"
@@ -445,47 +390,6 @@ def _with_metrics(cls: type) -> type:
         sub.__doc__ = f"{cls.__name__} with headloss's metrics and HeadLossOutput (per-token outputs)."
         _OUTPUT_TYPES[cls] = sub
     return sub
-
-
-def _tolerance(dtype: torch.dtype) -> dict[str, float]:
-    return {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
-
-
-def _labels_position(forward) -> int | None:
-    try:
-        params = list(inspect.signature(forward).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    for i, p in enumerate(params):
-        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        if p.name == "labels" and p.kind in positional:
-            return i
-    return None
-
-
-def _restore(obj, name: str, had: bool, value) -> None:
-    if had:
-        setattr(obj, name, value)
-    else:
-        obj.__dict__.pop(name, None)
-
-
-def _merged_spec(spec: LossSpec, model_transform: LogitTransform) -> LossSpec:
-    """The user's spec with the model's head transform; a conflicting transform is an error."""
-    mine = spec.transform
-    if model_transform.logit_scale == 1.0 and model_transform.softcap is None:
-        return spec
-    if mine.logit_scale != 1.0 or mine.softcap is not None:
-        if (mine.logit_scale, mine.softcap) != (model_transform.logit_scale, model_transform.softcap):
-            raise PatchError(
-                f"spec: its transform ({mine}) differs from the model's head (logit_scale="
-                f"{model_transform.logit_scale}, softcap={model_transform.softcap}); leave logit_scale and "
-                "softcap unset, the patch reads them from the model"
-            )
-        return spec
-    transform = LogitTransform(logit_scale=model_transform.logit_scale, softcap=model_transform.softcap,
-                               temperature=mine.temperature)
-    return LossSpec.model_validate({**dict(spec), "transform": transform})
 
 
 def patch(model, spec: SpecLike | None = None, **options) -> HeadPatch:

@@ -47,16 +47,24 @@ from typing import Any
 
 import torch
 
-from ..api import head_loss, linear_head_loss
+from ..api import linear_head_loss
 from ..bounded import memoize
 from ..chunks import DEFAULT_CHUNK_BYTES
 from ..packed import packed_rows, packed_targets
 from ..policy.logprobs import policy_loss
-from ..policy.objectives import kl_estimate
-from ..spec import VERL_ESTIMATORS, Distillation, Entropy, LogitTransform, LossSpec, Policy
+from ..spec import VERL_ESTIMATORS, Entropy, LogitTransform, LossSpec, Policy
+from .verl_distill import (
+    DISTILLATION_ESTIMATORS,
+    distillation_loss_fn,
+    forward_kl_topk,
+    install_distillation,
+)
+from .verl_distill import (
+    config_value as _get,
+)
 
-__all__ = ["KL_LOSS_TYPES", "LOSS_MODES", "distillation_loss_fn", "forward_kl_topk", "install",
-           "linear_cross_entropy", "policy_counts", "policy_for", "policy_loss_fn", "policy_spec"]
+__all__ = ["DISTILLATION_ESTIMATORS", "KL_LOSS_TYPES", "LOSS_MODES", "distillation_loss_fn", "forward_kl_topk",
+           "install", "linear_cross_entropy", "policy_counts", "policy_for", "policy_loss_fn", "policy_spec"]
 
 _PG = ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")
 LOSS_MODES: dict[str, tuple[str, ...]] = {  # verl loss_mode -> the metrics its compute_policy_loss_* returns
@@ -70,21 +78,6 @@ stays verl's (its rollout-correction metrics and rejection sampling are verl's o
 KL_LOSS_TYPES: dict[str, tuple[str, bool]] = VERL_ESTIMATORS  # verl kl_loss_type -> (kl_estimator, kl_clamp)
 
 _IGNORE = -100
-
-
-def _get(config: Any, key: str, default: Any = None) -> Any:
-    """A key of a verl config: a dataclass (BaseConfig), an omegaconf DictConfig or a dict."""
-    if config is None:
-        return default
-    if isinstance(config, dict):
-        return config.get(key, default)
-    getter = getattr(config, "get", None)
-    if callable(getter):
-        try:
-            return getter(key, default)
-        except (AttributeError, KeyError, TypeError):
-            pass
-    return getattr(config, key, default)
 
 
 def _clip_ratios(config: Any) -> tuple[float, float]:
@@ -363,109 +356,3 @@ def install(fused_head: bool = True, policy_losses: bool = True, distillation: b
         module = sys.modules.get(name)
         if module is not None and hasattr(module, "linear_cross_entropy"):
             module.linear_cross_entropy = linear_cross_entropy
-
-
-# --- distillation ---------------------------------------------------------------------------------
-
-DISTILLATION_ESTIMATORS: dict[str, tuple[str, bool, str]] = {  # verl loss_mode -> (estimator, clamp, grad)
-    **{name: (estimator, clamp, "estimator") for name, (estimator, clamp) in KL_LOSS_TYPES.items()},
-    **{f"{name}+": (estimator, clamp, "k2") for name, (estimator, clamp) in KL_LOSS_TYPES.items()
-       if estimator != "k2"},
-}
-"""verl's single-sample distillation losses (``kl_penalty``'s names, ``+``: the k2 gradient) as
-headloss's per-token estimator (``spec.Distillation(teacher="token")``'s fields)."""
-
-
-@memoize("verl.topk_spec", 64, "verl's top-k distillation spec by log_prob_min_clamp")
-def _topk_spec(log_prob_min_clamp: float | None) -> LossSpec:
-    return LossSpec(cross_entropy=None, reduction="none", outputs=("lse",),
-                    distillation=Distillation(teacher="topk", topk="verl", log_prob_min_clamp=log_prob_min_clamp))
-
-
-def forward_kl_topk(student_logits: torch.Tensor, teacher_topk_log_probs: torch.Tensor,
-                    teacher_topk_ids: torch.Tensor, config: Any, data_format: str = "thd") -> dict[str, torch.Tensor]:
-    """verl's ``compute_forward_kl_topk`` (FSDP) by headloss: the same inputs (nested teacher tensors
-    [bsz, seqlen, K] sliced for Ulysses sequence parallelism as verl slices them) and outputs, each
-    [bsz, seqlen]: ``distillation_losses`` (sum_k q_k (log q_k - log p_k), with verl's
-    ``log_prob_min_clamp``, already clamped at 0 as verl's loss then clamps it), ``student_mass``,
-    ``teacher_mass``. One pass over the logits, its gradient in backward; no [B, T, V] log-softmax.
-    The overlap diagnostics (``overlap_count``, ``overlap_token_advantage``) need the student's own
-    top-k, a sort of every row that this pass does not make: they are left out, and verl then logs
-    no overlap metrics."""
-    lp, ids = teacher_topk_log_probs, teacher_topk_ids
-    if lp.is_nested:
-        lp, ids = lp.values().unsqueeze(0), ids.values().unsqueeze(0)
-    from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size, slice_input_tensor
-
-    if get_ulysses_sequence_parallel_world_size() > 1:
-        lp, ids = slice_input_tensor(lp, dim=1), slice_input_tensor(ids, dim=1)
-    if lp.shape[:2] != student_logits.shape[:2] or ids.shape != lp.shape:
-        raise ValueError(f"teacher_topk_log_probs: shape {tuple(lp.shape)} (ids {tuple(ids.shape)}) does not match "
-                         f"the student's rows {tuple(student_logits.shape[:2])}")
-    clamp = _get(_get(config, "distillation_loss"), "log_prob_min_clamp")
-    out = head_loss(student_logits, None, _topk_spec(None if clamp is None else float(clamp)), teacher_ids=ids,
-                    teacher_logprobs=lp)
-    with torch.no_grad():
-        given = ids >= 0
-        picked = student_logits.detach().gather(-1, ids.clamp(min=0)).float() - out.lse[..., None]
-        student_mass = torch.where(given, picked.exp(), 0.0).sum(-1)
-        teacher_mass = torch.where(given, lp.float().exp(), 0.0).sum(-1)
-    return {"distillation_losses": out.loss, "student_mass": student_mass, "teacher_mass": teacher_mass}
-
-
-def distillation_loss_fn(loss_mode: str) -> Callable[..., tuple[torch.Tensor, dict[str, Any]]]:
-    """verl's single-sample estimator loss ``loss_mode`` (``DISTILLATION_ESTIMATORS``) by headloss, with
-    ``register_distillation_loss``'s signature ``(config, distillation_config, model_output, data) ->
-    (per-token losses, metrics)``: the student's log-probs (``model_output["log_probs"]``) against the
-    teacher's (``data["teacher_logprobs"]``), and verl's ``distillation/abs_loss``."""
-    if loss_mode not in DISTILLATION_ESTIMATORS:
-        raise ValueError(f"loss_mode: headloss runs {sorted(DISTILLATION_ESTIMATORS)}, got {loss_mode!r}")
-    estimator, clamp, grad = DISTILLATION_ESTIMATORS[loss_mode]
-    policy = Policy(kl_estimator=estimator, kl_clamp=clamp, kl_grad=grad)
-
-    def compute_distillation_loss(config: Any, distillation_config: Any, model_output: dict, data: Any):
-        from verl.utils.metric import AggregationType, Metric
-        from verl.workers.utils.padding import no_padding_2_padding
-
-        student = no_padding_2_padding(model_output["log_probs"], data)
-        teacher = no_padding_2_padding(data["teacher_logprobs"], data).squeeze(-1)
-        mask = data["response_mask"]
-        mask = mask.bool().to_padded_tensor(False) if mask.is_nested else mask.bool()
-        if teacher.shape != student.shape or mask.shape != student.shape:
-            raise ValueError(f"teacher_logprobs: shape {tuple(teacher.shape)} does not match the student's "
-                             f"log-probs {tuple(student.shape)} and the response mask {tuple(mask.shape)}")
-        losses = kl_estimate(student, teacher, policy)
-        return losses, {"distillation/abs_loss": Metric(AggregationType.MEAN, losses[mask].abs().mean())}
-
-    compute_distillation_loss.__name__ = compute_distillation_loss.__qualname__ = f"headloss_{loss_mode}"
-    compute_distillation_loss.__doc__ = f"verl's {loss_mode!r} distillation loss, computed by headloss."
-    return compute_distillation_loss
-
-
-def register_distillation_losses() -> list[str]:
-    """Register each of verl's estimator losses as ``headloss_<name>`` (verl's registry refuses a name
-    twice: names already there are left as they are); returns the names registered now."""
-    from verl.trainer.distillation import losses
-
-    names = []
-    for mode in DISTILLATION_ESTIMATORS:
-        name = f"headloss_{mode}"
-        if name in losses.DISTILLATION_LOSS_REGISTRY:
-            continue
-        settings = losses.DistillationLossSettings(names=[name], use_estimator=True)
-        losses.register_distillation_loss(settings)(distillation_loss_fn(mode))
-        names.append(name)
-    return names
-
-
-def install_distillation() -> None:
-    """verl's FSDP top-k step (``compute_forward_kl_topk``, which verl looks up on its module at each
-    call) becomes :func:`forward_kl_topk`; the estimator losses are registered. Idempotent."""
-    import importlib
-
-    try:
-        fsdp_losses = importlib.import_module("verl.trainer.distillation.fsdp.losses")
-    except ImportError:  # a verl without distillation
-        return
-    fsdp_losses.compute_forward_kl_topk = forward_kl_topk
-    register_distillation_losses()

@@ -21,18 +21,10 @@ from ..policy_tables import KL_ESTIMATORS, OBJECTIVES
 from .primitives import LN2, LOG2E, NEG_BIG, log1p, softmax_update, to_x2
 
 # the kernels' codes of the policy term's values (policy_tables, the one list of each)
-CLIP = tl.constexpr(OBJECTIVES["clip"].kernel)
-CISPO = tl.constexpr(OBJECTIVES["cispo"].kernel)
-SAPO = tl.constexpr(OBJECTIVES["sapo"].kernel)
-GPG = tl.constexpr(OBJECTIVES["gpg"].kernel)
-DRO = tl.constexpr(OBJECTIVES["dro"].kernel)
-DPPO_TV = tl.constexpr(OBJECTIVES["dppo_tv"].kernel)
-DPPO_KL = tl.constexpr(OBJECTIVES["dppo_kl"].kernel)
-REINFORCE = tl.constexpr(OBJECTIVES["reinforce"].kernel)
-KL_K1 = tl.constexpr(KL_ESTIMATORS["k1"].kernel)
-KL_K2 = tl.constexpr(KL_ESTIMATORS["k2"].kernel)
-KL_K3 = tl.constexpr(KL_ESTIMATORS["k3"].kernel)
-KL_ABS = tl.constexpr(KL_ESTIMATORS["abs"].kernel)
+CLIP, CISPO, SAPO, GPG, DRO, DPPO_TV, DPPO_KL, REINFORCE = (
+    tl.constexpr(OBJECTIVES[name].kernel) for name in ("clip", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl",
+                                                       "reinforce"))
+KL_K1, KL_K2, KL_K3, KL_ABS = (tl.constexpr(KL_ESTIMATORS[name].kernel) for name in ("k1", "k2", "k3", "abs"))
 
 
 @triton.jit

@@ -6,7 +6,7 @@ import math
 import sys
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,6 @@ from .weights import aggregation_weights, kl_entropy_weights, rollout_weights
 
 def policy_inputs(
     spec_policy: Policy | None,
-    token_shape: tuple[int, ...],
     targets: torch.Tensor | None,
     ignore_index: int,
     num_items_in_batch: float | torch.Tensor | None,
@@ -45,6 +44,7 @@ def policy_inputs(
                              "reads it; drop it or add spec.policy")
         return None, targets
     warn_unread(present, spec_policy)
+    token_shape = tuple(targets.shape)  # (row-aligned: the policy inputs' shape)
     num_sequences = present.pop("num_sequences_in_batch", None)
     quantile_group = quantile_group_of(present.pop("entropy_quantile_group", None), spec_policy)
     if "advantages" not in present:
@@ -143,18 +143,30 @@ def _check_token_inputs(present: dict[str, Any], policy: Policy, token_shape: tu
             raise ValueError(f"{name}: on {t.device}, targets on {device}")
 
 
+class _Sequences(NamedTuple):
+    """The rows' sequences: each row's (None: the rows of [B, T], seq_of builds it when something needs it),
+    the slots and sequences, the longest sequence, the sequence_ids as given, the packed layout."""
+
+    seq: torch.Tensor | None
+    n_slots: int
+    n_seq: Any  # an int, or a device count ([N] rows with sequence_ids)
+    seq_len: Any
+    sequence_ids: torch.Tensor | None
+    packed: Packed | None
+
+
 def _sequences(present: dict[str, Any], token_shape: tuple[int, ...], rows: int, device: torch.device,
-               validate: str) -> tuple:
-    """(seq, n_slots, n_seq, seq_len, sequence_ids, packed): the rows' sequences -- the rows of [B, T]
-    tokens, packed rows' boundaries, or [N] rows' sequence_ids."""
+               validate: str) -> _Sequences:
+    """The rows' sequences -- the rows of [B, T] tokens, packed rows' boundaries, or [N] rows'
+    sequence_ids."""
     if len(token_shape) == 2:
         if "sequence_ids" in present:
             raise ValueError("sequence_ids: only for [N, V] logits; [B, T, V] logits give the sequences")
         batch, seq_len = token_shape
-        return None, batch, batch, seq_len, None, None  # (seq_of builds the index when something needs it)
+        return _Sequences(None, batch, batch, seq_len, None, None)
     if isinstance(present.get("sequence_ids"), Packed):  # packed rows: their boundaries are the sequences
         packed = present["sequence_ids"]
-        return packed.seq, packed.n_slots, packed.n_seq, packed.max_len, None, packed
+        return _Sequences(packed.seq, packed.n_slots, packed.n_seq, packed.max_len, None, packed)
     if "sequence_ids" not in present:
         raise ValueError("sequence_ids: required by policy for [N, V] logits (the sequence of each row)")
     sequence_ids = present["sequence_ids"]
@@ -171,7 +183,7 @@ def _sequences(present: dict[str, Any], token_shape: tuple[int, ...], rows: int,
         raise ValueError(f"sequence_ids: values must lie in [0, {rows})")
     seq = sequence_ids.long().clamp(0, max(rows - 1, 0))
     counts = torch.zeros(rows, dtype=torch.int64, device=device).index_add_(0, seq, torch.ones_like(seq))
-    return seq, rows, (counts > 0).sum(), counts.max() if rows else 0, sequence_ids, None
+    return _Sequences(seq, rows, (counts > 0).sum(), counts.max() if rows else 0, sequence_ids, None)
 
 
 def _check_advantages(present: dict[str, Any], token_shape: tuple[int, ...], rows: int, device: torch.device,

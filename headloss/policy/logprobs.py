@@ -62,7 +62,7 @@ def policy_loss(
     given = PolicyBatch.of(inputs).given()
     if num_items_in_batch is not None:
         num_items_in_batch = count_value(num_items_in_batch, "num_items_in_batch", logprobs.device)
-    inp, _ = policy_inputs(policy, shape, targets, _IGNORE, num_items_in_batch, "off", given, norm_length=norm_length)
+    inp, _ = policy_inputs(policy, targets, _IGNORE, num_items_in_batch, "off", given, norm_length=norm_length)
     mask = inp.mask > 0
     # a masked token's log-prob (padding) reaches nothing, even when it is not finite
     logp = torch.where(mask, logprobs.reshape(-1).float(), 0.0)

@@ -10,14 +10,13 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import comm_device, gather_padded
-from .tokens import seq_sum
+from .tokens import ObjectiveRows, seq_sum
 
 
-def off_policy_keep(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, rollout: torch.Tensor | None,
-                    mask: torch.Tensor, seq: torch.Tensor, n_slots: int, count: torch.Tensor,
-                    threshold: float) -> torch.Tensor:
+def off_policy_keep(rows: ObjectiveRows, rollout: torch.Tensor | None, threshold: float) -> torch.Tensor:
     """TRL get_off_policy_mask: keep a sequence's tokens if A >= 0 or the mean over its tokens of
-    rollout_logprobs (else old_logprobs) - logp is at most ``threshold``."""
+    ``rollout`` log-probs (else old_logprobs) - logp is at most ``threshold``."""
+    logp, old, adv, _, mask, seq, n_slots, count, _ = rows
     sampled = rollout if rollout is not None else old  # TRL: sampling_per_token_logps, else old
     drift = torch.nan_to_num(sampled - logp.detach(), nan=0.0)
     mean_drift = (seq_sum(drift * mask, seq, n_slots) / count.clamp(min=1.0))[seq]

@@ -35,7 +35,7 @@ from ..policy_tables import IMPORTANCE_SAMPLING, KL_ESTIMATORS, OBJECTIVES
 from ..spec import Policy, clamps_log_ratio
 from .masks import high_entropy_mask, off_policy_keep
 from .metrics import policy_metrics
-from .tokens import PolicyTokens, TokenObjective, seq_of, seq_sum
+from .tokens import ObjectiveRows, PolicyTokens, TokenObjective, seq_of, seq_sum
 from .weights import entropy_bonus_weight
 
 
@@ -203,9 +203,10 @@ _covers(SEQUENCE_RATIOS, IMPORTANCE_SAMPLING, "importance-sampling level")
 # --- objectives of sequence and batch statistics ----------------------------------------------------
 
 
-def _gmpo(logp, old, adv, iw, mask, seq, n_slots, count, policy: Policy, seq_adv) -> TokenObjective:
+def _gmpo(rows: ObjectiveRows, policy: Policy) -> TokenObjective:
     """verl compute_policy_loss_geo_mean: per sequence -mean(A) exp(mean of the sign-aware clipped
     log-ratios), as the same value on each of its tokens (the mean over sequences is the loss)."""
+    logp, old, adv, iw, mask, seq, n_slots, count, seq_adv = rows
     log_ratio = logp - old
     sign = torch.sign(adv)
     clamped = torch.clamp(log_ratio, -policy.eps_low, policy.eps_high)
@@ -221,12 +222,13 @@ def _gmpo(logp, old, adv, iw, mask, seq, n_slots, count, policy: Policy, seq_adv
     return TokenObjective(seq_loss[seq], seq_ratio[seq], low, high, low, -log_ratio.detach(), clipfrac=high)
 
 
-def _vespo(logp, old, adv, iw, mask, seq, n_slots, count, policy: Policy, seq_adv) -> TokenObjective:
+def _vespo(rows: ObjectiveRows, policy: Policy) -> TokenObjective:
     """TRL GRPOTrainer.get_gamma_weights: phi(w) of the sequence's ratio product w (rollout weights
     included: per token, their product; a sequence-level rollout weight, once), by the sign of each
     token's advantage; the loss -sg(phi) A logp. vespo/phi_seq_mean as TRL's global_masked_mean:
     over the sequences (an empty one has w = 1) with one advantage per sequence (``seq_adv``, as
     given: a masked token's advantage is 0 here), else over tokens."""
+    logp, old, adv, iw, mask, seq, n_slots, count, seq_adv = rows
     with torch.no_grad():
         lower = math.log(1e-8)
         log_ratio = torch.clamp(logp - old, -20.0, 20.0)
@@ -287,11 +289,12 @@ def clip_cov_chosen(adv, logp, old, valid, policy: Policy) -> torch.Tensor:
     return torch.zeros_like(valid).index_fill_(0, candidates, True)
 
 
-def _covariance(logp, old, adv, iw, mask, seq, n_slots, count, policy: Policy, seq_adv) -> TokenObjective:
+def _covariance(rows: ObjectiveRows, policy: Policy) -> TokenObjective:
     """verl compute_policy_loss_clip_cov / _kl_cov: the tokens whose (A - mean A)(logp - mean logp)
     is largest (kl_cov: the top cov_ratio share; clip_cov: a random cov_ratio share of those with
     cov in (lb, ub) and not clipped already) lose the clip objective's gradient (clip_cov) or get
     kl_cov_coef |log r| added to -A r (kl_cov)."""
+    logp, old, adv, iw, mask, seq, n_slots, count, seq_adv = rows
     log_ratio = logp - old
     ratio = torch.exp(log_ratio)
     valid = mask > 0
@@ -315,34 +318,30 @@ STATISTIC: dict[str, Callable[..., TokenObjective]] = {
     "clip_cov": _covariance,
     "kl_cov": _covariance,
 }
-"""(logp, old, adv, iw, mask, seq, n_slots, count, policy, seq_adv) -> TokenObjective of each objective
-that needs its sequence's or the batch's values."""
+"""(ObjectiveRows, policy) -> TokenObjective of each objective that needs its sequence's or the batch's
+values."""
 _covers(STATISTIC, [name for name, row in OBJECTIVES.items() if not row.row_local], "sequence or batch objective")
 
 
-def objective_of(logp: torch.Tensor, entropy: torch.Tensor | None, old: torch.Tensor, adv: torch.Tensor,
-                 iw: torch.Tensor | None, mask: torch.Tensor, seq: torch.Tensor, n_slots: int,
-                 policy: Policy, rollout: torch.Tensor | None = None, seq_adv: torch.Tensor | None = None,
-                 quantile_group: Any = None) -> TokenObjective:
-    """The objective per token (N,) on flat rows, with its sequence and batch statistics (``seq``:
-    each row's sequence in [0, n_slots)), the rollout weights and the masks, without the KL.
-    ``quantile_group``: the top-entropy quantile is over the counted tokens of every process of
-    this group (None: these rows)."""
+def objective_of(rows: ObjectiveRows, entropy: torch.Tensor | None, policy: Policy,
+                 rollout: torch.Tensor | None = None, quantile_group: Any = None) -> TokenObjective:
+    """The objective per token (N,) on flat ``rows`` (their ``count``: counted tokens per sequence), with
+    its sequence and batch statistics, the rollout weights and the masks, without the KL. ``rollout``:
+    the rollout's log-probs (the off-policy mask's); ``quantile_group``: the top-entropy quantile is
+    over the counted tokens of every process of this group (None: these rows)."""
+    logp, old, adv, iw, mask, seq, n_slots, count, _ = rows
     row = OBJECTIVES[policy.objective]
-    count = seq_sum(mask, seq, n_slots)
     if row.row_local:
         level = SEQUENCE_RATIOS[policy.importance_sampling]
         seq_log_ratio = None if level is None else level(logp, old, mask, seq, n_slots, count)
         tok = token_objective(logp, old, adv, policy, seq_log_ratio)
     else:
-        tok = STATISTIC[policy.objective](logp, old, adv, iw=iw, mask=mask, seq=seq, n_slots=n_slots, count=count,
-                                          policy=policy, seq_adv=seq_adv)
+        tok = STATISTIC[policy.objective](rows, policy)
     if iw is not None and not row.folds_weights:
         tok.loss = tok.loss * iw
     keep = None
     if policy.off_policy_mask is not None:
-        keep = off_policy_keep(logp, old, adv, rollout, mask=mask, seq=seq, n_slots=n_slots, count=count,
-                               threshold=policy.off_policy_mask)
+        keep = off_policy_keep(rows, rollout, policy.off_policy_mask)
     if policy.top_entropy_quantile < 1.0:
         high = high_entropy_mask(entropy, mask, policy.top_entropy_quantile, quantile_group)
         keep = high if keep is None else keep & high
@@ -368,9 +367,10 @@ def policy_objective(
     Written for few device ops (each one is a launch on the host's critical path at 8K tokens).
     """
     old = inp.old_logprobs if inp.old_logprobs is not None else logp.detach()
-    tok = objective_of(logp, entropy, old, inp.advantages, iw=inp.importance_weights, mask=mask, seq=seq_of(inp),
-                       n_slots=inp.n_slots, policy=policy, rollout=inp.rollout_logprobs, seq_adv=inp.seq_advantages,
-                       quantile_group=inp.quantile_group)
+    seq = seq_of(inp)
+    rows = ObjectiveRows(logp, old, inp.advantages, inp.importance_weights, mask, seq, inp.n_slots,
+                         seq_sum(mask, seq, inp.n_slots), inp.seq_advantages)
+    tok = objective_of(rows, entropy, policy, rollout=inp.rollout_logprobs, quantile_group=inp.quantile_group)
     per_token = tok.loss
     weight = inp.weight
     aux_weight = weight if inp.kl_entropy_weight is None else inp.kl_entropy_weight

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -98,3 +98,18 @@ class TokenObjective:
     clipfrac: torch.Tensor | None = None  # verl's pg_clipfrac indicator where it is not low | high
     extra: dict | None = None  # metrics of the objective's own (already reduced)
     high_entropy: torch.Tensor | None = None  # the top-entropy mask's kept tokens (None: no such mask)
+
+
+class ObjectiveRows(NamedTuple):
+    """An objective's per-token inputs on flat rows (N,), with each row's sequence: what the objectives of
+    sequence or batch statistics and the off-policy mask read (policy.objectives.objective_of makes it)."""
+
+    logp: torch.Tensor  # with gradient
+    old: torch.Tensor
+    adv: torch.Tensor
+    iw: torch.Tensor | None  # rollout weights
+    mask: torch.Tensor
+    seq: torch.Tensor  # each row's sequence in [0, n_slots)
+    n_slots: int
+    count: torch.Tensor  # counted tokens per sequence (n_slots,)
+    seq_adv: torch.Tensor | None = None  # one advantage per sequence, when given so

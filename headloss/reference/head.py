@@ -81,8 +81,8 @@ def reference_head_loss(
         loss = loss + policy_loss
     logp_y = torch.where(valid, logp_all.gather(-1, y[:, None])[:, 0] + nan_if_bad, 0.0)
     pred = torch.where(valid, x.argmax(-1), -1)
-    metrics = _metrics(loss, policy_metrics, per_term, distill_rows, logp_y=logp_y, pred=pred, y=y, valid=valid,
-                       count=count, spec=spec)
+    metrics = {"loss": (loss.sum() if spec.reduction == "none" else loss).detach().clone(), **policy_metrics,
+               **_metrics(per_term, distill_rows, logp_y=logp_y, pred=pred, y=y, valid=valid, count=count, spec=spec)}
     metrics["n_tokens"] = n_valid.detach()
 
     fused_mode = not (spec.reduction == "none" or spec.differentiable_outputs
@@ -139,11 +139,10 @@ def _targets(targets, x, ignore_index: int, loss_mask):
     return torch.where(valid & in_range, y_raw, 0), valid, torch.where(valid & ~in_range, float("nan"), 0.0).to(x.dtype)
 
 
-def _metrics(loss, policy_metrics, per_term, distill_rows, logp_y, pred, y, valid, count, spec: LossSpec) -> dict:
-    """Every metric but n_tokens: the loss, the policy's, each term's token mean, nll, accuracy, the
-    distillation's (headloss.plan.METRIC_ORDER orders them)."""
-    metrics: dict[str, torch.Tensor] = {"loss": (loss.sum() if spec.reduction == "none" else loss).detach().clone()}
-    metrics.update(policy_metrics)
+def _metrics(per_term, distill_rows, logp_y, pred, y, valid, count, spec: LossSpec) -> dict:
+    """The rows' metrics: each term's token mean, nll, accuracy, the distillation's (after the loss and the
+    policy's; headloss.plan.METRIC_ORDER orders them)."""
+    metrics: dict[str, torch.Tensor] = {}
     for name, values in per_term.items():
         metrics[name] = (torch.where(valid, values, 0.0).sum() / count).detach()
     if spec.cross_entropy is not None and spec.cross_entropy.label_smoothing > 0:

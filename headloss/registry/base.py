@@ -70,3 +70,25 @@ class Term:
 def inf_scalar(value: float | None) -> float:
     """A spec value as a kernel scalar: None (an option left off, e.g. no cap) is inf."""
     return float("inf") if value is None else float(value)
+
+
+def weighted_term(field: str, flag: str, scalar: str, doc: str, formula: str, reads_targets: bool = False) -> Term:
+    """The descriptor of a term of one weight (its LossSpec sub-model has ``weight``): the spec's field sets
+    the bool ``flag`` (``doc``) and the runtime ``scalar`` (the weight); the term stores its per-row value
+    (``formula``) in a column of the field's name, whose mean is the metric of that name."""
+
+    def given(spec: LossSpec) -> bool:
+        return getattr(spec, field) is not None
+
+    return Term(
+        field,
+        flags=(Flag(flag, bool, doc),),
+        scalars=(Scalar(scalar, 0.0),),
+        columns=(Column(field, formula),),
+        metrics=(field,),
+        flag_values=lambda c: {flag: given(c.spec)},
+        scalar_values=lambda spec: {scalar: getattr(spec, field).weight} if given(spec) else None,
+        stores=lambda c: {field: getattr(c.flags, flag)},
+        metric_columns=lambda c: {field: field},
+        reads_targets=given if reads_targets else (lambda spec: False),
+    )

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..policy_tables import KL_ESTIMATORS
 from ..spec import LossSpec
-from .base import Column, Flag, Scalar, Term, TermContext
+from .base import Column, Flag, Scalar, Term, TermContext, weighted_term
 
 CORE = Term(
     "core",
@@ -55,30 +55,9 @@ CROSS_ENTROPY = Term(
     reads_targets=lambda spec: spec.cross_entropy is not None,
 )
 
-Z_LOSS = Term(
-    "z_loss",
-    flags=(Flag("HAS_Z", bool, "z-loss term"),),
-    scalars=(Scalar("w_z", 0.0),),
-    columns=(Column("z_loss", "lse ** 2"),),
-    metrics=("z_loss",),
-    flag_values=lambda c: {"HAS_Z": c.spec.z_loss is not None},
-    scalar_values=lambda spec: None if spec.z_loss is None else {"w_z": spec.z_loss.weight},
-    stores=lambda c: {"z_loss": c.flags.HAS_Z},
-    metric_columns=lambda c: {"z_loss": "z_loss"},
-)
+Z_LOSS = weighted_term("z_loss", "HAS_Z", "w_z", "z-loss term", "lse ** 2")
 
-DFT = Term(
-    "dft",
-    flags=(Flag("HAS_DFT", bool, "DFT term"),),
-    scalars=(Scalar("w_dft", 0.0),),
-    columns=(Column("dft", "-sg(p(target)) * log p(target)"),),
-    metrics=("dft",),
-    flag_values=lambda c: {"HAS_DFT": c.spec.dft is not None},
-    scalar_values=lambda spec: None if spec.dft is None else {"w_dft": spec.dft.weight},
-    stores=lambda c: {"dft": c.flags.HAS_DFT},
-    metric_columns=lambda c: {"dft": "dft"},
-    reads_targets=lambda spec: spec.dft is not None,
-)
+DFT = weighted_term("dft", "HAS_DFT", "w_dft", "DFT term", "-sg(p(target)) * log p(target)", reads_targets=True)
 
 
 def _entropy_flags(c: TermContext) -> dict[str, Any]:
