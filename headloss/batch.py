@@ -31,7 +31,8 @@ class Teacher:
     logprobs: torch.Tensor | None = None
 
     @property
-    def given(self) -> bool:
+    def present(self) -> bool:
+        """Any part of a teacher is given."""
         return any(t is not None for t in (self.logits, self.hidden, self.weight, self.bias, self.ids,
                                            self.logprobs))
 
@@ -120,8 +121,8 @@ class PolicyBatch:
                 return cls({name: given.get(name) for name in POLICY_INPUTS})
         return _NO_POLICY_INPUTS  # (most calls: no policy input; one shared empty batch)
 
-    def given(self) -> dict[str, Any]:
-        """Every input by name (None where not given): the form headloss.policy.inputs checks."""
+    def by_name(self) -> dict[str, Any]:
+        """Every input by name (None where not given), a copy: the form headloss.policy.inputs checks."""
         return dict(self.inputs)
 
     @property
@@ -139,7 +140,7 @@ class PolicyBatch:
 
 
 _POLICY_NAMES = frozenset(POLICY_INPUTS)
-_NO_POLICY_INPUTS = PolicyBatch(dict.fromkeys(POLICY_INPUTS))  # (never written: given() and map_tokens copy)
+_NO_POLICY_INPUTS = PolicyBatch(dict.fromkeys(POLICY_INPUTS))  # (never written: by_name() and map_tokens copy)
 
 
 @dataclass(frozen=True)

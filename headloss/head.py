@@ -6,7 +6,8 @@ runs its logits path on each chunk. A call opens a :class:`HeadCall` -- its verd
 prepared (or that work left to the head kernel's first program), a sparse teacher's check, a
 vocab-parallel call's verdict handshake --, runs :meth:`HeadCall.block` on each block of rows (a
 vocab-parallel block's statistics exchanged first: one all_gather), and closes it (the verdict
-settled). Chunked calls reduce their rows once, with :meth:`HeadCall.finish`.
+settled). Chunked calls reduce their rows once, with :meth:`HeadCall.finish`. The plain-torch path's
+head is :func:`torch_head` (headloss.reference), for both doors too.
 
 :class:`CallTensors` is a call's tensors besides its rows, in the one order in which they cross the
 autograd and torch.library boundaries.
@@ -19,18 +20,20 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .batch import Teacher
+from .batch import PolicyBatch, Teacher
 from .kernels.head import PolicyRows, launch_finish, launch_head, prepare
 from .kernels.launch import Geometry
 from .kernels.shard import launch_merge, launch_shard_jsd, launch_shard_stats
 from .kernels.sparse import SparseRows, block_of, launch_check_teacher
 from .layouts import JSD_SHARES, STATS, scratch_size
 from .ops import geo_ints, geo_of, kernel_op
-from .output import HeadOutputs
+from .output import HeadLossOutput, HeadOutputs
 from .parallel import all_reduce_sum, gather_merged, handshake_verdict
 from .plan import KernelPlan, plan_from_key
 from .policy.tokens import PolicyTokens
-from .validation import CheckContext, settle, verdict_slot
+from .reference import reference_head_loss
+from .spec import LossSpec
+from .validation import CheckContext, Normaliser, settle, verdict_slot
 
 
 class CallTensors(NamedTuple):
@@ -200,6 +203,18 @@ class HeadCall:
     def close(self) -> None:
         """The verdict settled: on CPU, or with validate="sync", a bad input raises here."""
         settle(self.verdict, self.validate, self.device)
+
+
+def torch_head(logits, targets, spec: LossSpec, teacher_logits, sparse: SparseRows | None, norm: Normaliser, mode: str,
+               batch: PolicyBatch) -> HeadLossOutput:
+    """The plain-torch path's head on a call's whole logits (headloss.reference), as both doors run it:
+    the teacher's logits or a sparse teacher, the checked normaliser, the validation mode, the policy
+    inputs given."""
+    given = {k: v for k, v in batch.by_name().items() if v is not None}
+    return reference_head_loss(logits, targets, spec, teacher_logits=teacher_logits,
+                               teacher_ids=None if sparse is None else sparse.ids,
+                               teacher_logprobs=None if sparse is None else sparse.logprobs,
+                               num_items_in_batch=norm.as_torch(), validate=mode, **given)
 
 
 def teacher_k(sparse: SparseRows | None) -> int:

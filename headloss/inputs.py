@@ -186,7 +186,7 @@ def head_call(logits: torch.Tensor, targets: torch.Tensor | None, spec: LossSpec
     teacher, policy inputs, shift and normaliser (its rows unpacked already); ``raw_policy``: the
     route's kernels read the policy inputs as given (policy.inputs.policy_inputs)."""
     teacher, shift, num_items_in_batch = inputs.teacher, inputs.layout.shift, inputs.num_items_in_batch
-    policy_given = inputs.batch.given()
+    policy_given = inputs.batch.by_name()
     norm = normaliser(num_items_in_batch, spec, logits.device)
     mode = validation_mode(validate)
     shift_by = 1 if shift and targets.shape[1] == logits.shape[1] else 0

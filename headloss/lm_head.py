@@ -21,7 +21,7 @@ from .batch import CallInputs, LinearOptions, PolicyBatch, Teacher
 from .chunks import LinearRun, LmHead
 from .engine import NO_GRADS, keep
 from .env import log_route
-from .head import CallTensors
+from .head import CallTensors, torch_head
 from .inputs import (
     check_linear_inputs,
     check_targets,
@@ -51,7 +51,6 @@ from .parallel import (
 from .plan import KernelPlan
 from .policy.inputs import policy_inputs
 from .policy.tokens import PolicyTokens
-from .reference import reference_head_loss
 from .routes import facts_of, resolve_backend
 from .spec import LossSpec
 from .validation import Normaliser, normaliser, validation_mode
@@ -70,7 +69,7 @@ class LinearCall:
     token_shape: tuple[int, ...]  # the caller's targets' shape
     rows_shape: tuple[int, ...]  # the row-aligned targets' shape
     norm: Normaliser
-    given: PolicyBatch  # the policy inputs, row-aligned
+    batch: PolicyBatch  # the policy inputs, row-aligned
     policy: PolicyTokens | None
     backend: str
     sparse: SparseRows | None = None  # a top-k or per-token teacher, per row
@@ -116,13 +115,13 @@ def _run_linear(hidden, weight, targets, plan: KernelPlan, call: CallInputs, opt
         handshake(shard, rows, error, weight.device, hidden=fingerprint(checked.hidden) if checked is not None else 0)
     if checked.backend == "torch":
         facts = routes.Facts("hidden", "torch", tuple(checked.hidden.shape[:-1]),
-                             checked.given.sequence_ids is not None, False, traced, False, False)
+                             checked.batch.sequence_ids is not None, False, traced, False, False)
         chosen = routes.choose(plan, facts, options.route)
         out = _torch_linear(checked, plan.spec, shard, options, mode)
         out.route = chosen.name
         log_route("linear_head_loss", checked.hidden, chosen.name)
         return out
-    return _kernels(checked, plan, shard, options, mode, traced)
+    return _chunked(checked, plan, shard, options, mode, traced)
 
 
 class _Local(NamedTuple):
@@ -188,16 +187,16 @@ def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: L
     if completion:  # completion ids: per-token inputs get the unscored last row
         batch = batch.map_tokens(_pad_last)
     if packed is not None and spec.policy is not None:
-        batch = PolicyBatch.of(packed_policy_inputs(batch.given(), packed))
+        batch = PolicyBatch.of(packed_policy_inputs(batch.by_name(), packed))
     rows_shape = tuple(targets.shape) if targets is not None else token_rows
     policy, targets = policy_inputs(spec.policy, targets, spec.ignore_index, norm.as_torch(), mode,
-                                    batch.given(), norm_length=token_shape[1] if completion else None)
+                                    batch.by_name(), norm_length=token_shape[1] if completion else None)
     return LinearCall(hidden=hidden, weight=weight, bias=bias, targets=targets, teacher=teacher, token_rows=token_rows,
-                 token_shape=token_shape, rows_shape=rows_shape, norm=norm, given=batch, policy=policy, backend=backend,
+                 token_shape=token_shape, rows_shape=rows_shape, norm=norm, batch=batch, policy=policy, backend=backend,
                  sparse=sparse)
 
 
-def _kernels(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, mode: str, traced: bool
+def _chunked(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, mode: str, traced: bool
              ) -> HeadLossOutput:
     """The kernels' path: the route, its chunk cut, the chunk loop in LinearFunction, the policy term's
     share outside it, the output."""
@@ -205,7 +204,7 @@ def _kernels(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, 
     width = weight.shape[0] if shard is None else shard.vocab_total  # every rank cuts the chunks of all of V
     elem = hidden.element_size() * (2 if call.teacher.computed else 1)  # a computed teacher shares the budget
     seq_len = call.token_rows[1] if len(call.token_rows) == 2 else 0
-    facts = facts_of("hidden", "triton", hidden.device, call.rows_shape, call.given.given(),
+    facts = facts_of("hidden", "triton", hidden.device, call.rows_shape, call.batch.by_name(),
                      sharded=shard is not None, sequence_bytes=seq_len * width * elem, chunk_bytes=options.chunk_bytes)
     chosen = routes.choose(plan, facts, options.route)
     loop = chosen.loop  # the route's chunk loop: its cut, its steps between and after the chunks, its metrics
@@ -347,9 +346,5 @@ def _torch_linear_loss(call: LinearCall, spec: LossSpec, mode: str, own) -> Head
     t_logits = F.linear(teacher.hidden, teacher.weight, teacher.bias) if teacher.computed else teacher.logits
     if t_logits is not None:
         t_logits = t_logits.reshape(logits.shape)
-    given = {k: v for k, v in call.given.given().items() if v is not None}
-    out = reference_head_loss(logits, targets, spec, teacher_logits=t_logits,
-                              teacher_ids=None if call.sparse is None else call.sparse.ids,
-                              teacher_logprobs=None if call.sparse is None else call.sparse.logprobs,
-                              num_items_in_batch=call.norm.as_torch(), validate=mode, **given)
+    out = torch_head(logits, targets, spec, t_logits, call.sparse, call.norm, mode, call.batch)
     return trim(out, call.token_shape) if targets is not None and tuple(targets.shape) != call.token_shape else out

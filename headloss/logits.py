@@ -20,7 +20,7 @@ from .batch import CallInputs, Layout, Options, PolicyBatch, Teacher
 from .bounded import BoundedDict, cache
 from .engine import HeadFunction, HeadRun
 from .env import log_route
-from .head import CallTensors
+from .head import CallTensors, torch_head
 from .inputs import (
     check_head,
     check_logits,
@@ -47,7 +47,6 @@ from .parallel import (
 )
 from .plan import KernelPlan
 from .policy.inputs import policy_inputs
-from .reference import reference_head_loss
 from .routes import Route, facts_of, resolve_backend
 from .validation import normaliser, validation_mode
 
@@ -84,7 +83,7 @@ def run_head(logits, targets, plan: KernelPlan, call: CallInputs, options: Optio
         teacher = replace(teacher, ids=ids, logprobs=logprobs)
         shift = False
         if spec.policy is not None:
-            batch = PolicyBatch.of(packed_policy_inputs(batch.given(), packed))
+            batch = PolicyBatch.of(packed_policy_inputs(batch.by_name(), packed))
     shard = None
     reusable = True  # a recipe may hold the call's layout: a group's cached one, not a DTensor's or a "sync" call's
     if options.group is not None or is_dtensor(logits):
@@ -102,14 +101,14 @@ def run_head(logits, targets, plan: KernelPlan, call: CallInputs, options: Optio
     laid = _Laid(logits, targets, plan, teacher, batch, shift, call.num_items_in_batch, options, shard)
     if resolve_backend(options.backend, device, dtype) == "torch":
         return _torch_head(laid)
-    return _kernels(laid, recipe_key)
+    return _on_kernels(laid, recipe_key)
 
 
 def _resolved(t):
     return t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t
 
 
-def _kernels(laid: _Laid, recipe_key: tuple | None) -> HeadLossOutput:
+def _on_kernels(laid: _Laid, recipe_key: tuple | None) -> HeadLossOutput:
     """The kernels' path: checks and the route (a repeated plain call finds both in its recipe), HeadFunction,
     the policy term's share outside it, the output."""
     logits, targets, plan, teacher = laid.logits, laid.targets, laid.plan, laid.teacher
@@ -143,7 +142,7 @@ def _checked(laid: _Laid) -> tuple:
     spec = plan.spec
     sync = validation_mode(options.validate) == "sync"
     error = call = chosen = None
-    given = batch.given()
+    given = batch.by_name()
     try:
         token_shape = check_head(logits, targets, spec, teacher.logits, shift, kernel=True)
         chosen = routes.choose(plan, facts_of("logits", "triton", logits.device, token_shape, given,
@@ -214,7 +213,6 @@ def _torch_loss(laid: _Laid) -> HeadLossOutput:
                             logits.shape[-1], "off" if mode == "off" or traced else "sync",
                             align="shift" if shift else "rows")
     norm = normaliser(num_items_in_batch, spec, logits.device)
-    given = {k: v for k, v in batch.given().items() if v is not None}
     if teacher_logits is not None:
         teacher_logits = teacher_logits.detach()
     if shift:
@@ -227,13 +225,10 @@ def _torch_loss(laid: _Laid) -> HeadLossOutput:
             if teacher_logits is not None:
                 teacher_logits = teacher_logits[:, :keep]
     policy_inputs(spec.policy, targets, spec.ignore_index, norm.as_torch(), mode,
-                  batch.given())  # the same input errors as the kernel path
+                  batch.by_name())  # the same input errors as the kernel path
     facts = routes.Facts("logits", "torch", rows_shape, batch.sequence_ids is not None, False, traced, False, False)
     chosen = routes.choose(plan, facts, options.route)
-    out = reference_head_loss(logits, targets, spec, teacher_logits=teacher_logits,
-                               teacher_ids=None if sparse is None else sparse.ids,
-                               teacher_logprobs=None if sparse is None else sparse.logprobs,
-                               num_items_in_batch=norm.as_torch(), validate=mode, **given)
+    out = torch_head(logits, targets, spec, teacher_logits, sparse, norm, mode, batch)
     out.route = chosen.name
     log_route("head_loss", logits, chosen.name)
     return out

@@ -59,7 +59,7 @@ def policy_loss(
         raise ValueError("loss_mask: holds a value that is neither 0 nor 1 (the mask says which tokens count; a "
                          "token's weight goes in importance_weights)")
     targets = torch.zeros(shape, dtype=torch.long, device=logprobs.device)
-    given = PolicyBatch.of(inputs).given()
+    given = PolicyBatch.of(inputs).by_name()
     if num_items_in_batch is not None:
         num_items_in_batch = count_value(num_items_in_batch, "num_items_in_batch", logprobs.device)
     inp, _ = policy_inputs(policy, targets, _IGNORE, num_items_in_batch, "off", given, norm_length=norm_length)

@@ -1,0 +1,70 @@
+"""benchmarks/ab.py, the A/B driver of two source trees: it runs each benchmark on both trees (each its
+own scripts), alternating, and matches their rows. A stand-in benchmark whose time is the tree's own
+constant shows the plumbing end to end on CPU."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.ab import split_benchmarks
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FAKE = '''
+import argparse
+from pathlib import Path
+from benchmarks.common import Row, out_dir_default, write_rows
+import headloss
+parser = argparse.ArgumentParser()
+parser.add_argument("--rows", type=int, default=8)
+parser.add_argument("--name", default="fake")
+args = parser.parse_args()
+rows = [Row(case="ce", provider="headloss", metric="time", unit="ms", x_name="rows", x=args.rows, p50=headloss.TIME),
+        Row(case=headloss.ONLY, provider="headloss", metric="time", unit="ms", x_name="rows", x=args.rows, p50=1.0)]
+write_rows(rows, out_dir_default(), args.name)
+'''
+
+
+def _tree(root: Path, time: float, only: str) -> Path:
+    (root / "headloss").mkdir(parents=True)
+    (root / "headloss" / "__init__.py").write_text(f"TIME = {time}\nONLY = {only!r}\n")
+    (root / "benchmarks").mkdir()
+    (root / "benchmarks" / "__init__.py").write_text("")
+    shutil.copy(ROOT / "benchmarks" / "common.py", root / "benchmarks" / "common.py")
+    (root / "benchmarks" / "fake.py").write_text(FAKE)
+    return root
+
+
+def test_split_benchmarks():
+    assert split_benchmarks(["a", "--x", "1", ":::", "b", ":::"]) == [["a", "--x", "1"], ["b"]]
+    with pytest.raises(SystemExit):
+        split_benchmarks([":::"])
+
+
+def test_each_side_runs_its_own_tree_and_rows_are_matched(tmp_path):
+    base = _tree(tmp_path / "base", 2.0, "base-only")
+    new = _tree(tmp_path / "new", 1.5, "new-only")
+    shutil.copy(ROOT / "benchmarks" / "ab.py", new / "benchmarks" / "ab.py")
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.ab", "--base", str(base), "--rounds", "2", "--name",
+                           "cmp", "fake", "--rows", "16"], cwd=new, capture_output=True, text=True,
+                          env={**os.environ, "OUT": str(out), "PYTHONPATH": ""})
+    assert done.returncode == 0, done.stderr[-2000:]
+    # two rounds, alternated: base then new, new then base
+    runs = [line for line in done.stdout.splitlines() if line.startswith("$ ")]
+    assert [("base" in r and str(base) in r) for r in runs] == [True, False, False, True]
+    rows = {r["case"]: r for r in json.loads((out / "cmp.json").read_text())}
+    assert rows["ce"]["p50"] == pytest.approx(0.75) and rows["ce"]["x"] == 16
+    assert rows["base-only"]["p50"] is None and "base only" in rows["base-only"]["note"]
+    assert rows["new-only"]["p50"] is None and "new only" in rows["new-only"]["note"]
+    assert (out / "cmp.csv").exists()
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (out / "cmp.png").exists()
