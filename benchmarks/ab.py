@@ -2,8 +2,9 @@
 checkout, then every measured row of one side matched with the other's (same case, provider, metric
 and size) and their medians compared.
 
-The base tree is a folder holding another commit's ``headloss/`` and ``benchmarks/`` (each side runs
-its own benchmark scripts), e.g.
+The base tree is a folder holding another commit's ``headloss/`` and, if its scripts are to run, its
+``benchmarks/`` (each side then runs its own; a base without ``benchmarks/`` runs this checkout's
+scripts on its ``headloss``), e.g.
 
   git worktree add /tmp/base 7654cd1            # or: git archive 7654cd1 headloss benchmarks | tar -x -C .base
   python -m benchmarks.ab --base /tmp/base --rounds 2 --name one_engine \\
@@ -57,10 +58,14 @@ def name_flag(root: Path, module: str) -> str:
 
 
 def run_side(root: Path, command: list[str], stem: str, out: Path) -> Path:
-    """One benchmark on the tree at ``root`` (its own headloss and benchmarks), results as ``stem``."""
+    """One benchmark on the tree at ``root`` (its headloss; its benchmarks, else this checkout's), results
+    as ``stem``."""
     module, *args = command
-    full = [sys.executable, "-m", f"benchmarks.{module}", *args, name_flag(root, module), stem]
+    scripts = root if (root / "benchmarks").is_dir() else HERE
+    full = [sys.executable, "-m", f"benchmarks.{module}", *args, name_flag(scripts, module), stem]
     env = {**os.environ, "OUT": str(out)}
+    if scripts is not root:  # (the working directory's headloss first, then this checkout's benchmarks)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
     print(f"\n$ (cd {root}) {' '.join(full[1:])}", flush=True)
     subprocess.run(full, cwd=root, env=env, check=True)
     return out / f"{stem}.json"
@@ -105,9 +110,8 @@ def main() -> None:
     parser.add_argument("benchmarks", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     base = args.base.resolve()
-    for part in ("headloss", "benchmarks"):
-        if not (base / part).is_dir():
-            raise SystemExit(f"--base: {base} has no {part}/ (copy the base commit's headloss/ and benchmarks/ there)")
+    if not (base / "headloss").is_dir():
+        raise SystemExit(f"--base: {base} has no headloss/ (copy the base commit's headloss/ there)")
     out = out_dir_default().resolve()
     sides = {"base": base, "new": HERE}
     runs: dict[str, list[Path]] = {"base": [], "new": []}

@@ -30,9 +30,11 @@ write_rows(rows, out_dir_default(), args.name)
 '''
 
 
-def _tree(root: Path, time: float, only: str) -> Path:
+def _tree(root: Path, time: float, only: str, scripts: bool = True) -> Path:
     (root / "headloss").mkdir(parents=True)
     (root / "headloss" / "__init__.py").write_text(f"TIME = {time}\nONLY = {only!r}\n")
+    if not scripts:
+        return root
     (root / "benchmarks").mkdir()
     (root / "benchmarks" / "__init__.py").write_text("")
     shutil.copy(ROOT / "benchmarks" / "common.py", root / "benchmarks" / "common.py")
@@ -46,8 +48,10 @@ def test_split_benchmarks():
         split_benchmarks([":::"])
 
 
-def test_each_side_runs_its_own_tree_and_rows_are_matched(tmp_path):
-    base = _tree(tmp_path / "base", 2.0, "base-only")
+@pytest.mark.parametrize("base_scripts", [True, False], ids=["base-scripts", "this-checkout's-scripts"])
+def test_each_side_runs_its_own_tree_and_rows_are_matched(tmp_path, base_scripts):
+    """Each side's headloss (a constant time apiece); the base's scripts, or this checkout's where it has none."""
+    base = _tree(tmp_path / "base", 2.0, "base-only", scripts=base_scripts)
     new = _tree(tmp_path / "new", 1.5, "new-only")
     shutil.copy(ROOT / "benchmarks" / "ab.py", new / "benchmarks" / "ab.py")
     out = tmp_path / "out"
