@@ -30,8 +30,6 @@ ALLOWED = {
     # the body of two torch.library ops (in-graph and beside it), whose schema is flat
     "11 parameters: linear_ops.py _forward_op": "a torch.library op's schema",
     "returns a 8-tuple: linear_ops.py _forward_op": "a torch.library op's outputs",
-    # the plain-torch oracle's keywords mirror head_loss's (a public entry point)
-    "9 parameters: reference/head.py reference_head_loss": "head_loss's keywords, the oracle every test calls",
 }
 
 

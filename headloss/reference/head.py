@@ -7,7 +7,7 @@ label smoothing, an explicit entropy, TRL's generalized JSD. The policy term is 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,21 +26,24 @@ def reference_head_loss(
     targets: torch.Tensor | None,
     spec: LossSpec,
     *,
-    teacher_logits: torch.Tensor | None = None,
-    teacher_ids: torch.Tensor | None = None,
-    teacher_logprobs: torch.Tensor | None = None,
-    num_items_in_batch: int | float | torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
     validate: str = "off",
-    **policy_inputs: torch.Tensor,
+    **inputs: Any,
 ) -> HeadLossOutput:
     """Reference for :func:`headloss.head_loss`; math in ``compute_dtype`` (default: fp32,
     or fp64 for fp64 logits). Gradients flow through autograd to ``logits``.
+
+    ``inputs``: head_loss's per-call keywords, by the same names -- ``teacher_logits``, or a sparse
+    teacher's ``teacher_ids`` / ``teacher_logprobs``; ``num_items_in_batch``; the rest are the policy
+    term's inputs (``advantages``, ``old_logprobs``, ``loss_mask``, ...).
 
     ``validate`` (async / sync / off, as headloss.inputs.validation_mode gives it): check targets
     and num_items_in_batch values; the reference reads them on the host (under torch.compile, a
     device-side assert). Like the kernel path, a loss whose plan runs the fused mode takes one
     backward: a second one (retain_graph=True) raises the same error."""
+    teacher_logits, teacher_ids, teacher_logprobs, num_items_in_batch = (
+        inputs.pop(name, None) for name in ("teacher_logits", "teacher_ids", "teacher_logprobs", "num_items_in_batch"))
+    policy_inputs = inputs
     if validate != "off" and targets is not None:
         _check_values(targets, logits.shape[-1], spec.ignore_index, num_items_in_batch,
                       policy_inputs.get("sequence_ids"), policy_inputs.get("loss_mask"))
