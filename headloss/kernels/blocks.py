@@ -81,6 +81,24 @@ def _pair(row_ptr, t_row_ptr, at, offs, HAS_TEACHER: tl.constexpr):
 
 
 @triton.jit
+def _full_block(z, zt, start, V, student, off, tstats, S, F: tl.constexpr, BLOCK_V: tl.constexpr,
+                NEED_SUM_EX: tl.constexpr, HAS_TEACHER: tl.constexpr):
+    """One full (unmasked) block of online_stats: the student's running statistics ``student`` = (m, d,
+    sum_x, sum_ex, arg), the rest form's ``off`` and the teacher's ``tstats`` (zt: its block), updated."""
+    m, d, sum_x, sum_ex, arg = student
+    m_before = m
+    m, d, sum_x, sum_ex, arg, x2, e, alpha = _stats_block(
+        z, start, V, m, d, sum_x, sum_ex, arg, S,
+        BLOCK_V, F.HAS_SOFTCAP, F.HAS_SMOOTHING, NEED_SUM_EX, F.HAS_ARGMAX, False,
+    )
+    if F.TOPK_FORM == 2:
+        off = _off_max(x2, e, alpha, m_before, off, BLOCK_V)
+    if HAS_TEACHER:
+        tstats = teacher_block(zt, x2, e, alpha, start, V, tstats, S, BLOCK_V, F, False)
+    return m, d, sum_x, sum_ex, arg, off, tstats
+
+
+@triton.jit
 def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexpr, NEED_SUM_EX: tl.constexpr):
     """Phase 1: one read of a row (and of the teacher's, when t_row_ptr is not None), in base 2.
 
@@ -112,26 +130,12 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
         z, zt = _pair(row_ptr, t_row_ptr, 0, offs, HAS_TEACHER)
         for start in range(BLOCK_V, v_full, BLOCK_V):
             z_next, zt_next = _pair(row_ptr, t_row_ptr, start, offs, HAS_TEACHER)
-            m_before = m
-            m, d, sum_x, sum_ex, arg, x2, e, alpha = _stats_block(
-                z, start - BLOCK_V, V, m, d, sum_x, sum_ex, arg, S,
-                BLOCK_V, F.HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, False,
-            )
-            if REST:
-                off = _off_max(x2, e, alpha, m_before, off, BLOCK_V)
-            if HAS_TEACHER:
-                tstats = teacher_block(zt, x2, e, alpha, start - BLOCK_V, V, tstats, S, BLOCK_V, F, False)
+            m, d, sum_x, sum_ex, arg, off, tstats = _full_block(z, zt, start - BLOCK_V, V, (m, d, sum_x, sum_ex, arg),
+                                                                off, tstats, S, F, BLOCK_V, NEED_SUM_EX, HAS_TEACHER)
             z = z_next
             zt = zt_next
-        m_before = m
-        m, d, sum_x, sum_ex, arg, x2, e, alpha = _stats_block(
-            z, v_full - BLOCK_V, V, m, d, sum_x, sum_ex, arg, S,
-            BLOCK_V, F.HAS_SOFTCAP, NEED_SUM_X, NEED_SUM_EX, NEED_ARGMAX, False,
-        )
-        if REST:
-            off = _off_max(x2, e, alpha, m_before, off, BLOCK_V)
-        if HAS_TEACHER:
-            tstats = teacher_block(zt, x2, e, alpha, v_full - BLOCK_V, V, tstats, S, BLOCK_V, F, False)
+        m, d, sum_x, sum_ex, arg, off, tstats = _full_block(z, zt, v_full - BLOCK_V, V, (m, d, sum_x, sum_ex, arg), off,
+                                                            tstats, S, F, BLOCK_V, NEED_SUM_EX, HAS_TEACHER)
     if v_full < V:
         mask = v_full + offs < V
         z = tl.load(row_ptr + v_full + offs, mask=mask, other=0.0)
