@@ -72,3 +72,22 @@ def test_each_side_runs_its_own_tree_and_rows_are_matched(tmp_path, base_scripts
     except ImportError:
         return
     assert (out / "cmp.png").exists()
+
+
+def test_values_compare_finds_a_moved_number_a_missing_output_and_an_error():
+    """benchmarks/ab_values.compare: 0 where every tensor is equal bit for bit (NaN equal to NaN), the
+    largest difference where one moved, None where the outputs, routes or errors differ."""
+    import torch
+
+    from benchmarks.ab_values import compare
+
+    same = {"route": "fused", "loss": torch.tensor(1.5), "metric nan": torch.tensor(float("nan"))}
+    moved = {**same, "loss": torch.tensor(1.5 + 2**-20)}
+    rows = {r["call"]: r for r in compare(
+        {"a": same, "b": same, "c": same, "d": same, "e": {"error": "ValueError: x"}},
+        {"a": dict(same), "b": moved, "c": {k: v for k, v in same.items() if k != "metric nan"},
+         "d": {"error": "TypeError: y"}, "e": {"error": "ValueError: x"}})}
+    assert rows["a"]["max_diff"] == 0.0 and rows["a"]["tensors"] == 2
+    assert rows["b"]["max_diff"] == pytest.approx(2**-20) and "loss" in rows["b"]["note"]
+    assert rows["c"]["max_diff"] is None and rows["d"]["max_diff"] is None
+    assert rows["e"]["max_diff"] == 0.0  # the same error on both sides
