@@ -60,7 +60,6 @@ class ChunkLoop:
     under the byte budget, a computed teacher's logits in parts of a chunk."""
 
     name = "rows"
-    whole_sequences = False  # chunks hold whole sequences
     compacts = True  # ignored rows may be skipped (LinearOptions.compact)
     kernel_writes_grad = True  # fused mode's gradient: written by the head kernel over each chunk's logits
     takes_policy = False  # reads the call's policy inputs itself (LinearRun.policy)

@@ -178,8 +178,7 @@ class HeadCall:
         if self.shard is not None and geo.n_rows:
             # the one block's statistics that are the student's alone stay as gathered: the head kernel
             # merges each row's (one launch fewer); a chunk's are merged, as its backward reads them
-            stats, jsd = shard_statistics(plan, block.logits, block.targets, block.teacher, geo, self.shard,
-                                          block.sparse, merged=not self.one_block)
+            stats, jsd = shard_statistics(plan, block, self.shard, merged=not self.one_block)
         if geo.n_rows == 0:
             if self.one_block:
                 no_rows(plan, out.loss, out.means)
@@ -225,13 +224,13 @@ def teacher_k(sparse: SparseRows | None) -> int:
 # --- a vocab-parallel block's statistics ----------------------------------------------------------
 
 
-def shard_statistics(plan: KernelPlan, logits, targets, teacher, geo: Geometry, shard, sparse=None,
-                     merged: bool = True):
-    """Vocab-parallel: (merged statistics, summed mixture-JSD shares or None) of this shard's rows --
-    one all_gather, and for the mixture JSD one all-reduce more. ``sparse``: a top-k teacher, whose K
-    logits per row follow the merged statistics (the same all_gather). ``merged=False``: statistics
+def shard_statistics(plan: KernelPlan, block: Block, shard, merged: bool = True) -> tuple:
+    """Vocab-parallel: (merged statistics, summed mixture-JSD shares or None) of this shard's rows of
+    ``block`` -- one all_gather, and for the mixture JSD one all-reduce more. A top-k teacher's K logits
+    per row follow the merged statistics (the same all_gather). ``merged=False``: statistics
     that are the student's alone stay as gathered, (world, rows, N), and the head kernels merge each
     row's (kernels.shard.gathered_stats: one launch fewer; the rows are not cut after)."""
+    logits, targets, teacher, geo, sparse = block.logits, block.targets, block.teacher, block.geo, block.sparse
     topk = sparse is not None and sparse.ids is not None
     part = launch_shard_stats(plan, logits=logits, targets=targets, geo=geo, teacher=teacher,
                               sparse=sparse if topk else None)

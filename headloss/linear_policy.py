@@ -199,7 +199,6 @@ class SequenceLoop(ChunkLoop):
     one launch of the objective kernel, else autograd over the torch ops), and its gradient pass runs in
     forward (:func:`sequence_chunk_grad`): three GEMMs."""
 
-    whole_sequences = True
     compacts = False
     kernel_writes_grad = False  # the gradient pass after the chunk's sequence statistics
     takes_policy = True

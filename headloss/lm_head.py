@@ -223,7 +223,7 @@ def _chunked(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, 
     loss, rows_out, pred, means, scratch = LinearFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
                                                                 call.bias, run, *tensors)
     head, extra = chosen.policy_share(run.plan, HeadOutputs(loss, rows_out, pred, means), scratch, policy)
-    extra.update(loop.metrics(means, run.plan, spec.policy))  # (after the plan's means)
+    extra.update(loop.metrics(means, run.plan, run.objective))  # (after the plan's means)
     out = assemble(run.plan, run.token_shape, head, scratch, extra, route=chosen.name)
     out = trim(out, call.token_shape) if call.token_shape != run.token_shape else out
     log_route("linear_head_loss", hidden, chosen.name)
