@@ -71,9 +71,14 @@ def run_side(root: Path, command: list[str], stem: str, out: Path) -> Path:
     return out / f"{stem}.json"
 
 
+MEASURED = ("copy_GBps",)
+"""Config entries a benchmark measures on the machine (bench_head's copy bandwidth): not part of a row's
+identity, so two runs' rows still match."""
+
+
 def _key(row: dict) -> tuple:
-    return (row["case"], row["provider"], row["metric"], row["x_name"], row["x"],
-            json.dumps(row.get("config", {}), sort_keys=True))
+    config = {k: v for k, v in row.get("config", {}).items() if k not in MEASURED}
+    return (row["case"], row["provider"], row["metric"], row["x_name"], row["x"], json.dumps(config, sort_keys=True))
 
 
 def compare(runs: dict[str, list[Path]]) -> list[Row]:

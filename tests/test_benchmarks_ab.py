@@ -48,6 +48,24 @@ def test_split_benchmarks():
         split_benchmarks([":::"])
 
 
+def test_rows_match_whatever_the_machine_measured_beside_them(tmp_path):
+    """bench_head records the copy bandwidth it measured in each row's config: two runs' rows still match
+    (new / base), while a setting that differs (N) keeps rows apart."""
+    from benchmarks.ab import compare
+
+    def run(name, gbps, time, n=8192):
+        row = dict(case="ce", provider="headloss", metric="time", unit="ms", x_name="V", x=151936, p50=time,
+                   config={"dtype": "bf16", "copy_GBps": gbps, "N": n})
+        (tmp_path / name).write_text(json.dumps([row, {**row, "config": {**row["config"], "N": n * 2}, "p50": 9.0}]))
+        return tmp_path / name
+
+    rows = compare({"base": [run("b1", 4257.8, 2.0), run("b2", 4257.2, 2.2)],
+                    "new": [run("n1", 4257.0, 1.0), run("n2", 4257.3, 1.2)]})
+    by_n = {r.config["N"]: r for r in rows}
+    assert len(rows) == 2 and by_n[8192].p50 == pytest.approx(1.1 / 2.1) and by_n[16384].p50 == pytest.approx(1.0)
+    assert all("copy_GBps" not in r.config for r in rows)
+
+
 @pytest.mark.parametrize("base_scripts", [True, False], ids=["base-scripts", "this-checkout's-scripts"])
 def test_each_side_runs_its_own_tree_and_rows_are_matched(tmp_path, base_scripts):
     """Each side's headloss (a constant time apiece); the base's scripts, or this checkout's where it has none."""
