@@ -37,6 +37,9 @@ GRPO_SPEC = headloss.LossSpec(
     cross_entropy=None, policy={"loss_type": "dapo", "kl_beta": BETA, "kl_estimator": "k3", "eps_low": EPS,
                                 "eps_high": EPS},
 )
+ROW_TEMPERATURE = headloss.LogitTransform(per_row_temperature=True)
+"""The same calls with each row at its own temperature (the call's ``temperature``): its cost beside the
+plain call in the same run."""
 
 
 def torch_distill(x, t, y):
@@ -77,12 +80,16 @@ def distill_case(rows: list[Row], n: int, cfg: dict, names) -> None:
     y = torch.randint(0, V, (n,), device="cuda", generator=gen)
     y[torch.rand(n, device="cuda", generator=gen) < 0.05] = -100
     x, setup = restorable_leaf(pristine)
+    temperatures = 0.6 + 0.8 * torch.rand(n, device="cuda", generator=gen)
     compiled = torch.compile(torch_distill)
     table = {
         "torch-eager": lambda: torch_distill(x, teacher, y).backward(),
         "torch-compile": lambda: compiled(x, teacher, y).backward(),
         "headloss": lambda: headloss.head_loss(x, y, DISTILL_SPEC, teacher_logits=teacher,
                                                inplace_grad=True).loss.backward(),
+        "headloss, per-row temperature": lambda: headloss.head_loss(
+            x, y, DISTILL_SPEC.model_copy(update={"transform": ROW_TEMPERATURE}), teacher_logits=teacher,
+            temperature=temperatures, inplace_grad=True).loss.backward(),
     }
     try:
         from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
@@ -134,12 +141,17 @@ def grpo_case(rows: list[Row], batch: int, length: int, cfg: dict, names) -> Non
 
     compiled = torch.compile(torch_grpo)
     n_items = mask.sum()
+    temperatures = torch.linspace(0.7, 1.3, batch, device="cuda")  # one per sequence
     table = {
         "torch-eager": lambda: torch_grpo(x, ids, adv, old, ref, mask)[0].backward(),
         "torch-compile": lambda: compiled(x, ids, adv, old, ref, mask)[0].backward(),
         "headloss": lambda: headloss.head_loss(
             x, ids, GRPO_SPEC, advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask,
             num_items_in_batch=n_items, inplace_grad=True).loss.backward(),
+        "headloss, per-row temperature": lambda: headloss.head_loss(
+            x, ids, GRPO_SPEC.model_copy(update={"transform": ROW_TEMPERATURE}), advantages=adv, old_logprobs=old,
+            ref_logprobs=ref, loss_mask=mask, num_items_in_batch=n_items, temperature=temperatures,
+            inplace_grad=True).loss.backward(),
     }
     try:
         from liger_kernel.transformers.grpo_loss import triton_grpo_loss

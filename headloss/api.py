@@ -62,6 +62,11 @@ def head_loss(
             (row t against ``ids[:, t]``); each sequence's last row is not scored (gradient 0).
         cu_seqlens, position_ids: packed sequences in [N, V] (or [1, N, V]) rows; shift and every
             sequence statistic work within each sequence (docs/runtime.md#packed-sequences).
+        temperature: with ``spec.transform.per_row_temperature``, each row's temperature (every term
+            sees softcap(logit_scale * z) / temperature of its own row): shaped like ``targets`` (row t's
+            own, as the policy inputs are), or one per sequence ([B] for [B, T] targets, [S] for rows
+            packed by ``cu_seqlens``); positive and finite (checked with the targets, as ``validate``
+            says).
         inplace_grad: write d loss / d logits over ``logits`` (saves N x V memory; the logits are
             destroyed). Ignored under torch.compile.
         validate: targets, counts and sequence ids checked on the device without a host wait:
@@ -115,7 +120,7 @@ def linear_head_loss(
     Args:
         hidden: [N, H] or [B, T, H] (fp32/bf16/fp16); ``weight``: [V, H], same dtype and device;
             ``bias``: optional [V]. ``targets``, ``spec``, ``shift``, ``cu_seqlens``,
-            ``position_ids``, the policy inputs, ``num_items_in_batch``, ``validate``,
+            ``position_ids``, ``temperature``, the policy inputs, ``num_items_in_batch``, ``validate``,
             ``backend``, ``route``: as in :func:`head_loss`.
         teacher_logits: [.., V] teacher logits, or instead ``teacher_hidden`` [.., Ht] with
             ``teacher_weight`` [V, Ht] (and ``teacher_bias``): the teacher's logits computed chunk by

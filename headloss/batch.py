@@ -78,6 +78,7 @@ class HeadInputs(PolicyInputs, total=False):
     shift: bool
     cu_seqlens: torch.Tensor | None
     position_ids: torch.Tensor | None
+    temperature: torch.Tensor | None
     route: str | None
 
 
@@ -193,6 +194,7 @@ class CallInputs:
     num_items_in_batch: Any = None
     route: str | None = None
     bias: torch.Tensor | None = None  # the lm_head's
+    temperature: torch.Tensor | None = None  # per row or per sequence (spec.LogitTransform.per_row_temperature)
 
     @classmethod
     def of(cls, inputs: Mapping[str, Any], accepted: type, caller: str) -> CallInputs:
@@ -203,4 +205,5 @@ class CallInputs:
         teacher = Teacher(get("teacher_logits"), get("teacher_hidden"), get("teacher_weight"), get("teacher_bias"),
                           get("teacher_ids"), get("teacher_logprobs"))
         layout = Layout(get("shift", False), get("cu_seqlens"), get("position_ids"))
-        return cls(teacher, PolicyBatch.of(inputs), layout, get("num_items_in_batch"), get("route"), get("bias"))
+        return cls(teacher, PolicyBatch.of(inputs), layout, get("num_items_in_batch"), get("route"), get("bias"),
+                   get("temperature"))

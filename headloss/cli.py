@@ -65,7 +65,8 @@ def explain(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, with_grad
                                       else " (one launch: stats, epilogue, gradient)"),
         f"flags on    {', '.join(on) or '-'}",
         f"flags off   {', '.join(off) or '-'}   (compiled out)",
-        "scalars     " + (", ".join(f"{k}={scalars[k]:g}" for k in plan.used_scalars) or "-"),
+        "scalars     " + (", ".join(f"{k}={scalars[k]:g}" for k in plan.used_scalars) or "-")
+        + ("   (inv_temperature per row: 1 / the call's temperature)" if spec.transform.per_row_temperature else ""),
         f"per row     {', '.join(columns)} ({plan.cols.N} fp32 values)",
         f"reduction   {plan.reduction}",
         f"inputs      {', '.join(plan.requires)}" + (f"; optional: {', '.join(plan.accepts)}" if plan.accepts else ""),
@@ -247,6 +248,8 @@ def synthetic_inputs(spec: LossSpec, logits: torch.Tensor, gen: torch.Generator)
         )
         if spec.policy.kl_beta != 0.0:
             inputs["ref_logprobs"] = logp_guess + 0.1 * torch.randn(rows, generator=gen)
+    if spec.transform.per_row_temperature:  # rows sampled at temperatures in [0.6, 1.4)
+        inputs["temperature"] = 0.6 + 0.8 * torch.rand(rows, generator=gen)
     return {k: v.to(logits.device) for k, v in inputs.items()}
 
 

@@ -54,12 +54,13 @@ class CallTensors(NamedTuple):
     sequence_ids: torch.Tensor | None = None  # [N] rows' sequences
     teacher_ids: torch.Tensor | None = None  # a top-k teacher's ids [n_out, K] (kernels.sparse.SparseRows)
     teacher_logprobs: torch.Tensor | None = None  # its log-probs [n_out, K], or a per-token teacher's [n_out]
+    temperature: torch.Tensor | None = None  # [n_out] fp32 per-row temperature (spec.LogitTransform)
 
     @classmethod
     def of(cls, targets, teacher: Teacher, epilogue: PolicyTokens | None, num_items, sequence_ids,
-           sparse: SparseRows | None = None) -> CallTensors:
+           sparse: SparseRows | None = None, temperature: torch.Tensor | None = None) -> CallTensors:
         """The tensors of a call; ``epilogue``: the policy inputs the fused epilogue reads (else None);
-        ``sparse``: a top-k or per-token teacher, laid out per slot."""
+        ``sparse``: a top-k or per-token teacher, laid out per slot; ``temperature``: per slot."""
         rows = (None,) * 5 if epilogue is None else (
             epilogue.old_logprobs, epilogue.ref_logprobs, epilogue.advantages, epilogue.importance_weights,
             epilogue.weight)
@@ -67,7 +68,7 @@ class CallTensors(NamedTuple):
         ids, logprobs = (None, None) if sparse is None else (sparse.ids, sparse.logprobs)
         return cls(targets, teacher.logits, teacher.hidden, teacher.weight, teacher.bias, old=old, ref=ref, adv=adv,
                    iw=iw, policy_weight=weight, num_items=num_items, sequence_ids=sequence_ids, teacher_ids=ids,
-                   teacher_logprobs=logprobs)
+                   teacher_logprobs=logprobs, temperature=temperature)
 
     @property
     def sparse(self) -> SparseRows | None:
@@ -110,6 +111,7 @@ class Block(NamedTuple):
     teacher: torch.Tensor | None  # the teacher's logits of these rows
     sparse: SparseRows | None = None  # a top-k or per-token teacher of these rows
     policy: PolicyRows | None = None  # the fused epilogue's policy inputs of these rows
+    temperature: torch.Tensor | None = None  # these rows' per-row temperatures, per slot
 
 
 INLINE_PREPARE_SLOTS = 1 << 14
@@ -160,7 +162,8 @@ class HeadCall:
         if inline:
             scratch = torch.empty(scratch_size(n_seq), dtype=torch.int64, device=device)
         else:
-            scratch = prepare(tensors.targets, tensors.num_items, tensors.sequence_ids, whole, device, verdict, n_seq)
+            scratch = prepare(tensors.targets, tensors.num_items, tensors.sequence_ids, whole, device, verdict, n_seq,
+                              tensors.temperature)
         if sparse is not None and verdict is not None and validate != "sync":  # ("sync": read on the host, in inputs)
             launch_check_teacher(sparse, whole.V, verdict)
         if shard is not None and validate == "sync":
@@ -187,7 +190,7 @@ class HeadCall:
                     pred=optional(out.pred), policy=block.policy, num_items=self.tensors.num_items,
                     scratch=self.scratch, loss=out.loss, means=out.means, geo=geo, finish=self.one_block, stats=stats,
                     jsd=jsd, verdict=self.verdict, prepared=not self.inline, sequence_ids=self.tensors.sequence_ids,
-                    n_seq=self.n_seq, sparse=block.sparse)
+                    n_seq=self.n_seq, sparse=block.sparse, temperature=block.temperature)
         return stats
 
     def finish(self, out: HeadOutputs) -> None:
@@ -204,16 +207,18 @@ class HeadCall:
         settle(self.verdict, self.validate, self.device)
 
 
-def torch_head(logits, targets, spec: LossSpec, teacher_logits, sparse: SparseRows | None, norm: Normaliser, mode: str,
-               batch: PolicyBatch) -> HeadLossOutput:
+def torch_head(logits, targets, spec: LossSpec, teacher: Teacher, norm: Normaliser, mode: str, batch: PolicyBatch,
+               temperature: torch.Tensor | None = None) -> HeadLossOutput:
     """The plain-torch path's head on a call's whole logits (headloss.reference), as both doors run it:
-    the teacher's logits or a sparse teacher, the checked normaliser, the validation mode, the policy
-    inputs given."""
+    the teacher (its logits, or a sparse teacher's ids and log-probs laid out per row), the checked
+    normaliser, the validation mode, the policy inputs given, the per-row temperatures (one per row of
+    ``logits``)."""
     given = {k: v for k, v in batch.by_name().items() if v is not None}
-    return reference_head_loss(logits, targets, spec, teacher_logits=teacher_logits,
-                               teacher_ids=None if sparse is None else sparse.ids,
-                               teacher_logprobs=None if sparse is None else sparse.logprobs,
-                               num_items_in_batch=norm.as_torch(), validate=mode, **given)
+    if temperature is not None:
+        given["temperature"] = temperature
+    return reference_head_loss(logits, targets, spec, teacher_logits=teacher.logits, teacher_ids=teacher.ids,
+                               teacher_logprobs=teacher.logprobs, num_items_in_batch=norm.as_torch(), validate=mode,
+                               **given)
 
 
 def teacher_k(sparse: SparseRows | None) -> int:
@@ -233,12 +238,13 @@ def shard_statistics(plan: KernelPlan, block: Block, shard, merged: bool = True)
     logits, targets, teacher, geo, sparse = block.logits, block.targets, block.teacher, block.geo, block.sparse
     topk = sparse is not None and sparse.ids is not None
     part = launch_shard_stats(plan, logits=logits, targets=targets, geo=geo, teacher=teacher,
-                              sparse=sparse if topk else None)
+                              sparse=sparse if topk else None, temperature=block.temperature)
     student_only = teacher is None and not topk
     stats = gather_merged(part, shard, plan.flags.OWN_TEMP, topk, merge=merged or not student_only)
     jsd = None
     if plan.flags.DISTILL_KIND == 2:
-        jsd = launch_shard_jsd(plan, logits=logits, targets=targets, teacher=teacher, stats=stats, geo=geo)
+        jsd = launch_shard_jsd(plan, logits=logits, targets=targets, teacher=teacher, stats=stats, geo=geo,
+                               temperature=block.temperature)
         jsd = all_reduce_sum(jsd, shard, "jsd")
     return stats, jsd
 
@@ -250,14 +256,15 @@ def traced_shard_statistics(plan: KernelPlan, block: Block, shard) -> tuple:
 
     logits, targets, teacher, geo, sparse = block.logits, block.targets, block.teacher, block.geo, block.sparse
     ids, logprobs = (sparse.ids, sparse.logprobs) if sparse is not None and sparse.ids is not None else (None, None)
-    part = shard_stats_op(logits, targets, teacher, ids, logprobs, plan.key, geo_ints(geo), geo.norm)
+    part = shard_stats_op(logits, targets, teacher, ids, logprobs, block.temperature, plan.key, geo_ints(geo),
+                          geo.norm)
     width = part.shape[1]
     mine = part.cpu() if shard.comm_cpu else part
     gathered = funcol.all_gather_tensor(mine, 0, shard.group).to(part.device)
     stats = merge_stats_op(gathered.view(shard.world, -1, width), plan.flags.OWN_TEMP, ids is not None)
     jsd = None
     if plan.flags.DISTILL_KIND == 2:
-        jsd = shard_jsd_op(logits, targets, teacher, stats, plan.key, geo_ints(geo), geo.norm)
+        jsd = shard_jsd_op(logits, targets, teacher, stats, block.temperature, plan.key, geo_ints(geo), geo.norm)
         jsd = funcol.all_reduce(jsd.cpu() if shard.comm_cpu else jsd, "sum", shard.group).to(part.device)
     return stats, jsd
 
@@ -268,15 +275,16 @@ def stats_width(has_teacher: bool, teacher_ids: torch.Tensor | None = None) -> i
     return (STATS.N_TEACHER if has_teacher else STATS.N) + topk
 
 
-@kernel_op("headloss::shard_stats", fake=lambda logits, targets, teacher, ids, logprobs, key, geo, norm: torch.empty(
-    geo_of(geo, norm).n_rows, stats_width(teacher is not None, ids), dtype=torch.float32, device=logits.device))
+@kernel_op("headloss::shard_stats", fake=lambda logits, targets, teacher, ids, logprobs, temperature, key, geo, norm:
+           torch.empty(geo_of(geo, norm).n_rows, stats_width(teacher is not None, ids), dtype=torch.float32,
+                       device=logits.device))
 def shard_stats_op(logits: torch.Tensor, targets: torch.Tensor | None, teacher: torch.Tensor | None,
-                   ids: torch.Tensor | None, logprobs: torch.Tensor | None, key: str, geo: list[int],
-                   norm: float) -> torch.Tensor:
+                   ids: torch.Tensor | None, logprobs: torch.Tensor | None, temperature: torch.Tensor | None, key: str,
+                   geo: list[int], norm: float) -> torch.Tensor:
     """kernels.shard.launch_shard_stats as an op (a vocab-parallel call under torch.compile)."""
     sparse = None if ids is None else SparseRows(ids, logprobs, ids.shape[-1])
     return launch_shard_stats(plan_from_key(key), logits=logits, targets=targets, geo=geo_of(geo, norm),
-                              teacher=teacher, sparse=sparse)
+                              teacher=teacher, sparse=sparse, temperature=temperature)
 
 
 @kernel_op("headloss::merge_stats", fake=lambda parts, own_temp, topk: parts.new_empty(parts.shape[1:]))
@@ -285,10 +293,10 @@ def merge_stats_op(parts: torch.Tensor, own_temp: bool, topk: bool) -> torch.Ten
     return launch_merge(parts, own_temp, topk)
 
 
-@kernel_op("headloss::shard_jsd", fake=lambda logits, targets, teacher, stats, key, geo, norm: torch.empty(
-    geo_of(geo, norm).n_rows, JSD_SHARES.N, dtype=torch.float32, device=logits.device))
+@kernel_op("headloss::shard_jsd", fake=lambda logits, targets, teacher, stats, temperature, key, geo, norm:
+           torch.empty(geo_of(geo, norm).n_rows, JSD_SHARES.N, dtype=torch.float32, device=logits.device))
 def shard_jsd_op(logits: torch.Tensor, targets: torch.Tensor | None, teacher: torch.Tensor, stats: torch.Tensor,
-                 key: str, geo: list[int], norm: float) -> torch.Tensor:
+                 temperature: torch.Tensor | None, key: str, geo: list[int], norm: float) -> torch.Tensor:
     """kernels.shard.launch_shard_jsd as an op."""
     return launch_shard_jsd(plan_from_key(key), logits=logits, targets=targets, teacher=teacher, stats=stats,
-                            geo=geo_of(geo, norm))
+                            geo=geo_of(geo, norm), temperature=temperature)

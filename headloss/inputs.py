@@ -120,6 +120,34 @@ def check_teacher(logits_shape: tuple[int, ...], device: torch.device, teacher_l
                         f"copy), got {teacher_logits.dtype}")
 
 
+def row_temperature(value: Any, spec: LossSpec, token_shape: tuple[int, ...], device: torch.device,
+                    per_sequence: tuple[int, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """The call's ``temperature`` (spec.LogitTransform.per_row_temperature) as the kernels read it: fp32, one
+    per slot. Given like the targets (one per row; packed rows: [N] or [1, N]), or one per sequence:
+    [B] for [B, T] targets, [S] for rows packed by cu_seqlens (``per_sequence``: S and each row's
+    sequence). Its values (positive, finite) are checked on the device with the targets."""
+    name = "temperature"
+    if not spec.transform.per_row_temperature:
+        if value is not None:
+            raise ValueError(f"{name}: given, but spec.transform.per_row_temperature is False (the spec's "
+                             "transform.temperature is one for every row); set it, or drop this input")
+        return None
+    value = _float_input(value, name, "spec.transform.per_row_temperature", device)
+    shape, rows = tuple(value.shape), math.prod(token_shape)
+    if shape == tuple(token_shape) or (len(token_shape) == 1 and shape == (1, rows)):
+        flat = value.reshape(-1)
+    elif len(token_shape) == 2 and shape == (token_shape[0],):
+        flat = value.repeat_interleave(token_shape[1])
+    elif per_sequence is not None and shape == (per_sequence[0],):
+        flat = value[per_sequence[1]]
+    else:
+        sequences = f" or one per sequence {(token_shape[0],)}" if len(token_shape) == 2 else (
+            f" or one per sequence {(per_sequence[0],)}" if per_sequence is not None else "")
+        raise ValueError(f"{name}: shape {shape} fits neither one per row {tuple(token_shape)} (like the "
+                         f"targets){sequences}")
+    return flat.to(torch.float32).contiguous()
+
+
 def flat_targets(targets: torch.Tensor | None) -> torch.Tensor | None:
     """Targets as the kernels read them: a dense int32/int64 vector (narrow ints cannot hold
     ignore_index=-100: uint8 wraps it to 156)."""

@@ -69,7 +69,8 @@ class Verdict(NamedTuple):
     bad_ids: int = 4  # 1 when a sequence id lies outside [0, n_out)
     items: int = 5  # num_items_in_batch as the device read it (its fp32 bits), for the error message
     teacher: int = 6  # a sparse teacher's first bad entry: TEACHER_MARK - its key (TeacherKeys), or 0
-    N: int = 7
+    temperature: int = 7  # 1 + the first slot whose per-row temperature is not a positive finite number, or 0
+    N: int = 8
 
 
 VERDICT = Verdict()

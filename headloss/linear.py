@@ -167,7 +167,8 @@ def _run_chunks(loop: _Loop, hidden, weight, bias, tensors: CallTensors) -> None
             lo, hi, part = start + a, start + b, logits[a:b]
             block = Block(part, chunk_geometry(hi - lo, weight.shape[0], t_c, run),
                           None if loop.targets is None else loop.targets[lo:hi], t_c,
-                          sparse_rows(tensors, loop.index, lo, hi), _pick_rows(policy, loop.index, lo, hi))
+                          sparse_rows(tensors, loop.index, lo, hi), _pick_rows(policy, loop.index, lo, hi),
+                          rows_of(tensors.temperature, loop.index, lo, hi))
             policy_c = run.loop.part_policy(loop, block, lo, hi)
             block = block if policy_c is block.policy else block._replace(policy=policy_c)
             stats = call.block(block, loop.out.of_rows(lo, hi),
@@ -232,6 +233,7 @@ def linear_backward(run: LinearRun, wants, head: LmHead, tensors: CallTensors, s
                 d_rows=None if d_rows is None else d_rows[lo:hi], num_items=tensors.num_items, scratch=saved.scratch,
                 geo=chunk_geometry(hi - lo, vocab, t_c, run),
                 stats=None if saved.stats is None else saved.stats[lo:hi], sparse=sparse_rows(tensors, index, lo, hi),
+                temperature=rows_of(tensors.temperature, index, lo, hi),
             )
         accumulate(grads, logits, h_c, weight, index, start, stop)
     dh, dw, db = finish_grads(grads, weight, bias)

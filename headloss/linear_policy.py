@@ -72,7 +72,7 @@ def sequence_chunk_grad(loop, block: Block, start: int, stop: int) -> None:
     launch_backward(plan, logits=logits, targets=block.targets, teacher=block.teacher, grad=logits, rows=rows,
                     d_loss=torch.ones(1, dtype=torch.float32, device=logits.device), d_rows=d_rows,
                     num_items=loop.call.tensors.num_items, scratch=loop.call.scratch, geo=block.geo,
-                    sparse=block.sparse)
+                    sparse=block.sparse, temperature=block.temperature)
 
 
 def cov_correction(run: LinearRun, head: LmHead, rows, acc) -> dict[str, torch.Tensor]:
@@ -133,7 +133,9 @@ def correct_rows(run: LinearRun, head: LmHead, chosen, d_logp, added, acc) -> No
                               h, weight, bias)
     with torch.enable_grad():
         z = logits.float().requires_grad_()
-        lp = torch.log_softmax(transformed_logits(z, plan.spec, torch.float32), -1)
+        temperature = acc.call.tensors.temperature
+        lp = torch.log_softmax(transformed_logits(z, plan.spec, torch.float32, None if temperature is None
+                                                  else temperature.index_select(0, picked)), -1)
         lp = lp.gather(1, targets.index_select(0, picked)[:, None])[:, 0]
         (g,) = torch.autograd.grad((d_logp.index_select(0, picked) * lp).sum(), z)
     g = g.to(hidden.dtype)
@@ -153,7 +155,8 @@ def guess_mask(loop, block: Block, start: int, stop: int) -> PolicyRows:
     rows, where deferred mode would recompute every chunk's logits. ``loop.seen`` holds the entropies of
     the counted rows so far (NaN elsewhere), ``loop.guess`` the guessed mask."""
     run, y_c, chunk, guess, seen = loop.run, block.targets, block.policy, loop.guess, loop.seen
-    part = launch_shard_stats(run.plan, logits=block.logits, targets=y_c, geo=block.geo)
+    part = launch_shard_stats(run.plan, logits=block.logits, targets=y_c, geo=block.geo,
+                              temperature=block.temperature)
     valid = y_c != run.ignore_index
     d = part[:, STATS.d].clamp(min=1e-30)
     # base-2 statistics (m2, sum 2^(x2 - m2), sum 2^(x2 - m2) x2) -> the entropy in nats

@@ -27,6 +27,7 @@ from .inputs import (
     check_targets,
     flat_targets,
     pad_shifted,
+    row_temperature,
     sparse_teacher,
     teacher_source,
 )
@@ -73,6 +74,7 @@ class LinearCall:
     policy: PolicyTokens | None
     backend: str
     sparse: SparseRows | None = None  # a top-k or per-token teacher, per row
+    temperature: torch.Tensor | None = None  # [rows] fp32 per-row temperature (spec.LogitTransform), per row
 
 
 def run_linear(hidden, weight, targets, plan: KernelPlan, call: CallInputs, options: LinearOptions) -> HeadLossOutput:
@@ -173,10 +175,14 @@ def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: L
     token_rows = tuple(hidden.shape[:-1])
     check_targets(targets, token_rows, spec, hidden.device, shift, source="hidden")
     token_shape = tuple(targets.shape) if isinstance(targets, torch.Tensor) else token_rows
+    temperature = row_temperature(call.temperature, spec, token_shape, hidden.device,
+                                  (packed.n_slots, packed.seq) if packed is not None and packed.per_sequence else None)
     if shift:
         targets = pad_shifted(targets if targets.dtype in (torch.int64, torch.int32) else targets.long(),
                               hidden.shape[1], spec.ignore_index)
     completion = shift and targets.shape != token_shape  # rows padded by one: T - 1 scored positions
+    if completion and temperature is not None:  # the unscored last row of each sequence: any positive value
+        temperature = F.pad(temperature.view(token_shape), (0, 1), value=1.0).reshape(-1)
     backend = resolve_backend(options.backend, hidden.device, hidden.dtype, name="hidden")
     check = "sync" if mode == "sync" or (mode == "async" and backend == "torch") else "off"
     sparse = sparse_teacher(spec, teacher, token_rows, token_shape, hidden.device, vocab or weight.shape[0],
@@ -193,7 +199,7 @@ def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: L
                                     batch.by_name(), norm_length=token_shape[1] if completion else None)
     return LinearCall(hidden=hidden, weight=weight, bias=bias, targets=targets, teacher=teacher, token_rows=token_rows,
                  token_shape=token_shape, rows_shape=rows_shape, norm=norm, batch=batch, policy=policy, backend=backend,
-                 sparse=sparse)
+                 sparse=sparse, temperature=temperature)
 
 
 def _chunked(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, mode: str, traced: bool
@@ -219,7 +225,8 @@ def _chunked(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, 
                     reduce_hidden_grad=options.hidden_grad == "reduced", teacher_rows=chunks.teacher_rows)
     policy = call.policy
     tensors = CallTensors.of(flat_targets(call.targets), call.teacher, chosen.epilogue_policy(policy),
-                             call.norm.tensor, None if policy is None else policy.sequence_ids, call.sparse)
+                             call.norm.tensor, None if policy is None else policy.sequence_ids, call.sparse,
+                             call.temperature)
     loss, rows_out, pred, means, scratch = LinearFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
                                                                 call.bias, run, *tensors)
     head, extra = chosen.policy_share(run.plan, HeadOutputs(loss, rows_out, pred, means), scratch, policy)
@@ -346,5 +353,8 @@ def _torch_linear_loss(call: LinearCall, spec: LossSpec, mode: str, own) -> Head
     t_logits = F.linear(teacher.hidden, teacher.weight, teacher.bias) if teacher.computed else teacher.logits
     if t_logits is not None:
         t_logits = t_logits.reshape(logits.shape)
-    out = torch_head(logits, targets, spec, t_logits, call.sparse, call.norm, mode, call.batch)
+    sparse = call.sparse
+    rows = Teacher(t_logits, ids=None if sparse is None else sparse.ids,
+                   logprobs=None if sparse is None else sparse.logprobs)
+    out = torch_head(logits, targets, spec, rows, call.norm, mode, call.batch, call.temperature)
     return trim(out, call.token_shape) if targets is not None and tuple(targets.shape) != call.token_shape else out

@@ -29,6 +29,7 @@ from .inputs import (
     flat_targets,
     head_call,
     pad_shifted,
+    row_temperature,
     sparse_teacher,
     teacher_precision,
 )
@@ -64,6 +65,7 @@ class _Laid(NamedTuple):
     num_items_in_batch: Any
     options: Options
     shard: Any  # vocab-parallel: a headloss.parallel.VocabShard, else None
+    temperature: Any = None  # per row or per sequence (spec.LogitTransform.per_row_temperature), as given
 
 
 def run_head(logits, targets, plan: KernelPlan, call: CallInputs, options: Options) -> HeadLossOutput:
@@ -72,6 +74,7 @@ def run_head(logits, targets, plan: KernelPlan, call: CallInputs, options: Optio
     spec = plan.spec
     teacher, batch, layout = call.teacher, call.batch, call.layout
     shift = layout.shift
+    temperature = call.temperature
     teacher_logits = teacher.logits
     if not traced:  # a lazily negated view (torch._neg_view): the kernels read the stored values, torch the sign
         logits, teacher_logits = _resolved(logits), _resolved(teacher_logits)
@@ -82,6 +85,9 @@ def run_head(logits, targets, plan: KernelPlan, call: CallInputs, options: Optio
             shift, spec.ignore_index, validation_mode(options.validate))
         teacher = replace(teacher, ids=ids, logprobs=logprobs)
         shift = False
+        if temperature is not None:  # one per row, from one per sequence where given so
+            temperature = row_temperature(temperature, spec, (packed.seq.numel(),), packed.seq.device,
+                                          (packed.n_slots, packed.seq) if packed.per_sequence else None)
         if spec.policy is not None:
             batch = PolicyBatch.of(packed_policy_inputs(batch.by_name(), packed))
     shard = None
@@ -91,14 +97,14 @@ def run_head(logits, targets, plan: KernelPlan, call: CallInputs, options: Optio
         reusable = not sync and not is_dtensor(logits)
         logits, targets, teacher_logits, shard = _vocab_shard(logits, targets, teacher_logits, options, sync)
     recipe_key = None
-    plain = options.route is None and spec.policy is None and batch.empty and reusable
+    plain = options.route is None and spec.policy is None and batch.empty and reusable and temperature is None
     if plain and not traced and not teacher.sparse:
         recipe_key = _recipe_key(plan, logits, targets, teacher_logits, shift, options, shard)
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
     dtype = logits.dtype if isinstance(logits, torch.Tensor) else torch.float32
     if teacher_logits is not teacher.logits:
         teacher = replace(teacher, logits=teacher_logits)
-    laid = _Laid(logits, targets, plan, teacher, batch, shift, call.num_items_in_batch, options, shard)
+    laid = _Laid(logits, targets, plan, teacher, batch, shift, call.num_items_in_batch, options, shard, temperature)
     if resolve_backend(options.backend, device, dtype) == "torch":
         return _torch_head(laid)
     return _on_kernels(laid, recipe_key)
@@ -138,13 +144,14 @@ def _on_kernels(laid: _Laid, recipe_key: tuple | None) -> HeadLossOutput:
 def _checked(laid: _Laid) -> tuple:
     """(HeadRun, CallTensors, Route, PolicyTokens or None) of a call after every host-side check; with a
     group and validate="sync", every rank learns of any rank's error."""
-    logits, targets, plan, teacher, batch, shift, num_items_in_batch, options, shard = laid
+    logits, targets, plan, teacher, batch, shift, num_items_in_batch, options, shard, temperature = laid
     spec = plan.spec
     sync = validation_mode(options.validate) == "sync"
     error = call = chosen = None
     given = batch.by_name()
     try:
         token_shape = check_head(logits, targets, spec, teacher.logits, shift, kernel=True)
+        temperature = row_temperature(temperature, spec, token_shape, logits.device)
         chosen = routes.choose(plan, facts_of("logits", "triton", logits.device, token_shape, given,
                                               sharded=shard is not None), options.route)
         unpacked = CallInputs(teacher, batch, Layout(shift), num_items_in_batch)
@@ -167,7 +174,7 @@ def _checked(laid: _Laid) -> tuple:
                   adv_span=pol.adv_span if pol is not None else 1, seq_len=rows_per_seq, shard=shard,
                   objective=pol if inside else None)
     tensors = CallTensors.of(call.targets, Teacher(logits=call.teacher), chosen.epilogue_policy(pol), call.norm.tensor,
-                             None if pol is None else pol.sequence_ids, call.sparse)
+                             None if pol is None else pol.sequence_ids, call.sparse, temperature)
     return run, tensors, chosen, pol
 
 
@@ -199,7 +206,7 @@ def _torch_head(laid: _Laid) -> HeadLossOutput:
 def _torch_loss(laid: _Laid) -> HeadLossOutput:
     """The plain-torch path (the logits whole), with the same checks and the same shift conventions; the
     route (torch) is chosen after them, as on the kernels' path."""
-    logits, targets, plan, teacher, batch, shift, num_items_in_batch, options, _ = laid
+    logits, targets, plan, teacher, batch, shift, num_items_in_batch, options, _, temperature = laid
     spec = plan.spec
     validate = options.validate
     traced = torch.compiler.is_compiling()
@@ -208,6 +215,8 @@ def _torch_loss(laid: _Laid) -> HeadLossOutput:
     rows_shape = tuple(logits.shape[:-1])
     check_targets(targets, rows_shape, spec, logits.device, shift)
     check_teacher(tuple(logits.shape), logits.device, teacher_logits, spec, kernel=False)
+    temperature = row_temperature(temperature, spec, tuple(targets.shape) if targets is not None else rows_shape,
+                                  logits.device)
     mode = validation_mode(validate)
     sparse = sparse_teacher(spec, teacher, rows_shape, tuple(targets.shape) if shift else rows_shape, logits.device,
                             logits.shape[-1], "off" if mode == "off" or traced else "sync",
@@ -228,7 +237,7 @@ def _torch_loss(laid: _Laid) -> HeadLossOutput:
                   batch.by_name())  # the same input errors as the kernel path
     facts = routes.Facts("logits", "torch", rows_shape, batch.sequence_ids is not None, False, traced, False, False)
     chosen = routes.choose(plan, facts, options.route)
-    out = torch_head(logits, targets, spec, teacher_logits, sparse, norm, mode, batch)
+    out = torch_head(logits, targets, spec, _teacher_rows(teacher_logits, sparse), norm, mode, batch, temperature)
     out.route = chosen.name
     log_route("head_loss", logits, chosen.name)
     return out
@@ -306,3 +315,9 @@ def _recipe_key(plan: KernelPlan, logits, targets, teacher_logits, shift, option
     return (id(plan), _signature(logits), _signature(targets), _signature(teacher_logits), bool(shift),
             bool(options.inplace_grad), validate, env.validate_default() if validate is None else None, backend,
             env.INTERPRETER, None if shard is None else id(shard))
+
+
+def _teacher_rows(teacher_logits, sparse) -> Teacher:
+    """The plain-torch head's teacher: its logits, or a sparse teacher's ids and log-probs per row."""
+    return Teacher(teacher_logits, ids=None if sparse is None else sparse.ids,
+                   logprobs=None if sparse is None else sparse.logprobs)

@@ -167,6 +167,8 @@ def _plan_inputs(spec: LossSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
         accepts += ("old_logprobs", "loss_mask", "importance_weights", "rollout_logprobs", "sequence_ids")
     if spec.reduction == "mean":
         accepts += ("num_items_in_batch",)
+    if spec.transform.per_row_temperature:  # each row's own, per row or per sequence
+        requires += ("temperature",)
     return requires, accepts
 
 

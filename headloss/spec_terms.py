@@ -316,13 +316,25 @@ def row_local(policy: Policy) -> bool:
 class LogitTransform(_Frozen):
     """Applied to every logit before anything else: x = softcap(logit_scale * z) / temperature.
 
-    ``softcap(u) = c * tanh(u / c)`` (Gemma 2); ``None`` disables it.
+    ``softcap(u) = c * tanh(u / c)`` (Gemma 2); ``None`` disables it. ``per_row_temperature``: the
+    temperature is the call's ``temperature`` input, one per row (or per sequence) -- a batch whose
+    rollouts were sampled at different temperatures scores each row at its own; ``temperature`` stays 1.
     """
 
     logit_scale: float = Field(1.0, gt=0.0)
     softcap: float | None = Field(None, gt=0.0)
     temperature: float = Field(1.0, gt=0.0)
+    per_row_temperature: bool = Field(False, description="the temperature is the call's `temperature` input, "
+                                                         "one per row or per sequence")
+
+    @model_validator(mode="after")
+    def _one_temperature(self):
+        if self.per_row_temperature and self.temperature != 1.0:
+            raise ValueError("transform: per_row_temperature takes each row's temperature from the call's "
+                             f"`temperature` input; temperature must stay 1, got {self.temperature}")
+        return self
 
     @property
     def is_identity(self) -> bool:
-        return self.logit_scale == 1.0 and self.softcap is None and self.temperature == 1.0
+        return (self.logit_scale == 1.0 and self.softcap is None and self.temperature == 1.0
+                and not self.per_row_temperature)

@@ -220,7 +220,11 @@ class ErrorBoard:
         found = [int(values[i]) for i in (VERDICT.where, VERDICT.value, VERDICT.bad_items, VERDICT.bad_ids)]
         items = struct.unpack("<f", struct.pack("<I", int(values[VERDICT.items]) & 0xFFFFFFFF))[0]
         teacher = int(values[VERDICT.teacher])
+        hot = int(values[VERDICT.temperature])
         values[:] = 0
+        if hot:
+            raise ValueError(f"temperature: the value at position {_position(hot - 1, context.token_shape)} is not a "
+                             f"positive finite number{_later(deferred)}")
         if teacher:  # (its own verdict: the target fields may be unwritten)
             raise_teacher(TEACHER_MARK - teacher, context, deferred)
         raise_if_bad(found, context.token_shape, context.vocab, context.ignore_index, Normaliser(value=items),

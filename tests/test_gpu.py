@@ -1060,6 +1060,61 @@ def test_the_head_kernel_runs_beside_a_kernel_holding_most_sms(kind):
     assert torch.equal(got_x.grad, want_x.grad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("spec", [
+    dict(cross_entropy={"label_smoothing": 0.1}, z_loss={"weight": 1e-3}, entropy={"weight": 0.02},
+         token_accuracy=True),
+    dict(distillation={"divergence": "jsd", "temperature": 1.5}),
+    dict(cross_entropy=None, policy={"loss_type": "dapo", "kl_beta": 0.04}),
+    dict(cross_entropy=None, policy={"loss_type": "grpo", "importance_sampling": "sequence"}),
+], ids=["sft", "jsd", "dapo", "gspo"])
+def test_per_row_temperature_on_the_compiled_kernels_scores_the_logits_over_t(spec, dtype):
+    """Each row at its own temperature (one per sequence) equals the call at temperature 1 on the
+    logits divided by it, d/dz = d/dx / t, on the logits and on the fused lm_head; a bad temperature
+    is found on the device and raised by check_pending."""
+    b, t, v, h = 4, 300, 32000, 256
+    gen = torch.Generator(device="cuda").manual_seed(61)
+    temperature = 0.5 + torch.rand(b, device="cuda", generator=gen)
+    ids = torch.randint(0, v, (b, t), device="cuda", generator=gen)
+    hidden = torch.randn(b, t, h, device="cuda", generator=gen).to(dtype)
+    weight = (torch.randn(v, h, device="cuda", generator=gen) / 16).to(dtype)
+    logits = (hidden.float() @ weight.float().T).to(dtype)
+    inputs = {}
+    if "distillation" in spec:
+        inputs["teacher_logits"] = (logits.float() + torch.randn(b, t, v, device="cuda", generator=gen)).to(dtype)
+    if "policy" in spec:
+        old = -10.4 + 0.2 * torch.randn(b, t, device="cuda", generator=gen)
+        inputs.update(advantages=torch.randn(b, device="cuda", generator=gen), old_logprobs=old,
+                      ref_logprobs=old + 0.05)
+    rowwise = headloss.LossSpec(transform={"per_row_temperature": True}, **spec)
+    plain = headloss.LossSpec(**spec)
+    scaled = temperature[:, None, None]
+    x = logits.clone().requires_grad_()
+    out = headloss.head_loss(x, ids, rowwise, temperature=temperature, **inputs)
+    out.loss.backward()
+    xt = (logits.float() / scaled).to(dtype).requires_grad_()  # the same values the kernel reads, in fp32
+    ref = headloss.head_loss(xt, ids, plain, **inputs)
+    ref.loss.backward()
+    tol = 2e-3 if dtype == torch.bfloat16 else 2e-5  # bf16: the divided logits rounded once more
+    assert abs(out.loss.item() - ref.loss.item()) <= tol * max(abs(ref.loss.item()), 1.0)
+    assert _rel(x.grad.float(), xt.grad.float() / scaled) < (2e-2 if dtype == torch.bfloat16 else 1e-4)
+    if "distillation" not in spec:  # the fused lm_head: hidden states over t give logits over t
+        hh = hidden.clone().requires_grad_()
+        lin = headloss.linear_head_loss(hh, weight, ids, rowwise, temperature=temperature, chunk_bytes=64 << 20,
+                                        **inputs)
+        lin.loss.backward()
+        ht = (hidden.float() / scaled).to(dtype).requires_grad_()
+        lin_ref = headloss.linear_head_loss(ht, weight, ids, plain, chunk_bytes=64 << 20, **inputs)
+        lin_ref.loss.backward()
+        assert abs(lin.loss.item() - lin_ref.loss.item()) <= tol * max(abs(lin_ref.loss.item()), 1.0)
+        assert _rel(hh.grad.float(), ht.grad.float() / scaled) < (2e-2 if dtype == torch.bfloat16 else 1e-4)
+    bad = temperature.clone()
+    bad[2] = 0.0
+    headloss.head_loss(logits, ids, rowwise, temperature=bad, **inputs)
+    with pytest.raises(ValueError, match=r"temperature: the value at position \(2, 0\) is not a positive"):
+        headloss.check_pending(wait=True)
+
+
 def test_bad_num_items_on_the_device_is_raised_by_check_pending():
     logits, targets = _batch(64, 32000, torch.bfloat16, seed=23)
     headloss.head_loss(logits, targets, num_items_in_batch=torch.tensor(0.0, device="cuda"))

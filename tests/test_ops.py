@@ -153,8 +153,8 @@ def test_opcheck_head_backward():
     run = HeadRun(headloss.plan.compile_plan(spec), geo, False, "off", (5,))
     loss, rows, pred, means, scratch, _ = torch.ops.headloss.head_forward(
         logits, [*CallTensors(targets), None, None], *run.op_args(), "none", 0)
-    args = (logits, [targets, None, rows, torch.rand(5), torch.rand(rows.shape), None, scratch, None, None, None],
-            *run.op_args())
+    args = (logits, [targets, None, rows, torch.rand(5), torch.rand(rows.shape), None, scratch, None, None, None,
+                     None], *run.op_args())
     torch.library.opcheck(torch.ops.headloss.head_backward.default, args)
 
 
@@ -162,8 +162,8 @@ def _checked_merged_stats(logits, targets, teacher, ids, logprobs, key, ints):
     """The shard statistics and their merge, each through opcheck; the merged statistics of one shard."""
     from headloss.head import merge_stats_op, shard_stats_op
 
-    torch.library.opcheck(shard_stats_op.op, (logits, targets, teacher, ids, logprobs, key, ints, 0.0))
-    part = shard_stats_op(logits, targets, teacher, ids, logprobs, key, ints, 0.0)
+    torch.library.opcheck(shard_stats_op.op, (logits, targets, teacher, ids, logprobs, None, key, ints, 0.0))
+    part = shard_stats_op(logits, targets, teacher, ids, logprobs, None, key, ints, 0.0)
     topk = ids is not None
     torch.library.opcheck(merge_stats_op.op, (torch.stack([part, part]), False, topk))
     return merge_stats_op(part[None], False, topk)
@@ -185,15 +185,15 @@ def test_opcheck_vocab_parallel_ops():
     key = _plan_key(spec)
     ints = geo_ints(geo)
     stats = _checked_merged_stats(logits, targets, teacher, None, None, key, ints)
-    torch.library.opcheck(shard_jsd_op.op, (logits, targets, teacher, stats, key, ints, 0.0))
-    jsd = shard_jsd_op(logits, targets, teacher, stats, key, ints, 0.0)
+    torch.library.opcheck(shard_jsd_op.op, (logits, targets, teacher, stats, None, key, ints, 0.0))
+    jsd = shard_jsd_op(logits, targets, teacher, stats, None, key, ints, 0.0)
     run = HeadRun(headloss.plan.compile_plan(spec), geo, False, "off", (5,))
     forward = (logits, [*CallTensors(targets, teacher), stats, jsd], *run.op_args(), "none", 0)
     torch.library.opcheck(torch.ops.headloss.head_forward.default, forward)
     loss, rows, pred, means, scratch, _ = torch.ops.headloss.head_forward(*forward)
     torch.library.opcheck(torch.ops.headloss.head_backward.default,
-                          (logits, [targets, teacher, rows, torch.rand(5), None, None, scratch, stats, None, None],
-                           *run.op_args()))
+                          (logits, [targets, teacher, rows, torch.rand(5), None, None, scratch, stats, None, None,
+                                    None], *run.op_args()))
 
 
 @needs_kernel
@@ -222,7 +222,7 @@ def test_opcheck_ops_with_a_top_k_teacher():
         loss, rows, pred, means, scratch, _ = torch.ops.headloss.head_forward(*forward)
         torch.library.opcheck(torch.ops.headloss.head_backward.default,
                               (logits, [targets, None, rows, torch.rand(5), None, None, scratch, merged, ids,
-                                        logprobs], *run.op_args()))
+                                        logprobs, None], *run.op_args()))
 
 
 @needs_kernel

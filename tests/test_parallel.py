@@ -41,6 +41,12 @@ SPECS = {
     "deferred": LossSpec(cross_entropy=CrossEntropy(label_smoothing=0.05), z_loss=ZLoss(weight=1e-2),
                          entropy=Entropy(weight=0.02), reduction="none", outputs=("logprobs", "lse", "entropy"),
                          differentiable_outputs=True),
+    # each row at its own temperature (the call's `temperature`): every kernel of the shard reads it
+    "row_temperature": LossSpec(cross_entropy=CrossEntropy(label_smoothing=0.1), entropy=Entropy(weight=0.05),
+                                token_accuracy=True, transform=LogitTransform(softcap=4.0, per_row_temperature=True),
+                                outputs=OUTPUTS),
+    "distill_jsd_row_temperature": LossSpec(distillation={"divergence": "jsd", "temperature": 1.5},
+                                            transform=LogitTransform(per_row_temperature=True)),
 }
 
 
@@ -76,6 +82,8 @@ def _inputs(name: str, dtype: torch.dtype):
         kwargs = dict(advantages=torch.randn(b, generator=gen), old_logprobs=old,
                       ref_logprobs=old + 0.1 * torch.randn(b, t, generator=gen),
                       loss_mask=(torch.rand(b, t, generator=gen) > 0.2).float())
+    if "row_temperature" in name:  # one per sequence: [B]
+        kwargs["temperature"] = 0.4 + 1.2 * torch.rand(b, generator=gen)
     return logits, ids, kwargs
 
 
@@ -113,7 +121,8 @@ def _backward(out) -> None:
 QUICK = {("full_sft", torch.float32, "triton", False), ("full_sft", torch.float32, "torch", True),
          ("deferred", torch.float32, "triton", True), ("grpo", torch.bfloat16, "triton", False),
          ("gspo", torch.float32, "triton", False), ("distill_jsd", torch.float32, "triton", False),
-         ("distill_topk_rest", torch.float32, "triton", False)}
+         ("distill_topk_rest", torch.float32, "triton", False), ("row_temperature", torch.float32, "triton", True),
+         ("distill_jsd_row_temperature", torch.float32, "triton", False)}
 
 
 def _cases(quick: bool) -> list[tuple]:
@@ -124,7 +133,7 @@ def _cases(quick: bool) -> list[tuple]:
         for dtype in (torch.float32, torch.bfloat16):
             for backend in ("triton", "torch"):
                 for shift in (False, True):
-                    if shift and name not in ("full_sft", "deferred"):
+                    if shift and name not in ("full_sft", "deferred", "row_temperature"):
                         continue
                     if dtype == torch.bfloat16 and name not in ("full_sft", "grpo", "distill_jsd"):
                         continue
@@ -193,14 +202,14 @@ def check_logits_job(results, world: int, quick: bool) -> None:
     for rank in range(world):
         out, refusals, first, layouts = results[rank]["logits"]
         assert first == (2, 1) and layouts == 1  # the first call also learnt the layout; never again
-        assert len(out) == len(_cases(quick)) == (len(QUICK) if quick else 36)
+        assert len(out) == len(_cases(quick)) == (len(QUICK) if quick else 42)
         for (name, dtype, backend, shift), (errs, calls) in out.items():
             tol = 1e-5 if dtype == "torch.float32" else 2e-2  # bf16: the gradient's own rounding
             for what, err in errs.items():
                 limit = tol if what == "grad" else 2e-5
                 assert err <= limit, (rank, name, dtype, backend, shift, what, err)
             if backend == "triton":  # one all_gather per call; the mixture JSD adds one all-reduce
-                assert calls == (1, 1, int(name == "distill_jsd")), (name, calls)
+                assert calls == (1, 1, int(name.startswith("distill_jsd"))), (name, calls)
         assert "outside [0, 53)" in refusals["target_out_of_range"]
 
 
@@ -239,8 +248,8 @@ def test_merge_matches_the_whole_row():
 
 H = 12
 LINEAR_NAMES = ("full_sft", "smoothing_softcap_temperature", "grpo", "gspo", "deferred", "teacher_weight",
-                "teacher_logits", "distill_topk_rest", "distill_topk_verl", "distill_token")
-LINEAR_QUICK = ("full_sft", "gspo", "teacher_weight")
+                "teacher_logits", "distill_topk_rest", "distill_topk_verl", "distill_token", "row_temperature")
+LINEAR_QUICK = ("full_sft", "gspo", "teacher_weight", "row_temperature")
 
 
 def _linear_job(rank: int, world: int, quick: bool) -> dict:

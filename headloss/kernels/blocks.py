@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..layouts import EXTREMES_AT, SCRATCH_AT, SEQUENCE_AT
+from ..registry import Scalars
 from .primitives import LN2, LOG2E, NEG_BIG, softmax_update, to_x2, transform
 from .terms import distill_grad, teacher_block
 
@@ -329,6 +330,20 @@ def row_slot(targets, row, geo):
         y = tl.load(targets + slot + geo.shift, mask=scored, other=geo.ignore_index).to(tl.int64)
         counted = scored & (y != geo.ignore_index)
     return slot, has_slot, y, counted
+
+
+INV_TEMPERATURE_AT = tl.constexpr(Scalars._fields.index("inv_temperature"))
+
+
+@triton.jit
+def row_temperature(S, temperature, slot, has_slot):
+    """The scalars of one row: with a per-row temperature (spec.LogitTransform.per_row_temperature; fp32
+    [n_out] by slot, or None) its inverse replaces ``S.inv_temperature``, so every use of the transform
+    in the row (stats, gradient, target, sparse teacher) takes it."""
+    if temperature is not None:
+        t = tl.load(temperature + slot, mask=has_slot, other=1.0)
+        S = Scalars(*(S[:INV_TEMPERATURE_AT] + (1.0 / t,) + S[INV_TEMPERATURE_AT + 1:]))
+    return S
 
 
 @triton.jit

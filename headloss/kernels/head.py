@@ -40,6 +40,7 @@ from .blocks import (
     reduce_rows,
     row_slot,
     row_start,
+    row_temperature,
     target_logit,
     token_scale,
     zero_row,
@@ -97,6 +98,15 @@ class TeacherRows(NamedTuple):
 
     logits: torch.Tensor | None
     sparse: SparseRows | None
+
+
+class SlotInputs(NamedTuple):
+    """What the head kernels read per slot besides the logits: the target ids ((n_out (+ shift),) int, or
+    None) and the per-row temperatures ((n_out,) fp32 by slot, spec.LogitTransform.per_row_temperature,
+    or None)."""
+
+    targets: torch.Tensor | None
+    temperature: torch.Tensor | None
 
 
 class Blocks(NamedTuple):
@@ -159,6 +169,7 @@ def prepare_kernel(
     targets,  # (n_out + shift,) int, or None
     num_items,  # (1,) any dtype, or None
     sequence_ids,  # (n_out,) int, or None
+    temperature,  # (n_out,) fp32 per-row temperature, or None: checked positive and finite
     scratch,  # (scratch_size(n_seq),) int64 out (layouts.Scratch)
     verdict,  # (VERDICT.N,) int64 slot in pinned host memory, or None: no validation
     dirty,  # (1,) int64 in pinned host memory, set to 1 when any verdict is written
@@ -166,13 +177,14 @@ def prepare_kernel(
     n_seq,  # sequences with per-sequence policy counters in scratch (layouts.SequenceCounters), or 0
     BLOCK: tl.constexpr,
 ):
-    prepare_call(targets, num_items, sequence_ids, scratch, verdict, dirty, geo, n_seq, BLOCK)
+    prepare_call(targets, num_items, sequence_ids, temperature, scratch, verdict, dirty, geo, n_seq, BLOCK)
     tl.store(scratch + SCRATCH_AT.done, 0)
     tl.store(scratch + SCRATCH_AT.ticket, 0)  # (unused here: written, so a call's scratch is the same each time)
 
 
 @triton.jit
-def prepare_call(targets, num_items, sequence_ids, scratch, verdict, dirty, geo, n_seq, BLOCK: tl.constexpr):
+def prepare_call(targets, num_items, sequence_ids, temperature, scratch, verdict, dirty, geo, n_seq,
+                 BLOCK: tl.constexpr):
     """prepare_kernel's work but the completion counter and the ticket (scratch's ``done``, ``ticket``): by one
     program."""
     offs = tl.arange(0, BLOCK)
@@ -180,6 +192,7 @@ def prepare_call(targets, num_items, sequence_ids, scratch, verdict, dirty, geo,
     bad_ids = tl.zeros([BLOCK], tl.int32)
     big = 2**62
     first_bad = tl.full([BLOCK], big, tl.int64)
+    first_hot = tl.full([BLOCK], big, tl.int64)  # the first slot of a temperature that is not positive, finite
     for start in range(0, geo.n_out, BLOCK):
         slot = start + offs  # the index type of n_out: int32 below 2**31 slots
         inside = slot < geo.n_out
@@ -195,6 +208,9 @@ def prepare_call(targets, num_items, sequence_ids, scratch, verdict, dirty, geo,
             if verdict is not None:  # (against the whole vocabulary: a vocab-parallel call's V_total)
                 bad = valid & ((y < 0) | (y >= tl.maximum(geo.V, geo.V_total)))
                 first_bad = tl.minimum(first_bad, tl.where(bad, slot + geo.shift, big))
+        if verdict is not None and temperature is not None:
+            t = tl.load(temperature + slot, mask=inside, other=1.0)
+            first_hot = tl.minimum(first_hot, tl.where(inside & ~((t > 0.0) & (t < float("inf"))), slot, big))
         if verdict is not None and sequence_ids is not None:
             ids = tl.load(sequence_ids + slot, mask=inside, other=0)
             bad_ids |= (inside & ((ids < 0) | (ids >= geo.n_out))).to(tl.int32)
@@ -214,7 +230,12 @@ def prepare_call(targets, num_items, sequence_ids, scratch, verdict, dirty, geo,
             bad_items = ((n > 0.0) & (n < float("inf"))).to(tl.int64) ^ 1
             items_bits = n.to(tl.int32, bitcast=True).to(tl.int64)
         any_ids = tl.max(bad_ids, axis=0).to(tl.int64)
-        if (where < big) | (bad_items != 0) | (any_ids != 0):
+        bad_call = (where < big) | (bad_items != 0) | (any_ids != 0)
+        hot = big
+        if temperature is not None:
+            hot = tl.min(first_hot, axis=0)
+            bad_call = bad_call | (hot < big)
+        if bad_call:
             value = tl.zeros([], tl.int64)
             if targets is not None:
                 value = tl.load(targets + where, mask=where < big, other=0).to(tl.int64)
@@ -223,6 +244,8 @@ def prepare_call(targets, num_items, sequence_ids, scratch, verdict, dirty, geo,
             tl.store(verdict + VERDICT_AT.bad_items, bad_items)
             tl.store(verdict + VERDICT_AT.bad_ids, any_ids)
             tl.store(verdict + VERDICT_AT.items, items_bits)
+            if temperature is not None:
+                tl.store(verdict + VERDICT_AT.temperature, tl.where(hot < big, hot + 1, 0))
             tl.atomic_xchg(verdict + VERDICT_AT.flag, 1, sem="release", scope="sys")
             tl.atomic_xchg(dirty, 1, sem="release", scope="sys")
 
@@ -231,7 +254,7 @@ def prepare_call(targets, num_items, sequence_ids, scratch, verdict, dirty, geo,
 def head_kernel(
     # pointers
     logits,  # (rows, V) addressed through geo.stride_b / stride_t, any float dtype
-    targets,  # (n_out,) int, or None
+    slots,  # SlotInputs: the targets and the per-row temperatures, by slot
     teacher,  # TeacherRows: the dense teacher's logits (like logits, geo.t_stride_*) and a sparse teacher, each or None
     grad,  # like logits (geo.g_stride_*), may alias logits; None: no gradient pass
     rows,  # (n_out, C.N) fp32 packed per-row values
@@ -254,6 +277,8 @@ def head_kernel(
     FINISH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    targets = slots.targets
+    temperature = slots.temperature
     BLOCK_V: tl.constexpr = BLOCKS.V
     BLOCK_K: tl.constexpr = BLOCKS.K
     t_logits = teacher.logits
@@ -268,7 +293,8 @@ def head_kernel(
     WAIT_IN_ROW: tl.constexpr = PREPARE and (F.HAS_POLICY or grad is not None)
     if PREPARE:
         if tl.atomic_xchg(scratch + SCRATCH_AT.ticket, prep.nonce, sem="acq_rel") != prep.nonce:
-            prepare_call(targets, num_items, prep.sequence_ids, scratch, prep.verdict, prep.dirty, geo, prep.n_seq,
+            prepare_call(targets, num_items, prep.sequence_ids, temperature, scratch, prep.verdict, prep.dirty, geo,
+                         prep.n_seq,
                          R.PREP_BLOCK)
             # the counted rows (and the verdicts) are published
             tl.atomic_xchg(scratch + SCRATCH_AT.done, prep.nonce, sem="release")
@@ -283,6 +309,7 @@ def head_kernel(
     t_row = row_start(t_logits, row, geo.T, geo.t_stride_b, geo.t_stride_t)
     grad_row = row_start(grad, row, geo.T, geo.g_stride_b, geo.g_stride_t)
     slot, has_slot, y, counted = row_slot(targets, row, geo)
+    S = row_temperature(S, temperature, slot, has_slot)
     row_out = rows + slot * C.N
     # an entropy without gradient is summed in the gradient pass when there is one
     # (sharded: from the merged sums, a gradient pass over one shard sums only its share)
@@ -419,7 +446,7 @@ def await_prepared(scratch, nonce, n_rows):
 def head_backward_kernel(
     # pointers
     logits,  # (rows, V) addressed through geo.stride_*
-    targets,  # (n_out,) int, or None
+    slots,  # SlotInputs, as head_kernel's
     teacher,  # TeacherRows, as head_kernel's
     grad,  # like logits (geo.g_stride_*), may alias logits
     rows,  # (n_out, C.N) fp32 saved by the forward
@@ -437,6 +464,8 @@ def head_backward_kernel(
     BLOCKS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    targets = slots.targets
+    temperature = slots.temperature
     stats = shard.stats
     SHARDED: tl.constexpr = stats is not None
     BLOCK_V: tl.constexpr = BLOCKS.V
@@ -446,6 +475,7 @@ def head_backward_kernel(
     t_row = row_start(t_logits, row, geo.T, geo.t_stride_b, geo.t_stride_t)
     grad_row = row_start(grad, row, geo.T, geo.g_stride_b, geo.g_stride_t)
     slot, has_slot, y, counted = row_slot(targets, row, geo)
+    S = row_temperature(S, temperature, slot, has_slot)
     if counted:
         zero = tl.zeros([], tl.float32)
         row_in = rows + slot * C.N
@@ -542,20 +572,22 @@ def scale_grad_kernel(
 # --- launchers -------------------------------------------------------------------------------
 
 def prepare(targets: torch.Tensor | None, num_items: torch.Tensor | None, sequence_ids: torch.Tensor | None,
-            geo: Geometry, device: torch.device, verdict: tuple | None, n_seq: int = 0) -> torch.Tensor:
+            geo: Geometry, device: torch.device, verdict: tuple | None, n_seq: int = 0,
+            temperature: torch.Tensor | None = None) -> torch.Tensor:
     """Launch prepare_kernel; returns the call's scratch (counted rows first). ``verdict`` is a
     (slot, dirty) pair of host tensors the device writes when a value is bad, or None (no checks)."""
     scratch = torch.empty(scratch_size(n_seq), dtype=torch.int64, device=device)
     slot, dirty = verdict if verdict is not None else (None, None)
-    launch(prepare_kernel, 1, 8, targets=targets, num_items=num_items, sequence_ids=sequence_ids, scratch=scratch,
-           verdict=slot, dirty=dirty, geo=geo, n_seq=n_seq, BLOCK=4096)
+    launch(prepare_kernel, 1, 8, targets=targets, num_items=num_items, sequence_ids=sequence_ids,
+           temperature=temperature, scratch=scratch, verdict=slot, dirty=dirty, geo=geo, n_seq=n_seq, BLOCK=4096)
     return scratch
 
 
 def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred, policy, num_items, scratch, loss,
                 means, geo: Geometry, finish: bool = True, stats: torch.Tensor | None = None,
                 jsd: torch.Tensor | None = None, verdict: tuple | None = None, prepared: bool = True,
-                sequence_ids: torch.Tensor | None = None, n_seq: int = 0, sparse: SparseRows | None = None) -> None:
+                sequence_ids: torch.Tensor | None = None, n_seq: int = 0, sparse: SparseRows | None = None,
+                temperature: torch.Tensor | None = None) -> None:
     """One program per logits row; with ``finish`` the last one writes ``means`` and the reduced loss.
     ``prepared=False``: ``scratch`` (scratch_size(n_seq) words, any content) was not filled by
     :func:`prepare`; the first program to take the call's ticket does that work first (``verdict``,
@@ -572,8 +604,8 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
         prep = Prepare(*(verdict if verdict is not None else (None, None)), next_nonce(), sequence_ids, n_seq)
     launch(
         head_kernel, geo.n_rows, cfg.num_warps,
-        logits=logits, targets=targets, teacher=TeacherRows(teacher, sparse), grad=grad, rows=rows, pred=pred,
-        policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means,
+        logits=logits, slots=SlotInputs(targets, temperature), teacher=TeacherRows(teacher, sparse), grad=grad,
+        rows=rows, pred=pred, policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means,
         shard=shard_rows(stats, jsd), prep=prep, geo=geo,
         S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=Blocks(cfg.block_v, max(topk_block(sparse), 1)),
         FINISH=finish, R=_tiles(plan.cols.N),
@@ -590,17 +622,17 @@ def launch_finish(plan: KernelPlan, *, rows, loss, means, scratch, num_items, ge
 
 
 def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d_loss, d_rows, num_items, scratch,
-                    geo: Geometry, stats: torch.Tensor | None = None, sparse: SparseRows | None = None) -> None:
+                    geo: Geometry, stats: torch.Tensor | None = None, sparse: SparseRows | None = None,
+                    temperature: torch.Tensor | None = None) -> None:
     """Deferred mode: d loss / d logits into ``grad`` from the saved rows and the upstream gradients."""
     if geo.n_rows == 0:
         return
     cfg = launch_config(geo.V, plan.has_teacher, geo.n_rows)
     launch(
         head_backward_kernel, geo.n_rows, cfg.num_warps,
-        logits=logits, targets=targets, teacher=TeacherRows(teacher, sparse), grad=grad, rows=rows, d_loss=d_loss,
-        d_rows=d_rows, num_items=num_items, scratch=scratch, shard=shard_rows(stats), geo=geo, S=plan.scalars,
-        F=plan.flags,
-        C=plan.cols, BLOCKS=Blocks(cfg.block_v, max(topk_block(sparse), 1)),
+        logits=logits, slots=SlotInputs(targets, temperature), teacher=TeacherRows(teacher, sparse), grad=grad,
+        rows=rows, d_loss=d_loss, d_rows=d_rows, num_items=num_items, scratch=scratch, shard=shard_rows(stats), geo=geo,
+        S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=Blocks(cfg.block_v, max(topk_block(sparse), 1)),
     )
 
 

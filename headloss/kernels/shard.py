@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..layouts import JSD_AT, JSD_SHARES, STATS, STATS_AT
 from ..plan import KernelPlan
-from .blocks import online_stats, row_slot, row_start, target_logit
+from .blocks import online_stats, row_slot, row_start, row_temperature, target_logit
 from .launch import Geometry, launch, launch_config
 from .sparse import SparseRows, rest_sum, shard_topk, topk_block
 from .terms import distill_lse, jsd_sums
@@ -32,6 +32,7 @@ def shard_stats_kernel(
     part,  # (n_rows, NCOL) fp32 out: this shard's statistics (layouts.Stats: N columns, N_TEACHER with a teacher)
     sparse,  # kernels.sparse.SparseRows of a top-k teacher (F.SPARSE == 1), or None
     x2k,  # (n_rows, BLOCK_K) fp32 out: this shard's top-k logits (sparse.shard_topk), or None
+    temperature,  # (n_out,) fp32 per-row temperature, or None (kernels.head.head_kernel's)
     geo,
     S,
     F: tl.constexpr,
@@ -44,6 +45,7 @@ def shard_stats_kernel(
     row_ptr = row_start(logits, row, geo.T, geo.stride_b, geo.stride_t)
     t_row = row_start(teacher, row, geo.T, geo.t_stride_b, geo.t_stride_t)
     slot, has_slot, y, counted = row_slot(targets, row, geo)
+    S = row_temperature(S, temperature, slot, has_slot)
     out = part + row * NCOL
     x2_ids = tl.zeros([BLOCK_K], tl.float32)
     if F.SPARSE == 1:
@@ -106,6 +108,7 @@ def shard_jsd_kernel(
     teacher,  # the teacher's logits on the same columns
     stats,  # (n_rows, STATS.N_TEACHER) merged statistics
     jsd,  # (n_rows, JSD_SHARES.N) fp32 out: this shard's share of the JSD and KL(p_s || M)
+    temperature,  # (n_out,) fp32 per-row temperature, or None
     geo,
     S,
     F: tl.constexpr,
@@ -117,6 +120,7 @@ def shard_jsd_kernel(
     row_ptr = row_start(logits, row, geo.T, geo.stride_b, geo.stride_t)
     t_row = row_start(teacher, row, geo.T, geo.t_stride_b, geo.t_stride_t)
     slot, has_slot, y, counted = row_slot(targets, row, geo)
+    S = row_temperature(S, temperature, slot, has_slot)
     value = tl.zeros([], tl.float32)
     kl_s = tl.zeros([], tl.float32)
     if counted:
@@ -290,7 +294,7 @@ def merged_rest(stats, row, NCOL: tl.constexpr):
 
 
 def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry, teacher=None,
-                       sparse: SparseRows | None = None) -> torch.Tensor:
+                       sparse: SparseRows | None = None, temperature: torch.Tensor | None = None) -> torch.Tensor:
     """This shard's (n_rows, STATS.N or N_TEACHER) statistics (vocab-parallel phase 1), followed with a
     top-k teacher by its share of the K logits (:func:`~headloss.kernels.sparse.shard_topk`, BLOCK_K
     columns more, of which the merge takes the max)."""
@@ -301,18 +305,20 @@ def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry, teac
     if geo.n_rows:
         cfg = launch_config(geo.V, teacher is not None, geo.n_rows)
         launch(shard_stats_kernel, geo.n_rows, cfg.num_warps, logits=logits, targets=targets, teacher=teacher,
-               part=part, sparse=sparse if block_k else None, x2k=x2k, geo=geo, S=plan.scalars, F=plan.flags,
-               BLOCK_V=cfg.block_v, BLOCK_K=max(block_k, 1))
+               part=part, sparse=sparse if block_k else None, x2k=x2k, temperature=temperature, geo=geo,
+               S=plan.scalars, F=plan.flags, BLOCK_V=cfg.block_v, BLOCK_K=max(block_k, 1))
     return part if x2k is None else torch.cat((part, x2k), dim=1)
 
 
-def launch_shard_jsd(plan: KernelPlan, *, logits, targets, teacher, stats, geo: Geometry) -> torch.Tensor:
+def launch_shard_jsd(plan: KernelPlan, *, logits, targets, teacher, stats, geo: Geometry,
+                     temperature: torch.Tensor | None = None) -> torch.Tensor:
     """This shard's (n_rows, JSD_SHARES.N) share of the mixture JSD (summed over the group by the caller)."""
     jsd = torch.empty(geo.n_rows, JSD_SHARES.N, dtype=torch.float32, device=logits.device)
     if geo.n_rows:
         cfg = launch_config(geo.V, True, geo.n_rows)
         launch(shard_jsd_kernel, geo.n_rows, cfg.num_warps, logits=logits, targets=targets, teacher=teacher,
-               stats=stats, jsd=jsd, geo=geo, S=plan.scalars, F=plan.flags, BLOCK_V=cfg.block_v)
+               stats=stats, jsd=jsd, temperature=temperature, geo=geo, S=plan.scalars, F=plan.flags,
+               BLOCK_V=cfg.block_v)
     return jsd
 
 

@@ -41,9 +41,12 @@ def reference_head_loss(
     and num_items_in_batch values; the reference reads them on the host (under torch.compile, a
     device-side assert). Like the kernel path, a loss whose plan runs the fused mode takes one
     backward: a second one (retain_graph=True) raises the same error."""
-    teacher_logits, teacher_ids, teacher_logprobs, num_items_in_batch = (
-        inputs.pop(name, None) for name in ("teacher_logits", "teacher_ids", "teacher_logprobs", "num_items_in_batch"))
+    teacher_logits, teacher_ids, teacher_logprobs, num_items_in_batch, temperature = (
+        inputs.pop(name, None) for name in ("teacher_logits", "teacher_ids", "teacher_logprobs", "num_items_in_batch",
+                                            "temperature"))
     policy_inputs = inputs
+    if temperature is not None and validate != "off":
+        _check_temperature(temperature, tuple(logits.shape[:-1]))
     if validate != "off" and targets is not None:
         _check_values(targets, logits.shape[-1], spec.ignore_index, num_items_in_batch,
                       policy_inputs.get("sequence_ids"), policy_inputs.get("loss_mask"))
@@ -51,7 +54,7 @@ def reference_head_loss(
         compute_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     token_shape = logits.shape[:-1]
     vocab = logits.shape[-1]
-    x = transformed_logits(logits, spec, compute_dtype).reshape(-1, vocab)
+    x = transformed_logits(logits, spec, compute_dtype, temperature).reshape(-1, vocab)
     y, valid, nan_if_bad = _targets(targets, x, spec.ignore_index, policy_inputs.get("loss_mask"))
 
     # an ignored row takes no part: whatever it holds (NaN, inf) reaches neither a value nor a gradient
@@ -296,3 +299,17 @@ def _distillation(x: torch.Tensor, teacher: torch.Tensor, spec: LossSpec) -> tup
     with torch.no_grad():
         agreement = (x.argmax(-1) == teacher.argmax(-1)).to(x.dtype)
     return div, {"distill/teacher_entropy": teacher_entropy, "distill/top1_agreement": agreement}
+
+
+def _check_temperature(temperature: torch.Tensor, rows_shape: tuple[int, ...]) -> None:
+    """Per-row temperatures (one per row of the logits) must be positive and finite: the first that is
+    not, named as the kernels' verdict names it."""
+    bad = ~((temperature > 0) & torch.isfinite(temperature)).reshape(-1)
+    if torch.compiler.is_compiling():
+        torch._assert_async(~bad.any(), "headloss: a temperature that is not a positive finite number")
+        return
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0, 0])
+        position = (tuple(int(i) for i in torch.unravel_index(torch.tensor(first), rows_shape)) if rows_shape
+                    else (first,))
+        raise ValueError(f"temperature: the value at position {position} is not a positive finite number")

@@ -120,6 +120,8 @@ def _head(spec, dtype=torch.bfloat16, backward=True, **kwargs):
                          teacher_logprobs=-torch.rand(*logits.shape[:-1], 8) * 4)
         if extra.pop("token", False):
             extra["teacher_logprobs"] = -torch.rand(targets.shape) * 4
+        if extra.pop("row_temperature", False):  # one per row (spec.transform.per_row_temperature)
+            extra["temperature"] = 0.5 + torch.rand(targets.shape)
         if "policy" in extra:
             extra.pop("policy")
             extra.update(advantages=torch.randn(logits.shape[0]), sequence_ids=torch.arange(logits.shape[0]) // 3,
@@ -140,8 +142,11 @@ def _linear(spec, policy=False, **kwargs):
         extra = dict(kwargs)
         if policy:
             extra.update(advantages=torch.randn(2), old_logprobs=torch.randn(2, 7))
+        if extra.pop("row_temperature", False):
+            extra["temperature"] = 0.5 + torch.rand(2)
+        validate = extra.pop("validate", False)
         out = headloss.linear_head_loss(hidden, weight, torch.randint(0, 300, (2, 7)), spec, backend="triton",
-                                        validate=False, compact=False, chunk_bytes=3 * 300 * 2, **extra)
+                                        validate=validate, compact=False, chunk_bytes=3 * 300 * 2, **extra)
         out.loss.sum().backward()
 
     return call
@@ -253,6 +258,17 @@ VARIANTS = {
     "topk-rest-deferred": _head(headloss.LossSpec(distillation={"teacher": "topk", "topk": "rest",
                                                                 "divergence": "reverse_kl"}, reduction="none"),
                                 topk=True),
+    # each row at its own temperature: the fused and deferred kernels, the prepare kernel's check, the shard's
+    "row-temperature": _head(headloss.LossSpec(z_loss={"weight": 1e-3}, entropy={"weight": 0.01},
+                                               transform={"softcap": 30.0, "per_row_temperature": True}),
+                             row_temperature=True, validate=True),
+    "row-temperature-deferred": _head(headloss.LossSpec(reduction="none", transform={"per_row_temperature": True}),
+                                      row_temperature=True),
+    "sharded-row-temperature-jsd": _sharded(_head(headloss.LossSpec(distillation={"divergence": "jsd"},
+                                                                     transform={"per_row_temperature": True}),
+                                                  teacher=True, row_temperature=True, group=object())),
+    "linear-row-temperature": _linear(headloss.LossSpec(transform={"per_row_temperature": True}),
+                                      row_temperature=True, validate=True),
 }
 
 
