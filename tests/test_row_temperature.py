@@ -254,3 +254,32 @@ def test_explain_names_the_input_and_demo_makes_one(tmp_path, capsys):
     assert "inputs      logits, targets, temperature" in text
     assert "inv_temperature per row: 1 / the call's temperature" in text
     assert main(["demo", str(path), "--rows", "8", "--vocab", "20"]) == 0
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ["logits", "hidden"])
+def test_a_compiled_call_reads_the_temperatures_as_eager_does(entry):
+    """torch.compile (fullgraph): the temperatures cross the ops with the call's other tensors."""
+    gen = generator(71)
+    spec = LossSpec(transform={"per_row_temperature": True}, entropy={"weight": 0.01})
+    y = torch.randint(0, V, (2, 5), generator=gen)
+    t = 0.5 + torch.rand(2, generator=gen)
+    if entry == "logits":
+        rows = torch.randn(2, 5, V, generator=gen)
+
+        def call(r, y, t):
+            return headloss.head_loss(r, y, spec, temperature=t).loss
+    else:
+        rows, weight = torch.randn(2, 5, H, generator=gen), torch.randn(V, H, generator=gen)
+
+        def call(r, y, t):
+            return headloss.linear_head_loss(r, weight, y, spec, temperature=t, chunk_bytes=4 * V * 4).loss
+    eager = rows.clone().requires_grad_()
+    want = call(eager, y, t)
+    want.backward()
+    compiled = rows.clone().requires_grad_()
+    got = torch.compile(call, backend="aot_eager", fullgraph=True)(compiled, y, t)
+    got.backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(compiled.grad, eager.grad)
