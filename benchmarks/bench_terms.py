@@ -37,6 +37,9 @@ GRPO_SPEC = headloss.LossSpec(
     cross_entropy=None, policy={"loss_type": "dapo", "kl_beta": BETA, "kl_estimator": "k3", "eps_low": EPS,
                                 "eps_high": EPS},
 )
+DISTILL_PROBS_SPEC = headloss.LossSpec(
+    cross_entropy={"weight": 0.5}, distillation={"weight": 0.5, "divergence": "forward_kl", "teacher": "probs"}
+)
 ROW_TEMPERATURE = headloss.LogitTransform(per_row_temperature=True)
 """The same calls with each row at its own temperature (the call's ``temperature``): its cost beside the
 plain call in the same run."""
@@ -81,6 +84,7 @@ def distill_case(rows: list[Row], n: int, cfg: dict, names) -> None:
     y[torch.rand(n, device="cuda", generator=gen) < 0.05] = -100
     x, setup = restorable_leaf(pristine)
     temperatures = 0.6 + 0.8 * torch.rand(n, device="cuda", generator=gen)
+    teacher_probs = torch.softmax(teacher.float(), -1).to(torch.bfloat16)
     compiled = torch.compile(torch_distill)
     table = {
         "torch-eager": lambda: torch_distill(x, teacher, y).backward(),
@@ -90,6 +94,8 @@ def distill_case(rows: list[Row], n: int, cfg: dict, names) -> None:
         "headloss, per-row temperature": lambda: headloss.head_loss(
             x, y, DISTILL_SPEC.model_copy(update={"transform": ROW_TEMPERATURE}), teacher_logits=teacher,
             temperature=temperatures, inplace_grad=True).loss.backward(),
+        "headloss, teacher probabilities": lambda: headloss.head_loss(
+            x, y, DISTILL_PROBS_SPEC, teacher_probs=teacher_probs, inplace_grad=True).loss.backward(),
     }
     try:
         from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
@@ -104,6 +110,14 @@ def distill_case(rows: list[Row], n: int, cfg: dict, names) -> None:
             (0.5 * ce + 0.5 * kl).backward()
 
         table["liger CE + KLDiv"] = liger
+
+        def liger_probs():  # Liger's KL with the teacher's probabilities (log_target=False)
+            s_logp = torch.log_softmax(x.float(), dim=-1)
+            kl = LigerKLDivLossFunction.apply(s_logp, teacher_probs.float(), "batchmean", False, 1e-10)
+            ce = LigerCrossEntropyFunction.apply(x, y, None, -100, 0.0, 0.0, "mean", None, False, False, False)[0]
+            (0.5 * ce + 0.5 * kl).backward()
+
+        table["liger CE + KLDiv, teacher probabilities"] = liger_probs
     except Exception as exc:
         print(f"liger unavailable: {exc}")
     for name, step in table.items():

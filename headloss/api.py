@@ -47,6 +47,8 @@ def head_loss(
         spec: a :class:`LossSpec`, a dict, or a YAML/JSON path (default: mean cross-entropy).
         teacher_logits, ..., route: the per-call keywords (:class:`headloss.batch.HeadInputs`), below.
         teacher_logits: like ``logits``, for the distillation term; read only.
+        teacher_probs: like ``logits``: a teacher given as probabilities (``teacher: probs``), each row
+            summing to 1 within 1e-3 (checked as ``validate`` says); read only.
         teacher_ids, teacher_logprobs: a sparse teacher (``spec.distillation.teacher``): its top-k ids
             [.., K] (-1 where a row has fewer) and their log-probs [.., K], rows like ``logits``'; or
             (teacher ``"token"``) its log-prob of each target, shaped like ``targets``
@@ -122,9 +124,9 @@ def linear_head_loss(
             ``bias``: optional [V]. ``targets``, ``spec``, ``shift``, ``cu_seqlens``,
             ``position_ids``, ``temperature``, the policy inputs, ``num_items_in_batch``, ``validate``,
             ``backend``, ``route``: as in :func:`head_loss`.
-        teacher_logits: [.., V] teacher logits, or instead ``teacher_hidden`` [.., Ht] with
-            ``teacher_weight`` [V, Ht] (and ``teacher_bias``): the teacher's logits computed chunk by
-            chunk too.
+        teacher_logits: [.., V] teacher logits (or ``teacher_probs``, as in :func:`head_loss`), or instead
+            ``teacher_hidden`` [.., Ht] with ``teacher_weight`` [V, Ht] (and ``teacher_bias``): the
+            teacher's logits computed chunk by chunk too.
         chunk_bytes: the budget of one chunk's logits (default 256 MiB; 128 MiB where memory is
             tight). Peak extra memory is about this plus dW (V x H), dh (N x H) and O(N) buffers.
         fp32_weight_grad: accumulate dW in fp32 and round once (a V x H fp32 buffer).

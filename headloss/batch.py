@@ -29,12 +29,13 @@ class Teacher:
     bias: torch.Tensor | None = None
     ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
+    probs: torch.Tensor | None = None  # as given (teacher 'probs'): the layers below read them as ``logits``
 
     @property
     def present(self) -> bool:
         """Any part of a teacher is given."""
         return any(t is not None for t in (self.logits, self.hidden, self.weight, self.bias, self.ids,
-                                           self.logprobs))
+                                           self.logprobs, self.probs))
 
     @property
     def sparse(self) -> bool:
@@ -74,6 +75,7 @@ class HeadInputs(PolicyInputs, total=False):
     teacher_logits: torch.Tensor | None
     teacher_ids: torch.Tensor | None
     teacher_logprobs: torch.Tensor | None
+    teacher_probs: torch.Tensor | None
     num_items_in_batch: int | float | torch.Tensor | None
     shift: bool
     cu_seqlens: torch.Tensor | None
@@ -203,7 +205,7 @@ class CallInputs:
         check_keywords(inputs, accepted, caller)
         get = inputs.get
         teacher = Teacher(get("teacher_logits"), get("teacher_hidden"), get("teacher_weight"), get("teacher_bias"),
-                          get("teacher_ids"), get("teacher_logprobs"))
+                          get("teacher_ids"), get("teacher_logprobs"), get("teacher_probs"))
         layout = Layout(get("shift", False), get("cu_seqlens"), get("position_ids"))
         return cls(teacher, PolicyBatch.of(inputs), layout, get("num_items_in_batch"), get("route"), get("bias"),
                    get("temperature"))

@@ -231,6 +231,8 @@ def synthetic_inputs(spec: LossSpec, logits: torch.Tensor, gen: torch.Generator)
     dist = spec.distillation
     if dist is not None and dist.teacher == "logits":
         inputs["teacher_logits"] = (torch.randn(logits.shape, generator=gen) * 2.0).to(logits)
+    elif dist is not None and dist.teacher == "probs":
+        inputs["teacher_probs"] = torch.softmax(torch.randn(logits.shape, generator=gen) * 2.0, dim=-1).to(logits)
     elif dist is not None:  # the teacher's top-8 (or its log-prob at each target, made up)
         teacher = torch.log_softmax(torch.randn(logits.shape, generator=gen) * 2.0, dim=-1)
         top = teacher.topk(min(8, logits.shape[-1]), dim=-1)

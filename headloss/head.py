@@ -112,6 +112,7 @@ class Block(NamedTuple):
     sparse: SparseRows | None = None  # a top-k or per-token teacher of these rows
     policy: PolicyRows | None = None  # the fused epilogue's policy inputs of these rows
     temperature: torch.Tensor | None = None  # these rows' per-row temperatures, per slot
+    row_ids: torch.Tensor | None = None  # each slot's row of the call, where it is not the slot (lm_head chunks)
 
 
 INLINE_PREPARE_SLOTS = 1 << 14
@@ -190,7 +191,7 @@ class HeadCall:
                     pred=optional(out.pred), policy=block.policy, num_items=self.tensors.num_items,
                     scratch=self.scratch, loss=out.loss, means=out.means, geo=geo, finish=self.one_block, stats=stats,
                     jsd=jsd, verdict=self.verdict, prepared=not self.inline, sequence_ids=self.tensors.sequence_ids,
-                    n_seq=self.n_seq, sparse=block.sparse, temperature=block.temperature)
+                    n_seq=self.n_seq, sparse=block.sparse, temperature=block.temperature, row_ids=block.row_ids)
         return stats
 
     def finish(self, out: HeadOutputs) -> None:
@@ -216,9 +217,11 @@ def torch_head(logits, targets, spec: LossSpec, teacher: Teacher, norm: Normalis
     given = {k: v for k, v in batch.by_name().items() if v is not None}
     if temperature is not None:
         given["temperature"] = temperature
-    return reference_head_loss(logits, targets, spec, teacher_logits=teacher.logits, teacher_ids=teacher.ids,
-                               teacher_logprobs=teacher.logprobs, num_items_in_batch=norm.as_torch(), validate=mode,
-                               **given)
+    dense = "teacher_probs" if spec.distillation is not None and spec.distillation.teacher == "probs" else \
+        "teacher_logits"
+    given[dense] = teacher.logits
+    return reference_head_loss(logits, targets, spec, teacher_ids=teacher.ids, teacher_logprobs=teacher.logprobs,
+                               num_items_in_batch=norm.as_torch(), validate=mode, **given)
 
 
 def teacher_k(sparse: SparseRows | None) -> int:

@@ -8,7 +8,7 @@ device by the call's first kernel (headloss.validation).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -102,21 +102,22 @@ def check_teacher(logits_shape: tuple[int, ...], device: torch.device, teacher_l
         return
     if not spec.distillation.dense:
         return
+    name = "teacher_probs" if spec.distillation.teacher == "probs" else "teacher_logits"
     if teacher_logits is None:
-        raise ValueError("teacher_logits: required by distillation but not given")
+        raise ValueError(f"{name}: required by distillation but not given")
     if not isinstance(teacher_logits, torch.Tensor) or not teacher_logits.is_floating_point():
         got = getattr(teacher_logits, "dtype", type(teacher_logits).__name__)
-        raise TypeError(f"teacher_logits: expected a floating-point tensor, got {got}")
+        raise TypeError(f"{name}: expected a floating-point tensor, got {got}")
     if tuple(teacher_logits.shape) != tuple(logits_shape):
         raise ValueError(
-            f"teacher_logits: shape {tuple(teacher_logits.shape)} does not match logits {tuple(logits_shape)}"
+            f"{name}: shape {tuple(teacher_logits.shape)} does not match logits {tuple(logits_shape)}"
         )
     if teacher_logits.device != device:
-        raise ValueError(f"teacher_logits: on {teacher_logits.device}, logits on {device}")
+        raise ValueError(f"{name}: on {teacher_logits.device}, logits on {device}")
     if teacher_logits.stride(-1) != 1 and teacher_logits.shape[-1] > 1:
-        raise ValueError("teacher_logits: the vocabulary dimension must have stride 1; pass .contiguous()")
+        raise ValueError(f"{name}: the vocabulary dimension must have stride 1; pass .contiguous()")
     if kernel and teacher_logits.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"teacher_logits: the kernel takes float32, bfloat16, float16 (or float64, as a float32 "
+        raise TypeError(f"{name}: the kernel takes float32, bfloat16, float16 (or float64, as a float32 "
                         f"copy), got {teacher_logits.dtype}")
 
 
@@ -146,6 +147,29 @@ def row_temperature(value: Any, spec: LossSpec, token_shape: tuple[int, ...], de
         raise ValueError(f"{name}: shape {shape} fits neither one per row {tuple(token_shape)} (like the "
                          f"targets){sequences}")
     return flat.to(torch.float32).contiguous()
+
+
+def resolved_teacher(call: CallInputs, spec: LossSpec) -> CallInputs:
+    """A teacher given as probabilities (teacher 'probs') travels as the dense teacher's rows, which the
+    kernels read as log q (plan flag TEACHER_PROBS); ``teacher_probs`` with another teacher, or the
+    logits with this one, are refused naming the argument."""
+    teacher = call.teacher
+    probs_teacher = spec.distillation is not None and spec.distillation.teacher == "probs"
+    if teacher.probs is None and not probs_teacher:
+        return call
+    if not probs_teacher:
+        form = "no distillation term" if spec.distillation is None else \
+            f"a {spec.distillation.teacher!r} teacher"
+        raise ValueError(f"teacher_probs: given, but the spec has {form}; teacher_probs [.., V] needs "
+                         "distillation.teacher 'probs'")
+    for name, value in (("teacher_logits", teacher.logits), ("teacher_hidden", teacher.hidden),
+                        ("teacher_ids", teacher.ids), ("teacher_logprobs", teacher.logprobs)):
+        if value is not None:
+            raise ValueError(f"{name}: the spec's distillation takes a 'probs' teacher (teacher_probs [.., V]); "
+                             "drop it")
+    if teacher.probs is None:
+        raise ValueError("teacher_probs: required by distillation (teacher 'probs') but not given")
+    return replace(call, teacher=replace(teacher, logits=teacher.probs, probs=None))
 
 
 def flat_targets(targets: torch.Tensor | None) -> torch.Tensor | None:

@@ -86,7 +86,8 @@ class TeacherKeys(NamedTuple):
     id: int = 0  # its id lies outside [0, V) and is not -1
     logprob: int = 1  # its log-prob is above 0 or NaN
     repeat: int = 2  # its id is an earlier entry's of the same row
-    N: int = 3
+    mass: int = 3  # a teacher given as probabilities: its row does not sum to 1 (within MASS_TOLERANCE)
+    N: int = 4
 
 
 TEACHER_KEY = TeacherKeys()

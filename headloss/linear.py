@@ -161,6 +161,10 @@ def _run_chunks(loop: _Loop, hidden, weight, bias, tensors: CallTensors) -> None
     fused = loop.grads is not None
     policy = tensors.policy_rows()
     computed = loop.out.rows.shape[0]
+    # a verdict from a chunk names the call's row (a teacher given as probabilities: its rows' mass)
+    row_ids = None
+    if run.plan.flags.TEACHER_PROBS and call.verdict is not None:
+        row_ids = torch.arange(hidden.shape[0], device=hidden.device)
     for start, stop, h_c, parts, logits in chunks_of(hidden, weight, bias, loop.index, tensors.teacher, computed,
                                                      run.chunk_rows, run.teacher_rows):
         for a, b, t_c in parts:
@@ -168,7 +172,7 @@ def _run_chunks(loop: _Loop, hidden, weight, bias, tensors: CallTensors) -> None
             block = Block(part, chunk_geometry(hi - lo, weight.shape[0], t_c, run),
                           None if loop.targets is None else loop.targets[lo:hi], t_c,
                           sparse_rows(tensors, loop.index, lo, hi), _pick_rows(policy, loop.index, lo, hi),
-                          rows_of(tensors.temperature, loop.index, lo, hi))
+                          rows_of(tensors.temperature, loop.index, lo, hi), rows_of(row_ids, loop.index, lo, hi))
             policy_c = run.loop.part_policy(loop, block, lo, hi)
             block = block if policy_c is block.policy else block._replace(policy=policy_c)
             stats = call.block(block, loop.out.of_rows(lo, hi),

@@ -27,6 +27,7 @@ from .inputs import (
     check_targets,
     flat_targets,
     pad_shifted,
+    resolved_teacher,
     row_temperature,
     sparse_teacher,
     teacher_source,
@@ -97,6 +98,7 @@ def run_linear(hidden, weight, targets, plan: KernelPlan, call: CallInputs, opti
 def _run_linear(hidden, weight, targets, plan: KernelPlan, call: CallInputs, options: LinearOptions
                 ) -> HeadLossOutput:
     traced = torch.compiler.is_compiling()
+    call = resolved_teacher(call, plan.spec)
     mode = validation_mode(options.validate)
     # the first call with a DTensor weight of a layout checks, as validate="sync" does, that every rank has
     # the same rows (FSDP2's data-parallel shard of a weight looks like a vocab-parallel one)

@@ -29,6 +29,7 @@ from .inputs import (
     flat_targets,
     head_call,
     pad_shifted,
+    resolved_teacher,
     row_temperature,
     sparse_teacher,
     teacher_precision,
@@ -72,6 +73,7 @@ def run_head(logits, targets, plan: KernelPlan, call: CallInputs, options: Optio
     """head_loss of the bundled inputs (headloss.api)."""
     traced = torch.compiler.is_compiling()
     spec = plan.spec
+    call = resolved_teacher(call, spec)
     teacher, batch, layout = call.teacher, call.batch, call.layout
     shift = layout.shift
     temperature = call.temperature

@@ -160,8 +160,8 @@ def _plan_inputs(spec: LossSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     accepts: tuple[str, ...] = () if spec.needs_targets else ("targets",)
     dist = spec.distillation
     if dist is not None:
-        requires += {"logits": ("teacher_logits",), "topk": ("teacher_ids", "teacher_logprobs"),
-                     "token": ("teacher_logprobs",)}[dist.teacher]
+        requires += {"logits": ("teacher_logits",), "probs": ("teacher_probs",),
+                     "topk": ("teacher_ids", "teacher_logprobs"), "token": ("teacher_logprobs",)}[dist.teacher]
     if spec.policy is not None:
         requires += ("advantages",) + (("ref_logprobs",) if spec.policy.kl_beta != 0.0 else ())
         accepts += ("old_logprobs", "loss_mask", "importance_weights", "rollout_logprobs", "sequence_ids")

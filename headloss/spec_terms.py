@@ -93,14 +93,18 @@ class Distillation(_Frozen):
       targets: the per-token ``estimator`` of KL(student || teacher) as verl's ``kl_penalty``
       (k1 logp - lq, k2 (logp - lq)^2 / 2, k3 exp(lq - logp) - (lq - logp) - 1, abs |logp - lq|;
       ``estimator_clamp``: verl's low_var_kl clamps; ``estimator_grad="k2"``: verl's "k3+").
+    * ``"probs"``  its probabilities ``teacher_probs`` [.., V] (cached soft labels), each row summing
+      to 1 (within 1e-3); a zero probability adds nothing. Every divergence of ``"logits"``, with
+      q the given probabilities (the kernels read log q in the same passes).
 
-    A top-k or per-token teacher's log-probs are taken as given, so ``temperature`` stays 1 there.
+    A top-k, per-token or probability teacher is taken as given, so ``temperature`` stays 1 there.
     ``scale_by_temperature_squared`` multiplies the term by T**2 (keeps gradient magnitudes
     comparable across temperatures). Gradient flows into the student only.
     """
 
     weight: float = Field(1.0, ge=0.0, description="weight of the divergence in the combined loss")
-    teacher: Literal["logits", "topk", "token"] = Field("logits", description="what the call gives of the teacher")
+    teacher: Literal["logits", "topk", "token", "probs"] = Field("logits",
+                                                                 description="what the call gives of the teacher")
     divergence: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
     beta: float = Field(0.5, ge=0.0, le=1.0, description="jsd interpolation (ignored by the KLs)")
     temperature: float = Field(1.0, gt=0.0)
@@ -136,10 +140,9 @@ class Distillation(_Frozen):
 
     @model_validator(mode="after")
     def _consistent(self) -> Distillation:
-        sparse = self.teacher != "logits"
-        if sparse and self.temperature != 1.0:
-            raise ValueError(f"temperature: a {self.teacher!r} teacher's log-probs are taken as given; temperature "
-                             f"applies to teacher logits only (got {self.temperature})")
+        if self.teacher != "logits" and self.temperature != 1.0:
+            raise ValueError(f"temperature: a {self.teacher!r} teacher is taken as given; temperature applies to "
+                             f"teacher logits only (got {self.temperature})")
         if self.teacher == "topk" and self.topk == "verl" and self.divergence != "forward_kl":
             raise ValueError(f"divergence: topk 'verl' is verl's forward KL over the unnormalised top-k; use topk "
                              f"'renormalized' or 'rest' for {self.divergence!r}")
@@ -160,8 +163,8 @@ class Distillation(_Frozen):
 
     @property
     def dense(self) -> bool:
-        """The teacher is full logits (or hidden states and an lm_head)."""
-        return self.teacher == "logits"
+        """The teacher is a full row: logits (or hidden states and an lm_head), or probabilities."""
+        return self.teacher in ("logits", "probs")
 
 
 PolicyLossType = LossTypeName

@@ -30,6 +30,9 @@ from .spec import LossSpec
 
 Validate = bool | Literal["sync"] | None
 
+MASS_TOLERANCE = 1e-3
+"""How far from 1 a row of a teacher given as probabilities may sum (kernels.head.MASS_TOLERANCE)."""
+
 NOT_BINARY = -(2**63)
 """The effective target of a token whose ``loss_mask`` is neither 0 nor 1: out of range for every
 vocabulary, so the device check that finds bad targets finds it, and its error names loss_mask."""
@@ -311,6 +314,9 @@ def raise_teacher(key: int, context: CheckContext, deferred: bool = False, entry
     else:
         where = f"position {_position(index, context.token_shape)}"
     shown = "" if entry_id is None else f" {entry_id}"
+    if kind == TEACHER_KEY.mass:
+        raise ValueError(f"teacher_probs: the row at {where} does not sum to 1 within {MASS_TOLERANCE:g}, or holds a "
+                         f"negative or NaN probability{later}")
     if kind == TEACHER_KEY.logprob:
         raise ValueError(f"teacher_logprobs: the value at {where} is not a log-probability (<= 0, not NaN){later}")
     if kind == TEACHER_KEY.repeat:

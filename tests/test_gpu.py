@@ -1115,6 +1115,42 @@ def test_per_row_temperature_on_the_compiled_kernels_scores_the_logits_over_t(sp
         headloss.check_pending(wait=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+def test_a_teacher_given_as_probabilities_on_the_compiled_kernels(divergence, dtype):
+    """teacher_probs = softmax(teacher logits) scores as the logits teacher (log q read on load), on the
+    logits and the fused lm_head; a row that does not sum to 1 is found on the device (check_pending)."""
+    b, t, v, h = 4, 300, 32000, 256
+    gen = torch.Generator(device="cuda").manual_seed(63)
+    ids = torch.randint(0, v, (b, t), device="cuda", generator=gen)
+    hidden = torch.randn(b, t, h, device="cuda", generator=gen).to(dtype)
+    weight = (torch.randn(v, h, device="cuda", generator=gen) / 16).to(dtype)
+    logits = (hidden.float() @ weight.float().T).to(dtype)
+    teacher = logits.float() + torch.randn(b, t, v, device="cuda", generator=gen)
+    probs = torch.softmax(teacher, -1)
+    given = headloss.LossSpec(distillation={"teacher": "probs", "divergence": divergence})
+    plain = headloss.LossSpec(distillation={"divergence": divergence})
+    x, xr = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    out = headloss.head_loss(x, ids, given, teacher_probs=probs)
+    out.loss.backward()
+    ref = headloss.head_loss(xr, ids, plain, teacher_logits=teacher)
+    ref.loss.backward()
+    assert abs(out.loss.item() - ref.loss.item()) <= 1e-4 * abs(ref.loss.item())
+    assert _rel(x.grad.float(), xr.grad.float()) < (1e-2 if dtype == torch.bfloat16 else 1e-4)
+    hh, hr = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    lin = headloss.linear_head_loss(hh, weight, ids, given, teacher_probs=probs, chunk_bytes=64 << 20)
+    lin.loss.backward()
+    lin_ref = headloss.linear_head_loss(hr, weight, ids, plain, teacher_logits=teacher, chunk_bytes=64 << 20)
+    lin_ref.loss.backward()
+    assert abs(lin.loss.item() - lin_ref.loss.item()) <= 1e-4 * abs(lin_ref.loss.item())
+    assert _rel(hh.grad.float(), hr.grad.float()) < (1e-2 if dtype == torch.bfloat16 else 1e-4)
+    bad = probs.clone()
+    bad[3, 7] *= 1.01
+    headloss.head_loss(logits, ids, given, teacher_probs=bad)
+    with pytest.raises(ValueError, match=r"teacher_probs: the row at position \(3, 7\) does not sum to 1"):
+        headloss.check_pending(wait=True)
+
+
 def test_bad_num_items_on_the_device_is_raised_by_check_pending():
     logits, targets = _batch(64, 32000, torch.bfloat16, seed=23)
     headloss.head_loss(logits, targets, num_items_in_batch=torch.tensor(0.0, device="cuda"))

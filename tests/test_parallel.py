@@ -45,6 +45,8 @@ SPECS = {
     "row_temperature": LossSpec(cross_entropy=CrossEntropy(label_smoothing=0.1), entropy=Entropy(weight=0.05),
                                 token_accuracy=True, transform=LogitTransform(softcap=4.0, per_row_temperature=True),
                                 outputs=OUTPUTS),
+    # a teacher given as probabilities, sharded like the student: its rows' mass checked after the merge
+    "distill_probs_jsd": LossSpec(distillation={"divergence": "jsd", "teacher": "probs"}, token_accuracy=True),
     "distill_jsd_row_temperature": LossSpec(distillation={"divergence": "jsd", "temperature": 1.5},
                                             transform=LogitTransform(per_row_temperature=True)),
 }
@@ -72,6 +74,8 @@ def _inputs(name: str, dtype: torch.dtype):
             ids_k, logprobs = top.indices.clone(), top.values.float()
             ids_k[0, 0, 4:] = -1
             kwargs = dict(teacher_ids=ids_k, teacher_logprobs=logprobs)
+        elif name.startswith("distill_probs"):
+            kwargs["teacher_probs"] = torch.softmax(teacher.double(), -1).to(dtype)
         elif name == "distill_token":
             kwargs["teacher_logprobs"] = torch.log_softmax(teacher.double(), -1).gather(
                 -1, ids.clamp(min=0)[..., None])[..., 0].float()
@@ -122,7 +126,8 @@ QUICK = {("full_sft", torch.float32, "triton", False), ("full_sft", torch.float3
          ("deferred", torch.float32, "triton", True), ("grpo", torch.bfloat16, "triton", False),
          ("gspo", torch.float32, "triton", False), ("distill_jsd", torch.float32, "triton", False),
          ("distill_topk_rest", torch.float32, "triton", False), ("row_temperature", torch.float32, "triton", True),
-         ("distill_jsd_row_temperature", torch.float32, "triton", False)}
+         ("distill_jsd_row_temperature", torch.float32, "triton", False),
+         ("distill_probs_jsd", torch.float32, "triton", False)}
 
 
 def _cases(quick: bool) -> list[tuple]:
@@ -175,8 +180,9 @@ def _logits_job(rank: int, world: int, quick: bool) -> tuple:
         _backward(full)
         local = logits[..., start: start + widths[rank]].clone().requires_grad_()
         mine = dict(kwargs)
-        if "teacher_logits" in mine:  # sharded like the student's
-            mine["teacher_logits"] = mine["teacher_logits"][..., start: start + widths[rank]]
+        for key in ("teacher_logits", "teacher_probs"):  # sharded like the student's
+            if key in mine:
+                mine[key] = mine[key][..., start: start + widths[rank]]
         before = len(gathers), COLLECTIVES["stats"], COLLECTIVES["jsd"]
         sharded = head_loss(local, ids, spec, shift=shift, backend=backend, group=dist.group.WORLD, **mine)
         _backward(sharded)
@@ -202,14 +208,14 @@ def check_logits_job(results, world: int, quick: bool) -> None:
     for rank in range(world):
         out, refusals, first, layouts = results[rank]["logits"]
         assert first == (2, 1) and layouts == 1  # the first call also learnt the layout; never again
-        assert len(out) == len(_cases(quick)) == (len(QUICK) if quick else 42)
+        assert len(out) == len(_cases(quick)) == (len(QUICK) if quick else 44)
         for (name, dtype, backend, shift), (errs, calls) in out.items():
             tol = 1e-5 if dtype == "torch.float32" else 2e-2  # bf16: the gradient's own rounding
             for what, err in errs.items():
                 limit = tol if what == "grad" else 2e-5
                 assert err <= limit, (rank, name, dtype, backend, shift, what, err)
             if backend == "triton":  # one all_gather per call; the mixture JSD adds one all-reduce
-                assert calls == (1, 1, int(name.startswith("distill_jsd"))), (name, calls)
+                assert calls == (1, 1, int(name.startswith(("distill_jsd", "distill_probs_jsd")))), (name, calls)
         assert "outside [0, 53)" in refusals["target_out_of_range"]
 
 
@@ -248,7 +254,8 @@ def test_merge_matches_the_whole_row():
 
 H = 12
 LINEAR_NAMES = ("full_sft", "smoothing_softcap_temperature", "grpo", "gspo", "deferred", "teacher_weight",
-                "teacher_logits", "distill_topk_rest", "distill_topk_verl", "distill_token", "row_temperature")
+                "teacher_logits", "distill_topk_rest", "distill_topk_verl", "distill_token", "row_temperature",
+                "distill_probs_jsd")
 LINEAR_QUICK = ("full_sft", "gspo", "teacher_weight", "row_temperature")
 
 
@@ -273,6 +280,8 @@ def _linear_job(rank: int, world: int, quick: bool) -> dict:
             bias = torch.randn(V, generator=gen, dtype=torch.float64).float() * 0.1
             _, ids, kwargs = _inputs(name, torch.float32)
             mine = dict(kwargs)
+            if "teacher_probs" in mine:  # the teacher's probabilities, sharded on the vocabulary
+                mine["teacher_probs"] = mine["teacher_probs"][..., start: start + width]
             if name == "teacher_weight":  # a teacher head: replicated hidden states, its weight's rows sharded
                 t_weight = torch.randn(V, H + 2, generator=gen)
                 kwargs["teacher_hidden"] = mine["teacher_hidden"] = torch.randn(3, 5, H + 2, generator=gen)

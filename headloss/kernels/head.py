@@ -32,8 +32,9 @@ import triton
 import triton.language as tl
 
 from .. import bounded
-from ..layouts import JSD_AT, SCRATCH_AT, SEQUENCE_AT, STATS_AT, VERDICT_AT, scratch_size
+from ..layouts import JSD_AT, SCRATCH_AT, SEQUENCE_AT, STATS_AT, TEACHER_KEYS, TEACHER_MARK, VERDICT_AT, scratch_size
 from ..plan import KernelPlan
+from ..validation import MASS_TOLERANCE as MASS_TOLERANCE_VALUE
 from .blocks import (
     gradient_pass,
     online_stats,
@@ -102,11 +103,13 @@ class TeacherRows(NamedTuple):
 
 class SlotInputs(NamedTuple):
     """What the head kernels read per slot besides the logits: the target ids ((n_out (+ shift),) int, or
-    None) and the per-row temperatures ((n_out,) fp32 by slot, spec.LogitTransform.per_row_temperature,
-    or None)."""
+    None), the per-row temperatures ((n_out,) fp32 by slot, spec.LogitTransform.per_row_temperature, or
+    None) and, where a block's slots are not the call's (the lm_head's chunks), each slot's row of the
+    call ((n_out,) int64, for the positions a verdict names; None: the slot is the row)."""
 
     targets: torch.Tensor | None
     temperature: torch.Tensor | None
+    rows: torch.Tensor | None = None
 
 
 class Blocks(NamedTuple):
@@ -132,6 +135,9 @@ SPECIALISED_BY[Prepare] = lambda arg: (Prepare, spec_key((arg.verdict, arg.dirty
 """Its nonce changes every call (next_nonce fixes how Triton specialises it): by everything else."""
 
 _PREPARED = Prepare(None, None, None)
+NO_BAD_ENTRY = tl.constexpr(TEACHER_MARK)
+MASS_TOLERANCE = tl.constexpr(MASS_TOLERANCE_VALUE)
+"""How far from 1 a row of a teacher given as probabilities may sum (validation.MASS_TOLERANCE)."""
 _UNSHARDED = ShardRows(None, None, 0)
 _NONCES = itertools.count(int.from_bytes(os.urandom(3), "little"))
 SCALE_PROGRAMS = 2048
@@ -352,6 +358,9 @@ def head_kernel(
             weighted, dstate = distill_values(row_out, row_ptr, t_row, m2, d, arg, tstats, geo.V, S, F, C, BLOCK_V,
                                               jsd_row)
             token_loss += weighted
+            if F.TEACHER_PROBS and prep.verdict is not None:  # the row's probabilities sum to 1
+                where = slot if slots.rows is None else tl.load(slots.rows + slot)
+                check_teacher_mass(dstate[1], where, prep.verdict, prep.dirty)
         if F.SPARSE == 1:
             sp_ids, sp_local, sp_given, sp_mine, sp_x2, sp_slope, sp_lq = topk_inputs(
                 sparse, slot, row_ptr, gathered_row(stats, row, NCOL, F.SPARSE), geo.vocab_start, geo.V, V_math, S,
@@ -430,6 +439,19 @@ def head_kernel(
             if PREPARE:  # what a prepared call leaves: no trace of the nonce
                 tl.store(scratch + SCRATCH_AT.done, geo.n_rows)
                 tl.store(scratch + SCRATCH_AT.ticket, 0)
+
+
+@triton.jit
+def check_teacher_mass(lse_t2, slot, verdict, dirty):
+    """A teacher given as probabilities: the row's sum 2^lse_t2 within MASS_TOLERANCE of 1 (NaN where one
+    is negative or NaN), else its key (layouts.TeacherKeys: mass) reaches the verdict as the sparse
+    teacher's check writes its keys, the least key by a maximum of TEACHER_MARK - key."""
+    mass = tl.exp2(lse_t2)
+    if not ((mass >= 1.0 - MASS_TOLERANCE) & (mass <= 1.0 + MASS_TOLERANCE)):
+        key = TEACHER_KEYS.N * slot + TEACHER_KEYS.mass
+        tl.atomic_max(verdict + VERDICT_AT.teacher, NO_BAD_ENTRY - key, sem="relaxed", scope="sys")
+        tl.atomic_xchg(verdict + VERDICT_AT.flag, 1, sem="release", scope="sys")
+        tl.atomic_xchg(dirty, 1, sem="release", scope="sys")
 
 
 @triton.jit
@@ -587,7 +609,7 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
                 means, geo: Geometry, finish: bool = True, stats: torch.Tensor | None = None,
                 jsd: torch.Tensor | None = None, verdict: tuple | None = None, prepared: bool = True,
                 sequence_ids: torch.Tensor | None = None, n_seq: int = 0, sparse: SparseRows | None = None,
-                temperature: torch.Tensor | None = None) -> None:
+                temperature: torch.Tensor | None = None, row_ids: torch.Tensor | None = None) -> None:
     """One program per logits row; with ``finish`` the last one writes ``means`` and the reduced loss.
     ``prepared=False``: ``scratch`` (scratch_size(n_seq) words, any content) was not filled by
     :func:`prepare`; the first program to take the call's ticket does that work first (``verdict``,
@@ -602,10 +624,12 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
     prep = _PREPARED
     if not prepared:
         prep = Prepare(*(verdict if verdict is not None else (None, None)), next_nonce(), sequence_ids, n_seq)
+    elif verdict is not None and plan.flags.TEACHER_PROBS:  # the rows' mass check writes the call's verdict
+        prep = Prepare(*verdict, None)
     launch(
         head_kernel, geo.n_rows, cfg.num_warps,
-        logits=logits, slots=SlotInputs(targets, temperature), teacher=TeacherRows(teacher, sparse), grad=grad,
-        rows=rows, pred=pred, policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means,
+        logits=logits, slots=SlotInputs(targets, temperature, row_ids), teacher=TeacherRows(teacher, sparse),
+        grad=grad, rows=rows, pred=pred, policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means,
         shard=shard_rows(stats, jsd), prep=prep, geo=geo,
         S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=Blocks(cfg.block_v, max(topk_block(sparse), 1)),
         FINISH=finish, R=_tiles(plan.cols.N),

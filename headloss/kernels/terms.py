@@ -101,6 +101,16 @@ def row_coefficients(u, d_logp, d_entropy, d_lse, lse, logp, entropy, V, S, F: t
 
 
 @triton.jit
+def teacher_x2(zt, S, F: tl.constexpr):
+    """The teacher in base-2 units at the distillation temperature: its logits zt / T_d * log2(e), or
+    (a teacher given as probabilities, F.TEACHER_PROBS; T_d is 1) log2 of them -- 0 gives -inf, no
+    entry; a negative or NaN one NaN, which the row's mass check reports."""
+    if F.TEACHER_PROBS:
+        return tl.log2(zt.to(tl.float32))
+    return zt.to(tl.float32) * (S.inv_distill_temp * LOG2E)
+
+
+@triton.jit
 def teacher_block(zt, x2, e, alpha, start, V, tstats, S, BLOCK_V: tl.constexpr, F: tl.constexpr,
                   MASKED: tl.constexpr):
     """The teacher's share of one block of the stats pass: its online softmax and the cross sums.
@@ -113,7 +123,7 @@ def teacher_block(zt, x2, e, alpha, start, V, tstats, S, BLOCK_V: tl.constexpr, 
     """
     mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg = tstats
     cols = start + tl.arange(0, BLOCK_V)
-    t2 = zt.to(tl.float32) * (S.inv_distill_temp * LOG2E)
+    t2 = teacher_x2(zt, S, F)
     if MASKED:
         t2 = tl.where(cols < V, t2, float("-inf"))
     t_max = tl.max(t2, axis=0)
@@ -189,7 +199,7 @@ def distill_grad(p, x2, zt, cols, V, dstate, wd, S, F: tl.constexpr, MASKED: tl.
     ``wd`` carries the weight, d loss / d token_loss, 1 / T_d and (without softcap) dx/dz.
     """
     lse_s2, lse_t2, kl, jsd_s = dstate
-    t2 = zt.to(tl.float32) * (S.inv_distill_temp * LOG2E)
+    t2 = teacher_x2(zt, S, F)
     if MASKED:
         t2 = tl.where(cols < V, t2, float("-inf"))
     q = tl.exp2(t2 - lse_t2)
@@ -229,7 +239,7 @@ def jsd_sums(row_ptr, t_row_ptr, V, lse_s2, lse_t2, t_minus_s, S, BLOCK_V: tl.co
         z = tl.load(row_ptr + cols, mask=mask, other=0.0)
         x2, _ = to_x2(z, cols, V, S, F.HAS_SOFTCAP, True)
         s2 = x2 * S.inv_distill_temp if F.OWN_TEMP else x2
-        t2 = tl.load(t_row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * (S.inv_distill_temp * LOG2E)
+        t2 = teacher_x2(tl.load(t_row_ptr + cols, mask=mask, other=0.0), S, F)
         t2 = tl.where(mask, t2, float("-inf"))
         ps = tl.exp2(s2 - lse_s2)
         q = tl.exp2(t2 - lse_t2)

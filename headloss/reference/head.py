@@ -12,11 +12,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..layouts import TEACHER_KEY
 from ..output import HeadLossOutput, guard_second_backward
 from ..plan import in_metric_order
 from ..spec import LossSpec, row_local
 from ..transform import transformed_logits
-from ..validation import NOT_BINARY, Normaliser, raise_if_bad
+from ..validation import MASS_TOLERANCE, NOT_BINARY, CheckContext, Normaliser, raise_if_bad, raise_teacher
 from .policy import reference_policy_loss
 from .sparse import estimator, topk_distillation
 
@@ -41,10 +42,15 @@ def reference_head_loss(
     and num_items_in_batch values; the reference reads them on the host (under torch.compile, a
     device-side assert). Like the kernel path, a loss whose plan runs the fused mode takes one
     backward: a second one (retain_graph=True) raises the same error."""
-    teacher_logits, teacher_ids, teacher_logprobs, num_items_in_batch, temperature = (
+    teacher_logits, teacher_ids, teacher_logprobs, num_items_in_batch, temperature, teacher_probs = (
         inputs.pop(name, None) for name in ("teacher_logits", "teacher_ids", "teacher_logprobs", "num_items_in_batch",
-                                            "temperature"))
+                                            "temperature", "teacher_probs"))
     policy_inputs = inputs
+    if teacher_probs is not None:  # a teacher given as probabilities: its log, at temperature 1
+        if validate != "off":
+            _check_probabilities(teacher_probs)
+        wide = torch.float64 if teacher_probs.dtype == torch.float64 else torch.float32
+        teacher_logits = torch.log(teacher_probs.detach().to(wide))
     if temperature is not None and validate != "off":
         _check_temperature(temperature, tuple(logits.shape[:-1]))
     if validate != "off" and targets is not None:
@@ -313,3 +319,16 @@ def _check_temperature(temperature: torch.Tensor, rows_shape: tuple[int, ...]) -
         position = (tuple(int(i) for i in torch.unravel_index(torch.tensor(first), rows_shape)) if rows_shape
                     else (first,))
         raise ValueError(f"temperature: the value at position {position} is not a positive finite number")
+
+
+def _check_probabilities(probs: torch.Tensor) -> None:
+    """A teacher given as probabilities: every row sums to 1 within MASS_TOLERANCE (a negative or NaN
+    probability fails it too), named as the kernels' verdict names it."""
+    mass = probs.double().sum(-1)
+    bad = ~((mass >= 1.0 - MASS_TOLERANCE) & (mass <= 1.0 + MASS_TOLERANCE)) | (probs < 0).any(-1)
+    if torch.compiler.is_compiling():
+        torch._assert_async(~bad.any(), "headloss: a teacher_probs row that does not sum to 1")
+        return
+    if bool(bad.any()):
+        first = int(bad.reshape(-1).nonzero()[0, 0])
+        raise_teacher(first * TEACHER_KEY.N + TEACHER_KEY.mass, CheckContext(tuple(bad.shape), probs.shape[-1], -100))

@@ -105,7 +105,8 @@ def _distillation_flags(c: TermContext) -> dict[str, Any]:
     return {
         "DISTILL_KIND": dist.kind if dist.dense else -1,
         "OWN_TEMP": dist.dense and dist.temperature != 1.0,
-        "SPARSE": ("logits", "topk", "token").index(dist.teacher),
+        "SPARSE": ("logits", "topk", "token", "probs").index(dist.teacher) % 3,
+        "TEACHER_PROBS": dist.teacher == "probs",
         "TOPK_FORM": ("verl", "renormalized", "rest").index(dist.topk) if topk else 0,
         "TOPK_DIV": dist.kind if topk else 0,
         "TOPK_CLAMP": topk and dist.log_prob_min_clamp is not None,
@@ -144,6 +145,8 @@ DISTILLATION = Term(
                 "pass)", -1),
            Flag("OWN_TEMP", bool, "distillation temperature != 1: the student's softmax at T_d is its own"),
            Flag("SPARSE", int, "sparse teacher: 0 none, 1 top-k, 2 per-token estimator (kernels.sparse)", 0),
+           Flag("TEACHER_PROBS", bool, "dense teacher given as probabilities: log2 q on load, rows checked to "
+                "sum to 1"),
            Flag("TOPK_FORM", int, "top-k: 0 verl's unnormalised forward KL, 1 renormalised over the ids, 2 ids "
                 "plus the rest", 0),
            Flag("TOPK_DIV", int, "top-k forms 1 and 2: 0 forward KL, 1 reverse KL, 2 mixture JSD", 0),

@@ -113,6 +113,8 @@ def _head(spec, dtype=torch.bfloat16, backward=True, **kwargs):
         if "teacher" in extra:
             extra["teacher_logits"] = torch.randn(logits.shape).to(dtype)
             extra.pop("teacher")
+        if extra.pop("probs", False):  # a teacher given as probabilities
+            extra["teacher_probs"] = torch.softmax(torch.randn(logits.shape), -1).to(dtype)
         if extra.pop("topk", False):  # the teacher's top-8 ids (two of a row's entries -1) and log-probs
             ids = torch.stack([torch.randperm(logits.shape[-1])[:8] for _ in range(logits.shape[:-1].numel())])
             ids[0, 6:] = -1
@@ -267,6 +269,12 @@ VARIANTS = {
     "sharded-row-temperature-jsd": _sharded(_head(headloss.LossSpec(distillation={"divergence": "jsd"},
                                                                      transform={"per_row_temperature": True}),
                                                   teacher=True, row_temperature=True, group=object())),
+    # a teacher given as probabilities: log2 q on load, the rows' mass checked into the verdict
+    "teacher-probs": _head(headloss.LossSpec(distillation={"teacher": "probs", "divergence": "reverse_kl"}),
+                           probs=True, validate=True),
+    "sharded-teacher-probs-jsd": _sharded(_head(headloss.LossSpec(distillation={"teacher": "probs",
+                                                                                "divergence": "jsd"}),
+                                                probs=True, validate=True, group=object())),
     "linear-row-temperature": _linear(headloss.LossSpec(transform={"per_row_temperature": True}),
                                       row_temperature=True, validate=True),
 }
