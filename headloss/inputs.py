@@ -100,9 +100,10 @@ def check_teacher(logits_shape: tuple[int, ...], device: torch.device, teacher_l
         if teacher_logits is not None:
             raise ValueError(f"teacher_logits: {_NO_DISTILLATION}")
         return
-    if not spec.distillation.dense:
+    form = spec.distillation.teacher  # (the dense forms, spelt out: torch.compile traces this)
+    if form != "logits" and form != "probs":
         return
-    name = "teacher_probs" if spec.distillation.teacher == "probs" else "teacher_logits"
+    name = "teacher_probs" if form == "probs" else "teacher_logits"
     if teacher_logits is None:
         raise ValueError(f"{name}: required by distillation but not given")
     if not isinstance(teacher_logits, torch.Tensor) or not teacher_logits.is_floating_point():

@@ -164,7 +164,7 @@ class Distillation(_Frozen):
     @property
     def dense(self) -> bool:
         """The teacher is a full row: logits (or hidden states and an lm_head), or probabilities."""
-        return self.teacher in ("logits", "probs")
+        return self.teacher == "logits" or self.teacher == "probs"
 
 
 PolicyLossType = LossTypeName

@@ -50,6 +50,7 @@ CASES = {
     "logits-deferred+torch-gmpo": ("logits", "gmpo", "deferred+torch"),
     "lm_head-fused-sft": ("hidden", "sft", "lm_head:fused"),
     "lm_head-fused-distill-teacher-hidden": ("teacher", "distill", "lm_head:fused"),
+    "lm_head-fused-distill-teacher-logits": ("teacher_logits", "distill", "lm_head:fused"),
     "lm_head-deferred": ("hidden", "deferred", "lm_head:deferred"),
     "lm_head-fused-grpo": ("hidden", "grpo", "lm_head:fused"),
     "lm_head-sequences+kernels-gspo": ("hidden", "gspo", "lm_head:sequences+kernels"),
@@ -59,9 +60,10 @@ CASES = {
     "lm_head-entropy-guess": ("hidden", "top_entropy", "lm_head:entropy-guess", "lm_head:deferred+torch"),
 }
 # the fast tier (aot_eager): every route, entry (logits, rows, hidden, a teacher's hidden) and spec at
-# least once. The other five cases take a route FAST takes, with another spec: the fused logits route
-# (FAST: sft, rows of grpo) with distill and grpo, the fused lm_head (FAST: distill) with sft and grpo,
-# deferred+torch on logits (FAST: gmpo) with top_entropy (FAST: on the lm_head)
+# least once. The other six cases take a route FAST takes, with another spec or input: the fused logits
+# route (FAST: sft, rows of grpo) with distill and grpo, the fused lm_head (FAST: distill from a teacher's
+# hidden states) with sft, grpo and a teacher's logits, deferred+torch on logits (FAST: gmpo) with
+# top_entropy (FAST: on the lm_head)
 FAST = ("logits-fused-sft", "logits-fused-grpo-rows", "logits-deferred", "logits-deferred+kernels-gspo",
         "logits-deferred+torch-gmpo", "lm_head-fused-distill-teacher-hidden", "lm_head-deferred",
         "lm_head-sequences+kernels-gspo", "lm_head-sequences+torch-gmpo", "lm_head-covariance-kl_cov",
@@ -115,6 +117,8 @@ def _case(name: str, seed: int):
     if entry == "teacher":
         kwargs.update(teacher_hidden=torch.randn(B, T, H, generator=gen),
                       teacher_weight=torch.randn(V, H, generator=gen) * 0.5)
+    if entry == "teacher_logits":
+        kwargs["teacher_logits"] = make_logits((B, T, V), seed=seed + 1)
 
     def fn(h, w):
         out = linear_head_loss(h, w, ids, spec, chunk_bytes=4 * V * 4, backend="triton", **kwargs)
@@ -156,3 +160,34 @@ def test_a_compiled_call_takes_the_eager_route_in_one_graph_with_equal_values(na
     for a, b in zip(_grads(got, inputs), want_grads):
         assert float(b.norm()) > 0
         assert_close_norm(a, b, rtol=1e-5, atol=1e-7, name="grad")
+
+
+FRESH_TRACE = """
+import torch, headloss
+V, H = 41, 10
+gen = torch.Generator().manual_seed(17)
+for teacher, key in (("logits", "teacher_logits"), ("probs", "teacher_probs")):
+    spec = headloss.LossSpec(distillation={"divergence": "jsd", "teacher": teacher})
+    y = torch.randint(0, V, (2, 5), generator=gen)
+    t = torch.randn(2, 5, V, generator=gen)
+    t = t if teacher == "logits" else torch.softmax(t, -1)
+    h, w = torch.randn(2, 5, H, generator=gen), torch.randn(V, H, generator=gen)
+    def call(h, w, y, t):
+        return headloss.linear_head_loss(h, w, y, spec, chunk_bytes=4 * V * 4, **{key: t}).loss
+    got = torch.compile(call, backend="aot_eager", fullgraph=True)(h, w, y, t)
+    torch.testing.assert_close(got, call(h, w, y, t))
+print("traced")
+"""
+
+
+def test_a_dense_teacher_traces_in_one_graph_in_a_fresh_process():
+    """An lm_head call whose teacher rows are an argument of the compiled function, traced first thing in a
+    process (no eager call before it): the dense teacher's checks trace in one graph (Dynamo once broke on
+    a property of the spec's distillation there)."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FRESH_TRACE], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0 and "traced" in done.stdout, done.stderr[-3000:]

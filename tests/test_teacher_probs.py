@@ -174,3 +174,36 @@ def test_explain_names_the_input(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "inputs      logits, targets, teacher_probs" in out and "TEACHER_PROBS" in out
     assert main(["demo", str(path), "--rows", "8", "--vocab", "20"]) == 0
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ["logits", "hidden"])
+def test_a_compiled_call_reads_the_probabilities_and_checks_them_as_eager_does(entry):
+    gen = generator(17)
+    spec = LossSpec(distillation={"teacher": "probs", "divergence": "jsd"})
+    y = torch.randint(0, V, (2, 5), generator=gen)
+    q = torch.softmax(torch.randn(2, 5, V, generator=gen), -1)
+    if entry == "logits":
+        rows = torch.randn(2, 5, V, generator=gen)
+
+        def call(r, probs):
+            return headloss.head_loss(r, y, spec, teacher_probs=probs).loss
+    else:
+        rows, weight = torch.randn(2, 5, H, generator=gen), torch.randn(V, H, generator=gen)
+
+        def call(r, probs):
+            return headloss.linear_head_loss(r, weight, y, spec, teacher_probs=probs, chunk_bytes=4 * V * 4).loss
+    eager = rows.clone().requires_grad_()
+    want = call(eager, q)
+    want.backward()
+    compiled_call = torch.compile(call, backend="aot_eager", fullgraph=True)
+    compiled = rows.clone().requires_grad_()
+    got = compiled_call(compiled, q)
+    got.backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(compiled.grad, eager.grad)
+    bad = q.clone()
+    bad[1, 2] *= 1.5
+    with pytest.raises(ValueError, match=r"teacher_probs: the row at position \(1, 2\) does not sum to 1"):
+        compiled_call(rows, bad)
