@@ -491,3 +491,15 @@ def check_same(result, expected, logits_dtype) -> None:
     scale = float(grad_t.abs().max()) if grad_t.numel() else 0.0
     tol = 1e-5 if logits_dtype == torch.float32 else 1e-2
     torch.testing.assert_close(grad, grad_t, rtol=tol, atol=tol * max(scale, 1e-6))
+
+
+def explained_and_demoed(tmp_path, capsys, spec_yaml: str) -> str:
+    """``python -m headloss explain`` of a spec written as YAML (its output), after which ``demo`` runs it."""
+    from headloss.cli import main
+
+    path = tmp_path / "spec.yaml"
+    path.write_text(spec_yaml)
+    assert main(["explain", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert main(["demo", str(path), "--rows", "8", "--vocab", "20"]) == 0
+    return text

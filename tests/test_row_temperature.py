@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import generator, needs_kernel
+from conftest import explained_and_demoed, generator, needs_kernel
 
 import headloss
 from headloss import LossSpec
@@ -245,15 +245,9 @@ def test_the_temperature_input_and_the_spec_must_agree():
 
 
 def test_explain_names_the_input_and_demo_makes_one(tmp_path, capsys):
-    from headloss.cli import main
-
-    path = tmp_path / "spec.yaml"
-    path.write_text("transform: {per_row_temperature: true}\nz_loss: {weight: 0.001}\n")
-    assert main(["explain", str(path)]) == 0
-    text = capsys.readouterr().out
+    text = explained_and_demoed(tmp_path, capsys, "transform: {per_row_temperature: true}\nz_loss: {weight: 0.001}\n")
     assert "inputs      logits, targets, temperature" in text
     assert "inv_temperature per row: 1 / the call's temperature" in text
-    assert main(["demo", str(path), "--rows", "8", "--vocab", "20"]) == 0
 
 
 @needs_kernel

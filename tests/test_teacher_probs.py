@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import generator, needs_kernel
+from conftest import explained_and_demoed, generator, needs_kernel
 
 import headloss
 from headloss import LossSpec
@@ -165,15 +165,9 @@ def test_the_spec_and_the_inputs_must_agree():
                                   teacher_hidden=torch.randn(3, 6, H), teacher_weight=torch.randn(V, H))
 
 
-def test_explain_names_the_input(tmp_path, capsys):
-    from headloss.cli import main
-
-    path = tmp_path / "spec.yaml"
-    path.write_text("distillation: {teacher: probs, divergence: jsd}\n")
-    assert main(["explain", str(path)]) == 0
-    out = capsys.readouterr().out
-    assert "inputs      logits, targets, teacher_probs" in out and "TEACHER_PROBS" in out
-    assert main(["demo", str(path), "--rows", "8", "--vocab", "20"]) == 0
+def test_explain_names_the_input_and_demo_makes_one(tmp_path, capsys):
+    text = explained_and_demoed(tmp_path, capsys, "distillation: {teacher: probs, divergence: jsd}\n")
+    assert "inputs      logits, targets, teacher_probs" in text and "TEACHER_PROBS" in text
 
 
 @needs_kernel
