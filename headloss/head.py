@@ -208,6 +208,12 @@ class HeadCall:
         settle(self.verdict, self.validate, self.device)
 
 
+def teacher_rows(teacher_logits: torch.Tensor | None, sparse: SparseRows | None) -> Teacher:
+    """:func:`torch_head`'s teacher: its logits (or probabilities), or a sparse teacher's ids and log-probs."""
+    return Teacher(teacher_logits, ids=None if sparse is None else sparse.ids,
+                   logprobs=None if sparse is None else sparse.logprobs)
+
+
 def torch_head(logits, targets, spec: LossSpec, teacher: Teacher, norm: Normaliser, mode: str, batch: PolicyBatch,
                temperature: torch.Tensor | None = None) -> HeadLossOutput:
     """The plain-torch path's head on a call's whole logits (headloss.reference), as both doors run it:

@@ -122,7 +122,7 @@ def check_teacher(logits_shape: tuple[int, ...], device: torch.device, teacher_l
                         f"copy), got {teacher_logits.dtype}")
 
 
-def row_temperature(value: Any, spec: LossSpec, token_shape: tuple[int, ...], device: torch.device,
+def flat_temperature(value: Any, spec: LossSpec, token_shape: tuple[int, ...], device: torch.device,
                     per_sequence: tuple[int, torch.Tensor] | None = None) -> torch.Tensor | None:
     """The call's ``temperature`` (spec.LogitTransform.per_row_temperature) as the kernels read it: fp32, one
     per slot. Given like the targets (one per row; packed rows: [N] or [1, N]), or one per sequence:

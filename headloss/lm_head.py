@@ -21,14 +21,14 @@ from .batch import CallInputs, LinearOptions, PolicyBatch, Teacher
 from .chunks import LinearRun, LmHead
 from .engine import NO_GRADS, keep
 from .env import log_route
-from .head import CallTensors, torch_head
+from .head import CallTensors, teacher_rows, torch_head
 from .inputs import (
     check_linear_inputs,
     check_targets,
     flat_targets,
+    flat_temperature,
     pad_shifted,
     resolved_teacher,
-    row_temperature,
     sparse_teacher,
     teacher_source,
 )
@@ -177,8 +177,8 @@ def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: L
     token_rows = tuple(hidden.shape[:-1])
     check_targets(targets, token_rows, spec, hidden.device, shift, source="hidden")
     token_shape = tuple(targets.shape) if isinstance(targets, torch.Tensor) else token_rows
-    temperature = row_temperature(call.temperature, spec, token_shape, hidden.device,
-                                  (packed.n_slots, packed.seq) if packed is not None and packed.per_sequence else None)
+    temperature = flat_temperature(call.temperature, spec, token_shape, hidden.device,
+                                   (packed.n_slots, packed.seq) if packed is not None and packed.per_sequence else None)
     if shift:
         targets = pad_shifted(targets if targets.dtype in (torch.int64, torch.int32) else targets.long(),
                               hidden.shape[1], spec.ignore_index)
@@ -355,8 +355,6 @@ def _torch_linear_loss(call: LinearCall, spec: LossSpec, mode: str, own) -> Head
     t_logits = F.linear(teacher.hidden, teacher.weight, teacher.bias) if teacher.computed else teacher.logits
     if t_logits is not None:
         t_logits = t_logits.reshape(logits.shape)
-    sparse = call.sparse
-    rows = Teacher(t_logits, ids=None if sparse is None else sparse.ids,
-                   logprobs=None if sparse is None else sparse.logprobs)
-    out = torch_head(logits, targets, spec, rows, call.norm, mode, call.batch, call.temperature)
+    out = torch_head(logits, targets, spec, teacher_rows(t_logits, call.sparse), call.norm, mode, call.batch,
+                     call.temperature)
     return trim(out, call.token_shape) if targets is not None and tuple(targets.shape) != call.token_shape else out

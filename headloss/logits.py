@@ -20,17 +20,17 @@ from .batch import CallInputs, Layout, Options, PolicyBatch, Teacher
 from .bounded import BoundedDict, cache
 from .engine import HeadFunction, HeadRun
 from .env import log_route
-from .head import CallTensors, torch_head
+from .head import CallTensors, teacher_rows, torch_head
 from .inputs import (
     check_head,
     check_logits,
     check_targets,
     check_teacher,
     flat_targets,
+    flat_temperature,
     head_call,
     pad_shifted,
     resolved_teacher,
-    row_temperature,
     sparse_teacher,
     teacher_precision,
 )
@@ -88,8 +88,8 @@ def run_head(logits, targets, plan: KernelPlan, call: CallInputs, options: Optio
         teacher = replace(teacher, ids=ids, logprobs=logprobs)
         shift = False
         if temperature is not None:  # one per row, from one per sequence where given so
-            temperature = row_temperature(temperature, spec, (packed.seq.numel(),), packed.seq.device,
-                                          (packed.n_slots, packed.seq) if packed.per_sequence else None)
+            temperature = flat_temperature(temperature, spec, (packed.seq.numel(),), packed.seq.device,
+                                           (packed.n_slots, packed.seq) if packed.per_sequence else None)
         if spec.policy is not None:
             batch = PolicyBatch.of(packed_policy_inputs(batch.by_name(), packed))
     shard = None
@@ -153,7 +153,7 @@ def _checked(laid: _Laid) -> tuple:
     given = batch.by_name()
     try:
         token_shape = check_head(logits, targets, spec, teacher.logits, shift, kernel=True)
-        temperature = row_temperature(temperature, spec, token_shape, logits.device)
+        temperature = flat_temperature(temperature, spec, token_shape, logits.device)
         chosen = routes.choose(plan, facts_of("logits", "triton", logits.device, token_shape, given,
                                               sharded=shard is not None), options.route)
         unpacked = CallInputs(teacher, batch, Layout(shift), num_items_in_batch)
@@ -217,8 +217,8 @@ def _torch_loss(laid: _Laid) -> HeadLossOutput:
     rows_shape = tuple(logits.shape[:-1])
     check_targets(targets, rows_shape, spec, logits.device, shift)
     check_teacher(tuple(logits.shape), logits.device, teacher_logits, spec, kernel=False)
-    temperature = row_temperature(temperature, spec, tuple(targets.shape) if targets is not None else rows_shape,
-                                  logits.device)
+    temperature = flat_temperature(temperature, spec, tuple(targets.shape) if targets is not None else rows_shape,
+                                   logits.device)
     mode = validation_mode(validate)
     sparse = sparse_teacher(spec, teacher, rows_shape, tuple(targets.shape) if shift else rows_shape, logits.device,
                             logits.shape[-1], "off" if mode == "off" or traced else "sync",
@@ -239,7 +239,7 @@ def _torch_loss(laid: _Laid) -> HeadLossOutput:
                   batch.by_name())  # the same input errors as the kernel path
     facts = routes.Facts("logits", "torch", rows_shape, batch.sequence_ids is not None, False, traced, False, False)
     chosen = routes.choose(plan, facts, options.route)
-    out = torch_head(logits, targets, spec, _teacher_rows(teacher_logits, sparse), norm, mode, batch, temperature)
+    out = torch_head(logits, targets, spec, teacher_rows(teacher_logits, sparse), norm, mode, batch, temperature)
     out.route = chosen.name
     log_route("head_loss", logits, chosen.name)
     return out
@@ -317,9 +317,3 @@ def _recipe_key(plan: KernelPlan, logits, targets, teacher_logits, shift, option
     return (id(plan), _signature(logits), _signature(targets), _signature(teacher_logits), bool(shift),
             bool(options.inplace_grad), validate, env.validate_default() if validate is None else None, backend,
             env.INTERPRETER, None if shard is None else id(shard))
-
-
-def _teacher_rows(teacher_logits, sparse) -> Teacher:
-    """The plain-torch head's teacher: its logits, or a sparse teacher's ids and log-probs per row."""
-    return Teacher(teacher_logits, ids=None if sparse is None else sparse.ids,
-                   logprobs=None if sparse is None else sparse.logprobs)

@@ -226,8 +226,7 @@ class ErrorBoard:
         hot = int(values[VERDICT.temperature])
         values[:] = 0
         if hot:
-            raise ValueError(f"temperature: the value at position {_position(hot - 1, context.token_shape)} is not a "
-                             f"positive finite number{_later(deferred)}")
+            raise_temperature(hot - 1, context.token_shape, deferred)
         if teacher:  # (its own verdict: the target fields may be unwritten)
             raise_teacher(TEACHER_MARK - teacher, context, deferred)
         raise_if_bad(found, context.token_shape, context.vocab, context.ignore_index, Normaliser(value=items),
@@ -301,6 +300,12 @@ def _later(deferred: bool) -> str:
 def _position(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The index into ``shape`` of a flat position (itself when there is no shape)."""
     return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape)) if shape else (flat,)
+
+
+def raise_temperature(first: int, token_shape: tuple[int, ...], deferred: bool = False) -> None:
+    """The error of the first per-row temperature (flat index ``first``) that is not a positive finite number."""
+    raise ValueError(f"temperature: the value at position {_position(first, token_shape)} is not a positive finite "
+                     f"number{_later(deferred)}")
 
 
 def raise_teacher(key: int, context: CheckContext, deferred: bool = False, entry_id: int | None = None) -> None:

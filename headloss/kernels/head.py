@@ -300,8 +300,7 @@ def head_kernel(
     if PREPARE:
         if tl.atomic_xchg(scratch + SCRATCH_AT.ticket, prep.nonce, sem="acq_rel") != prep.nonce:
             prepare_call(targets, num_items, prep.sequence_ids, temperature, scratch, prep.verdict, prep.dirty, geo,
-                         prep.n_seq,
-                         R.PREP_BLOCK)
+                         prep.n_seq, R.PREP_BLOCK)
             # the counted rows (and the verdicts) are published
             tl.atomic_xchg(scratch + SCRATCH_AT.done, prep.nonce, sem="release")
     stats = shard.stats
@@ -442,13 +441,13 @@ def head_kernel(
 
 
 @triton.jit
-def check_teacher_mass(lse_t2, slot, verdict, dirty):
-    """A teacher given as probabilities: the row's sum 2^lse_t2 within MASS_TOLERANCE of 1 (NaN where one
-    is negative or NaN), else its key (layouts.TeacherKeys: mass) reaches the verdict as the sparse
-    teacher's check writes its keys, the least key by a maximum of TEACHER_MARK - key."""
+def check_teacher_mass(lse_t2, row, verdict, dirty):
+    """A teacher given as probabilities: the sum 2^lse_t2 of the call's ``row`` within MASS_TOLERANCE of 1
+    (NaN where one is negative or NaN), else its key (layouts.TeacherKeys: mass) reaches the verdict as
+    the sparse teacher's check writes its keys, the least key by a maximum of TEACHER_MARK - key."""
     mass = tl.exp2(lse_t2)
     if not ((mass >= 1.0 - MASS_TOLERANCE) & (mass <= 1.0 + MASS_TOLERANCE)):
-        key = TEACHER_KEYS.N * slot + TEACHER_KEYS.mass
+        key = TEACHER_KEYS.N * row + TEACHER_KEYS.mass
         tl.atomic_max(verdict + VERDICT_AT.teacher, NO_BAD_ENTRY - key, sem="relaxed", scope="sys")
         tl.atomic_xchg(verdict + VERDICT_AT.flag, 1, sem="release", scope="sys")
         tl.atomic_xchg(dirty, 1, sem="release", scope="sys")

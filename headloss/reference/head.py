@@ -17,7 +17,15 @@ from ..output import HeadLossOutput, guard_second_backward
 from ..plan import in_metric_order
 from ..spec import LossSpec, row_local
 from ..transform import transformed_logits
-from ..validation import MASS_TOLERANCE, NOT_BINARY, CheckContext, Normaliser, raise_if_bad, raise_teacher
+from ..validation import (
+    MASS_TOLERANCE,
+    NOT_BINARY,
+    CheckContext,
+    Normaliser,
+    raise_if_bad,
+    raise_teacher,
+    raise_temperature,
+)
 from .policy import reference_policy_loss
 from .sparse import estimator, topk_distillation
 
@@ -315,10 +323,7 @@ def _check_temperature(temperature: torch.Tensor, rows_shape: tuple[int, ...]) -
         torch._assert_async(~bad.any(), "headloss: a temperature that is not a positive finite number")
         return
     if bool(bad.any()):
-        first = int(bad.nonzero()[0, 0])
-        position = (tuple(int(i) for i in torch.unravel_index(torch.tensor(first), rows_shape)) if rows_shape
-                    else (first,))
-        raise ValueError(f"temperature: the value at position {position} is not a positive finite number")
+        raise_temperature(int(bad.nonzero()[0, 0]), rows_shape)
 
 
 def _check_probabilities(probs: torch.Tensor) -> None:

@@ -105,7 +105,7 @@ def _distillation_flags(c: TermContext) -> dict[str, Any]:
     return {
         "DISTILL_KIND": dist.kind if dist.dense else -1,
         "OWN_TEMP": dist.dense and dist.temperature != 1.0,
-        "SPARSE": ("logits", "topk", "token", "probs").index(dist.teacher) % 3,
+        "SPARSE": {"topk": 1, "token": 2}.get(dist.teacher, 0),
         "TEACHER_PROBS": dist.teacher == "probs",
         "TOPK_FORM": ("verl", "renormalized", "rest").index(dist.topk) if topk else 0,
         "TOPK_DIV": dist.kind if topk else 0,
