@@ -5,6 +5,9 @@ torch.compile, Liger-Kernel and TRL.
            Liger: its in-place CE + LigerKLDIVLoss on torch log-softmaxes
   grpo     B=8, T=1024: TRL's dapo loss, beta 0.04 (k3), eps 0.2, plus the entropy, KL and clip
            metrics a trainer logs; Liger: triton_grpo_loss (+ a chunked entropy pass; and alone)
+  forms    N=8192: each divergence (forward KL, reverse KL, JSD) with the teacher's logits and with
+           its probabilities (teacher: probs, validated and validate=False), CE 0.5 + divergence
+           0.5; and the GRPO case with a per-row temperature, validated and validate=False
   trainer  the same GRPO step the way trainers call it, from the model's [B, L + 1, V] logits
            against the completion ids [B, L] (eps 0.2 / 0.28): headloss shift=True (default
            arguments, and with inplace_grad), headloss on logits[:, :-1] (a slice: autograd's
@@ -126,6 +129,65 @@ def distill_case(rows: list[Row], n: int, cfg: dict, names) -> None:
         if not names or name in names:
             measure(rows, "distill", name, "N", n, step, setup, config={**cfg, "N": n, "V": V})
             torch.cuda.empty_cache()
+
+
+def forms_case(rows: list[Row], n: int, cfg: dict, names) -> None:
+    """What a teacher given as probabilities and a per-row temperature cost beside the same call
+    without them (the time of the step; the specs made once, outside the timed steps)."""
+    _forms_distill(rows, n, cfg, names)
+    torch.cuda.empty_cache()
+    _forms_grpo(rows, 8, 1024, cfg, names)
+
+
+def _forms_distill(rows: list[Row], n: int, cfg: dict, names) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pristine = torch.randn(n, V, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
+    teacher = torch.randn(n, V, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
+    y = torch.randint(0, V, (n,), device="cuda", generator=gen)
+    teacher_probs = torch.softmax(teacher.float(), -1).to(torch.bfloat16)
+    x, setup = restorable_leaf(pristine)
+    for divergence in ("forward_kl", "reverse_kl", "jsd"):
+        given = {"weight": 0.5, "divergence": divergence}
+        logits_spec = headloss.LossSpec(cross_entropy={"weight": 0.5}, distillation=given)
+        probs_spec = headloss.LossSpec(cross_entropy={"weight": 0.5}, distillation={**given, "teacher": "probs"})
+        table = {
+            "teacher logits": lambda spec=logits_spec: headloss.head_loss(
+                x, y, spec, teacher_logits=teacher, inplace_grad=True).loss.backward(),
+            "teacher probabilities": lambda spec=probs_spec: headloss.head_loss(
+                x, y, spec, teacher_probs=teacher_probs, inplace_grad=True).loss.backward(),
+            "teacher probabilities, validate=False": lambda spec=probs_spec: headloss.head_loss(
+                x, y, spec, teacher_probs=teacher_probs, validate=False, inplace_grad=True).loss.backward(),
+        }
+        for name, step in table.items():
+            if not names or name in names:
+                measure(rows, f"distill {divergence}", name, "N", n, step, setup, config={**cfg, "N": n, "V": V})
+
+
+def _forms_grpo(rows: list[Row], batch: int, length: int, cfg: dict, names) -> None:
+    pristine, ids, adv, old, ref, mask = grpo_batch(1, batch, length)
+    x = torch.empty_like(pristine[:, :-1]).requires_grad_()
+
+    def setup():
+        x.grad = None
+        with torch.no_grad():
+            x.copy_(pristine[:, :-1])
+
+    temperatures = torch.linspace(0.7, 1.3, batch, device="cuda")
+    inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, num_items_in_batch=mask.sum(),
+                  inplace_grad=True)
+    table = {
+        "plain": lambda: headloss.head_loss(x, ids, GRPO_SPEC, **inputs).loss.backward(),
+        "per-row temperature": lambda: headloss.head_loss(x, ids, GRPO_ROW_T_SPEC, temperature=temperatures,
+                                                          **inputs).loss.backward(),
+        "plain, validate=False": lambda: headloss.head_loss(x, ids, GRPO_SPEC, validate=False,
+                                                            **inputs).loss.backward(),
+        "per-row temperature, validate=False": lambda: headloss.head_loss(
+            x, ids, GRPO_ROW_T_SPEC, temperature=temperatures, validate=False, **inputs).loss.backward(),
+    }
+    for name, step in table.items():
+        if not names or name in names:
+            measure(rows, "grpo", name, "N", batch * length, step, setup,
+                    config={**cfg, "B": batch, "T": length, "V": V})
 
 
 def grpo_batch(seed: int, batch: int, length: int, vocab: int = V):
@@ -269,7 +331,7 @@ def trainer_case(rows: list[Row], batch: int, length: int, cfg: dict, names) -> 
 
 
 def floor_ms(case: str, n: int, copy_gbs: float) -> float:
-    streams = 5 if case == "distill" else 3  # distill: 2 student + 2 teacher reads + 1 write
+    streams = 5 if case.startswith("distill") else 3  # distill: 2 student + 2 teacher reads + 1 write
     return streams * n * V * 2 / (copy_gbs * 1e9) * 1e3
 
 
@@ -277,46 +339,52 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--providers", nargs="*")
     parser.add_argument("--stem", default="bench_terms")
-    parser.add_argument("--cases", nargs="*", default=["distill", "grpo", "trainer"])
+    parser.add_argument("--cases", nargs="*", default=["distill", "grpo", "trainer"],
+                        help="distill, grpo, trainer, forms")
     args = parser.parse_args()
     copy_gbs = copy_bandwidth_gbs()
     cfg = {"dtype": "bf16", "copy_GBps": round(copy_gbs, 1), "headloss": headloss.__version__}
     rows: list[Row] = []
     cases = {"distill": lambda: distill_case(rows, 8192, cfg, args.providers),
              "grpo": lambda: grpo_case(rows, 8, 1024, cfg, args.providers),
-             "trainer": lambda: trainer_case(rows, 8, 1024, cfg, args.providers)}
+             "trainer": lambda: trainer_case(rows, 8, 1024, cfg, args.providers),
+             "forms": lambda: forms_case(rows, 8192, cfg, args.providers)}
     for case in args.cases:
         cases[case]()
     out = out_dir_default()
     js, cs = write_rows(rows, out, args.stem)
     mem = {(r.case, r.provider): r.p50 for r in rows if r.metric == "memory"}
     print(f"\ncopy rate {copy_gbs:.0f} GB/s")
-    print(f"{'case':<9}{'provider':<36}{'p50 ms':>9}{'x floor':>9}{'extra GB':>10}  note")
+    wc = max([9] + [len(r.case) + 1 for r in rows])
+    wp = max([36] + [len(r.provider) + 1 for r in rows])
+    print(f"{'case':<{wc}}{'provider':<{wp}}{'p50 ms':>9}{'x floor':>9}{'extra GB':>10}  note")
     for r in rows:
         if r.metric == "time":
             t = f"{r.p50:9.3f}{r.p50 / floor_ms(r.case, r.x, copy_gbs):9.2f}" if r.p50 else f"{'-':>9}{'-':>9}"
             m = mem.get((r.case, r.provider))
             mem_cell = f"{m:10.3f}" if m is not None else f"{'-':>10}"
-            print(f"{r.case:<9}{r.provider:<36}{t}{mem_cell}  {r.note}")
+            print(f"{r.case:<{wc}}{r.provider:<{wp}}{t}{mem_cell}  {r.note}")
     _plot(rows, copy_gbs, out / f"{args.stem}.png")
     print(f"\nwrote {js}, {cs}")
 
 
+TITLES = {"distill": "CE + forward KL, N=8192, V=128256", "grpo": "GRPO dapo+KL+entropy, B=8 T=1024",
+          "trainer": "GRPO from [B, L+1, V] logits"}
+
+
 def _plot(rows: list[Row], copy_gbs: float, path) -> None:
     plt = pyplot()
-
-    fig, axes = plt.subplots(1, 3, figsize=(19, 4.5))
-    for ax, case in zip(axes, ("distill", "grpo", "trainer")):
+    cases = list(dict.fromkeys(r.case for r in rows if r.metric == "time" and r.p50))
+    if not cases:
+        return
+    fig, axes = plt.subplots(1, len(cases), figsize=(6.5 * len(cases), 4.5), squeeze=False)
+    for ax, case in zip(axes[0], cases):
         times = [r for r in rows if r.case == case and r.metric == "time" and r.p50]
-        if not times:
-            continue
         ax.barh([r.provider for r in times], [r.p50 for r in times], color="tab:blue")
-        if times:
-            ax.axvline(floor_ms(case, times[0].x, copy_gbs), color="k", ls="--", label="floor")
+        ax.axvline(floor_ms(case, times[0].x, copy_gbs), color="k", ls="--", label="floor")
         ax.set_xscale("log")
         ax.set_xlabel("fwd+bwd ms (median)")
-        ax.set_title({"distill": "CE + forward KL, N=8192, V=128256", "grpo": "GRPO dapo+KL+entropy, B=8 T=1024",
-                      "trainer": "GRPO from [B, L+1, V] logits"}[case])
+        ax.set_title(TITLES.get(case, f"{case}, CE 0.5 + divergence 0.5, N=8192, V=128256"))
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -92,6 +92,28 @@ def test_a_teacher_given_as_probabilities_equals_the_fp64_oracle(kind, entry, ba
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", ["forward_kl", "jsd"])
+def test_a_row_whose_first_blocks_hold_only_zeros_and_subnormals(kind):
+    """The kernels scale q by 2^-(the largest so far) per block: a first block of zeros and subnormal
+    probabilities (largest below 2^-126) keeps that scale finite, and the row equals the oracle."""
+    v = 9001  # more than two vocabulary blocks
+    gen = generator(15)
+    z = torch.randn(2, v, generator=gen, dtype=torch.float64)
+    y = torch.tensor([3, v - 2])
+    t = torch.randn(2, v, generator=gen, dtype=torch.float64)
+    t[0, : v // 2] = -math.inf
+    q = torch.softmax(t, -1).float()
+    q[0, 100:110] = 1e-40  # subnormal in fp32
+    q[0] /= q[0].double().sum().float()
+    spec = LossSpec(distillation={"teacher": "probs", "divergence": kind, "beta": BETA})
+    want, div, entropy = _oracle(z, y, q.double(), kind)
+    out = headloss.head_loss(z.float(), y, spec, teacher_probs=q)
+    assert torch.isfinite(out.loss)
+    assert out.loss.item() == pytest.approx(want.item(), rel=2e-6)
+    assert out.metrics["distill/teacher_entropy"].item() == pytest.approx(entropy, rel=1e-5)
+
+
+@needs_kernel
 @pytest.mark.parametrize("entry", ["logits", "hidden"])
 def test_shifted_and_packed_rows_read_their_own_teacher_rows(entry):
     """shift=True with HF labels, and the same tokens packed by cu_seqlens, equal each other."""

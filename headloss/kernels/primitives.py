@@ -6,10 +6,30 @@ Base-2 units throughout: a logit x is carried as x2 = x * log2(e), so exp(x - m)
 import triton
 import triton.language as tl
 
+from .. import env
+
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 # stands in for -inf where 0 * x must stay 0 (exp of a -inf logit is 0, its product with x is not)
 NEG_BIG = tl.constexpr(-1.0e30)
+
+
+# the interpreter runs no inline assembly: it takes tl.log2 (numpy's)
+INTERPRETED = tl.constexpr(env.INTERPRETER)
+
+
+@triton.jit
+def fast_log2(x):
+    """log2 of fp32 x in one MUFU op, lg2.approx.ftz.f32 (about 2^-22 relative error; 0 and subnormals
+    give -inf, a negative or NaN x NaN), where tl.log2 compiles to libdevice's exact log2f, a dozen
+    instructions per entry. The counterpart of tl.exp2, which is ex2.approx.ftz already. A subnormal
+    probability (below 2^-126) then counts as 0 in the log terms: at most 2^-126 * 2^m of error per
+    entry of a row whose largest probability is 2^m."""
+    if INTERPRETED:
+        return tl.log2(x)
+    else:
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
 
 
 @triton.jit
@@ -60,4 +80,20 @@ def softmax_update(m, d, x2, block_max):
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - m_ref)
     e = tl.exp2(x2 - m_ref)
+    return m_new, d * alpha + e, e, alpha
+
+
+# the least reference max of :func:`scaled_update`: 2^-m stays finite (entries below it are denormal)
+SCALED_MIN = tl.constexpr(-126.0)
+
+
+@triton.jit
+def scaled_update(m, d, q, block_max):
+    """:func:`softmax_update` for entries given as q = 2^x2 (a teacher's probabilities; block_max =
+    log2 of the block's largest): e = q * 2^-m_new, one exponential per block where softmax_update
+    takes one per entry. The reference max is at least SCALED_MIN, so 2^-m_new is finite. A negative
+    or NaN q gives e = NaN, as 2^log2(q) would."""
+    m_new = tl.maximum(tl.maximum(m, block_max), SCALED_MIN)
+    alpha = tl.exp2(m - m_new)
+    e = tl.where(q >= 0.0, q * tl.exp2(-m_new), float("nan"))
     return m_new, d * alpha + e, e, alpha

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..layouts import JSD_AT, SCRATCH_AT, SEQUENCE_AT
 from ..policy_tables import KL_ESTIMATORS, OBJECTIVES
-from .primitives import LN2, LOG2E, NEG_BIG, log1p, softmax_update, to_x2
+from .primitives import LN2, LOG2E, NEG_BIG, fast_log2, log1p, scaled_update, softmax_update, to_x2
 
 # the kernels' codes of the policy term's values (policy_tables, the one list of each)
 CLIP, CISPO, SAPO, GPG, DRO, DPPO_TV, DPPO_KL, REINFORCE = (
@@ -101,13 +101,30 @@ def row_coefficients(u, d_logp, d_entropy, d_lse, lse, logp, entropy, V, S, F: t
 
 
 @triton.jit
-def teacher_x2(zt, S, F: tl.constexpr):
+def teacher_x2(zt, cols, V, S, F: tl.constexpr, MASKED: tl.constexpr):
     """The teacher in base-2 units at the distillation temperature: its logits zt / T_d * log2(e), or
     (a teacher given as probabilities, F.TEACHER_PROBS; T_d is 1) log2 of them -- 0 gives -inf, no
-    entry; a negative or NaN one NaN, which the row's mass check reports."""
+    entry; a negative or NaN one NaN, which the row's mass check reports. Masked-off columns: -inf."""
     if F.TEACHER_PROBS:
-        return tl.log2(zt.to(tl.float32))
-    return zt.to(tl.float32) * (S.inv_distill_temp * LOG2E)
+        t2 = fast_log2(zt.to(tl.float32))
+    else:
+        t2 = zt.to(tl.float32) * (S.inv_distill_temp * LOG2E)
+    if MASKED:
+        t2 = tl.where(cols < V, t2, float("-inf"))
+    return t2
+
+
+@triton.jit
+def teacher_q(zt, t2, cols, V, lse_t2, F: tl.constexpr, MASKED: tl.constexpr):
+    """The teacher's normalised probabilities q = 2^(t2 - lse_t2); given as probabilities, the entries
+    scaled by 2^-lse_t2 (one exponential per block, none per entry)."""
+    if F.TEACHER_PROBS:
+        q = zt.to(tl.float32) * tl.exp2(-lse_t2)
+        if MASKED:
+            q = tl.where(cols < V, q, 0.0)
+    else:
+        q = tl.exp2(t2 - lse_t2)
+    return q
 
 
 @triton.jit
@@ -123,12 +140,20 @@ def teacher_block(zt, x2, e, alpha, start, V, tstats, S, BLOCK_V: tl.constexpr, 
     """
     mt, dt, sum_t, sum_ts, ms, ds, sum_st, t_arg = tstats
     cols = start + tl.arange(0, BLOCK_V)
-    t2 = teacher_x2(zt, S, F)
-    if MASKED:
-        t2 = tl.where(cols < V, t2, float("-inf"))
-    t_max = tl.max(t2, axis=0)
+    if F.TEACHER_PROBS:  # q is 2^t2 already: no exponential per entry; its log2 for the sums, taken after
+        q = zt.to(tl.float32)  # the block's max (only q is live across that reduction, not q and t2)
+        if MASKED:
+            q = tl.where(cols < V, q, 0.0)
+        t_max = fast_log2(tl.max(q, axis=0))
+    else:
+        t2 = teacher_x2(zt, cols, V, S, F, MASKED)
+        t_max = tl.max(t2, axis=0)
     t_arg = tl.where(t_max > mt, start, t_arg)
-    mt_new, dt, et, alpha_t = softmax_update(mt, dt, t2, t_max)
+    if F.TEACHER_PROBS:
+        mt_new, dt, et, alpha_t = scaled_update(mt, dt, q, t_max)
+        t2 = teacher_x2(zt, cols, V, S, F, MASKED)
+    else:
+        mt_new, dt, et, alpha_t = softmax_update(mt, dt, t2, t_max)
     sum_t = sum_t * alpha_t + et * tl.maximum(t2, NEG_BIG)
     if F.OWN_TEMP:
         s2 = x2 * S.inv_distill_temp
@@ -199,10 +224,10 @@ def distill_grad(p, x2, zt, cols, V, dstate, wd, S, F: tl.constexpr, MASKED: tl.
     ``wd`` carries the weight, d loss / d token_loss, 1 / T_d and (without softcap) dx/dz.
     """
     lse_s2, lse_t2, kl, jsd_s = dstate
-    t2 = teacher_x2(zt, S, F)
-    if MASKED:
-        t2 = tl.where(cols < V, t2, float("-inf"))
-    q = tl.exp2(t2 - lse_t2)
+    t2 = zt  # (forward KL with probabilities given never reads their log)
+    if not (F.TEACHER_PROBS and F.DISTILL_KIND == 0):
+        t2 = teacher_x2(zt, cols, V, S, F, MASKED)
+    q = teacher_q(zt, t2, cols, V, lse_t2, F, MASKED)
     if F.OWN_TEMP:
         s2 = x2 * S.inv_distill_temp
         ps = tl.exp2(s2 - lse_s2)
@@ -239,10 +264,10 @@ def jsd_sums(row_ptr, t_row_ptr, V, lse_s2, lse_t2, t_minus_s, S, BLOCK_V: tl.co
         z = tl.load(row_ptr + cols, mask=mask, other=0.0)
         x2, _ = to_x2(z, cols, V, S, F.HAS_SOFTCAP, True)
         s2 = x2 * S.inv_distill_temp if F.OWN_TEMP else x2
-        t2 = teacher_x2(tl.load(t_row_ptr + cols, mask=mask, other=0.0), S, F)
-        t2 = tl.where(mask, t2, float("-inf"))
+        zt = tl.load(t_row_ptr + cols, mask=mask, other=0.0)
+        t2 = teacher_x2(zt, cols, V, S, F, True)
         ps = tl.exp2(s2 - lse_s2)
-        q = tl.exp2(t2 - lse_t2)
+        q = teacher_q(zt, t2, cols, V, lse_t2, F, True)
         log2_q_over_p = (tl.maximum(t2, NEG_BIG) - tl.maximum(s2, NEG_BIG)) - t_minus_s
         log_p_over_m = -log1p(S.jsd_beta * (tl.exp2(log2_q_over_p) - 1.0))
         acc_s += tl.where(ps > 0.0, ps * log_p_over_m, 0.0)
