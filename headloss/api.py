@@ -48,7 +48,9 @@ def head_loss(
         teacher_logits, ..., route: the per-call keywords (:class:`headloss.batch.HeadInputs`), below.
         teacher_logits: like ``logits``, for the distillation term; read only.
         teacher_probs: like ``logits``: a teacher given as probabilities (``teacher: probs``), each row
-            summing to 1 within 1e-3 (checked as ``validate`` says); read only.
+            summing to 1 within 1e-3 (checked as ``validate`` says); read only. Or, beside
+            ``teacher_ids`` (``teacher: topk``), the top-k teacher's probabilities [.., K] in place of
+            ``teacher_logprobs`` (their log).
         teacher_ids, teacher_logprobs: a sparse teacher (``spec.distillation.teacher``): its top-k ids
             [.., K] (-1 where a row has fewer) and their log-probs [.., K], rows like ``logits``'; or
             (teacher ``"token"``) its log-prob of each target, shaped like ``targets``

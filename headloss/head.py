@@ -55,6 +55,7 @@ class CallTensors(NamedTuple):
     teacher_ids: torch.Tensor | None = None  # a top-k teacher's ids [n_out, K] (kernels.sparse.SparseRows)
     teacher_logprobs: torch.Tensor | None = None  # its log-probs [n_out, K], or a per-token teacher's [n_out]
     temperature: torch.Tensor | None = None  # [n_out] fp32 per-row temperature (spec.LogitTransform)
+    teacher_probs: torch.Tensor | None = None  # a top-k teacher given as probabilities (SparseRows.probs)
 
     @classmethod
     def of(cls, targets, teacher: Teacher, epilogue: PolicyTokens | None, num_items, sequence_ids,
@@ -65,10 +66,10 @@ class CallTensors(NamedTuple):
             epilogue.old_logprobs, epilogue.ref_logprobs, epilogue.advantages, epilogue.importance_weights,
             epilogue.weight)
         old, ref, adv, iw, weight = rows
-        ids, logprobs = (None, None) if sparse is None else (sparse.ids, sparse.logprobs)
+        ids, logprobs, probs = (None, None, None) if sparse is None else (sparse.ids, sparse.logprobs, sparse.probs)
         return cls(targets, teacher.logits, teacher.hidden, teacher.weight, teacher.bias, old=old, ref=ref, adv=adv,
                    iw=iw, policy_weight=weight, num_items=num_items, sequence_ids=sequence_ids, teacher_ids=ids,
-                   teacher_logprobs=logprobs, temperature=temperature)
+                   teacher_logprobs=logprobs, temperature=temperature, teacher_probs=probs)
 
     @property
     def sparse(self) -> SparseRows | None:
@@ -76,7 +77,7 @@ class CallTensors(NamedTuple):
         if self.teacher_logprobs is None:
             return None
         return SparseRows(self.teacher_ids, self.teacher_logprobs,
-                          1 if self.teacher_ids is None else self.teacher_ids.shape[-1])
+                          1 if self.teacher_ids is None else self.teacher_ids.shape[-1], self.teacher_probs)
 
     @property
     def teacher(self) -> Teacher:
@@ -155,7 +156,7 @@ class HeadCall:
         whole = geo._replace(V=geo.V_total) if sharded else geo  # targets are checked against all of V
         sparse = tensors.sparse
         verdict = verdict_slot(validate, device, CheckContext(run.token_shape, whole.V, geo.ignore_index,
-                                                              teacher_k(sparse)))
+                                                              teacher_k(sparse), teacher_input(sparse)))
         # not where validate="sync" exchanges the verdict of a vocab-parallel call before its statistics
         # (prepare_kernel's, read on the host)
         inline = (one_block and (not sharded or validate != "sync") and 0 < geo.n_rows
@@ -233,6 +234,11 @@ def torch_head(logits, targets, spec: LossSpec, teacher: Teacher, norm: Normalis
 def teacher_k(sparse: SparseRows | None) -> int:
     """CheckContext.teacher_k of a call's sparse teacher."""
     return 0 if sparse is None else (-1 if sparse.ids is None else sparse.K)
+
+
+def teacher_input(sparse: SparseRows | None) -> str:
+    """CheckContext.teacher_input of a call's sparse teacher: the input its log-probs came from."""
+    return "teacher_probs" if sparse is not None and sparse.probs is not None else "teacher_logprobs"
 
 
 # --- a vocab-parallel block's statistics ----------------------------------------------------------

@@ -20,7 +20,7 @@ from .kernels.sparse import SparseRows
 from .layouts import TEACHER_KEY
 from .policy.inputs import policy_inputs
 from .spec import LossSpec
-from .validation import CheckContext, Normaliser, Validate, normaliser, raise_teacher, validation_mode
+from .validation import MASS_TOLERANCE, CheckContext, Normaliser, Validate, normaliser, raise_teacher, validation_mode
 
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
@@ -152,17 +152,19 @@ def flat_temperature(value: Any, spec: LossSpec, token_shape: tuple[int, ...], d
 
 def resolved_teacher(call: CallInputs, spec: LossSpec) -> CallInputs:
     """A teacher given as probabilities (teacher 'probs') travels as the dense teacher's rows, which the
-    kernels read as log q (plan flag TEACHER_PROBS); ``teacher_probs`` with another teacher, or the
-    logits with this one, are refused naming the argument."""
+    kernels read as log q (plan flag TEACHER_PROBS); a top-k teacher's probabilities [.., K] stay for
+    :func:`sparse_teacher`; ``teacher_probs`` with another teacher, or the logits with this one, are
+    refused naming the argument."""
     teacher = call.teacher
-    probs_teacher = spec.distillation is not None and spec.distillation.teacher == "probs"
-    if teacher.probs is None and not probs_teacher:
+    form = None if spec.distillation is None else spec.distillation.teacher
+    probs_teacher = form == "probs"
+    if (teacher.probs is None and not probs_teacher) or form == "topk":
         return call
     if not probs_teacher:
         form = "no distillation term" if spec.distillation is None else \
             f"a {spec.distillation.teacher!r} teacher"
         raise ValueError(f"teacher_probs: given, but the spec has {form}; teacher_probs [.., V] needs "
-                         "distillation.teacher 'probs'")
+                         "distillation.teacher 'probs', [.., K] with teacher_ids teacher 'topk'")
     for name, value in (("teacher_logits", teacher.logits), ("teacher_hidden", teacher.hidden),
                         ("teacher_ids", teacher.ids), ("teacher_logprobs", teacher.logprobs)):
         if value is not None:
@@ -331,6 +333,14 @@ _DENSE_ONLY = ("given, but the spec's distillation takes teacher logits (teacher
                "distillation.teacher to 'topk' or 'token' for a sparse teacher")
 
 
+def topk_logprobs(probs: torch.Tensor) -> torch.Tensor:
+    """A top-k teacher's probabilities as the log-probs the kernels read (fp32): 0 gives -inf (no entry);
+    a probability above 1 by no more than MASS_TOLERANCE (rounding) gives 0; a negative, NaN or larger
+    one is left to fail the log-prob check, whose error then names teacher_probs."""
+    log = probs.float().log()
+    return torch.where(probs <= 1.0 + MASS_TOLERANCE, log.clamp(max=0.0), log)
+
+
 def sparse_teacher(spec: LossSpec, teacher: Teacher, rows_shape: tuple[int, ...], token_shape: tuple[int, ...],
                    device: torch.device, vocab: int, mode: str, align: str = "rows") -> SparseRows | None:
     """A top-k or per-token teacher, checked (errors name the argument) and laid out per slot as the
@@ -366,21 +376,29 @@ def sparse_teacher(spec: LossSpec, teacher: Teacher, rows_shape: tuple[int, ...]
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
             got = getattr(ids, "dtype", type(ids).__name__)
             raise TypeError(f"teacher_ids: expected an int64 or int32 tensor, got {got}")
-        lp = _float_input(lp, "teacher_logprobs", "distillation (teacher 'topk')", device)
+        given = "teacher_logprobs"
+        probs = None
+        if teacher.probs is not None:  # the top-k teacher's probabilities: their log, checked as log-probs
+            if lp is not None:
+                raise ValueError("teacher_probs: give the top-k teacher's probabilities or their log, not both")
+            given, probs = "teacher_probs", _float_input(teacher.probs, "teacher_probs", "teacher 'topk'", device)
+            lp = topk_logprobs(probs.detach())
+        lp = _float_input(lp, given, "distillation (teacher 'topk')", device)
         if ids.device != device:
             raise ValueError(f"teacher_ids: on {ids.device}, logits on {device}")
         if ids.dim() != len(rows_shape) + 1 or tuple(ids.shape[:-1]) != tuple(rows_shape):
             raise ValueError(f"teacher_ids: shape {tuple(ids.shape)} does not match the rows {tuple(rows_shape)} "
                              "+ (K,)")
         if tuple(lp.shape) != tuple(ids.shape):
-            raise ValueError(f"teacher_logprobs: shape {tuple(lp.shape)} does not match teacher_ids "
-                             f"{tuple(ids.shape)} (one log-prob per id)")
+            raise ValueError(f"{given}: shape {tuple(lp.shape)} does not match teacher_ids "
+                             f"{tuple(ids.shape)} (one {'probability' if probs is not None else 'log-prob'} per id)")
         k = ids.shape[-1]
         if not 1 <= k <= MAX_TOPK:
             raise ValueError(f"teacher_ids: K = {k} entries per row; the kernels take 1 to {MAX_TOPK}")
         if align == "shift" and len(token_shape) == 2:  # the scored rows: the first K of each sequence
             ids, lp = ids[:, :token_shape[1]], lp[:, :token_shape[1]]
-        rows = SparseRows(ids.detach().reshape(-1, k).contiguous(), lp.detach().reshape(-1, k).contiguous(), k)
+        rows = SparseRows(ids.detach().reshape(-1, k).contiguous(), lp.detach().reshape(-1, k).contiguous(), k,
+                          None if probs is None else probs.detach())
     if mode == "sync":
         check_sparse_values(rows, vocab, token_shape)
     if align == "pad_last" and rows.ids is None:
@@ -427,5 +445,6 @@ def check_sparse_values(rows: SparseRows, vocab: int, token_shape: tuple[int, ..
     first = int(keys.min()) if keys.numel() else none
     if first < none:
         teacher_k = rows.K if rows.ids is not None else -1
-        raise_teacher(first, CheckContext(token_shape, vocab, -100, teacher_k),
+        given = "teacher_probs" if rows.probs is not None else "teacher_logprobs"
+        raise_teacher(first, CheckContext(token_shape, vocab, -100, teacher_k, given),
                       entry_id=None if value is None else int(value[first // TEACHER_KEY.N]))

@@ -84,7 +84,8 @@ class Distillation(_Frozen):
       - ``jsd``         beta KL(q || M) + (1 - beta) KL(p || M), M = beta q + (1 - beta) p
         (TRL's generalized JSD; beta 0 and 1 are the two KLs above)
     * ``"topk"``  its top-k: ``teacher_ids`` [.., K] (padded with -1) and ``teacher_logprobs``
-      [.., K]. ``topk`` names how K entries make a divergence: ``"verl"`` (verl's
+      [.., K], or their probabilities ``teacher_probs`` [.., K] (each in [0, 1]; 0 is no entry).
+      ``topk`` names how K entries make a divergence: ``"verl"`` (verl's
       ``forward_kl_topk``: sum_k q_k (log q_k - log p_k) over the unnormalised entries, clamped at
       0, with its optional ``log_prob_min_clamp``; forward KL only), ``"renormalized"`` (both sides
       renormalised over the K ids) or ``"rest"`` (the K ids plus one outcome for the rest of the

@@ -164,6 +164,7 @@ class CheckContext(NamedTuple):
     vocab: int
     ignore_index: int
     teacher_k: int = 0  # a top-k teacher's K (its entries' rows), -1 a per-token teacher, 0 none
+    teacher_input: str = "teacher_logprobs"  # the input a bad log-prob came from (teacher_probs: their log)
 
 
 class ErrorBoard:
@@ -322,6 +323,9 @@ def raise_teacher(key: int, context: CheckContext, deferred: bool = False, entry
     if kind == TEACHER_KEY.mass:
         raise ValueError(f"teacher_probs: the row at {where} does not sum to 1 within {MASS_TOLERANCE:g}, or holds a "
                          f"negative or NaN probability{later}")
+    if kind == TEACHER_KEY.logprob and context.teacher_input == "teacher_probs":
+        raise ValueError(f"teacher_probs: the value at {where} is not a probability (in [0, 1] within "
+                         f"{MASS_TOLERANCE:g}, not NaN){later}")
     if kind == TEACHER_KEY.logprob:
         raise ValueError(f"teacher_logprobs: the value at {where} is not a log-probability (<= 0, not NaN){later}")
     if kind == TEACHER_KEY.repeat:

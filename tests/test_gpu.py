@@ -1151,6 +1151,42 @@ def test_a_teacher_given_as_probabilities_on_the_compiled_kernels(divergence, dt
         headloss.check_pending(wait=True)
 
 
+@pytest.mark.parametrize("entry", ["logits", "hidden"])
+def test_a_topk_teacher_given_as_probabilities_on_the_compiled_kernels(entry):
+    """teacher_probs [.., K] beside teacher_ids equals the call with their log as teacher_logprobs, bit
+    for bit, on the logits and the fused lm_head; a negative one is found on the device, named."""
+    b, t, v, h, k = 4, 300, 32000, 256, 16
+    gen = torch.Generator(device="cuda").manual_seed(67)
+    ids = torch.randint(0, v, (b, t), device="cuda", generator=gen)
+    hidden = torch.randn(b, t, h, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(v, h, device="cuda", generator=gen) / 16).to(torch.bfloat16)
+    logits = (hidden.float() @ weight.float().T).to(torch.bfloat16)
+    top = torch.log_softmax(logits.float() + torch.randn(b, t, v, device="cuda", generator=gen), -1).topk(k, -1)
+    probs = top.values.exp()
+    spec = headloss.LossSpec(distillation={"teacher": "topk", "topk": "rest", "divergence": "jsd"})
+
+    def call(**teacher):
+        leaf = (logits if entry == "logits" else hidden).clone().requires_grad_()
+        if entry == "logits":
+            out = headloss.head_loss(leaf, ids, spec, teacher_ids=top.indices, **teacher)
+        else:
+            out = headloss.linear_head_loss(leaf, weight, ids, spec, teacher_ids=top.indices, chunk_bytes=64 << 20,
+                                            **teacher)
+        out.loss.backward()
+        return out.loss, leaf.grad
+
+    from headloss.inputs import topk_logprobs
+
+    loss, grad = call(teacher_probs=probs)
+    want, want_grad = call(teacher_logprobs=topk_logprobs(probs))
+    assert torch.isfinite(loss) and loss.item() == want.item() and torch.equal(grad, want_grad)
+    bad = probs.clone()
+    bad[2, 5, 3] = -0.5
+    call(teacher_probs=bad)
+    with pytest.raises(ValueError, match=r"teacher_probs: the value at row 605, entry 3 is not a probability"):
+        headloss.check_pending(wait=True)
+
+
 def test_bad_num_items_on_the_device_is_raised_by_check_pending():
     logits, targets = _batch(64, 32000, torch.bfloat16, seed=23)
     headloss.head_loss(logits, targets, num_items_in_batch=torch.tensor(0.0, device="cuda"))

@@ -37,6 +37,8 @@ SPECS = {
     "distill_topk_verl": LossSpec(cross_entropy=None, distillation={"teacher": "topk", "log_prob_min_clamp": -6.0},
                                   transform=LogitTransform(softcap=4.0)),
     "distill_token": LossSpec(distillation={"teacher": "token", "estimator": "k3", "estimator_clamp": True}),
+    # a top-k teacher given as probabilities [.., K] (replicated, as its ids)
+    "distill_topk_probs": LossSpec(distillation={"teacher": "topk", "topk": "rest", "divergence": "reverse_kl"}),
     "gspo": LossSpec(cross_entropy=None, policy=Policy(loss_type="grpo", importance_sampling="sequence")),
     "deferred": LossSpec(cross_entropy=CrossEntropy(label_smoothing=0.05), z_loss=ZLoss(weight=1e-2),
                          entropy=Entropy(weight=0.02), reduction="none", outputs=("logprobs", "lse", "entropy"),
@@ -74,6 +76,8 @@ def _inputs(name: str, dtype: torch.dtype):
             ids_k, logprobs = top.indices.clone(), top.values.float()
             ids_k[0, 0, 4:] = -1
             kwargs = dict(teacher_ids=ids_k, teacher_logprobs=logprobs)
+            if name == "distill_topk_probs":
+                kwargs = dict(teacher_ids=ids_k, teacher_probs=logprobs.exp())
         elif name.startswith("distill_probs"):
             kwargs["teacher_probs"] = torch.softmax(teacher.double(), -1).to(dtype)
         elif name == "distill_token":
@@ -127,7 +131,7 @@ QUICK = {("full_sft", torch.float32, "triton", False), ("full_sft", torch.float3
          ("gspo", torch.float32, "triton", False), ("distill_jsd", torch.float32, "triton", False),
          ("distill_topk_rest", torch.float32, "triton", False), ("row_temperature", torch.float32, "triton", True),
          ("distill_jsd_row_temperature", torch.float32, "triton", False),
-         ("distill_probs_jsd", torch.float32, "triton", False)}
+         ("distill_probs_jsd", torch.float32, "triton", False), ("distill_topk_probs", torch.float32, "triton", False)}
 
 
 def _cases(quick: bool) -> list[tuple]:
@@ -180,8 +184,8 @@ def _logits_job(rank: int, world: int, quick: bool) -> tuple:
         _backward(full)
         local = logits[..., start: start + widths[rank]].clone().requires_grad_()
         mine = dict(kwargs)
-        for key in ("teacher_logits", "teacher_probs"):  # sharded like the student's
-            if key in mine:
+        for key in ("teacher_logits", "teacher_probs"):  # sharded like the student's (a top-k teacher's: not)
+            if key in mine and mine[key].shape[-1] == V:
                 mine[key] = mine[key][..., start: start + widths[rank]]
         before = len(gathers), COLLECTIVES["stats"], COLLECTIVES["jsd"]
         sharded = head_loss(local, ids, spec, shift=shift, backend=backend, group=dist.group.WORLD, **mine)
@@ -255,7 +259,7 @@ def test_merge_matches_the_whole_row():
 H = 12
 LINEAR_NAMES = ("full_sft", "smoothing_softcap_temperature", "grpo", "gspo", "deferred", "teacher_weight",
                 "teacher_logits", "distill_topk_rest", "distill_topk_verl", "distill_token", "row_temperature",
-                "distill_probs_jsd")
+                "distill_probs_jsd", "distill_topk_probs")
 LINEAR_QUICK = ("full_sft", "gspo", "teacher_weight", "row_temperature")
 
 
@@ -280,7 +284,7 @@ def _linear_job(rank: int, world: int, quick: bool) -> dict:
             bias = torch.randn(V, generator=gen, dtype=torch.float64).float() * 0.1
             _, ids, kwargs = _inputs(name, torch.float32)
             mine = dict(kwargs)
-            if "teacher_probs" in mine:  # the teacher's probabilities, sharded on the vocabulary
+            if "teacher_probs" in mine and mine["teacher_probs"].shape[-1] == V:  # dense: sharded on the vocabulary
                 mine["teacher_probs"] = mine["teacher_probs"][..., start: start + width]
             if name == "teacher_weight":  # a teacher head: replicated hidden states, its weight's rows sharded
                 t_weight = torch.randn(V, H + 2, generator=gen)

@@ -223,3 +223,122 @@ def test_a_compiled_call_reads_the_probabilities_and_checks_them_as_eager_does(e
     bad[1, 2] *= 1.5
     with pytest.raises(ValueError, match=r"teacher_probs: the row at position \(1, 2\) does not sum to 1"):
         compiled_call(rows, bad)
+
+
+# --- a top-k teacher given as probabilities (teacher 'topk' with teacher_ids + teacher_probs [.., K]) ----
+
+
+def _topk_batch(seed: int, k: int = 6):
+    """Student logits [3, 6, V] (fp64), targets, a teacher's top-k ids [3, 6, k] (one -1 entry) and its
+    probabilities there (fp64; one 0, an entry that takes no part)."""
+    gen = generator(seed)
+    z = torch.randn(3, 6, V, generator=gen, dtype=torch.float64) * 2
+    y = torch.randint(0, V, (3, 6), generator=gen)
+    y[1, 3] = -100
+    ids = torch.stack([torch.randperm(V, generator=gen)[:k] for _ in range(18)]).view(3, 6, k)
+    ids[2, 1, 4] = -1
+    probs = torch.softmax(torch.randn(3, 6, V, generator=gen, dtype=torch.float64) * 2, -1).gather(-1, ids.clamp(min=0))
+    probs[0, 2, 3] = 0.0
+    return z, y, ids, probs
+
+
+@needs_kernel
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("entry", ["logits", "hidden"])
+@pytest.mark.parametrize("topk", ["renormalized", "rest"])
+@pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd"])
+def test_a_topk_teacher_given_as_probabilities_equals_trls_oracle(kind, topk, entry, backend):
+    """teacher_probs [.., K] beside teacher_ids is the top-k teacher whose log-probs are their log: TRL's
+    server distillation in fp64 (tests/trl_oracle.py, from its source) on log q, loss and gradient."""
+    import trl_oracle
+
+    spec = LossSpec(distillation={"teacher": "topk", "divergence": kind, "topk": topk, "beta": BETA})
+    z, y, ids, probs = _topk_batch(seed=17)
+    if entry == "hidden":
+        gen = generator(18)
+        hidden = torch.randn(3, 6, H, generator=gen, dtype=torch.float64)
+        weight = torch.randn(V, H, generator=gen, dtype=torch.float64) * 0.6
+        leaf = hidden.clone().requires_grad_()
+        x64 = leaf @ weight.T
+    else:
+        leaf = z.clone().requires_grad_()
+        x64 = leaf
+    s_logp = torch.log_softmax(x64, -1)
+    ce = -s_logp.gather(-1, y.clamp(min=0)[..., None])[..., 0]
+    div = trl_oracle.token_divergence(x64.reshape(-1, V), ids.reshape(-1, 6), probs.log().reshape(-1, 6), topk,
+                                      trl_oracle.beta_of(kind, BETA))
+    counted = (y != -100).reshape(-1)
+    want = ((ce.reshape(-1) + div) * counted).sum() / counted.sum()
+    want.backward()
+    if entry == "hidden":
+        h = hidden.float().requires_grad_()
+        out = headloss.linear_head_loss(h, weight.float(), y, spec, teacher_ids=ids, teacher_probs=probs.float(),
+                                        backend=backend, chunk_bytes=5 * V * 4)
+        got = h
+    else:
+        got = z.float().requires_grad_()
+        out = headloss.head_loss(got, y, spec, teacher_ids=ids, teacher_probs=probs.float(), backend=backend)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(want.item(), rel=1e-5)
+    assert (got.grad.double() - leaf.grad).abs().max() <= 1e-5 * leaf.grad.abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_topk_probabilities_and_their_log_are_one_teacher_on_packed_rows(backend):
+    """Packed sequences (cu_seqlens) with a shifted top-k teacher: the probabilities and their log as
+    teacher_logprobs give the same loss, metrics and gradient."""
+    z, y, ids, probs = _topk_batch(seed=19)
+    z, y, ids, probs = z.reshape(18, V), y.reshape(18), ids.reshape(18, -1), probs.reshape(18, -1)
+    spec = LossSpec(distillation={"teacher": "topk", "divergence": "jsd", "topk": "rest", "beta": BETA})
+    cu = torch.tensor([0, 5, 11, 18], dtype=torch.int32)
+    outs = []
+    for teacher in ({"teacher_probs": probs.float()}, {"teacher_logprobs": probs.float().log()}):
+        x = z.float().requires_grad_()
+        out = headloss.head_loss(x, y, spec, teacher_ids=ids, shift=True, cu_seqlens=cu, backend=backend,
+                                 **teacher)
+        out.loss.backward()
+        outs.append((out, x.grad))
+    (a, ga), (b, gb) = outs
+    assert a.loss.item() == b.loss.item()
+    assert all(torch.equal(a.metrics[k], b.metrics[k]) for k in b.metrics)
+    assert torch.equal(ga, gb)
+
+
+@needs_kernel
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("entry", ["logits", "hidden"])
+@pytest.mark.parametrize("fault", ["negative", "nan", "above_one"])
+def test_a_bad_topk_probability_is_named_with_its_entry(fault, entry, backend):
+    """A probability outside [0, 1] (past the rounding tolerance) or NaN is refused on both paths, naming
+    teacher_probs and the entry (the kernels' path: on the device, the default validation); a value
+    above 1 by rounding, and a 0, are taken."""
+    z, y, ids, probs = _topk_batch(seed=21)
+    q = probs.float()
+    q[1, 4, 2] = {"negative": -0.01, "nan": float("nan"), "above_one": 1.01}[fault]
+    spec = LossSpec(distillation={"teacher": "topk"})
+
+    def call(teacher):
+        if entry == "logits":
+            return headloss.head_loss(z.float(), y, spec, teacher_ids=ids, teacher_probs=teacher, backend=backend)
+        gen = generator(22)
+        return headloss.linear_head_loss(torch.randn(3, 6, H, generator=gen), torch.randn(V, H, generator=gen), y,
+                                         spec, teacher_ids=ids, teacher_probs=teacher, backend=backend)
+
+    with pytest.raises(ValueError, match=r"teacher_probs: the value at row 10, entry 2 is not a probability"):
+        call(q)
+        headloss.check_pending(wait=True)
+    q[1, 4, 2] = 1.0 + 1e-6
+    assert torch.isfinite(call(q).loss)
+
+
+def test_a_topk_teacher_takes_its_probabilities_or_their_log_not_both():
+    z, y, ids, probs = _topk_batch(seed=23)
+    spec = LossSpec(distillation={"teacher": "topk"})
+    with pytest.raises(ValueError, match="teacher_probs: give the top-k teacher.s probabilities or their log"):
+        headloss.head_loss(z.float(), y, spec, teacher_ids=ids, teacher_probs=probs.float(),
+                           teacher_logprobs=probs.float().log())
+    with pytest.raises(ValueError, match=r"teacher_probs: shape \(3, 6, 5\) does not match teacher_ids"):
+        headloss.head_loss(z.float(), y, spec, teacher_ids=ids, teacher_probs=probs.float()[..., :5])
+    with pytest.raises(ValueError, match="teacher_probs: given, but the spec has a 'token' teacher"):
+        headloss.head_loss(z.float(), y, LossSpec(distillation={"teacher": "token"}), teacher_probs=probs.float())

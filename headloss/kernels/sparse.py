@@ -53,6 +53,9 @@ class SparseRows(NamedTuple):
     ids: torch.Tensor | None
     logprobs: torch.Tensor
     K: int
+    # a top-k teacher given as probabilities: them, as given (``logprobs`` holds their log); the kernels
+    # read nothing from it, a bad entry's error names teacher_probs (validation.CheckContext.teacher_input)
+    probs: torch.Tensor | None = None
 
 
 def block_of(k: int) -> int:

@@ -115,11 +115,13 @@ def _head(spec, dtype=torch.bfloat16, backward=True, **kwargs):
             extra.pop("teacher")
         if extra.pop("probs", False):  # a teacher given as probabilities
             extra["teacher_probs"] = torch.softmax(torch.randn(logits.shape), -1).to(dtype)
-        if extra.pop("topk", False):  # the teacher's top-8 ids (two of a row's entries -1) and log-probs
+        topk = extra.pop("topk", False)
+        if topk:  # the teacher's top-8 ids (two of a row's entries -1) and log-probs (or their probabilities)
             ids = torch.stack([torch.randperm(logits.shape[-1])[:8] for _ in range(logits.shape[:-1].numel())])
             ids[0, 6:] = -1
+            lq = -torch.rand(*logits.shape[:-1], 8) * 4
             extra.update(teacher_ids=ids.reshape(*logits.shape[:-1], 8),
-                         teacher_logprobs=-torch.rand(*logits.shape[:-1], 8) * 4)
+                         **({"teacher_probs": lq.exp()} if topk == "probs" else {"teacher_logprobs": lq}))
         if extra.pop("token", False):
             extra["teacher_logprobs"] = -torch.rand(targets.shape) * 4
         if extra.pop("row_temperature", False):  # one per row (spec.transform.per_row_temperature)
@@ -275,6 +277,9 @@ VARIANTS = {
     "sharded-teacher-probs-jsd": _sharded(_head(headloss.LossSpec(distillation={"teacher": "probs",
                                                                                 "divergence": "jsd"}),
                                                 probs=True, validate=True, group=object())),
+    # a top-k teacher given as probabilities: their log read as the log-probs, checked into the verdict
+    "topk-probs": _head(headloss.LossSpec(distillation={"teacher": "topk", "topk": "rest"}), topk="probs",
+                        validate=True),
     "linear-row-temperature": _linear(headloss.LossSpec(transform={"per_row_temperature": True}),
                                       row_temperature=True, validate=True),
 }
