@@ -161,7 +161,8 @@ def _plan_inputs(spec: LossSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     dist = spec.distillation
     if dist is not None:
         requires += {"logits": ("teacher_logits",), "probs": ("teacher_probs",),
-                     "topk": ("teacher_ids", "teacher_logprobs"), "token": ("teacher_logprobs",)}[dist.teacher]
+                     "topk": ("teacher_ids", "teacher_logprobs or teacher_probs"),
+                     "token": ("teacher_logprobs",)}[dist.teacher]
     if spec.policy is not None:
         requires += ("advantages",) + (("ref_logprobs",) if spec.policy.kl_beta != 0.0 else ())
         accepts += ("old_logprobs", "loss_mask", "importance_weights", "rollout_logprobs", "sequence_ids")

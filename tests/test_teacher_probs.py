@@ -190,6 +190,8 @@ def test_the_spec_and_the_inputs_must_agree():
 def test_explain_names_the_input_and_demo_makes_one(tmp_path, capsys):
     text = explained_and_demoed(tmp_path, capsys, "distillation: {teacher: probs, divergence: jsd}\n")
     assert "inputs      logits, targets, teacher_probs" in text and "TEACHER_PROBS" in text
+    text = explained_and_demoed(tmp_path, capsys, "distillation: {teacher: topk, topk: rest}\n")
+    assert "inputs      logits, targets, teacher_ids, teacher_logprobs or teacher_probs" in text
 
 
 @needs_kernel
