@@ -158,6 +158,13 @@ def resolved_teacher(call: CallInputs, spec: LossSpec) -> CallInputs:
     teacher = call.teacher
     form = None if spec.distillation is None else spec.distillation.teacher
     probs_teacher = form == "probs"
+    if form == "topk" and teacher.probs is not None:  # their log: the log-probs, the probabilities kept to name
+        if teacher.logprobs is not None:
+            raise ValueError("teacher_probs: give the top-k teacher's probabilities or their log, not both")
+        if not isinstance(teacher.probs, torch.Tensor) or not teacher.probs.is_floating_point():
+            raise TypeError(f"teacher_probs: expected a floating-point tensor, got "
+                            f"{getattr(teacher.probs, 'dtype', type(teacher.probs).__name__)}")
+        return replace(call, teacher=replace(teacher, logprobs=topk_logprobs(teacher.probs.detach())))
     if (teacher.probs is None and not probs_teacher) or form == "topk":
         return call
     if not probs_teacher:
@@ -334,9 +341,8 @@ _DENSE_ONLY = ("given, but the spec's distillation takes teacher logits (teacher
 
 
 def topk_logprobs(probs: torch.Tensor) -> torch.Tensor:
-    """A top-k teacher's probabilities as the log-probs the kernels read (fp32): 0 gives -inf (no entry);
-    a probability above 1 by no more than MASS_TOLERANCE (rounding) gives 0; a negative, NaN or larger
-    one is left to fail the log-prob check, whose error then names teacher_probs."""
+    """A top-k teacher's probabilities as log-probs (fp32): 0 gives -inf (no entry), above 1 by at most
+    MASS_TOLERANCE (rounding) 0; a negative, NaN or larger one fails the check, which names teacher_probs."""
     log = probs.float().log()
     return torch.where(probs <= 1.0 + MASS_TOLERANCE, log.clamp(max=0.0), log)
 
@@ -376,13 +382,7 @@ def sparse_teacher(spec: LossSpec, teacher: Teacher, rows_shape: tuple[int, ...]
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
             got = getattr(ids, "dtype", type(ids).__name__)
             raise TypeError(f"teacher_ids: expected an int64 or int32 tensor, got {got}")
-        given = "teacher_logprobs"
-        probs = None
-        if teacher.probs is not None:  # the top-k teacher's probabilities: their log, checked as log-probs
-            if lp is not None:
-                raise ValueError("teacher_probs: give the top-k teacher's probabilities or their log, not both")
-            given, probs = "teacher_probs", _float_input(teacher.probs, "teacher_probs", "teacher 'topk'", device)
-            lp = topk_logprobs(probs.detach())
+        given = "teacher_logprobs" if teacher.probs is None else "teacher_probs"  # (lp: their log, resolved_teacher's)
         lp = _float_input(lp, given, "distillation (teacher 'topk')", device)
         if ids.device != device:
             raise ValueError(f"teacher_ids: on {ids.device}, logits on {device}")
@@ -390,15 +390,15 @@ def sparse_teacher(spec: LossSpec, teacher: Teacher, rows_shape: tuple[int, ...]
             raise ValueError(f"teacher_ids: shape {tuple(ids.shape)} does not match the rows {tuple(rows_shape)} "
                              "+ (K,)")
         if tuple(lp.shape) != tuple(ids.shape):
-            raise ValueError(f"{given}: shape {tuple(lp.shape)} does not match teacher_ids "
-                             f"{tuple(ids.shape)} (one {'probability' if probs is not None else 'log-prob'} per id)")
+            raise ValueError(f"{given}: shape {tuple(lp.shape)} does not match teacher_ids {tuple(ids.shape)} (one "
+                             f"{'log-prob' if teacher.probs is None else 'probability'} per id)")
         k = ids.shape[-1]
         if not 1 <= k <= MAX_TOPK:
             raise ValueError(f"teacher_ids: K = {k} entries per row; the kernels take 1 to {MAX_TOPK}")
         if align == "shift" and len(token_shape) == 2:  # the scored rows: the first K of each sequence
             ids, lp = ids[:, :token_shape[1]], lp[:, :token_shape[1]]
         rows = SparseRows(ids.detach().reshape(-1, k).contiguous(), lp.detach().reshape(-1, k).contiguous(), k,
-                          None if probs is None else probs.detach())
+                          None if teacher.probs is None else teacher.probs.detach())
     if mode == "sync":
         check_sparse_values(rows, vocab, token_shape)
     if align == "pad_last" and rows.ids is None:

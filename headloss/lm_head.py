@@ -152,7 +152,7 @@ def _local(hidden, weight, targets, call: CallInputs, options: LinearOptions) ->
     local = lambda t: t.to_local() if is_dtensor(t) else t  # noqa: E731
     whole = lambda t: t.full_tensor() if is_dtensor(t) else t  # noqa: E731
     teacher = Teacher(local(teacher.logits), whole(teacher.hidden), local(teacher.weight), local(teacher.bias),
-                      whole(teacher.ids), whole(teacher.logprobs))
+                      whole(teacher.ids), whole(teacher.logprobs), whole(teacher.probs))
     return _Local(whole(hidden), weight, whole(targets), replace(call, bias=local(bias), teacher=teacher), shard)
 
 

@@ -1115,6 +1115,36 @@ def test_per_row_temperature_on_the_compiled_kernels_scores_the_logits_over_t(sp
         headloss.check_pending(wait=True)
 
 
+def test_a_per_row_temperature_variant_keeps_to_the_registers_of_the_plain_one():
+    """From its second launch a per-row temperature's head kernel runs compiled with maxnreg at the
+    registers of the same variant without it (kernels.launch._fitted) where that spills nothing: the
+    same loss and gradient bit for bit as its first, uncapped launch, and no more registers than the
+    plain variant."""
+    from headloss.kernels import head as kernels_head
+
+    b, t, v = 8, 256, 32000
+    gen = torch.Generator(device="cuda").manual_seed(71)
+    logits = torch.randn(b, t, v, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, v, (b, t), device="cuda", generator=gen)
+    old = -10.4 + 0.2 * torch.randn(b, t, device="cuda", generator=gen)
+    inputs = dict(advantages=torch.randn(b, device="cuda", generator=gen), old_logprobs=old, ref_logprobs=old + 0.05)
+    spec = headloss.LossSpec(cross_entropy=None, policy={"loss_type": "dapo", "kl_beta": 0.04},
+                             transform={"per_row_temperature": True})
+    temperature = 0.5 + torch.rand(b, device="cuda", generator=gen)
+    results = []
+    for _ in range(4):  # the first two launches compile and run uncapped, the later ones the fitted variant
+        x = logits.clone().requires_grad_()
+        out = headloss.head_loss(x, ids, spec, temperature=temperature, **inputs)
+        out.loss.backward()
+        results.append((out.loss.detach(), x.grad))
+    for loss, grad in results[1:]:
+        assert torch.equal(loss, results[0][0]) and torch.equal(grad, results[0][1])
+    compiled = [k for caches in kernels_head.head_kernel.device_caches.values() for k in caches[0].values()]
+    capped = [k for k in compiled if k.metadata.maxnreg]
+    assert capped and all(k.n_spills == 0 for k in capped)
+    assert min(k.n_regs for k in capped) <= min(k.n_regs for k in compiled if not k.metadata.maxnreg)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
 def test_a_teacher_given_as_probabilities_on_the_compiled_kernels(divergence, dtype):

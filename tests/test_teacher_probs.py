@@ -246,7 +246,7 @@ def _topk_batch(seed: int, k: int = 6):
 
 @needs_kernel
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("entry", ["logits", "hidden"])
+@pytest.mark.parametrize("entry", ["logits", pytest.param("hidden", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("topk", ["renormalized", "rest"])
 @pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd"])
 def test_a_topk_teacher_given_as_probabilities_equals_trls_oracle(kind, topk, entry, backend):
@@ -291,7 +291,7 @@ def test_topk_probabilities_and_their_log_are_one_teacher_on_packed_rows(backend
     """Packed sequences (cu_seqlens) with a shifted top-k teacher: the probabilities and their log as
     teacher_logprobs give the same loss, metrics and gradient."""
     z, y, ids, probs = _topk_batch(seed=19)
-    z, y, ids, probs = z.reshape(18, V), y.reshape(18), ids.reshape(18, -1), probs.reshape(18, -1)
+    z, y, ids, probs = z.reshape(1, 18, V), y.reshape(1, 18), ids.reshape(1, 18, -1), probs.reshape(1, 18, -1)
     spec = LossSpec(distillation={"teacher": "topk", "divergence": "jsd", "topk": "rest", "beta": BETA})
     cu = torch.tensor([0, 5, 11, 18], dtype=torch.int32)
     outs = []
@@ -310,7 +310,8 @@ def test_topk_probabilities_and_their_log_are_one_teacher_on_packed_rows(backend
 @needs_kernel
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("entry", ["logits", "hidden"])
-@pytest.mark.parametrize("fault", ["negative", "nan", "above_one"])
+@pytest.mark.parametrize("fault", ["negative", pytest.param("nan", marks=pytest.mark.slow),
+                                   pytest.param("above_one", marks=pytest.mark.slow)])
 def test_a_bad_topk_probability_is_named_with_its_entry(fault, entry, backend):
     """A probability outside [0, 1] (past the rounding tolerance) or NaN is refused on both paths, naming
     teacher_probs and the entry (the kernels' path: on the device, the default validation); a value

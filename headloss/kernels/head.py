@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import bounded
+from .. import bounded, env
 from ..layouts import JSD_AT, SCRATCH_AT, SEQUENCE_AT, STATS_AT, TEACHER_KEYS, TEACHER_MARK, VERDICT_AT, scratch_size
 from ..plan import KernelPlan
 from ..validation import MASS_TOLERANCE as MASS_TOLERANCE_VALUE
@@ -625,15 +625,24 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
         prep = Prepare(*(verdict if verdict is not None else (None, None)), next_nonce(), sequence_ids, n_seq)
     elif verdict is not None and plan.flags.TEACHER_PROBS:  # the rows' mass check writes the call's verdict
         prep = Prepare(*verdict, None)
-    launch(
-        head_kernel, geo.n_rows, cfg.num_warps,
+    args = dict(
         logits=logits, slots=SlotInputs(targets, temperature, row_ids), teacher=TeacherRows(teacher, sparse),
         grad=grad, rows=rows, pred=pred, policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means,
         shard=shard_rows(stats, jsd), prep=prep, geo=geo,
         S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=Blocks(cfg.block_v, max(topk_block(sparse), 1)),
         FINISH=finish, R=_tiles(plan.cols.N),
     )
+    launch(head_kernel, geo.n_rows, cfg.num_warps, registers_of=_without_temperature(args), **args)
 
+
+
+def _without_temperature(args: dict) -> dict | None:
+    """A per-row temperature's launch: the same launch without it, whose registers per thread the
+    variant keeps to (launch's ``registers_of``); None without one, or under the interpreter."""
+    slots = args["slots"]
+    if slots.temperature is None or env.INTERPRETER:
+        return None
+    return dict(args, slots=slots._replace(temperature=None))
 
 
 def launch_finish(plan: KernelPlan, *, rows, loss, means, scratch, num_items, geo: Geometry) -> None:
@@ -651,12 +660,12 @@ def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d
     if geo.n_rows == 0:
         return
     cfg = launch_config(geo.V, plan.has_teacher, geo.n_rows)
-    launch(
-        head_backward_kernel, geo.n_rows, cfg.num_warps,
+    args = dict(
         logits=logits, slots=SlotInputs(targets, temperature), teacher=TeacherRows(teacher, sparse), grad=grad,
         rows=rows, d_loss=d_loss, d_rows=d_rows, num_items=num_items, scratch=scratch, shard=shard_rows(stats), geo=geo,
         S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=Blocks(cfg.block_v, max(topk_block(sparse), 1)),
     )
+    launch(head_backward_kernel, geo.n_rows, cfg.num_warps, registers_of=_without_temperature(args), **args)
 
 
 

@@ -147,13 +147,15 @@ def triton_specialisation(backend, args: tuple) -> tuple | None:
         return None
 
 
-def launch(kernel, grid: int, num_warps: int, **kwargs) -> None:
+def launch(kernel, grid: int, num_warps: int, registers_of: dict | None = None, **kwargs) -> None:
     """``kernel[(grid,)](**kwargs)``. After a variant's first launch, later launches of the same
     variant call its compiled C launcher directly, found by :func:`spec_key` over the runtime
     arguments (what Triton specialises on, computed in Python more cheaply than Triton's binder; a
     new key falls back to :func:`triton_specialisation` and to Triton's launch). This skips Triton's
     per-launch binding, cache key and launch metadata. A profiler's launch hooks, the interpreter,
-    ``HEADLOSS_FAST_LAUNCH=0`` and a Triton without the private binder take Triton's path."""
+    ``HEADLOSS_FAST_LAUNCH=0`` and a Triton without the private binder take Triton's path.
+    ``registers_of``: the arguments of a sibling variant whose registers per thread this one should
+    keep to (:func:`_fitted`; the fast path's launches only)."""
     hooks = triton.knobs.runtime.launch_enter_hook
     if not env.FAST_LAUNCH or not isinstance(kernel, _JIT) or (hooks is not None and getattr(hooks, "calls", True)):
         with interpreter_noise_ignored() if env.INTERPRETER else contextlib.nullcontext():
@@ -188,11 +190,30 @@ def launch(kernel, grid: int, num_warps: int, **kwargs) -> None:
         if entry is None:
             compiled = kernel[(grid,)](**kwargs, num_warps=num_warps)
             if compiled is not None:
+                if registers_of is not None:
+                    compiled = _fitted(kernel, grid, num_warps, kwargs, registers_of, compiled)
                 _COMPILED[key] = _compiled_entry(compiled)
             return
         _FAST[fast_key] = entry
     run, fixed = entry
     run(grid, 1, 1, _raw_stream(device), *fixed, *args)
+
+
+def _fitted(kernel, grid: int, num_warps: int, kwargs: dict, registers_of: dict, compiled):
+    """``compiled``, or the same variant compiled with ``maxnreg`` at the registers per thread of the
+    sibling variant of ``registers_of``, where it takes more than that sibling and the capped build
+    spills nothing. ptxas gives a variant that holds a few per-row values in registers (a per-row
+    temperature: 1 / t and its products, where the spec's temperature is a kernel parameter) more
+    registers than it needs: the GRPO head kernel 80 where 64 spill nothing, one program fewer per SM
+    (docs/performance.md, "What a teacher's probabilities and a per-row temperature cost")."""
+    sibling = kernel.warmup(grid=(grid,), num_warps=num_warps, **registers_of)
+    sibling._init_handles()
+    compiled._init_handles()
+    if not 0 < sibling.n_regs < compiled.n_regs:
+        return compiled
+    capped = kernel.warmup(grid=(grid,), num_warps=num_warps, maxnreg=sibling.n_regs, **kwargs)
+    capped._init_handles()
+    return capped if capped.n_spills == 0 else compiled
 
 
 @contextlib.contextmanager
