@@ -12,10 +12,13 @@ argument.
 
 from __future__ import annotations
 
+import hashlib
 import types
 from typing import NamedTuple
 
 import triton.language as tl
+
+_VIEWED: dict[str, NamedTuple] = {}
 
 
 def kernel_view(layout: NamedTuple, name: str) -> types.ModuleType:
@@ -23,7 +26,16 @@ def kernel_view(layout: NamedTuple, name: str) -> types.ModuleType:
     view = types.ModuleType(f"{__name__}.{name}", f"kernel view of {type(layout).__name__}")
     for field, value in layout._asdict().items():
         setattr(view, field, tl.constexpr(value))
+    _VIEWED[name] = layout
     return view
+
+
+def views_fingerprint() -> str:
+    """Every kernel view's positions, hashed. Triton keys a compiled kernel by its source and the
+    constexpr globals it reads by name, not by what it reads through a module's attributes: a kernel
+    reading ``SCRATCH_AT.done`` would find a binary built with an older position in Triton's on-disk
+    cache. kernels.launch adds this to each kernel's key, so a changed layout recompiles."""
+    return hashlib.sha256(repr(sorted(_VIEWED.items())).encode()).hexdigest()
 
 
 class Scratch(NamedTuple):

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import operator
 import warnings
 from collections.abc import Callable
@@ -19,6 +20,7 @@ import torch
 import triton
 
 from .. import bounded, env
+from ..layouts import views_fingerprint
 from ..registry import Scalars
 
 try:  # Triton's private C binder: the fast path needs it, launch() works without it
@@ -156,6 +158,8 @@ def launch(kernel, grid: int, num_warps: int, registers_of: dict | None = None, 
     ``HEADLOSS_FAST_LAUNCH=0`` and a Triton without the private binder take Triton's path.
     ``registers_of``: the arguments of a sibling variant whose registers per thread this one should
     keep to (:func:`_fitted`; the fast path's launches only)."""
+    if id(kernel) not in _KEYED:
+        keyed(kernel)
     hooks = triton.knobs.runtime.launch_enter_hook
     if not env.FAST_LAUNCH or not isinstance(kernel, _JIT) or (hooks is not None and getattr(hooks, "calls", True)):
         with interpreter_noise_ignored() if env.INTERPRETER else contextlib.nullcontext():
@@ -197,6 +201,18 @@ def launch(kernel, grid: int, num_warps: int, registers_of: dict | None = None, 
         _FAST[fast_key] = entry
     run, fixed = entry
     run(grid, 1, 1, _raw_stream(device), *fixed, *args)
+
+
+_KEYED: dict[int, object] = {}
+
+
+def keyed(kernel) -> None:
+    """Add the layouts' fingerprint (layouts.views_fingerprint) to a Triton kernel's cache key, once,
+    before its first compile: the positions it reads through the kernel views then key its binaries
+    as its source does (Triton's own key leaves module attributes out). Under the interpreter: nothing."""
+    if isinstance(kernel, _JIT):
+        kernel.hash = hashlib.sha256((kernel.cache_key + views_fingerprint()).encode()).hexdigest()
+    _KEYED[id(kernel)] = kernel  # (by id: a JITFunction hashes by its cache key)
 
 
 def _fitted(kernel, grid: int, num_warps: int, kwargs: dict, registers_of: dict, compiled):

@@ -21,6 +21,7 @@ from triton.compiler import ASTSource
 import headloss
 import headloss.env
 from headloss.kernels import head, policy, shard, sparse
+from headloss.kernels.launch import keyed
 
 HOPPER = GPUTarget("cuda", 90, 32)
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
@@ -60,6 +61,7 @@ def compile_launch(kernel, kwargs: dict) -> str:
             constexprs[(index,)] = value
         else:
             signature[name] = _sig(value, (index,), constexprs)
+    keyed(kernel)  # (as launch does: the layouts' positions key the binary, not only the source)
     src = ASTSource(kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=HOPPER, options=options).asm["ptx"]
 

@@ -29,7 +29,7 @@ VARIANTS = ("ce-only", "all-bf16", "all-fp16", "all-fp32", "entropy-metric-no-ta
             "topk-renormalized-reverse_kl", "topk-rest-jsd", "topk-verl-deferred-softcap", "token-k3", "sharded-topk",
             "topk-validated", "token-validated", "sharded-topk-rest", "topk-rest-deferred", "row-temperature",
             "row-temperature-deferred", "sharded-row-temperature-jsd", "linear-row-temperature", "teacher-probs",
-            "sharded-teacher-probs-jsd")
+            "sharded-teacher-probs-jsd", "topk-probs")
 # every kernel tests/kernels/compile_sm90.py intercepts
 KERNELS = {"prepare_kernel", "head_kernel", "head_backward_kernel", "finish_kernel", "scale_grad_kernel",
            "shard_stats_kernel", "merge_stats_kernel", "shard_jsd_kernel", "sequence_extremes_kernel",
@@ -104,3 +104,28 @@ def test_unrequested_terms_are_compiled_out_of_the_ptx(ptx):
     assert len(ce_only) < 0.8 * len(full)
     # the softcap's tanh costs an extra exp2 per element in both passes
     assert full.count("ex2.approx") > ce_only.count("ex2.approx")
+
+
+KEYED = """
+import hashlib, triton
+import headloss.layouts as layouts
+from headloss.kernels import launch, sparse
+kernel = sparse.check_teacher_kernel
+own = triton.jit(kernel.fn).cache_key  # Triton's key of the same source: blind to TEACHER_KEYS.N's value
+launch.keyed(kernel)
+assert kernel.cache_key == hashlib.sha256((own + layouts.views_fingerprint()).encode()).hexdigest()
+before = layouts.views_fingerprint()
+layouts._VIEWED["TEACHER_KEYS"] = layouts._VIEWED["TEACHER_KEYS"]._replace(N=5)
+assert layouts.views_fingerprint() != before
+print("keyed")
+"""
+
+
+def test_the_layouts_positions_key_every_kernel_binary():
+    """Triton keys a binary by the kernel's source and the constexpr globals read by name, not by the
+    positions read through the layouts' kernel views (module attributes); kernels.launch.keyed adds
+    their fingerprint to the key, so a changed position recompiles instead of reusing a cached binary
+    built with the old one."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", KEYED], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "keyed" in done.stdout, done.stderr[-2000:]
