@@ -8,6 +8,7 @@ give the same results. Then head_loss's per-signature recipes and the two routes
 from __future__ import annotations
 
 import itertools
+import types
 
 import pytest
 import torch
@@ -279,3 +280,46 @@ def test_a_recipe_call_makes_its_metrics_and_views_on_first_read_and_they_are_th
     assert fresh.entropy is None and fresh.logprobs is not None
     swapped = dataclasses.replace(head_loss(logits, targets, spec), loss=torch.tensor(1.0))
     assert float(swapped.loss) == 1.0 and "token_accuracy" in swapped.metrics
+
+
+class _Built:
+    """A compiled variant as _fitted reads it."""
+
+    def __init__(self, n_regs: int, n_spills: int = 0) -> None:
+        self.n_regs, self.n_spills = n_regs, n_spills
+
+    def _init_handles(self) -> None:
+        pass
+
+
+class _Kernel:
+    """A kernel whose warmup builds the sibling (no maxnreg) or the capped variant."""
+
+    def __init__(self, sibling: int, capped_spills: int = 0, fails: bool = False) -> None:
+        self.sibling, self.capped_spills, self.fails, self.caps = sibling, capped_spills, fails, []
+        self.fn = types.SimpleNamespace(__name__="head_kernel")
+
+    def warmup(self, grid, num_warps, maxnreg=None, **kwargs):
+        if self.fails:
+            raise RuntimeError("no driver")
+        if maxnreg is None:
+            return _Built(self.sibling)
+        self.caps.append(maxnreg)
+        return _Built(maxnreg, self.capped_spills)
+
+
+@pytest.mark.parametrize("sibling,spills,want", [(64, 0, "capped"), (64, 4, "own"), (80, 0, "own"), (96, 0, "own")])
+def test_a_variant_is_fitted_to_its_siblings_registers_only_where_that_spills_nothing(sibling, spills, want):
+    """kernels.launch._fitted: a variant of 80 registers whose sibling takes fewer runs capped at the sibling's
+    count when that build spills nothing; otherwise (spills, or a sibling as large) as compiled."""
+    kernel, own = _Kernel(sibling, spills), _Built(80)
+    got = launch_module._fitted(kernel, 8, 4, {}, {}, own)
+    assert (got is own) == (want == "own")
+    if want == "capped":
+        assert got.n_regs == sibling and kernel.caps == [sibling]
+
+
+def test_a_register_fit_that_fails_keeps_the_variant_as_compiled():
+    own = _Built(80)
+    with pytest.warns(RuntimeWarning, match="fitting head_kernel's registers failed"):
+        assert launch_module._fitted(_Kernel(64, fails=True), 8, 4, {}, {}, own) is own
