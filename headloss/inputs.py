@@ -152,9 +152,9 @@ def flat_temperature(value: Any, spec: LossSpec, token_shape: tuple[int, ...], d
 
 def resolved_teacher(call: CallInputs, spec: LossSpec) -> CallInputs:
     """A teacher given as probabilities (teacher 'probs') travels as the dense teacher's rows, which the
-    kernels read as log q (plan flag TEACHER_PROBS); a top-k teacher's probabilities [.., K] stay for
-    :func:`sparse_teacher`; ``teacher_probs`` with another teacher, or the logits with this one, are
-    refused naming the argument."""
+    kernels read as log q (plan flag TEACHER_PROBS); a top-k teacher's probabilities [.., K] become its
+    log-probs (:func:`topk_logprobs`), kept beside them so errors name them; ``teacher_probs`` with another
+    teacher, or the logits with this one, are refused naming the argument."""
     teacher = call.teacher
     form = None if spec.distillation is None else spec.distillation.teacher
     probs_teacher = form == "probs"
