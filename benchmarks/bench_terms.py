@@ -165,13 +165,7 @@ def _forms_distill(rows: list[Row], n: int, cfg: dict, names) -> None:
 
 def _forms_grpo(rows: list[Row], batch: int, length: int, cfg: dict, names) -> None:
     pristine, ids, adv, old, ref, mask = grpo_batch(1, batch, length)
-    x = torch.empty_like(pristine[:, :-1]).requires_grad_()
-
-    def setup():
-        x.grad = None
-        with torch.no_grad():
-            x.copy_(pristine[:, :-1])
-
+    x, setup = restorable_leaf(pristine[:, :-1])
     temperatures = torch.linspace(0.7, 1.3, batch, device="cuda")
     inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, num_items_in_batch=mask.sum(),
                   inplace_grad=True)

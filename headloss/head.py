@@ -155,8 +155,7 @@ class HeadCall:
         sharded = geo.V_total > 0
         whole = geo._replace(V=geo.V_total) if sharded else geo  # targets are checked against all of V
         sparse = tensors.sparse
-        verdict = verdict_slot(validate, device, CheckContext(run.token_shape, whole.V, geo.ignore_index,
-                                                              teacher_k(sparse), teacher_input(sparse)))
+        verdict = verdict_slot(validate, device, CheckContext.of(run.token_shape, whole.V, geo.ignore_index, sparse))
         # not where validate="sync" exchanges the verdict of a vocab-parallel call before its statistics
         # (prepare_kernel's, read on the host)
         inline = (one_block and (not sharded or validate != "sync") and 0 < geo.n_rows
@@ -229,16 +228,6 @@ def torch_head(logits, targets, spec: LossSpec, teacher: Teacher, norm: Normalis
     given[dense] = teacher.logits
     return reference_head_loss(logits, targets, spec, teacher_ids=teacher.ids, teacher_logprobs=teacher.logprobs,
                                num_items_in_batch=norm.as_torch(), validate=mode, **given)
-
-
-def teacher_k(sparse: SparseRows | None) -> int:
-    """CheckContext.teacher_k of a call's sparse teacher."""
-    return 0 if sparse is None else (-1 if sparse.ids is None else sparse.K)
-
-
-def teacher_input(sparse: SparseRows | None) -> str:
-    """CheckContext.teacher_input of a call's sparse teacher: the input its log-probs came from."""
-    return "teacher_probs" if sparse is not None and sparse.probs is not None else "teacher_logprobs"
 
 
 # --- a vocab-parallel block's statistics ----------------------------------------------------------

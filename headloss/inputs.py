@@ -161,10 +161,9 @@ def resolved_teacher(call: CallInputs, spec: LossSpec) -> CallInputs:
     if form == "topk" and teacher.probs is not None:  # their log: the log-probs, the probabilities kept to name
         if teacher.logprobs is not None:
             raise ValueError("teacher_probs: give the top-k teacher's probabilities or their log, not both")
-        if not isinstance(teacher.probs, torch.Tensor) or not teacher.probs.is_floating_point():
-            raise TypeError(f"teacher_probs: expected a floating-point tensor, got "
-                            f"{getattr(teacher.probs, 'dtype', type(teacher.probs).__name__)}")
-        return replace(call, teacher=replace(teacher, logprobs=topk_logprobs(teacher.probs.detach())))
+        probs = _float_input(teacher.probs, "teacher_probs", "teacher 'topk'",  # (its device: sparse_teacher's)
+                             getattr(teacher.probs, "device", None))
+        return replace(call, teacher=replace(teacher, logprobs=topk_logprobs(probs.detach())))
     if (teacher.probs is None and not probs_teacher) or form == "topk":
         return call
     if not probs_teacher:
@@ -444,7 +443,5 @@ def check_sparse_values(rows: SparseRows, vocab: int, token_shape: tuple[int, ..
         value = ids.reshape(-1)
     first = int(keys.min()) if keys.numel() else none
     if first < none:
-        teacher_k = rows.K if rows.ids is not None else -1
-        given = "teacher_probs" if rows.probs is not None else "teacher_logprobs"
-        raise_teacher(first, CheckContext(token_shape, vocab, -100, teacher_k, given),
+        raise_teacher(first, CheckContext.of(token_shape, vocab, -100, rows),
                       entry_id=None if value is None else int(value[first // TEACHER_KEY.N]))

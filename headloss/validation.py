@@ -166,6 +166,14 @@ class CheckContext(NamedTuple):
     teacher_k: int = 0  # a top-k teacher's K (its entries' rows), -1 a per-token teacher, 0 none
     teacher_input: str = "teacher_logprobs"  # the input a bad log-prob came from (teacher_probs: their log)
 
+    @classmethod
+    def of(cls, token_shape: tuple[int, ...], vocab: int, ignore_index: int, sparse: Any = None) -> CheckContext:
+        """The context of a call whose sparse teacher is ``sparse`` (kernels.sparse.SparseRows, or None)."""
+        if sparse is None:
+            return cls(token_shape, vocab, ignore_index)
+        return cls(token_shape, vocab, ignore_index, sparse.K if sparse.ids is not None else -1,
+                   "teacher_probs" if sparse.probs is not None else "teacher_logprobs")
+
 
 class ErrorBoard:
     """Verdict slots in host memory that the prepare kernel writes through unified addressing, and

@@ -158,7 +158,7 @@ def launch(kernel, grid: int, num_warps: int, registers_of: dict | None = None, 
     ``HEADLOSS_FAST_LAUNCH=0`` and a Triton without the private binder take Triton's path.
     ``registers_of``: the arguments of a sibling variant whose registers per thread this one should
     keep to (:func:`_fitted`; the fast path's launches only)."""
-    if id(kernel) not in _KEYED:
+    if id(kernel) not in _KEYED:  # first, before anything hashes the kernel (a JITFunction by its cache key)
         keyed(kernel)
     hooks = triton.knobs.runtime.launch_enter_hook
     if not env.FAST_LAUNCH or not isinstance(kernel, _JIT) or (hooks is not None and getattr(hooks, "calls", True)):
