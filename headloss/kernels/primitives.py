@@ -23,8 +23,9 @@ def fast_log2(x):
     """log2 of fp32 x in one MUFU op, lg2.approx.ftz.f32 (about 2^-22 relative error; 0 and subnormals
     give -inf, a negative or NaN x NaN), where tl.log2 compiles to libdevice's exact log2f, a dozen
     instructions per entry. The counterpart of tl.exp2, which is ex2.approx.ftz already. A subnormal
-    probability (below 2^-126) then counts as 0 in the log terms: at most 2^-126 * 2^m of error per
-    entry of a row whose largest probability is 2^m."""
+    probability q (below 2^-126) gets the log of a 0, clamped to NEG_BIG where a sum takes it: q * NEG_BIG
+    * ln 2, under 1e-8, in place of q log q (forward KL, JSD, the teacher's entropy); a reverse KL is as
+    infinite there as at a 0."""
     if INTERPRETED:
         return tl.log2(x)
     else:
