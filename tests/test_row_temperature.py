@@ -133,7 +133,7 @@ def _total(out) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("entry", ["logits", "hidden"])
+@pytest.mark.parametrize("entry", ["logits", pytest.param("hidden", marks=pytest.mark.slow)])  # (fast: the packed test)
 @pytest.mark.parametrize("name", list(SPECS))
 def test_a_row_at_temperature_t_scores_as_its_logits_over_t(name, entry, backend):
     """Every term and route: the call at per-row temperatures equals the call at temperature 1 on the
