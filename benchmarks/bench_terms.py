@@ -8,6 +8,8 @@ torch.compile, Liger-Kernel and TRL.
   forms    N=8192: each divergence (forward KL, reverse KL, JSD) with the teacher's logits and with
            its probabilities (teacher: probs, validated and validate=False), CE 0.5 + divergence
            0.5; and the GRPO case with a per-row temperature, validated and validate=False
+  weights  N=8192: CE, and CE 0.5 + forward KL 0.5, with and without per-token weights (token_weights,
+           a weighted mean; validated and validate=False); torch eager and torch.compile's weighted CE
   trainer  the same GRPO step the way trainers call it, from the model's [B, L + 1, V] logits
            against the completion ids [B, L] (eps 0.2 / 0.28): headloss shift=True (default
            arguments, and with inplace_grad), headloss on logits[:, :-1] (a slice: autograd's
@@ -161,6 +163,49 @@ def _forms_distill(rows: list[Row], n: int, cfg: dict, names) -> None:
         for name, step in table.items():
             if not names or name in names:
                 measure(rows, f"distill {divergence}", name, "N", n, step, setup, config={**cfg, "N": n, "V": V})
+
+
+SFT_SPEC = headloss.LossSpec()
+WEIGHTED = headloss.TokenWeights()
+SFT_WEIGHTED_SPEC = SFT_SPEC.model_copy(update={"token_weights": WEIGHTED})
+DISTILL_WEIGHTED_SPEC = DISTILL_SPEC.model_copy(update={"token_weights": WEIGHTED})
+"""The same calls with per-token weights (the call's ``token_weights``), made once outside the timed steps."""
+
+
+def torch_weighted_ce(x, y, w):
+    per_token = F.cross_entropy(x.float(), y, ignore_index=-100, reduction="none")
+    return (per_token * w).sum() / (w * (y != -100)).sum()
+
+
+def weights_case(rows: list[Row], n: int, cfg: dict, names) -> None:
+    """What per-token weights cost beside the same call without them."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pristine = torch.randn(n, V, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
+    teacher = torch.randn(n, V, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
+    y = torch.randint(0, V, (n,), device="cuda", generator=gen)
+    y[torch.rand(n, device="cuda", generator=gen) < 0.05] = -100
+    w = 2 * torch.rand(n, device="cuda", generator=gen)
+    x, setup = restorable_leaf(pristine)
+    compiled = torch.compile(torch_weighted_ce)
+    for case, plain, weighted, given in (("sft", SFT_SPEC, SFT_WEIGHTED_SPEC, {}),
+                                         ("distill", DISTILL_SPEC, DISTILL_WEIGHTED_SPEC, {"teacher_logits": teacher})):
+        table = {
+            "plain": lambda spec=plain, given=given: headloss.head_loss(
+                x, y, spec, inplace_grad=True, **given).loss.backward(),
+            "token weights": lambda spec=weighted, given=given: headloss.head_loss(
+                x, y, spec, token_weights=w, inplace_grad=True, **given).loss.backward(),
+            "plain, validate=False": lambda spec=plain, given=given: headloss.head_loss(
+                x, y, spec, validate=False, inplace_grad=True, **given).loss.backward(),
+            "token weights, validate=False": lambda spec=weighted, given=given: headloss.head_loss(
+                x, y, spec, token_weights=w, validate=False, inplace_grad=True, **given).loss.backward(),
+        }
+        if case == "sft":
+            table["torch-eager weighted CE"] = lambda: torch_weighted_ce(x, y, w).backward()
+            table["torch-compile weighted CE"] = lambda: compiled(x, y, w).backward()
+        for name, step in table.items():
+            if not names or name in names:
+                measure(rows, f"weights {case}", name, "N", n, step, setup, config={**cfg, "N": n, "V": V})
+                torch.cuda.empty_cache()
 
 
 def _forms_grpo(rows: list[Row], batch: int, length: int, cfg: dict, names) -> None:
@@ -325,7 +370,7 @@ def trainer_case(rows: list[Row], batch: int, length: int, cfg: dict, names) -> 
 
 
 def floor_ms(case: str, n: int, copy_gbs: float) -> float:
-    streams = 5 if case.startswith("distill") else 3  # distill: 2 student + 2 teacher reads + 1 write
+    streams = 5 if "distill" in case else 3  # distill: 2 student + 2 teacher reads + 1 write
     return streams * n * V * 2 / (copy_gbs * 1e9) * 1e3
 
 
@@ -334,7 +379,7 @@ def main() -> None:
     parser.add_argument("--providers", nargs="*")
     parser.add_argument("--stem", default="bench_terms")
     parser.add_argument("--cases", nargs="*", default=["distill", "grpo", "trainer"],
-                        help="distill, grpo, trainer, forms")
+                        help="distill, grpo, trainer, forms, weights")
     args = parser.parse_args()
     copy_gbs = copy_bandwidth_gbs()
     cfg = {"dtype": "bf16", "copy_GBps": round(copy_gbs, 1), "headloss": headloss.__version__}
@@ -342,7 +387,8 @@ def main() -> None:
     cases = {"distill": lambda: distill_case(rows, 8192, cfg, args.providers),
              "grpo": lambda: grpo_case(rows, 8, 1024, cfg, args.providers),
              "trainer": lambda: trainer_case(rows, 8, 1024, cfg, args.providers),
-             "forms": lambda: forms_case(rows, 8192, cfg, args.providers)}
+             "forms": lambda: forms_case(rows, 8192, cfg, args.providers),
+             "weights": lambda: weights_case(rows, 8192, cfg, args.providers)}
     for case in args.cases:
         cases[case]()
     out = out_dir_default()
@@ -363,7 +409,8 @@ def main() -> None:
 
 
 TITLES = {"distill": "CE + forward KL, N=8192, V=128256", "grpo": "GRPO dapo+KL+entropy, B=8 T=1024",
-          "trainer": "GRPO from [B, L+1, V] logits"}
+          "trainer": "GRPO from [B, L+1, V] logits", "weights sft": "CE, N=8192, V=128256",
+          "weights distill": "CE + forward KL, N=8192, V=128256"}
 
 
 def _plot(rows: list[Row], copy_gbs: float, path) -> None:

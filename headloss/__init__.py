@@ -8,7 +8,7 @@ found by an earlier call.
 
 from .api import HeadLoss, LinearHeadLoss, head_loss, linear_head_loss
 from .output import HeadLossOutput
-from .spec import DFT, CrossEntropy, Distillation, Entropy, LogitTransform, LossSpec, Policy, ZLoss
+from .spec import DFT, CrossEntropy, Distillation, Entropy, LogitTransform, LossSpec, Policy, TokenWeights, ZLoss
 from .validation import check_pending
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "LogitTransform",
     "LossSpec",
     "Policy",
+    "TokenWeights",
     "ZLoss",
     "check_pending",
     "head_loss",

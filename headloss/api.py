@@ -71,6 +71,10 @@ def head_loss(
             own, as the policy inputs are), or one per sequence ([B] for [B, T] targets, [S] for rows
             packed by ``cu_seqlens``); positive and finite (checked with the targets, as ``validate``
             says).
+        token_weights: with ``spec.token_weights``, each token's weight on every term's value and gradient,
+            shaped like ``temperature`` (per row, or per sequence); >= 0 and finite (checked as
+            ``temperature`` is). A mean divides by the counted tokens' summed weights, or their count
+            (:class:`TokenWeights`).
         inplace_grad: write d loss / d logits over ``logits`` (saves N x V memory; the logits are
             destroyed). Ignored under torch.compile.
         validate: targets, counts and sequence ids checked on the device without a host wait:
@@ -124,8 +128,8 @@ def linear_head_loss(
     Args:
         hidden: [N, H] or [B, T, H] (fp32/bf16/fp16); ``weight``: [V, H], same dtype and device;
             ``bias``: optional [V]. ``targets``, ``spec``, ``shift``, ``cu_seqlens``,
-            ``position_ids``, ``temperature``, the policy inputs, ``num_items_in_batch``, ``validate``,
-            ``backend``, ``route``: as in :func:`head_loss`.
+            ``position_ids``, ``temperature``, ``token_weights``, the policy inputs, ``num_items_in_batch``,
+            ``validate``, ``backend``, ``route``: as in :func:`head_loss`.
         teacher_logits: [.., V] teacher logits (or ``teacher_probs``, as in :func:`head_loss`), or instead
             ``teacher_hidden`` [.., Ht] with ``teacher_weight`` [V, Ht] (and ``teacher_bias``): the
             teacher's logits computed chunk by chunk too.

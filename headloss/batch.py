@@ -81,6 +81,7 @@ class HeadInputs(PolicyInputs, total=False):
     cu_seqlens: torch.Tensor | None
     position_ids: torch.Tensor | None
     temperature: torch.Tensor | None
+    token_weights: torch.Tensor | None
     route: str | None
 
 
@@ -197,6 +198,7 @@ class CallInputs:
     route: str | None = None
     bias: torch.Tensor | None = None  # the lm_head's
     temperature: torch.Tensor | None = None  # per row or per sequence (spec.LogitTransform.per_row_temperature)
+    token_weights: torch.Tensor | None = None  # per row or per sequence (spec.TokenWeights)
 
     @classmethod
     def of(cls, inputs: Mapping[str, Any], accepted: type, caller: str) -> CallInputs:
@@ -208,4 +210,4 @@ class CallInputs:
                           get("teacher_ids"), get("teacher_logprobs"), get("teacher_probs"))
         layout = Layout(get("shift", False), get("cu_seqlens"), get("position_ids"))
         return cls(teacher, PolicyBatch.of(inputs), layout, get("num_items_in_batch"), get("route"), get("bias"),
-                   get("temperature"))
+                   get("temperature"), get("token_weights"))

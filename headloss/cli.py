@@ -68,7 +68,7 @@ def explain(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, with_grad
         "scalars     " + (", ".join(f"{k}={scalars[k]:g}" for k in plan.used_scalars) or "-")
         + ("   (inv_temperature per row: 1 / the call's temperature)" if spec.transform.per_row_temperature else ""),
         f"per row     {', '.join(columns)} ({plan.cols.N} fp32 values)",
-        f"reduction   {plan.reduction}",
+        f"reduction   {plan.reduction}" + (_weighted(spec) if spec.token_weights is not None else ""),
         f"inputs      {', '.join(plan.requires)}" + (f"; optional: {', '.join(plan.accepts)}" if plan.accepts else ""),
         f"logit reads {plan.logit_passes(with_grad)} pass(es) over [{rows}, {vocab}] {str(dtype)[6:]}"
         + (" (student and teacher)" if plan.has_teacher else "")
@@ -252,7 +252,17 @@ def synthetic_inputs(spec: LossSpec, logits: torch.Tensor, gen: torch.Generator)
             inputs["ref_logprobs"] = logp_guess + 0.1 * torch.randn(rows, generator=gen)
     if spec.transform.per_row_temperature:  # rows sampled at temperatures in [0.6, 1.4)
         inputs["temperature"] = 0.6 + 0.8 * torch.rand(rows, generator=gen)
+    if spec.token_weights is not None:  # weights in [0, 2)
+        inputs["token_weights"] = 2.0 * torch.rand(rows, generator=gen)
     return {k: v.to(logits.device) for k, v in inputs.items()}
+
+
+def _weighted(spec: LossSpec) -> str:
+    """What explain says of the token weights."""
+    if spec.reduction != "mean":
+        return " of each token's loss times its token weight"
+    divisor = "their summed token weights" if spec.token_weights.normalize == "weights" else "their count"
+    return f" of each token's loss times its token weight, over {divisor} (or num_items_in_batch)"
 
 
 def _positive(name: str):

@@ -56,12 +56,14 @@ class CallTensors(NamedTuple):
     teacher_logprobs: torch.Tensor | None = None  # its log-probs [n_out, K], or a per-token teacher's [n_out]
     temperature: torch.Tensor | None = None  # [n_out] fp32 per-row temperature (spec.LogitTransform)
     teacher_probs: torch.Tensor | None = None  # a top-k teacher given as probabilities (SparseRows.probs)
+    weights: torch.Tensor | None = None  # [n_out] fp32 token weights (spec.TokenWeights)
 
     @classmethod
     def of(cls, targets, teacher: Teacher, epilogue: PolicyTokens | None, num_items, sequence_ids,
-           sparse: SparseRows | None = None, temperature: torch.Tensor | None = None) -> CallTensors:
+           sparse: SparseRows | None = None, temperature: torch.Tensor | None = None,
+           weights: torch.Tensor | None = None) -> CallTensors:
         """The tensors of a call; ``epilogue``: the policy inputs the fused epilogue reads (else None);
-        ``sparse``: a top-k or per-token teacher, laid out per slot; ``temperature``: per slot."""
+        ``sparse``: a top-k or per-token teacher, laid out per slot; ``temperature``, ``weights``: per slot."""
         rows = (None,) * 5 if epilogue is None else (
             epilogue.old_logprobs, epilogue.ref_logprobs, epilogue.advantages, epilogue.importance_weights,
             epilogue.weight)
@@ -69,7 +71,7 @@ class CallTensors(NamedTuple):
         ids, logprobs, probs = (None, None, None) if sparse is None else (sparse.ids, sparse.logprobs, sparse.probs)
         return cls(targets, teacher.logits, teacher.hidden, teacher.weight, teacher.bias, old=old, ref=ref, adv=adv,
                    iw=iw, policy_weight=weight, num_items=num_items, sequence_ids=sequence_ids, teacher_ids=ids,
-                   teacher_logprobs=logprobs, temperature=temperature, teacher_probs=probs)
+                   teacher_logprobs=logprobs, temperature=temperature, teacher_probs=probs, weights=weights)
 
     @property
     def sparse(self) -> SparseRows | None:
@@ -114,6 +116,7 @@ class Block(NamedTuple):
     policy: PolicyRows | None = None  # the fused epilogue's policy inputs of these rows
     temperature: torch.Tensor | None = None  # these rows' per-row temperatures, per slot
     row_ids: torch.Tensor | None = None  # each slot's row of the call, where it is not the slot (lm_head chunks)
+    weights: torch.Tensor | None = None  # these rows' token weights, per slot
 
 
 INLINE_PREPARE_SLOTS = 1 << 14
@@ -164,7 +167,7 @@ class HeadCall:
             scratch = torch.empty(scratch_size(n_seq), dtype=torch.int64, device=device)
         else:
             scratch = prepare(tensors.targets, tensors.num_items, tensors.sequence_ids, whole, device, verdict, n_seq,
-                              tensors.temperature)
+                              tensors.temperature, tensors.weights)
         if sparse is not None and verdict is not None and validate != "sync":  # ("sync": read on the host, in inputs)
             launch_check_teacher(sparse, whole.V, verdict)
         if shard is not None and validate == "sync":
@@ -191,7 +194,8 @@ class HeadCall:
                     pred=optional(out.pred), policy=block.policy, num_items=self.tensors.num_items,
                     scratch=self.scratch, loss=out.loss, means=out.means, geo=geo, finish=self.one_block, stats=stats,
                     jsd=jsd, verdict=self.verdict, prepared=not self.inline, sequence_ids=self.tensors.sequence_ids,
-                    n_seq=self.n_seq, sparse=block.sparse, temperature=block.temperature, row_ids=block.row_ids)
+                    n_seq=self.n_seq, sparse=block.sparse, temperature=block.temperature, row_ids=block.row_ids,
+                    weights=block.weights)
         return stats
 
     def finish(self, out: HeadOutputs) -> None:
@@ -215,14 +219,12 @@ def teacher_rows(teacher_logits: torch.Tensor | None, sparse: SparseRows | None)
 
 
 def torch_head(logits, targets, spec: LossSpec, teacher: Teacher, norm: Normaliser, mode: str, batch: PolicyBatch,
-               temperature: torch.Tensor | None = None) -> HeadLossOutput:
+               per_row: dict[str, torch.Tensor | None] | None = None) -> HeadLossOutput:
     """The plain-torch path's head on a call's whole logits (headloss.reference), as both doors run it:
     the teacher (its logits, or a sparse teacher's ids and log-probs laid out per row), the checked
-    normaliser, the validation mode, the policy inputs given, the per-row temperatures (one per row of
-    ``logits``)."""
-    given = {k: v for k, v in batch.by_name().items() if v is not None}
-    if temperature is not None:
-        given["temperature"] = temperature
+    normaliser, the validation mode, the policy inputs given, the per-row inputs by name (``temperature``,
+    ``token_weights``: one per row of ``logits``, or None)."""
+    given = {k: v for k, v in {**batch.by_name(), **(per_row or {})}.items() if v is not None}
     dense = "teacher_probs" if spec.distillation is not None and spec.distillation.teacher == "probs" else \
         "teacher_logits"
     given[dense] = teacher.logits

@@ -19,6 +19,7 @@ from .kernels.launch import KERNEL_DTYPES, Geometry, row_strides
 from .kernels.sparse import SparseRows
 from .layouts import TEACHER_KEY
 from .policy.inputs import policy_inputs
+from .row_inputs import float_input
 from .spec import LossSpec
 from .validation import MASS_TOLERANCE, CheckContext, Normaliser, Validate, normaliser, raise_teacher, validation_mode
 
@@ -122,34 +123,6 @@ def check_teacher(logits_shape: tuple[int, ...], device: torch.device, teacher_l
                         f"copy), got {teacher_logits.dtype}")
 
 
-def flat_temperature(value: Any, spec: LossSpec, token_shape: tuple[int, ...], device: torch.device,
-                    per_sequence: tuple[int, torch.Tensor] | None = None) -> torch.Tensor | None:
-    """The call's ``temperature`` (spec.LogitTransform.per_row_temperature) as the kernels read it: fp32, one
-    per slot. Given like the targets (one per row; packed rows: [N] or [1, N]), or one per sequence:
-    [B] for [B, T] targets, [S] for rows packed by cu_seqlens (``per_sequence``: S and each row's
-    sequence). Its values (positive, finite) are checked on the device with the targets."""
-    name = "temperature"
-    if not spec.transform.per_row_temperature:
-        if value is not None:
-            raise ValueError(f"{name}: given, but spec.transform.per_row_temperature is False (the spec's "
-                             "transform.temperature is one for every row); set it, or drop this input")
-        return None
-    value = _float_input(value, name, "spec.transform.per_row_temperature", device)
-    shape, rows = tuple(value.shape), math.prod(token_shape)
-    if shape == tuple(token_shape) or (len(token_shape) == 1 and shape == (1, rows)):
-        flat = value.reshape(-1)
-    elif len(token_shape) == 2 and shape == (token_shape[0],):
-        flat = value.repeat_interleave(token_shape[1])
-    elif per_sequence is not None and shape == (per_sequence[0],):
-        flat = value[per_sequence[1]]
-    else:
-        sequences = f" or one per sequence {(token_shape[0],)}" if len(token_shape) == 2 else (
-            f" or one per sequence {(per_sequence[0],)}" if per_sequence is not None else "")
-        raise ValueError(f"{name}: shape {shape} fits neither one per row {tuple(token_shape)} (like the "
-                         f"targets){sequences}")
-    return flat.to(torch.float32).contiguous()
-
-
 def resolved_teacher(call: CallInputs, spec: LossSpec) -> CallInputs:
     """A teacher given as probabilities (teacher 'probs') travels as the dense teacher's rows, which the
     kernels read as log q (plan flag TEACHER_PROBS); a top-k teacher's probabilities [.., K] become its
@@ -161,7 +134,7 @@ def resolved_teacher(call: CallInputs, spec: LossSpec) -> CallInputs:
     if form == "topk" and teacher.probs is not None:  # their log: the log-probs, the probabilities kept to name
         if teacher.logprobs is not None:
             raise ValueError("teacher_probs: give the top-k teacher's probabilities or their log, not both")
-        probs = _float_input(teacher.probs, "teacher_probs", "teacher 'topk'",  # (its device: sparse_teacher's)
+        probs = float_input(teacher.probs, "teacher_probs", "teacher 'topk'",  # (its device: sparse_teacher's)
                              getattr(teacher.probs, "device", None))
         return replace(call, teacher=replace(teacher, logprobs=topk_logprobs(probs.detach())))
     if (teacher.probs is None and not probs_teacher) or form == "topk":
@@ -370,7 +343,7 @@ def sparse_teacher(spec: LossSpec, teacher: Teacher, rows_shape: tuple[int, ...]
     if form == "token":
         if ids is not None:
             raise ValueError("teacher_ids: a 'token' teacher is its log-prob at each target (teacher_logprobs) only")
-        lp = _float_input(lp, "teacher_logprobs", "distillation (teacher 'token')", device)
+        lp = float_input(lp, "teacher_logprobs", "distillation (teacher 'token')", device)
         if tuple(lp.shape) != tuple(token_shape):
             raise ValueError(f"teacher_logprobs: shape {tuple(lp.shape)} does not match the targets "
                              f"{tuple(token_shape)} (teacher 'token': one log-prob per target)")
@@ -382,7 +355,7 @@ def sparse_teacher(spec: LossSpec, teacher: Teacher, rows_shape: tuple[int, ...]
             got = getattr(ids, "dtype", type(ids).__name__)
             raise TypeError(f"teacher_ids: expected an int64 or int32 tensor, got {got}")
         given = "teacher_logprobs" if teacher.probs is None else "teacher_probs"  # (lp: their log, resolved_teacher's)
-        lp = _float_input(lp, given, "distillation (teacher 'topk')", device)
+        lp = float_input(lp, given, "distillation (teacher 'topk')", device)
         if ids.device != device:
             raise ValueError(f"teacher_ids: on {ids.device}, logits on {device}")
         if ids.dim() != len(rows_shape) + 1 or tuple(ids.shape[:-1]) != tuple(rows_shape):
@@ -403,17 +376,6 @@ def sparse_teacher(spec: LossSpec, teacher: Teacher, rows_shape: tuple[int, ...]
     if align == "pad_last" and rows.ids is None:
         rows = rows._replace(logprobs=F.pad(rows.logprobs.reshape(token_shape), (0, 1)).reshape(-1))
     return rows
-
-
-def _float_input(value: Any, name: str, needed_by: str, device: torch.device) -> torch.Tensor:
-    if value is None:
-        raise ValueError(f"{name}: required by {needed_by} but not given")
-    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-        got = getattr(value, "dtype", type(value).__name__)
-        raise TypeError(f"{name}: expected a floating-point tensor, got {got}")
-    if value.device != device:
-        raise ValueError(f"{name}: on {value.device}, logits on {device}")
-    return value
 
 
 def check_sparse_values(rows: SparseRows, vocab: int, token_shape: tuple[int, ...]) -> None:

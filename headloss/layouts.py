@@ -45,10 +45,11 @@ class Scratch(NamedTuple):
     counted: int = 0  # rows that are scored (prepare)
     done: int = 1  # programs finished: the last one reduces the rows
     ticket: int = 2  # an in-kernel prepare's election: the first program to swap in the call's nonce prepares
-    ratio_min: int = 3  # smallest ratio over counted tokens, as fp32 bits (a ratio >= 0 orders like its bits)
-    ratio_max: int = 4  # largest
-    sequences: int = 5  # first per-sequence counter
-    N: int = 3  # entries of a call without the policy counters
+    weight_sum: int = 3  # the counted rows' summed token weights, as fp32 bits (prepare; with token weights)
+    ratio_min: int = 4  # smallest ratio over counted tokens, as fp32 bits (a ratio >= 0 orders like its bits)
+    ratio_max: int = 5  # largest
+    sequences: int = 6  # first per-sequence counter
+    N: int = 4  # entries of a call without the policy counters
 
 
 class SequenceCounters(NamedTuple):
@@ -82,7 +83,8 @@ class Verdict(NamedTuple):
     items: int = 5  # num_items_in_batch as the device read it (its fp32 bits), for the error message
     teacher: int = 6  # a sparse teacher's first bad entry: TEACHER_MARK - its key (TeacherKeys), or 0
     temperature: int = 7  # 1 + the first slot whose per-row temperature is not a positive finite number, or 0
-    N: int = 8
+    weights: int = 8  # 1 + the first slot whose token weight is negative, NaN or infinite, or 0
+    N: int = 9
 
 
 VERDICT = Verdict()

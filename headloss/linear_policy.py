@@ -72,7 +72,7 @@ def sequence_chunk_grad(loop, block: Block, start: int, stop: int) -> None:
     launch_backward(plan, logits=logits, targets=block.targets, teacher=block.teacher, grad=logits, rows=rows,
                     d_loss=torch.ones(1, dtype=torch.float32, device=logits.device), d_rows=d_rows,
                     num_items=loop.call.tensors.num_items, scratch=loop.call.scratch, geo=block.geo,
-                    sparse=block.sparse, temperature=block.temperature)
+                    sparse=block.sparse, temperature=block.temperature, weights=block.weights)
 
 
 def cov_correction(run: LinearRun, head: LmHead, rows, acc) -> dict[str, torch.Tensor]:

@@ -26,7 +26,6 @@ from .inputs import (
     check_linear_inputs,
     check_targets,
     flat_targets,
-    flat_temperature,
     pad_shifted,
     resolved_teacher,
     sparse_teacher,
@@ -54,6 +53,7 @@ from .plan import KernelPlan
 from .policy.inputs import policy_inputs
 from .policy.tokens import PolicyTokens
 from .routes import facts_of, resolve_backend
+from .row_inputs import flat_temperature, flat_token_weights
 from .spec import LossSpec
 from .validation import Normaliser, normaliser, validation_mode
 
@@ -76,6 +76,7 @@ class LinearCall:
     backend: str
     sparse: SparseRows | None = None  # a top-k or per-token teacher, per row
     temperature: torch.Tensor | None = None  # [rows] fp32 per-row temperature (spec.LogitTransform), per row
+    weights: torch.Tensor | None = None  # [rows] fp32 token weights (spec.TokenWeights), per row
 
 
 def run_linear(hidden, weight, targets, plan: KernelPlan, call: CallInputs, options: LinearOptions) -> HeadLossOutput:
@@ -177,14 +178,17 @@ def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: L
     token_rows = tuple(hidden.shape[:-1])
     check_targets(targets, token_rows, spec, hidden.device, shift, source="hidden")
     token_shape = tuple(targets.shape) if isinstance(targets, torch.Tensor) else token_rows
-    temperature = flat_temperature(call.temperature, spec, token_shape, hidden.device,
-                                   (packed.n_slots, packed.seq) if packed is not None and packed.per_sequence else None)
+    per_sequence = (packed.n_slots, packed.seq) if packed is not None and packed.per_sequence else None
+    temperature = flat_temperature(call.temperature, spec, token_shape, hidden.device, per_sequence)
+    weights = flat_token_weights(call.token_weights, spec, token_shape, hidden.device, per_sequence)
     if shift:
         targets = pad_shifted(targets if targets.dtype in (torch.int64, torch.int32) else targets.long(),
                               hidden.shape[1], spec.ignore_index)
     completion = shift and targets.shape != token_shape  # rows padded by one: T - 1 scored positions
     if completion and temperature is not None:  # the unscored last row of each sequence: any positive value
         temperature = F.pad(temperature.view(token_shape), (0, 1), value=1.0).reshape(-1)
+    if completion and weights is not None:
+        weights = F.pad(weights.view(token_shape), (0, 1)).reshape(-1)
     backend = resolve_backend(options.backend, hidden.device, hidden.dtype, name="hidden")
     check = "sync" if mode == "sync" or (mode == "async" and backend == "torch") else "off"
     sparse = sparse_teacher(spec, teacher, token_rows, token_shape, hidden.device, vocab or weight.shape[0],
@@ -201,7 +205,7 @@ def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: L
                                     batch.by_name(), norm_length=token_shape[1] if completion else None)
     return LinearCall(hidden=hidden, weight=weight, bias=bias, targets=targets, teacher=teacher, token_rows=token_rows,
                  token_shape=token_shape, rows_shape=rows_shape, norm=norm, batch=batch, policy=policy, backend=backend,
-                 sparse=sparse, temperature=temperature)
+                 sparse=sparse, temperature=temperature, weights=weights)
 
 
 def _chunked(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, mode: str, traced: bool
@@ -228,7 +232,7 @@ def _chunked(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, 
     policy = call.policy
     tensors = CallTensors.of(flat_targets(call.targets), call.teacher, chosen.epilogue_policy(policy),
                              call.norm.tensor, None if policy is None else policy.sequence_ids, call.sparse,
-                             call.temperature)
+                             call.temperature, call.weights)
     loss, rows_out, pred, means, scratch = LinearFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
                                                                 call.bias, run, *tensors)
     head, extra = chosen.policy_share(run.plan, HeadOutputs(loss, rows_out, pred, means), scratch, policy)
@@ -356,5 +360,5 @@ def _torch_linear_loss(call: LinearCall, spec: LossSpec, mode: str, own) -> Head
     if t_logits is not None:
         t_logits = t_logits.reshape(logits.shape)
     out = torch_head(logits, targets, spec, teacher_rows(t_logits, call.sparse), call.norm, mode, call.batch,
-                     call.temperature)
+                     {"temperature": call.temperature, "token_weights": call.weights})
     return trim(out, call.token_shape) if targets is not None and tuple(targets.shape) != call.token_shape else out

@@ -27,7 +27,6 @@ from .inputs import (
     check_targets,
     check_teacher,
     flat_targets,
-    flat_temperature,
     head_call,
     pad_shifted,
     resolved_teacher,
@@ -50,6 +49,7 @@ from .parallel import (
 from .plan import KernelPlan
 from .policy.inputs import policy_inputs
 from .routes import Route, facts_of, resolve_backend
+from .row_inputs import flat_temperature, flat_token_weights
 from .validation import normaliser, validation_mode
 
 
@@ -67,6 +67,7 @@ class _Laid(NamedTuple):
     options: Options
     shard: Any  # vocab-parallel: a headloss.parallel.VocabShard, else None
     temperature: Any = None  # per row or per sequence (spec.LogitTransform.per_row_temperature), as given
+    weights: Any = None  # the token weights per row or per sequence (spec.TokenWeights), as given
 
 
 def run_head(logits, targets, plan: KernelPlan, call: CallInputs, options: Options) -> HeadLossOutput:
@@ -76,7 +77,7 @@ def run_head(logits, targets, plan: KernelPlan, call: CallInputs, options: Optio
     call = resolved_teacher(call, spec)
     teacher, batch, layout = call.teacher, call.batch, call.layout
     shift = layout.shift
-    temperature = call.temperature
+    temperature, weights = call.temperature, call.token_weights
     teacher_logits = teacher.logits
     if not traced:  # a lazily negated view (torch._neg_view): the kernels read the stored values, torch the sign
         logits, teacher_logits = _resolved(logits), _resolved(teacher_logits)
@@ -87,9 +88,11 @@ def run_head(logits, targets, plan: KernelPlan, call: CallInputs, options: Optio
             shift, spec.ignore_index, validation_mode(options.validate))
         teacher = replace(teacher, ids=ids, logprobs=logprobs)
         shift = False
+        rows, per_sequence = (packed.seq.numel(),), (packed.n_slots, packed.seq) if packed.per_sequence else None
         if temperature is not None:  # one per row, from one per sequence where given so
-            temperature = flat_temperature(temperature, spec, (packed.seq.numel(),), packed.seq.device,
-                                           (packed.n_slots, packed.seq) if packed.per_sequence else None)
+            temperature = flat_temperature(temperature, spec, rows, packed.seq.device, per_sequence)
+        if weights is not None:
+            weights = flat_token_weights(weights, spec, rows, packed.seq.device, per_sequence)
         if spec.policy is not None:
             batch = PolicyBatch.of(packed_policy_inputs(batch.by_name(), packed))
     shard = None
@@ -99,14 +102,16 @@ def run_head(logits, targets, plan: KernelPlan, call: CallInputs, options: Optio
         reusable = not sync and not is_dtensor(logits)
         logits, targets, teacher_logits, shard = _vocab_shard(logits, targets, teacher_logits, options, sync)
     recipe_key = None
-    plain = options.route is None and spec.policy is None and batch.empty and reusable and temperature is None
+    plain = (options.route is None and spec.policy is None and batch.empty and reusable and temperature is None
+             and weights is None)
     if plain and not traced and not teacher.sparse:
         recipe_key = _recipe_key(plan, logits, targets, teacher_logits, shift, options, shard)
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
     dtype = logits.dtype if isinstance(logits, torch.Tensor) else torch.float32
     if teacher_logits is not teacher.logits:
         teacher = replace(teacher, logits=teacher_logits)
-    laid = _Laid(logits, targets, plan, teacher, batch, shift, call.num_items_in_batch, options, shard, temperature)
+    laid = _Laid(logits, targets, plan, teacher, batch, shift, call.num_items_in_batch, options, shard, temperature,
+                 weights)
     if resolve_backend(options.backend, device, dtype) == "torch":
         return _torch_head(laid)
     return _on_kernels(laid, recipe_key)
@@ -146,7 +151,7 @@ def _on_kernels(laid: _Laid, recipe_key: tuple | None) -> HeadLossOutput:
 def _checked(laid: _Laid) -> tuple:
     """(HeadRun, CallTensors, Route, PolicyTokens or None) of a call after every host-side check; with a
     group and validate="sync", every rank learns of any rank's error."""
-    logits, targets, plan, teacher, batch, shift, num_items_in_batch, options, shard, temperature = laid
+    logits, targets, plan, teacher, batch, shift, num_items_in_batch, options, shard, temperature, weights = laid
     spec = plan.spec
     sync = validation_mode(options.validate) == "sync"
     error = call = chosen = None
@@ -154,6 +159,7 @@ def _checked(laid: _Laid) -> tuple:
     try:
         token_shape = check_head(logits, targets, spec, teacher.logits, shift, kernel=True)
         temperature = flat_temperature(temperature, spec, token_shape, logits.device)
+        weights = flat_token_weights(weights, spec, token_shape, logits.device)
         chosen = routes.choose(plan, facts_of("logits", "triton", logits.device, token_shape, given,
                                               sharded=shard is not None), options.route)
         unpacked = CallInputs(teacher, batch, Layout(shift), num_items_in_batch)
@@ -176,7 +182,7 @@ def _checked(laid: _Laid) -> tuple:
                   adv_span=pol.adv_span if pol is not None else 1, seq_len=rows_per_seq, shard=shard,
                   objective=pol if inside else None)
     tensors = CallTensors.of(call.targets, Teacher(logits=call.teacher), chosen.epilogue_policy(pol), call.norm.tensor,
-                             None if pol is None else pol.sequence_ids, call.sparse, temperature)
+                             None if pol is None else pol.sequence_ids, call.sparse, temperature, weights)
     return run, tensors, chosen, pol
 
 
@@ -208,7 +214,7 @@ def _torch_head(laid: _Laid) -> HeadLossOutput:
 def _torch_loss(laid: _Laid) -> HeadLossOutput:
     """The plain-torch path (the logits whole), with the same checks and the same shift conventions; the
     route (torch) is chosen after them, as on the kernels' path."""
-    logits, targets, plan, teacher, batch, shift, num_items_in_batch, options, _, temperature = laid
+    logits, targets, plan, teacher, batch, shift, num_items_in_batch, options, _, temperature, weights = laid
     spec = plan.spec
     validate = options.validate
     traced = torch.compiler.is_compiling()
@@ -217,8 +223,9 @@ def _torch_loss(laid: _Laid) -> HeadLossOutput:
     rows_shape = tuple(logits.shape[:-1])
     check_targets(targets, rows_shape, spec, logits.device, shift)
     check_teacher(tuple(logits.shape), logits.device, teacher_logits, spec, kernel=False)
-    temperature = flat_temperature(temperature, spec, tuple(targets.shape) if targets is not None else rows_shape,
-                                   logits.device)
+    token_shape = tuple(targets.shape) if targets is not None else rows_shape
+    temperature = flat_temperature(temperature, spec, token_shape, logits.device)
+    weights = flat_token_weights(weights, spec, token_shape, logits.device)
     mode = validation_mode(validate)
     sparse = sparse_teacher(spec, teacher, rows_shape, tuple(targets.shape) if shift else rows_shape, logits.device,
                             logits.shape[-1], "off" if mode == "off" or traced else "sync",
@@ -239,7 +246,8 @@ def _torch_loss(laid: _Laid) -> HeadLossOutput:
                   batch.by_name())  # the same input errors as the kernel path
     facts = routes.Facts("logits", "torch", rows_shape, batch.sequence_ids is not None, False, traced, False, False)
     chosen = routes.choose(plan, facts, options.route)
-    out = torch_head(logits, targets, spec, teacher_rows(teacher_logits, sparse), norm, mode, batch, temperature)
+    out = torch_head(logits, targets, spec, teacher_rows(teacher_logits, sparse), norm, mode, batch,
+                     {"temperature": temperature, "token_weights": weights})
     out.route = chosen.name
     log_route("head_loss", logits, chosen.name)
     return out

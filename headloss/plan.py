@@ -170,6 +170,8 @@ def _plan_inputs(spec: LossSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
         accepts += ("num_items_in_batch",)
     if spec.transform.per_row_temperature:  # each row's own, per row or per sequence
         requires += ("temperature",)
+    if spec.token_weights is not None:  # per token, or per sequence
+        requires += ("token_weights",)
     return requires, accepts
 
 

@@ -14,9 +14,10 @@ Conventions (x is the transformed logit row, see :class:`LogitTransform`; lse = 
 * per-token loss     L    = w_ce * ce + w_z * z + w_dft * dft + w_H * H + w_D * D   (0 at ignored positions)
 * policy (GRPO)      a clipped surrogate on log p(target), aggregated by its own loss_type and
                      added to the reduced loss (see :class:`Policy`)
-* reduction          mean: sum(L) / (non-ignored tokens, or num_items_in_batch if given)
-                     sum:  sum(L)
-                     none: L per token (differentiable)
+* token weights      with token_weights, w * L per token (w: the call's token_weights)
+* reduction          mean: sum(w * L) / (non-ignored tokens, their summed weights, or num_items_in_batch)
+                     sum:  sum(w * L)
+                     none: w * L per token (differentiable)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .spec_terms import (
     Policy,
     PolicyLossType,
     PolicyObjective,
+    TokenWeights,
     ZLoss,
     _Frozen,
     base_policy,
@@ -65,6 +67,7 @@ __all__ = [
     "separate_kl_entropy",
     "row_local",
     "LogitTransform",
+    "TokenWeights",
     "LossSpec",
     "FIELD_NAMES",
 ]
@@ -91,6 +94,8 @@ class LossSpec(_Frozen):
         "runs the deferred mode (gradient pass in backward, logits kept until then)",
     )
     transform: LogitTransform = LogitTransform()
+    token_weights: TokenWeights | None = Field(
+        None, description="per-token weights (the call's token_weights) on every term and its gradient")
     ignore_index: int = -100
     reduction: Literal["mean", "sum", "none"] = "mean"
 
@@ -114,6 +119,9 @@ class LossSpec(_Frozen):
             raise ValueError("reduction: 'none' needs at least one loss term to reduce")
         if self.policy is not None and self.reduction == "none":
             raise ValueError("reduction: 'none' cannot hold the policy term, which aggregates by policy.loss_type")
+        if self.policy is not None and self.token_weights is not None:
+            raise ValueError("token_weights: the policy term weighs its tokens by loss_mask, importance_weights and "
+                             "policy.loss_type; per-token weights apply to the head's other terms, without a policy")
         return self
 
     # --- derived facts ---------------------------------------------------------------------

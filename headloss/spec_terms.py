@@ -317,6 +317,22 @@ def row_local(policy: Policy) -> bool:
             and not separate_kl_entropy(policy))
 
 
+class TokenWeights(_Frozen):
+    """Per-token weights, the call's ``token_weights`` (float, >= 0, shaped like the targets or one per
+    sequence): each counted token's value of every term, and its gradient, is multiplied by its weight.
+
+    ``normalize`` says what ``reduction: mean`` divides the weighted sum by: ``"weights"`` (default) the
+    summed weights of the counted tokens, a weighted mean; ``"tokens"`` their count, as an unweighted
+    mean does (HF's and TRL's SFT losses divide by tokens; a weighted mean keeps the loss's scale whatever
+    the weights' scale). ``num_items_in_batch``, when given, is the divisor either way (for gradient
+    accumulation: the summed weights, or tokens, of the whole step). Metrics stay unweighted means over
+    the counted tokens; the ``token_loss`` output is the weighted per-token loss.
+    """
+
+    normalize: Literal["weights", "tokens"] = Field(
+        "weights", description="reduction mean divides by the counted tokens' summed weights, or their count")
+
+
 class LogitTransform(_Frozen):
     """Applied to every logit before anything else: x = softcap(logit_scale * z) / temperature.
 

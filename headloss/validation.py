@@ -233,9 +233,12 @@ class ErrorBoard:
         items = struct.unpack("<f", struct.pack("<I", int(values[VERDICT.items]) & 0xFFFFFFFF))[0]
         teacher = int(values[VERDICT.teacher])
         hot = int(values[VERDICT.temperature])
+        heavy = int(values[VERDICT.weights])
         values[:] = 0
         if hot:
             raise_temperature(hot - 1, context.token_shape, deferred)
+        if heavy:
+            raise_token_weight(heavy - 1, context.token_shape, deferred)
         if teacher:  # (its own verdict: the target fields may be unwritten)
             raise_teacher(TEACHER_MARK - teacher, context, deferred)
         raise_if_bad(found, context.token_shape, context.vocab, context.ignore_index, Normaliser(value=items),
@@ -315,6 +318,12 @@ def raise_temperature(first: int, token_shape: tuple[int, ...], deferred: bool =
     """The error of the first per-row temperature (flat index ``first``) that is not a positive finite number."""
     raise ValueError(f"temperature: the value at position {_position(first, token_shape)} is not a positive finite "
                      f"number{_later(deferred)}")
+
+
+def raise_token_weight(first: int, token_shape: tuple[int, ...], deferred: bool = False) -> None:
+    """The error of the first token weight (flat index ``first``) that is negative, NaN or infinite."""
+    raise ValueError(f"token_weights: the value at position {_position(first, token_shape)} is not a finite "
+                     f"number >= 0{_later(deferred)}")
 
 
 def raise_teacher(key: int, context: CheckContext, deferred: bool = False, entry_id: int | None = None) -> None:

@@ -207,6 +207,7 @@ PADDED: dict[str, Factory] = {
     "completion_mask": lambda ns: _completion_mask(),
     "adv": lambda ns: torch.tensor([1.0, -0.5]),  # one advantage per sequence
     "rollout_temperature": lambda ns: torch.tensor([0.7, 1.0]),  # each sequence sampled at its own
+    "weights": lambda ns: torch.tensor([[0.5, 1.0, 2.0, 0.0, 1.5, 0.25]]).expand(B, T).contiguous(),
     "old": lambda ns: _logprobs(B, T - 1),
     "ref": lambda ns: _logprobs(B, T - 1, shift=0.1),
     "n": lambda ns: int(ns["completion_mask"].sum()),  # num_items_in_batch

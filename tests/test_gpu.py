@@ -1218,6 +1218,51 @@ def test_a_topk_teacher_given_as_probabilities_on_the_compiled_kernels(entry):
         headloss.check_pending(wait=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("spec", [{"cross_entropy": {"label_smoothing": 0.1}, "z_loss": {"weight": 1e-4}},
+                                  {"cross_entropy": None, "distillation": {"divergence": "jsd"}}],
+                         ids=["sft", "jsd"])
+def test_token_weights_on_the_compiled_kernels_weigh_each_tokens_loss_and_gradient(spec, dtype):
+    """The weighted call is sum(w * L) / sum(w) over the same spec's per-token losses (reduction none), its
+    gradient that sum's, on the logits and the fused lm_head (against an fp64 oracle on the logits its GEMM
+    gives); a negative weight is found on the device and raised by check_pending."""
+    b, t, v, h = 4, 300, 32000, 256
+    gen = torch.Generator(device="cuda").manual_seed(73)
+    ids = torch.randint(0, v, (b, t), device="cuda", generator=gen)
+    ids[1, :40] = -100
+    w = 2 * torch.rand(b, t, device="cuda", generator=gen)
+    w[2, 7:20] = 0.0
+    hidden = torch.randn(b, t, h, device="cuda", generator=gen).to(dtype)
+    weight = (torch.randn(v, h, device="cuda", generator=gen) / 16).to(dtype)
+    logits = (hidden.float() @ weight.float().T).to(dtype)
+    inputs = {}
+    if "distillation" in spec:
+        inputs["teacher_logits"] = (logits.float() + torch.randn(b, t, v, device="cuda", generator=gen)).to(dtype)
+    weighted = headloss.LossSpec(token_weights={}, **spec)
+    x, xr = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    out = headloss.head_loss(x, ids, weighted, token_weights=w, **inputs)
+    out.loss.backward()
+    per_token = headloss.head_loss(xr, ids, headloss.LossSpec(reduction="none", **spec), **inputs)
+    want = (w * per_token.loss).sum() / (w * (ids != -100)).sum()
+    want.backward()
+    assert abs(out.loss.item() - want.item()) <= 1e-5 * abs(want.item())
+    assert _rel(x.grad.float(), xr.grad.float()) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    if "distillation" not in spec:  # the fused lm_head against an fp64 oracle on the logits its GEMM rounds
+        hh = hidden.clone().requires_grad_()
+        lin = headloss.linear_head_loss(hh, weight, ids, weighted, token_weights=w, chunk_bytes=64 << 20)
+        lin.loss.backward()
+        z = logits.double().requires_grad_()
+        oracle = headloss.head_loss(z, ids, weighted, backend="torch", token_weights=w.double())
+        oracle.loss.backward()
+        assert abs(lin.loss.item() - oracle.loss.item()) <= 1e-4 * abs(oracle.loss.item())
+        assert _rel(hh.grad.float(), z.grad @ weight.double()) < (2e-2 if dtype == torch.bfloat16 else 1e-4)
+    bad = w.clone()
+    bad[3, 9] = -1.0
+    headloss.head_loss(logits, ids, weighted, token_weights=bad, **inputs)
+    with pytest.raises(ValueError, match=r"token_weights: the value at position \(3, 9\) is not a finite number"):
+        headloss.check_pending(wait=True)
+
+
 def test_bad_num_items_on_the_device_is_raised_by_check_pending():
     logits, targets = _batch(64, 32000, torch.bfloat16, seed=23)
     headloss.head_loss(logits, targets, num_items_in_batch=torch.tensor(0.0, device="cuda"))

@@ -154,7 +154,7 @@ def test_opcheck_head_backward():
     loss, rows, pred, means, scratch, _ = torch.ops.headloss.head_forward(
         logits, [*CallTensors(targets), None, None], *run.op_args(), "none", 0)
     args = (logits, [targets, None, rows, torch.rand(5), torch.rand(rows.shape), None, scratch, None, None, None,
-                     None], *run.op_args())
+                     None, None], *run.op_args())
     torch.library.opcheck(torch.ops.headloss.head_backward.default, args)
 
 
@@ -193,7 +193,7 @@ def test_opcheck_vocab_parallel_ops():
     loss, rows, pred, means, scratch, _ = torch.ops.headloss.head_forward(*forward)
     torch.library.opcheck(torch.ops.headloss.head_backward.default,
                           (logits, [targets, teacher, rows, torch.rand(5), None, None, scratch, stats, None, None,
-                                    None], *run.op_args()))
+                                    None, None], *run.op_args()))
 
 
 @needs_kernel
@@ -222,7 +222,7 @@ def test_opcheck_ops_with_a_top_k_teacher():
         loss, rows, pred, means, scratch, _ = torch.ops.headloss.head_forward(*forward)
         torch.library.opcheck(torch.ops.headloss.head_backward.default,
                               (logits, [targets, None, rows, torch.rand(5), None, None, scratch, merged, ids,
-                                        logprobs, None], *run.op_args()))
+                                        logprobs, None, None], *run.op_args()))
 
 
 @needs_kernel

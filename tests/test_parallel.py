@@ -51,6 +51,12 @@ SPECS = {
     "distill_probs_jsd": LossSpec(distillation={"divergence": "jsd", "teacher": "probs"}, token_accuracy=True),
     "distill_jsd_row_temperature": LossSpec(distillation={"divergence": "jsd", "temperature": 1.5},
                                             transform=LogitTransform(per_row_temperature=True)),
+    # per-token weights (the call's `token_weights`): the weighted mean's divisor from the replicated weights
+    "weighted_sft": LossSpec(cross_entropy=CrossEntropy(label_smoothing=0.1), entropy=Entropy(weight=0.05),
+                             token_accuracy=True, token_weights={}, outputs=OUTPUTS),
+    "weighted_jsd_deferred": LossSpec(distillation={"divergence": "jsd"}, reduction="none",
+                                          token_weights={"normalize": "tokens"}, outputs=("logprobs", "entropy"),
+                                          differentiable_outputs=True),
 }
 
 
@@ -68,7 +74,7 @@ def _inputs(name: str, dtype: torch.dtype):
     ids = torch.randint(0, V, (b, t), generator=gen)
     ids[1, 2] = -100
     kwargs = {}
-    if name.startswith("distill"):
+    if name.startswith(("distill", "weighted_jsd")):
         noise = torch.randn(b, t, V, generator=gen, dtype=torch.float64)
         teacher = (logits.double() + noise).to(dtype)
         if name.startswith("distill_topk"):  # 6 ids per row (the first row gives 4), in every shard
@@ -92,6 +98,9 @@ def _inputs(name: str, dtype: torch.dtype):
                       loss_mask=(torch.rand(b, t, generator=gen) > 0.2).float())
     if "row_temperature" in name:  # one per sequence: [B]
         kwargs["temperature"] = 0.4 + 1.2 * torch.rand(b, generator=gen)
+    if name.startswith("weighted"):  # one per token, a 0 among them
+        kwargs["token_weights"] = 2.0 * torch.rand(b, t, generator=gen)
+        kwargs["token_weights"][2, 1] = 0.0
     return logits, ids, kwargs
 
 
@@ -142,7 +151,7 @@ def _cases(quick: bool) -> list[tuple]:
         for dtype in (torch.float32, torch.bfloat16):
             for backend in ("triton", "torch"):
                 for shift in (False, True):
-                    if shift and name not in ("full_sft", "deferred", "row_temperature"):
+                    if shift and name not in ("full_sft", "deferred", "row_temperature", "weighted_sft"):
                         continue
                     if dtype == torch.bfloat16 and name not in ("full_sft", "grpo", "distill_jsd"):
                         continue
@@ -212,14 +221,14 @@ def check_logits_job(results, world: int, quick: bool) -> None:
     for rank in range(world):
         out, refusals, first, layouts = results[rank]["logits"]
         assert first == (2, 1) and layouts == 1  # the first call also learnt the layout; never again
-        assert len(out) == len(_cases(quick)) == (len(QUICK) if quick else 46)
+        assert len(out) == len(_cases(quick)) == (len(QUICK) if quick else 52)
         for (name, dtype, backend, shift), (errs, calls) in out.items():
             tol = 1e-5 if dtype == "torch.float32" else 2e-2  # bf16: the gradient's own rounding
             for what, err in errs.items():
                 limit = tol if what == "grad" else 2e-5
                 assert err <= limit, (rank, name, dtype, backend, shift, what, err)
             if backend == "triton":  # one all_gather per call; the mixture JSD adds one all-reduce
-                assert calls == (1, 1, int(name.startswith(("distill_jsd", "distill_probs_jsd")))), (name, calls)
+                assert calls == (1, 1, int("jsd" in name)), (name, calls)
         assert "outside [0, 53)" in refusals["target_out_of_range"]
 
 
@@ -259,7 +268,7 @@ def test_merge_matches_the_whole_row():
 H = 12
 LINEAR_NAMES = ("full_sft", "smoothing_softcap_temperature", "grpo", "gspo", "deferred", "teacher_weight",
                 "teacher_logits", "distill_topk_rest", "distill_topk_verl", "distill_token", "row_temperature",
-                "distill_probs_jsd", "distill_topk_probs")
+                "distill_probs_jsd", "distill_topk_probs", "weighted_sft")
 LINEAR_QUICK = ("full_sft", "gspo", "teacher_weight", "row_temperature")
 
 

@@ -232,7 +232,7 @@ def test_the_temperature_input_and_the_spec_must_agree():
     z, t = z.float(), t.float()
     with pytest.raises(ValueError, match="temperature: required by spec.transform.per_row_temperature"):
         headloss.head_loss(z, y, SFT)
-    with pytest.raises(ValueError, match="temperature: given, but spec.transform.per_row_temperature is False"):
+    with pytest.raises(ValueError, match="temperature: given, but spec.transform.per_row_temperature is not set"):
         headloss.head_loss(z, y, LossSpec(), temperature=t)
     with pytest.raises(ValueError, match=r"temperature: shape \(3, 6\) fits neither one per row \(3, 7\)"):
         headloss.head_loss(z, y, SFT, temperature=t[:, :6])

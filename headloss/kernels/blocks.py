@@ -348,12 +348,16 @@ def row_temperature(S, temperature, slot, has_slot):
 
 @triton.jit
 def token_scale(scratch, num_items, geo, F: tl.constexpr):
-    """d loss / d token_loss of a mean (1 / num_items_in_batch, or 1 / counted rows) or a sum (1)."""
+    """d loss / d token_loss of a mean (1 / num_items_in_batch, 1 / the counted rows' summed token weights
+    (F.WEIGHT_NORM; 1 where they sum to 0), or 1 / counted rows) or a sum (1)."""
     if F.REDUCTION == 0:
         if num_items is not None:
             denom = tl.load(num_items).to(tl.float32)
         elif geo.norm > 0:
             denom = tl.full([], 1.0, tl.float32) * geo.norm
+        elif F.WEIGHT_NORM:
+            denom = tl.load(scratch + SCRATCH_AT.weight_sum).to(tl.int32).to(tl.float32, bitcast=True)
+            denom = tl.where(denom > 0.0, denom, 1.0)
         else:
             denom = tl.maximum(tl.load(scratch + SCRATCH_AT.counted), 1).to(tl.float32)
         return 1.0 / denom

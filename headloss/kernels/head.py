@@ -104,12 +104,14 @@ class TeacherRows(NamedTuple):
 class SlotInputs(NamedTuple):
     """What the head kernels read per slot besides the logits: the target ids ((n_out (+ shift),) int, or
     None), the per-row temperatures ((n_out,) fp32 by slot, spec.LogitTransform.per_row_temperature, or
-    None) and, where a block's slots are not the call's (the lm_head's chunks), each slot's row of the
-    call ((n_out,) int64, for the positions a verdict names; None: the slot is the row)."""
+    None), where a block's slots are not the call's (the lm_head's chunks) each slot's row of the call
+    ((n_out,) int64, for the positions a verdict names; None: the slot is the row), and the token weights
+    ((n_out,) fp32 by slot, spec.TokenWeights, or None)."""
 
     targets: torch.Tensor | None
     temperature: torch.Tensor | None
     rows: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
 
 
 class Blocks(NamedTuple):
@@ -176,6 +178,7 @@ def prepare_kernel(
     num_items,  # (1,) any dtype, or None
     sequence_ids,  # (n_out,) int, or None
     temperature,  # (n_out,) fp32 per-row temperature, or None: checked positive and finite
+    weights,  # (n_out,) fp32 token weights, or None: summed over the counted rows, checked >= 0 and finite
     scratch,  # (scratch_size(n_seq),) int64 out (layouts.Scratch)
     verdict,  # (VERDICT.N,) int64 slot in pinned host memory, or None: no validation
     dirty,  # (1,) int64 in pinned host memory, set to 1 when any verdict is written
@@ -183,37 +186,47 @@ def prepare_kernel(
     n_seq,  # sequences with per-sequence policy counters in scratch (layouts.SequenceCounters), or 0
     BLOCK: tl.constexpr,
 ):
-    prepare_call(targets, num_items, sequence_ids, temperature, scratch, verdict, dirty, geo, n_seq, BLOCK)
+    prepare_call(targets, num_items, sequence_ids, temperature, weights, scratch, verdict, dirty, geo, n_seq, BLOCK)
     tl.store(scratch + SCRATCH_AT.done, 0)
     tl.store(scratch + SCRATCH_AT.ticket, 0)  # (unused here: written, so a call's scratch is the same each time)
 
 
 @triton.jit
-def prepare_call(targets, num_items, sequence_ids, temperature, scratch, verdict, dirty, geo, n_seq,
+def prepare_call(targets, num_items, sequence_ids, temperature, weights, scratch, verdict, dirty, geo, n_seq,
                  BLOCK: tl.constexpr):
     """prepare_kernel's work but the completion counter and the ticket (scratch's ``done``, ``ticket``): by one
-    program."""
+    program. With token weights, their sum over the counted rows (scratch's ``weight_sum``, fp32 bits: a
+    weighted mean's divisor) and the first slot whose weight is not a finite number >= 0 (the verdict's)."""
     offs = tl.arange(0, BLOCK)
     counted = tl.zeros([BLOCK], tl.int32)
     bad_ids = tl.zeros([BLOCK], tl.int32)
     big = 2**62
     first_bad = tl.full([BLOCK], big, tl.int64)
     first_hot = tl.full([BLOCK], big, tl.int64)  # the first slot of a temperature that is not positive, finite
+    first_heavy = tl.full([BLOCK], big, tl.int64)  # the first slot of a token weight that is not finite, >= 0
+    weight_sum = tl.zeros([BLOCK], tl.float32)
     for start in range(0, geo.n_out, BLOCK):
         slot = start + offs  # the index type of n_out: int32 below 2**31 slots
         inside = slot < geo.n_out
         if targets is None:
-            counted += inside.to(tl.int32)
+            valid = inside
         else:
             scored = inside
             if geo.shift != 0:
                 scored = inside & (slot % geo.K + geo.shift < geo.K)
             y = tl.load(targets + slot + geo.shift, mask=scored, other=geo.ignore_index).to(tl.int64)
             valid = scored & (y != geo.ignore_index)
-            counted += valid.to(tl.int32)
             if verdict is not None:  # (against the whole vocabulary: a vocab-parallel call's V_total)
                 bad = valid & ((y < 0) | (y >= tl.maximum(geo.V, geo.V_total)))
                 first_bad = tl.minimum(first_bad, tl.where(bad, slot + geo.shift, big))
+        counted += valid.to(tl.int32)
+        if weights is not None:
+            w = tl.load(weights + slot, mask=valid, other=0.0)
+            weight_sum += w
+            if verdict is not None:  # (every slot's, counted or not)
+                w = tl.load(weights + slot, mask=inside, other=0.0)
+                first_heavy = tl.minimum(first_heavy, tl.where(inside & ~((w >= 0.0) & (w < float("inf"))), slot,
+                                                               big))
         if verdict is not None and temperature is not None:
             t = tl.load(temperature + slot, mask=inside, other=1.0)
             first_hot = tl.minimum(first_hot, tl.where(inside & ~((t > 0.0) & (t < float("inf"))), slot, big))
@@ -221,6 +234,10 @@ def prepare_call(targets, num_items, sequence_ids, temperature, scratch, verdict
             ids = tl.load(sequence_ids + slot, mask=inside, other=0)
             bad_ids |= (inside & ((ids < 0) | (ids >= geo.n_out))).to(tl.int32)
     tl.store(scratch + SCRATCH_AT.counted, tl.sum(counted.to(tl.int64), axis=0))
+    if weights is not None:
+        tl.store(scratch + SCRATCH_AT.weight_sum, tl.sum(weight_sum, axis=0).to(tl.int32, bitcast=True).to(tl.int64))
+    else:  # (written: a call's scratch is the same each time)
+        tl.store(scratch + SCRATCH_AT.weight_sum, 0)
     if n_seq > 0:
         tl.store(scratch + SCRATCH_AT.ratio_min, 0x7FFFFFFF)  # above every finite fp32 bit pattern
         tl.store(scratch + SCRATCH_AT.ratio_max, -1)  # below every one
@@ -241,6 +258,10 @@ def prepare_call(targets, num_items, sequence_ids, temperature, scratch, verdict
         if temperature is not None:
             hot = tl.min(first_hot, axis=0)
             bad_call = bad_call | (hot < big)
+        heavy = big
+        if weights is not None:
+            heavy = tl.min(first_heavy, axis=0)
+            bad_call = bad_call | (heavy < big)
         if bad_call:
             value = tl.zeros([], tl.int64)
             if targets is not None:
@@ -252,6 +273,8 @@ def prepare_call(targets, num_items, sequence_ids, temperature, scratch, verdict
             tl.store(verdict + VERDICT_AT.items, items_bits)
             if temperature is not None:
                 tl.store(verdict + VERDICT_AT.temperature, tl.where(hot < big, hot + 1, 0))
+            if weights is not None:
+                tl.store(verdict + VERDICT_AT.weights, tl.where(heavy < big, heavy + 1, 0))
             tl.atomic_xchg(verdict + VERDICT_AT.flag, 1, sem="release", scope="sys")
             tl.atomic_xchg(dirty, 1, sem="release", scope="sys")
 
@@ -299,8 +322,8 @@ def head_kernel(
     WAIT_IN_ROW: tl.constexpr = PREPARE and (F.HAS_POLICY or grad is not None)
     if PREPARE:
         if tl.atomic_xchg(scratch + SCRATCH_AT.ticket, prep.nonce, sem="acq_rel") != prep.nonce:
-            prepare_call(targets, num_items, prep.sequence_ids, temperature, scratch, prep.verdict, prep.dirty, geo,
-                         prep.n_seq, R.PREP_BLOCK)
+            prepare_call(targets, num_items, prep.sequence_ids, temperature, slots.weights, scratch, prep.verdict,
+                         prep.dirty, geo, prep.n_seq, R.PREP_BLOCK)
             # the counted rows (and the verdicts) are published
             tl.atomic_xchg(scratch + SCRATCH_AT.done, prep.nonce, sem="release")
     stats = shard.stats
@@ -386,6 +409,9 @@ def head_kernel(
             put(row_out, C.accuracy, (arg == y).to(tl.float32))
             if pred is not None:
                 tl.store(pred + slot, arg.to(tl.int64))
+        if slots.weights is not None:  # the token's weight: on its loss here, on its gradient through u
+            token_weight = tl.load(slots.weights + slot)
+            token_loss *= token_weight
         put(row_out, C.token_loss, token_loss)
         put(row_out, C.lse, lse)
         put(row_out, C.logp, logp)
@@ -394,6 +420,8 @@ def head_kernel(
         # --- 3. gradient pass
         if grad is not None:
             u = token_scale(scratch, num_items, geo, F)
+            if slots.weights is not None:
+                u *= token_weight
             if F.SPARSE == 2:
                 d_logp += u * S.w_distill * d_token
             A, B, Cc, D = row_coefficients(u, d_logp, d_entropy, zero, lse, logp, entropy, V_math, S, F)
@@ -521,6 +549,8 @@ def head_backward_kernel(
                 d_logp = tl.load(d_in + C.logp)
             if F.ENTROPY_GRAD:
                 d_entropy = tl.load(d_in + C.entropy)
+        if slots.weights is not None:  # the token loss is its terms' times its weight
+            u *= tl.load(slots.weights + slot)
         x2_y = zero
         slope_y = zero
         y_here = y
@@ -594,13 +624,14 @@ def scale_grad_kernel(
 
 def prepare(targets: torch.Tensor | None, num_items: torch.Tensor | None, sequence_ids: torch.Tensor | None,
             geo: Geometry, device: torch.device, verdict: tuple | None, n_seq: int = 0,
-            temperature: torch.Tensor | None = None) -> torch.Tensor:
+            temperature: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Launch prepare_kernel; returns the call's scratch (counted rows first). ``verdict`` is a
     (slot, dirty) pair of host tensors the device writes when a value is bad, or None (no checks)."""
     scratch = torch.empty(scratch_size(n_seq), dtype=torch.int64, device=device)
     slot, dirty = verdict if verdict is not None else (None, None)
     launch(prepare_kernel, 1, 8, targets=targets, num_items=num_items, sequence_ids=sequence_ids,
-           temperature=temperature, scratch=scratch, verdict=slot, dirty=dirty, geo=geo, n_seq=n_seq, BLOCK=4096)
+           temperature=temperature, weights=weights, scratch=scratch, verdict=slot, dirty=dirty, geo=geo, n_seq=n_seq,
+           BLOCK=4096)
     return scratch
 
 
@@ -608,7 +639,8 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
                 means, geo: Geometry, finish: bool = True, stats: torch.Tensor | None = None,
                 jsd: torch.Tensor | None = None, verdict: tuple | None = None, prepared: bool = True,
                 sequence_ids: torch.Tensor | None = None, n_seq: int = 0, sparse: SparseRows | None = None,
-                temperature: torch.Tensor | None = None, row_ids: torch.Tensor | None = None) -> None:
+                temperature: torch.Tensor | None = None, row_ids: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None) -> None:
     """One program per logits row; with ``finish`` the last one writes ``means`` and the reduced loss.
     ``prepared=False``: ``scratch`` (scratch_size(n_seq) words, any content) was not filled by
     :func:`prepare`; the first program to take the call's ticket does that work first (``verdict``,
@@ -626,7 +658,7 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
     elif verdict is not None and plan.flags.TEACHER_PROBS:  # the rows' mass check writes the call's verdict
         prep = Prepare(*verdict, None)
     args = dict(
-        logits=logits, slots=SlotInputs(targets, temperature, row_ids), teacher=TeacherRows(teacher, sparse),
+        logits=logits, slots=SlotInputs(targets, temperature, row_ids, weights), teacher=TeacherRows(teacher, sparse),
         grad=grad, rows=rows, pred=pred, policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means,
         shard=shard_rows(stats, jsd), prep=prep, geo=geo,
         S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=Blocks(cfg.block_v, max(topk_block(sparse), 1)),
@@ -655,13 +687,14 @@ def launch_finish(plan: KernelPlan, *, rows, loss, means, scratch, num_items, ge
 
 def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d_loss, d_rows, num_items, scratch,
                     geo: Geometry, stats: torch.Tensor | None = None, sparse: SparseRows | None = None,
-                    temperature: torch.Tensor | None = None) -> None:
+                    temperature: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
     """Deferred mode: d loss / d logits into ``grad`` from the saved rows and the upstream gradients."""
     if geo.n_rows == 0:
         return
     cfg = launch_config(geo.V, plan.has_teacher, geo.n_rows)
     args = dict(
-        logits=logits, slots=SlotInputs(targets, temperature), teacher=TeacherRows(teacher, sparse), grad=grad,
+        logits=logits, slots=SlotInputs(targets, temperature, None, weights), teacher=TeacherRows(teacher, sparse),
+        grad=grad,
         rows=rows, d_loss=d_loss, d_rows=d_rows, num_items=num_items, scratch=scratch, shard=shard_rows(stats), geo=geo,
         S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=Blocks(cfg.block_v, max(topk_block(sparse), 1)),
     )

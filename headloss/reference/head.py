@@ -25,6 +25,7 @@ from ..validation import (
     raise_if_bad,
     raise_teacher,
     raise_temperature,
+    raise_token_weight,
 )
 from .policy import reference_policy_loss
 from .sparse import estimator, topk_distillation
@@ -50,10 +51,13 @@ def reference_head_loss(
     and num_items_in_batch values; the reference reads them on the host (under torch.compile, a
     device-side assert). Like the kernel path, a loss whose plan runs the fused mode takes one
     backward: a second one (retain_graph=True) raises the same error."""
-    teacher_logits, teacher_ids, teacher_logprobs, num_items_in_batch, temperature, teacher_probs = (
+    teacher_logits, teacher_ids, teacher_logprobs, num_items_in_batch, temperature, teacher_probs, weights = (
         inputs.pop(name, None) for name in ("teacher_logits", "teacher_ids", "teacher_logprobs", "num_items_in_batch",
-                                            "temperature", "teacher_probs"))
+                                            "temperature", "teacher_probs", "token_weights"))
     policy_inputs = inputs
+    if (weights is None) != (spec.token_weights is None):
+        raise ValueError("token_weights: " + ("required by spec.token_weights but not given" if weights is None else
+                                              "given, but spec.token_weights is not set"))
     if teacher_probs is not None:  # a teacher given as probabilities: its log, at temperature 1
         if validate != "off":
             _check_probabilities(teacher_probs)
@@ -61,6 +65,8 @@ def reference_head_loss(
         teacher_logits = torch.log(teacher_probs.detach().to(wide))
     if temperature is not None and validate != "off":
         _check_temperature(temperature, tuple(logits.shape[:-1]))
+    if weights is not None and validate != "off":
+        _check_weights(weights, tuple(logits.shape[:-1]))
     if validate != "off" and targets is not None:
         _check_values(targets, logits.shape[-1], spec.ignore_index, num_items_in_batch,
                       policy_inputs.get("sequence_ids"), policy_inputs.get("loss_mask"))
@@ -82,6 +88,14 @@ def reference_head_loss(
                           teacher_logprobs.reshape(-1, teacher_ids.shape[-1]))
     token_loss, per_term, entropy, distill_rows = _terms(x, logp_all, lse, y, valid, nan_if_bad, spec, teacher)
     token_loss = torch.where(valid, token_loss, 0.0)
+    count = valid.sum().clamp(min=1).to(compute_dtype)  # the metrics' divisor: tokens, unweighted
+    divisor = count
+    if weights is not None:  # each token's loss (and through it its gradient) times its weight
+        w = torch.where(valid, weights.reshape(-1).to(compute_dtype), 0.0)
+        token_loss = token_loss * w
+        if spec.token_weights.normalize == "weights":  # a weighted mean; weights that sum to 0 give 0
+            total = w.sum()
+            divisor = torch.where(total > 0, total, torch.ones_like(total))
 
     entropy_for_policy = None
     if spec.policy is not None:
@@ -89,8 +103,7 @@ def reference_head_loss(
         entropy_for_policy = -(probs * torch.where(probs > 0, logp_all, 0.0)).sum(-1)
 
     n_valid = valid.sum()
-    count = n_valid.clamp(min=1).to(compute_dtype)
-    loss = _reduced(token_loss, count, spec, num_items_in_batch, token_shape)
+    loss = _reduced(token_loss, divisor, spec, num_items_in_batch, token_shape)
 
     policy_metrics: dict[str, torch.Tensor] = {}
     if spec.policy is not None:
@@ -313,6 +326,17 @@ def _distillation(x: torch.Tensor, teacher: torch.Tensor, spec: LossSpec) -> tup
     with torch.no_grad():
         agreement = (x.argmax(-1) == teacher.argmax(-1)).to(x.dtype)
     return div, {"distill/teacher_entropy": teacher_entropy, "distill/top1_agreement": agreement}
+
+
+def _check_weights(weights: torch.Tensor, rows_shape: tuple[int, ...]) -> None:
+    """Token weights (one per row of the logits) must be finite and >= 0: the first that is not, named as
+    the kernels' verdict names it."""
+    bad = ~((weights >= 0) & torch.isfinite(weights)).reshape(-1)
+    if torch.compiler.is_compiling():
+        torch._assert_async(~bad.any(), "headloss: a token weight that is not a finite number >= 0")
+        return
+    if bool(bad.any()):
+        raise_token_weight(int(bad.nonzero()[0, 0]), rows_shape)
 
 
 def _check_temperature(temperature: torch.Tensor, rows_shape: tuple[int, ...]) -> None:

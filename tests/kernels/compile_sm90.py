@@ -128,6 +128,8 @@ def _head(spec, dtype=torch.bfloat16, backward=True, **kwargs):
             extra["teacher_logprobs"] = -torch.rand(targets.shape) * 4
         if extra.pop("row_temperature", False):  # one per row (spec.transform.per_row_temperature)
             extra["temperature"] = 0.5 + torch.rand(targets.shape)
+        if extra.pop("weighted", False):  # one per token (spec.token_weights)
+            extra["token_weights"] = torch.rand(targets.shape)
         if "policy" in extra:
             extra.pop("policy")
             extra.update(advantages=torch.randn(logits.shape[0]), sequence_ids=torch.arange(logits.shape[0]) // 3,
@@ -150,6 +152,8 @@ def _linear(spec, policy=False, **kwargs):
             extra.update(advantages=torch.randn(2), old_logprobs=torch.randn(2, 7))
         if extra.pop("row_temperature", False):
             extra["temperature"] = 0.5 + torch.rand(2)
+        if extra.pop("weighted", False):
+            extra["token_weights"] = torch.rand(2, 7)
         validate = extra.pop("validate", False)
         out = headloss.linear_head_loss(hidden, weight, torch.randint(0, 300, (2, 7)), spec, backend="triton",
                                         validate=validate, compact=False, chunk_bytes=3 * 300 * 2, **extra)
@@ -284,6 +288,12 @@ VARIANTS = {
                         validate=True),
     "linear-row-temperature": _linear(headloss.LossSpec(transform={"per_row_temperature": True}),
                                       row_temperature=True, validate=True),
+    # per-token weights: on the token loss and u, a weighted mean's divisor summed and checked by the prepare
+    "token-weights": _head(headloss.LossSpec(entropy={"weight": 0.01}, token_weights={}), weighted=True,
+                           validate=True),
+    "token-weights-deferred": _head(headloss.LossSpec(reduction="none", token_weights={}), weighted=True),
+    "linear-token-weights": _linear(headloss.LossSpec(token_weights={"normalize": "tokens"}), weighted=True,
+                                    validate=True),
 }
 
 

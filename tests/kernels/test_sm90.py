@@ -29,7 +29,8 @@ VARIANTS = ("ce-only", "all-bf16", "all-fp16", "all-fp32", "entropy-metric-no-ta
             "topk-renormalized-reverse_kl", "topk-rest-jsd", "topk-verl-deferred-softcap", "token-k3", "sharded-topk",
             "topk-validated", "token-validated", "sharded-topk-rest", "topk-rest-deferred", "row-temperature",
             "row-temperature-deferred", "sharded-row-temperature-jsd", "linear-row-temperature", "teacher-probs",
-            "sharded-teacher-probs-jsd", "topk-probs")
+            "sharded-teacher-probs-jsd", "topk-probs", "token-weights", "token-weights-deferred",
+            "linear-token-weights")
 # every kernel tests/kernels/compile_sm90.py intercepts
 KERNELS = {"prepare_kernel", "head_kernel", "head_backward_kernel", "finish_kernel", "scale_grad_kernel",
            "shard_stats_kernel", "merge_stats_kernel", "shard_jsd_kernel", "sequence_extremes_kernel",
