@@ -9,7 +9,8 @@ torch.compile, Liger-Kernel and TRL.
            its probabilities (teacher: probs, validated and validate=False), CE 0.5 + divergence
            0.5; and the GRPO case with a per-row temperature, validated and validate=False
   weights  N=8192: CE, and CE 0.5 + forward KL 0.5, with and without per-token weights (token_weights,
-           a weighted mean; validated and validate=False); torch eager and torch.compile's weighted CE
+           a weighted mean; validated and validate=False); torch eager and torch.compile's weighted CE;
+           and the GRPO case with and without them
   trainer  the same GRPO step the way trainers call it, from the model's [B, L + 1, V] logits
            against the completion ids [B, L] (eps 0.2 / 0.28): headloss shift=True (default
            arguments, and with inplace_grad), headloss on logits[:, :-1] (a slice: autograd's
@@ -169,6 +170,7 @@ SFT_SPEC = headloss.LossSpec()
 WEIGHTED = headloss.TokenWeights()
 SFT_WEIGHTED_SPEC = SFT_SPEC.model_copy(update={"token_weights": WEIGHTED})
 DISTILL_WEIGHTED_SPEC = DISTILL_SPEC.model_copy(update={"token_weights": WEIGHTED})
+GRPO_WEIGHTED_SPEC = GRPO_SPEC.model_copy(update={"token_weights": WEIGHTED})
 """The same calls with per-token weights (the call's ``token_weights``), made once outside the timed steps."""
 
 
@@ -179,6 +181,12 @@ def torch_weighted_ce(x, y, w):
 
 def weights_case(rows: list[Row], n: int, cfg: dict, names) -> None:
     """What per-token weights cost beside the same call without them."""
+    _weights_logits(rows, n, cfg, names)
+    torch.cuda.empty_cache()
+    _weights_grpo(rows, 8, 1024, cfg, names)
+
+
+def _weights_logits(rows: list[Row], n: int, cfg: dict, names) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     pristine = torch.randn(n, V, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
     teacher = torch.randn(n, V, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
@@ -206,6 +214,26 @@ def weights_case(rows: list[Row], n: int, cfg: dict, names) -> None:
             if not names or name in names:
                 measure(rows, f"weights {case}", name, "N", n, step, setup, config={**cfg, "N": n, "V": V})
                 torch.cuda.empty_cache()
+
+
+def _weights_grpo(rows: list[Row], batch: int, length: int, cfg: dict, names) -> None:
+    pristine, ids, adv, old, ref, mask = grpo_batch(1, batch, length)
+    x, setup = restorable_leaf(pristine[:, :-1])
+    w = 2 * torch.rand(ids.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, inplace_grad=True)
+    table = {
+        "plain": lambda: headloss.head_loss(x, ids, GRPO_SPEC, **inputs).loss.backward(),
+        "token weights": lambda: headloss.head_loss(x, ids, GRPO_WEIGHTED_SPEC, token_weights=w,
+                                                    **inputs).loss.backward(),
+        "plain, validate=False": lambda: headloss.head_loss(x, ids, GRPO_SPEC, validate=False,
+                                                            **inputs).loss.backward(),
+        "token weights, validate=False": lambda: headloss.head_loss(
+            x, ids, GRPO_WEIGHTED_SPEC, token_weights=w, validate=False, **inputs).loss.backward(),
+    }
+    for name, step in table.items():
+        if not names or name in names:
+            measure(rows, "weights grpo", name, "N", batch * length, step, setup,
+                    config={**cfg, "B": batch, "T": length, "V": V})
 
 
 def _forms_grpo(rows: list[Row], batch: int, length: int, cfg: dict, names) -> None:
@@ -410,7 +438,7 @@ def main() -> None:
 
 TITLES = {"distill": "CE + forward KL, N=8192, V=128256", "grpo": "GRPO dapo+KL+entropy, B=8 T=1024",
           "trainer": "GRPO from [B, L+1, V] logits", "weights sft": "CE, N=8192, V=128256",
-          "weights distill": "CE + forward KL, N=8192, V=128256"}
+          "weights distill": "CE + forward KL, N=8192, V=128256", "weights grpo": "GRPO dapo+KL+entropy, B=8 T=1024"}
 
 
 def _plot(rows: list[Row], copy_gbs: float, path) -> None:

@@ -19,6 +19,7 @@ from .kernels.launch import KERNEL_DTYPES, Geometry, row_strides
 from .kernels.sparse import SparseRows
 from .layouts import TEACHER_KEY
 from .policy.inputs import policy_inputs
+from .policy.weights import weigh_tokens
 from .row_inputs import float_input
 from .spec import LossSpec
 from .validation import MASS_TOLERANCE, CheckContext, Normaliser, Validate, normaliser, raise_teacher, validation_mode
@@ -230,6 +231,8 @@ def head_call(logits: torch.Tensor, targets: torch.Tensor | None, spec: LossSpec
         shift_by = 0
     policy, targets = policy_inputs(spec.policy, targets, spec.ignore_index, norm.as_torch(),
                                     mode, policy_given, raw=raw_policy)
+    if policy is not None and spec.token_weights is not None:
+        weigh_tokens(policy, spec.policy, inputs.token_weights, spec.token_weights.normalize == "tokens")
     sparse_rows = sparse_teacher(spec, teacher, tuple(logits.shape[:-1]), token_shape, logits.device,
                                  vocab_total or logits.shape[-1], mode, align="shift" if shift else "rows")
     teacher_logits = teacher.logits.detach() if teacher.logits is not None else None

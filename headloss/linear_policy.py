@@ -48,7 +48,7 @@ def sequence_chunk_grad(loop, block: Block, start: int, stop: int) -> None:
     inp = replace(pol, advantages=pol.advantages[start:stop], old_logprobs=part(pol.old_logprobs),
                   ref_logprobs=part(pol.ref_logprobs), importance_weights=part(pol.importance_weights), seq=None,
                   n_slots=n_seq, n_seq=n_seq, mask=pol.mask[start:stop], weight=pol.weight[start:stop],
-                  kl_entropy_weight=part(pol.kl_entropy_weight),
+                  kl_entropy_weight=part(pol.kl_entropy_weight), token_weights=part(pol.token_weights),
                   rollout_logprobs=part(pol.rollout_logprobs), sequence_ids=None,
                   seq_advantages=None if pol.seq_advantages is None else
                   pol.seq_advantages[start // run.seq_len:stop // run.seq_len])

@@ -162,7 +162,7 @@ def _checked(laid: _Laid) -> tuple:
         weights = flat_token_weights(weights, spec, token_shape, logits.device)
         chosen = routes.choose(plan, facts_of("logits", "triton", logits.device, token_shape, given,
                                               sharded=shard is not None), options.route)
-        unpacked = CallInputs(teacher, batch, Layout(shift), num_items_in_batch)
+        unpacked = CallInputs(teacher, batch, Layout(shift), num_items_in_batch, token_weights=weights)
         call = head_call(logits, targets, spec, token_shape, unpacked, validate=options.validate,
                          raw_policy=chosen.raw_inputs, vocab_total=None if shard is None else shard.vocab_total)
     except (ValueError, TypeError) as exc:

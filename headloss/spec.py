@@ -119,9 +119,6 @@ class LossSpec(_Frozen):
             raise ValueError("reduction: 'none' needs at least one loss term to reduce")
         if self.policy is not None and self.reduction == "none":
             raise ValueError("reduction: 'none' cannot hold the policy term, which aggregates by policy.loss_type")
-        if self.policy is not None and self.token_weights is not None:
-            raise ValueError("token_weights: the policy term weighs its tokens by loss_mask, importance_weights and "
-                             "policy.loss_type; per-token weights apply to the head's other terms, without a policy")
         return self
 
     # --- derived facts ---------------------------------------------------------------------

@@ -1263,6 +1263,38 @@ def test_token_weights_on_the_compiled_kernels_weigh_each_tokens_loss_and_gradie
         headloss.check_pending(wait=True)
 
 
+@pytest.mark.parametrize("normalize", ["weights", "tokens"])
+def test_token_weights_in_the_policy_terms_aggregation_on_the_compiled_kernels(normalize):
+    """GRPO (dapo + k3 KL, TRL's entropy mean) with the CE beside it and token weights: the fused epilogue and
+    the lm_head equal the plain-torch path in fp64 on the same logits."""
+    b, t, v, h = 4, 300, 32000, 256
+    gen = torch.Generator(device="cuda").manual_seed(79)
+    ids = torch.randint(0, v, (b, t), device="cuda", generator=gen)
+    w = 2 * torch.rand(b, t, device="cuda", generator=gen)
+    hidden = torch.randn(b, t, h, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(v, h, device="cuda", generator=gen) / 16).to(torch.bfloat16)
+    logits = (hidden.float() @ weight.float().T).to(torch.bfloat16)
+    old = -10.4 + 0.2 * torch.randn(b, t, device="cuda", generator=gen)
+    inputs = dict(advantages=torch.randn(b, device="cuda", generator=gen), old_logprobs=old, ref_logprobs=old + 0.05,
+                  loss_mask=(torch.rand(b, t, device="cuda", generator=gen) > 0.1).float(), token_weights=w)
+    spec = headloss.LossSpec(cross_entropy={"weight": 0.3}, token_weights={"normalize": normalize},
+                             policy={"loss_type": "dapo", "kl_beta": 0.04, "entropy_coef": 0.01,
+                                     "entropy_aggregation": "token-mean"})
+    x = logits.clone().requires_grad_()
+    out = headloss.head_loss(x, ids, spec, **inputs)
+    out.loss.backward()
+    hh = hidden.clone().requires_grad_()
+    lin = headloss.linear_head_loss(hh, weight, ids, spec, chunk_bytes=64 << 20, **inputs)
+    lin.loss.backward()
+    z = logits.double().requires_grad_()
+    want = headloss.head_loss(z, ids, spec, backend="torch", **inputs)
+    want.loss.backward()
+    for got in (out, lin):
+        assert abs(got.loss.item() - want.loss.item()) <= 1e-4 * max(abs(want.loss.item()), 1e-2)
+    assert _rel(x.grad.float(), z.grad.float()) < 1e-2
+    assert _rel(hh.grad.float(), (z.grad @ weight.double()).float()) < 2e-2
+
+
 def test_bad_num_items_on_the_device_is_raised_by_check_pending():
     logits, targets = _batch(64, 32000, torch.bfloat16, seed=23)
     headloss.head_loss(logits, targets, num_items_in_batch=torch.tensor(0.0, device="cuda"))

@@ -54,6 +54,9 @@ SPECS = {
     # per-token weights (the call's `token_weights`): the weighted mean's divisor from the replicated weights
     "weighted_sft": LossSpec(cross_entropy=CrossEntropy(label_smoothing=0.1), entropy=Entropy(weight=0.05),
                              token_accuracy=True, token_weights={}, outputs=OUTPUTS),
+    "weighted_grpo": LossSpec(cross_entropy=CrossEntropy(weight=0.3), token_weights={},
+                              policy=Policy(loss_type="grpo", kl_beta=0.04, entropy_coef=0.01,
+                                            entropy_aggregation="token-mean")),
     "weighted_jsd_deferred": LossSpec(distillation={"divergence": "jsd"}, reduction="none",
                                           token_weights={"normalize": "tokens"}, outputs=("logprobs", "entropy"),
                                           differentiable_outputs=True),
@@ -91,7 +94,7 @@ def _inputs(name: str, dtype: torch.dtype):
                 -1, ids.clamp(min=0)[..., None])[..., 0].float()
         else:
             kwargs["teacher_logits"] = teacher
-    if name in ("grpo", "gspo"):  # GSPO: sequence-level ratios, the objective in torch (deferred mode)
+    if name in ("grpo", "gspo", "weighted_grpo"):  # GSPO: sequence-level ratios, the objective in torch (deferred mode)
         old = -torch.rand(b, t, generator=gen) * 4
         kwargs = dict(advantages=torch.randn(b, generator=gen), old_logprobs=old,
                       ref_logprobs=old + 0.1 * torch.randn(b, t, generator=gen),
@@ -221,7 +224,7 @@ def check_logits_job(results, world: int, quick: bool) -> None:
     for rank in range(world):
         out, refusals, first, layouts = results[rank]["logits"]
         assert first == (2, 1) and layouts == 1  # the first call also learnt the layout; never again
-        assert len(out) == len(_cases(quick)) == (len(QUICK) if quick else 52)
+        assert len(out) == len(_cases(quick)) == (len(QUICK) if quick else 54)
         for (name, dtype, backend, shift), (errs, calls) in out.items():
             tol = 1e-5 if dtype == "torch.float32" else 2e-2  # bf16: the gradient's own rounding
             for what, err in errs.items():
@@ -268,7 +271,7 @@ def test_merge_matches_the_whole_row():
 H = 12
 LINEAR_NAMES = ("full_sft", "smoothing_softcap_temperature", "grpo", "gspo", "deferred", "teacher_weight",
                 "teacher_logits", "distill_topk_rest", "distill_topk_verl", "distill_token", "row_temperature",
-                "distill_probs_jsd", "distill_topk_probs", "weighted_sft")
+                "distill_probs_jsd", "distill_topk_probs", "weighted_sft", "weighted_grpo")
 LINEAR_QUICK = ("full_sft", "gspo", "teacher_weight", "row_temperature")
 
 
@@ -302,7 +305,7 @@ def _linear_job(rank: int, world: int, quick: bool) -> dict:
             if name == "teacher_logits":  # the teacher's logits, sharded on the vocabulary
                 t_logits = torch.randn(3, 5, V, generator=gen) * 2
                 kwargs["teacher_logits"], mine["teacher_logits"] = t_logits, t_logits[..., start: start + width]
-            shift = name not in ("grpo", "gspo")
+            shift = name not in ("grpo", "gspo", "weighted_grpo")
             h1, w1, b1 = (t.clone().requires_grad_() for t in (hidden, weight, bias))
             full = linear_head_loss(h1, w1, ids, spec, bias=b1, shift=shift, backend=backend, **kwargs)
             _backward(full)

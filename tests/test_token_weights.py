@@ -1,9 +1,11 @@
 """Per-token weights (spec.TokenWeights, the call's ``token_weights``): each counted token's value of every
 term and its gradient times its weight, a mean over the summed weights (or the token count), on both entry
-points and both paths.
+points and both paths; in the policy term's aggregation the weights take the mask's place (or multiply its
+per-token values).
 
-Two independent checks: an fp64 oracle of the SFT terms written here from their definitions (smoothed
-cross-entropy, z-loss, entropy), and the identity that defines the feature for every other term and route:
+Two independent checks: fp64 oracles written here from their definitions (the SFT terms: smoothed
+cross-entropy, z-loss, entropy; the policy term: TRL's clipped surrogate with its k3 KL and entropy mean,
+under a token mean and a mean over sequences), and the identity that defines the feature for every other term and route:
 the weighted call's loss is sum(w * L) / divisor over the same spec's per-token losses L (reduction
 "none"), and its gradient that sum's."""
 
@@ -176,6 +178,109 @@ def test_a_weighted_call_is_the_weighted_sum_of_its_per_token_losses(name, entry
     assert diff <= 3e-5 * leaf.grad.double().abs().max().clamp_min(1e-6)
 
 
+def _policy_oracle(z, y, mask, w, adv, old, ref, loss_type: str, normalize: str) -> torch.Tensor:
+    """fp64, [B, T] rows: CE 0.3 plus TRL's objective (clip 0.2, k3 KL 0.04, the entropy bonus 0.01 as a mean
+    over the counted tokens), each aggregated with the token weights in the mask's place (``weights``) or
+    on the per-token values (``tokens``); ``loss_type``: dapo (a token mean) or grpo (a mean over sequences of
+    token means)."""
+    logp_all = torch.log_softmax(z.double(), -1)
+    m = mask.double() * (y != -100).double()
+    yy = y.clamp(min=0)
+    logp = logp_all.gather(-1, yy[..., None])[..., 0]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    ratio = torch.exp(logp - old.double())
+    a = adv.double()[:, None]
+    surrogate = -torch.min(ratio * a, ratio.clamp(0.8, 1.2) * a) + 0.04 * (torch.exp(ref - logp) - (ref - logp) - 1)
+    w = w.double()
+    on_values, in_mask = (w, m) if normalize == "tokens" else (torch.ones_like(w), m * w)
+
+    def token_mean(values):
+        return (values * on_values * in_mask).sum() / in_mask.sum()
+
+    if loss_type == "dapo":
+        policy = token_mean(surrogate)
+    else:
+        policy = ((surrogate * on_values * in_mask).sum(-1) / in_mask.sum(-1).clamp(min=1e-30)).mean()
+    ce = -logp
+    return 0.3 * token_mean(ce) + policy - 0.01 * token_mean(entropy)
+
+
+@needs_kernel
+@pytest.mark.parametrize("loss_type, normalize, entry, backend", tiered(
+    ["dapo", "grpo"], ["weights", "tokens"], ["logits", "hidden"], ["triton", "torch"]))
+def test_the_policy_term_aggregates_with_the_weights_as_an_fp64_oracle_does(loss_type, normalize, entry, backend):
+    """The policy term with the cross-entropy beside it: the weights in its loss type's sums (or on its
+    per-token values), the entropy bonus's mean and the CE's mean likewise; gradients too."""
+    gen = generator(81)
+    b, t = 3, 6
+    hidden = torch.randn(b, t, H, generator=gen, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=gen, dtype=torch.float64) * 0.6
+    z = hidden @ weight.T if entry == "hidden" else torch.randn(b, t, V, generator=gen, dtype=torch.float64) * 2
+    y = torch.randint(0, V, (b, t), generator=gen)
+    y[0, 1] = -100
+    mask = (torch.rand(b, t, generator=gen) > 0.2).float()
+    w = 2 * torch.rand(b, t, generator=gen, dtype=torch.float64)
+    w[2, 2] = 0.0
+    adv = torch.randn(b, generator=gen, dtype=torch.float64)
+    old = torch.log_softmax(z, -1).gather(-1, y.clamp(min=0)[..., None])[..., 0] - 0.3 * torch.rand(b, t, generator=gen)
+    ref = old - 0.1
+    spec = LossSpec(cross_entropy={"weight": 0.3}, token_weights={"normalize": normalize},
+                    policy={"loss_type": loss_type, "kl_beta": 0.04, "entropy_coef": 0.01,
+                            "entropy_aggregation": "token-mean"})
+    inputs = dict(token_weights=w.float(), advantages=adv.float(), old_logprobs=old.float(), ref_logprobs=ref.float(),
+                  loss_mask=mask, backend=backend)
+    if entry == "logits":
+        leaf, oracle_leaf = z.float().requires_grad_(), z.clone().requires_grad_()
+        out = headloss.head_loss(leaf, y, spec, **inputs)
+        want = _policy_oracle(oracle_leaf, y, mask, w, adv, old, ref, loss_type, normalize)
+    else:
+        leaf, oracle_leaf = hidden.float().requires_grad_(), hidden.clone().requires_grad_()
+        out = headloss.linear_head_loss(leaf, weight.float(), y, spec, chunk_bytes=4 * V * 4, **inputs)
+        want = _policy_oracle(oracle_leaf @ weight.T, y, mask, w, adv, old, ref, loss_type, normalize)
+    out.loss.backward()
+    want.backward()
+    assert out.loss.item() == pytest.approx(want.item(), rel=2e-5, abs=1e-6)
+    assert (leaf.grad.double() - oracle_leaf.grad).abs().max() <= 2e-5 * oracle_leaf.grad.abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["gspo", "top_entropy", "verl_kl_apart", "gmpo", "clip_cov"])
+def test_every_policy_route_takes_the_weights_as_the_reference_does(name):
+    """The routes that run the policy term in torch, by its kernels or on sequence statistics equal the
+    plain-torch path (headloss.reference) with the same weights, under both normalizations."""
+    policies = {"gspo": {"loss_type": "grpo", "importance_sampling": "sequence"},
+                "top_entropy": {"loss_type": "dapo", "top_entropy_quantile": 0.5, "entropy_coef": 0.01,
+                                "entropy_aggregation": "token-mean"},
+                "verl_kl_apart": {"convention": "verl", "loss_type": "seq-mean-token-mean", "kl_beta": 0.1,
+                                  "kl_entropy_loss_type": "token-mean", "entropy_coef": 0.01},
+                "gmpo": {"convention": "verl", "objective": "gmpo", "loss_type": "seq-mean-token-mean"},
+                "clip_cov": {"convention": "verl", "objective": "clip_cov", "loss_type": "token-mean"}}
+    gen = generator(91)
+    b, t = 4, 6
+    z = torch.randn(b, t, V, generator=gen, dtype=torch.float64) * 2
+    y = torch.randint(0, V, (b, t), generator=gen)
+    w = 2 * torch.rand(b, t, generator=gen)
+    w[1] = 0.0  # a sequence without weight
+    old = torch.log_softmax(z, -1).max(-1).values - torch.rand(b, t, generator=gen, dtype=torch.float64)
+    inputs = dict(token_weights=w, advantages=torch.randn(b, generator=gen), old_logprobs=old.float(),
+                  ref_logprobs=old.float() - 0.1, loss_mask=(torch.rand(b, t, generator=gen) > 0.2).float())
+    for normalize in ("weights", "tokens"):
+        spec = LossSpec(cross_entropy=None, token_weights={"normalize": normalize}, policy=policies[name])
+        results = []
+        for backend in ("triton", "torch"):
+            leaf = z.float().requires_grad_()
+            torch.manual_seed(5)  # (clip_cov draws its tokens at random)
+            out = headloss.head_loss(leaf, y, spec, backend=backend, **inputs)
+            out.loss.backward()
+            results.append((out.loss.detach(), leaf.grad))
+        (got, got_grad), (want, want_grad) = results
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6, msg=f"{name} {normalize}")
+        torch.testing.assert_close(got_grad, want_grad, rtol=2e-5, atol=1e-7, msg=f"{name} {normalize}")
+        unweighted = headloss.head_loss(z.float(), y, spec.model_copy(update={"token_weights": None}),
+                                        backend="torch", **{k: v for k, v in inputs.items() if k != "token_weights"})
+        assert (got - unweighted.loss).abs() > 1e-6  # (the weights matter here)
+
+
 @needs_kernel
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_weighted_per_token_losses_and_the_divisors(backend):
@@ -267,8 +372,6 @@ def test_the_weights_input_and_the_spec_must_agree():
         headloss.head_loss(z, y, _sft(), token_weights=w[:, :6])
     with pytest.raises(TypeError, match="token_weights: expected a floating-point tensor"):
         headloss.head_loss(z, y, _sft(), token_weights=torch.ones(3, 7, dtype=torch.long))
-    with pytest.raises(ValueError, match="token_weights: the policy term weighs its tokens"):
-        LossSpec(cross_entropy=None, policy={}, token_weights={})
     with pytest.raises(ValueError, match="normalize"):
         LossSpec(token_weights={"normalize": "sequences"})
     with pytest.raises(ValueError, match=r"token_weights: shape \(5,\) fits neither"):

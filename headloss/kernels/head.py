@@ -347,6 +347,9 @@ def head_kernel(
     if SHARDED:
         y_here = y - geo.vocab_start
     if counted:
+        token_weight = 1.0
+        if slots.weights is not None:
+            token_weight = tl.load(slots.weights + slot)
         # --- 1. stats pass (sharded: this shard's pass ran in shard_stats_kernel; merged stats)
         if SHARDED:
             m2, d, sum_x2, sum_ex2, arg, x2_y, slope_y = merged_stats(stats, row, row_ptr, y_here, geo.V, S, F,
@@ -404,13 +407,13 @@ def head_kernel(
         if WAIT_IN_ROW:  # the policy counters and extremes in scratch, the token count: the preparer's
             await_prepared(scratch, prep.nonce, geo.n_rows)
         if F.HAS_POLICY:
-            d_logp, d_entropy = policy_values(row_out, scratch, logp, entropy, policy, slot, S, F, C)
+            d_logp, d_entropy = policy_values(row_out, scratch, logp, entropy, policy, slot, token_weight, S, F,
+                                              C)
         if F.HAS_ARGMAX:
             put(row_out, C.accuracy, (arg == y).to(tl.float32))
             if pred is not None:
                 tl.store(pred + slot, arg.to(tl.int64))
         if slots.weights is not None:  # the token's weight: on its loss here, on its gradient through u
-            token_weight = tl.load(slots.weights + slot)
             token_loss *= token_weight
         put(row_out, C.token_loss, token_loss)
         put(row_out, C.lse, lse)

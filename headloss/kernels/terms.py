@@ -435,11 +435,12 @@ def policy_token(logp, old, ref, adv, iw, S, F: tl.constexpr):
 
 
 @triton.jit
-def policy_values(row_out, scratch, logp, entropy, policy, o, S, F: tl.constexpr, C: tl.constexpr):
+def policy_values(row_out, scratch, logp, entropy, policy, o, token_weight, S, F: tl.constexpr, C: tl.constexpr):
     """The token-level policy objective of slot ``o`` (weighted by its aggregation weight), stored
     in its columns with the ratio, the KL and the clip indicators; returns (d_logp, d_entropy).
 
-    ``policy`` holds per-slot pointers (old, ref, adv, iw, weight); old / iw may be None
+    ``policy`` holds per-slot pointers (old, ref, adv, iw, weight: the aggregation's, with the token weights in
+    it); old / iw may be None; ``token_weight``: the slot's token weight (1.0 without), for TRL's entropy mean
     (on-policy: ratio 1 with gradient; no rollout weights). verl's entropy bonus
     ``-entropy_coef * H`` is aggregated like the loss (or, ENTROPY_TOKEN_MEAN, as TRL's token mean).
     With sequences of ``policy.seq_len`` slots, the slot's sequence counters and the ratio's
@@ -462,8 +463,12 @@ def policy_values(row_out, scratch, logp, entropy, policy, o, S, F: tl.constexpr
     d_entropy = tl.zeros([], tl.float32)
     if F.ENTROPY_GRAD:
         bonus_w = w
-        if F.ENTROPY_TOKEN_MEAN:  # TRL: a mean over the call's counted tokens
-            bonus_w = 1.0 / tl.maximum(tl.load(scratch + SCRATCH_AT.counted).to(tl.float32), 1.0)
+        if F.ENTROPY_TOKEN_MEAN:  # TRL: a mean over the call's counted tokens (by weight, with token weights)
+            if F.WEIGHT_NORM:
+                total = tl.load(scratch + SCRATCH_AT.weight_sum).to(tl.int32).to(tl.float32, bitcast=True)
+                bonus_w = token_weight / tl.where(total > 0.0, total, 1.0)
+            else:
+                bonus_w = token_weight / tl.maximum(tl.load(scratch + SCRATCH_AT.counted).to(tl.float32), 1.0)
         policy_loss -= S.entropy_coef * bonus_w * entropy
         d_entropy = -S.entropy_coef * bonus_w
     put(row_out, C.policy_loss, policy_loss)

@@ -385,7 +385,7 @@ def policy_objective(
     if kl is not None and inp.kl_entropy_weight is not None:
         loss = loss + policy.kl_beta * (kl * aux_weight).sum()
     if policy.entropy_coef != 0.0:
-        bonus = entropy_bonus_weight(policy, aux_weight, mask, tok.high_entropy)
+        bonus = entropy_bonus_weight(policy, aux_weight, mask, tok.high_entropy, inp)
         loss = loss - policy.entropy_coef * (entropy * bonus).sum()
     if not with_metrics:
         return loss, {}

@@ -32,6 +32,9 @@ class PolicyTokens:
     norm_length: int | None = None  # seq-mean-token-sum-norm's T when the rows are longer (padded)
     num_sequences_in_batch: float | torch.Tensor | None = None  # verl's global_batch_size (seq-mean modes)
     adv_span: int = 1  # tokens per entry of ``advantages`` (K: one per sequence of [B, K], kernel only)
+    token_weights: torch.Tensor | None = None  # (N,) fp32 spec.TokenWeights' per token, 0 at masked tokens
+    weights_by_count: bool = False  # the token weights multiply the aggregation (normalize "tokens"); else they
+    # take the mask's place in its sums (normalize "weights")
     quantile_group: Any = None  # the processes whose tokens form the top-entropy quantile's batch
     raw: bool = False  # inputs as given (any float dtype, advantages by index: adv_span), read only at counted
     # tokens by the kernels (the fused epilogue, or deferred mode's objective kernel); else fp32 copies holding 0
@@ -40,7 +43,7 @@ class PolicyTokens:
 
 _CARRIED = tuple(f.name for f in fields(PolicyTokens) if f.name != "quantile_group")
 _INT_FIELDS = frozenset({"n_slots", "n_seq", "seq_len", "norm_length", "adv_span"})
-_BOOL_FIELDS = frozenset({"sequence_level", "raw"})
+_BOOL_FIELDS = frozenset({"sequence_level", "raw", "weights_by_count"})
 
 
 def policy_as_lists(inp: PolicyTokens | None) -> tuple[list[torch.Tensor | None], list[float]]:

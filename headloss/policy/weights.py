@@ -15,10 +15,22 @@ def aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyTokens, k
                         ) -> torch.Tensor:
     """Per-token weight w with loss = sum(w * per_token), as TRL / verl aggregate each loss type:
     the objective's (``policy.loss_type``), or ``kind`` (the KL penalty's and entropy bonus's
-    kl_entropy_loss_type, aggregated as verl's agg_loss even beside geo_mean).
+    kl_entropy_loss_type, aggregated as verl's agg_loss even beside geo_mean). With token weights
+    (``inp.token_weights``, spec.TokenWeights), they take the mask's place in the loss type's sums
+    (normalize "weights": a sequence whose weights are all 0 counts as one without tokens), or multiply
+    its per-token weight (normalize "tokens").
 
-    Depends on the mask and sequence layout only, so it is computed once, without gradient.
+    Depends on the mask, the token weights and the sequence layout only, so it is computed once,
+    without gradient.
     """
+    if inp.token_weights is None:
+        return _aggregation_weights(mask, policy, inp, kind)
+    if inp.weights_by_count:
+        return inp.token_weights * _aggregation_weights(mask, policy, inp, kind)
+    return _aggregation_weights(mask * inp.token_weights, policy, inp, kind)
+
+
+def _aggregation_weights(mask: torch.Tensor, policy: Policy, inp: PolicyTokens, kind: str | None) -> torch.Tensor:
     own = kind is None
     kind = policy.loss_type if own else kind
     global_count = inp.num_sequences_in_batch if LOSS_TYPES[kind].over == "sequences" else None
@@ -70,14 +82,31 @@ def kl_entropy_weights(mask: torch.Tensor, policy: Policy, inp: PolicyTokens) ->
 
 
 def entropy_bonus_weight(policy: Policy, weight: torch.Tensor, mask: torch.Tensor,
-                         high_entropy: torch.Tensor | None) -> torch.Tensor:
+                         high_entropy: torch.Tensor | None, inp: PolicyTokens) -> torch.Tensor:
     """Per-token weight of the entropy in the bonus: the KL penalty's (``weight``; verl), or TRL's mean
     over the counted tokens (those the top-entropy mask keeps, ``high_entropy``, when it is on: TRL's
-    effective_mask)."""
+    effective_mask), weighted by the token weights as :func:`aggregation_weights` says."""
     if policy.entropy_aggregation == "loss":
         return weight
     counted = mask if high_entropy is None else mask * high_entropy.to(mask.dtype)
-    return counted / counted.sum().clamp(min=1.0)
+    if inp.token_weights is None:
+        return counted / counted.sum().clamp(min=1.0)
+    weighted = counted * inp.token_weights
+    if inp.weights_by_count:
+        return weighted / counted.sum().clamp(min=1.0)
+    total = weighted.sum()
+    return weighted / torch.where(total > 0, total, torch.ones_like(total))
+
+
+def weigh_tokens(inp: PolicyTokens, policy: Policy, weights: torch.Tensor | None, by_count: bool) -> None:
+    """The token weights (spec.TokenWeights; ``weights`` flat like the mask, or None) in the policy term's
+    aggregation: its per-token weights made again with them (:func:`aggregation_weights`)."""
+    if weights is None:
+        return
+    inp.token_weights = torch.where(inp.mask > 0, weights, 0.0)
+    inp.weights_by_count = by_count
+    inp.weight = aggregation_weights(inp.mask, policy, inp)
+    inp.kl_entropy_weight = kl_entropy_weights(inp.mask, policy, inp)
 
 
 def rollout_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor | None,

@@ -109,8 +109,8 @@ def reference_head_loss(
     if spec.policy is not None:
         logp_tok = torch.where(valid, logp_all.gather(-1, y[:, None])[:, 0], 0.0)
         policy_loss, policy_metrics = reference_policy_loss(
-            logp_tok, entropy_for_policy, valid, spec, token_shape, num_items_in_batch, policy_inputs
-        )
+            logp_tok, entropy_for_policy, valid, spec, token_shape, num_items_in_batch, policy_inputs,
+            None if weights is None else (weights.reshape(-1), spec.token_weights.normalize == "tokens"))
         loss = loss + policy_loss
     logp_y = torch.where(valid, logp_all.gather(-1, y[:, None])[:, 0] + nan_if_bad, 0.0)
     pred = torch.where(valid, x.argmax(-1), -1)

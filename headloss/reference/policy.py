@@ -177,9 +177,11 @@ def _padded(values: torch.Tensor, token_shape: torch.Size, sequence_ids):
     return out, fill
 
 
-def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num_items_in_batch, inputs):
+def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num_items_in_batch, inputs,
+                          token_weights=None):
     """(loss, metrics) of the policy term: TRL GRPOTrainer._compute_loss / verl compute_policy_loss +
-    agg_loss, on padded [B, T]."""
+    agg_loss, on padded [B, T]. ``token_weights`` (spec.TokenWeights, one per row): in every aggregation
+    they take the mask's place (normalize "weights") or multiply the per-token values (normalize "tokens")."""
     pol = spec.policy
     seq_ids = inputs.get("sequence_ids")
     flat_valid = valid.reshape(-1)
@@ -230,6 +232,16 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
                                                                        and pol.objective == "gmpo")
     aux_kind = (pol.kl_entropy_loss_type or pol.loss_type) if apart else None
     num_sequences = inputs.get("num_sequences_in_batch")
+    w, by_count = (None, False) if token_weights is None else (pad(token_weights[0]), token_weights[1])
+
+    def weighed(values, kind):
+        """aggregate() with the token weights: in the mask's place, or on the values."""
+        if w is None:
+            return aggregate(values, mask, pol, num_items_in_batch, num_sequences, kind)
+        if by_count:
+            return aggregate(values * w, mask, pol, num_items_in_batch, num_sequences, kind)
+        return aggregate(values, mask * w, pol, num_items_in_batch, num_sequences, kind)
+
     per_token_kl = None
     kl_loss = 0.0
     if pol.kl_beta != 0.0:
@@ -237,16 +249,21 @@ def reference_policy_loss(logp, entropy, valid, spec: LossSpec, token_shape, num
         if pol.kl_importance_correction:
             per_token_kl = per_token_kl * coef_1
         if apart:
-            kl_loss = pol.kl_beta * aggregate(per_token_kl, mask, pol, num_items_in_batch, num_sequences, aux_kind)
+            kl_loss = pol.kl_beta * weighed(per_token_kl, aux_kind)
         else:  # TRL: per_token_loss = per_token_loss + self.beta * per_token_kl
             per_token_loss = per_token_loss + pol.kl_beta * per_token_kl
 
-    loss = aggregate(per_token_loss, mask, pol, num_items_in_batch, num_sequences) + kl_loss
+    loss = weighed(per_token_loss, None) + kl_loss
     if pol.entropy_coef != 0.0 and pol.entropy_aggregation == "token-mean":  # TRL: over its effective mask
         counted = mask if high_entropy is None else mask * high_entropy.to(mask.dtype)
-        loss = loss - pol.entropy_coef * (ent * counted).sum() / counted.sum().clamp(min=1.0)
+        divisor = counted.sum().clamp(min=1.0)
+        if w is not None:
+            divisor = divisor if by_count else (counted * w).sum()
+            counted = counted * w
+            divisor = torch.where(divisor > 0, divisor, torch.ones_like(divisor))
+        loss = loss - pol.entropy_coef * (ent * counted).sum() / divisor
     elif pol.entropy_coef != 0.0:
-        loss = loss - pol.entropy_coef * aggregate(ent, mask, pol, num_items_in_batch, num_sequences, aux_kind)
+        loss = loss - pol.entropy_coef * weighed(ent, aux_kind)
     return loss, _metrics(tok, per_token_logps, ent, per_token_kl, mask, high_entropy, pol,
                           pol.importance_sampling == "sequence" and per_sequence_adv)
 

@@ -12,7 +12,8 @@ CORE = Term(
     "core",
     flags=(Flag("REDUCTION", int, "0 mean, 1 sum, 2 none", 0),
            Flag("HAS_ARGMAX", bool, "running argmax (accuracy, predicted tokens, teacher agreement)"),
-           Flag("WEIGHT_NORM", bool, "token weights: a mean divides by the counted tokens' summed weights")),
+           Flag("WEIGHT_NORM", bool, "token weights: a mean (and TRL's entropy mean) divides by the counted "
+                "tokens' summed weights")),
     columns=(Column("token_loss", "combined per-token loss (before reduction)"),
              Column("lse", "logsumexp of the transformed logits"),
              Column("logp", "log p(target)")),
@@ -20,8 +21,7 @@ CORE = Term(
         "REDUCTION": ("mean", "sum", "none").index(c.spec.reduction),
         "HAS_ARGMAX": c.spec.token_accuracy or "predicted_tokens" in c.spec.outputs or (
             c.spec.distillation is not None and c.spec.distillation.teacher in ("logits", "topk")),
-        "WEIGHT_NORM": c.spec.token_weights is not None and c.spec.token_weights.normalize == "weights"
-        and c.spec.reduction == "mean",
+        "WEIGHT_NORM": c.spec.token_weights is not None and c.spec.token_weights.normalize == "weights",
     },
     stores=lambda c: {"token_loss": True, "lse": True,
                       "logp": c.has_targets and ("logprobs" in c.spec.outputs or c.spec.policy is not None)},

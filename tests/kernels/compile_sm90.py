@@ -292,6 +292,10 @@ VARIANTS = {
     "token-weights": _head(headloss.LossSpec(entropy={"weight": 0.01}, token_weights={}), weighted=True,
                            validate=True),
     "token-weights-deferred": _head(headloss.LossSpec(reduction="none", token_weights={}), weighted=True),
+    "policy-token-weights": _head(headloss.LossSpec(cross_entropy={"weight": 0.3}, token_weights={},
+                                                    policy={"loss_type": "bnpo", "entropy_coef": 0.01,
+                                                            "entropy_aggregation": "token-mean"}),
+                                  policy=True, weighted=True, validate=True),
     "linear-token-weights": _linear(headloss.LossSpec(token_weights={"normalize": "tokens"}), weighted=True,
                                     validate=True),
 }
