@@ -12,7 +12,10 @@ per-token loss times a loss mask summed, backward. Cases:
 
 Per rank: median step time (CUDA events) and peak memory above the model and inputs (GB).
 
-  python -m benchmarks.bench_megatron [--world 2] [--seq 8192] [--hidden 4096] [--vocab 128256]
+  python -m benchmarks.bench_megatron [--world 2] [--seq 8192] [--hidden 4096] [--vocab 128256] [--mtp 0]
+
+``--mtp N``: N multi-token prediction depths (each a transformer layer without attention or MLP beside
+its norms and projection; mtp_loss_scaling_factor 0.3): each depth's loss through the same case.
 
 Writes $OUT (or ./results)/bench_megatron.{json,csv,png}; prints a table.
 """
@@ -37,7 +40,8 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
     from headloss.integrations.megatron import patch_gpt_model
 
     device = init(rank, world, port, "nccl")
-    model = model_of(world, True, False, torch.bfloat16, device, vocab=args.vocab, hidden=args.hidden)
+    model = model_of(world, True, False, torch.bfloat16, device, vocab=args.vocab, hidden=args.hidden,
+                     mtp_layers=args.mtp)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab, (1, args.seq), generator=gen).to(device)
     labels = torch.randint(0, args.vocab, (1, args.seq), generator=gen).to(device)
@@ -66,13 +70,14 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = world_parser(__doc__, "bench_megatron", 20, seq=8192, vocab=128256, hidden=4096)
+    parser = world_parser(__doc__, "bench_megatron", 20, seq=8192, vocab=128256, hidden=4096, mtp=0)
     args = parser.parse_args(argv)
     results = spawn_world(_rank, args.world, args)
     config = {"world": args.world, "seq": args.seq, "vocab": args.vocab, "hidden": args.hidden, "dtype": "bf16",
-              "sequence_parallel": True}
+              "sequence_parallel": True, "mtp_layers": args.mtp}
     per_rank_report(results, CASES, "gpt-loss-step", "seq", args.seq, config, args.name,
-                    f"GPTModel loss step, TP {args.world} + SP, seq {args.seq}, H {args.hidden}, V {args.vocab}, bf16")
+                    f"GPTModel loss step, TP {args.world} + SP, seq {args.seq}, H {args.hidden}, V {args.vocab}, bf16"
+                    + (f", {args.mtp} MTP depths" if args.mtp else ""))
 
 if __name__ == "__main__":
     main()

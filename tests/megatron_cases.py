@@ -27,23 +27,35 @@ def init(rank: int, world: int, port: int, backend: str = "gloo") -> torch.devic
 
 
 def model_of(world: int, sequence_parallel: bool, tied: bool, dtype: torch.dtype = torch.float32,
-             device: torch.device | str = "cpu", vocab: int = VOCAB, hidden: int = HIDDEN):
+             device: torch.device | str = "cpu", vocab: int = VOCAB, hidden: int = HIDDEN, mtp_layers: int = 0):
     """A GPTModel without transformer layers (embedding, final norm, output layer: what the loss sees;
-    Megatron's attention needs CUDA), the same weights for every world size."""
+    Megatron's attention needs CUDA), the same weights for every world size; with ``mtp_layers``
+    multi-token prediction depths (each: its norms and projection, a transformer layer without attention
+    or MLP, its final norm), their losses scaled by 0.3."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
     init_method = lambda w: torch.nn.init.normal_(w, std=0.7)  # noqa: E731
     config = TransformerConfig(num_layers=0, hidden_size=hidden, num_attention_heads=6, use_cpu_initialization=True,
                                tensor_model_parallel_size=world, params_dtype=dtype, init_method=init_method,
                                output_layer_init_method=init_method, hidden_dropout=0.0, attention_dropout=0.0,
                                masked_softmax_fusion=False, bias_dropout_fusion=False,
-                               gradient_accumulation_fusion=False, bf16=dtype == torch.bfloat16)
+                               gradient_accumulation_fusion=False, bf16=dtype == torch.bfloat16,
+                               mtp_num_layers=mtp_layers or None, mtp_loss_scaling_factor=0.3)
+    mtp = None
+    if mtp_layers:
+        layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            self_attention=ModuleSpec(module=IdentityOp, params={"attn_mask_type": AttnMaskType.causal})))
+        mtp = get_gpt_mtp_block_spec(config, layer, use_transformer_engine=False)
     torch.manual_seed(0)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
                      max_sequence_length=8192, share_embeddings_and_output_weights=tied,
-                     position_embedding_type="learned_absolute").to(device=device, dtype=dtype)
+                     position_embedding_type="learned_absolute", mtp_block_spec=mtp).to(device=device, dtype=dtype)
     if sequence_parallel:  # (torch's LayerNorm refuses it at construction; the norm is per token either way)
         config.sequence_parallel = True
         model.output_layer.sequence_parallel = True
@@ -67,26 +79,57 @@ def step(model, ids: torch.Tensor, labels: torch.Tensor):
 def patched_equals_megatron(rank, world, port, fused, sequence_parallel, tied, backend, dtype, results):
     """results[rank]: the largest differences, patched against Megatron's own, of the loss and of each
     gradient (relative to the gradient's largest entry), and of Megatron's own after restore()."""
+    results[rank] = _patched_against_megatron(rank, world, port, fused, sequence_parallel, tied, backend, dtype)
+
+
+def mtp_patched_equals_megatron(rank, world, port, fused, sequence_parallel, tied, backend, results):
+    """patched_equals_megatron's differences with two multi-token prediction depths, in training mode, and
+    of the per-depth losses Megatron logs."""
+    results[rank] = _patched_against_megatron(rank, world, port, fused, sequence_parallel, tied, backend,
+                                              torch.float32, mtp_layers=2)
+
+
+def _patched_against_megatron(rank, world, port, fused, sequence_parallel, tied, backend, dtype,
+                              mtp_layers: int = 0) -> dict:
     from headloss.integrations.megatron import patch_gpt_model
 
     device = init(rank, world, port, backend)
+    if mtp_layers and device.type == "cpu":  # Megatron's tensor-parallel gathers allocate on the current device
+        torch.cuda.current_device = lambda: torch.device("cpu")
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, 6), generator=gen).to(device)
     labels = torch.randint(0, VOCAB, (2, 6), generator=gen).to(device)
-    model = model_of(world, sequence_parallel, tied, dtype, device)
+    model = model_of(world, sequence_parallel, tied, dtype, device, mtp_layers=mtp_layers)
     want, want_grads = step(model, ids, labels)
+    want_logged = _logged_mtp_losses()
     patch = patch_gpt_model(model, fused=fused)
     got, got_grads = step(model, ids, labels)
+    got_logged = _logged_mtp_losses()
     assert patch.output is not None and patch.output.loss is not None
+    assert len(patch.mtp_outputs) == (mtp_layers if fused else 0)
     patch.restore()
     again, _ = step(model, ids, labels)
-    results[rank] = {
+    return {
         "loss": float((got - want).abs().max()),
         "restored": float((again - want).abs().max()),
         "grads": {n: float((got_grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-12))
                   for n, g in want_grads.items()},
         "names": sorted(got_grads) == sorted(want_grads),
+        "logged": None if want_logged is None else float((got_logged - want_logged).abs().max()),
+        "logged_values": None if want_logged is None else want_logged.tolist(),
     }
+
+
+def _logged_mtp_losses() -> torch.Tensor | None:
+    """The per-depth multi-token prediction losses Megatron logged since the last call (then cleared)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    if "values" not in tracker:
+        return None
+    values = tracker["values"].detach().float().cpu().clone()
+    MTPLossLoggingHelper.clean_loss_in_tracker()
+    return values
 
 
 def verl_swap_equals_megatron(rank, world, port, tied, backend, via_verl, results):

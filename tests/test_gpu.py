@@ -1691,6 +1691,25 @@ def test_megatron_gpt_model_over_nccl_equals_megatrons_own(fused, sequence_paral
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("fused, sequence_parallel, tied", [(True, True, False), (True, True, True),
+                                                           (True, False, False), (False, True, True)])
+def test_megatron_multi_token_prediction_over_nccl_equals_megatrons_own(fused, sequence_parallel, tied):
+    """Two MTP depths, tensor parallel over NCCL on 2 GPUs (with sequence parallelism): the main loss, every
+    gradient and the per-depth losses Megatron logs against its own."""
+    pytest.importorskip("megatron.core")
+    from conftest import spawn_ranks
+    from megatron_cases import mtp_patched_equals_megatron
+
+    results = spawn_ranks(mtp_patched_equals_megatron, 2, fused, sequence_parallel, tied, "nccl")
+    for rank, r in results.items():
+        assert r["names"], rank
+        assert r["loss"] < 1e-4 and r["restored"] == 0.0, (rank, r)
+        assert r["logged"] is not None and r["logged"] < 1e-4, (rank, r)
+        for name, err in r["grads"].items():
+            assert err < 2e-5, (rank, name, err)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_verl_megatron_fused_forward_over_nccl_with_sequence_parallelism(tied):
     """verl's Megatron fused forward after headloss's install() (or, where verl's Megatron modules do not

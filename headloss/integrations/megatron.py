@@ -16,8 +16,11 @@
 Megatron's vocabulary shards are equal (``padded_vocab_size`` is a multiple of the tensor-parallel
 size); headloss takes any contiguous shards, so nothing is asked of the layout beyond what Megatron
 builds. Pipeline stages: the patch applies to the stage that holds the output layer
-(``post_process``); context parallelism, multi-token prediction and inference go through Megatron's
-own path unchanged.
+(``post_process``). Multi-token prediction (DeepSeek-V3's, ``mtp_num_layers``): with ``fused=True`` each
+depth's loss is computed from its hidden states as the main loss is, inside Megatron's own loop (its rolled
+labels and loss mask, ``mtp_loss_scaling_factor``, the MTPLossAutoScaler that carries its gradient, the
+per-depth losses it logs); with ``fused=False`` each depth's logits go through the patched loss. Inference
+goes through Megatron's own path unchanged.
 """
 
 from __future__ import annotations
@@ -76,12 +79,14 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
 @dataclass
 class MegatronPatch:
     """A patched GPTModel: ``output`` is the last loss call's :class:`~headloss.HeadLossOutput`
-    (``output.metrics`` for logging), ``restore()`` puts Megatron's methods back."""
+    (``output.metrics`` for logging), ``mtp_outputs`` its multi-token prediction depths' (fused mode),
+    ``restore()`` puts Megatron's methods back."""
 
     model: Any
     spec: LossSpec
     fused: bool
     output: HeadLossOutput | None = None
+    mtp_outputs: list[HeadLossOutput] = field(default_factory=list)  # each multi-token prediction depth's, in order
     _saved: dict = field(default_factory=dict)
 
     def restore(self) -> None:
@@ -149,22 +154,47 @@ def _logits_loss(patch: MegatronPatch, model, labels: torch.Tensor, logits: torc
 
 
 def _postprocess(patch: MegatronPatch, original, signature, model, *args, **kwargs):
-    """GPTModel._postprocess: the loss from the hidden states where Megatron would compute the logits
-    and their loss; every other case (no labels, multi-token prediction, inference, the config
-    logger) by Megatron's own."""
+    """GPTModel._postprocess with every loss it computes from the hidden states: Megatron's own runs, its
+    output layer handing the hidden states through and its compute_language_model_loss taking them
+    (:func:`fused_loss`) -- the main loss, and with multi-token prediction each depth's, whose labels and
+    loss mask Megatron rolls, scales, logs and attaches as it does for its own logits. Every other case (no
+    labels, inference, the config logger) by Megatron's own."""
     from megatron.core.config_logger import has_config_logger_enabled
 
     bound = signature.bind(model, *args, **kwargs)
     call = bound.arguments
     labels = call.get("labels")
-    if (labels is None or call.get("mtp_in_postprocess") or call.get("inference_context") is not None
+    if (labels is None or call.get("inference_context") is not None
             or call.get("inference_params") is not None or has_config_logger_enabled(model.config)):
         return original(model, *args, **kwargs)
-    patch.output = out = fused_loss(call["hidden_states"], _output_weight(model), labels, patch.spec,
-                                    group=model.pg_collection.tp,
-                                    sequence_parallel=model.output_layer.sequence_parallel,
-                                    bias=getattr(model.output_layer, "bias", None))
-    return out.loss
+    layer = model.output_layer
+    outputs: list[HeadLossOutput] = []
+
+    def loss_of(self, labels: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = fused_loss(hidden_states, _output_weight(self), labels, patch.spec, group=self.pg_collection.tp,
+                         sequence_parallel=layer.sequence_parallel, bias=getattr(layer, "bias", None))
+        outputs.append(out)
+        return out.loss
+
+    saved = layer.__dict__.get("forward")  # (instance attributes: what was there comes back in finally)
+    layer.forward = _hidden_states_through
+    model.compute_language_model_loss = types.MethodType(loss_of, model)
+    try:
+        loss = original(model, *args, **kwargs)
+    finally:
+        del model.compute_language_model_loss
+        if saved is None:
+            del layer.forward
+        else:
+            layer.forward = saved
+    patch.output = outputs[-1] if outputs else None  # (Megatron computes the main loss last)
+    patch.mtp_outputs = outputs[:-1]
+    return loss
+
+
+def _hidden_states_through(input_, weight=None, runtime_gather_output=None):
+    """The output layer's forward while headloss computes the loss: its input, for the loss to take."""
+    return input_, None
 
 
 def fused_loss(hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, spec: Any = None, *,

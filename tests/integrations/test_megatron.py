@@ -13,7 +13,15 @@ from conftest import spawn_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-from megatron_cases import VOCAB, init, model_of, patched_equals_megatron, step, verl_swap_equals_megatron  # noqa: E402,E501
+from megatron_cases import (  # noqa: E402
+    VOCAB,
+    init,
+    model_of,
+    mtp_patched_equals_megatron,
+    patched_equals_megatron,
+    step,
+    verl_swap_equals_megatron,
+)
 
 # Megatron's sequence-parallel collectives allocate on CUDA (and gloo has no reduce_scatter): those
 # cases need 2 GPUs over NCCL
@@ -31,6 +39,22 @@ def test_patched_gpt_model_equals_megatrons_loss_and_gradients(world, fused, seq
         assert r["loss"] < 1e-4 and r["restored"] == 0.0, (rank, r)
         for name, err in r["grads"].items():
             assert err < 2e-5, (rank, name, err)
+
+
+@pytest.mark.parametrize("world, fused, tied", [(2, True, False), (2, True, True), (2, False, False),
+                                                (3, True, True)])
+def test_multi_token_prediction_equals_megatrons_losses_gradients_and_logged_depths(world, fused, tied):
+    """Two MTP depths (mtp_loss_scaling_factor 0.3) in training mode: the main loss, every gradient (the MTP
+    layers' through MTPLossAutoScaler included) and the per-depth losses Megatron logs equal its own."""
+    results = spawn_ranks(mtp_patched_equals_megatron, world, fused, False, tied, "gloo")
+    for rank, r in results.items():
+        assert r["names"], rank
+        assert r["loss"] < 1e-4 and r["restored"] == 0.0, (rank, r)
+        assert r["logged"] is not None and r["logged"] < 1e-4, (rank, r)
+        assert min(r["logged_values"]) > 1.0, (rank, r)  # (two depths' cross-entropies were logged)
+        for name, err in r["grads"].items():
+            assert err < 2e-5, (rank, name, err)
+        assert any(name.startswith("mtp.") for name in r["grads"]), rank
 
 
 def _metrics_and_drop_in(rank, world, port, results):
