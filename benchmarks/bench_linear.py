@@ -6,6 +6,7 @@ torch eager and the 3 bare cuBLAS GEMMs (the floor), in one run.
   python -m benchmarks.bench_linear --frontier 16384 151936 --stem bench_linear_frontier
                                                  # time against peak memory at one shape: the chunk
                                                  # budgets beside the floor and the peers
+                                                 # (--dw-gemm: each budget again with quack's dW GEMM)
 
 Writes $OUT (or ./results)/bench_linear.{json,csv,png}; prints a table with the ratio to the GEMM
 floor and the peak memory above the inputs (gradients dW and dh included, for every provider).
@@ -101,14 +102,30 @@ def run(rows: list[Row], case: str, n: int, h: int, v: int, names: list[str] | N
 
 
 FRONTIER_MIB = (128, 192, 256, 384, 512, 1024, 2048)
+QUACK_MIB = (256, 384, 1024)  # (quack tunes its GEMM per shape: each budget's chunk rows compile and tune once)
 
 
-def frontier(rows: list[Row], n: int, v: int, h: int) -> None:
+def frontier(rows: list[Row], n: int, v: int, h: int, dw_gemm: bool = False) -> None:
     """The chunk budget's trade at one shape: headloss at each budget (its peak memory counts dW and
-    dh), the 3 GEMMs and the peers, one run."""
+    dh), the 3 GEMMs and the peers, one run; ``dw_gemm``: also each budget with dW accumulated by
+    quack-kernels' gemm_add_inplace (chunks.DW_GEMM), beside the same budget with cuBLAS's addmm."""
     extra = {f"headloss chunk={mib}MiB": (lambda h_, w_, y_, mib=mib: linear_head_loss(
         h_, w_, y_, chunk_bytes=mib << 20).loss.backward()) for mib in FRONTIER_MIB}
+    if dw_gemm:
+        extra.update({f"headloss dW=quack chunk={mib}MiB": (lambda h_, w_, y_, mib=mib: _with_quack_dw(
+            lambda: linear_head_loss(h_, w_, y_, chunk_bytes=mib << 20).loss.backward())) for mib in QUACK_MIB})
     run(rows, "frontier", n, h, v, ["3-gemm-floor", "liger-flce", "cce", *extra], extra)
+
+
+def _with_quack_dw(step: Callable) -> None:
+    """``step`` with dW accumulated by quack-kernels' gemm_add_inplace (chunks.DW_GEMM)."""
+    from headloss import chunks
+
+    chunks.DW_GEMM["impl"] = "quack"
+    try:
+        step()
+    finally:
+        chunks.DW_GEMM["impl"] = "cublas"
 
 
 def dw_accuracy(rows: list[Row], n: int, h: int, v: int) -> None:
@@ -194,11 +211,13 @@ def main() -> None:
     parser.add_argument("--stem", default="bench_linear")
     parser.add_argument("--frontier", type=int, nargs=2, metavar=("N", "V"),
                         help="only the time / memory frontier of the chunk budgets at N rows, V words")
+    parser.add_argument("--dw-gemm", action="store_true",
+                        help="with --frontier: each budget again with dW accumulated by quack-kernels")
     args = parser.parse_args()
     rows: list[Row] = []
     h = args.hidden
     if args.frontier:
-        frontier(rows, *args.frontier, h)
+        frontier(rows, *args.frontier, h, dw_gemm=args.dw_gemm)
         out = out_dir_default()
         js, cs = write_rows(rows, out, args.stem)
         print_table(rows)

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import bounded, env
 from .batch import Teacher
 from .plan import KernelPlan
 from .policy.tokens import PolicyTokens
@@ -231,8 +232,18 @@ def accumulate(grads: Grads, g, h_c, weight, index, start: int, stop: int) -> No
             grads.db += g.sum(dim=0, dtype=torch.float32)
 
 
+DW_GEMM = {"impl": env.DW_GEMM}
+"""The GEMM that accumulates dW after the first chunk (``impl``: ``cublas`` or ``quack``; env.py's
+HEADLOSS_DW_GEMM at import, settable at run time)."""
+
+
 def add_dw(dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor, beta: float = 1.0) -> None:
-    """dw = beta dw + g.T @ h in place (dw in the weight's dtype, or fp32 while accumulating)."""
+    """dw = beta dw + g.T @ h in place (dw in the weight's dtype, or fp32 while accumulating). With
+    DW_GEMM ``quack``, an accumulation (beta != 0) of a CUDA chunk runs quack-kernels' gemm_add_inplace,
+    whose epilogue reads dw while the next tile's main loop runs (cuBLAS's addmm reads it after)."""
+    if beta != 0.0 and DW_GEMM["impl"] == "quack" and g.is_cuda:
+        quack_gemm_add()(g.t(), h, dw, beta=beta)
+        return
     if dw.dtype == g.dtype:
         torch.addmm(dw, g.t(), h, beta=beta, out=dw)
     elif g.is_cuda:
@@ -252,3 +263,14 @@ def spread(t: torch.Tensor, index: torch.Tensor | None, rows: int, fill: float) 
     if index is None:
         return t
     return torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype, device=t.device).index_copy_(0, index, t)
+
+
+@bounded.memoize("chunks.quack", 1, "quack-kernels' gemm_add_inplace, imported once (an optional dependency)")
+def quack_gemm_add():
+    """quack-kernels' ``gemm_add_inplace`` (out = alpha A @ B + beta out), or an ImportError naming the setting."""
+    try:
+        from quack.gemm_interface import gemm_add_inplace
+    except ImportError as exc:
+        raise ImportError(f"HEADLOSS_DW_GEMM=quack (chunks.DW_GEMM): quack-kernels is not importable ({exc}); "
+                          "pip install quack-kernels, or use 'cublas'") from exc
+    return gemm_add_inplace

@@ -1295,6 +1295,33 @@ def test_token_weights_in_the_policy_terms_aggregation_on_the_compiled_kernels(n
     assert _rel(hh.grad.float(), (z.grad @ weight.double()).float()) < 2e-2
 
 
+@pytest.mark.parametrize("fp32_weight_grad", [False, True], ids=["bf16-dW", "fp32-dW"])
+def test_quack_weight_gradient_accumulation_equals_cublas(fp32_weight_grad):
+    """chunks.DW_GEMM "quack" (quack-kernels' gemm_add_inplace for dW after the first chunk): the same loss,
+    dh, and dW within the GEMMs' rounding as cuBLAS's addmm, over several chunks."""
+    pytest.importorskip("quack.gemm_interface")
+    from headloss import chunks
+
+    n, h, v = 1000, 512, 32000
+    gen = torch.Generator(device="cuda").manual_seed(83)
+    hidden = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(v, h, device="cuda", generator=gen) / 16).to(torch.bfloat16)
+    ids = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    grads = {}
+    for impl in ("cublas", "quack"):
+        chunks.DW_GEMM["impl"] = impl
+        try:
+            hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            out = headloss.linear_head_loss(hh, ww, ids, chunk_bytes=128 * v * 2, fp32_weight_grad=fp32_weight_grad)
+            out.loss.backward()
+        finally:
+            chunks.DW_GEMM["impl"] = "cublas"
+        grads[impl] = (out.loss.detach(), hh.grad, ww.grad)
+    (loss_c, dh_c, dw_c), (loss_q, dh_q, dw_q) = grads["cublas"], grads["quack"]
+    assert torch.equal(loss_c, loss_q) and torch.equal(dh_c, dh_q)
+    assert _rel(dw_q.float(), dw_c.float()) < (1e-2 if not fp32_weight_grad else 1e-5)
+
+
 def test_bad_num_items_on_the_device_is_raised_by_check_pending():
     logits, targets = _batch(64, 32000, torch.bfloat16, seed=23)
     headloss.head_loss(logits, targets, num_items_in_batch=torch.tensor(0.0, device="cuda"))

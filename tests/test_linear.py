@@ -968,3 +968,28 @@ def test_autocast_runs_the_gemms_in_its_dtype_with_a_float64_teacher_read_as_flo
     assert got.route == want.route == "lm_head:fused"
     assert torch.equal(got.loss, want.loss)
     assert torch.equal(got.metrics["distill/divergence"], want.metrics["distill/divergence"])
+
+
+def test_the_weight_gradient_gemm_setting_is_checked_and_names_quack_when_it_is_missing(monkeypatch):
+    """HEADLOSS_DW_GEMM takes cublas or quack (an error naming it otherwise, at import); with quack asked for
+    and quack-kernels not importable, the first accumulation raises naming the setting; CPU chunks keep
+    torch's addmm whatever the setting."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import headloss"], capture_output=True, text=True,
+                          env={**__import__("os").environ, "HEADLOSS_DW_GEMM": "cutlass"}, timeout=120)
+    assert done.returncode != 0 and "HEADLOSS_DW_GEMM: expected 'cublas' or 'quack', got 'cutlass'" in done.stderr
+    monkeypatch.setitem(headloss.chunks.DW_GEMM, "impl", "quack")
+    gen = torch.Generator().manual_seed(3)
+    g, h = torch.randn(5, 7, generator=gen), torch.randn(5, 3, generator=gen)
+    dw = torch.randn(7, 3, generator=gen)
+    want = dw + g.t() @ h
+    headloss.chunks.add_dw(dw, g, h)  # (a CPU chunk: torch's addmm)
+    torch.testing.assert_close(dw, want)
+    headloss.chunks.quack_gemm_add.cache_clear()
+    try:
+        import quack.gemm_interface  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="HEADLOSS_DW_GEMM=quack .chunks.DW_GEMM.: quack-kernels is not"):
+            headloss.chunks.quack_gemm_add()
