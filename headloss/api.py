@@ -72,9 +72,10 @@ def head_loss(
             packed by ``cu_seqlens``); positive and finite (checked with the targets, as ``validate``
             says).
         token_weights: with ``spec.token_weights``, each token's weight on every term's value and gradient,
-            shaped like ``temperature`` (per row, or per sequence); >= 0 and finite (checked as
-            ``temperature`` is). A mean divides by the counted tokens' summed weights, or their count
-            (:class:`TokenWeights`).
+            shaped like ``temperature`` (row t's own: with HF labels and ``shift``, ``token_weights[:, t]``
+            weighs the row that predicts ``labels[:, t + 1]``; or per sequence); >= 0 and finite (checked as
+            ``temperature`` is); it takes no gradient. A mean divides by the counted tokens' summed
+            weights, or their count (:class:`TokenWeights`).
         inplace_grad: write d loss / d logits over ``logits`` (saves N x V memory; the logits are
             destroyed). Ignored under torch.compile.
         validate: targets, counts and sequence ids checked on the device without a host wait:

@@ -241,9 +241,13 @@ def add_dw(dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor, beta: float = 1.0
     """dw = beta dw + g.T @ h in place (dw in the weight's dtype, or fp32 while accumulating). With
     DW_GEMM ``quack``, an accumulation (beta != 0) of a CUDA chunk runs quack-kernels' gemm_add_inplace,
     whose epilogue reads dw while the next tile's main loop runs (cuBLAS's addmm reads it after)."""
-    if beta != 0.0 and DW_GEMM["impl"] == "quack" and g.is_cuda:
-        quack_gemm_add()(g.t(), h, dw, beta=beta)
-        return
+    impl = DW_GEMM["impl"]
+    if impl != "cublas":
+        if impl != "quack":
+            raise ValueError(f"chunks.DW_GEMM['impl']: expected 'cublas' or 'quack', got {impl!r}")
+        if beta != 0.0 and g.is_cuda:
+            quack_gemm_add()(g.t(), h, dw, beta=beta)
+            return
     if dw.dtype == g.dtype:
         torch.addmm(dw, g.t(), h, beta=beta, out=dw)
     elif g.is_cuda:

@@ -21,6 +21,7 @@ from .plan import KernelPlan, plan_from_key
 from .policy.metrics import extremes
 from .policy.objectives import policy_objective
 from .policy.tokens import PolicyTokens
+from .policy.weights import token_mean_weights
 from .registry import objective_flags
 
 
@@ -34,12 +35,15 @@ class ObjectiveTensors(NamedTuple):
     mask: torch.Tensor
     weight: torch.Tensor
     sampled: torch.Tensor | None  # the rollout's log-probs (else the old ones): the off-policy mask's
+    bonus: torch.Tensor | None = None  # with token weights, TRL's entropy mean's per-token weights (else None:
+    # the kernel's mask / count)
 
     @classmethod
     def of(cls, inp: PolicyTokens) -> ObjectiveTensors:
         sampled = inp.rollout_logprobs if inp.rollout_logprobs is not None else inp.old_logprobs
+        bonus = None if inp.token_weights is None else token_mean_weights(inp.mask, inp)
         return cls(inp.old_logprobs, inp.ref_logprobs, inp.advantages, inp.importance_weights, inp.mask, inp.weight,
-                   sampled)
+                   sampled, bonus)
 
 
 def _objective_layout(inp: PolicyTokens) -> list[int]:

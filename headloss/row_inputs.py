@@ -33,7 +33,7 @@ def flat_row_input(value: Any, name: str, wanted: bool, needed_by: str, token_sh
     """A per-row float input as the kernels read it: fp32, one per slot. Given like the targets (one per
     row; packed rows: [N] or [1, N]), or one per sequence: [B] for [B, T] targets, [S] for rows packed
     by cu_seqlens (``per_sequence``: S and each row's sequence). Refused, naming it, when the spec does
-    not ask for it (``wanted``: ``needed_by`` is set)."""
+    not ask for it (``wanted``: ``needed_by`` is set). Detached: no gradient reaches it on either path."""
     if not wanted:
         if value is not None:
             raise ValueError(f"{name}: given, but {needed_by} is not set; set it, or drop this input")
@@ -51,7 +51,7 @@ def flat_row_input(value: Any, name: str, wanted: bool, needed_by: str, token_sh
             f" or one per sequence {(per_sequence[0],)}" if per_sequence is not None else "")
         raise ValueError(f"{name}: shape {shape} fits neither one per row {tuple(token_shape)} (like the "
                          f"targets){sequences}")
-    return flat.to(torch.float32).contiguous()
+    return flat.detach().to(torch.float32).contiguous()  # (an input of the loss: it takes no gradient)
 
 
 def float_input(value: Any, name: str, needed_by: str, device: torch.device) -> torch.Tensor:

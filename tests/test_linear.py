@@ -987,6 +987,10 @@ def test_the_weight_gradient_gemm_setting_is_checked_and_names_quack_when_it_is_
     want = dw + g.t() @ h
     headloss.chunks.add_dw(dw, g, h)  # (a CPU chunk: torch's addmm)
     torch.testing.assert_close(dw, want)
+    monkeypatch.setitem(headloss.chunks.DW_GEMM, "impl", "cutlass")
+    with pytest.raises(ValueError, match=r"chunks.DW_GEMM\['impl'\]: expected 'cublas' or 'quack', got 'cutlass'"):
+        headloss.chunks.add_dw(dw, g, h)
+    monkeypatch.setitem(headloss.chunks.DW_GEMM, "impl", "quack")
     headloss.chunks.quack_gemm_add.cache_clear()
     try:
         import quack.gemm_interface  # noqa: F401

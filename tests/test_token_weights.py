@@ -244,11 +244,14 @@ def test_the_policy_term_aggregates_with_the_weights_as_an_fp64_oracle_does(loss
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", ["gspo", "top_entropy", "verl_kl_apart", "gmpo", "clip_cov"])
+@pytest.mark.parametrize("name", ["gspo", "off_policy", "top_entropy", "verl_kl_apart", "gmpo", "clip_cov"])
 def test_every_policy_route_takes_the_weights_as_the_reference_does(name):
     """The routes that run the policy term in torch, by its kernels or on sequence statistics equal the
     plain-torch path (headloss.reference) with the same weights, under both normalizations."""
-    policies = {"gspo": {"loss_type": "grpo", "importance_sampling": "sequence"},
+    policies = {"gspo": {"loss_type": "grpo", "importance_sampling": "sequence", "entropy_coef": 0.01,
+                         "entropy_aggregation": "token-mean"},
+                "off_policy": {"loss_type": "dapo", "off_policy_mask": 0.5, "entropy_coef": 0.01,
+                               "entropy_aggregation": "token-mean"},
                 "top_entropy": {"loss_type": "dapo", "top_entropy_quantile": 0.5, "entropy_coef": 0.01,
                                 "entropy_aggregation": "token-mean"},
                 "verl_kl_apart": {"convention": "verl", "loss_type": "seq-mean-token-mean", "kl_beta": 0.1,
@@ -279,6 +282,13 @@ def test_every_policy_route_takes_the_weights_as_the_reference_does(name):
         unweighted = headloss.head_loss(z.float(), y, spec.model_copy(update={"token_weights": None}),
                                         backend="torch", **{k: v for k, v in inputs.items() if k != "token_weights"})
         assert (got - unweighted.loss).abs() > 1e-6  # (the weights matter here)
+        if normalize == "tokens":  # every weight 2: twice the unweighted call, on every route
+            torch.manual_seed(5)
+            doubled = headloss.head_loss(z.float(), y, spec, **{**inputs, "token_weights": torch.full_like(w, 2.0)})
+            torch.manual_seed(5)
+            once = headloss.head_loss(z.float(), y, spec.model_copy(update={"token_weights": None}),
+                                      **{k: v for k, v in inputs.items() if k != "token_weights"})
+            torch.testing.assert_close(doubled.loss, 2 * once.loss, rtol=2e-5, atol=1e-6, msg=name)
 
 
 @needs_kernel
@@ -374,6 +384,10 @@ def test_the_weights_input_and_the_spec_must_agree():
         headloss.head_loss(z, y, _sft(), token_weights=torch.ones(3, 7, dtype=torch.long))
     with pytest.raises(ValueError, match="normalize"):
         LossSpec(token_weights={"normalize": "sequences"})
+    leaf = w.clone().requires_grad_()  # the weights take no gradient, on either path
+    for backend in ("triton", "torch"):
+        headloss.head_loss(z.clone().requires_grad_(), y, _sft(), token_weights=leaf, backend=backend).loss.backward()
+        assert leaf.grad is None, backend
     with pytest.raises(ValueError, match=r"token_weights: shape \(5,\) fits neither"):
         headloss.linear_head_loss(torch.randn(3, 7, H), torch.randn(V, H), y, _sft(), token_weights=torch.ones(5))
     with pytest.raises(ValueError, match="token_weights: required by spec.token_weights"):

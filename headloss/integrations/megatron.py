@@ -46,9 +46,11 @@ def megatron_spec(spec: Any = None) -> LossSpec:
     spec = LossSpec.coerce(spec if spec is not None else {"cross_entropy": {}, "reduction": "none"})
     if spec.reduction != "none":
         raise ValueError(_REDUCTION.format(spec.reduction))
-    if spec.policy is not None or spec.distillation is not None:
-        raise ValueError("spec: a GPTModel's loss gets the labels only; its policy or distillation inputs have no way "
-                         "in (call headloss.linear_head_loss from the training step instead)")
+    if (spec.policy is not None or spec.distillation is not None or spec.token_weights is not None
+            or spec.transform.per_row_temperature):
+        raise ValueError("spec: a GPTModel's loss gets the labels only; its policy, distillation, token_weights or "
+                         "per-row temperature inputs have no way in (call headloss.linear_head_loss from the "
+                         "training step instead; Megatron's loss mask weighs the per-token loss)")
     return spec
 
 

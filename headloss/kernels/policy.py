@@ -175,8 +175,8 @@ def _tokens(first, start, seq_len, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _objective_at(logp, entropy, old, ref, adv, iw, mask, weight, first, start, seq_len, stride_l, stride_e, adv_span,
-                  mean, mean_drift, off_policy, n_counted, S, F: tl.constexpr, BLOCK: tl.constexpr):
+def _objective_at(logp, entropy, old, ref, adv, iw, mask, weight, bonus, first, start, seq_len, stride_l, stride_e,
+                  adv_span, mean, mean_drift, off_policy, n_counted, S, F: tl.constexpr, BLOCK: tl.constexpr):
     """The sequence's tokens [start, start + BLOCK) (_tokens: inside, i; old = logp when None, no rollout
     weight = 1; advantages by index ``i // adv_span``): (inside, i, mask, logp, entropy, weight, the entropy
     bonus's weight, the token's log-ratio, and _objective_token's values) -- ``mean`` / ``mean_drift``: the
@@ -207,7 +207,10 @@ def _objective_at(logp, entropy, old, ref, adv, iw, mask, weight, first, start, 
     per_token, d_self, d_L, ratio, kl, low, high, dual = _objective_token(lp, o, r, a, iwv, keepf, L, g, S, F)
     bonus_w = w  # verl: the entropy aggregated like the loss; TRL: a mean over the call's counted tokens
     if F.ENT_TOKEN_MEAN:
-        bonus_w = tl.math.div_rn(m, n_counted)
+        if bonus is not None:  # (by the token weights)
+            bonus_w = tl.load(bonus + i, mask=inside, other=0.0)
+        else:
+            bonus_w = tl.math.div_rn(m, n_counted)
     return inside, i, m, lp, ent, w, bonus_w, log_ratio, per_token, d_self, d_L, ratio, kl, low, high, dual
 
 
@@ -239,6 +242,7 @@ def policy_sequence_kernel(
     old, ref, adv, iw, mask, weight, sampled,  # (N,) flat policy inputs, any float dtype, read at counted tokens
     # only (mask > 0; fp32 mask and weight); advantages (N / adv_span,); old, ref, iw, sampled may be None
     # (sampled: the off-policy mask's rollout log-probs, else old)
+    bonus,  # (N,) fp32 TRL's token-mean entropy bonus's per-token weights (with token weights), or None
     count,  # (1,) the call's counted tokens (TRL's token-mean entropy bonus), else None
     part,  # (n_seq, OBJECTIVE_PART.N) fp32 out (layouts.ObjectivePart), or None (gradient only)
     d_rows,  # (N, D_COLS) fp32 out: d loss / d logp and d loss / d entropy in their columns, 0 elsewhere; or None
@@ -299,8 +303,8 @@ def policy_sequence_kernel(
     nan = tl.zeros([BLOCK], tl.int32)
     for start in range(0, seq_len, BLOCK):
         _, _, m, lp, ent, w, bonus_w, log_ratio, per_token, d_self, d_L, ratio, kl, low, high, dual = _objective_at(
-            logp, entropy, old, ref, adv, iw, mask, weight, first, start, seq_len, stride_l, stride_e, adv_span, mean,
-            mean_drift, off_policy, n_counted, S, F, BLOCK)
+            logp, entropy, old, ref, adv, iw, mask, weight, bonus, first, start, seq_len, stride_l, stride_e, adv_span,
+            mean, mean_drift, off_policy, n_counted, S, F, BLOCK)
         loss_acc += w * per_token
         d_seq += w * d_L
         if F.ENT_BONUS:
@@ -347,8 +351,8 @@ def policy_sequence_kernel(
         cols = tl.arange(0, COLS_P2)
         for start in range(0, seq_len, BLOCK):
             inside, i, m, _, _, w, bonus_w, _, _, d_self, _, _, _, _, _, _ = _objective_at(
-                logp, entropy, old, ref, adv, iw, mask, weight, first, start, seq_len, stride_l, stride_e, adv_span,
-                mean, mean_drift, off_policy, n_counted, S, F, BLOCK)
+                logp, entropy, old, ref, adv, iw, mask, weight, bonus, first, start, seq_len, stride_l, stride_e,
+                adv_span, mean, mean_drift, off_policy, n_counted, S, F, BLOCK)
             d_logp = w * d_self
             if F.IS_MODE == IS_SEQUENCE:
                 d_logp += through * m
@@ -420,6 +424,7 @@ def launch_sequence_extremes(ratio: torch.Tensor, low: torch.Tensor, high: torch
 
 def launch_policy_objective(flags, scalars: Scalars, *, logp: torch.Tensor, entropy: torch.Tensor | None,
                             old, ref, adv, iw, mask, weight, sampled, count, n_seq: int, seq_len: int,
+                            bonus: torch.Tensor | None = None,
                             adv_span: int, off_policy: float, d_cols: int, col_logp: int, col_ent: int,
                             base_loss: torch.Tensor | None = None, metrics: bool = True, grad: bool = True,
                             total: torch.Tensor | None = None, out: torch.Tensor | None = None
@@ -436,7 +441,7 @@ def launch_policy_objective(flags, scalars: Scalars, *, logp: torch.Tensor, entr
     d_rows = torch.empty(n_seq * seq_len, d_cols, **f32) if grad else None
     block = min(OBJECTIVE_BLOCK, max(16, triton.next_power_of_2(seq_len)))
     launch(policy_sequence_kernel, n_seq, 4, logp=logp, entropy=entropy, old=old, ref=ref, adv=adv, iw=iw,
-           mask=mask, weight=weight, sampled=sampled, count=count, part=part, d_rows=d_rows,
+           mask=mask, weight=weight, sampled=sampled, bonus=bonus, count=count, part=part, d_rows=d_rows,
            stride_l=logp.stride(0), stride_e=0 if entropy is None else entropy.stride(0), seq_len=seq_len,
            adv_span=adv_span, off_policy=float(off_policy), S=scalars, F=flags, D_COLS=d_cols, COL_LOGP=col_logp,
            COL_ENT=col_ent, COLS_P2=triton.next_power_of_2(max(d_cols, 1)), BLOCK=block)

@@ -88,7 +88,12 @@ def entropy_bonus_weight(policy: Policy, weight: torch.Tensor, mask: torch.Tenso
     effective_mask), weighted by the token weights as :func:`aggregation_weights` says."""
     if policy.entropy_aggregation == "loss":
         return weight
-    counted = mask if high_entropy is None else mask * high_entropy.to(mask.dtype)
+    return token_mean_weights(mask if high_entropy is None else mask * high_entropy.to(mask.dtype), inp)
+
+
+def token_mean_weights(counted: torch.Tensor, inp: PolicyTokens) -> torch.Tensor:
+    """Per-token weights of TRL's mean over the ``counted`` tokens, with the token weights as
+    :func:`aggregation_weights` takes them (their sum as the divisor, or the count)."""
     if inp.token_weights is None:
         return counted / counted.sum().clamp(min=1.0)
     weighted = counted * inp.token_weights

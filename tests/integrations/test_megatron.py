@@ -163,6 +163,9 @@ def test_spec_errors_name_the_argument():
         megatron_spec({"cross_entropy": {}, "reduction": "mean"})
     with pytest.raises(ValueError, match="^spec: a GPTModel's loss gets the labels only"):
         megatron_spec({"cross_entropy": {}, "distillation": {}, "reduction": "none"})
+    for extra in ({"token_weights": {}}, {"transform": {"per_row_temperature": True}}):
+        with pytest.raises(ValueError, match="^spec: a GPTModel's loss gets the labels only"):
+            megatron_spec({"cross_entropy": {}, "reduction": "none", **extra})
     with pytest.raises(TypeError, match="^model: expected a megatron.core GPTModel"):
         from headloss.integrations.megatron import patch_gpt_model
 
