@@ -259,10 +259,14 @@ def synthetic_inputs(spec: LossSpec, logits: torch.Tensor, gen: torch.Generator)
 
 def _weighted(spec: LossSpec) -> str:
     """What explain says of the token weights."""
+    by_weights = spec.token_weights.normalize == "weights"
+    policy = "" if spec.policy is None else (
+        "; the policy term: the token weights " + ("in the mask's place in" if by_weights else "on the per-token "
+                                                   "values of") + " its aggregation")
     if spec.reduction != "mean":
-        return " of each token's loss times its token weight"
-    divisor = "their summed token weights" if spec.token_weights.normalize == "weights" else "their count"
-    return f" of each token's loss times its token weight, over {divisor} (or num_items_in_batch)"
+        return " of each token's loss times its token weight" + policy
+    divisor = "their summed token weights" if by_weights else "their count"
+    return f" of each token's loss times its token weight, over {divisor} (or num_items_in_batch)" + policy
 
 
 def _positive(name: str):

@@ -399,6 +399,10 @@ def test_explain_names_the_input_and_the_divisor_and_demo_makes_one(tmp_path, ca
     assert "inputs      logits, targets, token_weights" in text
     assert "over their summed token weights (or num_items_in_batch)" in text
     assert "WEIGHT_NORM" in text
+    text = explained_and_demoed(tmp_path, capsys, "cross_entropy: null\npolicy: {loss_type: dapo}\n"
+                                "token_weights: {normalize: tokens}\n")
+    assert "over their count (or num_items_in_batch); the policy term: the token weights on the per-token " \
+           "values of its aggregation" in text
 
 
 @needs_kernel
