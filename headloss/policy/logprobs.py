@@ -11,10 +11,12 @@ import torch
 from ..batch import PolicyBatch, PolicyInputs, check_keywords
 from ..output import HeadLossOutput
 from ..plan import in_metric_order
+from ..row_inputs import flat_token_weights
 from ..spec import LossSpec, Policy
-from ..validation import count_value
+from ..validation import count_value, raise_token_weight
 from .inputs import policy_inputs
 from .objectives import policy_objective
+from .weights import weigh_tokens
 
 _IGNORE = -100
 
@@ -26,13 +28,15 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     num_items_in_batch: float | torch.Tensor | None = None,
     norm_length: int | None = None,
+    token_weights: torch.Tensor | None = None,
     **inputs: Unpack[PolicyInputs],
 ) -> HeadLossOutput:
     """``Policy``'s loss and metrics from per-token log-probs ``logprobs`` ([B, T], or [N] with
     ``sequence_ids``), with gradient to them (and to ``entropy`` when the policy has an entropy
     bonus). Inputs (:class:`headloss.batch.PolicyInputs`; ``advantages`` required) as
     :func:`headloss.head_loss` takes them; ``norm_length`` replaces T in
-    seq-mean-token-sum-norm (verl's ``loss_scale_factor``).
+    seq-mean-token-sum-norm (verl's ``loss_scale_factor``); ``token_weights`` (like ``logprobs``, or one
+    per sequence) with a LossSpec whose ``token_weights`` is set, in the aggregation as head_loss takes them.
 
     No host read for a bool ``loss_mask``; another dtype is checked to hold only 0 and 1 on the
     host (one read; the error names ``loss_mask``)."""
@@ -40,6 +44,8 @@ def policy_loss(
     if inputs.get("advantages") is None:
         raise TypeError("policy_loss() missing required keyword argument: 'advantages'")
     loss_mask = inputs.get("loss_mask")
+    spec = policy if isinstance(policy, LossSpec) else LossSpec(cross_entropy=None, policy=policy) \
+        if isinstance(policy, Policy) else None
     if isinstance(policy, LossSpec):
         policy = policy.policy
     if not isinstance(policy, Policy):
@@ -62,7 +68,12 @@ def policy_loss(
     given = PolicyBatch.of(inputs).by_name()
     if num_items_in_batch is not None:
         num_items_in_batch = count_value(num_items_in_batch, "num_items_in_batch", logprobs.device)
+    weights = flat_token_weights(token_weights, spec, shape, logprobs.device)
+    if weights is not None:
+        _check_weights(weights, shape)
     inp, _ = policy_inputs(policy, targets, _IGNORE, num_items_in_batch, "off", given, norm_length=norm_length)
+    if weights is not None:
+        weigh_tokens(inp, policy, weights, spec.token_weights.normalize == "tokens")
     mask = inp.mask > 0
     # a masked token's log-prob (padding) reaches nothing, even when it is not finite
     logp = torch.where(mask, logprobs.reshape(-1).float(), 0.0)
@@ -71,3 +82,10 @@ def policy_loss(
     metrics["loss"] = loss.detach().clone()
     metrics["n_tokens"] = inp.mask.sum()
     return HeadLossOutput(loss=loss, metrics=in_metric_order(metrics))
+
+
+def _check_weights(weights: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """Token weights finite and >= 0 (one host read, as loss_mask's check); the error names the first that is not."""
+    bad = ~((weights >= 0) & torch.isfinite(weights))
+    if bool(bad.any()):
+        raise_token_weight(int(bad.nonzero()[0, 0]), shape)

@@ -57,3 +57,35 @@ def test_policy_loss_errors_name_the_argument():
         policy_loss(logp, Policy(), advantages=adv, num_items_in_batch=0)
     with pytest.raises(ValueError, match="ref_logprobs"):
         policy_loss(logp, Policy(kl_beta=0.1), advantages=adv)
+
+
+@needs_kernel
+@pytest.mark.parametrize("normalize", ["weights", "tokens"])
+def test_token_weights_on_logprobs_equal_the_head_pass(normalize):
+    """A LossSpec with token_weights: policy_loss on log-probs takes them into the aggregation as head_loss
+    does; without such a spec they are refused, and a negative one is named."""
+    gen = generator(5)
+    logits = make_logits((B, T, V), seed=6)
+    targets = torch.randint(0, V, (B, T), generator=gen)
+    old = -torch.rand(B, T, generator=gen) * 3
+    w = 2 * torch.rand(B, T, generator=gen)
+    inputs = dict(advantages=torch.randn(B, generator=gen), old_logprobs=old, ref_logprobs=old + 0.1,
+                  loss_mask=torch.rand(B, T, generator=gen) > 0.2)
+    spec = LossSpec(cross_entropy=None, policy=POLICIES["dapo_k3"], token_weights={"normalize": normalize})
+    x = logits.clone().requires_grad_()
+    want = head_loss(x, targets, spec, token_weights=w, **inputs)
+    want.loss.backward()
+    y = logits.clone().requires_grad_()
+    logp = torch.log_softmax(y, -1).gather(-1, targets[..., None])[..., 0]
+    got = policy_loss(logp, spec, token_weights=w, **inputs)
+    got.loss.backward()
+    assert_close_norm(got.loss, want.loss.detach(), rtol=1e-5, atol=1e-7, name="loss")
+    assert_close_norm(y.grad, x.grad, rtol=1e-4, atol=1e-8, name="grad")
+    with pytest.raises(ValueError, match="token_weights: given, but spec.token_weights is not set"):
+        policy_loss(logp, POLICIES["dapo_k3"], token_weights=w, **inputs)
+    with pytest.raises(ValueError, match="token_weights: required by spec.token_weights"):
+        policy_loss(logp, spec, **inputs)
+    bad = w.clone()
+    bad[1, 2] = -1.0
+    with pytest.raises(ValueError, match=r"token_weights: the value at position \(1, 2\) is not a finite number"):
+        policy_loss(logp, spec, token_weights=bad, **inputs)
