@@ -489,3 +489,24 @@ def test_undo_keeps_a_wrapper_installed_over_the_patch():
     assert model.forward is outer  # kept: undo does not drop someone else's wrapper
     again = model(input_ids=ids, attention_mask=mask, labels=labels)
     assert again.logits is not None and torch.equal(again.loss, stock.loss)  # ours passes through now
+
+
+@pytest.mark.slow
+def test_token_weights_reach_the_patched_loss_through_inputs():
+    """``handle.inputs(token_weights=...)``: the patched model's loss weighs each row's cross-entropy (row t, which
+    predicts labels[:, t + 1]) and divides by the counted tokens, as the stock logits' weighted loss does."""
+    model = tiny("llama")
+    ids, labels, mask = batch(2)
+    w = torch.rand(ids.shape, generator=torch.Generator().manual_seed(3)) * 2
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    per_row = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1),
+                                                reduction="none").view(ids.shape[0], -1)
+    counted = (labels[:, 1:] != -100).float()
+    want = (per_row * w[:, :-1] * counted).sum() / counted.sum()
+    want.backward()
+    stock_grads = grads(model)
+    with patch(model, LossSpec(token_weights={"normalize": "tokens"})) as handle, handle.inputs(token_weights=w):
+        mine, mine_grads = run(model, ids, labels, mask)
+    assert abs(float(mine.loss.detach()) - float(want.detach())) <= 1e-5 * float(want.detach())
+    assert_grads_close(mine_grads, stock_grads, rtol=1e-4)
