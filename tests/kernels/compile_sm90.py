@@ -2,9 +2,10 @@
 
 Run as a script with TRITON_INTERPRET unset (tests/test_compile_sm90.py does). Every kernel launch
 of a set of real ``head_loss`` / ``linear_head_loss`` calls on CPU tensors is intercepted: its
-keyword arguments (named tuples included) become a Triton signature the way the JIT builds one
-(tensors are pointers, None is a constexpr, ints i32/i64, floats fp32), and Triton's real front end
-and backend compile it down to PTX. Prints {variant: {kernel: ptx}} as JSON.
+keyword arguments (named tuples included) become a Triton signature by the JIT's own specialisation
+(tensors are pointers, None is a constexpr, ints i32/i64, floats fp32; pointers and ints divisible by 16
+carry that attribute, as on a GPU), and Triton's real front end and backend compile it down to PTX.
+Prints {variant: {kernel: ptx}} as JSON.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import sys
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.jit import find_paths_if, get_iterable_path
 
 import headloss
 import headloss.env
@@ -24,46 +27,31 @@ from headloss.kernels import head, policy, shard, sparse
 from headloss.kernels.launch import keyed
 
 HOPPER = GPUTarget("cuda", 90, 32)
-DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
-          torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
-
-
-def _sig(value, path: tuple, constexprs: dict):
-    if isinstance(value, torch.Tensor):
-        return "*" + DTYPES[value.dtype]
-    if value is None:
-        constexprs[path] = None
-        return "constexpr"
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        if value == 1:  # the JIT makes an int equal to 1 a constexpr
-            constexprs[path] = 1
-            return "constexpr"
-        return "i64" if not -(2**31) <= value < 2**31 else "i32"
-    if isinstance(value, float):
-        return "fp32"
-    if isinstance(value, tuple):
-        parts = [_sig(v, path + (i,), constexprs) for i, v in enumerate(value)]
-        return type(value)(*parts) if hasattr(value, "_fields") else tuple(parts)
-    raise TypeError(f"no signature for {type(value).__name__}")
 
 
 def compile_launch(kernel, kwargs: dict) -> str:
-    """PTX of one launch's variant."""
+    """PTX of one launch's variant, specialised as Triton's JIT specialises a launch (its own
+    specialisation of each argument: pointers and ints divisible by 16 carry that attribute, None and
+    an int equal to 1 become constexprs, named tuples keep their types)."""
     params = inspect.signature(kernel.fn).parameters
-    signature, constexprs = {}, {}
-    options = {"num_warps": kwargs.get("num_warps", 4)}
-    for index, (name, param) in enumerate(params.items()):
+    specialization = []
+    for name, param in params.items():
         value = kwargs[name]
         if "constexpr" in str(param.annotation):
-            signature[name] = "constexpr"
-            constexprs[(index,)] = value
+            specialization.append(("constexpr", value))
         else:
-            signature[name] = _sig(value, (index,), constexprs)
+            specialization.append(native_specialize_impl(BaseBackend, value, False, True, True))
+    sigvals = [kind for kind, _ in specialization]
+    signature = dict(zip(params, sigvals))
+    bound = [kwargs[name] for name in params]
+    constexprs = {path: get_iterable_path(bound, path)
+                  for path in find_paths_if(sigvals, lambda _, kind: kind == "constexpr")}
+    attrvals = [attr for _, attr in specialization]
+    attrs = {path: BaseBackend.parse_attr(get_iterable_path(attrvals, path))
+             for path in find_paths_if(attrvals, lambda _, attr: isinstance(attr, str))}
     keyed(kernel)  # (as launch does: the layouts' positions key the binary, not only the source)
-    src = ASTSource(kernel, signature, constexprs=constexprs)
-    return triton.compile(src, target=HOPPER, options=options).asm["ptx"]
+    src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=HOPPER, options={"num_warps": kwargs.get("num_warps", 4)}).asm["ptx"]
 
 
 class Recorder:
