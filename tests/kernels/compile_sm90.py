@@ -284,6 +284,10 @@ VARIANTS = {
                                                     policy={"loss_type": "bnpo", "entropy_coef": 0.01,
                                                             "entropy_aggregation": "token-mean"}),
                                   policy=True, weighted=True, validate=True),
+    # the objective kernel with TRL's entropy mean by the token weights (its bonus pointer)
+    "policy-gspo-token-weights": _batched_policy(headloss.LossSpec(cross_entropy=None, token_weights={}, policy={
+        "loss_type": "dapo", "importance_sampling": "sequence", "entropy_coef": 0.01,
+        "entropy_aggregation": "token-mean"}), token_weights=torch.rand(2, 5)),
     "linear-token-weights": _linear(headloss.LossSpec(token_weights={"normalize": "tokens"}), weighted=True,
                                     validate=True),
 }

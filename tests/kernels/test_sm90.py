@@ -30,7 +30,7 @@ VARIANTS = ("ce-only", "all-bf16", "all-fp16", "all-fp32", "entropy-metric-no-ta
             "topk-validated", "token-validated", "sharded-topk-rest", "topk-rest-deferred", "row-temperature",
             "row-temperature-deferred", "sharded-row-temperature-jsd", "linear-row-temperature", "teacher-probs",
             "sharded-teacher-probs-jsd", "topk-probs", "token-weights", "token-weights-deferred",
-            "policy-token-weights",
+            "policy-token-weights", "policy-gspo-token-weights",
             "linear-token-weights")
 # every kernel tests/kernels/compile_sm90.py intercepts
 KERNELS = {"prepare_kernel", "head_kernel", "head_backward_kernel", "finish_kernel", "scale_grad_kernel",
