@@ -190,6 +190,18 @@ def teacher_inputs(spec, logits: torch.Tensor, targets: torch.Tensor | None, see
     return {"teacher_ids": ids, "teacher_logprobs": top.values}
 
 
+def row_inputs(spec, token_shape, seed: int) -> dict:
+    """The per-row inputs a spec asks the call for: its token weights (in [0, 2)) and its per-row
+    temperatures (in [0.5, 1.5)), shaped like the targets."""
+    gen = generator(seed)
+    out = {}
+    if spec.token_weights is not None:
+        out["token_weights"] = 2 * torch.rand(token_shape, generator=gen)
+    if spec.transform.per_row_temperature:
+        out["temperature"] = 0.5 + torch.rand(token_shape, generator=gen)
+    return out
+
+
 def value_atol(x64: torch.Tensor) -> float:
     """Absolute slack of fp32 values that are differences of O(max |x|) quantities (entropy, lse - x)."""
     finite = x64[torch.isfinite(x64)]

@@ -19,6 +19,7 @@ from conftest import (
     make_logits,
     make_targets,
     needs_kernel,
+    row_inputs,
     run_pair,
     seed_of,
     teacher_inputs,
@@ -659,7 +660,7 @@ def test_every_config_file_runs_on_the_kernel_and_matches_reference(path):
     spec = LossSpec.from_file(path)
     logits = make_logits((2, 4, 60), torch.bfloat16, seed=25)
     targets = make_targets((2, 4), 60, 25, 0.25, spec.ignore_index) if spec.needs_targets else None
-    inputs = teacher_inputs(spec, logits, targets, seed=26)
+    inputs = {**teacher_inputs(spec, logits, targets, seed=26), **row_inputs(spec, (2, 4), seed=28)}
     if spec.policy is not None:
         logp = -torch.rand(2, 4, generator=torch.Generator().manual_seed(27)) * 4 - 2
         inputs.update(advantages=torch.tensor([0.7, -1.2]), old_logprobs=logp, ref_logprobs=logp - 0.1)

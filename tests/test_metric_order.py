@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import generator, make_logits, make_targets, needs_kernel, teacher_inputs
+from conftest import generator, make_logits, make_targets, needs_kernel, row_inputs, teacher_inputs
 
 from headloss import LossSpec, head_loss, linear_head_loss
 from headloss.metrics import TRL_NAMES, MetricsAccumulator
@@ -64,6 +64,7 @@ def _inputs(spec: LossSpec, seed: int) -> dict:
     targets = make_targets((B, T), V, seed=seed, ignore_frac=0.2, ignore_index=spec.ignore_index)
     kwargs = {}
     kwargs.update(teacher_inputs(spec, logits, targets, seed + 1))
+    kwargs.update(row_inputs(spec, (B, T), seed + 2))
     if spec.policy is not None:
         logp = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
         kwargs.update(advantages=torch.randn(B, generator=gen),
