@@ -231,8 +231,7 @@ def head_call(logits: torch.Tensor, targets: torch.Tensor | None, spec: LossSpec
         shift_by = 0
     policy, targets = policy_inputs(spec.policy, targets, spec.ignore_index, norm.as_torch(),
                                     mode, policy_given, raw=raw_policy)
-    if policy is not None and spec.token_weights is not None:
-        weigh_tokens(policy, spec.policy, inputs.token_weights, spec.token_weights.normalize == "tokens")
+    weigh_tokens(policy, spec, inputs.token_weights)
     sparse_rows = sparse_teacher(spec, teacher, tuple(logits.shape[:-1]), token_shape, logits.device,
                                  vocab_total or logits.shape[-1], mode, align="shift" if shift else "rows")
     teacher_logits = teacher.logits.detach() if teacher.logits is not None else None

@@ -204,8 +204,7 @@ def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: L
     rows_shape = tuple(targets.shape) if targets is not None else token_rows
     policy, targets = policy_inputs(spec.policy, targets, spec.ignore_index, norm.as_torch(), mode,
                                     batch.by_name(), norm_length=token_shape[1] if completion else None)
-    if policy is not None and spec.token_weights is not None:
-        weigh_tokens(policy, spec.policy, weights, spec.token_weights.normalize == "tokens")
+    weigh_tokens(policy, spec, weights)
     return LinearCall(hidden=hidden, weight=weight, bias=bias, targets=targets, teacher=teacher, token_rows=token_rows,
                  token_shape=token_shape, rows_shape=rows_shape, norm=norm, batch=batch, policy=policy, backend=backend,
                  sparse=sparse, temperature=temperature, weights=weights)

@@ -236,9 +236,9 @@ class ErrorBoard:
         heavy = int(values[VERDICT.weights])
         values[:] = 0
         if hot:
-            raise_temperature(hot - 1, context.token_shape, deferred)
+            raise_row_input("temperature", hot - 1, context.token_shape, deferred)
         if heavy:
-            raise_token_weight(heavy - 1, context.token_shape, deferred)
+            raise_row_input("token_weights", heavy - 1, context.token_shape, deferred)
         if teacher:  # (its own verdict: the target fields may be unwritten)
             raise_teacher(TEACHER_MARK - teacher, context, deferred)
         raise_if_bad(found, context.token_shape, context.vocab, context.ignore_index, Normaliser(value=items),
@@ -314,16 +314,38 @@ def _position(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape)) if shape else (flat,)
 
 
-def raise_temperature(first: int, token_shape: tuple[int, ...], deferred: bool = False) -> None:
-    """The error of the first per-row temperature (flat index ``first``) that is not a positive finite number."""
-    raise ValueError(f"temperature: the value at position {_position(first, token_shape)} is not a positive finite "
-                     f"number{_later(deferred)}")
+class RowInputRule(NamedTuple):
+    """What a per-row float input's values must be: the rule of the host-side check (the reference, policy_loss)
+    and of the error both paths raise (the kernels' prepare step checks the same on the device)."""
+
+    noun: str  # the value, as a device-side assert names it
+    requirement: str
+    ok: Any  # values -> where each one meets the requirement
 
 
-def raise_token_weight(first: int, token_shape: tuple[int, ...], deferred: bool = False) -> None:
-    """The error of the first token weight (flat index ``first``) that is negative, NaN or infinite."""
-    raise ValueError(f"token_weights: the value at position {_position(first, token_shape)} is not a finite "
-                     f"number >= 0{_later(deferred)}")
+ROW_INPUT_RULES = {
+    "temperature": RowInputRule("a temperature", "a positive finite number",
+                                lambda t: (t > 0) & torch.isfinite(t)),
+    "token_weights": RowInputRule("a token weight", "a finite number >= 0", lambda w: (w >= 0) & torch.isfinite(w)),
+}
+
+
+def raise_row_input(name: str, first: int, token_shape: tuple[int, ...], deferred: bool = False) -> None:
+    """The error of per-row input ``name``'s first value (flat index ``first``) that breaks its rule."""
+    raise ValueError(f"{name}: the value at position {_position(first, token_shape)} is not "
+                     f"{ROW_INPUT_RULES[name].requirement}{_later(deferred)}")
+
+
+def check_row_input(name: str, values: torch.Tensor, token_shape: tuple[int, ...]) -> None:
+    """Per-row input ``name``'s values (one per position of ``token_shape``) read on the host, the first
+    that breaks its rule named as the kernels' verdict names it; under torch.compile a device-side assert."""
+    rule = ROW_INPUT_RULES[name]
+    bad = ~rule.ok(values).reshape(-1)
+    if torch.compiler.is_compiling():
+        torch._assert_async(~bad.any(), f"headloss: {rule.noun} that is not {rule.requirement}")
+        return
+    if bool(bad.any()):
+        raise_row_input(name, int(bad.nonzero()[0, 0]), token_shape)
 
 
 def raise_teacher(key: int, context: CheckContext, deferred: bool = False, entry_id: int | None = None) -> None:

@@ -13,7 +13,7 @@ from ..output import HeadLossOutput
 from ..plan import in_metric_order
 from ..row_inputs import flat_token_weights
 from ..spec import LossSpec, Policy
-from ..validation import count_value, raise_token_weight
+from ..validation import check_row_input, count_value
 from .inputs import policy_inputs
 from .objectives import policy_objective
 from .weights import weigh_tokens
@@ -70,10 +70,9 @@ def policy_loss(
         num_items_in_batch = count_value(num_items_in_batch, "num_items_in_batch", logprobs.device)
     weights = flat_token_weights(token_weights, spec, shape, logprobs.device)
     if weights is not None:
-        _check_weights(weights, shape)
+        check_row_input("token_weights", weights, shape)
     inp, _ = policy_inputs(policy, targets, _IGNORE, num_items_in_batch, "off", given, norm_length=norm_length)
-    if weights is not None:
-        weigh_tokens(inp, policy, weights, spec.token_weights.normalize == "tokens")
+    weigh_tokens(inp, spec, weights)
     mask = inp.mask > 0
     # a masked token's log-prob (padding) reaches nothing, even when it is not finite
     logp = torch.where(mask, logprobs.reshape(-1).float(), 0.0)
@@ -82,10 +81,3 @@ def policy_loss(
     metrics["loss"] = loss.detach().clone()
     metrics["n_tokens"] = inp.mask.sum()
     return HeadLossOutput(loss=loss, metrics=in_metric_order(metrics))
-
-
-def _check_weights(weights: torch.Tensor, shape: tuple[int, ...]) -> None:
-    """Token weights finite and >= 0 (one host read, as loss_mask's check); the error names the first that is not."""
-    bad = ~((weights >= 0) & torch.isfinite(weights))
-    if bool(bad.any()):
-        raise_token_weight(int(bad.nonzero()[0, 0]), shape)

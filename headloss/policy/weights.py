@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..policy_tables import LOSS_TYPES
-from ..spec import Policy, separate_kl_entropy
+from ..spec import LossSpec, Policy, separate_kl_entropy
 from .tokens import PolicyTokens, seq_of, seq_sum
 
 
@@ -103,15 +103,16 @@ def token_mean_weights(counted: torch.Tensor, inp: PolicyTokens) -> torch.Tensor
     return weighted / torch.where(total > 0, total, torch.ones_like(total))
 
 
-def weigh_tokens(inp: PolicyTokens, policy: Policy, weights: torch.Tensor | None, by_count: bool) -> None:
-    """The token weights (spec.TokenWeights; ``weights`` flat like the mask, or None) in the policy term's
-    aggregation: its per-token weights made again with them (:func:`aggregation_weights`)."""
-    if weights is None:
+def weigh_tokens(inp: PolicyTokens | None, spec: LossSpec, weights: torch.Tensor | None) -> None:
+    """The token weights (``spec.token_weights``; ``weights`` flat like the mask) in the policy term's
+    aggregation: its per-token weights made again with them (:func:`aggregation_weights`). Nothing without a
+    policy term (``inp`` None) or without weights."""
+    if inp is None or weights is None:
         return
     inp.token_weights = torch.where(inp.mask > 0, weights, 0.0)
-    inp.weights_by_count = by_count
-    inp.weight = aggregation_weights(inp.mask, policy, inp)
-    inp.kl_entropy_weight = kl_entropy_weights(inp.mask, policy, inp)
+    inp.weights_by_count = spec.token_weights.normalize == "tokens"
+    inp.weight = aggregation_weights(inp.mask, spec.policy, inp)
+    inp.kl_entropy_weight = kl_entropy_weights(inp.mask, spec.policy, inp)
 
 
 def rollout_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor | None,

@@ -22,10 +22,9 @@ from ..validation import (
     NOT_BINARY,
     CheckContext,
     Normaliser,
+    check_row_input,
     raise_if_bad,
     raise_teacher,
-    raise_temperature,
-    raise_token_weight,
 )
 from .policy import reference_policy_loss
 from .sparse import estimator, topk_distillation
@@ -64,9 +63,9 @@ def reference_head_loss(
         wide = torch.float64 if teacher_probs.dtype == torch.float64 else torch.float32
         teacher_logits = torch.log(teacher_probs.detach().to(wide))
     if temperature is not None and validate != "off":
-        _check_temperature(temperature, tuple(logits.shape[:-1]))
+        check_row_input("temperature", temperature, tuple(logits.shape[:-1]))
     if weights is not None and validate != "off":
-        _check_weights(weights, tuple(logits.shape[:-1]))
+        check_row_input("token_weights", weights, tuple(logits.shape[:-1]))
     if validate != "off" and targets is not None:
         _check_values(targets, logits.shape[-1], spec.ignore_index, num_items_in_batch,
                       policy_inputs.get("sequence_ids"), policy_inputs.get("loss_mask"))
@@ -326,28 +325,6 @@ def _distillation(x: torch.Tensor, teacher: torch.Tensor, spec: LossSpec) -> tup
     with torch.no_grad():
         agreement = (x.argmax(-1) == teacher.argmax(-1)).to(x.dtype)
     return div, {"distill/teacher_entropy": teacher_entropy, "distill/top1_agreement": agreement}
-
-
-def _check_weights(weights: torch.Tensor, rows_shape: tuple[int, ...]) -> None:
-    """Token weights (one per row of the logits) must be finite and >= 0: the first that is not, named as
-    the kernels' verdict names it."""
-    bad = ~((weights >= 0) & torch.isfinite(weights)).reshape(-1)
-    if torch.compiler.is_compiling():
-        torch._assert_async(~bad.any(), "headloss: a token weight that is not a finite number >= 0")
-        return
-    if bool(bad.any()):
-        raise_token_weight(int(bad.nonzero()[0, 0]), rows_shape)
-
-
-def _check_temperature(temperature: torch.Tensor, rows_shape: tuple[int, ...]) -> None:
-    """Per-row temperatures (one per row of the logits) must be positive and finite: the first that is
-    not, named as the kernels' verdict names it."""
-    bad = ~((temperature > 0) & torch.isfinite(temperature)).reshape(-1)
-    if torch.compiler.is_compiling():
-        torch._assert_async(~bad.any(), "headloss: a temperature that is not a positive finite number")
-        return
-    if bool(bad.any()):
-        raise_temperature(int(bad.nonzero()[0, 0]), rows_shape)
 
 
 def _check_probabilities(probs: torch.Tensor) -> None:
