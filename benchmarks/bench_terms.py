@@ -197,16 +197,11 @@ def _weights_logits(rows: list[Row], n: int, cfg: dict, names) -> None:
     compiled = torch.compile(torch_weighted_ce)
     for case, plain, weighted, given in (("sft", SFT_SPEC, SFT_WEIGHTED_SPEC, {}),
                                          ("distill", DISTILL_SPEC, DISTILL_WEIGHTED_SPEC, {"teacher_logits": teacher})):
-        table = {
-            "plain": lambda spec=plain, given=given: headloss.head_loss(
-                x, y, spec, inplace_grad=True, **given).loss.backward(),
-            "token weights": lambda spec=weighted, given=given: headloss.head_loss(
-                x, y, spec, token_weights=w, inplace_grad=True, **given).loss.backward(),
-            "plain, validate=False": lambda spec=plain, given=given: headloss.head_loss(
-                x, y, spec, validate=False, inplace_grad=True, **given).loss.backward(),
-            "token weights, validate=False": lambda spec=weighted, given=given: headloss.head_loss(
-                x, y, spec, token_weights=w, validate=False, inplace_grad=True, **given).loss.backward(),
-        }
+        given = {**given, "inplace_grad": True}
+        table = beside("token weights",
+                       lambda spec=plain, given=given, **kw: headloss.head_loss(x, y, spec, **given, **kw),
+                       lambda spec=weighted, given=given, **kw: headloss.head_loss(x, y, spec, token_weights=w,
+                                                                                   **given, **kw))
         if case == "sft":
             table["torch-eager weighted CE"] = lambda: torch_weighted_ce(x, y, w).backward()
             table["torch-compile weighted CE"] = lambda: compiled(x, y, w).backward()
@@ -217,44 +212,42 @@ def _weights_logits(rows: list[Row], n: int, cfg: dict, names) -> None:
 
 
 def _weights_grpo(rows: list[Row], batch: int, length: int, cfg: dict, names) -> None:
-    pristine, ids, adv, old, ref, mask = grpo_batch(1, batch, length)
-    x, setup = restorable_leaf(pristine[:, :-1])
-    w = 2 * torch.rand(ids.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
-    inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, inplace_grad=True)
-    table = {
-        "plain": lambda: headloss.head_loss(x, ids, GRPO_SPEC, **inputs).loss.backward(),
-        "token weights": lambda: headloss.head_loss(x, ids, GRPO_WEIGHTED_SPEC, token_weights=w,
-                                                    **inputs).loss.backward(),
-        "plain, validate=False": lambda: headloss.head_loss(x, ids, GRPO_SPEC, validate=False,
-                                                            **inputs).loss.backward(),
-        "token weights, validate=False": lambda: headloss.head_loss(
-            x, ids, GRPO_WEIGHTED_SPEC, token_weights=w, validate=False, **inputs).loss.backward(),
-    }
-    for name, step in table.items():
-        if not names or name in names:
-            measure(rows, "weights grpo", name, "N", batch * length, step, setup,
-                    config={**cfg, "B": batch, "T": length, "V": V})
+    w = 2 * torch.rand((batch, length), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    _grpo_beside(rows, "weights grpo", ("token weights", GRPO_WEIGHTED_SPEC, {"token_weights": w}), (batch, length),
+                 cfg, names)
 
 
 def _forms_grpo(rows: list[Row], batch: int, length: int, cfg: dict, names) -> None:
+    temperatures = torch.linspace(0.7, 1.3, batch, device="cuda")
+    _grpo_beside(rows, "grpo", ("per-row temperature", GRPO_ROW_T_SPEC, {"temperature": temperatures}),
+                 (batch, length), cfg, names, num_items=True)
+
+
+def _grpo_beside(rows: list[Row], case: str, option: tuple, size: tuple[int, int], cfg: dict, names,
+                 num_items: bool = False) -> None:
+    """The GRPO step (grpo_batch) beside the same step with ``option`` (its name, spec and inputs), each
+    validated and with validate=False; ``num_items``: num_items_in_batch is the completion mask's sum."""
+    name, spec, given = option
+    batch, length = size
     pristine, ids, adv, old, ref, mask = grpo_batch(1, batch, length)
     x, setup = restorable_leaf(pristine[:, :-1])
-    temperatures = torch.linspace(0.7, 1.3, batch, device="cuda")
-    inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, num_items_in_batch=mask.sum(),
-                  inplace_grad=True)
-    table = {
-        "plain": lambda: headloss.head_loss(x, ids, GRPO_SPEC, **inputs).loss.backward(),
-        "per-row temperature": lambda: headloss.head_loss(x, ids, GRPO_ROW_T_SPEC, temperature=temperatures,
-                                                          **inputs).loss.backward(),
-        "plain, validate=False": lambda: headloss.head_loss(x, ids, GRPO_SPEC, validate=False,
-                                                            **inputs).loss.backward(),
-        "per-row temperature, validate=False": lambda: headloss.head_loss(
-            x, ids, GRPO_ROW_T_SPEC, temperature=temperatures, validate=False, **inputs).loss.backward(),
-    }
-    for name, step in table.items():
-        if not names or name in names:
-            measure(rows, "grpo", name, "N", batch * length, step, setup,
+    inputs = dict(advantages=adv, old_logprobs=old, ref_logprobs=ref, loss_mask=mask, inplace_grad=True)
+    if num_items:
+        inputs["num_items_in_batch"] = mask.sum()
+    table = beside(name, lambda **kw: headloss.head_loss(x, ids, GRPO_SPEC, **inputs, **kw),
+                   lambda **kw: headloss.head_loss(x, ids, spec, **given, **inputs, **kw))
+    for provider, step in table.items():
+        if not names or provider in names:
+            measure(rows, case, provider, "N", batch * length, step, setup,
                     config={**cfg, "B": batch, "T": length, "V": V})
+
+
+def beside(option: str, plain, given) -> dict:
+    """Timed steps of a call beside the same call with ``option``: ``plain`` / ``given`` (keyword arguments
+    -> the call's output), each validated and with validate=False, the backward of its loss."""
+    return {"plain": lambda: plain().loss.backward(), option: lambda: given().loss.backward(),
+            "plain, validate=False": lambda: plain(validate=False).loss.backward(),
+            f"{option}, validate=False": lambda: given(validate=False).loss.backward()}
 
 
 def grpo_batch(seed: int, batch: int, length: int, vocab: int = V):

@@ -20,7 +20,7 @@ from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
 
-from headloss import HeadLossOutput, LossSpec, env, head_loss  # noqa: E402
+from headloss import HeadLossOutput, LossSpec, env, head_loss, linear_head_loss  # noqa: E402
 from headloss.reference import (
     reference_head_loss,  # noqa: E402
     transformed_logits,  # noqa: E402
@@ -200,6 +200,65 @@ def row_inputs(spec, token_shape, seed: int) -> dict:
     if spec.transform.per_row_temperature:
         out["temperature"] = 0.5 + torch.rand(token_shape, generator=gen)
     return out
+
+
+def check_packed_row_input(entry: str, spec, name: str, per_sequence, seed: int, vocab: int, hidden: int) -> None:
+    """A per-row input (``name``: temperature, token_weights) of rows packed by cu_seqlens, given one per
+    sequence [S], per row [N] and [1, N] (``per_sequence(S, gen)`` draws the [S] values), equals the
+    padded [S, T] call given [S]: the loss and the entropy metric, logits (``entry``) or the lm_head."""
+    gen = generator(seed)
+    lengths = [4, 6, 3]
+    n, s, tmax = sum(lengths), len(lengths), max(lengths)
+    cu = torch.tensor([0, 4, 10, 13], dtype=torch.int32)
+    seq = torch.repeat_interleave(torch.arange(s), torch.tensor(lengths))
+    pos = torch.cat([torch.arange(k) for k in lengths])
+    values = per_sequence(s, gen)
+    width = vocab if entry == "logits" else hidden
+    rows = torch.randn(n, width, generator=gen) * (3 if entry == "logits" else 1)
+    weight = torch.randn(vocab, hidden, generator=gen) * 0.5
+    ids = torch.randint(0, vocab, (n,), generator=gen)
+    padded = torch.zeros(s, tmax, width)
+    padded[seq, pos] = rows
+    padded_ids = torch.full((s, tmax), -100)
+    padded_ids[seq, pos] = ids
+
+    def call(r, y, given, **kw):
+        if entry == "logits":
+            return head_loss(r, y, spec, shift=True, **{name: given}, **kw)
+        return linear_head_loss(r, weight, y, spec, shift=True, chunk_bytes=4 * vocab * 4, **{name: given}, **kw)
+
+    want = call(padded, padded_ids, values)
+    for given in (values, values[seq], values[seq][None]):
+        got = call(rows, ids, given, cu_seqlens=cu)
+        torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got.metrics["entropy"], want.metrics["entropy"], rtol=1e-5, atol=1e-6)
+
+
+def check_compiled_row_input(entry: str, spec, name: str, draw, seed: int, vocab: int, hidden: int) -> None:
+    """torch.compile (fullgraph, aot_eager) of a call with per-row input ``name`` (``draw(gen)`` makes it, for
+    [2, 5] targets) as a graph input: the loss and the gradient equal eager's, logits (``entry``) or the
+    lm_head."""
+    gen = generator(seed)
+    y = torch.randint(0, vocab, (2, 5), generator=gen)
+    values = draw(gen)
+    if entry == "logits":
+        rows = torch.randn(2, 5, vocab, generator=gen)
+
+        def call(r, y, v):
+            return head_loss(r, y, spec, **{name: v}).loss
+    else:
+        rows, weight = torch.randn(2, 5, hidden, generator=gen), torch.randn(vocab, hidden, generator=gen)
+
+        def call(r, y, v):
+            return linear_head_loss(r, weight, y, spec, chunk_bytes=4 * vocab * 4, **{name: v}).loss
+    eager = rows.clone().requires_grad_()
+    want = call(eager, y, values)
+    want.backward()
+    compiled = rows.clone().requires_grad_()
+    got = torch.compile(call, backend="aot_eager", fullgraph=True)(compiled, y, values)
+    got.backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(compiled.grad, eager.grad)
 
 
 def value_atol(x64: torch.Tensor) -> float:

@@ -55,6 +55,15 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
 
 
+def _lm_head(gen: torch.Generator, shape: tuple[int, int, int, int], dtype: torch.dtype) -> tuple:
+    """(hidden [b, t, h], weight [v, h] / 16, their logits), each in ``dtype``, drawn from ``gen`` next;
+    ``shape``: (b, t, v, h)."""
+    b, t, v, h = shape
+    hidden = torch.randn(b, t, h, device="cuda", generator=gen).to(dtype)
+    weight = (torch.randn(v, h, device="cuda", generator=gen) / 16).to(dtype)
+    return hidden, weight, (hidden.float() @ weight.float().T).to(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("spec", [FULL, EXOTIC], ids=["full", "softcap-smoothing-entropy-bonus"])
 def test_kernel_matches_fp64_reference_at_llama3_vocab(dtype, spec):
@@ -1076,9 +1085,7 @@ def test_per_row_temperature_on_the_compiled_kernels_scores_the_logits_over_t(sp
     gen = torch.Generator(device="cuda").manual_seed(61)
     temperature = 0.5 + torch.rand(b, device="cuda", generator=gen)
     ids = torch.randint(0, v, (b, t), device="cuda", generator=gen)
-    hidden = torch.randn(b, t, h, device="cuda", generator=gen).to(dtype)
-    weight = (torch.randn(v, h, device="cuda", generator=gen) / 16).to(dtype)
-    logits = (hidden.float() @ weight.float().T).to(dtype)
+    hidden, weight, logits = _lm_head(gen, (b, t, v, h), dtype)
     inputs = {}
     if "distillation" in spec:
         inputs["teacher_logits"] = (logits.float() + torch.randn(b, t, v, device="cuda", generator=gen)).to(dtype)
@@ -1154,9 +1161,7 @@ def test_a_teacher_given_as_probabilities_on_the_compiled_kernels(divergence, dt
     b, t, v, h = 4, 300, 32000, 256
     gen = torch.Generator(device="cuda").manual_seed(63)
     ids = torch.randint(0, v, (b, t), device="cuda", generator=gen)
-    hidden = torch.randn(b, t, h, device="cuda", generator=gen).to(dtype)
-    weight = (torch.randn(v, h, device="cuda", generator=gen) / 16).to(dtype)
-    logits = (hidden.float() @ weight.float().T).to(dtype)
+    hidden, weight, logits = _lm_head(gen, (b, t, v, h), dtype)
     teacher = logits.float() + torch.randn(b, t, v, device="cuda", generator=gen)
     probs = torch.softmax(teacher, -1)
     given = headloss.LossSpec(distillation={"teacher": "probs", "divergence": divergence})
@@ -1189,9 +1194,7 @@ def test_a_topk_teacher_given_as_probabilities_on_the_compiled_kernels(entry):
     b, t, v, h, k = 4, 300, 32000, 256, 16
     gen = torch.Generator(device="cuda").manual_seed(67)
     ids = torch.randint(0, v, (b, t), device="cuda", generator=gen)
-    hidden = torch.randn(b, t, h, device="cuda", generator=gen).to(torch.bfloat16)
-    weight = (torch.randn(v, h, device="cuda", generator=gen) / 16).to(torch.bfloat16)
-    logits = (hidden.float() @ weight.float().T).to(torch.bfloat16)
+    hidden, weight, logits = _lm_head(gen, (b, t, v, h), torch.bfloat16)
     top = torch.log_softmax(logits.float() + torch.randn(b, t, v, device="cuda", generator=gen), -1).topk(k, -1)
     probs = top.values.exp()
     spec = headloss.LossSpec(distillation={"teacher": "topk", "topk": "rest", "divergence": "jsd"})
@@ -1232,9 +1235,7 @@ def test_token_weights_on_the_compiled_kernels_weigh_each_tokens_loss_and_gradie
     ids[1, :40] = -100
     w = 2 * torch.rand(b, t, device="cuda", generator=gen)
     w[2, 7:20] = 0.0
-    hidden = torch.randn(b, t, h, device="cuda", generator=gen).to(dtype)
-    weight = (torch.randn(v, h, device="cuda", generator=gen) / 16).to(dtype)
-    logits = (hidden.float() @ weight.float().T).to(dtype)
+    hidden, weight, logits = _lm_head(gen, (b, t, v, h), dtype)
     inputs = {}
     if "distillation" in spec:
         inputs["teacher_logits"] = (logits.float() + torch.randn(b, t, v, device="cuda", generator=gen)).to(dtype)
@@ -1271,9 +1272,7 @@ def test_token_weights_in_the_policy_terms_aggregation_on_the_compiled_kernels(n
     gen = torch.Generator(device="cuda").manual_seed(79)
     ids = torch.randint(0, v, (b, t), device="cuda", generator=gen)
     w = 2 * torch.rand(b, t, device="cuda", generator=gen)
-    hidden = torch.randn(b, t, h, device="cuda", generator=gen).to(torch.bfloat16)
-    weight = (torch.randn(v, h, device="cuda", generator=gen) / 16).to(torch.bfloat16)
-    logits = (hidden.float() @ weight.float().T).to(torch.bfloat16)
+    hidden, weight, logits = _lm_head(gen, (b, t, v, h), torch.bfloat16)
     old = -10.4 + 0.2 * torch.randn(b, t, device="cuda", generator=gen)
     inputs = dict(advantages=torch.randn(b, device="cuda", generator=gen), old_logprobs=old, ref_logprobs=old + 0.05,
                   loss_mask=(torch.rand(b, t, device="cuda", generator=gen) > 0.1).float(), token_weights=w)

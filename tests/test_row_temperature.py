@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import explained_and_demoed, generator, needs_kernel
+from conftest import check_compiled_row_input, check_packed_row_input, explained_and_demoed, generator, needs_kernel
 
 import headloss
 from headloss import LossSpec
@@ -175,37 +175,7 @@ def test_a_row_at_temperature_t_scores_as_its_logits_over_t(name, entry, backend
 @pytest.mark.parametrize("entry", ["logits", "hidden"])
 def test_packed_rows_take_one_temperature_per_sequence_or_per_row(entry):
     """Rows packed by cu_seqlens with [S] or [N] temperatures equal the padded call with [B]."""
-    gen = generator(31)
-    lengths = [4, 6, 3]
-    n, s, tmax = sum(lengths), len(lengths), max(lengths)
-    cu = torch.tensor([0, 4, 10, 13], dtype=torch.int32)
-    seq = torch.repeat_interleave(torch.arange(s), torch.tensor(lengths))
-    pos = torch.cat([torch.arange(k) for k in lengths])
-    t = 0.5 + torch.rand(s, generator=gen)
-    spec = SFT
-    if entry == "logits":
-        rows = torch.randn(n, V, generator=gen) * 3
-        padded = torch.zeros(s, tmax, V)
-    else:
-        rows = torch.randn(n, H, generator=gen)
-        padded = torch.zeros(s, tmax, H)
-        weight = torch.randn(V, H, generator=gen) * 0.5
-    ids = torch.randint(0, V, (n,), generator=gen)
-    padded[seq, pos] = rows
-    padded_ids = torch.full((s, tmax), -100)
-    padded_ids[seq, pos] = ids
-
-    def call(r, y, temperature, **kw):
-        if entry == "logits":
-            return headloss.head_loss(r, y, spec, temperature=temperature, shift=True, **kw)
-        return headloss.linear_head_loss(r, weight, y, spec, temperature=temperature, shift=True,
-                                         chunk_bytes=4 * V * 4, **kw)
-
-    want = call(padded, padded_ids, t)
-    for temperature in (t, t[seq], t[seq][None]):
-        got = call(rows, ids, temperature, cu_seqlens=cu)
-        torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(got.metrics["entropy"], want.metrics["entropy"], rtol=1e-5, atol=1e-6)
+    check_packed_row_input(entry, SFT, "temperature", lambda s, gen: 0.5 + torch.rand(s, generator=gen), 31, V, H)
 
 
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_kernel), "torch"])
@@ -255,25 +225,5 @@ def test_explain_names_the_input_and_demo_makes_one(tmp_path, capsys):
 @pytest.mark.parametrize("entry", ["logits", "hidden"])
 def test_a_compiled_call_reads_the_temperatures_as_eager_does(entry):
     """torch.compile (fullgraph): the temperatures cross the ops with the call's other tensors."""
-    gen = generator(71)
     spec = LossSpec(transform={"per_row_temperature": True}, entropy={"weight": 0.01})
-    y = torch.randint(0, V, (2, 5), generator=gen)
-    t = 0.5 + torch.rand(2, generator=gen)
-    if entry == "logits":
-        rows = torch.randn(2, 5, V, generator=gen)
-
-        def call(r, y, t):
-            return headloss.head_loss(r, y, spec, temperature=t).loss
-    else:
-        rows, weight = torch.randn(2, 5, H, generator=gen), torch.randn(V, H, generator=gen)
-
-        def call(r, y, t):
-            return headloss.linear_head_loss(r, weight, y, spec, temperature=t, chunk_bytes=4 * V * 4).loss
-    eager = rows.clone().requires_grad_()
-    want = call(eager, y, t)
-    want.backward()
-    compiled = rows.clone().requires_grad_()
-    got = torch.compile(call, backend="aot_eager", fullgraph=True)(compiled, y, t)
-    got.backward()
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(compiled.grad, eager.grad)
+    check_compiled_row_input(entry, spec, "temperature", lambda gen: 0.5 + torch.rand(2, generator=gen), 71, V, H)

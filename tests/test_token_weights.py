@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import explained_and_demoed, generator, needs_kernel, tiered
+from conftest import (
+    check_compiled_row_input,
+    check_packed_row_input,
+    explained_and_demoed,
+    generator,
+    needs_kernel,
+    tiered,
+)
 
 import headloss
 from headloss import LossSpec
@@ -321,34 +328,7 @@ def test_weighted_per_token_losses_and_the_divisors(backend):
 @pytest.mark.parametrize("entry", ["logits", pytest.param("hidden", marks=pytest.mark.slow)])
 def test_packed_rows_take_weights_per_sequence_or_per_row(entry):
     """Rows packed by cu_seqlens with [S] or [N] weights equal the padded call with [B]."""
-    gen = generator(41)
-    lengths = [4, 6, 3]
-    n, s, tmax = sum(lengths), len(lengths), max(lengths)
-    cu = torch.tensor([0, 4, 10, 13], dtype=torch.int32)
-    seq = torch.repeat_interleave(torch.arange(s), torch.tensor(lengths))
-    pos = torch.cat([torch.arange(k) for k in lengths])
-    w = 2 * torch.rand(s, generator=gen)
-    spec = _sft()
-    width = V if entry == "logits" else H
-    rows = torch.randn(n, width, generator=gen) * (3 if entry == "logits" else 1)
-    padded = torch.zeros(s, tmax, width)
-    weight = torch.randn(V, H, generator=gen) * 0.5
-    ids = torch.randint(0, V, (n,), generator=gen)
-    padded[seq, pos] = rows
-    padded_ids = torch.full((s, tmax), -100)
-    padded_ids[seq, pos] = ids
-
-    def call(r, y, weights, **kw):
-        if entry == "logits":
-            return headloss.head_loss(r, y, spec, token_weights=weights, shift=True, **kw)
-        return headloss.linear_head_loss(r, weight, y, spec, token_weights=weights, shift=True,
-                                         chunk_bytes=4 * V * 4, **kw)
-
-    want = call(padded, padded_ids, w)
-    for weights in (w, w[seq], w[seq][None]):
-        got = call(rows, ids, weights, cu_seqlens=cu)
-        torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(got.metrics["entropy"], want.metrics["entropy"], rtol=1e-5, atol=1e-6)
+    check_packed_row_input(entry, _sft(), "token_weights", lambda s, gen: 2 * torch.rand(s, generator=gen), 41, V, H)
 
 
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_kernel), "torch"])
@@ -410,25 +390,5 @@ def test_explain_names_the_input_and_the_divisor_and_demo_makes_one(tmp_path, ca
 @pytest.mark.parametrize("entry", ["logits", "hidden"])
 def test_a_compiled_call_reads_the_weights_as_eager_does(entry):
     """torch.compile (fullgraph): the weights cross the ops with the call's other tensors."""
-    gen = generator(71)
     spec = LossSpec(token_weights={}, entropy={"weight": 0.01})
-    y = torch.randint(0, V, (2, 5), generator=gen)
-    w = 2 * torch.rand(2, 5, generator=gen)
-    if entry == "logits":
-        rows = torch.randn(2, 5, V, generator=gen)
-
-        def call(r, y, w):
-            return headloss.head_loss(r, y, spec, token_weights=w).loss
-    else:
-        rows, weight = torch.randn(2, 5, H, generator=gen), torch.randn(V, H, generator=gen)
-
-        def call(r, y, w):
-            return headloss.linear_head_loss(r, weight, y, spec, token_weights=w, chunk_bytes=4 * V * 4).loss
-    eager = rows.clone().requires_grad_()
-    want = call(eager, y, w)
-    want.backward()
-    compiled = rows.clone().requires_grad_()
-    got = torch.compile(call, backend="aot_eager", fullgraph=True)(compiled, y, w)
-    got.backward()
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(compiled.grad, eager.grad)
+    check_compiled_row_input(entry, spec, "token_weights", lambda gen: 2 * torch.rand(2, 5, generator=gen), 71, V, H)
