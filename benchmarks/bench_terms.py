@@ -217,6 +217,63 @@ def _weights_grpo(rows: list[Row], batch: int, length: int, cfg: dict, names) ->
                  cfg, names)
 
 
+SELECTED_SPEC = SFT_SPEC.model_copy(update={"outputs": ("selected_logprobs",)})
+DEFERRED_SPEC = SFT_SPEC.model_copy(update={"outputs": ("logprobs",), "differentiable_outputs": True})
+DEFERRED_SELECTED_SPEC = SFT_SPEC.model_copy(update={"outputs": ("logprobs", "selected_logprobs"),
+                                                      "differentiable_outputs": True})
+"""The calls with the selected ids' log-probs (the call's ``selected_ids``), made once outside the timed steps."""
+
+
+def torch_selected(x, y, ids):
+    """torch eager: the cross-entropy and the selected ids' log-probs (-1: none) from one log_softmax."""
+    logp = torch.log_softmax(x.float(), -1)
+    picked = torch.where(ids >= 0, logp.gather(-1, ids.clamp(min=0)), 0.0)
+    return F.nll_loss(logp, y, ignore_index=-100), picked
+
+
+def selected_case(rows: list[Row], n: int, cfg: dict, names) -> None:
+    """What the selected ids' log-probs cost beside the same call without them: K = 8 and 64, their values
+    only (fused mode), and with their gradient (deferred mode, against the deferred call whose per-token
+    log-probs take a gradient)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pristine = torch.randn(n, V, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
+    y = torch.randint(0, V, (n,), device="cuda", generator=gen)
+    y[torch.rand(n, device="cuda", generator=gen) < 0.05] = -100
+    x, setup = restorable_leaf(pristine)
+    for k in (8, 64):
+        ids = torch.randint(-1, V, (n, k), device="cuda", generator=gen)
+        g = torch.randn(n, k, device="cuda", generator=gen)
+        g_tok = torch.randn(n, device="cuda", generator=gen)
+        table = beside(f"selected K={k}",
+                       lambda **kw: headloss.head_loss(x, y, SFT_SPEC, inplace_grad=True, **kw),
+                       lambda ids=ids, **kw: headloss.head_loss(x, y, SELECTED_SPEC, selected_ids=ids,
+                                                                inplace_grad=True, **kw))
+
+        def deferred(selected: bool, ids=ids, g=g, g_tok=g_tok):
+            def run():
+                if selected:
+                    out = headloss.head_loss(x, y, DEFERRED_SELECTED_SPEC, selected_ids=ids, inplace_grad=True)
+                    total = out.loss + (out.logprobs * g_tok).sum() + (out.selected_logprobs * g).sum()
+                else:
+                    out = headloss.head_loss(x, y, DEFERRED_SPEC, inplace_grad=True)
+                    total = out.loss + (out.logprobs * g_tok).sum()
+                total.backward()
+            return run
+
+        table["deferred, gradient on logprobs"] = deferred(False)
+        table[f"deferred, gradient on logprobs + selected K={k}"] = deferred(True)
+
+        def eager(ids=ids, g=g):
+            loss, picked = torch_selected(x, y, ids)
+            (loss + (picked * g).sum()).backward()
+
+        table[f"torch-eager CE + selected K={k}"] = eager
+        for name, step in table.items():
+            if not names or name in names:
+                measure(rows, f"selected K={k}", name, "N", n, step, setup, config={**cfg, "N": n, "V": V, "K": k})
+                torch.cuda.empty_cache()
+
+
 def _forms_grpo(rows: list[Row], batch: int, length: int, cfg: dict, names) -> None:
     temperatures = torch.linspace(0.7, 1.3, batch, device="cuda")
     _grpo_beside(rows, "grpo", ("per-row temperature", GRPO_ROW_T_SPEC, {"temperature": temperatures}),
@@ -400,7 +457,7 @@ def main() -> None:
     parser.add_argument("--providers", nargs="*")
     parser.add_argument("--stem", default="bench_terms")
     parser.add_argument("--cases", nargs="*", default=["distill", "grpo", "trainer"],
-                        help="distill, grpo, trainer, forms, weights")
+                        help="distill, grpo, trainer, forms, weights, selected")
     args = parser.parse_args()
     copy_gbs = copy_bandwidth_gbs()
     cfg = {"dtype": "bf16", "copy_GBps": round(copy_gbs, 1), "headloss": headloss.__version__}
@@ -409,7 +466,8 @@ def main() -> None:
              "grpo": lambda: grpo_case(rows, 8, 1024, cfg, args.providers),
              "trainer": lambda: trainer_case(rows, 8, 1024, cfg, args.providers),
              "forms": lambda: forms_case(rows, 8192, cfg, args.providers),
-             "weights": lambda: weights_case(rows, 8192, cfg, args.providers)}
+             "weights": lambda: weights_case(rows, 8192, cfg, args.providers),
+             "selected": lambda: selected_case(rows, 8192, cfg, args.providers)}
     for case in args.cases:
         cases[case]()
     out = out_dir_default()

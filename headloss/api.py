@@ -19,7 +19,7 @@ from .chunks import DEFAULT_CHUNK_BYTES
 from .lm_head import run_linear
 from .logits import run_head
 from .output import HeadLossOutput
-from .plan import SpecLike, plan_for
+from .plan import SpecLike, plan_for, selecting
 from .spec import LossSpec
 from .validation import Validate, check_pending
 
@@ -76,6 +76,10 @@ def head_loss(
             weighs the row that predicts ``labels[:, t + 1]``; or per sequence); >= 0 and finite (checked as
             ``temperature`` is); it takes no gradient. A mean divides by the counted tokens' summed
             weights, or their count (:class:`TokenWeights`).
+        selected_ids: with ``selected_logprobs`` in ``spec.outputs``, K ids per row to score ([.., K] int,
+            K <= 64, the rows shaped like ``temperature``; -1 where a row has fewer; an id may repeat):
+            ``out.selected_logprobs`` [.., K] holds log p of each under the spec's transform (0 at -1 and at
+            rows not scored), with gradient to the logits when ``differentiable_outputs`` is set.
         inplace_grad: write d loss / d logits over ``logits`` (saves N x V memory; the logits are
             destroyed). Ignored under torch.compile.
         validate: targets, counts and sequence ids checked on the device without a host wait:
@@ -99,7 +103,7 @@ def head_loss(
     call = CallInputs.of(inputs, HeadInputs, "head_loss")
     backend, route = _renamed(backend, call.route)
     options = Options(validate=validate, backend=backend, route=route, group=group, inplace_grad=inplace_grad)
-    plan = plan_for(spec, has_targets=targets is not None)
+    plan = selecting(plan_for(spec, has_targets=targets is not None), call.selected_k)
     return run_head(logits, targets, plan, call, options)
 
 
@@ -129,8 +133,8 @@ def linear_head_loss(
     Args:
         hidden: [N, H] or [B, T, H] (fp32/bf16/fp16); ``weight``: [V, H], same dtype and device;
             ``bias``: optional [V]. ``targets``, ``spec``, ``shift``, ``cu_seqlens``,
-            ``position_ids``, ``temperature``, ``token_weights``, the policy inputs, ``num_items_in_batch``,
-            ``validate``, ``backend``, ``route``: as in :func:`head_loss`.
+            ``position_ids``, ``temperature``, ``token_weights``, ``selected_ids``, the policy inputs,
+            ``num_items_in_batch``, ``validate``, ``backend``, ``route``: as in :func:`head_loss`.
         teacher_logits: [.., V] teacher logits (or ``teacher_probs``, as in :func:`head_loss`), or instead
             ``teacher_hidden`` [.., Ht] with ``teacher_weight`` [V, Ht] (and ``teacher_bias``): the
             teacher's logits computed chunk by chunk too.
@@ -152,7 +156,7 @@ def linear_head_loss(
     backend, route = _renamed(backend, call.route)
     options = LinearOptions(validate=validate, backend=backend, route=route, group=group, chunk_bytes=chunk_bytes,
                             fp32_weight_grad=fp32_weight_grad, compact=compact, hidden_grad=hidden_grad)
-    plan = plan_for(spec, has_targets=targets is not None)
+    plan = selecting(plan_for(spec, has_targets=targets is not None), call.selected_k)
     return run_linear(hidden, weight, targets, plan, call, options)
 
 

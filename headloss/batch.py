@@ -82,6 +82,7 @@ class HeadInputs(PolicyInputs, total=False):
     position_ids: torch.Tensor | None
     temperature: torch.Tensor | None
     token_weights: torch.Tensor | None
+    selected_ids: torch.Tensor | None
     route: str | None
 
 
@@ -199,6 +200,13 @@ class CallInputs:
     bias: torch.Tensor | None = None  # the lm_head's
     temperature: torch.Tensor | None = None  # per row or per sequence (spec.LogitTransform.per_row_temperature)
     token_weights: torch.Tensor | None = None  # per row or per sequence (spec.TokenWeights)
+    selected_ids: torch.Tensor | None = None  # [.., K] per row, -1 where none (outputs: selected_logprobs)
+
+    @property
+    def selected_k(self) -> int:
+        """The selected ids per row (their last dimension), 0 without them."""
+        ids = self.selected_ids
+        return ids.shape[-1] if isinstance(ids, torch.Tensor) and ids.dim() else 0
 
     @classmethod
     def of(cls, inputs: Mapping[str, Any], accepted: type, caller: str) -> CallInputs:
@@ -210,4 +218,4 @@ class CallInputs:
                           get("teacher_ids"), get("teacher_logprobs"), get("teacher_probs"))
         layout = Layout(get("shift", False), get("cu_seqlens"), get("position_ids"))
         return cls(teacher, PolicyBatch.of(inputs), layout, get("num_items_in_batch"), get("route"), get("bias"),
-                   get("temperature"), get("token_weights"))
+                   get("temperature"), get("token_weights"), get("selected_ids"))

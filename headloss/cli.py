@@ -44,7 +44,8 @@ def explain(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, with_grad
     terms use, the inputs it takes, passes and bytes, the policy term's objective, ratio, aggregation
     and KL penalty with the values each reads (when it has one), and the routes a call on CUDA takes
     (rows as sequences of ``seq_len`` when the spec has a policy term)."""
-    plan = compile_plan(spec, has_targets=spec.needs_targets)
+    selecting = "selected_logprobs" in spec.outputs  # (shown with DEMO_SELECTED ids per row)
+    plan = compile_plan(spec, has_targets=spec.needs_targets, selected_k=DEMO_SELECTED if selecting else 0)
     elem = torch.empty((), dtype=dtype).element_size()
     traffic = plan.traffic_bytes(rows, vocab, elem, elem, with_grad)
     unread = {0: set(), 1: {"TOKEN_EST", "TOKEN_CLAMP", "TOKEN_K2_GRAD"}, 2: {"TOPK_FORM", "TOPK_DIV", "TOPK_CLAMP"}}
@@ -72,7 +73,12 @@ def explain(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, with_grad
         f"inputs      {', '.join(plan.requires)}" + (f"; optional: {', '.join(plan.accepts)}" if plan.accepts else ""),
         f"logit reads {plan.logit_passes(with_grad)} pass(es) over [{rows}, {vocab}] {str(dtype)[6:]}"
         + (" (student and teacher)" if plan.has_teacher else "")
-        + (" + K logits per row at the teacher's ids" if plan.flags.SPARSE == 1 else ""),
+        + (" + K logits per row at the teacher's ids" if plan.flags.SPARSE == 1 else "")
+        + (" + K logits per row at the selected ids" if selecting else ""),
+        *([f"selected    log p of the call's selected_ids [.., K] (K <= 64; shown for K = {DEMO_SELECTED}): K "
+           "columns of the packed row buffer" + (", with gradient (the deferred backward adds each id's share "
+                                                 "after its pass)" if spec.differentiable_outputs else "")]
+          if selecting else []),
         f"bytes       reads {traffic['logit_reads'] / 1e9:.3f} GB + gradient writes "
         f"{traffic['grad_writes'] / 1e9:.3f} GB = {traffic['total'] / 1e9:.3f} GB"
         f" (+ O(rows) per-token buffers)",
@@ -254,7 +260,13 @@ def synthetic_inputs(spec: LossSpec, logits: torch.Tensor, gen: torch.Generator)
         inputs["temperature"] = 0.6 + 0.8 * torch.rand(rows, generator=gen)
     if spec.token_weights is not None:  # weights in [0, 2)
         inputs["token_weights"] = 2.0 * torch.rand(rows, generator=gen)
+    if "selected_logprobs" in spec.outputs:  # DEMO_SELECTED ids per row, -1 among them
+        inputs["selected_ids"] = torch.randint(-1, logits.shape[-1], (rows, DEMO_SELECTED), generator=gen)
     return {k: v.to(logits.device) for k, v in inputs.items()}
+
+
+DEMO_SELECTED = 8
+"""The selected ids per row that explain shows and demo scores (outputs: selected_logprobs)."""
 
 
 def _weighted(spec: LossSpec) -> str:

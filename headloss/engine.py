@@ -111,7 +111,7 @@ def head_forward(run: HeadRun, logits, tensors: CallTensors, grad_mode: GradMode
     elif grad_mode is not GradMode.NONE:
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=device)
     block = Block(logits, geo, tensors.targets, tensors.teacher_logits, tensors.sparse, policy, tensors.temperature,
-                  weights=tensors.weights)
+                  weights=tensors.weights, selected=tensors.selected)
     stats = call.block(block, out, grad, gathered=gathered)
     call.close()
     return out, call.scratch, grad, stats
@@ -166,7 +166,7 @@ def head_backward(run: HeadRun, logits, tensors: CallTensors, rows, d_loss, d_ro
                     rows=rows, d_loss=None if d_loss is None else d_loss.float().reshape(-1).contiguous(),
                     d_rows=None if d_rows is None else d_rows.float().contiguous(), num_items=tensors.num_items,
                     scratch=scratch, geo=grad_geometry(run.geo, grad), stats=stats, sparse=tensors.sparse,
-                    temperature=tensors.temperature, weights=tensors.weights)
+                    temperature=tensors.temperature, weights=tensors.weights, selected=tensors.selected)
     return grad
 
 
@@ -175,12 +175,13 @@ def head_backward(run: HeadRun, logits, tensors: CallTensors, rows, d_loss, d_ro
 def head_backward_op(logits: torch.Tensor, tensors: list[torch.Tensor | None], key: str, ints: list[int],
                      norm: float) -> torch.Tensor:
     """head_backward as an op (``tensors``: targets, teacher logits, rows, d_loss, d_rows, num_items,
-    scratch, stats, the sparse teacher's ids and log-probs, the per-row temperatures, the token weights;
-    ``key, ints, norm``: HeadRun.op_args; in place: eager only)."""
-    targets, teacher, rows, d_loss, d_rows, num_items, scratch, stats, ids, logprobs, temperature, weights = tensors
+    scratch, stats, the sparse teacher's ids and log-probs, the per-row temperatures, the token weights, the
+    selected ids; ``key, ints, norm``: HeadRun.op_args; in place: eager only)."""
+    targets, teacher, rows, d_loss, d_rows, num_items, scratch, stats, ids, logprobs, temperature, weights, \
+        selected = tensors
     run = HeadRun.from_op_args(key, ints, norm)
     call = CallTensors(targets, teacher, num_items=num_items, teacher_ids=ids, teacher_logprobs=logprobs,
-                       temperature=temperature, weights=weights)
+                       temperature=temperature, weights=weights, selected=selected)
     return head_backward(run, logits, call, rows, d_loss, d_rows, scratch, stats)
 
 
@@ -213,7 +214,7 @@ class HeadFunction(torch.autograd.Function):
             stats = jsd = None
             if run.shard is not None and run.geo.n_rows:  # compiled vocab-parallel: the collective in the graph
                 block = Block(logits, run.geo, call.targets, call.teacher_logits, call.sparse,
-                              temperature=call.temperature)
+                              temperature=call.temperature, selected=call.selected)
                 stats, jsd = traced_shard_statistics(plan, block, run.shard)
             op = head_forward_beside_op if grad_mode is GradMode.HANDOFF else head_forward_op
             loss, rows, pred, means, scratch, grad = op(logits, [*call, stats, jsd], *run.op_args(), grad_mode.value,
@@ -233,7 +234,8 @@ class HeadFunction(torch.autograd.Function):
             keep(ctx, run, (grad if grad_mode is not GradMode.NONE else None,), (rows, means, scratch, pred))
         else:
             keep(ctx, run, (logits, call.targets, call.teacher_logits, rows, call.num_items, scratch, stats,
-                            d_objective, call.teacher_ids, call.teacher_logprobs, call.temperature, call.weights),
+                            d_objective, call.teacher_ids, call.teacher_logprobs, call.temperature, call.weights,
+                            call.selected),
                  (means, scratch, pred))
         return FunctionOutputs(loss, rows, pred, means, scratch)
 
@@ -251,19 +253,19 @@ class HeadFunction(torch.autograd.Function):
             return scale(grad, d_loss.float(), ctx.grad_geo), *nones
         if d_loss is None and d_rows is None:
             return None, *nones
-        logits, targets, teacher, rows, num_items, scratch, stats, d_objective, ids, logprobs, temperature, weights = \
-            ctx.saved_tensors
+        logits, targets, teacher, rows, num_items, scratch, stats, d_objective, ids, logprobs, temperature, weights, \
+            selected = ctx.saved_tensors
         if d_objective is not None and d_loss is not None:  # the policy term's d rows, for one unit of d loss
             scaled = d_objective * d_loss
             d_rows = scaled if d_rows is None else d_rows + scaled
         if run.shard is not None and not run.traced:
             call = CallTensors(targets, teacher, num_items=num_items, teacher_ids=ids, teacher_logprobs=logprobs,
-                               temperature=temperature, weights=weights)
+                               temperature=temperature, weights=weights, selected=selected)
             grad = head_backward(run, logits, call, rows, d_loss, d_rows, scratch, stats)
         else:
             eager = replace(run, inplace=run.inplace and not run.traced)
             grad = head_backward_op(logits, [targets, teacher, rows, d_loss, d_rows, num_items, scratch, stats, ids,
-                                             logprobs, temperature, weights], *eager.op_args())
+                                             logprobs, temperature, weights, selected], *eager.op_args())
         return grad, *nones
 
 

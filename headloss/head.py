@@ -24,7 +24,7 @@ from .batch import PolicyBatch, Teacher
 from .kernels.head import PolicyRows, launch_finish, launch_head, prepare
 from .kernels.launch import Geometry
 from .kernels.shard import launch_merge, launch_shard_jsd, launch_shard_stats
-from .kernels.sparse import SparseRows, block_of, launch_check_teacher
+from .kernels.sparse import SparseRows, block_of, launch_check_selected, launch_check_teacher
 from .layouts import JSD_SHARES, STATS, scratch_size
 from .ops import geo_ints, geo_of, kernel_op
 from .output import HeadLossOutput, HeadOutputs
@@ -34,6 +34,15 @@ from .policy.tokens import PolicyTokens
 from .reference import reference_head_loss
 from .spec import LossSpec
 from .validation import CheckContext, Normaliser, settle, verdict_slot
+
+
+class PerSlot(NamedTuple):
+    """A call's per-row inputs, one per slot, checked and flat: the per-row temperatures ([n_out] fp32), the
+    token weights ([n_out] fp32) and the selected ids ([n_out, K] int64), each or None."""
+
+    temperature: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    selected: torch.Tensor | None = None
 
 
 class CallTensors(NamedTuple):
@@ -57,13 +66,14 @@ class CallTensors(NamedTuple):
     temperature: torch.Tensor | None = None  # [n_out] fp32 per-row temperature (spec.LogitTransform)
     teacher_probs: torch.Tensor | None = None  # a top-k teacher given as probabilities (SparseRows.probs)
     weights: torch.Tensor | None = None  # [n_out] fp32 token weights (spec.TokenWeights)
+    selected: torch.Tensor | None = None  # [n_out, K] int64 selected ids (outputs: selected_logprobs)
 
     @classmethod
     def of(cls, targets, teacher: Teacher, epilogue: PolicyTokens | None, num_items, sequence_ids,
-           sparse: SparseRows | None = None, temperature: torch.Tensor | None = None,
-           weights: torch.Tensor | None = None) -> CallTensors:
+           sparse: SparseRows | None = None, per_slot: PerSlot | None = None) -> CallTensors:
         """The tensors of a call; ``epilogue``: the policy inputs the fused epilogue reads (else None);
-        ``sparse``: a top-k or per-token teacher, laid out per slot; ``temperature``, ``weights``: per slot."""
+        ``sparse``: a top-k or per-token teacher, laid out per slot; ``per_slot``: the per-row inputs."""
+        temperature, weights, selected = per_slot if per_slot is not None else (None, None, None)
         rows = (None,) * 5 if epilogue is None else (
             epilogue.old_logprobs, epilogue.ref_logprobs, epilogue.advantages, epilogue.importance_weights,
             epilogue.weight)
@@ -71,7 +81,8 @@ class CallTensors(NamedTuple):
         ids, logprobs, probs = (None, None, None) if sparse is None else (sparse.ids, sparse.logprobs, sparse.probs)
         return cls(targets, teacher.logits, teacher.hidden, teacher.weight, teacher.bias, old=old, ref=ref, adv=adv,
                    iw=iw, policy_weight=weight, num_items=num_items, sequence_ids=sequence_ids, teacher_ids=ids,
-                   teacher_logprobs=logprobs, temperature=temperature, teacher_probs=probs, weights=weights)
+                   teacher_logprobs=logprobs, temperature=temperature, teacher_probs=probs, weights=weights,
+                   selected=selected)
 
     @property
     def sparse(self) -> SparseRows | None:
@@ -117,6 +128,7 @@ class Block(NamedTuple):
     temperature: torch.Tensor | None = None  # these rows' per-row temperatures, per slot
     row_ids: torch.Tensor | None = None  # each slot's row of the call, where it is not the slot (lm_head chunks)
     weights: torch.Tensor | None = None  # these rows' token weights, per slot
+    selected: torch.Tensor | None = None  # these rows' selected ids [slots, K], per slot
 
 
 INLINE_PREPARE_SLOTS = 1 << 14
@@ -158,7 +170,10 @@ class HeadCall:
         sharded = geo.V_total > 0
         whole = geo._replace(V=geo.V_total) if sharded else geo  # targets are checked against all of V
         sparse = tensors.sparse
-        verdict = verdict_slot(validate, device, CheckContext.of(run.token_shape, whole.V, geo.ignore_index, sparse))
+        context = CheckContext.of(run.token_shape, whole.V, geo.ignore_index, sparse)
+        if tensors.selected is not None:
+            context = context._replace(selected_k=tensors.selected.shape[-1])
+        verdict = verdict_slot(validate, device, context)
         # not where validate="sync" exchanges the verdict of a vocab-parallel call before its statistics
         # (prepare_kernel's, read on the host)
         inline = (one_block and (not sharded or validate != "sync") and 0 < geo.n_rows
@@ -170,6 +185,8 @@ class HeadCall:
                               tensors.temperature, tensors.weights)
         if sparse is not None and verdict is not None and validate != "sync":  # ("sync": read on the host, in inputs)
             launch_check_teacher(sparse, whole.V, verdict)
+        if tensors.selected is not None and verdict is not None:
+            launch_check_selected(tensors.selected, whole.V, verdict)
         if shard is not None and validate == "sync":
             handshake_verdict(shard, verdict, device)
         return cls(run.plan, tensors, validate, shard, device, verdict, scratch, whole, one_block, inline, n_seq)
@@ -195,7 +212,7 @@ class HeadCall:
                     scratch=self.scratch, loss=out.loss, means=out.means, geo=geo, finish=self.one_block, stats=stats,
                     jsd=jsd, verdict=self.verdict, prepared=not self.inline, sequence_ids=self.tensors.sequence_ids,
                     n_seq=self.n_seq, sparse=block.sparse, temperature=block.temperature, row_ids=block.row_ids,
-                    weights=block.weights)
+                    weights=block.weights, selected=block.selected)
         return stats
 
     def finish(self, out: HeadOutputs) -> None:
@@ -244,9 +261,9 @@ def shard_statistics(plan: KernelPlan, block: Block, shard, merged: bool = True)
     logits, targets, teacher, geo, sparse = block.logits, block.targets, block.teacher, block.geo, block.sparse
     topk = sparse is not None and sparse.ids is not None
     part = launch_shard_stats(plan, logits=logits, targets=targets, geo=geo, teacher=teacher,
-                              sparse=sparse if topk else None, temperature=block.temperature)
-    student_only = teacher is None and not topk
-    stats = gather_merged(part, shard, plan.flags.OWN_TEMP, topk, merge=merged or not student_only)
+                              sparse=sparse if topk else None, temperature=block.temperature, selected=block.selected)
+    tail = stats_tail(sparse.ids if topk else None, plan)
+    stats = gather_merged(part, shard, plan.flags.OWN_TEMP, tail, merge=merged or bool(tail) or teacher is not None)
     jsd = None
     if plan.flags.DISTILL_KIND == 2:
         jsd = launch_shard_jsd(plan, logits=logits, targets=targets, teacher=teacher, stats=stats, geo=geo,
@@ -262,12 +279,12 @@ def traced_shard_statistics(plan: KernelPlan, block: Block, shard) -> tuple:
 
     logits, targets, teacher, geo, sparse = block.logits, block.targets, block.teacher, block.geo, block.sparse
     ids, logprobs = (sparse.ids, sparse.logprobs) if sparse is not None and sparse.ids is not None else (None, None)
-    part = shard_stats_op(logits, targets, teacher, ids, logprobs, block.temperature, plan.key, geo_ints(geo),
-                          geo.norm)
+    part = shard_stats_op(logits, targets, teacher, ids, logprobs, block.temperature, block.selected, plan.key,
+                          geo_ints(geo), geo.norm)
     width = part.shape[1]
     mine = part.cpu() if shard.comm_cpu else part
     gathered = funcol.all_gather_tensor(mine, 0, shard.group).to(part.device)
-    stats = merge_stats_op(gathered.view(shard.world, -1, width), plan.flags.OWN_TEMP, ids is not None)
+    stats = merge_stats_op(gathered.view(shard.world, -1, width), plan.flags.OWN_TEMP, stats_tail(ids, plan))
     jsd = None
     if plan.flags.DISTILL_KIND == 2:
         jsd = shard_jsd_op(logits, targets, teacher, stats, block.temperature, plan.key, geo_ints(geo), geo.norm)
@@ -275,28 +292,35 @@ def traced_shard_statistics(plan: KernelPlan, block: Block, shard) -> tuple:
     return stats, jsd
 
 
-def stats_width(has_teacher: bool, teacher_ids: torch.Tensor | None = None) -> int:
-    """Columns of a row's vocab-parallel statistics (layouts.Stats), and a top-k teacher's K logits."""
+def stats_tail(teacher_ids: torch.Tensor | None, plan: KernelPlan) -> int:
+    """The columns after a row's vocab-parallel statistics (layouts.Stats) that merge by their max: a top-k
+    teacher's K logits and the selected ids' (each K rounded up to a power of two)."""
     topk = 0 if teacher_ids is None else block_of(teacher_ids.shape[-1])
-    return (STATS.N_TEACHER if has_teacher else STATS.N) + topk
+    return topk + (block_of(plan.flags.SELECTED) if plan.flags.SELECTED else 0)
 
 
-@kernel_op("headloss::shard_stats", fake=lambda logits, targets, teacher, ids, logprobs, temperature, key, geo, norm:
-           torch.empty(geo_of(geo, norm).n_rows, stats_width(teacher is not None, ids), dtype=torch.float32,
-                       device=logits.device))
+def stats_width(has_teacher: bool, teacher_ids: torch.Tensor | None, plan: KernelPlan) -> int:
+    """Columns of a row's vocab-parallel statistics (layouts.Stats), then their max-merged tail."""
+    return (STATS.N_TEACHER if has_teacher else STATS.N) + stats_tail(teacher_ids, plan)
+
+
+@kernel_op("headloss::shard_stats",
+           fake=lambda logits, targets, teacher, ids, logprobs, temperature, selected, key, geo, norm:
+           torch.empty(geo_of(geo, norm).n_rows, stats_width(teacher is not None, ids, plan_from_key(key)),
+                       dtype=torch.float32, device=logits.device))
 def shard_stats_op(logits: torch.Tensor, targets: torch.Tensor | None, teacher: torch.Tensor | None,
-                   ids: torch.Tensor | None, logprobs: torch.Tensor | None, temperature: torch.Tensor | None, key: str,
-                   geo: list[int], norm: float) -> torch.Tensor:
+                   ids: torch.Tensor | None, logprobs: torch.Tensor | None, temperature: torch.Tensor | None,
+                   selected: torch.Tensor | None, key: str, geo: list[int], norm: float) -> torch.Tensor:
     """kernels.shard.launch_shard_stats as an op (a vocab-parallel call under torch.compile)."""
     sparse = None if ids is None else SparseRows(ids, logprobs, ids.shape[-1])
     return launch_shard_stats(plan_from_key(key), logits=logits, targets=targets, geo=geo_of(geo, norm),
-                              teacher=teacher, sparse=sparse, temperature=temperature)
+                              teacher=teacher, sparse=sparse, temperature=temperature, selected=selected)
 
 
-@kernel_op("headloss::merge_stats", fake=lambda parts, own_temp, topk: parts.new_empty(parts.shape[1:]))
-def merge_stats_op(parts: torch.Tensor, own_temp: bool, topk: bool) -> torch.Tensor:
+@kernel_op("headloss::merge_stats", fake=lambda parts, own_temp, tail: parts.new_empty(parts.shape[1:]))
+def merge_stats_op(parts: torch.Tensor, own_temp: bool, tail: int) -> torch.Tensor:
     """kernels.shard.launch_merge as an op."""
-    return launch_merge(parts, own_temp, topk)
+    return launch_merge(parts, own_temp, tail)
 
 
 @kernel_op("headloss::shard_jsd", fake=lambda logits, targets, teacher, stats, temperature, key, geo, norm:

@@ -84,7 +84,8 @@ class Verdict(NamedTuple):
     teacher: int = 6  # a sparse teacher's first bad entry: TEACHER_MARK - its key (TeacherKeys), or 0
     temperature: int = 7  # 1 + the first slot whose per-row temperature is not a positive finite number, or 0
     weights: int = 8  # 1 + the first slot whose token weight is negative, NaN or infinite, or 0
-    N: int = 9
+    selected: int = 9  # the selected ids' first entry outside [0, V) and not -1: TEACHER_MARK - its flat index, or 0
+    N: int = 10
 
 
 VERDICT = Verdict()

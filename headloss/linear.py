@@ -173,7 +173,7 @@ def _run_chunks(loop: _Loop, hidden, weight, bias, tensors: CallTensors) -> None
                           None if loop.targets is None else loop.targets[lo:hi], t_c,
                           sparse_rows(tensors, loop.index, lo, hi), _pick_rows(policy, loop.index, lo, hi),
                           rows_of(tensors.temperature, loop.index, lo, hi), rows_of(row_ids, loop.index, lo, hi),
-                          rows_of(tensors.weights, loop.index, lo, hi))
+                          rows_of(tensors.weights, loop.index, lo, hi), rows_of(tensors.selected, loop.index, lo, hi))
             policy_c = run.loop.part_policy(loop, block, lo, hi)
             block = block if policy_c is block.policy else block._replace(policy=policy_c)
             stats = call.block(block, loop.out.of_rows(lo, hi),
@@ -239,7 +239,7 @@ def linear_backward(run: LinearRun, wants, head: LmHead, tensors: CallTensors, s
                 geo=chunk_geometry(hi - lo, vocab, t_c, run),
                 stats=None if saved.stats is None else saved.stats[lo:hi], sparse=sparse_rows(tensors, index, lo, hi),
                 temperature=rows_of(tensors.temperature, index, lo, hi),
-                weights=rows_of(tensors.weights, index, lo, hi),
+                weights=rows_of(tensors.weights, index, lo, hi), selected=rows_of(tensors.selected, index, lo, hi),
             )
         accumulate(grads, logits, h_c, weight, index, start, stop)
     dh, dw, db = finish_grads(grads, weight, bias)

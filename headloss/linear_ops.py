@@ -77,7 +77,7 @@ def stats_shape(plan: KernelPlan, loop: ChunkLoop, sharded: bool, wants, call: C
     """The shape of linear_forward_op's last output: [rows, width] where linear_forward keeps each
     row's merged statistics for the backward (deferred mode, vocab-parallel), else empty."""
     kept = sharded and not (loop.grads_in_forward(plan) and any(wants))
-    return (rows, stats_width(call.teacher.present, call.teacher_ids)) if kept else (0,)
+    return (rows, stats_width(call.teacher.present, call.teacher_ids, plan)) if kept else (0,)
 
 
 def _fake_linear_forward(hidden, weight, bias, tensors, key, group, ints, floats, layout, wants, handoff):

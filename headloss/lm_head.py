@@ -21,7 +21,7 @@ from .batch import CallInputs, LinearOptions, PolicyBatch, Teacher
 from .chunks import LinearRun, LmHead
 from .engine import NO_GRADS, keep
 from .env import log_route
-from .head import CallTensors, teacher_rows, torch_head
+from .head import CallTensors, PerSlot, teacher_rows, torch_head
 from .inputs import (
     check_linear_inputs,
     check_targets,
@@ -54,7 +54,7 @@ from .policy.inputs import policy_inputs
 from .policy.tokens import PolicyTokens
 from .policy.weights import weigh_tokens
 from .routes import facts_of, resolve_backend
-from .row_inputs import flat_temperature, flat_token_weights
+from .row_inputs import flat_selected_ids, flat_temperature, flat_token_weights
 from .spec import LossSpec
 from .validation import Normaliser, normaliser, validation_mode
 
@@ -78,6 +78,7 @@ class LinearCall:
     sparse: SparseRows | None = None  # a top-k or per-token teacher, per row
     temperature: torch.Tensor | None = None  # [rows] fp32 per-row temperature (spec.LogitTransform), per row
     weights: torch.Tensor | None = None  # [rows] fp32 token weights (spec.TokenWeights), per row
+    selected: torch.Tensor | None = None  # [rows, K] int64 selected ids (outputs: selected_logprobs), per row
 
 
 def run_linear(hidden, weight, targets, plan: KernelPlan, call: CallInputs, options: LinearOptions) -> HeadLossOutput:
@@ -182,6 +183,7 @@ def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: L
     per_sequence = (packed.n_slots, packed.seq) if packed is not None and packed.per_sequence else None
     temperature = flat_temperature(call.temperature, spec, token_shape, hidden.device, per_sequence)
     weights = flat_token_weights(call.token_weights, spec, token_shape, hidden.device, per_sequence)
+    selected = flat_selected_ids(call.selected_ids, token_shape, hidden.device)
     if shift:
         targets = pad_shifted(targets if targets.dtype in (torch.int64, torch.int32) else targets.long(),
                               hidden.shape[1], spec.ignore_index)
@@ -190,6 +192,9 @@ def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: L
         temperature = F.pad(temperature.view(token_shape), (0, 1), value=1.0).reshape(-1)
     if completion and weights is not None:
         weights = F.pad(weights.view(token_shape), (0, 1)).reshape(-1)
+    if completion and selected is not None:  # (no id on the unscored row)
+        k = selected.shape[-1]
+        selected = F.pad(selected.view(*token_shape, k), (0, 0, 0, 1), value=-1).reshape(-1, k)
     backend = resolve_backend(options.backend, hidden.device, hidden.dtype, name="hidden")
     check = "sync" if mode == "sync" or (mode == "async" and backend == "torch") else "off"
     sparse = sparse_teacher(spec, teacher, token_rows, token_shape, hidden.device, vocab or weight.shape[0],
@@ -207,7 +212,7 @@ def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: L
     weigh_tokens(policy, spec, weights)
     return LinearCall(hidden=hidden, weight=weight, bias=bias, targets=targets, teacher=teacher, token_rows=token_rows,
                  token_shape=token_shape, rows_shape=rows_shape, norm=norm, batch=batch, policy=policy, backend=backend,
-                 sparse=sparse, temperature=temperature, weights=weights)
+                 sparse=sparse, temperature=temperature, weights=weights, selected=selected)
 
 
 def _chunked(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, mode: str, traced: bool
@@ -234,7 +239,7 @@ def _chunked(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, 
     policy = call.policy
     tensors = CallTensors.of(flat_targets(call.targets), call.teacher, chosen.epilogue_policy(policy),
                              call.norm.tensor, None if policy is None else policy.sequence_ids, call.sparse,
-                             call.temperature, call.weights)
+                             PerSlot(call.temperature, call.weights, call.selected))
     loss, rows_out, pred, means, scratch = LinearFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
                                                                 call.bias, run, *tensors)
     head, extra = chosen.policy_share(run.plan, HeadOutputs(loss, rows_out, pred, means), scratch, policy)
@@ -318,7 +323,7 @@ def _pad_last(t: torch.Tensor | None, name: str) -> torch.Tensor | None:
 def trim(out: HeadLossOutput, token_shape: tuple[int, ...]) -> HeadLossOutput:
     """Per-token outputs over the rows [B, T] -> over the completion ids [B, T - 1]."""
     keep = token_shape[1]
-    for name in ("predicted_tokens", "logprobs", "lse", "token_loss", "entropy"):
+    for name in ("predicted_tokens", "logprobs", "lse", "token_loss", "entropy", "selected_logprobs"):
         value = getattr(out, name)
         if value is not None:
             setattr(out, name, value[:, :keep])
@@ -362,5 +367,5 @@ def _torch_linear_loss(call: LinearCall, spec: LossSpec, mode: str, own) -> Head
     if t_logits is not None:
         t_logits = t_logits.reshape(logits.shape)
     out = torch_head(logits, targets, spec, teacher_rows(t_logits, call.sparse), call.norm, mode, call.batch,
-                     {"temperature": call.temperature, "token_weights": call.weights})
+                     {"temperature": call.temperature, "token_weights": call.weights, "selected_ids": call.selected})
     return trim(out, call.token_shape) if targets is not None and tuple(targets.shape) != call.token_shape else out

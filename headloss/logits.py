@@ -20,7 +20,7 @@ from .batch import CallInputs, Layout, Options, PolicyBatch, Teacher
 from .bounded import BoundedDict, cache
 from .engine import HeadFunction, HeadRun
 from .env import log_route
-from .head import CallTensors, teacher_rows, torch_head
+from .head import CallTensors, PerSlot, teacher_rows, torch_head
 from .inputs import (
     check_head,
     check_logits,
@@ -49,7 +49,7 @@ from .parallel import (
 from .plan import KernelPlan
 from .policy.inputs import policy_inputs
 from .routes import Route, facts_of, resolve_backend
-from .row_inputs import flat_temperature, flat_token_weights
+from .row_inputs import flat_selected_ids, flat_temperature, flat_token_weights
 from .validation import normaliser, validation_mode
 
 
@@ -68,6 +68,7 @@ class _Laid(NamedTuple):
     shard: Any  # vocab-parallel: a headloss.parallel.VocabShard, else None
     temperature: Any = None  # per row or per sequence (spec.LogitTransform.per_row_temperature), as given
     weights: Any = None  # the token weights per row or per sequence (spec.TokenWeights), as given
+    selected: Any = None  # the selected ids [.., K] (outputs: selected_logprobs), as given
 
 
 def run_head(logits, targets, plan: KernelPlan, call: CallInputs, options: Options) -> HeadLossOutput:
@@ -103,7 +104,7 @@ def run_head(logits, targets, plan: KernelPlan, call: CallInputs, options: Optio
         logits, targets, teacher_logits, shard = _vocab_shard(logits, targets, teacher_logits, options, sync)
     recipe_key = None
     plain = (options.route is None and spec.policy is None and batch.empty and reusable and temperature is None
-             and weights is None)
+             and weights is None and call.selected_ids is None)
     if plain and not traced and not teacher.sparse:
         recipe_key = _recipe_key(plan, logits, targets, teacher_logits, shift, options, shard)
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
@@ -111,7 +112,7 @@ def run_head(logits, targets, plan: KernelPlan, call: CallInputs, options: Optio
     if teacher_logits is not teacher.logits:
         teacher = replace(teacher, logits=teacher_logits)
     laid = _Laid(logits, targets, plan, teacher, batch, shift, call.num_items_in_batch, options, shard, temperature,
-                 weights)
+                 weights, call.selected_ids)
     if resolve_backend(options.backend, device, dtype) == "torch":
         return _torch_head(laid)
     return _on_kernels(laid, recipe_key)
@@ -151,7 +152,8 @@ def _on_kernels(laid: _Laid, recipe_key: tuple | None) -> HeadLossOutput:
 def _checked(laid: _Laid) -> tuple:
     """(HeadRun, CallTensors, Route, PolicyTokens or None) of a call after every host-side check; with a
     group and validate="sync", every rank learns of any rank's error."""
-    logits, targets, plan, teacher, batch, shift, num_items_in_batch, options, shard, temperature, weights = laid
+    logits, targets, plan, teacher, batch, shift, num_items_in_batch, options, shard, temperature, weights, \
+        selected = laid
     spec = plan.spec
     sync = validation_mode(options.validate) == "sync"
     error = call = chosen = None
@@ -160,6 +162,7 @@ def _checked(laid: _Laid) -> tuple:
         token_shape = check_head(logits, targets, spec, teacher.logits, shift, kernel=True)
         temperature = flat_temperature(temperature, spec, token_shape, logits.device)
         weights = flat_token_weights(weights, spec, token_shape, logits.device)
+        selected = flat_selected_ids(selected, token_shape, logits.device)
         chosen = routes.choose(plan, facts_of("logits", "triton", logits.device, token_shape, given,
                                               sharded=shard is not None), options.route)
         unpacked = CallInputs(teacher, batch, Layout(shift), num_items_in_batch, token_weights=weights)
@@ -182,7 +185,8 @@ def _checked(laid: _Laid) -> tuple:
                   adv_span=pol.adv_span if pol is not None else 1, seq_len=rows_per_seq, shard=shard,
                   objective=pol if inside else None)
     tensors = CallTensors.of(call.targets, Teacher(logits=call.teacher), chosen.epilogue_policy(pol), call.norm.tensor,
-                             None if pol is None else pol.sequence_ids, call.sparse, temperature, weights)
+                             None if pol is None else pol.sequence_ids, call.sparse,
+                             PerSlot(temperature, weights, selected))
     return run, tensors, chosen, pol
 
 
@@ -214,7 +218,7 @@ def _torch_head(laid: _Laid) -> HeadLossOutput:
 def _torch_loss(laid: _Laid) -> HeadLossOutput:
     """The plain-torch path (the logits whole), with the same checks and the same shift conventions; the
     route (torch) is chosen after them, as on the kernels' path."""
-    logits, targets, plan, teacher, batch, shift, num_items_in_batch, options, _, temperature, weights = laid
+    logits, targets, plan, teacher, batch, shift, num_items_in_batch, options, _, temperature, weights, selected = laid
     spec = plan.spec
     validate = options.validate
     traced = torch.compiler.is_compiling()
@@ -226,6 +230,7 @@ def _torch_loss(laid: _Laid) -> HeadLossOutput:
     token_shape = tuple(targets.shape) if targets is not None else rows_shape
     temperature = flat_temperature(temperature, spec, token_shape, logits.device)
     weights = flat_token_weights(weights, spec, token_shape, logits.device)
+    selected = flat_selected_ids(selected, token_shape, logits.device)
     mode = validation_mode(validate)
     sparse = sparse_teacher(spec, teacher, rows_shape, tuple(targets.shape) if shift else rows_shape, logits.device,
                             logits.shape[-1], "off" if mode == "off" or traced else "sync",
@@ -247,7 +252,7 @@ def _torch_loss(laid: _Laid) -> HeadLossOutput:
     facts = routes.Facts("logits", "torch", rows_shape, batch.sequence_ids is not None, False, traced, False, False)
     chosen = routes.choose(plan, facts, options.route)
     out = torch_head(logits, targets, spec, teacher_rows(teacher_logits, sparse), norm, mode, batch,
-                     {"temperature": temperature, "token_weights": weights})
+                     {"temperature": temperature, "token_weights": weights, "selected_ids": selected})
     out.route = chosen.name
     log_route("head_loss", logits, chosen.name)
     return out

@@ -49,6 +49,8 @@ class HeadLossOutput:
     lse               fp32 logsumexp of the transformed logits, 0 at ignored positions
     token_loss        fp32 combined per-token loss (before reduction), 0 at ignored positions
     entropy           fp32 per-token entropy, 0 at ignored positions
+    selected_logprobs fp32 [.., K] log p of each of the call's ``selected_ids``, 0 at -1 and at ignored
+                      positions
     route             the name of the route the call took (headloss.routes.ROUTES)
 
     Per-token tensors are shaped like the targets. They are detached unless the spec sets
@@ -62,6 +64,7 @@ class HeadLossOutput:
     lse: torch.Tensor | None = None
     token_loss: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    selected_logprobs: torch.Tensor | None = None
     route: str | None = None
 
     def packed_metrics(self) -> torch.Tensor:
@@ -169,12 +172,18 @@ def assemble(plan: KernelPlan, token_shape: tuple[int, ...], head: HeadOutputs, 
             value = rows.select(1, index)
             value = value if flat else value.view(token_shape)
             setattr(out, name, value.detach() if detach else value)
+    if plan.cols.selected >= 0:  # K columns: [.., K]
+        k, flat = plan.flags.SELECTED, len(token_shape) == 1
+        value = rows[:, plan.cols.selected:plan.cols.selected + k]
+        value = value if flat else value.view(*token_shape, k)
+        out.selected_logprobs = value.detach() if rows.requires_grad and not plan.spec.differentiable_outputs \
+            else value
     if plan.flags.HAS_ARGMAX and "predicted_tokens" in plan.spec.outputs:
         out.predicted_tokens = pred if len(token_shape) == 1 else pred.view(token_shape)
     return out
 
 
-_DEFERRED_FIELDS = ("metrics", "predicted_tokens", "logprobs", "lse", "token_loss", "entropy")
+_DEFERRED_FIELDS = ("metrics", "predicted_tokens", "logprobs", "lse", "token_loss", "entropy", "selected_logprobs")
 
 
 class _Deferred(HeadLossOutput):
@@ -217,7 +226,8 @@ for _name in _DEFERRED_FIELDS:
 # A pytree node (its tensors the children, the route the context), as tuples and dicts are: code that finds
 # a forward's output tensors through torch.utils._pytree (FSDP2's backward hooks, DDP, activation
 # checkpointing, torch.export) finds the loss inside it. Flattening makes a lazily built output.
-_TENSOR_FIELDS = ("loss", "metrics", "predicted_tokens", "logprobs", "lse", "token_loss", "entropy")
+_TENSOR_FIELDS = ("loss", "metrics", "predicted_tokens", "logprobs", "lse", "token_loss", "entropy",
+                  "selected_logprobs")
 
 
 def _flatten(out: HeadLossOutput) -> tuple[list, str | None]:

@@ -195,11 +195,12 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)  # (also while torch.compile traces, where hasattr misses its methods)
 
 
-def gather_merged(part: torch.Tensor, shard: VocabShard, own_temp: bool = False, topk: bool = False,
+def gather_merged(part: torch.Tensor, shard: VocabShard, own_temp: bool = False, tail: int = 0,
                   merge: bool = True) -> torch.Tensor:
     """All ranks' (n_rows, layouts.Stats) statistics, merged into the whole vocabulary's (one
     all_gather). ``own_temp``: the student's sums at the distillation temperature are their own;
-    ``topk``: a top-k teacher's K logits follow (kernels.shard.launch_merge). ``merge=False``: the
+    ``tail``: columns that merge by their max follow (a top-k teacher's K logits, the selected ids':
+    kernels.shard.launch_merge). ``merge=False``: the
     gathered (world, n_rows, width) statistics as they are, for head kernels that merge each row's."""
     device = comm_device(shard.group, part.device)
     mine = part.to(device)
@@ -213,7 +214,7 @@ def gather_merged(part: torch.Tensor, shard: VocabShard, own_temp: bool = False,
         gathered = torch.cat(parts)
     COLLECTIVES["stats"] += 1
     parts = gathered.view(shard.world, -1, width).to(part.device)
-    return launch_merge(parts, own_temp, topk) if merge else parts
+    return launch_merge(parts, own_temp, tail) if merge else parts
 
 
 def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group) -> None:

@@ -95,9 +95,10 @@ class KernelPlan:
         return {"logit_reads": reads, "grad_writes": writes, "total": reads + writes}
 
 
-@memoize("plan.compile_plan", 256, "compile_plan's plans by (spec, has_targets)")
-def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
-    """Map a spec to a kernel plan. Cached: the same spec and inputs give the same plan object."""
+@memoize("plan.compile_plan", 256, "compile_plan's plans by (spec, has_targets, selected_k)")
+def compile_plan(spec: LossSpec, *, has_targets: bool = True, selected_k: int = 0) -> KernelPlan:
+    """Map a spec to a kernel plan. Cached: the same spec and inputs give the same plan object.
+    ``selected_k``: the call's selected ids per row (outputs: selected_logprobs; :func:`selecting`)."""
     pol = spec.policy
     # a token-level policy objective is row-local: the kernel's epilogue computes it (fused mode).
     # Sequence-level ratios need other rows: the objective runs after the stats pass on the deferred
@@ -112,9 +113,12 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True) -> KernelPlan:
         if name in spec.outputs
     )
     requires, accepts = _plan_inputs(spec)
-    key = json.dumps({"spec": spec.to_dict(), "has_targets": has_targets}, sort_keys=True)
+    made_from = {"spec": spec.to_dict(), "has_targets": has_targets}
+    if selected_k:
+        made_from["selected_k"] = selected_k
+    key = json.dumps(made_from, sort_keys=True)
     base = _base_of(spec) if deferred and pol is not None else None
-    flags, cols, used, metric_columns = derive(spec, has_targets, fused_policy)  # (the terms: headloss.registry)
+    flags, cols, used, metric_columns = derive(spec, has_targets, fused_policy, selected_k)  # (headloss.registry)
     metrics = tuple(sorted(metric_columns.items(), key=lambda item: _METRIC_RANK[item[0]]))
     extra = EXTREME_METRICS if fused_policy else ()  # the last program's values after the loss, means[cols.N]
     plan = KernelPlan(
@@ -172,6 +176,8 @@ def _plan_inputs(spec: LossSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
         requires += ("temperature",)
     if spec.token_weights is not None:  # per token, or per sequence
         requires += ("token_weights",)
+    if "selected_logprobs" in spec.outputs:  # [.., K] ids, -1 where none
+        requires += ("selected_ids",)
     return requires, accepts
 
 
@@ -183,8 +189,35 @@ def plan_from_key(key: str) -> KernelPlan:
     plan = _BY_KEY.get(key)
     if plan is None:
         made_from = json.loads(key)
-        plan = compile_plan(LossSpec.model_validate(made_from["spec"]), has_targets=made_from["has_targets"])
+        plan = compile_plan(LossSpec.model_validate(made_from["spec"]), has_targets=made_from["has_targets"],
+                            selected_k=made_from.get("selected_k", 0))
     return plan
+
+
+MAX_SELECTED = 64
+"""The most selected ids per row (``selected_ids`` [.., K], K <= 64): one register block of the head kernel."""
+
+
+def selecting(plan: KernelPlan, k: int) -> KernelPlan:
+    """``plan`` for a call with ``k`` selected ids per row (``selected_ids`` [.., k]; 0: none): its
+    ``selected`` columns, the SELECTED flag. A call's selected ids must match its spec's outputs both ways."""
+    asked = "selected_logprobs" in plan.spec.outputs
+    if asked and not k:
+        raise ValueError("selected_ids: required by outputs: selected_logprobs but not given")
+    if k and not asked:
+        raise ValueError("selected_ids: given, but the spec's outputs do not list selected_logprobs")
+    if k > MAX_SELECTED:
+        raise ValueError(f"selected_ids: {k} ids per row; at most {MAX_SELECTED} (the last dimension is K)")
+    if plan.flags.SELECTED == k:
+        return plan
+    return _selecting(plan.key, k)
+
+
+@torch.compiler.assume_constant_result
+def _selecting(key: str, k: int) -> KernelPlan:
+    made_from = json.loads(key)
+    return compile_plan(LossSpec.model_validate(made_from["spec"]), has_targets=made_from["has_targets"],
+                        selected_k=k)
 
 
 # --- a spec in any form -> its plan, cached --------------------------------------------------------

@@ -20,8 +20,9 @@ from .policy_tables import (
     RatioLevelName,
 )
 
-OutputName = Literal["predicted_tokens", "logprobs", "lse", "token_loss", "entropy"]
-"""Per-token tensors a spec may ask for (each shaped like the targets, fp32 or int64)."""
+OutputName = Literal["predicted_tokens", "logprobs", "lse", "token_loss", "entropy", "selected_logprobs"]
+"""Per-token tensors a spec may ask for (each shaped like the targets, fp32 or int64; ``selected_logprobs``
+like the call's ``selected_ids``, [.., K]: the log-prob of each selected id, 0 where the id is -1)."""
 
 OUTPUT_NAMES: tuple[str, ...] = OutputName.__args__
 

@@ -165,6 +165,7 @@ class CheckContext(NamedTuple):
     ignore_index: int
     teacher_k: int = 0  # a top-k teacher's K (its entries' rows), -1 a per-token teacher, 0 none
     teacher_input: str = "teacher_logprobs"  # the input a bad log-prob came from (teacher_probs: their log)
+    selected_k: int = 0  # the selected ids per row (outputs: selected_logprobs), 0 none
 
     @classmethod
     def of(cls, token_shape: tuple[int, ...], vocab: int, ignore_index: int, sparse: Any = None) -> CheckContext:
@@ -234,7 +235,10 @@ class ErrorBoard:
         teacher = int(values[VERDICT.teacher])
         hot = int(values[VERDICT.temperature])
         heavy = int(values[VERDICT.weights])
+        selected = int(values[VERDICT.selected])
         values[:] = 0
+        if selected:
+            raise_selected(TEACHER_MARK - selected, context, deferred)
         if hot:
             raise_row_input("temperature", hot - 1, context.token_shape, deferred)
         if heavy:
@@ -346,6 +350,15 @@ def check_row_input(name: str, values: torch.Tensor, token_shape: tuple[int, ...
         return
     if bool(bad.any()):
         raise_row_input(name, int(bad.nonzero()[0, 0]), token_shape)
+
+
+def raise_selected(index: int, context: CheckContext, deferred: bool = False, entry_id: int | None = None) -> None:
+    """The error of the selected ids' first bad entry (flat ``index`` into [n_out, K]; ``entry_id``: its id,
+    where the host knows it)."""
+    row, entry = divmod(index, max(context.selected_k, 1))
+    shown = "" if entry_id is None else f" {entry_id}"
+    raise ValueError(f"selected_ids: the id{shown} at position {_position(row, context.token_shape)}, entry {entry} "
+                     f"is outside [0, {context.vocab}) (-1 marks no entry){_later(deferred)}")
 
 
 def raise_teacher(key: int, context: CheckContext, deferred: bool = False, entry_id: int | None = None) -> None:

@@ -208,6 +208,9 @@ PADDED: dict[str, Factory] = {
     "adv": lambda ns: torch.tensor([1.0, -0.5]),  # one advantage per sequence
     "rollout_temperature": lambda ns: torch.tensor([0.7, 1.0]),  # each sequence sampled at its own
     "weights": lambda ns: torch.tensor([[0.5, 1.0, 2.0, 0.0, 1.5, 0.25]]).expand(B, T).contiguous(),
+    # K = 4 ids per row to score (-1: none), and a reward for each
+    "candidates": lambda ns: torch.randint(-1, V, (B, T, 4), generator=torch.Generator().manual_seed(5)),
+    "rewards": lambda ns: torch.randn(B, T, 4, generator=torch.Generator().manual_seed(6)),
     "old": lambda ns: _logprobs(B, T - 1),
     "ref": lambda ns: _logprobs(B, T - 1, shift=0.1),
     "n": lambda ns: int(ns["completion_mask"].sum()),  # num_items_in_batch

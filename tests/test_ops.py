@@ -16,6 +16,7 @@ from headloss import LossSpec, head_loss, linear_head_loss
 from headloss.chunks import LinearRun
 from headloss.engine import HeadRun
 from headloss.head import CallTensors
+from headloss.kernels.sparse import block_of
 from headloss.linear_ops import run_args
 from headloss.ops import flat_geometry, geo_ints, hand_off
 from headloss.output import RETAIN_GRAPH_ERROR
@@ -154,7 +155,7 @@ def test_opcheck_head_backward():
     loss, rows, pred, means, scratch, _ = torch.ops.headloss.head_forward(
         logits, [*CallTensors(targets), None, None], *run.op_args(), "none", 0)
     args = (logits, [targets, None, rows, torch.rand(5), torch.rand(rows.shape), None, scratch, None, None, None,
-                     None, None], *run.op_args())
+                     None, None, None], *run.op_args())
     torch.library.opcheck(torch.ops.headloss.head_backward.default, args)
 
 
@@ -162,11 +163,11 @@ def _checked_merged_stats(logits, targets, teacher, ids, logprobs, key, ints):
     """The shard statistics and their merge, each through opcheck; the merged statistics of one shard."""
     from headloss.head import merge_stats_op, shard_stats_op
 
-    torch.library.opcheck(shard_stats_op.op, (logits, targets, teacher, ids, logprobs, None, key, ints, 0.0))
-    part = shard_stats_op(logits, targets, teacher, ids, logprobs, None, key, ints, 0.0)
-    topk = ids is not None
-    torch.library.opcheck(merge_stats_op.op, (torch.stack([part, part]), False, topk))
-    return merge_stats_op(part[None], False, topk)
+    torch.library.opcheck(shard_stats_op.op, (logits, targets, teacher, ids, logprobs, None, None, key, ints, 0.0))
+    part = shard_stats_op(logits, targets, teacher, ids, logprobs, None, None, key, ints, 0.0)
+    tail = 0 if ids is None else block_of(ids.shape[-1])
+    torch.library.opcheck(merge_stats_op.op, (torch.stack([part, part]), False, tail))
+    return merge_stats_op(part[None], False, tail)
 
 
 @needs_kernel
@@ -193,7 +194,7 @@ def test_opcheck_vocab_parallel_ops():
     loss, rows, pred, means, scratch, _ = torch.ops.headloss.head_forward(*forward)
     torch.library.opcheck(torch.ops.headloss.head_backward.default,
                           (logits, [targets, teacher, rows, torch.rand(5), None, None, scratch, stats, None, None,
-                                    None, None], *run.op_args()))
+                                    None, None, None], *run.op_args()))
 
 
 @needs_kernel
@@ -222,7 +223,7 @@ def test_opcheck_ops_with_a_top_k_teacher():
         loss, rows, pred, means, scratch, _ = torch.ops.headloss.head_forward(*forward)
         torch.library.opcheck(torch.ops.headloss.head_backward.default,
                               (logits, [targets, None, rows, torch.rand(5), None, None, scratch, merged, ids,
-                                        logprobs, None, None], *run.op_args()))
+                                        logprobs, None, None, None], *run.op_args()))
 
 
 @needs_kernel

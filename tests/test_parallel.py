@@ -60,6 +60,12 @@ SPECS = {
     "weighted_jsd_deferred": LossSpec(distillation={"divergence": "jsd"}, reduction="none",
                                           token_weights={"normalize": "tokens"}, outputs=("logprobs", "entropy"),
                                           differentiable_outputs=True),
+    # the selected ids' log-probs (the call's `selected_ids`): their logits merged in the same all_gather, after
+    # a top-k teacher's; with differentiable outputs their gradient reaches each shard's own ids
+    "selected_topk": LossSpec(distillation={"teacher": "topk", "topk": "rest"}, outputs=("selected_logprobs",),
+                              transform=LogitTransform(softcap=4.0)),
+    "selected_deferred": LossSpec(entropy=Entropy(weight=0.05), outputs=("logprobs", "selected_logprobs"),
+                                  differentiable_outputs=True, transform=LogitTransform(temperature=0.7)),
 }
 
 
@@ -77,10 +83,10 @@ def _inputs(name: str, dtype: torch.dtype):
     ids = torch.randint(0, V, (b, t), generator=gen)
     ids[1, 2] = -100
     kwargs = {}
-    if name.startswith(("distill", "weighted_jsd")):
+    if name.startswith(("distill", "weighted_jsd")) or name == "selected_topk":
         noise = torch.randn(b, t, V, generator=gen, dtype=torch.float64)
         teacher = (logits.double() + noise).to(dtype)
-        if name.startswith("distill_topk"):  # 6 ids per row (the first row gives 4), in every shard
+        if name.startswith("distill_topk") or name == "selected_topk":  # 6 ids per row (the first gives 4)
             top = torch.log_softmax(teacher.double(), -1).topk(6, dim=-1)
             ids_k, logprobs = top.indices.clone(), top.values.float()
             ids_k[0, 0, 4:] = -1
@@ -94,6 +100,9 @@ def _inputs(name: str, dtype: torch.dtype):
                 -1, ids.clamp(min=0)[..., None])[..., 0].float()
         else:
             kwargs["teacher_logits"] = teacher
+    if name.startswith("selected"):  # 7 ids per row in every shard, -1 among them and an id twice
+        kwargs["selected_ids"] = torch.randint(-1, V, (b, t, 7), generator=gen)
+        kwargs["selected_ids"][0, 2, 5] = kwargs["selected_ids"][0, 2, 1] = 40
     if name in ("grpo", "gspo", "weighted_grpo"):  # GSPO: sequence-level ratios, the objective in torch (deferred mode)
         old = -torch.rand(b, t, generator=gen) * 4
         kwargs = dict(advantages=torch.randn(b, generator=gen), old_logprobs=old,
@@ -118,8 +127,8 @@ def _compare(full, sharded, grad_full, grad_local, start, width) -> dict[str, fl
     errs["loss"] = rel(sharded.loss.detach(), full.loss.detach())
     for k, v in full.metrics.items():
         errs[f"metric {k}"] = rel(sharded.metrics[k], v)
-    for k in OUTPUTS:
-        if getattr(full, k) is not None:
+    for k in (*OUTPUTS, "selected_logprobs"):
+        if getattr(full, k, None) is not None:
             errs[f"output {k}"] = rel(getattr(sharded, k), getattr(full, k))
     errs["grad"] = rel(grad_local, grad_full[..., start: start + width])
     return errs
@@ -133,6 +142,9 @@ def _backward(out) -> None:
         value = getattr(out, name)
         if value is not None and value.requires_grad:
             total = total + w * value.sum()
+    selected = getattr(out, "selected_logprobs", None)
+    if selected is not None and selected.requires_grad:  # a gradient of its own per entry
+        total = total + (selected * torch.linspace(-1.0, 1.0, selected.numel()).view_as(selected)).sum()
     total.backward()
 
 
@@ -143,7 +155,7 @@ QUICK = {("full_sft", torch.float32, "triton", False), ("full_sft", torch.float3
          ("gspo", torch.float32, "triton", False), ("distill_jsd", torch.float32, "triton", False),
          ("distill_topk_rest", torch.float32, "triton", False), ("row_temperature", torch.float32, "triton", True),
          ("distill_jsd_row_temperature", torch.float32, "triton", False),
-         ("distill_probs_jsd", torch.float32, "triton", False)}
+         ("distill_probs_jsd", torch.float32, "triton", False), ("selected_deferred", torch.float32, "triton", True)}
 
 
 def _cases(quick: bool) -> list[tuple]:
@@ -154,7 +166,8 @@ def _cases(quick: bool) -> list[tuple]:
         for dtype in (torch.float32, torch.bfloat16):
             for backend in ("triton", "torch"):
                 for shift in (False, True):
-                    if shift and name not in ("full_sft", "deferred", "row_temperature", "weighted_sft"):
+                    if shift and name not in ("full_sft", "deferred", "row_temperature", "weighted_sft",
+                                              "selected_deferred"):
                         continue
                     if dtype == torch.bfloat16 and name not in ("full_sft", "grpo", "distill_jsd"):
                         continue
@@ -271,7 +284,8 @@ def test_merge_matches_the_whole_row():
 H = 12
 LINEAR_NAMES = ("full_sft", "smoothing_softcap_temperature", "grpo", "gspo", "deferred", "teacher_weight",
                 "teacher_logits", "distill_topk_rest", "distill_topk_verl", "distill_token", "row_temperature",
-                "distill_probs_jsd", "distill_topk_probs", "weighted_sft", "weighted_grpo")
+                "distill_probs_jsd", "distill_topk_probs", "weighted_sft", "weighted_grpo", "selected_topk",
+                "selected_deferred")
 LINEAR_QUICK = ("full_sft", "gspo", "teacher_weight", "row_temperature")
 
 

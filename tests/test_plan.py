@@ -85,7 +85,8 @@ def test_structural_changes_select_another_variant(update, flag):
 def test_cross_entropy_only_plan_computes_nothing_else():
     plan = compile_plan(LossSpec())
     assert plan.flags == Flags(
-        REDUCTION=0, WEIGHT_NORM=False, HAS_CE=True, HAS_SMOOTHING=False, HAS_Z=False, HAS_DFT=False, HAS_ENTROPY=False,
+        REDUCTION=0, WEIGHT_NORM=False, SELECTED=0, HAS_CE=True, HAS_SMOOTHING=False, HAS_Z=False, HAS_DFT=False,
+        HAS_ENTROPY=False,
         ENTROPY_GRAD=False, ENTROPY_TOKEN_MEAN=False, HAS_ARGMAX=False, HAS_SOFTCAP=False, HAS_POLICY=False,
         OBJECTIVE=0, CISPO_VERL=False, LOG_RATIO_CLAMP=False, KL_EST=0, KL_CLAMP=False, KL_K2_GRAD=False,
         KL_IS_CORR=False, DISTILL_KIND=-1, OWN_TEMP=False, SPARSE=0, TEACHER_PROBS=False, TOPK_FORM=0, TOPK_DIV=0,

@@ -372,20 +372,22 @@ def reduce_rows(rows, loss, means, scratch, num_items, policy, geo, F: tl.conste
     means[C.N] = sum(token_loss) * token_scale + sum(policy_loss) (the policy term is already
     weighted): the loss, also stored in ``loss`` for a mean or sum reduction. With a token-level
     policy term, means[C.N + 1 ...] hold its metrics that are not token means (policy_metrics).
-    Reads with .cg: the rows were written by other programs (L1 is not coherent)."""
+    Reads with .cg: the rows were written by other programs (L1 is not coherent). The selected ids'
+    log-probs (the last F.SELECTED columns) are outputs, not metrics: not read, their means not written."""
     COLS_P2: tl.constexpr = R.COLS_P2
     BLOCK_R: tl.constexpr = R.BLOCK_R
+    REDUCED: tl.constexpr = C.N - F.SELECTED
     cols = tl.arange(0, COLS_P2)[None, :]
     acc = tl.zeros([BLOCK_R, COLS_P2], tl.float32)
     for start in range(0, geo.n_out, BLOCK_R):
         r = (start + tl.arange(0, BLOCK_R))[:, None].to(tl.int64)
-        acc += tl.load(rows + r * C.N + cols, mask=(r < geo.n_out) & (cols < C.N), other=0.0,
+        acc += tl.load(rows + r * C.N + cols, mask=(r < geo.n_out) & (cols < REDUCED), other=0.0,
                        cache_modifier=".cg")
     sums = tl.sum(acc, axis=0)
     counted = tl.load(scratch + SCRATCH_AT.counted, cache_modifier=".cg")
     count = tl.maximum(counted, 1).to(tl.float32)
     col = tl.arange(0, COLS_P2)
-    tl.store(means + col, sums / count, mask=col < C.N)
+    tl.store(means + col, sums / count, mask=col < REDUCED)
     total = tl.sum(tl.where(col == C.token_loss, sums, 0.0), axis=0) * token_scale(scratch, num_items, geo, F)
     if C.policy_loss >= 0:
         total += tl.sum(tl.where(col == C.policy_loss, sums, 0.0), axis=0)

@@ -51,14 +51,20 @@ from .primitives import LN2, LOG2E
 from .shard import merged_rest, merged_stats, merged_teacher
 from .sparse import (
     SparseRows,
+    block_of,
     gathered_row,
     rest_sum,
+    selected_grads,
+    selected_inputs,
+    selected_scatter,
+    selected_values,
     token_values,
     topk_block,
     topk_inputs,
     topk_math,
     topk_scatter,
     topk_values,
+    zero_selected,
 )
 from .terms import distill_values, kl_estimator, policy_values, put, row_coefficients, row_values
 
@@ -106,20 +112,23 @@ class SlotInputs(NamedTuple):
     None), the per-row temperatures ((n_out,) fp32 by slot, spec.LogitTransform.per_row_temperature, or
     None), where a block's slots are not the call's (the lm_head's chunks) each slot's row of the call
     ((n_out,) int64, for the positions a verdict names; None: the slot is the row), and the token weights
-    ((n_out,) fp32 by slot, spec.TokenWeights, or None)."""
+    ((n_out,) fp32 by slot, spec.TokenWeights, or None), and the selected ids ((n_out, K) int64 by slot,
+    outputs: selected_logprobs, or None)."""
 
     targets: torch.Tensor | None
     temperature: torch.Tensor | None
     rows: torch.Tensor | None = None
     weights: torch.Tensor | None = None
+    selected: torch.Tensor | None = None
 
 
 class Blocks(NamedTuple):
-    """The head kernels' block sizes (constexpr): the vocabulary's, and the top-k teacher's K rounded up
-    to a power of two (1 without one)."""
+    """The head kernels' block sizes (constexpr): the vocabulary's, the top-k teacher's K rounded up
+    to a power of two (1 without one), and the selected ids' (F.SELECTED) likewise."""
 
     V: int
     K: int
+    S: int = 1
 
 
 class Prepare(NamedTuple):
@@ -154,7 +163,8 @@ def next_nonce() -> int:
 
 
 class Tiles(NamedTuple):
-    """Tiles of the last program's reduction (constexpr): [BLOCK_R, COLS_P2] over the packed rows,
+    """Tiles of the last program's reduction (constexpr): [BLOCK_R, COLS_P2] over the packed rows' reduced
+    columns (all but the selected ids' log-probs),
     SEQ_BLOCK sequences at a time for the per-sequence policy metrics."""
 
     COLS_P2: int
@@ -329,9 +339,9 @@ def head_kernel(
     stats = shard.stats
     jsd = shard.jsd
     SHARDED: tl.constexpr = stats is not None
-    # merged statistics per row: layouts.Stats, then a top-k teacher's K logits
+    # merged statistics per row: layouts.Stats, then a top-k teacher's K logits, then the selected ids'
     NCOL: tl.constexpr = (STATS_AT.N_TEACHER if t_logits is not None else STATS_AT.N) + \
-        (BLOCK_K if F.SPARSE == 1 else 0)
+        (BLOCK_K if F.SPARSE == 1 else 0) + (BLOCKS.S if F.SELECTED > 0 else 0)
     V_math = geo.V_total if SHARDED else geo.V  # the vocabulary of the math (label smoothing's eps / V)
     row_ptr = row_start(logits, row, geo.T, geo.stride_b, geo.stride_t)
     t_row = row_start(t_logits, row, geo.T, geo.t_stride_b, geo.t_stride_t)
@@ -402,6 +412,13 @@ def head_kernel(
         if F.SPARSE == 2:
             weighted, d_token = token_values(row_out, sparse, slot, logp, S, F, C)
             token_loss += weighted
+        if F.SELECTED > 0:  # the selected ids' log-probs (a vocab-parallel row's logits: the last columns)
+            sel_gathered = None
+            if SHARDED:
+                sel_gathered = stats + row * NCOL + NCOL - BLOCKS.S
+            s_ids, s_local, s_given, s_mine, s_x2, s_slope = selected_inputs(
+                slots.selected, slot, row_ptr, sel_gathered, geo.vocab_start, geo.V, V_math, S, F, BLOCKS.S)
+            selected_values(row_out, s_x2, s_given, lse2, C, F, BLOCKS.S)
         d_logp = zero
         d_entropy = zero
         if WAIT_IN_ROW:  # the policy counters and extremes in scratch, the token count: the preparer's
@@ -445,7 +462,9 @@ def head_kernel(
         if has_slot:
             COLS_P2: tl.constexpr = R.COLS_P2
             col = tl.arange(0, COLS_P2)
-            tl.store(row_out + col, tl.zeros([COLS_P2], tl.float32), mask=col < C.N)
+            tl.store(row_out + col, tl.zeros([COLS_P2], tl.float32), mask=col < C.N - F.SELECTED)
+            if F.SELECTED > 0:  # (the last columns, beyond the reduction's tile)
+                zero_selected(row_out, C, F, BLOCKS.S)
             if pred is not None:
                 tl.store(pred + slot, -1)
             if F.REDUCTION == 2:
@@ -558,7 +577,7 @@ def head_backward_kernel(
         slope_y = zero
         y_here = y
         NCOL: tl.constexpr = (STATS_AT.N_TEACHER if t_logits is not None else STATS_AT.N) + \
-            (BLOCKS.K if F.SPARSE == 1 else 0)
+            (BLOCKS.K if F.SPARSE == 1 else 0) + (BLOCKS.S if F.SELECTED > 0 else 0)
         if targets is not None:
             if SHARDED:
                 y_here = y - geo.vocab_start
@@ -572,6 +591,13 @@ def head_backward_kernel(
             kl_unused, d_token = kl_estimator(logp, lq, F.TOKEN_EST, F.TOKEN_CLAMP, F.TOKEN_K2_GRAD)
             d_logp += u * S.w_distill * d_token
         A, B, Cc, D = row_coefficients(u, d_logp, d_entropy, d_lse, lse, logp, entropy, V_math, S, F)
+        SELECTED_GRAD: tl.constexpr = F.SELECTED > 0 and d_rows is not None
+        if SELECTED_GRAD:  # d log p(id_k): -G p everywhere (A), each id's share after the pass
+            s_ids, s_local, s_given, s_mine, s_x2, s_slope = selected_inputs(  # (logits read for softcap's slope)
+                slots.selected, slot, row_ptr, None, geo.vocab_start, geo.V, V_math, S, F, BLOCKS.S, F.HAS_SOFTCAP)
+            s_total, s_h, s_first = selected_grads(d_rows + slot * C.N, slots.selected + slot * F.SELECTED, s_ids,
+                                                   s_given, C, F, BLOCKS.S)
+            A -= s_total
         A_ids = A
         if F.SPARSE == 1:
             sp_ids, sp_local, sp_given, sp_mine, sp_x2, sp_slope, sp_lq = topk_inputs(
@@ -595,6 +621,9 @@ def head_backward_kernel(
             tl.debug_barrier()
             topk_scatter(grad_row, sp_local, sp_mine, sp_x2, sp_slope, lse, A_ids, B, Cc, D, y_here,
                          u * S.w_distill * sp_h, S, F)
+        if SELECTED_GRAD:  # over the value stored there (by the pass, or the teacher's scatter)
+            tl.debug_barrier()
+            selected_scatter(grad_row, s_local, s_mine, s_first, s_h, s_slope)
     else:
         zero_row(grad_row, geo.V, BLOCK_V)
 
@@ -643,7 +672,7 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
                 jsd: torch.Tensor | None = None, verdict: tuple | None = None, prepared: bool = True,
                 sequence_ids: torch.Tensor | None = None, n_seq: int = 0, sparse: SparseRows | None = None,
                 temperature: torch.Tensor | None = None, row_ids: torch.Tensor | None = None,
-                weights: torch.Tensor | None = None) -> None:
+                weights: torch.Tensor | None = None, selected: torch.Tensor | None = None) -> None:
     """One program per logits row; with ``finish`` the last one writes ``means`` and the reduced loss.
     ``prepared=False``: ``scratch`` (scratch_size(n_seq) words, any content) was not filled by
     :func:`prepare`; the first program to take the call's ticket does that work first (``verdict``,
@@ -661,14 +690,20 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
     elif verdict is not None and plan.flags.TEACHER_PROBS:  # the rows' mass check writes the call's verdict
         prep = Prepare(*verdict, None)
     args = dict(
-        logits=logits, slots=SlotInputs(targets, temperature, row_ids, weights), teacher=TeacherRows(teacher, sparse),
+        logits=logits, slots=SlotInputs(targets, temperature, row_ids, weights, selected),
+        teacher=TeacherRows(teacher, sparse),
         grad=grad, rows=rows, pred=pred, policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means,
         shard=shard_rows(stats, jsd), prep=prep, geo=geo,
-        S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=Blocks(cfg.block_v, max(topk_block(sparse), 1)),
-        FINISH=finish, R=_tiles(plan.cols.N),
+        S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=_blocks(cfg.block_v, sparse, plan),
+        FINISH=finish, R=_tiles(plan.cols.N - plan.flags.SELECTED),
     )
     launch(head_kernel, geo.n_rows, cfg.num_warps, registers_of=_without_temperature(args), **args)
 
+
+
+def _blocks(block_v: int, sparse: SparseRows | None, plan: KernelPlan) -> Blocks:
+    """A launch's Blocks: the vocabulary's, a top-k teacher's and the selected ids'."""
+    return Blocks(block_v, max(topk_block(sparse), 1), block_of(plan.flags.SELECTED))
 
 
 def _without_temperature(args: dict) -> dict | None:
@@ -685,21 +720,22 @@ def launch_finish(plan: KernelPlan, *, rows, loss, means, scratch, num_items, ge
     per-sequence policy metrics are left to torch)."""
     policy = PolicyRows(None, None, None, None, None, 1, 0) if plan.flags.HAS_POLICY else None
     launch(finish_kernel, 1, 4, rows=rows, loss=loss, means=means, scratch=scratch, num_items=num_items,
-           policy=policy, geo=geo, F=plan.flags, C=plan.cols, R=_tiles(plan.cols.N))
+           policy=policy, geo=geo, F=plan.flags, C=plan.cols, R=_tiles(plan.cols.N - plan.flags.SELECTED))
 
 
 def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d_loss, d_rows, num_items, scratch,
                     geo: Geometry, stats: torch.Tensor | None = None, sparse: SparseRows | None = None,
-                    temperature: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
+                    temperature: torch.Tensor | None = None, weights: torch.Tensor | None = None,
+                    selected: torch.Tensor | None = None) -> None:
     """Deferred mode: d loss / d logits into ``grad`` from the saved rows and the upstream gradients."""
     if geo.n_rows == 0:
         return
     cfg = launch_config(geo.V, plan.has_teacher, geo.n_rows)
     args = dict(
-        logits=logits, slots=SlotInputs(targets, temperature, None, weights), teacher=TeacherRows(teacher, sparse),
-        grad=grad,
+        logits=logits, slots=SlotInputs(targets, temperature, None, weights, selected),
+        teacher=TeacherRows(teacher, sparse), grad=grad,
         rows=rows, d_loss=d_loss, d_rows=d_rows, num_items=num_items, scratch=scratch, shard=shard_rows(stats), geo=geo,
-        S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=Blocks(cfg.block_v, max(topk_block(sparse), 1)),
+        S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=_blocks(cfg.block_v, sparse, plan),
     )
     launch(head_backward_kernel, geo.n_rows, cfg.num_warps, registers_of=_without_temperature(args), **args)
 

@@ -20,7 +20,7 @@ from ..layouts import JSD_AT, JSD_SHARES, STATS, STATS_AT
 from ..plan import KernelPlan
 from .blocks import online_stats, row_slot, row_start, row_temperature, target_logit
 from .launch import Geometry, launch, launch_config
-from .sparse import SparseRows, rest_sum, shard_topk, topk_block
+from .sparse import SparseRows, block_of, rest_sum, shard_selected, shard_topk, topk_block
 from .terms import distill_lse, jsd_sums
 
 
@@ -33,11 +33,14 @@ def shard_stats_kernel(
     sparse,  # kernels.sparse.SparseRows of a top-k teacher (F.SPARSE == 1), or None
     x2k,  # (n_rows, BLOCK_K) fp32 out: this shard's top-k logits (sparse.shard_topk), or None
     temperature,  # (n_out,) fp32 per-row temperature, or None (kernels.head.head_kernel's)
+    selected,  # (n_out, F.SELECTED) int64 selected ids, or None
+    x2s,  # (n_rows, BLOCK_S) fp32 out: this shard's selected logits (sparse.shard_selected), or None
     geo,
     S,
     F: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """Phase 1 of a vocab-parallel head on one shard: the statistics every rank exchanges."""
     NCOL: tl.constexpr = STATS_AT.N_TEACHER if teacher is not None else STATS_AT.N
@@ -50,6 +53,8 @@ def shard_stats_kernel(
     x2_ids = tl.zeros([BLOCK_K], tl.float32)
     if F.SPARSE == 1:
         x2_ids = shard_topk(x2k, sparse, slot, row, row_ptr, counted, geo, S, F, BLOCK_K)
+    if F.SELECTED > 0:
+        shard_selected(x2s, selected, slot, row, row_ptr, counted, geo, S, F, BLOCK_S)
     if counted:
         m2, d, sum_x2, sum_ex2, arg, tstats, off = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V,
                                                                 F.HAS_ENTROPY)
@@ -294,20 +299,27 @@ def merged_rest(stats, row, NCOL: tl.constexpr):
 
 
 def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry, teacher=None,
-                       sparse: SparseRows | None = None, temperature: torch.Tensor | None = None) -> torch.Tensor:
+                       sparse: SparseRows | None = None, temperature: torch.Tensor | None = None,
+                       selected: torch.Tensor | None = None) -> torch.Tensor:
     """This shard's (n_rows, STATS.N or N_TEACHER) statistics (vocab-parallel phase 1), followed with a
     top-k teacher by its share of the K logits (:func:`~headloss.kernels.sparse.shard_topk`, BLOCK_K
-    columns more, of which the merge takes the max)."""
+    columns more, of which the merge takes the max), then with selected ids by their share of those logits
+    (:func:`~headloss.kernels.sparse.shard_selected`, likewise)."""
     width = STATS.N_TEACHER if teacher is not None else STATS.N
     block_k = topk_block(sparse)
-    part = torch.empty(geo.n_rows, width, dtype=torch.float32, device=logits.device)
-    x2k = torch.empty(geo.n_rows, block_k, dtype=torch.float32, device=logits.device) if block_k else None
+    block_s = block_of(plan.flags.SELECTED) if plan.flags.SELECTED else 0
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    part = torch.empty(geo.n_rows, width, **f32)
+    x2k = torch.empty(geo.n_rows, block_k, **f32) if block_k else None
+    x2s = torch.empty(geo.n_rows, block_s, **f32) if block_s else None
     if geo.n_rows:
         cfg = launch_config(geo.V, teacher is not None, geo.n_rows)
         launch(shard_stats_kernel, geo.n_rows, cfg.num_warps, logits=logits, targets=targets, teacher=teacher,
-               part=part, sparse=sparse if block_k else None, x2k=x2k, temperature=temperature, geo=geo,
-               S=plan.scalars, F=plan.flags, BLOCK_V=cfg.block_v, BLOCK_K=max(block_k, 1))
-    return part if x2k is None else torch.cat((part, x2k), dim=1)
+               part=part, sparse=sparse if block_k else None, x2k=x2k, temperature=temperature,
+               selected=selected if block_s else None, x2s=x2s, geo=geo, S=plan.scalars, F=plan.flags,
+               BLOCK_V=cfg.block_v, BLOCK_K=max(block_k, 1), BLOCK_S=max(block_s, 1))
+    tails = [t for t in (x2k, x2s) if t is not None]
+    return torch.cat((part, *tails), dim=1) if tails else part
 
 
 def launch_shard_jsd(plan: KernelPlan, *, logits, targets, teacher, stats, geo: Geometry,
@@ -322,12 +334,14 @@ def launch_shard_jsd(plan: KernelPlan, *, logits, targets, teacher, stats, geo: 
     return jsd
 
 
-def launch_merge(parts: torch.Tensor, own_temp: bool = False, topk: bool = False) -> torch.Tensor:
+def launch_merge(parts: torch.Tensor, own_temp: bool = False, tail: int = 0) -> torch.Tensor:
     """merge_stats_kernel over the (world, n_rows, N) gathered statistics (layouts.Stats): one launch.
-    ``topk``: a top-k teacher's K logits follow layouts.Stats' N columns (launch_shard_stats); they
-    merge by their max (each id's logit comes from the shard holding it, -inf from the others)."""
-    if topk:
-        return torch.cat((launch_merge(parts[..., :STATS.N].contiguous(), own_temp), parts[..., STATS.N:].amax(0)),
+    ``tail``: that many columns follow layouts.Stats' (a top-k teacher's K logits, the selected ids':
+    launch_shard_stats); they merge by their max (each id's logit comes from the shard holding it, -inf
+    from the others)."""
+    if tail:
+        head = parts.shape[-1] - tail
+        return torch.cat((launch_merge(parts[..., :head].contiguous(), own_temp), parts[..., head:].amax(0)),
                          dim=1)
     world, n_rows, width = parts.shape
     merged = torch.empty(n_rows, width, dtype=torch.float32, device=parts.device)

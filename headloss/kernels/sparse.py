@@ -261,6 +261,127 @@ def topk_scatter(grad_row_ptr, ids, in_range, x2, slope, lse, A, B, C, D, y, h, 
     tl.store(grad_row_ptr + ids, g.to(grad_row_ptr.dtype.element_ty), mask=in_range)
 
 
+# --- the selected ids (outputs: selected_logprobs) -------------------------------------------------------
+#
+# K ids per row (-1: none; an id may repeat). Their log-probs are x_k - lse from the K logits the kernel loads
+# after its stats pass (a vocab-parallel row's K logits come merged with its statistics, as a top-k teacher's).
+# The gradient of sum_k g_k log p(id_k) is g_i = [i in ids] h_i - G p_i with G = sum g_k and h_i the sum of the
+# g_k of the entries holding id i: -G joins the row's A coefficient, and each id's h, times dx/dz there, is
+# added after the gradient pass over the value it stored (one entry per id: its first).
+
+
+@triton.jit
+def selected_inputs(ids_ptr, slot, row_ptr, gathered, vocab_start, V, V_total, S, F: tl.constexpr,
+                    BLOCK_S: tl.constexpr, READ: tl.constexpr = True):
+    """(ids, local ids, given, mine, x2, slope) of a row's F.SELECTED selected ids: ``given`` where an id is
+    not -1, ``mine`` where it is also in this row's columns [vocab_start, vocab_start + V) of [0, V_total)
+    (its logit is read there: its slope, and x2 unless ``gathered``, a vocab-parallel row's K logits merged
+    over the shards). An id outside [0, V_total) (validation off) gives NaN, never an out-of-bounds read.
+    ``READ`` False: the logits are not read (x2 is meaningless; the slope is the transform's constant, so
+    only without softcap)."""
+    k = tl.arange(0, BLOCK_S)
+    inside = k < F.SELECTED
+    ids = tl.load(ids_ptr + slot * F.SELECTED + k, mask=inside, other=-1)
+    given = inside & (ids != -1)
+    valid = given & (ids >= 0) & (ids < V_total)
+    local = ids - vocab_start
+    mine = valid & (local >= 0) & (local < V)
+    z = tl.zeros([BLOCK_S], tl.float32)
+    if READ:
+        z = tl.load(row_ptr + local, mask=mine, other=0.0).to(tl.float32)
+    x2, slope = transform(z, S, F.HAS_SOFTCAP)
+    if gathered is not None:
+        x2 = tl.load(gathered + k, mask=inside, other=float("-inf"))
+    x2 = tl.where(given & ~valid, float("nan"), x2)
+    return ids, local, given, mine, x2, slope
+
+
+@triton.jit
+def selected_values(row_out, x2, given, lse2, C: tl.constexpr, F: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Store a row's selected log-probs (x2 - lse2) ln 2 in its ``selected`` columns, 0 where no id."""
+    k = tl.arange(0, BLOCK_S)
+    tl.store(row_out + C.selected + k, tl.where(given, (x2 - lse2) * LN2, 0.0), mask=k < F.SELECTED)
+
+
+@triton.jit
+def zero_selected(row_out, C: tl.constexpr, F: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Zero a row's ``selected`` columns (a row that is not scored)."""
+    k = tl.arange(0, BLOCK_S)
+    tl.store(row_out + C.selected + k, tl.zeros([BLOCK_S], tl.float32), mask=k < F.SELECTED)
+
+
+@triton.jit
+def selected_grads(d_in, ids_row, ids, given, C: tl.constexpr, F: tl.constexpr, BLOCK_S: tl.constexpr):
+    """(G, h, first) of a row's upstream gradients g_k of its selected log-probs (``d_in``: the row's d rows;
+    ``ids_row``: its ids): their sum G (the dense share is -G p_i), per entry the sum h of the g of every entry
+    holding its id, and ``first`` where the entry is its id's first (the one whose h is written). One entry
+    at a time against the K (a loop, not a [K, K] block: its registers would lower the whole kernel's
+    occupancy)."""
+    k = tl.arange(0, BLOCK_S)
+    g = tl.load(d_in + C.selected + k, mask=given, other=0.0)
+    h = tl.zeros([BLOCK_S], tl.float32)
+    earlier = tl.zeros([BLOCK_S], tl.int32)
+    for j in range(0, F.SELECTED):
+        same = given & (ids == tl.load(ids_row + j))  # (an id of -1 matches no given entry)
+        h += tl.where(same, tl.load(d_in + C.selected + j), 0.0)
+        earlier += (same & (k > j)).to(tl.int32)
+    return tl.sum(g, axis=0), h, given & (earlier == 0)
+
+
+@triton.jit
+def selected_scatter(grad_row_ptr, local, mine, first, h, slope):
+    """Add each selected id's share h (times dx/dz there) to the gradient the pass stored at it (the caller's
+    barrier orders the two), once per id."""
+    at = mine & first
+    g = tl.load(grad_row_ptr + local, mask=at, other=0.0).to(tl.float32)
+    tl.store(grad_row_ptr + local, (g + h * slope).to(grad_row_ptr.dtype.element_ty), mask=at)
+
+
+@triton.jit
+def shard_selected(x2s, ids_ptr, slot, row, row_ptr, counted, geo, S, F: tl.constexpr, BLOCK_S: tl.constexpr):
+    """A vocab-parallel shard's share of its rows' selected logits: x2 at the ids in its columns, -inf at the
+    others (the merge takes the max over the shards), stored in ``x2s`` [n_rows, BLOCK_S]."""
+    k = tl.arange(0, BLOCK_S)
+    x2 = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    if counted:
+        ids, local, given, mine, x2_mine, slope = selected_inputs(ids_ptr, slot, row_ptr, None, geo.vocab_start,
+                                                                  geo.V, geo.V_total, S, F, BLOCK_S)
+        x2 = tl.where(mine, x2_mine, float("-inf"))
+    tl.store(x2s + row * BLOCK_S + k, x2)
+
+
+@triton.jit
+def check_selected_kernel(
+    ids,  # (n_rows, K) int64 selected ids
+    n,  # entries
+    V,
+    verdict,  # (VERDICT.N,) int64 slot (host memory), written only when an entry is bad
+    dirty,  # (1,) int64 host word set with it
+    BLOCK: tl.constexpr,
+):
+    """The selected ids on the device (validation): each -1 or in [0, V). The first bad entry's flat index
+    reaches the verdict slot (Verdict.selected) as TEACHER_MARK - index by a maximum, then the slot's flag
+    and the dirty word are set; nothing is written when all is well."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    id_ = tl.load(ids + i, mask=inside, other=-1)
+    bad = inside & (id_ != -1) & ((id_ < 0) | (id_ >= V))
+    first = tl.min(tl.where(bad, i, NO_BAD_ENTRY), axis=0)
+    if first < NO_BAD_ENTRY:
+        tl.atomic_max(verdict + VERDICT_AT.selected, NO_BAD_ENTRY - first, sem="relaxed", scope="sys")
+        tl.atomic_xchg(verdict + VERDICT_AT.flag, 1, sem="release", scope="sys")
+        tl.atomic_xchg(dirty, 1, sem="release", scope="sys")
+
+
+def launch_check_selected(ids: torch.Tensor, vocab: int, verdict: tuple) -> None:
+    """check_selected_kernel over a call's selected ids ([n_out, K] int64) into its verdict slot (slot, dirty)."""
+    n = ids.numel()
+    if n:
+        slot, dirty = verdict
+        launch(check_selected_kernel, triton.cdiv(n, CHECK_ENTRIES), 4, ids=ids, n=n, V=vocab, verdict=slot,
+               dirty=dirty, BLOCK=CHECK_ENTRIES)
+
+
 @triton.jit
 def check_teacher_kernel(
     ids,  # (n_rows, K) int top-k ids, or None: a per-token teacher

@@ -24,6 +24,7 @@ from ..validation import (
     Normaliser,
     check_row_input,
     raise_if_bad,
+    raise_selected,
     raise_teacher,
 )
 from .policy import reference_policy_loss
@@ -50,13 +51,19 @@ def reference_head_loss(
     and num_items_in_batch values; the reference reads them on the host (under torch.compile, a
     device-side assert). Like the kernel path, a loss whose plan runs the fused mode takes one
     backward: a second one (retain_graph=True) raises the same error."""
-    teacher_logits, teacher_ids, teacher_logprobs, num_items_in_batch, temperature, teacher_probs, weights = (
-        inputs.pop(name, None) for name in ("teacher_logits", "teacher_ids", "teacher_logprobs", "num_items_in_batch",
-                                            "temperature", "teacher_probs", "token_weights"))
+    teacher_logits, teacher_ids, teacher_logprobs, num_items_in_batch, temperature, teacher_probs, weights, \
+        selected = (inputs.pop(name, None) for name in (
+            "teacher_logits", "teacher_ids", "teacher_logprobs", "num_items_in_batch", "temperature", "teacher_probs",
+            "token_weights", "selected_ids"))
     policy_inputs = inputs
     if (weights is None) != (spec.token_weights is None):
         raise ValueError("token_weights: " + ("required by spec.token_weights but not given" if weights is None else
                                               "given, but spec.token_weights is not set"))
+    if (selected is None) == ("selected_logprobs" in spec.outputs):
+        raise ValueError("selected_ids: " + ("required by outputs: selected_logprobs but not given" if selected is None
+                                             else "given, but the spec's outputs do not list selected_logprobs"))
+    if selected is not None and validate != "off":
+        _check_selected(selected, logits.shape[-1], tuple(logits.shape[:-1]))
     if teacher_probs is not None:  # a teacher given as probabilities: its log, at temperature 1
         if validate != "off":
             _check_probabilities(teacher_probs)
@@ -124,8 +131,33 @@ def reference_head_loss(
     out_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
     rows = {"predicted_tokens": pred, "logprobs": logp_y, "lse": torch.where(valid, lse, 0.0),
             "token_loss": token_loss,
-            "entropy": torch.where(valid, entropy, 0.0) if entropy is not None else None}
+            "entropy": torch.where(valid, entropy, 0.0) if entropy is not None else None,
+            "selected_logprobs": None if selected is None else _selected(logp_all, selected, valid)}
     return _output(loss, metrics, rows, spec, token_shape, out_dtype)
+
+
+def _selected(logp_all: torch.Tensor, selected: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """log p of each selected id [rows, K]: 0 where the id is -1 or the row does not count, NaN at an id
+    outside [0, V) (validation off; as the kernels, never an IndexError)."""
+    ids = selected.reshape(-1, selected.shape[-1]).long()
+    given = (ids != -1) & valid[:, None]
+    in_range = (ids >= 0) & (ids < logp_all.shape[-1])
+    picked = logp_all.gather(-1, torch.where(in_range, ids, 0))
+    return torch.where(given, torch.where(in_range, picked, float("nan")), 0.0)
+
+
+def _check_selected(selected: torch.Tensor, vocab: int, token_shape: tuple[int, ...]) -> None:
+    """The selected ids read on the host: each -1 or in [0, V); the first bad one named as the kernels'
+    verdict names it (under torch.compile a device-side assert)."""
+    flat = selected.reshape(-1)
+    bad = (flat != -1) & ((flat < 0) | (flat >= vocab))
+    if torch.compiler.is_compiling():
+        torch._assert_async(~bad.any(), "headloss: a selected id outside [0, V) and not -1")
+        return
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0, 0])
+        raise_selected(first, CheckContext(token_shape, vocab, 0, selected_k=selected.shape[-1]),
+                       entry_id=int(flat[first]))
 
 
 def _output(loss, metrics: dict, rows: dict, spec: LossSpec, token_shape, out_dtype) -> HeadLossOutput:
@@ -135,7 +167,7 @@ def _output(loss, metrics: dict, rows: dict, spec: LossSpec, token_shape, out_dt
         value = rows[name]
         if name not in spec.outputs or value is None:
             return None
-        value = value.reshape(token_shape)
+        value = value.reshape(*token_shape, *value.shape[1:])  # (selected_logprobs: [.., K])
         if value.is_floating_point():
             value = value.to(out_dtype)
         return value if spec.differentiable_outputs else value.detach()
@@ -145,6 +177,7 @@ def _output(loss, metrics: dict, rows: dict, spec: LossSpec, token_shape, out_dt
         metrics={k: (v.to(out_dtype) if v.is_floating_point() else v) for k, v in in_metric_order(metrics).items()},
         predicted_tokens=per_token("predicted_tokens"), logprobs=per_token("logprobs"), lse=per_token("lse"),
         token_loss=per_token("token_loss"), entropy=per_token("entropy"),
+        selected_logprobs=per_token("selected_logprobs"),
     )
 
 

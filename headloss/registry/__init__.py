@@ -53,6 +53,8 @@ Scalars.__doc__ = ("Runtime values (fp32 in the kernels): changing one never rec
 ROW_COLUMNS: dict[str, str] = {column.name: column.doc for term in TERMS for column in term.columns}
 """Every value a kernel may store per row, by name, in the packed buffer's order. A plan uses a subset."""
 
+_WIDTHS = {column.name: column.width for term in TERMS for column in term.columns if column.width is not None}
+
 Columns = NamedTuple("Columns", [(name, int) for name in ROW_COLUMNS] + [("N", int)])
 Columns.__doc__ = "Column of each per-row value in the packed row buffer (-1 when absent); N columns in all."
 
@@ -88,12 +90,20 @@ def scalars_of(spec: LossSpec) -> dict[str, float]:
 
 
 def columns_of(context: TermContext) -> Columns:
-    """The per-row values a call's kernels store: each stored column of ROW_COLUMNS, in its order."""
+    """The per-row values a call's kernels store: each stored column of ROW_COLUMNS, in its order, then each
+    column with a ``width`` (that many from its index on: the last columns, which the last program's
+    reduction does not read)."""
     stored: dict[str, bool] = {}
     for term in TERMS:
         stored.update(term.stores(context))
-    packed = [name for name in ROW_COLUMNS if stored.get(name, False)]
-    return Columns(**{name: packed.index(name) if name in packed else -1 for name in ROW_COLUMNS}, N=len(packed))
+    index = {name: -1 for name in ROW_COLUMNS}
+    n = 0
+    for name in sorted(ROW_COLUMNS, key=lambda name: name in _WIDTHS):  # (blocks last: unreduced, kernels.blocks)
+        if stored.get(name, False):
+            index[name] = n
+            width = _WIDTHS.get(name)
+            n += 1 if width is None else width(context)
+    return Columns(**index, N=n)
 
 
 def metric_columns_of(context: TermContext, cols: Columns) -> dict[str, str]:
@@ -114,12 +124,13 @@ class Derived(NamedTuple):
     metric_columns: dict[str, str]
 
 
-def derive(spec: LossSpec, has_targets: bool, fused_policy: bool) -> Derived:
+def derive(spec: LossSpec, has_targets: bool, fused_policy: bool, selected_k: int = 0) -> Derived:
     """The terms' share of a plan (headloss.plan.compile_plan): a spec that reads the targets without
-    them is refused here, naming the terms that read them."""
+    them is refused here, naming the terms that read them. ``selected_k``: the call's selected ids per
+    row (the width of the ``selected`` columns)."""
     if spec.needs_targets and not has_targets:
         raise ValueError(f"targets: required by {', '.join(target_readers(spec))} but not given")
-    context = TermContext(spec, has_targets, fused_policy)
+    context = TermContext(spec, has_targets, fused_policy, selected_k)
     context = context._replace(flags=flags_of(context))
     cols = columns_of(context)
     return Derived(context.flags, cols, scalars_of(spec), metric_columns_of(context, cols))

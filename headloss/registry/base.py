@@ -30,19 +30,22 @@ class Scalar:
 
 @dataclass(frozen=True)
 class Column:
-    """A per-row value the kernels store in the packed row buffer (``C.<name>``; -1 where absent)."""
+    """A per-row value the kernels store in the packed row buffer (``C.<name>``; -1 where absent), or with
+    ``width`` a block of that many columns from ``C.<name>`` on (the selected ids' log-probs: one per id)."""
 
     name: str
     doc: str
+    width: Callable[[TermContext], int] | None = None
 
 
 class TermContext(NamedTuple):
     """What a term's rules read: the spec, the call's targets, whether the policy term is the fused
-    epilogue's, and (for ``stores`` and ``metric_columns``) the variant's flags."""
+    epilogue's, the call's selected ids per row, and (for ``stores`` and ``metric_columns``) the variant's flags."""
 
     spec: LossSpec
     has_targets: bool
     fused_policy: bool
+    selected_k: int = 0  # the call's selected ids per row (outputs: selected_logprobs), else 0
     flags: Any = None
 
 

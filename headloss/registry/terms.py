@@ -13,18 +13,23 @@ CORE = Term(
     flags=(Flag("REDUCTION", int, "0 mean, 1 sum, 2 none", 0),
            Flag("HAS_ARGMAX", bool, "running argmax (accuracy, predicted tokens, teacher agreement)"),
            Flag("WEIGHT_NORM", bool, "token weights: a mean (and TRL's entropy mean) divides by the counted "
-                "tokens' summed weights")),
+                "tokens' summed weights"),
+           Flag("SELECTED", int, "the selected ids per row (outputs: selected_logprobs), 0 without", 0)),
     columns=(Column("token_loss", "combined per-token loss (before reduction)"),
              Column("lse", "logsumexp of the transformed logits"),
-             Column("logp", "log p(target)")),
+             Column("logp", "log p(target)"),
+             Column("selected", "log p of each selected id (SELECTED columns; 0 where the id is -1)",
+                    width=lambda c: c.selected_k)),
     flag_values=lambda c: {
         "REDUCTION": ("mean", "sum", "none").index(c.spec.reduction),
         "HAS_ARGMAX": c.spec.token_accuracy or "predicted_tokens" in c.spec.outputs or (
             c.spec.distillation is not None and c.spec.distillation.teacher in ("logits", "topk")),
         "WEIGHT_NORM": c.spec.token_weights is not None and c.spec.token_weights.normalize == "weights",
+        "SELECTED": c.selected_k,
     },
     stores=lambda c: {"token_loss": True, "lse": True,
-                      "logp": c.has_targets and ("logprobs" in c.spec.outputs or c.spec.policy is not None)},
+                      "logp": c.has_targets and ("logprobs" in c.spec.outputs or c.spec.policy is not None),
+                      "selected": c.selected_k > 0},
     reads_targets=lambda spec: "logprobs" in spec.outputs,
     target_reason="outputs: logprobs",
 )

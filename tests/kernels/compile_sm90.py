@@ -75,7 +75,7 @@ def launches(call) -> list:
                shard: ("shard_stats_kernel", "merge_stats_kernel", "shard_jsd_kernel"),
                policy: ("sequence_extremes_kernel", "extremes_finish_kernel", "policy_sequence_kernel",
                         "policy_objective_finish_kernel"),
-               sparse: ("check_teacher_kernel",)}
+               sparse: ("check_teacher_kernel", "check_selected_kernel")}
     real = {(module, name): getattr(module, name) for module, names in kernels.items() for name in names}
     try:
         for (module, name), kernel in real.items():
@@ -118,6 +118,9 @@ def _head(spec, dtype=torch.bfloat16, backward=True, **kwargs):
             extra["temperature"] = 0.5 + torch.rand(targets.shape)
         if extra.pop("weighted", False):  # one per token (spec.token_weights)
             extra["token_weights"] = torch.rand(targets.shape)
+        k = extra.pop("selected", 0)
+        if k:  # k ids per token (outputs: selected_logprobs), -1 among them
+            extra["selected_ids"] = torch.randint(-1, logits.shape[-1], (*targets.shape, k))
         if "policy" in extra:
             extra.pop("policy")
             extra.update(advantages=torch.randn(logits.shape[0]), sequence_ids=torch.arange(logits.shape[0]) // 3,
@@ -126,7 +129,10 @@ def _head(spec, dtype=torch.bfloat16, backward=True, **kwargs):
         validate = extra.pop("validate", False)
         out = headloss.head_loss(logits, targets, spec, backend="triton", validate=validate, **extra)
         if backward:
-            out.loss.sum().backward()
+            total = out.loss.sum()
+            if out.selected_logprobs is not None and out.selected_logprobs.requires_grad:  # (its d rows)
+                total = total + out.selected_logprobs.sum()
+            total.backward()
 
     return call
 
@@ -176,8 +182,8 @@ def _sharded(call):
         stand_ins = {
             (logits_entry, "shard_of"): lambda group, width, device, fresh=False: layout,
             (lm_head, "rows_shard"): lambda weight, group, fresh=False: (weight, layout),
-            (head, "gather_merged"): lambda part, _shard, own_temp=False, topk=False, merge=True: (
-                shard.launch_merge(torch.stack([part, part]), own_temp, topk) if merge else
+            (head, "gather_merged"): lambda part, _shard, own_temp=False, tail=0, merge=True: (
+                shard.launch_merge(torch.stack([part, part]), own_temp, tail) if merge else
                 torch.stack([part, part])),
             (head, "all_reduce_sum"): lambda t, _shard, what="dh": t,
             (linear, "all_reduce_sum"): lambda t, _shard, what="dh": t,
@@ -280,6 +286,15 @@ VARIANTS = {
     "token-weights": _head(headloss.LossSpec(entropy={"weight": 0.01}, token_weights={}), weighted=True,
                            validate=True),
     "token-weights-deferred": _head(headloss.LossSpec(reduction="none", token_weights={}), weighted=True),
+    # the selected ids' log-probs: K logits loaded after the stats pass; with their gradient, -G in A and each
+    # id's share added after the pass (a top-k teacher's scatter first); vocab-parallel: their merged logits
+    "selected": _head(headloss.LossSpec(outputs=("selected_logprobs",)), selected=64, validate=True),
+    "selected-deferred-topk": _head(headloss.LossSpec(
+        distillation={"teacher": "topk", "topk": "rest"}, outputs=("selected_logprobs",),
+        differentiable_outputs=True), topk=True, selected=8),
+    "sharded-selected-deferred": _sharded(_head(headloss.LossSpec(outputs=("selected_logprobs",),
+                                                                  differentiable_outputs=True), selected=5,
+                                                group=object())),
     "policy-token-weights": _head(headloss.LossSpec(cross_entropy={"weight": 0.3}, token_weights={},
                                                     policy={"loss_type": "bnpo", "entropy_coef": 0.01,
                                                             "entropy_aggregation": "token-mean"}),
