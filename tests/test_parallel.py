@@ -237,7 +237,7 @@ def check_logits_job(results, world: int, quick: bool) -> None:
     for rank in range(world):
         out, refusals, first, layouts = results[rank]["logits"]
         assert first == (2, 1) and layouts == 1  # the first call also learnt the layout; never again
-        assert len(out) == len(_cases(quick)) == (len(QUICK) if quick else 54)
+        assert len(out) == len(_cases(quick)) == (len(QUICK) if quick else 60)
         for (name, dtype, backend, shift), (errs, calls) in out.items():
             tol = 1e-5 if dtype == "torch.float32" else 2e-2  # bf16: the gradient's own rounding
             for what, err in errs.items():
