@@ -96,6 +96,9 @@ class LinearInputs(HeadInputs, total=False):
     teacher_bias: torch.Tensor | None
 
 
+MAX_SELECTED = 64
+"""The most selected ids per row (``selected_ids`` [.., K], K <= 64): one register block of the head kernel."""
+
 POLICY_INPUTS = tuple(PolicyInputs.__annotations__)
 """The policy inputs by name, in PolicyInputs' order."""
 TOKEN_INPUTS = POLICY_INPUTS[:-2]
@@ -204,9 +207,21 @@ class CallInputs:
 
     @property
     def selected_k(self) -> int:
-        """The selected ids per row (their last dimension), 0 without them."""
+        """The selected ids per row (their last dimension; a constant under torch.compile, which recompiles
+        for another K), 0 without them; ids that are no int tensor of K >= 1 are refused, naming them."""
         ids = self.selected_ids
-        return ids.shape[-1] if isinstance(ids, torch.Tensor) and ids.dim() else 0
+        if ids is None:
+            return 0
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            got = getattr(ids, "dtype", type(ids).__name__)
+            raise TypeError(f"selected_ids: expected an int64 or int32 tensor, got {got}")
+        if ids.dim() == 0 or ids.shape[-1] == 0:
+            raise ValueError(f"selected_ids: shape {tuple(ids.shape)} holds no ids (K, the last dimension, is 0 or "
+                             "missing)")
+        k = ids.shape[-1]
+        if torch.compiler.is_compiling():  # K a constant of the graph (a symbol where shapes turned dynamic)
+            k = next((i for i in range(1, MAX_SELECTED + 1) if k == i), k)
+        return k
 
     @classmethod
     def of(cls, inputs: Mapping[str, Any], accepted: type, caller: str) -> CallInputs:

@@ -262,11 +262,12 @@ def finish_grads(grads: Grads, weight, bias) -> tuple:
     return grads.dh, dw, db
 
 
-def spread(t: torch.Tensor, index: torch.Tensor | None, rows: int, fill: float) -> torch.Tensor:
-    """Per-row values over the computed rows -> over all rows (the others hold ``fill``)."""
+def spread(t: torch.Tensor, index: torch.Tensor | None, rows: int, fill: float | torch.Tensor) -> torch.Tensor:
+    """Per-row values over the computed rows -> over all rows (the others hold ``fill``: a value, or a row)."""
     if index is None:
         return t
-    return torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype, device=t.device).index_copy_(0, index, t)
+    return fill.expand(rows, *t.shape[1:]).clone().index_copy_(0, index, t) if isinstance(fill, torch.Tensor) else \
+        torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype, device=t.device).index_copy_(0, index, t)
 
 
 @bounded.memoize("chunks.quack", 1, "quack-kernels' gemm_add_inplace, imported once (an optional dependency)")

@@ -15,8 +15,9 @@ from .chunks import DEFAULT_CHUNK_BYTES
 from .plan import KernelPlan, compile_plan
 from .policy_tables import IMPORTANCE_SAMPLING, KL_ESTIMATORS, LOSS_TYPES, OBJECTIVES
 from .reference import reference_head_loss
+from .registry import ROW_COLUMNS
 from .routes import ROUTES, Facts, routes_for
-from .spec import LossSpec, Policy
+from .spec import OUTPUT_NAMES, LossSpec, Policy
 
 DESCRIPTION = "Run a loss spec on a synthetic batch (demo), or print its kernel plan and routes (explain)."
 
@@ -60,7 +61,7 @@ def explain(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, with_grad
           if value is True or type(value) is int and (codes[name] if name in codes else value != 0)]
     off = [name for name, value in flags.items() if value is False]
     scalars = plan.scalars._asdict()
-    columns = [name for name in plan.cols._fields[:-1] if getattr(plan.cols, name) >= 0]
+    columns = [name for name in ROW_COLUMNS if getattr(plan.cols, name) >= 0]
     lines = [
         f"mode        {plan.mode}" + (" (stats in forward, gradient pass in backward)" if plan.mode == "deferred"
                                       else " (one launch: stats, epilogue, gradient)"),
@@ -75,6 +76,10 @@ def explain(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, with_grad
         + (" (student and teacher)" if plan.has_teacher else "")
         + (" + K logits per row at the teacher's ids" if plan.flags.SPARSE == 1 else "")
         + (" + K logits per row at the selected ids" if selecting else ""),
+        *([f"top-k       the student's {spec.student_topk} most likely ids per row, streamed through the stats pass "
+           "(topk_ids, topk_logprobs; ties to the lower id)" + (", and verl's overlap with the teacher's top-k"
+                                                               if plan.cols.overlap >= 0 else "")]
+          if spec.student_topk else []),
         *([f"selected    log p of the call's selected_ids [.., K] (K <= 64; shown for K = {DEMO_SELECTED}): K "
            "columns of the packed row buffer" + (", with gradient (the deferred backward adds each id's share "
                                                  "after its pass)" if spec.differentiable_outputs else "")]
@@ -206,7 +211,7 @@ def demo(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, device: str)
         err = abs(got[name] - want[name])
         worst = max(worst, err / max(1.0, abs(want[name])))
         print(f"{'metric ' + name:<{w}}{got[name]:>16.6f}{want[name]:>18.6f}{err:>12.2e}")
-    for name in ("predicted_tokens", "logprobs", "lse", "token_loss", "entropy"):
+    for name in (name for name in OUTPUT_NAMES if name != "topk_ids"):  # (their log-probs say the same)
         a, b = getattr(out, name), getattr(ref, name)
         if a is None:
             continue

@@ -202,11 +202,18 @@ def geometry(logits_shape: tuple[int, ...], logits_strides: tuple[int, int], slo
     )
 
 
+def check_student_topk(spec: LossSpec, vocab: int) -> None:
+    """The student's top-k fits the vocabulary."""
+    if spec.student_topk is not None and spec.student_topk > vocab:
+        raise ValueError(f"student_topk: {spec.student_topk} ids per row, but the vocabulary holds {vocab}")
+
+
 def check_head(logits: Any, targets: Any, spec: LossSpec, teacher_logits: Any, shift: bool, kernel: bool
                ) -> tuple[int, ...]:
     """Check head_loss's tensors on the host (errors name the argument); returns the token shape:
     the targets' with ``shift``, else the logits' rows."""
     check_logits(logits)
+    check_student_topk(spec, logits.shape[-1])
     token_rows = tuple(logits.shape[:-1])
     check_targets(targets, token_rows, spec, logits.device, shift)
     check_teacher(tuple(logits.shape), logits.device, teacher_logits, spec, kernel)

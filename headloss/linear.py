@@ -60,6 +60,17 @@ def chunk_geometry(rows: int, vocab: int, teacher: torch.Tensor | None, run: Lin
                     V_total=0 if shard is None else shard.vocab_total)
 
 
+def unscored_row(plan: KernelPlan, device) -> torch.Tensor | float:
+    """What the packed row buffer holds at a row that is not scored: 0, and the student's top-k ids -1 (their
+    int32 bits) where the plan has them."""
+    k = plan.flags.STUDENT_TOPK
+    if not k:
+        return 0.0
+    row = torch.zeros(plan.cols.N, dtype=torch.float32, device=device)
+    row[plan.cols.topk_ids:plan.cols.topk_ids + k] = torch.tensor(-1, dtype=torch.int32).view(torch.float32)
+    return row
+
+
 def _compact_index(run: LinearRun, targets, scratch, rows: int, verdict):
     """The rows to compute when ignored rows are skipped: one host sync (nonzero's, for their count),
     after which the call's verdict is read in the call too (so validation costs nothing more). Never
@@ -121,7 +132,7 @@ def linear_forward(run: LinearRun, hidden, weight, bias, tensors: CallTensors, w
     _run_chunks(loop, hidden, weight, bias, tensors)
     call.finish(loop.out)
     index, out = loop.index, loop.out
-    every_row = spread(out.rows, index, rows, 0.0)
+    every_row = spread(out.rows, index, rows, unscored_row(plan, hidden.device))
     run.loop.after_finish(loop, LmHead(hidden, weight, bias, targets), every_row)  # (the route's corrections)
     call.close()
     dh, dw, db = finish_grads(loop.grads, weight, bias) if loop.grads is not None else (None, None, None)

@@ -72,7 +72,7 @@ def sequence_chunk_grad(loop, block: Block, start: int, stop: int) -> None:
     launch_backward(plan, logits=logits, targets=block.targets, teacher=block.teacher, grad=logits, rows=rows,
                     d_loss=torch.ones(1, dtype=torch.float32, device=logits.device), d_rows=d_rows,
                     num_items=loop.call.tensors.num_items, scratch=loop.call.scratch, geo=block.geo,
-                    sparse=block.sparse, temperature=block.temperature, weights=block.weights)
+                    sparse=block.sparse, temperature=block.temperature, weights=block.weights, selected=block.selected)
 
 
 def cov_correction(run: LinearRun, head: LmHead, rows, acc) -> dict[str, torch.Tensor]:
@@ -156,7 +156,7 @@ def guess_mask(loop, block: Block, start: int, stop: int) -> PolicyRows:
     the counted rows so far (NaN elsewhere), ``loop.guess`` the guessed mask."""
     run, y_c, chunk, guess, seen = loop.run, block.targets, block.policy, loop.guess, loop.seen
     part = launch_shard_stats(run.plan, logits=block.logits, targets=y_c, geo=block.geo,
-                              temperature=block.temperature)
+                              temperature=block.temperature, selected=block.selected)
     valid = y_c != run.ignore_index
     d = part[:, STATS.d].clamp(min=1e-30)
     # base-2 statistics (m2, sum 2^(x2 - m2), sum 2^(x2 - m2) x2) -> the entropy in nats

@@ -24,6 +24,7 @@ from .env import log_route
 from .head import CallTensors, PerSlot, teacher_rows, torch_head
 from .inputs import (
     check_linear_inputs,
+    check_student_topk,
     check_targets,
     flat_targets,
     pad_shifted,
@@ -45,6 +46,7 @@ from .parallel import (
     gather_vocab,
     handshake,
     is_dtensor,
+    refuse_sharded,
     rows_shard,
     traced_refusals,
     traced_shard,
@@ -108,6 +110,7 @@ def _run_linear(hidden, weight, targets, plan: KernelPlan, call: CallInputs, opt
     exchange = mode == "sync" or (is_dtensor(weight) and mode != "off" and not traced and first_sight(weight))
     shard = None
     if options.group is not None or is_dtensor(weight):
+        refuse_sharded(plan.spec)
         hidden, weight, targets, call, shard = _local(hidden, weight, targets, call, options)
     error = checked = None
     try:  # every host-side check; with a group and an exchange, every rank learns of any rank's error
@@ -174,6 +177,7 @@ def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: L
         teacher = replace(teacher, hidden=t_hidden, logits=t_logits, ids=t_ids, logprobs=t_logprobs)
         shift = False
     check_linear_inputs(hidden, weight, bias)
+    check_student_topk(spec, vocab or weight.shape[0])
     chunk_bytes = options.chunk_bytes
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes: expected a positive number of bytes, got {chunk_bytes!r}")

@@ -24,6 +24,7 @@ from .head import CallTensors, PerSlot, teacher_rows, torch_head
 from .inputs import (
     check_head,
     check_logits,
+    check_student_topk,
     check_targets,
     check_teacher,
     flat_targets,
@@ -42,6 +43,7 @@ from .parallel import (
     gather_vocab,
     handshake,
     is_dtensor,
+    refuse_sharded,
     shard_of,
     traced_refusals,
     traced_shard,
@@ -99,6 +101,7 @@ def run_head(logits, targets, plan: KernelPlan, call: CallInputs, options: Optio
     shard = None
     reusable = True  # a recipe may hold the call's layout: a group's cached one, not a DTensor's or a "sync" call's
     if options.group is not None or is_dtensor(logits):
+        refuse_sharded(spec)
         sync = validation_mode(options.validate) == "sync"
         reusable = not sync and not is_dtensor(logits)
         logits, targets, teacher_logits, shard = _vocab_shard(logits, targets, teacher_logits, options, sync)
@@ -224,6 +227,7 @@ def _torch_loss(laid: _Laid) -> HeadLossOutput:
     traced = torch.compiler.is_compiling()
     teacher_logits = teacher.logits
     check_logits(logits)
+    check_student_topk(spec, logits.shape[-1])
     rows_shape = tuple(logits.shape[:-1])
     check_targets(targets, rows_shape, spec, logits.device, shift)
     check_teacher(tuple(logits.shape), logits.device, teacher_logits, spec, kernel=False)

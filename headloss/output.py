@@ -51,6 +51,9 @@ class HeadLossOutput:
     entropy           fp32 per-token entropy, 0 at ignored positions
     selected_logprobs fp32 [.., K] log p of each of the call's ``selected_ids``, 0 at -1 and at ignored
                       positions
+    topk_ids          int64 [.., k] the student's ``student_topk`` most likely ids, largest first (ties:
+                      the lower id), -1 at ignored positions
+    topk_logprobs     fp32 [.., k] their log-probs, 0 at ignored positions (no gradient)
     route             the name of the route the call took (headloss.routes.ROUTES)
 
     Per-token tensors are shaped like the targets. They are detached unless the spec sets
@@ -65,6 +68,8 @@ class HeadLossOutput:
     token_loss: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     selected_logprobs: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
     route: str | None = None
 
     def packed_metrics(self) -> torch.Tensor:
@@ -178,12 +183,20 @@ def assemble(plan: KernelPlan, token_shape: tuple[int, ...], head: HeadOutputs, 
         value = value if flat else value.view(*token_shape, k)
         out.selected_logprobs = value.detach() if rows.requires_grad and not plan.spec.differentiable_outputs \
             else value
+    k = plan.flags.STUDENT_TOPK
+    if k and "topk_logprobs" in plan.spec.outputs:  # (values only: detached)
+        out.topk_logprobs = rows[:, plan.cols.topk_logprobs:plan.cols.topk_logprobs + k].detach().reshape(
+            *token_shape, k)
+    if k and "topk_ids" in plan.spec.outputs:  # int32 bits in the fp32 buffer
+        out.topk_ids = rows[:, plan.cols.topk_ids:plan.cols.topk_ids + k].detach().contiguous().view(
+            torch.int32).long().reshape(*token_shape, k)
     if plan.flags.HAS_ARGMAX and "predicted_tokens" in plan.spec.outputs:
         out.predicted_tokens = pred if len(token_shape) == 1 else pred.view(token_shape)
     return out
 
 
-_DEFERRED_FIELDS = ("metrics", "predicted_tokens", "logprobs", "lse", "token_loss", "entropy", "selected_logprobs")
+_DEFERRED_FIELDS = ("metrics", "predicted_tokens", "logprobs", "lse", "token_loss", "entropy", "selected_logprobs",
+                    "topk_ids", "topk_logprobs")
 
 
 class _Deferred(HeadLossOutput):
@@ -227,7 +240,7 @@ for _name in _DEFERRED_FIELDS:
 # a forward's output tensors through torch.utils._pytree (FSDP2's backward hooks, DDP, activation
 # checkpointing, torch.export) finds the loss inside it. Flattening makes a lazily built output.
 _TENSOR_FIELDS = ("loss", "metrics", "predicted_tokens", "logprobs", "lse", "token_loss", "entropy",
-                  "selected_logprobs")
+                  "selected_logprobs", "topk_ids", "topk_logprobs")
 
 
 def _flatten(out: HeadLossOutput) -> tuple[list, str | None]:

@@ -368,6 +368,14 @@ TRACED_TORCH = ("group: the plain-torch path of a vocab-parallel call (CPU tenso
                 "is not traceable by torch.compile; the kernels' path is")
 
 
+def refuse_sharded(spec) -> None:
+    """What a vocab-parallel call cannot do yet, refused on every rank alike before any collective: the
+    student's top-k (each rank would find its shard's; their merge is not written)."""
+    if spec.student_topk is not None:
+        raise ValueError("student_topk: the student's top-k is not computed vocab-parallel yet (group= or a "
+                         "sharded DTensor); gather the logits, or leave student_topk unset")
+
+
 def traced_refusals(name: str, tensors: tuple, sync: bool) -> None:
     """What a vocab-parallel call cannot do under torch.compile, refused on every rank alike before any
     collective: DTensors (``name``: the sharded input) and validate="sync"."""

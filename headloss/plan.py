@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import torch
 
+from .batch import MAX_SELECTED
 from .bounded import BoundedDict, cache, memoize
 from .layouts import EXTREME_METRICS, EXTREMES
 from .policy_tables import OBJECTIVES
@@ -117,7 +118,7 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True, selected_k: int = 
     if selected_k:
         made_from["selected_k"] = selected_k
     key = json.dumps(made_from, sort_keys=True)
-    base = _base_of(spec) if deferred and pol is not None else None
+    base = _base_of(spec, selected_k) if deferred and pol is not None else None
     flags, cols, used, metric_columns = derive(spec, has_targets, fused_policy, selected_k)  # (headloss.registry)
     metrics = tuple(sorted(metric_columns.items(), key=lambda item: _METRIC_RANK[item[0]]))
     extra = EXTREME_METRICS if fused_policy else ()  # the last program's values after the loss, means[cols.N]
@@ -146,7 +147,7 @@ def compile_plan(spec: LossSpec, *, has_targets: bool = True, selected_k: int = 
     return plan
 
 
-def _base_of(spec: LossSpec) -> KernelPlan | None:
+def _base_of(spec: LossSpec, selected_k: int = 0) -> KernelPlan | None:
     """The fused plan of the row-local objective that the lm_head's corrected routes (routes: covariance,
     entropy-guess) run before a batch statistic corrects a few rows; None where the spec has none or
     its base still needs deferred mode (a top-entropy mask under a covariance objective)."""
@@ -154,7 +155,8 @@ def _base_of(spec: LossSpec) -> KernelPlan | None:
     objective = OBJECTIVES[pol.objective]
     if objective.base is None and not (objective.row_local and pol.top_entropy_quantile < 1.0):
         return None
-    candidate = compile_plan(spec.model_copy(update={"policy": base_policy(pol)}), has_targets=True)
+    candidate = compile_plan(spec.model_copy(update={"policy": base_policy(pol)}), has_targets=True,
+                             selected_k=selected_k)
     return candidate if candidate.mode == "fused" else None
 
 
@@ -192,10 +194,6 @@ def plan_from_key(key: str) -> KernelPlan:
         plan = compile_plan(LossSpec.model_validate(made_from["spec"]), has_targets=made_from["has_targets"],
                             selected_k=made_from.get("selected_k", 0))
     return plan
-
-
-MAX_SELECTED = 64
-"""The most selected ids per row (``selected_ids`` [.., K], K <= 64): one register block of the head kernel."""
 
 
 def selecting(plan: KernelPlan, k: int) -> KernelPlan:

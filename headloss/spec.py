@@ -87,6 +87,10 @@ class LossSpec(_Frozen):
     distillation: Distillation | None = None
     policy: Policy | None = None
     token_accuracy: bool = Field(False, description="metric: fraction of non-ignored argmax == target")
+    student_topk: int | None = Field(
+        None, ge=1, le=64,
+        description="the student's k most likely ids per row, found in the same pass (outputs topk_ids, "
+        "topk_logprobs; ties to the lower id); with a top-k teacher also verl's overlap metrics")
     outputs: tuple[OutputName, ...] = Field((), description="per-token tensors to return")
     differentiable_outputs: bool = Field(
         False,
@@ -106,6 +110,13 @@ class LossSpec(_Frozen):
         if seen:
             raise ValueError(f"outputs lists {sorted(set(seen))} more than once")
         return tuple(sorted(value, key=OUTPUT_NAMES.index))
+
+    @model_validator(mode="after")
+    def _topk_outputs(self) -> LossSpec:
+        asked = [name for name in ("topk_ids", "topk_logprobs") if name in self.outputs]
+        if asked and self.student_topk is None:
+            raise ValueError(f"outputs: {', '.join(asked)} need student_topk (k, 1 to 64)")
+        return self
 
     @model_validator(mode="after")
     def _something_requested(self) -> LossSpec:

@@ -109,6 +109,10 @@ def default_objective(spec: LossSpec, token_shape, seed: int = 0) -> Callable[[H
                 value = getattr(out, name)
                 if value is not None:
                     total = total + (value * weights[name].to(value.dtype)).sum()
+            if out.selected_logprobs is not None:  # (a weight per entry: the token's, times the entry's rank)
+                k = out.selected_logprobs.shape[-1]
+                ranks = torch.linspace(-1.0, 1.0, k, dtype=out.selected_logprobs.dtype)
+                total = total + (out.selected_logprobs * weights["logprobs"].to(ranks.dtype)[..., None] * ranks).sum()
         return total
 
     return objective
@@ -143,8 +147,15 @@ def run_pair(
 ) -> Pair:
     """Run ``head_loss(view(leaf), backend="triton")`` and ``reference_head_loss`` on
     ``view(leaf.double())``; backpropagate ``upstream * objective(out)`` through both.
-    ``inputs``: the terms' per-call inputs (teacher_logits, advantages, ...), upcast for the reference."""
-    inputs = inputs or {}
+    ``inputs``: the terms' per-call inputs (teacher_logits, advantages, ...), upcast for the reference; a spec
+    asking for the selected ids' log-probs gets 3 ids per row (-1 among them) where ``inputs`` has none, and
+    a student top-k above the vocabulary is cut to it."""
+    inputs = dict(inputs or {})
+    vocab = view(leaf).shape[-1]
+    if "selected_logprobs" in spec.outputs and "selected_ids" not in inputs:
+        inputs["selected_ids"] = torch.randint(-1, vocab, (*view(leaf).shape[:-1], 3), generator=generator(5))
+    if spec.student_topk is not None and spec.student_topk > vocab:
+        spec = spec.model_copy(update={"student_topk": vocab})
     inputs64 = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
     dtype = leaf.dtype
     leaf64 = leaf.detach().double().requires_grad_(with_grad)
@@ -308,6 +319,13 @@ def assert_matches_reference(pair: Pair, *, check_grad: bool = True) -> None:
         else:
             assert got.dtype == torch.float32
             assert got.requires_grad == (spec.differentiable_outputs and pair.leaf.requires_grad)
+            assert_close_norm(got, want, rtol=VALUE_RTOL, atol=atol, name=name)
+
+    for name in ("selected_logprobs", "topk_logprobs"):  # [.., K] (the top-k's ids: near-ties may swap them)
+        got, want = getattr(out, name), getattr(ref, name)
+        assert (got is None) == (want is None) == (name not in spec.outputs), name
+        if got is not None:
+            assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
             assert_close_norm(got, want, rtol=VALUE_RTOL, atol=atol, name=name)
 
     if check_grad and pair.ref_grad is not None:

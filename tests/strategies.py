@@ -46,11 +46,13 @@ def valid_specs(draw) -> LossSpec:
         softcap=st.none() | st.floats(1.0, 30.0),
         temperature=st.just(1.0) | st.floats(0.5, 2.0),
     ))
+    asks_topk = "topk_ids" in outputs or "topk_logprobs" in outputs
     return LossSpec(
         cross_entropy=ce,
         z_loss=z,
         entropy=entropy,
         token_accuracy=token_accuracy,
+        student_topk=draw(st.integers(1, 64)) if asks_topk else draw(st.none() | st.integers(1, 64)),
         outputs=outputs,
         differentiable_outputs=draw(st.booleans()),
         transform=transform,

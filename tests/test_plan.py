@@ -11,7 +11,7 @@ from hypothesis import given
 from strategies import CI, valid_specs
 
 from headloss import DFT, CrossEntropy, Entropy, LogitTransform, LossSpec, ZLoss, head_loss
-from headloss.kernels import blocks, head, policy, primitives, shard, sparse, terms
+from headloss.kernels import blocks, head, policy, primitives, shard, sparse, terms, topk
 from headloss.plan import compile_plan, plan_from_key
 from headloss.registry import ROW_COLUMNS, Columns, Flags, Scalars
 
@@ -86,11 +86,11 @@ def test_cross_entropy_only_plan_computes_nothing_else():
     plan = compile_plan(LossSpec())
     assert plan.flags == Flags(
         REDUCTION=0, WEIGHT_NORM=False, SELECTED=0, HAS_CE=True, HAS_SMOOTHING=False, HAS_Z=False, HAS_DFT=False,
-        HAS_ENTROPY=False,
-        ENTROPY_GRAD=False, ENTROPY_TOKEN_MEAN=False, HAS_ARGMAX=False, HAS_SOFTCAP=False, HAS_POLICY=False,
+        HAS_ENTROPY=False, ENTROPY_GRAD=False, ENTROPY_TOKEN_MEAN=False, HAS_ARGMAX=False, HAS_SOFTCAP=False,
+        HAS_POLICY=False,
         OBJECTIVE=0, CISPO_VERL=False, LOG_RATIO_CLAMP=False, KL_EST=0, KL_CLAMP=False, KL_K2_GRAD=False,
         KL_IS_CORR=False, DISTILL_KIND=-1, OWN_TEMP=False, SPARSE=0, TEACHER_PROBS=False, TOPK_FORM=0, TOPK_DIV=0,
-        TOPK_CLAMP=False, TOKEN_EST=0, TOKEN_CLAMP=False, TOKEN_K2_GRAD=False,
+        TOPK_CLAMP=False, TOKEN_EST=0, TOKEN_CLAMP=False, TOKEN_K2_GRAD=False, STUDENT_TOPK=0,
     )
     assert plan.mode == "fused" and plan.reduction == "mean"
     assert plan.requires == ("logits", "targets")
@@ -196,7 +196,7 @@ def test_kernels_take_the_plan_as_named_tuples_by_keyword():
 
 def test_every_flag_column_and_scalar_is_read_by_name_in_the_kernels():
     """A field no kernel reads is dead; a field read by a name the plan lacks would not compile."""
-    source = "\n".join(inspect.getsource(m) for m in (head, shard, policy, blocks, terms, primitives, sparse))
+    source = "\n".join(inspect.getsource(m) for m in (head, shard, policy, blocks, terms, primitives, sparse, topk))
     for name in Flags._fields:
         assert f"F.{name}" in source, f"flag {name} is never read"
     for name in Columns._fields:
@@ -208,7 +208,7 @@ def test_every_flag_column_and_scalar_is_read_by_name_in_the_kernels():
 def test_columns_are_packed_without_gaps():
     for spec in (LossSpec(), RICH, with_(RICH, dft=DFT(), outputs=("logprobs", "entropy"))):
         cols = compile_plan(spec).cols
-        used = sorted(i for i in cols[:-1] if i >= 0)
+        used = sorted(i for i in cols[:-2] if i >= 0)
         assert used == list(range(cols.N))
 
 
@@ -232,7 +232,7 @@ def test_the_registry_generates_flags_scalars_columns_and_the_metric_order():
     assert list(Flags._fields) == [flag.name for term in TERMS for flag in term.flags]
     assert list(Scalars._fields) == [s.name for term in TERMS for s in term.scalars]
     assert Scalars() == Scalars(**{s.name: s.default for term in TERMS for s in term.scalars})
-    assert list(ROW_COLUMNS) == [c.name for term in TERMS for c in term.columns] == list(Columns._fields[:-1])
+    assert list(ROW_COLUMNS) == [c.name for term in TERMS for c in term.columns] == list(Columns._fields[:-2])
     assert METRIC_ORDER[0] == "loss" and METRIC_ORDER[-1] == "n_tokens" and len(set(METRIC_ORDER)) == len(METRIC_ORDER)
     for name in ("flags", "scalars", "columns"):
         names = [part.name for term in TERMS for part in getattr(term, name)]

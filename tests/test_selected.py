@@ -314,3 +314,75 @@ def test_any_shape_and_k_match_the_oracle(rows, vocab, k, seed, softcap, deferre
         (out.selected_logprobs * g.float()).sum().backward()
         (want * g).sum().backward()
         torch.testing.assert_close(leaf.grad.double(), ref.grad, rtol=1e-4, atol=3e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("policy", [{"importance_sampling": "sequence"}, {"objective": "kl_cov", "cov_ratio": 0.2},
+                                    {"top_entropy_quantile": 0.5}], ids=["sequences", "covariance", "entropy-guess"])
+def test_the_lm_heads_policy_routes_give_the_selected_logprobs(policy):
+    """The lm_head's routes beyond plain rows (sequence chunks with their gradient in forward; the corrected
+    routes, which run the base plan) score the selected ids as the plain-torch path does, the loss's gradient
+    unchanged by them."""
+    gen = generator(41)
+    b, t = 3, 6
+    hidden, weight = torch.randn(b, t, H, generator=gen), torch.randn(V, H, generator=gen)
+    y = torch.randint(0, V, (b, t), generator=gen)
+    ids = torch.randint(-1, V, (b, t, 4), generator=gen)
+    adv = torch.randn(b, generator=gen)
+    spec = LossSpec(cross_entropy=None, policy=policy, outputs=("selected_logprobs",))
+    outs = {}
+    for backend in ("triton", "torch"):
+        h = hidden.clone().requires_grad_()
+        out = headloss.linear_head_loss(h, weight, y, spec, selected_ids=ids, advantages=adv, backend=backend)
+        out.loss.backward()
+        outs[backend] = (out, h.grad)
+    (got, got_grad), (want, want_grad) = outs["triton"], outs["torch"]
+    assert got.route.startswith("lm_head:") and got.selected_logprobs is not None
+    torch.testing.assert_close(got.selected_logprobs, want.selected_logprobs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)
+
+
+@needs_kernel
+def test_a_compiled_call_recompiles_for_another_k():
+    """fullgraph: a second K is a new graph (K a constant of the plan), not a failed trace."""
+    spec = LossSpec(outputs=("selected_logprobs",), differentiable_outputs=True)
+    gen = generator(43)
+    z, y = torch.randn(2, 5, V, generator=gen), torch.randint(0, V, (2, 5), generator=gen)
+
+    def step(z, y, ids):
+        out = headloss.head_loss(z, y, spec, selected_ids=ids)
+        return out.loss + out.selected_logprobs.sum()
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for k in (3, 5):
+        ids = torch.randint(-1, V, (2, 5, k), generator=gen)
+        torch.testing.assert_close(compiled(z, y, ids), step(z, y, ids))
+
+
+@needs_kernel
+def test_an_unchecked_bad_id_takes_no_gradient_on_either_path():
+    """validate=False: the NaN entry's upstream gradient goes nowhere (the row's gradient still sums to 0), as
+    on the plain-torch path."""
+    z, y, ids, _ = _batch(seed=8, b=1, t=3, k=4)
+    ids[0, 2, 2] = V + 100
+    spec = LossSpec(cross_entropy=None, outputs=("selected_logprobs",), differentiable_outputs=True)
+    grads = []
+    for backend in ("triton", "torch"):
+        leaf = z.float().requires_grad_()
+        out = headloss.head_loss(leaf, y, spec, selected_ids=ids, backend=backend, validate=False)
+        torch.nan_to_num(out.selected_logprobs, nan=0.0).sum().backward()
+        grads.append(leaf.grad)
+    assert abs(float(grads[0][0, 2].sum())) < 1e-5
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("given", "error"), [
+    ([[1, 2]], r"selected_ids: expected an int64 or int32 tensor, got list"),
+    (torch.tensor(3), r"selected_ids: shape \(\) holds no ids"),
+    (torch.zeros(2, 3, 0, dtype=torch.long), r"selected_ids: shape \(2, 3, 0\) holds no ids"),
+])
+def test_selected_ids_that_are_no_ids_are_named(given, error):
+    spec = LossSpec(outputs=("selected_logprobs",))
+    with pytest.raises((TypeError, ValueError), match=error):
+        headloss.head_loss(torch.randn(2, 3, V), torch.zeros(2, 3, dtype=torch.long), spec, selected_ids=given,
+                           backend="torch")

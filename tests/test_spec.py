@@ -152,7 +152,8 @@ def test_equal_specs_hash_equal_and_work_as_dict_keys():
 def test_outputs_are_stored_in_canonical_order():
     spec = LossSpec(outputs=("entropy", "lse", "predicted_tokens"))
     assert spec.outputs == ("predicted_tokens", "lse", "entropy")
-    assert OUTPUT_NAMES == ("predicted_tokens", "logprobs", "lse", "token_loss", "entropy", "selected_logprobs")
+    assert OUTPUT_NAMES == ("predicted_tokens", "logprobs", "lse", "token_loss", "entropy", "selected_logprobs",
+                            "topk_ids", "topk_logprobs")
 
 
 def test_coerce_accepts_spec_dict_and_paths(tmp_path):

@@ -27,6 +27,7 @@ from ..layouts import EXTREMES_AT, SCRATCH_AT, SEQUENCE_AT
 from ..registry import Scalars
 from .primitives import LN2, LOG2E, NEG_BIG, softmax_update, to_x2, transform
 from .terms import distill_grad, teacher_block
+from .topk import topk_block, topk_start
 
 
 @triton.jit
@@ -82,10 +83,11 @@ def _pair(row_ptr, t_row_ptr, at, offs, HAS_TEACHER: tl.constexpr):
 
 
 @triton.jit
-def _full_block(z, zt, start, V, student, off, tstats, S, F: tl.constexpr, BLOCK_V: tl.constexpr,
-                NEED_SUM_EX: tl.constexpr, HAS_TEACHER: tl.constexpr):
+def _full_block(z, zt, start, V, student, off, tstats, top, S, F: tl.constexpr, BLOCK_V: tl.constexpr,
+                NEED_SUM_EX: tl.constexpr, HAS_TEACHER: tl.constexpr, TOPK_BLOCK: tl.constexpr):
     """One full (unmasked) block of online_stats: the student's running statistics ``student`` = (m, d,
-    sum_x, sum_ex, arg), the rest form's ``off`` and the teacher's ``tstats`` (zt: its block), updated."""
+    sum_x, sum_ex, arg), the rest form's ``off``, the teacher's ``tstats`` (zt: its block) and the student's
+    running top-k ``top`` (kernels.topk; TOPK_BLOCK 0: none), updated."""
     m, d, sum_x, sum_ex, arg = student
     m_before = m
     m, d, sum_x, sum_ex, arg, x2, e, alpha = _stats_block(
@@ -96,11 +98,14 @@ def _full_block(z, zt, start, V, student, off, tstats, S, F: tl.constexpr, BLOCK
         off = _off_max(x2, e, alpha, m_before, off, BLOCK_V)
     if HAS_TEACHER:
         tstats = teacher_block(zt, x2, e, alpha, start, V, tstats, S, BLOCK_V, F, False)
-    return m, d, sum_x, sum_ex, arg, off, tstats
+    if TOPK_BLOCK > 0:
+        top = topk_block(x2, start + tl.arange(0, BLOCK_V), V, top, TOPK_BLOCK)
+    return m, d, sum_x, sum_ex, arg, off, tstats, top
 
 
 @triton.jit
-def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexpr, NEED_SUM_EX: tl.constexpr):
+def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexpr, NEED_SUM_EX: tl.constexpr,
+                 TOPK_BLOCK: tl.constexpr = 0):
     """Phase 1: one read of a row (and of the teacher's, when t_row_ptr is not None), in base 2.
 
     Student: (m2, d, sum_x2, sum_ex2, argmax) with m2 = max x2, d = sum 2^(x2 - m2),
@@ -108,7 +113,8 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
     argmax = first index of the max. So lse = (m2 + log2 d) ln 2, mean_p(x) = ln 2 sum_ex2 / d,
     sum x = ln 2 sum_x2. tstats: the teacher's statistics (terms.teacher_block). off: for a top-k
     teacher's ``rest`` form (F.TOPK_FORM == 2) the sum of 2^(x2 - m2) without the max's elements and
-    their count (:func:`_off_max`; kernels.sparse.rest_sum), else zeros.
+    their count (:func:`_off_max`; kernels.sparse.rest_sum), else zeros. top: with TOPK_BLOCK > 0 the
+    student's top-F.STUDENT_TOPK (kernels.topk: keys and threshold), else a placeholder.
     -inf logits (a masked vocabulary) are allowed; NaN and +inf propagate to NaN.
     """
     HAS_TEACHER: tl.constexpr = t_row_ptr is not None
@@ -125,18 +131,23 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
     lanes = tl.zeros([BLOCK_V], tl.float32)
     tstats = (neg_inf, lanes, lanes, lanes, neg_inf, lanes, lanes, tl.zeros([], tl.int32))
     offs = tl.arange(0, BLOCK_V)
+    top = (tl.zeros([1], tl.int64), tl.zeros([], tl.int64))
+    if TOPK_BLOCK > 0:
+        top = topk_start(F.STUDENT_TOPK, TOPK_BLOCK)
     v_full = (V // BLOCK_V) * BLOCK_V
     if v_full > 0:
         # full blocks, unmasked, each load issued one block ahead of its use
         z, zt = _pair(row_ptr, t_row_ptr, 0, offs, HAS_TEACHER)
         for start in range(BLOCK_V, v_full, BLOCK_V):
             z_next, zt_next = _pair(row_ptr, t_row_ptr, start, offs, HAS_TEACHER)
-            m, d, sum_x, sum_ex, arg, off, tstats = _full_block(z, zt, start - BLOCK_V, V, (m, d, sum_x, sum_ex, arg),
-                                                                off, tstats, S, F, BLOCK_V, NEED_SUM_EX, HAS_TEACHER)
+            m, d, sum_x, sum_ex, arg, off, tstats, top = _full_block(
+                z, zt, start - BLOCK_V, V, (m, d, sum_x, sum_ex, arg), off, tstats, top, S, F, BLOCK_V, NEED_SUM_EX,
+                HAS_TEACHER, TOPK_BLOCK)
             z = z_next
             zt = zt_next
-        m, d, sum_x, sum_ex, arg, off, tstats = _full_block(z, zt, v_full - BLOCK_V, V, (m, d, sum_x, sum_ex, arg), off,
-                                                            tstats, S, F, BLOCK_V, NEED_SUM_EX, HAS_TEACHER)
+        m, d, sum_x, sum_ex, arg, off, tstats, top = _full_block(
+            z, zt, v_full - BLOCK_V, V, (m, d, sum_x, sum_ex, arg), off, tstats, top, S, F, BLOCK_V, NEED_SUM_EX,
+            HAS_TEACHER, TOPK_BLOCK)
     if v_full < V:
         mask = v_full + offs < V
         z = tl.load(row_ptr + v_full + offs, mask=mask, other=0.0)
@@ -150,6 +161,8 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
         if HAS_TEACHER:
             zt = tl.load(t_row_ptr + v_full + offs, mask=mask, other=0.0)
             tstats = teacher_block(zt, x2, e, alpha, v_full, V, tstats, S, BLOCK_V, F, True)
+        if TOPK_BLOCK > 0:
+            top = topk_block(x2, v_full + offs, V, top, TOPK_BLOCK)
     if NEED_ARGMAX:
         # the index inside that block: one more block read per row, first index of the max
         cols = arg + offs
@@ -164,7 +177,7 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
     tstats = (mt, tl.sum(dt, axis=0), tl.sum(sum_t, axis=0), tl.sum(sum_ts, axis=0), ms, tl.sum(ds, axis=0),
               tl.sum(sum_st, axis=0), t_arg)
     off = (tl.sum(off[0], axis=0), off[1])
-    return m, tl.sum(d, axis=0), tl.sum(sum_x, axis=0), tl.sum(sum_ex, axis=0), arg, tstats, off
+    return m, tl.sum(d, axis=0), tl.sum(sum_x, axis=0), tl.sum(sum_ex, axis=0), arg, tstats, off, top
 
 
 @triton.jit
@@ -373,10 +386,11 @@ def reduce_rows(rows, loss, means, scratch, num_items, policy, geo, F: tl.conste
     weighted): the loss, also stored in ``loss`` for a mean or sum reduction. With a token-level
     policy term, means[C.N + 1 ...] hold its metrics that are not token means (policy_metrics).
     Reads with .cg: the rows were written by other programs (L1 is not coherent). The selected ids'
-    log-probs (the last F.SELECTED columns) are outputs, not metrics: not read, their means not written."""
+    log-probs and the student's top-k (the columns from C.N_REDUCED on) are outputs, not metrics: not read,
+    their means not written."""
     COLS_P2: tl.constexpr = R.COLS_P2
     BLOCK_R: tl.constexpr = R.BLOCK_R
-    REDUCED: tl.constexpr = C.N - F.SELECTED
+    REDUCED: tl.constexpr = C.N_REDUCED
     cols = tl.arange(0, COLS_P2)[None, :]
     acc = tl.zeros([BLOCK_R, COLS_P2], tl.float32)
     for start in range(0, geo.n_out, BLOCK_R):

@@ -67,6 +67,7 @@ from .sparse import (
     zero_selected,
 )
 from .terms import distill_values, kl_estimator, policy_values, put, row_coefficients, row_values
+from .topk import topk_overlap, topk_store, topk_zero
 
 
 class PolicyRows(NamedTuple):
@@ -124,11 +125,12 @@ class SlotInputs(NamedTuple):
 
 class Blocks(NamedTuple):
     """The head kernels' block sizes (constexpr): the vocabulary's, the top-k teacher's K rounded up
-    to a power of two (1 without one), and the selected ids' (F.SELECTED) likewise."""
+    to a power of two (1 without one), the selected ids' (F.SELECTED) likewise, and the student's top-k's."""
 
     V: int
     K: int
     S: int = 1
+    T: int = 0  # the student's top-k (F.STUDENT_TOPK) rounded up to a power of two; 0 without it
 
 
 class Prepare(NamedTuple):
@@ -367,9 +369,11 @@ def head_kernel(
             tstats = 0
             if t_logits is not None:
                 tstats = merged_teacher(stats, row)
+            tl.static_assert(F.STUDENT_TOPK == 0, "the student's top-k is not vocab-parallel (refused at the call)")
+            top = 0
         else:
-            m2, d, sum_x2, sum_ex2, arg, tstats, off = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V,
-                                                                    ENTROPY_IN_PASS_1)
+            m2, d, sum_x2, sum_ex2, arg, tstats, off, top = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V,
+                                                                         ENTROPY_IN_PASS_1, BLOCKS.T)
             x2_y = tl.zeros([], tl.float32)
             slope_y = tl.zeros([], tl.float32)
             if targets is not None:
@@ -409,14 +413,20 @@ def head_kernel(
             weighted, sp_a, sp_h = topk_values(row_out, sp_x2, sp_lq, sp_ids, sp_given, lse2, p_rest, arg, S, F, C,
                                                BLOCK_K)
             token_loss += weighted
+            if C.overlap >= 0:  # verl's overlap with the student's top-k, stored first
+                topk_store(row_out, top, lse2, C, F, BLOCKS.T)
+                tl.debug_barrier()
+                topk_overlap(row_out, sp_ids, sp_given, sp_x2, sp_lq, lse2, S, F, C)
         if F.SPARSE == 2:
             weighted, d_token = token_values(row_out, sparse, slot, logp, S, F, C)
             token_loss += weighted
+        if F.STUDENT_TOPK > 0 and C.overlap < 0:  # the student's top-k (with a top-k teacher: stored above)
+            topk_store(row_out, top, lse2, C, F, BLOCKS.T)
         if F.SELECTED > 0:  # the selected ids' log-probs (a vocab-parallel row's logits: the last columns)
             sel_gathered = None
             if SHARDED:
                 sel_gathered = stats + row * NCOL + NCOL - BLOCKS.S
-            s_ids, s_local, s_given, s_mine, s_x2, s_slope = selected_inputs(
+            s_ids, s_local, s_given, s_valid, s_mine, s_x2, s_slope = selected_inputs(
                 slots.selected, slot, row_ptr, sel_gathered, geo.vocab_start, geo.V, V_math, S, F, BLOCKS.S)
             selected_values(row_out, s_x2, s_given, lse2, C, F, BLOCKS.S)
         d_logp = zero
@@ -462,9 +472,11 @@ def head_kernel(
         if has_slot:
             COLS_P2: tl.constexpr = R.COLS_P2
             col = tl.arange(0, COLS_P2)
-            tl.store(row_out + col, tl.zeros([COLS_P2], tl.float32), mask=col < C.N - F.SELECTED)
+            tl.store(row_out + col, tl.zeros([COLS_P2], tl.float32), mask=col < C.N_REDUCED)
             if F.SELECTED > 0:  # (the last columns, beyond the reduction's tile)
                 zero_selected(row_out, C, F, BLOCKS.S)
+            if F.STUDENT_TOPK > 0:
+                topk_zero(row_out, C, F, BLOCKS.T)
             if pred is not None:
                 tl.store(pred + slot, -1)
             if F.REDUCTION == 2:
@@ -593,10 +605,10 @@ def head_backward_kernel(
         A, B, Cc, D = row_coefficients(u, d_logp, d_entropy, d_lse, lse, logp, entropy, V_math, S, F)
         SELECTED_GRAD: tl.constexpr = F.SELECTED > 0 and d_rows is not None
         if SELECTED_GRAD:  # d log p(id_k): -G p everywhere (A), each id's share after the pass
-            s_ids, s_local, s_given, s_mine, s_x2, s_slope = selected_inputs(  # (logits read for softcap's slope)
+            s_ids, s_local, s_given, s_valid, s_mine, s_x2, s_slope = selected_inputs(  # (softcap's slope: a read)
                 slots.selected, slot, row_ptr, None, geo.vocab_start, geo.V, V_math, S, F, BLOCKS.S, F.HAS_SOFTCAP)
             s_total, s_h, s_first = selected_grads(d_rows + slot * C.N, slots.selected + slot * F.SELECTED, s_ids,
-                                                   s_given, C, F, BLOCKS.S)
+                                                   s_valid, C, F, BLOCKS.S)
             A -= s_total
         A_ids = A
         if F.SPARSE == 1:
@@ -695,7 +707,7 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
         grad=grad, rows=rows, pred=pred, policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means,
         shard=shard_rows(stats, jsd), prep=prep, geo=geo,
         S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=_blocks(cfg.block_v, sparse, plan),
-        FINISH=finish, R=_tiles(plan.cols.N - plan.flags.SELECTED),
+        FINISH=finish, R=_tiles(plan.cols.N_REDUCED),
     )
     launch(head_kernel, geo.n_rows, cfg.num_warps, registers_of=_without_temperature(args), **args)
 
@@ -703,7 +715,9 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
 
 def _blocks(block_v: int, sparse: SparseRows | None, plan: KernelPlan) -> Blocks:
     """A launch's Blocks: the vocabulary's, a top-k teacher's and the selected ids'."""
-    return Blocks(block_v, max(topk_block(sparse), 1), block_of(plan.flags.SELECTED))
+    flags = plan.flags
+    return Blocks(block_v, max(topk_block(sparse), 1), block_of(flags.SELECTED),
+                  block_of(flags.STUDENT_TOPK) if flags.STUDENT_TOPK else 0)
 
 
 def _without_temperature(args: dict) -> dict | None:
@@ -720,7 +734,7 @@ def launch_finish(plan: KernelPlan, *, rows, loss, means, scratch, num_items, ge
     per-sequence policy metrics are left to torch)."""
     policy = PolicyRows(None, None, None, None, None, 1, 0) if plan.flags.HAS_POLICY else None
     launch(finish_kernel, 1, 4, rows=rows, loss=loss, means=means, scratch=scratch, num_items=num_items,
-           policy=policy, geo=geo, F=plan.flags, C=plan.cols, R=_tiles(plan.cols.N - plan.flags.SELECTED))
+           policy=policy, geo=geo, F=plan.flags, C=plan.cols, R=_tiles(plan.cols.N_REDUCED))
 
 
 def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d_loss, d_rows, num_items, scratch,

@@ -56,7 +56,7 @@ def shard_stats_kernel(
     if F.SELECTED > 0:
         shard_selected(x2s, selected, slot, row, row_ptr, counted, geo, S, F, BLOCK_S)
     if counted:
-        m2, d, sum_x2, sum_ex2, arg, tstats, off = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V,
+        m2, d, sum_x2, sum_ex2, arg, tstats, off, top_unused = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V,
                                                                 F.HAS_ENTROPY)
         rest = tl.zeros([], tl.float32)
         if F.TOPK_FORM == 2:  # this shard's sum off the teacher's ids (its ids: x2 > -inf)

@@ -273,12 +273,12 @@ def topk_scatter(grad_row_ptr, ids, in_range, x2, slope, lse, A, B, C, D, y, h, 
 @triton.jit
 def selected_inputs(ids_ptr, slot, row_ptr, gathered, vocab_start, V, V_total, S, F: tl.constexpr,
                     BLOCK_S: tl.constexpr, READ: tl.constexpr = True):
-    """(ids, local ids, given, mine, x2, slope) of a row's F.SELECTED selected ids: ``given`` where an id is
-    not -1, ``mine`` where it is also in this row's columns [vocab_start, vocab_start + V) of [0, V_total)
-    (its logit is read there: its slope, and x2 unless ``gathered``, a vocab-parallel row's K logits merged
-    over the shards). An id outside [0, V_total) (validation off) gives NaN, never an out-of-bounds read.
-    ``READ`` False: the logits are not read (x2 is meaningless; the slope is the transform's constant, so
-    only without softcap)."""
+    """(ids, local ids, given, valid, mine, x2, slope) of a row's F.SELECTED selected ids: ``given`` where an id
+    is not -1, ``valid`` where it is also in [0, V_total), ``mine`` where it is also in this row's columns
+    [vocab_start, vocab_start + V) (its logit is read there: its slope, and x2 unless ``gathered``, a
+    vocab-parallel row's K logits merged over the shards). An id outside [0, V_total) (validation off) gives
+    NaN, never an out-of-bounds read. ``READ`` False: the logits are not read (x2 is meaningless; the slope is
+    the transform's constant, so only without softcap)."""
     k = tl.arange(0, BLOCK_S)
     inside = k < F.SELECTED
     ids = tl.load(ids_ptr + slot * F.SELECTED + k, mask=inside, other=-1)
@@ -293,7 +293,7 @@ def selected_inputs(ids_ptr, slot, row_ptr, gathered, vocab_start, V, V_total, S
     if gathered is not None:
         x2 = tl.load(gathered + k, mask=inside, other=float("-inf"))
     x2 = tl.where(given & ~valid, float("nan"), x2)
-    return ids, local, given, mine, x2, slope
+    return ids, local, given, valid, mine, x2, slope
 
 
 @triton.jit
@@ -313,10 +313,11 @@ def zero_selected(row_out, C: tl.constexpr, F: tl.constexpr, BLOCK_S: tl.constex
 @triton.jit
 def selected_grads(d_in, ids_row, ids, given, C: tl.constexpr, F: tl.constexpr, BLOCK_S: tl.constexpr):
     """(G, h, first) of a row's upstream gradients g_k of its selected log-probs (``d_in``: the row's d rows;
-    ``ids_row``: its ids): their sum G (the dense share is -G p_i), per entry the sum h of the g of every entry
-    holding its id, and ``first`` where the entry is its id's first (the one whose h is written). One entry
-    at a time against the K (a loop, not a [K, K] block: its registers would lower the whole kernel's
-    occupancy)."""
+    ``ids_row``: its ids; ``given``: the entries whose id is in [0, V), an entry at a bad id taking no
+    gradient as the plain-torch path's NaN): their sum G (the dense share is -G p_i), per entry the sum h of
+    the g of every entry holding its id, and ``first`` where the entry is its id's first (the one whose h is
+    written). One entry at a time against the K (a loop, not a [K, K] block: its registers would lower the
+    whole kernel's occupancy)."""
     k = tl.arange(0, BLOCK_S)
     g = tl.load(d_in + C.selected + k, mask=given, other=0.0)
     h = tl.zeros([BLOCK_S], tl.float32)
@@ -344,8 +345,8 @@ def shard_selected(x2s, ids_ptr, slot, row, row_ptr, counted, geo, S, F: tl.cons
     k = tl.arange(0, BLOCK_S)
     x2 = tl.full([BLOCK_S], float("-inf"), tl.float32)
     if counted:
-        ids, local, given, mine, x2_mine, slope = selected_inputs(ids_ptr, slot, row_ptr, None, geo.vocab_start,
-                                                                  geo.V, geo.V_total, S, F, BLOCK_S)
+        ids, local, given, valid, mine, x2_mine, slope = selected_inputs(
+            ids_ptr, slot, row_ptr, None, geo.vocab_start, geo.V, geo.V_total, S, F, BLOCK_S)
         x2 = tl.where(mine, x2_mine, float("-inf"))
     tl.store(x2s + row * BLOCK_S + k, x2)
 

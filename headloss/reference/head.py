@@ -93,6 +93,11 @@ def reference_head_loss(
                           teacher_logprobs.reshape(-1) if teacher_ids is None else
                           teacher_logprobs.reshape(-1, teacher_ids.shape[-1]))
     token_loss, per_term, entropy, distill_rows = _terms(x, logp_all, lse, y, valid, nan_if_bad, spec, teacher)
+    top_ids = top_logprobs = None
+    if spec.student_topk is not None:
+        top_ids, top_logprobs = _student_topk(x, logp_all, valid, spec.student_topk)
+        if isinstance(teacher, _Sparse) and teacher.ids is not None:
+            distill_rows.update(_overlap(logp_all, top_ids, teacher, spec))
     token_loss = torch.where(valid, token_loss, 0.0)
     count = valid.sum().clamp(min=1).to(compute_dtype)  # the metrics' divisor: tokens, unweighted
     divisor = count
@@ -132,7 +137,8 @@ def reference_head_loss(
     rows = {"predicted_tokens": pred, "logprobs": logp_y, "lse": torch.where(valid, lse, 0.0),
             "token_loss": token_loss,
             "entropy": torch.where(valid, entropy, 0.0) if entropy is not None else None,
-            "selected_logprobs": None if selected is None else _selected(logp_all, selected, valid)}
+            "selected_logprobs": None if selected is None else _selected(logp_all, selected, valid),
+            "topk_ids": top_ids, "topk_logprobs": top_logprobs}
     return _output(loss, metrics, rows, spec, token_shape, out_dtype)
 
 
@@ -178,7 +184,35 @@ def _output(loss, metrics: dict, rows: dict, spec: LossSpec, token_shape, out_dt
         predicted_tokens=per_token("predicted_tokens"), logprobs=per_token("logprobs"), lse=per_token("lse"),
         token_loss=per_token("token_loss"), entropy=per_token("entropy"),
         selected_logprobs=per_token("selected_logprobs"),
+        topk_ids=None if rows["topk_ids"] is None or "topk_ids" not in spec.outputs else
+        rows["topk_ids"].reshape(*token_shape, -1),
+        topk_logprobs=None if rows["topk_logprobs"] is None or "topk_logprobs" not in spec.outputs else
+        rows["topk_logprobs"].reshape(*token_shape, -1).to(out_dtype).detach(),
     )
+
+
+def _student_topk(x: torch.Tensor, logp_all: torch.Tensor, valid: torch.Tensor, k: int) -> tuple:
+    """(ids, log-probs) [rows, k] of each row's k largest transformed logits, largest first, ties to the lower
+    id (a stable sort); -1 and 0 at rows that do not count."""
+    ids = torch.sort(x.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
+    logprobs = logp_all.detach().gather(-1, ids)
+    return torch.where(valid[:, None], ids, -1), torch.where(valid[:, None], logprobs, 0.0)
+
+
+def _overlap(logp_all: torch.Tensor, top_ids: torch.Tensor, teacher: _Sparse, spec: LossSpec) -> dict:
+    """verl's overlap diagnostics per row: the fraction of the student's top-k ids among the teacher's, the
+    mean of -q (log q - log p) over the teacher's entries among the student's top-k (0 where none is)."""
+    ids, lq = teacher.ids.long(), teacher.logprobs.to(logp_all.dtype)
+    given = (ids != -1) & (lq != float("-inf")) & (ids >= 0) & (ids < logp_all.shape[-1])
+    hit = given & (ids[:, :, None] == top_ids[:, None, :]).any(-1)
+    lps = logp_all.detach().gather(-1, torch.where(given, ids, 0))
+    lq = torch.where(given, lq, 0.0)
+    clamp = spec.distillation.log_prob_min_clamp
+    if clamp is not None:
+        lps, lq = lps.clamp_min(clamp), lq.clamp_min(clamp)
+    count = hit.sum(-1).to(logp_all.dtype)
+    advantage = torch.where(hit, -(lq.exp() * (lq - lps)), 0.0).sum(-1) / count.clamp_min(1.0)
+    return {"distill/overlap_ratio": count / top_ids.shape[-1], "distill/overlap_token_advantage": advantage}
 
 
 class _Sparse(NamedTuple):

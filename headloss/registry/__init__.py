@@ -29,9 +29,10 @@ from ..policy_tables import OBJECTIVES
 from ..spec import LossSpec, Policy
 from .base import Column, Flag, Scalar, Term, TermContext
 from .policy import OBJECTIVE_SCALARS, POLICY, POLICY_METRICS, ObjectiveFlags, kernel_code, objective_flags
-from .terms import CORE, CROSS_ENTROPY, DFT, DISTILLATION, ENTROPY, TOKEN_ACCURACY, TRANSFORM, Z_LOSS
+from .terms import CORE, CROSS_ENTROPY, DFT, DISTILLATION, ENTROPY, STUDENT_TOPK, TOKEN_ACCURACY, TRANSFORM, Z_LOSS
 
-TERMS: tuple[Term, ...] = (CORE, CROSS_ENTROPY, Z_LOSS, DFT, ENTROPY, TRANSFORM, TOKEN_ACCURACY, DISTILLATION, POLICY)
+TERMS: tuple[Term, ...] = (CORE, CROSS_ENTROPY, Z_LOSS, DFT, ENTROPY, TRANSFORM, TOKEN_ACCURACY, DISTILLATION, POLICY,
+                           STUDENT_TOPK)
 """Every term, in the packed row buffer's column order (and the order of Flags and Scalars)."""
 
 
@@ -55,8 +56,9 @@ ROW_COLUMNS: dict[str, str] = {column.name: column.doc for term in TERMS for col
 
 _WIDTHS = {column.name: column.width for term in TERMS for column in term.columns if column.width is not None}
 
-Columns = NamedTuple("Columns", [(name, int) for name in ROW_COLUMNS] + [("N", int)])
-Columns.__doc__ = "Column of each per-row value in the packed row buffer (-1 when absent); N columns in all."
+Columns = NamedTuple("Columns", [(name, int) for name in ROW_COLUMNS] + [("N", int), ("N_REDUCED", int)])
+Columns.__doc__ = ("Column of each per-row value in the packed row buffer (-1 when absent); N columns in all, the "
+                   "first N_REDUCED of them the last program's reduction reads (the rest: blocks of a width).")
 
 TERM_BY_FIELD: dict[str, Term] = {term.name: term for term in TERMS}
 
@@ -97,13 +99,14 @@ def columns_of(context: TermContext) -> Columns:
     for term in TERMS:
         stored.update(term.stores(context))
     index = {name: -1 for name in ROW_COLUMNS}
-    n = 0
+    n = reduced = 0
     for name in sorted(ROW_COLUMNS, key=lambda name: name in _WIDTHS):  # (blocks last: unreduced, kernels.blocks)
         if stored.get(name, False):
             index[name] = n
             width = _WIDTHS.get(name)
             n += 1 if width is None else width(context)
-    return Columns(**index, N=n)
+            reduced += width is None
+    return Columns(**index, N=n, N_REDUCED=reduced)
 
 
 def metric_columns_of(context: TermContext, cols: Columns) -> dict[str, str]:

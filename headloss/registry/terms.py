@@ -147,6 +147,30 @@ def _distillation_stores(c: TermContext) -> dict[str, bool]:
             "lse_s2": dense, "lse_t2": dense, "jsd_s": dense}
 
 
+def _overlapping(c) -> bool:
+    """The student's top-k beside a top-k teacher: verl's overlap diagnostics."""
+    return c.spec.student_topk is not None and c.spec.distillation is not None and \
+        c.spec.distillation.teacher == "topk"
+
+
+STUDENT_TOPK = Term(
+    "student_topk",
+    flags=(Flag("STUDENT_TOPK", int, "the student's top-k per row, streamed through the stats pass (k; 0 off)", 0),),
+    columns=(Column("topk_logprobs", "the student's k most likely ids' log-probs, in order (STUDENT_TOPK columns)",
+                    width=lambda c: c.spec.student_topk or 0),
+             Column("topk_ids", "their ids, as int32 bits (STUDENT_TOPK columns)",
+                    width=lambda c: c.spec.student_topk or 0),
+             Column("overlap", "top-k teacher: the fraction of the student's k ids among the teacher's ids"),
+             Column("overlap_advantage", "top-k teacher: the mean of -q (log q - log p) over the teacher's ids in "
+                    "the student's top-k (0 without one)")),
+    metrics=("distill/overlap_ratio", "distill/overlap_token_advantage"),
+    flag_values=lambda c: {"STUDENT_TOPK": c.spec.student_topk or 0},
+    stores=lambda c: {"topk_logprobs": c.spec.student_topk is not None, "topk_ids": c.spec.student_topk is not None,
+                      "overlap": _overlapping(c), "overlap_advantage": _overlapping(c)},
+    metric_columns=lambda c: {"distill/overlap_ratio": "overlap",
+                              "distill/overlap_token_advantage": "overlap_advantage"},
+)
+
 DISTILLATION = Term(
     "distillation",
     flags=(Flag("DISTILL_KIND", int, "dense teacher: -1 none, 0 forward KL, 1 reverse KL, 2 mixture JSD (an extra "

@@ -1,0 +1,111 @@
+"""The student's top-k (``student_topk``), streamed through the stats pass: no second read of the logits.
+
+Each element of a row is one int64 key, its transformed logit's fp32 bits made order-preserving as signed
+int32 in the high word and 0xFFFFFFFF - its id in the low word: a larger key is a larger logit, or the same
+logit at a lower id (torch.topk's order on ties, which torch does not promise but gives on a stable sort).
+The running top-k is K keys in registers (a power-of-two block, the entries past K held at the largest key
+so they are never replaced) and its least key, the threshold. A block whose largest logit's high word is
+below the threshold's is skipped after one comparison; otherwise its keys above the threshold enter one at a
+time, each replacing the least (a row's insertions number about k (1 + ln(V / block)) on a row in random
+order, fewer once the threshold has risen).
+
+With a top-k teacher the row also gets verl's overlap diagnostics (verl/trainer/distillation/fsdp/losses.py):
+how many of the teacher's ids are among the student's top-k, and the mean over them of
+-q_k (log q_k - log p_k) (verl's token KL of the entry, its ``log_prob_min_clamp`` applied), 0 where none is.
+"""
+
+import triton
+import triton.language as tl
+
+from .primitives import LN2
+
+KEY_MIN = tl.constexpr(-(2**63))
+KEY_MAX = tl.constexpr(2**63 - 1)
+LOW_WORD = tl.constexpr(0xFFFFFFFF)
+
+
+@triton.jit
+def _high(x2):
+    """fp32 values -> int32 words in the same order (NaN above +inf)."""
+    bits = x2.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def topk_start(K: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The empty running top-k: (keys, threshold)."""
+    t = tl.arange(0, BLOCK_T)
+    keys = tl.where(t < K, tl.full([BLOCK_T], KEY_MIN, tl.int64), tl.full([BLOCK_T], KEY_MAX, tl.int64))
+    return keys, tl.full([], KEY_MIN, tl.int64)
+
+
+@triton.jit
+def topk_block(x2, cols, V, top, BLOCK_T: tl.constexpr):
+    """One block of x2 (its global columns ``cols``; those >= V are padding) into the running top-k ``top``."""
+    keys, thr = top
+    block_max = tl.max(x2, axis=0)
+    if _high(block_max).to(tl.int64) >= (thr >> 32):
+        t = tl.arange(0, BLOCK_T)
+        key = (_high(x2).to(tl.int64) << 32) | (LOW_WORD - cols.to(tl.int64))
+        key = tl.where(cols < V, key, KEY_MIN)
+        best = tl.max(tl.where(key > thr, key, KEY_MIN), axis=0)
+        while best > thr:  # the block's keys above the threshold, largest first
+            at = tl.min(tl.where(keys == thr, t, BLOCK_T), axis=0)
+            keys = tl.where(t == at, best, keys)
+            thr = tl.min(keys, axis=0)
+            key = tl.where(key == best, KEY_MIN, key)
+            best = tl.max(tl.where(key > thr, key, KEY_MIN), axis=0)
+    return keys, thr
+
+
+@triton.jit
+def topk_finish(top, K: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The running top-k in order, largest first: (x2, ids) of each of the K entries (past K: -inf, -1)."""
+    keys, thr = top
+    t = tl.arange(0, BLOCK_T)
+    keys = tl.sort(tl.where(t < K, keys, KEY_MIN), descending=True)
+    high = (keys >> 32).to(tl.int32)
+    x2 = tl.where(high < 0, high ^ 0x7FFFFFFF, high).to(tl.float32, bitcast=True)
+    ids = LOW_WORD - (keys & LOW_WORD)
+    return tl.where(t < K, x2, float("-inf")), tl.where(t < K, ids, -1)
+
+
+@triton.jit
+def topk_store(row_out, top, lse2, C: tl.constexpr, F: tl.constexpr, BLOCK_T: tl.constexpr):
+    """A row's top-k log-probs and ids (int32 bits) in their columns."""
+    x2, ids = topk_finish(top, F.STUDENT_TOPK, BLOCK_T)
+    t = tl.arange(0, BLOCK_T)
+    inside = t < F.STUDENT_TOPK
+    tl.store(row_out + C.topk_logprobs + t, (x2 - lse2) * LN2, mask=inside)
+    tl.store(row_out + C.topk_ids + t, ids.to(tl.int32).to(tl.float32, bitcast=True), mask=inside)
+
+
+@triton.jit
+def topk_zero(row_out, C: tl.constexpr, F: tl.constexpr, BLOCK_T: tl.constexpr):
+    """A row that is not scored: log-probs 0, ids -1."""
+    t = tl.arange(0, BLOCK_T)
+    inside = t < F.STUDENT_TOPK
+    tl.store(row_out + C.topk_logprobs + t, tl.zeros([BLOCK_T], tl.float32), mask=inside)
+    tl.store(row_out + C.topk_ids + t, tl.full([BLOCK_T], -1, tl.int32).to(tl.float32, bitcast=True), mask=inside)
+
+
+@triton.jit
+def topk_overlap(row_out, ids, given, x2, lq, lse2, S, F: tl.constexpr, C: tl.constexpr):
+    """verl's overlap diagnostics of a row with a top-k teacher (its entries: ``ids``, ``given``, the student's
+    x2 there, their log-probs ``lq``), from the student's top-k ids the row stored (the caller's barrier
+    orders the two): the fraction of the student's k ids among the teacher's, and the mean of
+    -q (log q - log p) over the teacher's entries in the student's top-k (0 where none is)."""
+    hit = given & (ids != ids)
+    for j in range(0, F.STUDENT_TOPK):
+        mine = tl.load(row_out + C.topk_ids + j).to(tl.int32, bitcast=True).to(tl.int64)
+        hit = hit | (given & (ids == mine))
+    count = tl.sum(hit.to(tl.float32), axis=0)
+    lps = (x2 - lse2) * LN2
+    lq_c = lq
+    if F.TOPK_CLAMP:
+        lq_c = tl.maximum(lq, S.topk_min_logprob)
+        lps = tl.maximum(lps, S.topk_min_logprob)
+    token_kl = tl.exp(lq_c) * (lq_c - lps)
+    advantage = tl.sum(tl.where(hit, -token_kl, 0.0), axis=0) / tl.maximum(count, 1.0)
+    tl.store(row_out + C.overlap, count / F.STUDENT_TOPK)
+    tl.store(row_out + C.overlap_advantage, advantage)

@@ -1,0 +1,262 @@
+"""The student's top-k (``student_topk: k`` with ``outputs: [topk_ids, topk_logprobs]``), streamed through the
+stats pass: each row's k most likely ids under the spec's transform, largest first, ties to the lower id, and
+their log-probs; with a top-k teacher verl's overlap diagnostics (``distill/overlap_ratio``,
+``distill/overlap_token_advantage``). Both entry points and both paths; packed rows as any per-row output.
+
+The oracles are written here in fp64 (a stable sort of the transformed logits; verl's formulas from
+verl/trainer/distillation/fsdp/losses.py): they share nothing with headloss.reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import explained_and_demoed, generator, needs_kernel, tiered
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import headloss
+from headloss import LossSpec
+
+H = 12
+TRANSFORMS = {"plain": {}, "softcap-temperature": {"logit_scale": 1.3, "softcap": 4.0, "temperature": 0.7}}
+
+
+def _transformed(z: torch.Tensor, logit_scale=1.0, softcap=None, temperature=1.0) -> torch.Tensor:
+    x = z.double().reshape(-1, z.shape[-1]) * logit_scale
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    return x / temperature
+
+
+def _oracle(z: torch.Tensor, counted: torch.Tensor, k: int, **transform):
+    """fp64 (ids, log-probs) [rows, k]: a stable descending sort (ties: the lower id first); -1 / 0 at rows
+    not counted."""
+    x = _transformed(z, **transform)
+    logp = x - torch.logsumexp(x, -1, keepdim=True)
+    order = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
+    counted = counted.reshape(-1, 1)
+    return torch.where(counted, order, -1), torch.where(counted, logp.gather(1, order), 0.0)
+
+
+def _assert_topk(ids, logprobs, want_ids, want_logprobs, atol):
+    """The log-probs within ``atol``; the ids equal wherever the oracle's order is not a near-tie."""
+    ids, logprobs = ids.reshape(want_ids.shape), logprobs.reshape(want_ids.shape).double()
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=atol)
+    differ = ids != want_ids
+    assert torch.allclose(logprobs[differ], want_logprobs[differ], rtol=0, atol=atol)  # (a near-tie swapped)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("entry", "backend", "dtype", "transform", "k"), tiered(
+    ["logits", "lm_head"], ["triton", "torch"], [torch.float32, torch.bfloat16], list(TRANSFORMS), [1, 5, 64]))
+def test_topk_ids_and_logprobs_match_an_fp64_oracle(entry, backend, dtype, transform, k):
+    vocab = 300
+    gen = generator(k + len(transform))
+    y = torch.randint(0, vocab, (2, 5), generator=gen)
+    y[0, 3] = -100
+    spec = LossSpec(student_topk=k, outputs=("topk_ids", "topk_logprobs"), transform=TRANSFORMS[transform])
+    if entry == "logits":
+        z = (torch.randn(2, 5, vocab, generator=gen, dtype=torch.float64) * 3).to(dtype)
+        out = headloss.head_loss(z, y, spec, backend=backend)
+        logits64 = z.double()
+    else:
+        hidden = torch.randn(2, 5, H, generator=gen, dtype=torch.float64).to(dtype)
+        weight = torch.randn(vocab, H, generator=gen, dtype=torch.float64).to(dtype)
+        out = headloss.linear_head_loss(hidden, weight, y, spec, backend=backend, chunk_bytes=3 * vocab * 4)
+        logits64 = hidden.double() @ weight.double().T
+    want_ids, want_logprobs = _oracle(logits64, y != -100, k, **TRANSFORMS[transform])
+    assert out.topk_ids.shape == (2, 5, k) and out.topk_ids.dtype == torch.int64
+    assert (out.topk_ids[0, 3] == -1).all() and (out.topk_logprobs[0, 3] == 0).all()
+    _assert_topk(out.topk_ids, out.topk_logprobs, want_ids, want_logprobs,
+                 atol=3e-2 if dtype == torch.bfloat16 else 2e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_ties_go_to_the_lower_id_within_and_across_blocks(backend):
+    """Equal logits at ids in different vocabulary blocks (V 5000, blocks of 2048) and in one block, and a
+    masked (-inf) vocabulary: the lower id first, exactly."""
+    vocab = 5000
+    z = torch.randn(3, vocab, generator=generator(3))
+    top = float(z.max()) + 1.0
+    z[0, [4500, 100, 2100]] = top  # three blocks
+    z[1, [7, 9, 8]] = top
+    z[2, :] = float("-inf")
+    z[2, [4999, 3, 2048]] = 0.5
+    out = headloss.head_loss(z, None, LossSpec(cross_entropy=None, student_topk=4, outputs=("topk_ids",)),
+                             backend=backend)
+    assert out.topk_ids[0, :3].tolist() == [100, 2100, 4500]
+    assert out.topk_ids[1, :3].tolist() == [7, 8, 9]
+    assert out.topk_ids[2, :3].tolist() == [3, 2048, 4999]
+    want, _ = _oracle(z, torch.ones(3, dtype=torch.bool), 4)
+    assert torch.equal(out.topk_ids, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("entry", ["logits", "lm_head"])
+def test_asking_for_the_topk_changes_neither_the_loss_nor_its_gradient(entry):
+    gen = generator(9)
+    vocab = 300
+    y = torch.randint(0, vocab, (3, 4), generator=gen)
+    y[1, 2] = -100
+    rows = torch.randn(3, 4, vocab if entry == "logits" else H, generator=gen)
+    weight = torch.randn(vocab, H, generator=gen)
+    base = LossSpec(entropy={"weight": 0.1}, token_accuracy=True)
+
+    def call(spec):
+        leaf = rows.clone().requires_grad_()
+        if entry == "logits":
+            out = headloss.head_loss(leaf, y, spec)
+        else:
+            out = headloss.linear_head_loss(leaf, weight, y, spec, chunk_bytes=4 * vocab * 4)
+        out.loss.backward()
+        return out, leaf.grad
+
+    plain, g_plain = call(base)
+    got, g_got = call(base.model_copy(update={"student_topk": 8, "outputs": ("topk_ids", "topk_logprobs")}))
+    torch.testing.assert_close(got.loss, plain.loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(g_got, g_plain, rtol=1e-6, atol=1e-9)
+    assert list(got.metrics) == list(plain.metrics) and not got.topk_logprobs.requires_grad
+    want_ids, _ = _oracle(rows if entry == "logits" else rows.double() @ weight.double().T, y != -100, 8)
+    assert torch.equal(got.topk_ids.reshape(want_ids.shape), want_ids)
+
+
+def _verl_overlap(z, y, teacher_ids, teacher_logprobs, k, clamp):
+    """verl's compute_forward_kl_topk diagnostics in fp64, per counted row: (overlap count / k, the mean of
+    -q (log q - log p) over the teacher's ids among the student's top-k, 0 where none is)."""
+    x = z.double().reshape(-1, z.shape[-1])
+    logp = x - torch.logsumexp(x, -1, keepdim=True)
+    student = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
+    ids = teacher_ids.reshape(-1, teacher_ids.shape[-1])
+    lq = teacher_logprobs.reshape(ids.shape).double()
+    given = ids != -1
+    lps = logp.gather(1, ids.clamp(min=0))
+    if clamp is not None:
+        lq, lps = lq.clamp_min(clamp), lps.clamp_min(clamp)
+    overlap = given & (ids[:, :, None] == student[:, None, :]).any(-1)
+    count = overlap.sum(-1)
+    advantage = torch.where(overlap, -(lq.exp() * (lq - lps)), 0.0).sum(-1) / count.clamp_min(1)
+    counted = y.reshape(-1) != -100
+    return (count[counted] / k).mean(), advantage[counted].mean()
+
+
+@needs_kernel
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("clamp", [None, -6.0])
+def test_overlap_diagnostics_with_a_topk_teacher_equal_verls(backend, clamp):
+    gen = generator(17)
+    vocab = 300
+    z = torch.randn(3, 5, vocab, generator=gen) * 3
+    y = torch.randint(0, vocab, (3, 5), generator=gen)
+    y[2, 1] = -100
+    top = torch.log_softmax(z.double() + torch.randn(3, 5, vocab, generator=gen, dtype=torch.float64), -1).topk(
+        8, dim=-1)
+    teacher_ids, teacher_logprobs = top.indices.clone(), top.values.float()
+    teacher_ids[0, 0, 6:] = -1
+    spec = LossSpec(student_topk=6, distillation={"teacher": "topk", "log_prob_min_clamp": clamp})
+    out = headloss.head_loss(z, y, spec, teacher_ids=teacher_ids, teacher_logprobs=teacher_logprobs,
+                             backend=backend)
+    ratio, advantage = _verl_overlap(z, y, teacher_ids, teacher_logprobs, 6, clamp)
+    assert 0 < float(ratio) < 1
+    assert float(out.metrics["distill/overlap_ratio"]) == pytest.approx(float(ratio), rel=1e-6)
+    assert float(out.metrics["distill/overlap_token_advantage"]) == pytest.approx(float(advantage), rel=1e-5,
+                                                                                   abs=1e-7)
+
+
+@needs_kernel
+@pytest.mark.parametrize("entry", ["logits", "lm_head"])
+def test_packed_rows_equal_the_padded_call(entry):
+    lengths = [4, 6, 3]
+    n, s, tmax = sum(lengths), len(lengths), max(lengths)
+    cu = torch.tensor([0, 4, 10, 13], dtype=torch.int32)
+    seq = torch.repeat_interleave(torch.arange(s), torch.tensor(lengths))
+    pos = torch.cat([torch.arange(length) for length in lengths])
+    gen = generator(23)
+    vocab = 300
+    rows = torch.randn(n, vocab if entry == "logits" else H, generator=gen)
+    weight = torch.randn(vocab, H, generator=gen)
+    y = torch.randint(0, vocab, (n,), generator=gen)
+    padded = torch.zeros(s, tmax, rows.shape[-1])
+    padded[seq, pos] = rows
+    padded_y = torch.full((s, tmax), -100)
+    padded_y[seq, pos] = y
+    spec = LossSpec(student_topk=5, outputs=("topk_ids", "topk_logprobs"))
+
+    def call(r, targets, **kw):
+        if entry == "logits":
+            return headloss.head_loss(r, targets, spec, shift=True, **kw)
+        return headloss.linear_head_loss(r, weight, targets, spec, shift=True, chunk_bytes=4 * vocab * 4, **kw)
+
+    want, got = call(padded, padded_y), call(rows, y, cu_seqlens=cu)
+    assert torch.equal(got.topk_ids.reshape(n, 5), want.topk_ids[seq, pos])
+    torch.testing.assert_close(got.topk_logprobs.reshape(n, 5), want.topk_logprobs[seq, pos])
+
+
+@needs_kernel
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_topk_the_vocabulary_cannot_hold_and_a_vocab_parallel_call_are_refused(backend):
+    import torch.distributed as dist
+
+    spec = LossSpec(student_topk=9, outputs=("topk_ids",))
+    with pytest.raises(ValueError, match=r"student_topk: 9 ids per row, but the vocabulary holds 8"):
+        headloss.head_loss(torch.randn(2, 8), torch.zeros(2, dtype=torch.long), spec, backend=backend)
+    with pytest.raises(ValueError, match=r"student_topk: 9 ids per row, but the vocabulary holds 8"):
+        headloss.linear_head_loss(torch.randn(2, 4), torch.randn(8, 4), torch.zeros(2, dtype=torch.long), spec,
+                                  backend=backend)
+    with pytest.raises(ValueError, match=r"outputs: topk_ids, topk_logprobs need student_topk"):
+        LossSpec(outputs=("topk_ids", "topk_logprobs"))
+    with pytest.raises(ValueError, match=r"student_topk"):
+        LossSpec(student_topk=65)
+    fresh = not dist.is_initialized()
+    if fresh:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"student_topk: the student's top-k is not computed vocab-parallel"):
+            headloss.head_loss(torch.randn(2, 20), torch.zeros(2, dtype=torch.long), spec, backend=backend,
+                               group=dist.group.WORLD)
+        with pytest.raises(ValueError, match=r"student_topk: the student's top-k is not computed vocab-parallel"):
+            headloss.linear_head_loss(torch.randn(2, 4), torch.randn(20, 4), torch.zeros(2, dtype=torch.long), spec,
+                                      backend=backend, group=dist.group.WORLD)
+    finally:
+        if fresh:
+            dist.destroy_process_group()
+
+
+@needs_kernel
+def test_compiled_call_equals_eager():
+    gen = generator(31)
+    y = torch.randint(0, 50, (2, 5), generator=gen)
+    rows = torch.randn(2, 5, 50, generator=gen)
+    spec = LossSpec(student_topk=4, outputs=("topk_ids", "topk_logprobs"))
+
+    def call(r, y):
+        out = headloss.head_loss(r, y, spec)
+        return out.loss, out.topk_ids, out.topk_logprobs
+
+    want = call(rows, y)
+    got = torch.compile(call, backend="aot_eager", fullgraph=True)(rows, y)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_explain_names_the_students_topk(tmp_path, capsys):
+    text = explained_and_demoed(tmp_path, capsys, "student_topk: 8\noutputs: [topk_ids, topk_logprobs]\n")
+    assert "STUDENT_TOPK=8" in text and "topk_logprobs" in text
+
+
+@needs_kernel
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(1, 6), vocab=st.integers(1, 5000), k=st.integers(1, 64), seed=st.integers(0, 2**16),
+       ties=st.booleans())
+def test_any_shape_and_k_match_the_oracle(rows, vocab, k, seed, ties):
+    """Hypothesis over rows, V (one block and several), k <= V and logits with many exact ties (rounded)."""
+    k = min(k, vocab)
+    z = torch.randn(rows, vocab, generator=generator(seed)) * 3
+    if ties:
+        z = z.round()
+    out = headloss.head_loss(z, None, LossSpec(cross_entropy=None, student_topk=k,
+                                               outputs=("topk_ids", "topk_logprobs")))
+    want_ids, want_logprobs = _oracle(z, torch.ones(rows, dtype=torch.bool), k)
+    assert torch.equal(out.topk_ids, want_ids)
+    torch.testing.assert_close(out.topk_logprobs.double(), want_logprobs, rtol=0, atol=2e-5)
