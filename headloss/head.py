@@ -263,7 +263,8 @@ def shard_statistics(plan: KernelPlan, block: Block, shard, merged: bool = True)
     part = launch_shard_stats(plan, logits=logits, targets=targets, geo=geo, teacher=teacher,
                               sparse=sparse if topk else None, temperature=block.temperature, selected=block.selected)
     tail = stats_tail(sparse.ids if topk else None, plan)
-    stats = gather_merged(part, shard, plan.flags.OWN_TEMP, tail, merge=merged or bool(tail) or teacher is not None)
+    stats = gather_merged(part, shard, plan.flags.OWN_TEMP, tail, merge=merged or bool(tail) or teacher is not None,
+                          keys=topk_keys(plan))
     jsd = None
     if plan.flags.DISTILL_KIND == 2:
         jsd = launch_shard_jsd(plan, logits=logits, targets=targets, teacher=teacher, stats=stats, geo=geo,
@@ -284,7 +285,8 @@ def traced_shard_statistics(plan: KernelPlan, block: Block, shard) -> tuple:
     width = part.shape[1]
     mine = part.cpu() if shard.comm_cpu else part
     gathered = funcol.all_gather_tensor(mine, 0, shard.group).to(part.device)
-    stats = merge_stats_op(gathered.view(shard.world, -1, width), plan.flags.OWN_TEMP, stats_tail(ids, plan))
+    stats = merge_stats_op(gathered.view(shard.world, -1, width), plan.flags.OWN_TEMP, stats_tail(ids, plan),
+                           topk_keys(plan))
     jsd = None
     if plan.flags.DISTILL_KIND == 2:
         jsd = shard_jsd_op(logits, targets, teacher, stats, block.temperature, plan.key, geo_ints(geo), geo.norm)
@@ -292,11 +294,18 @@ def traced_shard_statistics(plan: KernelPlan, block: Block, shard) -> tuple:
     return stats, jsd
 
 
+def topk_keys(plan: KernelPlan) -> int:
+    """The student's top-k keys a row's vocab-parallel statistics end with (its k rounded up to a power of
+    two; 2 fp32 columns each), 0 without it."""
+    return block_of(plan.flags.STUDENT_TOPK) if plan.flags.STUDENT_TOPK else 0
+
+
 def stats_tail(teacher_ids: torch.Tensor | None, plan: KernelPlan) -> int:
-    """The columns after a row's vocab-parallel statistics (layouts.Stats) that merge by their max: a top-k
-    teacher's K logits and the selected ids' (each K rounded up to a power of two)."""
+    """The columns after a row's vocab-parallel statistics (layouts.Stats): a top-k teacher's K logits and the
+    selected ids' (each K rounded up to a power of two), which merge by their max, then the student's top-k
+    keys (:func:`topk_keys`)."""
     topk = 0 if teacher_ids is None else block_of(teacher_ids.shape[-1])
-    return topk + (block_of(plan.flags.SELECTED) if plan.flags.SELECTED else 0)
+    return topk + (block_of(plan.flags.SELECTED) if plan.flags.SELECTED else 0) + 2 * topk_keys(plan)
 
 
 def stats_width(has_teacher: bool, teacher_ids: torch.Tensor | None, plan: KernelPlan) -> int:
@@ -317,10 +326,10 @@ def shard_stats_op(logits: torch.Tensor, targets: torch.Tensor | None, teacher: 
                               teacher=teacher, sparse=sparse, temperature=temperature, selected=selected)
 
 
-@kernel_op("headloss::merge_stats", fake=lambda parts, own_temp, tail: parts.new_empty(parts.shape[1:]))
-def merge_stats_op(parts: torch.Tensor, own_temp: bool, tail: int) -> torch.Tensor:
+@kernel_op("headloss::merge_stats", fake=lambda parts, own_temp, tail, keys: parts.new_empty(parts.shape[1:]))
+def merge_stats_op(parts: torch.Tensor, own_temp: bool, tail: int, keys: int) -> torch.Tensor:
     """kernels.shard.launch_merge as an op."""
-    return launch_merge(parts, own_temp, tail)
+    return launch_merge(parts, own_temp, tail, keys)
 
 
 @kernel_op("headloss::shard_jsd", fake=lambda logits, targets, teacher, stats, temperature, key, geo, norm:

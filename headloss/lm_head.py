@@ -46,7 +46,6 @@ from .parallel import (
     gather_vocab,
     handshake,
     is_dtensor,
-    refuse_sharded,
     rows_shard,
     traced_refusals,
     traced_shard,
@@ -110,7 +109,6 @@ def _run_linear(hidden, weight, targets, plan: KernelPlan, call: CallInputs, opt
     exchange = mode == "sync" or (is_dtensor(weight) and mode != "off" and not traced and first_sight(weight))
     shard = None
     if options.group is not None or is_dtensor(weight):
-        refuse_sharded(plan.spec)
         hidden, weight, targets, call, shard = _local(hidden, weight, targets, call, options)
     error = checked = None
     try:  # every host-side check; with a group and an exchange, every rank learns of any rank's error

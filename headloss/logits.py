@@ -43,7 +43,6 @@ from .parallel import (
     gather_vocab,
     handshake,
     is_dtensor,
-    refuse_sharded,
     shard_of,
     traced_refusals,
     traced_shard,
@@ -101,7 +100,6 @@ def run_head(logits, targets, plan: KernelPlan, call: CallInputs, options: Optio
     shard = None
     reusable = True  # a recipe may hold the call's layout: a group's cached one, not a DTensor's or a "sync" call's
     if options.group is not None or is_dtensor(logits):
-        refuse_sharded(spec)
         sync = validation_mode(options.validate) == "sync"
         reusable = not sync and not is_dtensor(logits)
         logits, targets, teacher_logits, shard = _vocab_shard(logits, targets, teacher_logits, options, sync)
@@ -163,6 +161,7 @@ def _checked(laid: _Laid) -> tuple:
     given = batch.by_name()
     try:
         token_shape = check_head(logits, targets, spec, teacher.logits, shift, kernel=True)
+        check_student_topk(spec, logits.shape[-1] if shard is None else shard.vocab_total)
         temperature = flat_temperature(temperature, spec, token_shape, logits.device)
         weights = flat_token_weights(weights, spec, token_shape, logits.device)
         selected = flat_selected_ids(selected, token_shape, logits.device)

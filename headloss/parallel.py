@@ -196,11 +196,11 @@ def is_dtensor(t: Any) -> bool:
 
 
 def gather_merged(part: torch.Tensor, shard: VocabShard, own_temp: bool = False, tail: int = 0,
-                  merge: bool = True) -> torch.Tensor:
+                  merge: bool = True, keys: int = 0) -> torch.Tensor:
     """All ranks' (n_rows, layouts.Stats) statistics, merged into the whole vocabulary's (one
     all_gather). ``own_temp``: the student's sums at the distillation temperature are their own;
-    ``tail``: columns that merge by their max follow (a top-k teacher's K logits, the selected ids':
-    kernels.shard.launch_merge). ``merge=False``: the
+    ``tail``: columns follow (a top-k teacher's K logits, the selected ids', the last ``keys`` the student's
+    top-k keys: kernels.shard.launch_merge). ``merge=False``: the
     gathered (world, n_rows, width) statistics as they are, for head kernels that merge each row's."""
     device = comm_device(shard.group, part.device)
     mine = part.to(device)
@@ -214,7 +214,7 @@ def gather_merged(part: torch.Tensor, shard: VocabShard, own_temp: bool = False,
         gathered = torch.cat(parts)
     COLLECTIVES["stats"] += 1
     parts = gathered.view(shard.world, -1, width).to(part.device)
-    return launch_merge(parts, own_temp, tail) if merge else parts
+    return launch_merge(parts, own_temp, tail, keys) if merge else parts
 
 
 def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
@@ -366,14 +366,6 @@ def every_rank(shard: VocabShard | None, mode: str, source: Any, run):
 
 TRACED_TORCH = ("group: the plain-torch path of a vocab-parallel call (CPU tensors without TRITON_INTERPRET=1) "
                 "is not traceable by torch.compile; the kernels' path is")
-
-
-def refuse_sharded(spec) -> None:
-    """What a vocab-parallel call cannot do yet, refused on every rank alike before any collective: the
-    student's top-k (each rank would find its shard's; their merge is not written)."""
-    if spec.student_topk is not None:
-        raise ValueError("student_topk: the student's top-k is not computed vocab-parallel yet (group= or a "
-                         "sharded DTensor); gather the logits, or leave student_topk unset")
 
 
 def traced_refusals(name: str, tensors: tuple, sync: bool) -> None:

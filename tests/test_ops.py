@@ -166,8 +166,8 @@ def _checked_merged_stats(logits, targets, teacher, ids, logprobs, key, ints):
     torch.library.opcheck(shard_stats_op.op, (logits, targets, teacher, ids, logprobs, None, None, key, ints, 0.0))
     part = shard_stats_op(logits, targets, teacher, ids, logprobs, None, None, key, ints, 0.0)
     tail = 0 if ids is None else block_of(ids.shape[-1])
-    torch.library.opcheck(merge_stats_op.op, (torch.stack([part, part]), False, tail))
-    return merge_stats_op(part[None], False, tail)
+    torch.library.opcheck(merge_stats_op.op, (torch.stack([part, part]), False, tail, 0))
+    return merge_stats_op(part[None], False, tail, 0)
 
 
 @needs_kernel

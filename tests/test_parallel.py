@@ -66,6 +66,10 @@ SPECS = {
                               transform=LogitTransform(softcap=4.0)),
     "selected_deferred": LossSpec(entropy=Entropy(weight=0.05), outputs=("logprobs", "selected_logprobs"),
                                   differentiable_outputs=True, transform=LogitTransform(temperature=0.7)),
+    # the student's top-k: each shard's keys in the same all_gather, the top k of all of them; with a top-k
+    # teacher verl's overlap (k 9 > the first shard of 3 ranks: 7 columns)
+    "distill_topk_student": LossSpec(distillation={"teacher": "topk", "log_prob_min_clamp": -6.0}, student_topk=9,
+                                     outputs=("topk_ids", "topk_logprobs"), transform=LogitTransform(softcap=4.0)),
 }
 
 
@@ -127,7 +131,7 @@ def _compare(full, sharded, grad_full, grad_local, start, width) -> dict[str, fl
     errs["loss"] = rel(sharded.loss.detach(), full.loss.detach())
     for k, v in full.metrics.items():
         errs[f"metric {k}"] = rel(sharded.metrics[k], v)
-    for k in (*OUTPUTS, "selected_logprobs"):
+    for k in (*OUTPUTS, "selected_logprobs", "topk_ids", "topk_logprobs"):
         if getattr(full, k, None) is not None:
             errs[f"output {k}"] = rel(getattr(sharded, k), getattr(full, k))
     errs["grad"] = rel(grad_local, grad_full[..., start: start + width])
@@ -155,7 +159,8 @@ QUICK = {("full_sft", torch.float32, "triton", False), ("full_sft", torch.float3
          ("gspo", torch.float32, "triton", False), ("distill_jsd", torch.float32, "triton", False),
          ("distill_topk_rest", torch.float32, "triton", False), ("row_temperature", torch.float32, "triton", True),
          ("distill_jsd_row_temperature", torch.float32, "triton", False),
-         ("distill_probs_jsd", torch.float32, "triton", False), ("selected_deferred", torch.float32, "triton", True)}
+         ("distill_probs_jsd", torch.float32, "triton", False), ("selected_deferred", torch.float32, "triton", True),
+         ("distill_topk_student", torch.float32, "triton", False)}
 
 
 def _cases(quick: bool) -> list[tuple]:
@@ -237,7 +242,7 @@ def check_logits_job(results, world: int, quick: bool) -> None:
     for rank in range(world):
         out, refusals, first, layouts = results[rank]["logits"]
         assert first == (2, 1) and layouts == 1  # the first call also learnt the layout; never again
-        assert len(out) == len(_cases(quick)) == (len(QUICK) if quick else 60)
+        assert len(out) == len(_cases(quick)) == (len(QUICK) if quick else 62)
         for (name, dtype, backend, shift), (errs, calls) in out.items():
             tol = 1e-5 if dtype == "torch.float32" else 2e-2  # bf16: the gradient's own rounding
             for what, err in errs.items():
@@ -285,7 +290,7 @@ H = 12
 LINEAR_NAMES = ("full_sft", "smoothing_softcap_temperature", "grpo", "gspo", "deferred", "teacher_weight",
                 "teacher_logits", "distill_topk_rest", "distill_topk_verl", "distill_token", "row_temperature",
                 "distill_probs_jsd", "distill_topk_probs", "weighted_sft", "weighted_grpo", "selected_topk",
-                "selected_deferred")
+                "selected_deferred", "distill_topk_student")
 LINEAR_QUICK = ("full_sft", "gspo", "teacher_weight", "row_temperature")
 
 

@@ -38,12 +38,12 @@ def _oracle(z: torch.Tensor, counted: torch.Tensor, k: int, **transform):
     return torch.where(counted, order, -1), torch.where(counted, logp.gather(1, order), 0.0)
 
 
-def _assert_topk(ids, logprobs, want_ids, want_logprobs, atol):
-    """The log-probs within ``atol``; the ids equal wherever the oracle's order is not a near-tie."""
+def _assert_topk(ids, logprobs, want_ids, want_logprobs, atol, rtol=0.0):
+    """The log-probs within tolerance; the ids equal wherever the oracle's order is not a near-tie."""
     ids, logprobs = ids.reshape(want_ids.shape), logprobs.reshape(want_ids.shape).double()
-    torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=atol)
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=rtol, atol=atol)
     differ = ids != want_ids
-    assert torch.allclose(logprobs[differ], want_logprobs[differ], rtol=0, atol=atol)  # (a near-tie swapped)
+    assert torch.allclose(logprobs[differ], want_logprobs[differ], rtol=rtol, atol=atol)  # (a near-tie swapped)
 
 
 @needs_kernel
@@ -67,8 +67,9 @@ def test_topk_ids_and_logprobs_match_an_fp64_oracle(entry, backend, dtype, trans
     want_ids, want_logprobs = _oracle(logits64, y != -100, k, **TRANSFORMS[transform])
     assert out.topk_ids.shape == (2, 5, k) and out.topk_ids.dtype == torch.int64
     assert (out.topk_ids[0, 3] == -1).all() and (out.topk_logprobs[0, 3] == 0).all()
-    _assert_topk(out.topk_ids, out.topk_logprobs, want_ids, want_logprobs,
-                 atol=3e-2 if dtype == torch.bfloat16 else 2e-5)
+    half = dtype == torch.bfloat16  # (the lm_head's logits: the GEMM's, rounded to bf16)
+    _assert_topk(out.topk_ids, out.topk_logprobs, want_ids, want_logprobs, atol=3e-2 if half else 2e-5,
+                 rtol=2e-2 if half else 0.0)
 
 
 @needs_kernel
@@ -83,6 +84,7 @@ def test_ties_go_to_the_lower_id_within_and_across_blocks(backend):
     z[1, [7, 9, 8]] = top
     z[2, :] = float("-inf")
     z[2, [4999, 3, 2048]] = 0.5
+    z[1, 11], z[1, 10] = -0.0, 0.0  # (equal: a tie)
     out = headloss.head_loss(z, None, LossSpec(cross_entropy=None, student_topk=4, outputs=("topk_ids",)),
                              backend=backend)
     assert out.topk_ids[0, :3].tolist() == [100, 2100, 4500]
@@ -194,9 +196,7 @@ def test_packed_rows_equal_the_padded_call(entry):
 
 @needs_kernel
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_a_topk_the_vocabulary_cannot_hold_and_a_vocab_parallel_call_are_refused(backend):
-    import torch.distributed as dist
-
+def test_a_topk_the_vocabulary_cannot_hold_is_refused(backend):
     spec = LossSpec(student_topk=9, outputs=("topk_ids",))
     with pytest.raises(ValueError, match=r"student_topk: 9 ids per row, but the vocabulary holds 8"):
         headloss.head_loss(torch.randn(2, 8), torch.zeros(2, dtype=torch.long), spec, backend=backend)
@@ -207,19 +207,6 @@ def test_a_topk_the_vocabulary_cannot_hold_and_a_vocab_parallel_call_are_refused
         LossSpec(outputs=("topk_ids", "topk_logprobs"))
     with pytest.raises(ValueError, match=r"student_topk"):
         LossSpec(student_topk=65)
-    fresh = not dist.is_initialized()
-    if fresh:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        with pytest.raises(ValueError, match=r"student_topk: the student's top-k is not computed vocab-parallel"):
-            headloss.head_loss(torch.randn(2, 20), torch.zeros(2, dtype=torch.long), spec, backend=backend,
-                               group=dist.group.WORLD)
-        with pytest.raises(ValueError, match=r"student_topk: the student's top-k is not computed vocab-parallel"):
-            headloss.linear_head_loss(torch.randn(2, 4), torch.randn(20, 4), torch.zeros(2, dtype=torch.long), spec,
-                                      backend=backend, group=dist.group.WORLD)
-    finally:
-        if fresh:
-            dist.destroy_process_group()
 
 
 @needs_kernel

@@ -83,11 +83,11 @@ def _pair(row_ptr, t_row_ptr, at, offs, HAS_TEACHER: tl.constexpr):
 
 
 @triton.jit
-def _full_block(z, zt, start, V, student, off, tstats, top, S, F: tl.constexpr, BLOCK_V: tl.constexpr,
+def _full_block(z, zt, start, V, student, off, tstats, top, first, S, F: tl.constexpr, BLOCK_V: tl.constexpr,
                 NEED_SUM_EX: tl.constexpr, HAS_TEACHER: tl.constexpr, TOPK_BLOCK: tl.constexpr):
     """One full (unmasked) block of online_stats: the student's running statistics ``student`` = (m, d,
     sum_x, sum_ex, arg), the rest form's ``off``, the teacher's ``tstats`` (zt: its block) and the student's
-    running top-k ``top`` (kernels.topk; TOPK_BLOCK 0: none), updated."""
+    running top-k ``top`` (kernels.topk, ids from ``first`` on; TOPK_BLOCK 0: none), updated."""
     m, d, sum_x, sum_ex, arg = student
     m_before = m
     m, d, sum_x, sum_ex, arg, x2, e, alpha = _stats_block(
@@ -99,13 +99,13 @@ def _full_block(z, zt, start, V, student, off, tstats, top, S, F: tl.constexpr, 
     if HAS_TEACHER:
         tstats = teacher_block(zt, x2, e, alpha, start, V, tstats, S, BLOCK_V, F, False)
     if TOPK_BLOCK > 0:
-        top = topk_block(x2, start + tl.arange(0, BLOCK_V), V, top, TOPK_BLOCK)
+        top = topk_block(x2, start + tl.arange(0, BLOCK_V), V, top, first, TOPK_BLOCK)
     return m, d, sum_x, sum_ex, arg, off, tstats, top
 
 
 @triton.jit
 def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexpr, NEED_SUM_EX: tl.constexpr,
-                 TOPK_BLOCK: tl.constexpr = 0):
+                 TOPK_BLOCK: tl.constexpr = 0, first=0):
     """Phase 1: one read of a row (and of the teacher's, when t_row_ptr is not None), in base 2.
 
     Student: (m2, d, sum_x2, sum_ex2, argmax) with m2 = max x2, d = sum 2^(x2 - m2),
@@ -114,7 +114,8 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
     sum x = ln 2 sum_x2. tstats: the teacher's statistics (terms.teacher_block). off: for a top-k
     teacher's ``rest`` form (F.TOPK_FORM == 2) the sum of 2^(x2 - m2) without the max's elements and
     their count (:func:`_off_max`; kernels.sparse.rest_sum), else zeros. top: with TOPK_BLOCK > 0 the
-    student's top-F.STUDENT_TOPK (kernels.topk: keys and threshold), else a placeholder.
+    student's top-F.STUDENT_TOPK (kernels.topk: keys and threshold; the row's ids from ``first`` on), else a
+    placeholder.
     -inf logits (a masked vocabulary) are allowed; NaN and +inf propagate to NaN.
     """
     HAS_TEACHER: tl.constexpr = t_row_ptr is not None
@@ -141,13 +142,13 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
         for start in range(BLOCK_V, v_full, BLOCK_V):
             z_next, zt_next = _pair(row_ptr, t_row_ptr, start, offs, HAS_TEACHER)
             m, d, sum_x, sum_ex, arg, off, tstats, top = _full_block(
-                z, zt, start - BLOCK_V, V, (m, d, sum_x, sum_ex, arg), off, tstats, top, S, F, BLOCK_V, NEED_SUM_EX,
-                HAS_TEACHER, TOPK_BLOCK)
+                z, zt, start - BLOCK_V, V, (m, d, sum_x, sum_ex, arg), off, tstats, top, first, S, F, BLOCK_V,
+                NEED_SUM_EX, HAS_TEACHER, TOPK_BLOCK)
             z = z_next
             zt = zt_next
         m, d, sum_x, sum_ex, arg, off, tstats, top = _full_block(
-            z, zt, v_full - BLOCK_V, V, (m, d, sum_x, sum_ex, arg), off, tstats, top, S, F, BLOCK_V, NEED_SUM_EX,
-            HAS_TEACHER, TOPK_BLOCK)
+            z, zt, v_full - BLOCK_V, V, (m, d, sum_x, sum_ex, arg), off, tstats, top, first, S, F, BLOCK_V,
+            NEED_SUM_EX, HAS_TEACHER, TOPK_BLOCK)
     if v_full < V:
         mask = v_full + offs < V
         z = tl.load(row_ptr + v_full + offs, mask=mask, other=0.0)
@@ -162,7 +163,7 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
             zt = tl.load(t_row_ptr + v_full + offs, mask=mask, other=0.0)
             tstats = teacher_block(zt, x2, e, alpha, v_full, V, tstats, S, BLOCK_V, F, True)
         if TOPK_BLOCK > 0:
-            top = topk_block(x2, v_full + offs, V, top, TOPK_BLOCK)
+            top = topk_block(x2, v_full + offs, V, top, first, TOPK_BLOCK)
     if NEED_ARGMAX:
         # the index inside that block: one more block read per row, first index of the max
         cols = arg + offs

@@ -67,7 +67,7 @@ from .sparse import (
     zero_selected,
 )
 from .terms import distill_values, kl_estimator, policy_values, put, row_coefficients, row_values
-from .topk import topk_overlap, topk_store, topk_zero
+from .topk import topk_merged, topk_overlap, topk_store, topk_zero
 
 
 class PolicyRows(NamedTuple):
@@ -341,9 +341,9 @@ def head_kernel(
     stats = shard.stats
     jsd = shard.jsd
     SHARDED: tl.constexpr = stats is not None
-    # merged statistics per row: layouts.Stats, then a top-k teacher's K logits, then the selected ids'
+    # merged statistics per row: layouts.Stats, a top-k teacher's K logits, the selected ids', the student's top-k keys
     NCOL: tl.constexpr = (STATS_AT.N_TEACHER if t_logits is not None else STATS_AT.N) + \
-        (BLOCK_K if F.SPARSE == 1 else 0) + (BLOCKS.S if F.SELECTED > 0 else 0)
+        (BLOCK_K if F.SPARSE == 1 else 0) + (BLOCKS.S if F.SELECTED > 0 else 0) + 2 * BLOCKS.T
     V_math = geo.V_total if SHARDED else geo.V  # the vocabulary of the math (label smoothing's eps / V)
     row_ptr = row_start(logits, row, geo.T, geo.stride_b, geo.stride_t)
     t_row = row_start(t_logits, row, geo.T, geo.t_stride_b, geo.t_stride_t)
@@ -369,8 +369,9 @@ def head_kernel(
             tstats = 0
             if t_logits is not None:
                 tstats = merged_teacher(stats, row)
-            tl.static_assert(F.STUDENT_TOPK == 0, "the student's top-k is not vocab-parallel (refused at the call)")
             top = 0
+            if F.STUDENT_TOPK > 0:  # every shard's top-k merged: the statistics' last columns
+                top = topk_merged(stats + row * NCOL + NCOL - 2 * BLOCKS.T, BLOCKS.T)
         else:
             m2, d, sum_x2, sum_ex2, arg, tstats, off, top = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V,
                                                                          ENTROPY_IN_PASS_1, BLOCKS.T)
@@ -425,7 +426,7 @@ def head_kernel(
         if F.SELECTED > 0:  # the selected ids' log-probs (a vocab-parallel row's logits: the last columns)
             sel_gathered = None
             if SHARDED:
-                sel_gathered = stats + row * NCOL + NCOL - BLOCKS.S
+                sel_gathered = stats + row * NCOL + NCOL - 2 * BLOCKS.T - BLOCKS.S
             s_ids, s_local, s_given, s_valid, s_mine, s_x2, s_slope = selected_inputs(
                 slots.selected, slot, row_ptr, sel_gathered, geo.vocab_start, geo.V, V_math, S, F, BLOCKS.S)
             selected_values(row_out, s_x2, s_given, lse2, C, F, BLOCKS.S)
@@ -589,7 +590,7 @@ def head_backward_kernel(
         slope_y = zero
         y_here = y
         NCOL: tl.constexpr = (STATS_AT.N_TEACHER if t_logits is not None else STATS_AT.N) + \
-            (BLOCKS.K if F.SPARSE == 1 else 0) + (BLOCKS.S if F.SELECTED > 0 else 0)
+            (BLOCKS.K if F.SPARSE == 1 else 0) + (BLOCKS.S if F.SELECTED > 0 else 0) + 2 * BLOCKS.T
         if targets is not None:
             if SHARDED:
                 y_here = y - geo.vocab_start

@@ -22,6 +22,7 @@ from .blocks import online_stats, row_slot, row_start, row_temperature, target_l
 from .launch import Geometry, launch, launch_config
 from .sparse import SparseRows, block_of, rest_sum, shard_selected, shard_topk, topk_block
 from .terms import distill_lse, jsd_sums
+from .topk import topk_shard_store, topk_start
 
 
 @triton.jit
@@ -35,12 +36,14 @@ def shard_stats_kernel(
     temperature,  # (n_out,) fp32 per-row temperature, or None (kernels.head.head_kernel's)
     selected,  # (n_out, F.SELECTED) int64 selected ids, or None
     x2s,  # (n_rows, BLOCK_S) fp32 out: this shard's selected logits (sparse.shard_selected), or None
+    keys,  # (n_rows, 2 BLOCK_T) fp32 out: this shard's top-k keys (topk.topk_shard_store), or None
     geo,
     S,
     F: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # the student's top-k (F.STUDENT_TOPK) rounded up to a power of two, 0 without
 ):
     """Phase 1 of a vocab-parallel head on one shard: the statistics every rank exchanges."""
     NCOL: tl.constexpr = STATS_AT.N_TEACHER if teacher is not None else STATS_AT.N
@@ -56,8 +59,10 @@ def shard_stats_kernel(
     if F.SELECTED > 0:
         shard_selected(x2s, selected, slot, row, row_ptr, counted, geo, S, F, BLOCK_S)
     if counted:
-        m2, d, sum_x2, sum_ex2, arg, tstats, off, top_unused = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V,
-                                                                F.HAS_ENTROPY)
+        m2, d, sum_x2, sum_ex2, arg, tstats, off, top = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V,
+                                                                     F.HAS_ENTROPY, BLOCK_T, geo.vocab_start)
+        if BLOCK_T > 0:
+            topk_shard_store(keys + row * 2 * BLOCK_T, top, counted, F.STUDENT_TOPK, BLOCK_T)
         rest = tl.zeros([], tl.float32)
         if F.TOPK_FORM == 2:  # this shard's sum off the teacher's ids (its ids: x2 > -inf)
             rest = rest_sum(x2_ids, x2_ids > float("-inf"), m2, off)
@@ -87,6 +92,9 @@ def shard_stats_kernel(
             tl.store(out + STATS_AT.s_cross, sum_st)
             tl.store(out + STATS_AT.t_arg, (t_arg + geo.vocab_start).to(tl.float32))
     else:
+        if BLOCK_T > 0:
+            topk_shard_store(keys + row * 2 * BLOCK_T, topk_start(F.STUDENT_TOPK, BLOCK_T), counted, F.STUDENT_TOPK,
+                             BLOCK_T)
         tl.store(out + STATS_AT.m2, float("-inf"))
         tl.store(out + STATS_AT.d, 0.0)
         tl.store(out + STATS_AT.sum_x2, 0.0)
@@ -308,17 +316,19 @@ def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry, teac
     width = STATS.N_TEACHER if teacher is not None else STATS.N
     block_k = topk_block(sparse)
     block_s = block_of(plan.flags.SELECTED) if plan.flags.SELECTED else 0
+    block_t = block_of(plan.flags.STUDENT_TOPK) if plan.flags.STUDENT_TOPK else 0
     f32 = dict(dtype=torch.float32, device=logits.device)
     part = torch.empty(geo.n_rows, width, **f32)
     x2k = torch.empty(geo.n_rows, block_k, **f32) if block_k else None
     x2s = torch.empty(geo.n_rows, block_s, **f32) if block_s else None
+    keys = torch.empty(geo.n_rows, 2 * block_t, **f32) if block_t else None
     if geo.n_rows:
         cfg = launch_config(geo.V, teacher is not None, geo.n_rows)
         launch(shard_stats_kernel, geo.n_rows, cfg.num_warps, logits=logits, targets=targets, teacher=teacher,
                part=part, sparse=sparse if block_k else None, x2k=x2k, temperature=temperature,
-               selected=selected if block_s else None, x2s=x2s, geo=geo, S=plan.scalars, F=plan.flags,
-               BLOCK_V=cfg.block_v, BLOCK_K=max(block_k, 1), BLOCK_S=max(block_s, 1))
-    tails = [t for t in (x2k, x2s) if t is not None]
+               selected=selected if block_s else None, x2s=x2s, keys=keys, geo=geo, S=plan.scalars,
+               F=plan.flags, BLOCK_V=cfg.block_v, BLOCK_K=max(block_k, 1), BLOCK_S=max(block_s, 1), BLOCK_T=block_t)
+    tails = [t for t in (x2k, x2s, keys) if t is not None]
     return torch.cat((part, *tails), dim=1) if tails else part
 
 
@@ -334,15 +344,20 @@ def launch_shard_jsd(plan: KernelPlan, *, logits, targets, teacher, stats, geo: 
     return jsd
 
 
-def launch_merge(parts: torch.Tensor, own_temp: bool = False, tail: int = 0) -> torch.Tensor:
+def launch_merge(parts: torch.Tensor, own_temp: bool = False, tail: int = 0, keys: int = 0) -> torch.Tensor:
     """merge_stats_kernel over the (world, n_rows, N) gathered statistics (layouts.Stats): one launch.
-    ``tail``: that many columns follow layouts.Stats' (a top-k teacher's K logits, the selected ids':
-    launch_shard_stats); they merge by their max (each id's logit comes from the shard holding it, -inf
-    from the others)."""
+    ``tail``: that many columns follow layouts.Stats' (a top-k teacher's K logits, the selected ids', then
+    the student's top-k keys: launch_shard_stats); the logits merge by their max (each id's logit comes from
+    the shard holding it, -inf from the others), the last ``keys`` int64 keys (2 fp32 columns each) by the
+    top ``keys`` of every shard's."""
     if tail:
-        head = parts.shape[-1] - tail
-        return torch.cat((launch_merge(parts[..., :head].contiguous(), own_temp), parts[..., head:].amax(0)),
-                         dim=1)
+        head, width = parts.shape[-1] - tail, parts.shape[-1] - 2 * keys
+        merged = [launch_merge(parts[..., :head].contiguous(), own_temp), parts[..., head:width].amax(0)]
+        if keys:
+            every = parts[..., width:].contiguous().view(torch.int64)  # (world, rows, keys)
+            every = every.permute(1, 0, 2).reshape(parts.shape[1], -1)
+            merged.append(every.topk(keys, dim=-1).values.contiguous().view(torch.float32))
+        return torch.cat(merged, dim=1)
     world, n_rows, width = parts.shape
     merged = torch.empty(n_rows, width, dtype=torch.float32, device=parts.device)
     if n_rows:

@@ -26,8 +26,8 @@ LOW_WORD = tl.constexpr(0xFFFFFFFF)
 
 @triton.jit
 def _high(x2):
-    """fp32 values -> int32 words in the same order (NaN above +inf)."""
-    bits = x2.to(tl.int32, bitcast=True)
+    """fp32 values -> int32 words in the same order (NaN above +inf; -0 is 0: a tie, as torch orders it)."""
+    bits = tl.where(x2 == 0.0, 0.0, x2).to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
@@ -40,13 +40,14 @@ def topk_start(K: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def topk_block(x2, cols, V, top, BLOCK_T: tl.constexpr):
-    """One block of x2 (its global columns ``cols``; those >= V are padding) into the running top-k ``top``."""
+def topk_block(x2, cols, V, top, first, BLOCK_T: tl.constexpr):
+    """One block of x2 (its columns ``cols`` of the row, whose ids start at ``first``: a vocab-parallel shard's
+    vocab_start; columns >= V are padding) into the running top-k ``top``."""
     keys, thr = top
     block_max = tl.max(x2, axis=0)
     if _high(block_max).to(tl.int64) >= (thr >> 32):
         t = tl.arange(0, BLOCK_T)
-        key = (_high(x2).to(tl.int64) << 32) | (LOW_WORD - cols.to(tl.int64))
+        key = (_high(x2).to(tl.int64) << 32) | (LOW_WORD - (cols.to(tl.int64) + first))
         key = tl.where(cols < V, key, KEY_MIN)
         best = tl.max(tl.where(key > thr, key, KEY_MIN), axis=0)
         while best > thr:  # the block's keys above the threshold, largest first
@@ -68,6 +69,27 @@ def topk_finish(top, K: tl.constexpr, BLOCK_T: tl.constexpr):
     x2 = tl.where(high < 0, high ^ 0x7FFFFFFF, high).to(tl.float32, bitcast=True)
     ids = LOW_WORD - (keys & LOW_WORD)
     return tl.where(t < K, x2, float("-inf")), tl.where(t < K, ids, -1)
+
+
+@triton.jit
+def topk_shard_store(out, top, counted, K: tl.constexpr, BLOCK_T: tl.constexpr):
+    """A vocab-parallel shard's top-k keys (its global ids) as 2 x BLOCK_T fp32 columns (each key's low word,
+    then its high word, as torch views int64 as fp32), past K and at a row that is not scored the least key:
+    the merge takes the top BLOCK_T of every shard's (kernels.shard.launch_merge)."""
+    keys, thr = top
+    t = tl.arange(0, BLOCK_T)
+    keys = tl.where((t < K) & counted, keys, KEY_MIN)
+    tl.store(out + 2 * t, (keys & LOW_WORD).to(tl.uint32).to(tl.int32, bitcast=True).to(tl.float32, bitcast=True))
+    tl.store(out + 2 * t + 1, (keys >> 32).to(tl.int32).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def topk_merged(at, BLOCK_T: tl.constexpr):
+    """A vocab-parallel row's merged top-k keys, read from its statistics at ``at``: (keys, a threshold)."""
+    t = tl.arange(0, BLOCK_T)
+    low = tl.load(at + 2 * t).to(tl.int32, bitcast=True).to(tl.int64) & LOW_WORD
+    high = tl.load(at + 2 * t + 1).to(tl.int32, bitcast=True).to(tl.int64)
+    return (high << 32) | low, tl.full([], KEY_MIN, tl.int64)
 
 
 @triton.jit

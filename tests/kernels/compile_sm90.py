@@ -182,8 +182,8 @@ def _sharded(call):
         stand_ins = {
             (logits_entry, "shard_of"): lambda group, width, device, fresh=False: layout,
             (lm_head, "rows_shard"): lambda weight, group, fresh=False: (weight, layout),
-            (head, "gather_merged"): lambda part, _shard, own_temp=False, tail=0, merge=True: (
-                shard.launch_merge(torch.stack([part, part]), own_temp, tail) if merge else
+            (head, "gather_merged"): lambda part, _shard, own_temp=False, tail=0, merge=True, keys=0: (
+                shard.launch_merge(torch.stack([part, part]), own_temp, tail, keys) if merge else
                 torch.stack([part, part])),
             (head, "all_reduce_sum"): lambda t, _shard, what="dh": t,
             (linear, "all_reduce_sum"): lambda t, _shard, what="dh": t,
@@ -295,6 +295,8 @@ VARIANTS = {
     # the student's top-k streamed through the stats pass (k 64), and beside a top-k teacher its overlap
     "student-topk": _head(headloss.LossSpec(student_topk=64, outputs=("topk_ids", "topk_logprobs")), validate=True),
     "student-topk-overlap": _head(headloss.LossSpec(student_topk=8, distillation={"teacher": "topk"}), topk=True),
+    "sharded-student-topk": _sharded(_head(headloss.LossSpec(student_topk=16, outputs=("topk_ids",)),
+                                           group=object())),
     "sharded-selected-deferred": _sharded(_head(headloss.LossSpec(outputs=("selected_logprobs",),
                                                                   differentiable_outputs=True), selected=5,
                                                 group=object())),
