@@ -274,6 +274,35 @@ def selected_case(rows: list[Row], n: int, cfg: dict, names) -> None:
                 torch.cuda.empty_cache()
 
 
+TOPK_SPECS = {k: SFT_SPEC.model_copy(update={"student_topk": k, "outputs": ("topk_ids", "topk_logprobs")})
+              for k in (8, 64)}
+"""The calls with the student's top-k (student_topk), made once outside the timed steps."""
+
+
+def topk_case(rows: list[Row], n: int, cfg: dict, names) -> None:
+    """What the student's top-k costs beside the same call without it (k 8 and 64; the issue's budget: 10% and
+    25%), and torch's log_softmax + topk after the same CE."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pristine = torch.randn(n, V, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
+    y = torch.randint(0, V, (n,), device="cuda", generator=gen)
+    y[torch.rand(n, device="cuda", generator=gen) < 0.05] = -100
+    x, setup = restorable_leaf(pristine)
+    for k, spec in TOPK_SPECS.items():
+        table = beside(f"top-{k}", lambda **kw: headloss.head_loss(x, y, SFT_SPEC, inplace_grad=True, **kw),
+                       lambda spec=spec, **kw: headloss.head_loss(x, y, spec, inplace_grad=True, **kw))
+
+        def eager(k=k):
+            logp = torch.log_softmax(x.float(), -1)
+            logp.detach().topk(k, dim=-1)
+            F.nll_loss(logp, y, ignore_index=-100).backward()
+
+        table[f"torch-eager CE + topk({k})"] = eager
+        for name, step in table.items():
+            if not names or name in names:
+                measure(rows, f"top-k {k}", name, "N", n, step, setup, config={**cfg, "N": n, "V": V, "k": k})
+                torch.cuda.empty_cache()
+
+
 def _forms_grpo(rows: list[Row], batch: int, length: int, cfg: dict, names) -> None:
     temperatures = torch.linspace(0.7, 1.3, batch, device="cuda")
     _grpo_beside(rows, "grpo", ("per-row temperature", GRPO_ROW_T_SPEC, {"temperature": temperatures}),
@@ -457,7 +486,7 @@ def main() -> None:
     parser.add_argument("--providers", nargs="*")
     parser.add_argument("--stem", default="bench_terms")
     parser.add_argument("--cases", nargs="*", default=["distill", "grpo", "trainer"],
-                        help="distill, grpo, trainer, forms, weights, selected")
+                        help="distill, grpo, trainer, forms, weights, selected, topk")
     args = parser.parse_args()
     copy_gbs = copy_bandwidth_gbs()
     cfg = {"dtype": "bf16", "copy_GBps": round(copy_gbs, 1), "headloss": headloss.__version__}
@@ -467,7 +496,8 @@ def main() -> None:
              "trainer": lambda: trainer_case(rows, 8, 1024, cfg, args.providers),
              "forms": lambda: forms_case(rows, 8192, cfg, args.providers),
              "weights": lambda: weights_case(rows, 8192, cfg, args.providers),
-             "selected": lambda: selected_case(rows, 8192, cfg, args.providers)}
+             "selected": lambda: selected_case(rows, 8192, cfg, args.providers),
+             "topk": lambda: topk_case(rows, 8192, cfg, args.providers)}
     for case in args.cases:
         cases[case]()
     out = out_dir_default()

@@ -1819,3 +1819,42 @@ def test_selected_logprobs_on_the_compiled_kernels_match_fp64(k, dtype):
     headloss.head_loss(logits, ids, fused, selected_ids=bad)
     with pytest.raises(ValueError, match=r"selected_ids: the id at position \(3, 9\), entry 0 is outside"):
         headloss.check_pending(wait=True)
+
+
+@pytest.mark.parametrize("k", [8, 64])
+def test_the_students_topk_on_the_compiled_kernels_matches_a_stable_sort(k):
+    """The student's top-k streamed through the compiled stats pass at Llama 3's vocabulary: the ids of a stable
+    descending sort of the transformed logits (planted ties across blocks to the lower id), their log-probs, the
+    loss and gradient of the call without it; with a top-k teacher verl's overlap metrics as the plain-torch path
+    gives them."""
+    v = 128256
+    gen = torch.Generator(device="cuda").manual_seed(83)
+    logits = (torch.randn(300, v, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+    top = logits.float().max() + 1
+    logits[25, [120000, 17, 64000]] = top.to(torch.bfloat16)  # a tie in three blocks
+    y = torch.randint(0, v, (300,), device="cuda", generator=gen)
+    y[:20] = -100
+    spec = headloss.LossSpec(student_topk=k, outputs=("topk_ids", "topk_logprobs"), transform={"softcap": 30.0})
+    x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    out = headloss.head_loss(x1, y, spec)
+    out.loss.backward()
+    plain = headloss.head_loss(x2, y, headloss.LossSpec(transform={"softcap": 30.0}))
+    plain.loss.backward()
+    assert abs(out.loss.item() - plain.loss.item()) <= 1e-6 * abs(plain.loss.item())
+    assert _rel(x1.grad.float(), x2.grad.float()) < 1e-6
+    ref = headloss.head_loss(logits.float(), y, spec, backend="torch")
+    counted = y != -100
+    assert (out.topk_ids[~counted] == -1).all()
+    same = out.topk_ids[counted] == ref.topk_ids[counted]
+    close = (out.topk_logprobs[counted] - ref.topk_logprobs[counted]).abs() < 1e-4
+    assert (same | close).all() and same.float().mean() > 0.999  # (a near-tie may swap two ids)
+    assert out.topk_ids[25, :3].tolist() == [17, 64000, 120000]
+    assert _rel(out.topk_logprobs[counted], ref.topk_logprobs[counted]) < 1e-5
+    teacher = torch.log_softmax(logits.float() + torch.randn(300, v, device="cuda", generator=gen), -1).topk(16)
+    distill = headloss.LossSpec(student_topk=k, distillation={"teacher": "topk"})
+    got = headloss.head_loss(logits, y, distill, teacher_ids=teacher.indices, teacher_logprobs=teacher.values)
+    want = headloss.head_loss(logits.float(), y, distill, teacher_ids=teacher.indices,
+                              teacher_logprobs=teacher.values, backend="torch")
+    for name in ("distill/overlap_ratio", "distill/overlap_token_advantage"):
+        expected = float(want.metrics[name])
+        assert abs(float(got.metrics[name]) - expected) <= 1e-4 * max(1.0, abs(expected)), name
