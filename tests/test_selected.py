@@ -253,7 +253,7 @@ def test_an_unchecked_bad_id_gives_nan_in_its_entry_only():
 
 
 @needs_kernel
-@pytest.mark.parametrize("entry", ["logits", "lm_head"])
+@pytest.mark.parametrize("entry", ["logits", pytest.param("lm_head", marks=pytest.mark.slow)])
 def test_compiled_call_equals_eager(entry):
     """torch.compile (fullgraph, aot_eager) with the selected ids a graph input: the values and the gradient of
     their weighted sum equal eager's."""
@@ -343,6 +343,7 @@ def test_the_lm_heads_policy_routes_give_the_selected_logprobs(policy):
 
 
 @needs_kernel
+@pytest.mark.slow
 def test_a_compiled_call_recompiles_for_another_k():
     """fullgraph: a second K is a new graph (K a constant of the plan), not a failed trace."""
     spec = LossSpec(outputs=("selected_logprobs",), differentiable_outputs=True)
