@@ -70,6 +70,9 @@ SPECS = {
     # teacher verl's overlap (k 9 > the first shard of 3 ranks: 7 columns)
     "distill_topk_student": LossSpec(distillation={"teacher": "topk", "log_prob_min_clamp": -6.0}, student_topk=9,
                                      outputs=("topk_ids", "topk_logprobs"), transform=LogitTransform(softcap=4.0)),
+    # a dense teacher beside the student's top-k and selected ids: the merged statistics' rows hold both tails
+    "distill_jsd_student_selected": LossSpec(distillation={"divergence": "jsd", "temperature": 1.5}, student_topk=4,
+                                             outputs=("topk_ids", "selected_logprobs"), token_accuracy=True),
 }
 
 
@@ -104,7 +107,7 @@ def _inputs(name: str, dtype: torch.dtype):
                 -1, ids.clamp(min=0)[..., None])[..., 0].float()
         else:
             kwargs["teacher_logits"] = teacher
-    if name.startswith("selected"):  # 7 ids per row in every shard, -1 among them and an id twice
+    if "selected" in name:  # 7 ids per row in every shard, -1 among them and an id twice
         kwargs["selected_ids"] = torch.randint(-1, V, (b, t, 7), generator=gen)
         kwargs["selected_ids"][0, 2, 5] = kwargs["selected_ids"][0, 2, 1] = 40
     if name in ("grpo", "gspo", "weighted_grpo"):  # GSPO: sequence-level ratios, the objective in torch (deferred mode)
@@ -160,7 +163,8 @@ QUICK = {("full_sft", torch.float32, "triton", False), ("full_sft", torch.float3
          ("distill_topk_rest", torch.float32, "triton", False), ("row_temperature", torch.float32, "triton", True),
          ("distill_jsd_row_temperature", torch.float32, "triton", False),
          ("distill_probs_jsd", torch.float32, "triton", False), ("selected_deferred", torch.float32, "triton", True),
-         ("distill_topk_student", torch.float32, "triton", False)}
+         ("distill_topk_student", torch.float32, "triton", False),
+         ("distill_jsd_student_selected", torch.float32, "triton", False)}
 
 
 def _cases(quick: bool) -> list[tuple]:
@@ -242,7 +246,7 @@ def check_logits_job(results, world: int, quick: bool) -> None:
     for rank in range(world):
         out, refusals, first, layouts = results[rank]["logits"]
         assert first == (2, 1) and layouts == 1  # the first call also learnt the layout; never again
-        assert len(out) == len(_cases(quick)) == (len(QUICK) if quick else 62)
+        assert len(out) == len(_cases(quick)) == (len(QUICK) if quick else 64)
         for (name, dtype, backend, shift), (errs, calls) in out.items():
             tol = 1e-5 if dtype == "torch.float32" else 2e-2  # bf16: the gradient's own rounding
             for what, err in errs.items():
@@ -290,7 +294,7 @@ H = 12
 LINEAR_NAMES = ("full_sft", "smoothing_softcap_temperature", "grpo", "gspo", "deferred", "teacher_weight",
                 "teacher_logits", "distill_topk_rest", "distill_topk_verl", "distill_token", "row_temperature",
                 "distill_probs_jsd", "distill_topk_probs", "weighted_sft", "weighted_grpo", "selected_topk",
-                "selected_deferred", "distill_topk_student")
+                "selected_deferred", "distill_topk_student", "distill_jsd_student_selected")
 LINEAR_QUICK = ("full_sft", "gspo", "teacher_weight", "row_temperature")
 
 
@@ -315,8 +319,9 @@ def _linear_job(rank: int, world: int, quick: bool) -> dict:
             bias = torch.randn(V, generator=gen, dtype=torch.float64).float() * 0.1
             _, ids, kwargs = _inputs(name, torch.float32)
             mine = dict(kwargs)
-            if "teacher_probs" in mine and mine["teacher_probs"].shape[-1] == V:  # dense: sharded on the vocabulary
-                mine["teacher_probs"] = mine["teacher_probs"][..., start: start + width]
+            for key in ("teacher_probs", "teacher_logits"):  # dense: sharded on the vocabulary
+                if key in mine and mine[key].shape[-1] == V:
+                    mine[key] = mine[key][..., start: start + width]
             if name == "teacher_weight":  # a teacher head: replicated hidden states, its weight's rows sharded
                 t_weight = torch.randn(V, H + 2, generator=gen)
                 kwargs["teacher_hidden"] = mine["teacher_hidden"] = torch.randn(3, 5, H + 2, generator=gen)

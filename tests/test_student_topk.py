@@ -275,3 +275,14 @@ def test_every_lm_head_route_gives_the_topk(policy):
     assert got.route.startswith("lm_head:") and torch.equal(got.topk_ids, want.topk_ids)
     torch.testing.assert_close(got.topk_logprobs, want.topk_logprobs, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a_nan_of_either_sign_ranks_first_on_both_paths(sign):
+    """validate=False: a NaN logit (its sign bit set or not) is the largest, as torch's sort ranks it."""
+    z = torch.randn(2, 300, generator=generator(53))
+    z[1, 7] = sign * float("nan")
+    spec = LossSpec(cross_entropy=None, student_topk=4, outputs=("topk_ids",))
+    got = [headloss.head_loss(z, None, spec, backend=b, validate=False).topk_ids for b in ("triton", "torch")]
+    assert got[0][1, 0] == 7 and torch.equal(got[0], got[1])

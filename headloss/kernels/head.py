@@ -368,7 +368,7 @@ def head_kernel(
                                                                      NCOL, shard.world, geo.n_rows)
             tstats = 0
             if t_logits is not None:
-                tstats = merged_teacher(stats, row)
+                tstats = merged_teacher(stats, row, NCOL)
             top = 0
             if F.STUDENT_TOPK > 0:  # every shard's top-k merged: the statistics' last columns
                 top = topk_merged(stats + row * NCOL + NCOL - 2 * BLOCKS.T, BLOCKS.T)

@@ -119,13 +119,14 @@ def shard_jsd_kernel(
     logits,  # (rows, V_shard)
     targets,  # (n_out,) global ids, or None
     teacher,  # the teacher's logits on the same columns
-    stats,  # (n_rows, STATS.N_TEACHER) merged statistics
+    stats,  # (n_rows, NCOL) merged statistics: layouts.Stats' N_TEACHER columns, then their tail
     jsd,  # (n_rows, JSD_SHARES.N) fp32 out: this shard's share of the JSD and KL(p_s || M)
     temperature,  # (n_out,) fp32 per-row temperature, or None
     geo,
     S,
     F: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    NCOL: tl.constexpr,
 ):
     """The mixture JSD's extra pass on one shard, with the whole vocabulary's normalisers: its terms
     are sums over the vocabulary, so the shards' shares add up (the second collective)."""
@@ -137,9 +138,9 @@ def shard_jsd_kernel(
     value = tl.zeros([], tl.float32)
     kl_s = tl.zeros([], tl.float32)
     if counted:
-        at = stats + row * STATS_AT.N_TEACHER
+        at = stats + row * NCOL
         lse_s2, lse_t2, t_minus_s = distill_lse(tl.load(at + STATS_AT.m2), tl.load(at + STATS_AT.d),
-                                                merged_teacher(stats, row), F)
+                                                merged_teacher(stats, row, NCOL), F)
         value, kl_s = jsd_sums(row_ptr, t_row, geo.V, lse_s2, lse_t2, t_minus_s, S, BLOCK_V, F)
     tl.store(jsd + row * JSD_AT.N + JSD_AT.value, value)
     tl.store(jsd + row * JSD_AT.N + JSD_AT.kl_s, kl_s)
@@ -256,9 +257,10 @@ def merge_stats_kernel(parts, merged, n_rows, world, BLOCK: tl.constexpr, NCOL: 
 
 
 @triton.jit
-def merged_teacher(stats, row):
-    """The teacher's statistics of a row from the merged (n_rows, STATS.N_TEACHER) statistics (tstats layout)."""
-    at = stats + row * STATS_AT.N_TEACHER
+def merged_teacher(stats, row, NCOL: tl.constexpr):
+    """The teacher's statistics of a row from the merged (n_rows, NCOL) statistics (tstats layout; NCOL: layouts.Stats'
+    N_TEACHER columns, then a tail of the selected ids' logits and the student's top-k keys)."""
+    at = stats + row * NCOL
     return (tl.load(at + STATS_AT.t_m2), tl.load(at + STATS_AT.t_d), tl.load(at + STATS_AT.t_sum),
             tl.load(at + STATS_AT.t_cross), tl.load(at + STATS_AT.s_m2), tl.load(at + STATS_AT.s_d),
             tl.load(at + STATS_AT.s_cross), tl.load(at + STATS_AT.t_arg).to(tl.int32))
@@ -340,7 +342,7 @@ def launch_shard_jsd(plan: KernelPlan, *, logits, targets, teacher, stats, geo: 
         cfg = launch_config(geo.V, True, geo.n_rows)
         launch(shard_jsd_kernel, geo.n_rows, cfg.num_warps, logits=logits, targets=targets, teacher=teacher,
                stats=stats, jsd=jsd, temperature=temperature, geo=geo, S=plan.scalars, F=plan.flags,
-               BLOCK_V=cfg.block_v)
+               BLOCK_V=cfg.block_v, NCOL=stats.shape[1])
     return jsd
 
 

@@ -26,8 +26,9 @@ LOW_WORD = tl.constexpr(0xFFFFFFFF)
 
 @triton.jit
 def _high(x2):
-    """fp32 values -> int32 words in the same order (NaN above +inf; -0 is 0: a tie, as torch orders it)."""
-    bits = tl.where(x2 == 0.0, 0.0, x2).to(tl.int32, bitcast=True)
+    """fp32 values -> int32 words in the same order (any NaN above +inf and -0 as 0, as torch orders them)."""
+    x2 = tl.where(x2 == 0.0, 0.0, x2)
+    bits = tl.where(x2 != x2, float("nan"), x2).to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
