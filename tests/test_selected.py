@@ -56,7 +56,8 @@ TRANSFORMS = {"plain": {}, "softcap-temperature": {"logit_scale": 1.3, "softcap"
 
 @needs_kernel
 @pytest.mark.parametrize(("entry", "backend", "dtype", "transform", "k"), tiered(
-    ["logits", "lm_head"], ["triton", "torch"], [torch.float32, torch.bfloat16], list(TRANSFORMS), [1, 7, 64]))
+    ["logits", "lm_head"], ["triton", "torch"], [torch.float32, torch.bfloat16], list(TRANSFORMS), [1, 7, 64],
+    pairs=False))
 def test_selected_logprobs_and_their_gradient_match_an_fp64_oracle(entry, backend, dtype, transform, k):
     """Values and the gradient of loss + sum(g * selected) against fp64: logits, or hidden states and weight
     (whose logits the oracle computes in fp64 from the same rounded inputs)."""

@@ -48,7 +48,8 @@ def _assert_topk(ids, logprobs, want_ids, want_logprobs, atol, rtol=0.0):
 
 @needs_kernel
 @pytest.mark.parametrize(("entry", "backend", "dtype", "transform", "k"), tiered(
-    ["logits", "lm_head"], ["triton", "torch"], [torch.float32, torch.bfloat16], list(TRANSFORMS), [1, 5, 64]))
+    ["logits", "lm_head"], ["triton", "torch"], [torch.float32, torch.bfloat16], list(TRANSFORMS), [1, 5, 64],
+    pairs=False))
 def test_topk_ids_and_logprobs_match_an_fp64_oracle(entry, backend, dtype, transform, k):
     vocab = 300
     gen = generator(k + len(transform))
