@@ -94,10 +94,7 @@ def token_values(row_out, sparse, slot, logp, S, F: tl.constexpr, C: tl.constexp
 def topk_inputs(sparse, slot, row_ptr, gathered, vocab_start, V, V_total, S, F: tl.constexpr,
                 BLOCK_K: tl.constexpr):
     """(ids, local ids, given, mine, x2, slope, lq) of a row's K teacher entries: ``given`` where an id
-    is not -1 and its log-prob not -inf, ``mine`` where it is also in this row's columns
-    [vocab_start, vocab_start + V) of [0, V_total) (the student's logit there is read: its slope, and x2
-    unless ``gathered``, the vocab-parallel row's K logits merged over the shards). An id outside
-    [0, V_total) (validation off) gives NaN, never an out-of-bounds read; lq is 0 where not given."""
+    is not -1 and its log-prob not -inf, the rest as :func:`logits_at` gives them; lq is 0 where not given."""
     k = tl.arange(0, BLOCK_K)
     inside = k < sparse.K
     at = slot * sparse.K + k
@@ -106,15 +103,31 @@ def topk_inputs(sparse, slot, row_ptr, gathered, vocab_start, V, V_total, S, F: 
     lq = tl.load(sparse.logprobs + at, mask=has_id, other=0.0).to(tl.float32)
     given = has_id & (lq != float("-inf"))  # (a NaN log-prob stays an entry: its NaN reaches the row)
     lq = tl.where(given, lq, 0.0)
+    local, valid, mine, x2, slope = logits_at(ids, given, inside, row_ptr, gathered, vocab_start, V, V_total, S, F)
+    return ids, local, given, mine, x2, slope, lq
+
+
+@triton.jit
+def logits_at(ids, given, inside, row_ptr, gathered, vocab_start, V, V_total, S, F: tl.constexpr,
+              READ: tl.constexpr = True):
+    """(local ids, valid, mine, x2, slope) of a row's logits at K ``ids`` (a top-k teacher's, the selected ids;
+    ``given`` the entries that are ids, ``inside`` the K of the block): ``valid`` where a given id is in
+    [0, V_total), ``mine`` where it is also in this row's columns [vocab_start, vocab_start + V) (its logit is
+    read there: its slope, and x2 unless ``gathered``, a vocab-parallel row's K logits merged over the
+    shards). An id outside [0, V_total) (validation off) gives NaN, never an out-of-bounds read. ``READ``
+    False: the logits are not read (x2 is meaningless; the slope is the transform's constant, so only without
+    softcap)."""
     valid = given & (ids >= 0) & (ids < V_total)
     local = ids - vocab_start
     mine = valid & (local >= 0) & (local < V)
-    z = tl.load(row_ptr + local, mask=mine, other=0.0)
-    x2, slope = transform(z.to(tl.float32), S, F.HAS_SOFTCAP)
+    z = tl.zeros(ids.shape, tl.float32)
+    if READ:
+        z = tl.load(row_ptr + local, mask=mine, other=0.0).to(tl.float32)
+    x2, slope = transform(z, S, F.HAS_SOFTCAP)
     if gathered is not None:
-        x2 = tl.load(gathered + k, mask=inside, other=float("-inf"))
+        x2 = tl.load(gathered + tl.arange(0, ids.shape[0]), mask=inside, other=float("-inf"))
     x2 = tl.where(given & ~valid, float("nan"), x2)
-    return ids, local, given, mine, x2, slope, lq
+    return local, valid, mine, x2, slope
 
 
 @triton.jit
@@ -274,25 +287,13 @@ def topk_scatter(grad_row_ptr, ids, in_range, x2, slope, lse, A, B, C, D, y, h, 
 def selected_inputs(ids_ptr, slot, row_ptr, gathered, vocab_start, V, V_total, S, F: tl.constexpr,
                     BLOCK_S: tl.constexpr, READ: tl.constexpr = True):
     """(ids, local ids, given, valid, mine, x2, slope) of a row's F.SELECTED selected ids: ``given`` where an id
-    is not -1, ``valid`` where it is also in [0, V_total), ``mine`` where it is also in this row's columns
-    [vocab_start, vocab_start + V) (its logit is read there: its slope, and x2 unless ``gathered``, a
-    vocab-parallel row's K logits merged over the shards). An id outside [0, V_total) (validation off) gives
-    NaN, never an out-of-bounds read. ``READ`` False: the logits are not read (x2 is meaningless; the slope is
-    the transform's constant, so only without softcap)."""
+    is not -1, the rest as :func:`logits_at` gives them (``READ`` its)."""
     k = tl.arange(0, BLOCK_S)
     inside = k < F.SELECTED
     ids = tl.load(ids_ptr + slot * F.SELECTED + k, mask=inside, other=-1)
     given = inside & (ids != -1)
-    valid = given & (ids >= 0) & (ids < V_total)
-    local = ids - vocab_start
-    mine = valid & (local >= 0) & (local < V)
-    z = tl.zeros([BLOCK_S], tl.float32)
-    if READ:
-        z = tl.load(row_ptr + local, mask=mine, other=0.0).to(tl.float32)
-    x2, slope = transform(z, S, F.HAS_SOFTCAP)
-    if gathered is not None:
-        x2 = tl.load(gathered + k, mask=inside, other=float("-inf"))
-    x2 = tl.where(given & ~valid, float("nan"), x2)
+    local, valid, mine, x2, slope = logits_at(ids, given, inside, row_ptr, gathered, vocab_start, V, V_total, S, F,
+                                              READ)
     return ids, local, given, valid, mine, x2, slope
 
 
