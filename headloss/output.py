@@ -170,26 +170,24 @@ def assemble(plan: KernelPlan, token_shape: tuple[int, ...], head: HeadOutputs, 
     if extra_metrics:
         metrics = in_metric_order(metrics)
     out = HeadLossOutput(loss=loss, metrics=metrics, route=route)
-    if plan.output_index:
-        flat = len(token_shape) == 1
-        detach = rows.requires_grad and not plan.spec.differentiable_outputs
-        for name, index in plan.output_index:
-            value = rows.select(1, index)
-            value = value if flat else value.view(token_shape)
-            setattr(out, name, value.detach() if detach else value)
-    if plan.cols.selected >= 0:  # K columns: [.., K]
-        k, flat = plan.flags.SELECTED, len(token_shape) == 1
-        value = rows[:, plan.cols.selected:plan.cols.selected + k]
-        value = value if flat else value.view(*token_shape, k)
-        out.selected_logprobs = value.detach() if rows.requires_grad and not plan.spec.differentiable_outputs \
-            else value
+    detach = rows.requires_grad and not plan.spec.differentiable_outputs
+
+    def columns(start: int, k: int = 0) -> torch.Tensor:
+        """Column ``start`` as a token-shaped view, or with ``k`` the block of k columns from it, [.., k]."""
+        value = rows.select(1, start) if not k else rows[:, start:start + k]
+        return value.view(*token_shape, *((k,) if k else ()))
+
+    for name, index in plan.output_index:
+        value = columns(index)
+        setattr(out, name, value.detach() if detach else value)
+    if plan.cols.selected >= 0:
+        value = columns(plan.cols.selected, plan.flags.SELECTED)
+        out.selected_logprobs = value.detach() if detach else value
     k = plan.flags.STUDENT_TOPK
     if k and "topk_logprobs" in plan.spec.outputs:  # (values only: detached)
-        out.topk_logprobs = rows[:, plan.cols.topk_logprobs:plan.cols.topk_logprobs + k].detach().reshape(
-            *token_shape, k)
+        out.topk_logprobs = columns(plan.cols.topk_logprobs, k).detach()
     if k and "topk_ids" in plan.spec.outputs:  # int32 bits in the fp32 buffer
-        out.topk_ids = rows[:, plan.cols.topk_ids:plan.cols.topk_ids + k].detach().contiguous().view(
-            torch.int32).long().reshape(*token_shape, k)
+        out.topk_ids = columns(plan.cols.topk_ids, k).detach().contiguous().view(torch.int32).long()
     if plan.flags.HAS_ARGMAX and "predicted_tokens" in plan.spec.outputs:
         out.predicted_tokens = pred if len(token_shape) == 1 else pred.view(token_shape)
     return out

@@ -70,20 +70,15 @@ def float_input(value: Any, name: str, needed_by: str, device: torch.device) -> 
 def flat_selected_ids(value: Any, token_shape: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
     """The call's ``selected_ids`` (outputs: selected_logprobs) as the kernels read them: [n_out, K] int64,
     K per row, rows like the targets (packed rows: [N, K] or [1, N, K]); None where not given. Their values
-    (-1 or an id in [0, V)) are checked on the device (kernels.sparse.check_selected_kernel)."""
+    (-1 or an id in [0, V)) are checked on the device (kernels.sparse.check_selected_kernel); their type and K
+    at the door (batch.CallInputs.selected_k, which the plan's K comes from)."""
     if value is None:
         return None
-    if not isinstance(value, torch.Tensor) or value.dtype not in _ID_DTYPES:
-        got = getattr(value, "dtype", type(value).__name__)
-        raise TypeError(f"selected_ids: expected an int64 or int32 tensor, got {got}")
     if value.device != device:
         raise ValueError(f"selected_ids: on {value.device}, logits on {device}")
     shape, rows = tuple(value.shape), math.prod(token_shape)
-    k = shape[-1] if shape else 0
-    if not (shape[:-1] == tuple(token_shape) or (len(token_shape) == 1 and shape[:-1] == (1, rows))) or k < 1:
+    k = shape[-1]
+    if not (shape[:-1] == tuple(token_shape) or (len(token_shape) == 1 and shape[:-1] == (1, rows))):
         raise ValueError(f"selected_ids: shape {shape} is not {(*token_shape, 'K')} (K ids per row, rows like "
                          "the targets)")
     return value.reshape(rows, k).to(torch.int64).contiguous()
-
-
-_ID_DTYPES = (torch.int64, torch.int32)
