@@ -24,7 +24,7 @@ from .batch import PolicyBatch, Teacher
 from .kernels.head import PolicyRows, launch_finish, launch_head, prepare
 from .kernels.launch import Geometry
 from .kernels.shard import launch_merge, launch_shard_jsd, launch_shard_stats
-from .kernels.sparse import SparseRows, block_of, launch_check_selected, launch_check_teacher
+from .kernels.sparse import SparseRows, block_if, block_of, launch_check_selected, launch_check_teacher
 from .layouts import JSD_SHARES, STATS, scratch_size
 from .ops import geo_ints, geo_of, kernel_op
 from .output import HeadLossOutput, HeadOutputs
@@ -297,7 +297,7 @@ def traced_shard_statistics(plan: KernelPlan, block: Block, shard) -> tuple:
 def topk_keys(plan: KernelPlan) -> int:
     """The student's top-k keys a row's vocab-parallel statistics end with (its k rounded up to a power of
     two; 2 fp32 columns each), 0 without it."""
-    return block_of(plan.flags.STUDENT_TOPK) if plan.flags.STUDENT_TOPK else 0
+    return block_if(plan.flags.STUDENT_TOPK)
 
 
 def stats_tail(teacher_ids: torch.Tensor | None, plan: KernelPlan) -> int:
@@ -305,7 +305,7 @@ def stats_tail(teacher_ids: torch.Tensor | None, plan: KernelPlan) -> int:
     selected ids' (each K rounded up to a power of two), which merge by their max, then the student's top-k
     keys (:func:`topk_keys`)."""
     topk = 0 if teacher_ids is None else block_of(teacher_ids.shape[-1])
-    return topk + (block_of(plan.flags.SELECTED) if plan.flags.SELECTED else 0) + 2 * topk_keys(plan)
+    return topk + block_if(plan.flags.SELECTED) + 2 * topk_keys(plan)
 
 
 def stats_width(has_teacher: bool, teacher_ids: torch.Tensor | None, plan: KernelPlan) -> int:

@@ -189,11 +189,14 @@ _BY_KEY: BoundedDict[str, KernelPlan] = cache("plan.by_key", 1024, "plans by key
 def plan_from_key(key: str) -> KernelPlan:
     """The plan a key was made from (the custom ops carry plans as keys)."""
     plan = _BY_KEY.get(key)
-    if plan is None:
-        made_from = json.loads(key)
-        plan = compile_plan(LossSpec.model_validate(made_from["spec"]), has_targets=made_from["has_targets"],
-                            selected_k=made_from.get("selected_k", 0))
-    return plan
+    return plan if plan is not None else _from_key(key)
+
+
+def _from_key(key: str, selected_k: int | None = None) -> KernelPlan:
+    """compile_plan of what ``key`` was made from, with ``selected_k`` selected ids where given."""
+    made_from = json.loads(key)
+    return compile_plan(LossSpec.model_validate(made_from["spec"]), has_targets=made_from["has_targets"],
+                        selected_k=made_from.get("selected_k", 0) if selected_k is None else selected_k)
 
 
 def selecting(plan: KernelPlan, k: int) -> KernelPlan:
@@ -213,9 +216,7 @@ def selecting(plan: KernelPlan, k: int) -> KernelPlan:
 
 @torch.compiler.assume_constant_result
 def _selecting(key: str, k: int) -> KernelPlan:
-    made_from = json.loads(key)
-    return compile_plan(LossSpec.model_validate(made_from["spec"]), has_targets=made_from["has_targets"],
-                        selected_k=k)
+    return _from_key(key, k)
 
 
 # --- a spec in any form -> its plan, cached --------------------------------------------------------

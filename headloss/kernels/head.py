@@ -51,7 +51,7 @@ from .primitives import LN2, LOG2E
 from .shard import merged_rest, merged_stats, merged_teacher
 from .sparse import (
     SparseRows,
-    block_of,
+    block_if,
     gathered_row,
     rest_sum,
     selected_grads,
@@ -715,10 +715,9 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
 
 
 def _blocks(block_v: int, sparse: SparseRows | None, plan: KernelPlan) -> Blocks:
-    """A launch's Blocks: the vocabulary's, a top-k teacher's and the selected ids'."""
+    """A launch's Blocks: the vocabulary's, a top-k teacher's, the selected ids' and the student's top-k's."""
     flags = plan.flags
-    return Blocks(block_v, max(topk_block(sparse), 1), block_of(flags.SELECTED),
-                  block_of(flags.STUDENT_TOPK) if flags.STUDENT_TOPK else 0)
+    return Blocks(block_v, max(topk_block(sparse), 1), max(block_if(flags.SELECTED), 1), block_if(flags.STUDENT_TOPK))
 
 
 def _without_temperature(args: dict) -> dict | None:

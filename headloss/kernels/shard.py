@@ -20,7 +20,7 @@ from ..layouts import JSD_AT, JSD_SHARES, STATS, STATS_AT
 from ..plan import KernelPlan
 from .blocks import online_stats, row_slot, row_start, row_temperature, target_logit
 from .launch import Geometry, launch, launch_config
-from .sparse import SparseRows, block_of, rest_sum, shard_selected, shard_topk, topk_block
+from .sparse import SparseRows, block_if, rest_sum, shard_selected, shard_topk, topk_block
 from .terms import distill_lse, jsd_sums
 from .topk import topk_shard_store, topk_start
 
@@ -317,8 +317,7 @@ def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry, teac
     (:func:`~headloss.kernels.sparse.shard_selected`, likewise)."""
     width = STATS.N_TEACHER if teacher is not None else STATS.N
     block_k = topk_block(sparse)
-    block_s = block_of(plan.flags.SELECTED) if plan.flags.SELECTED else 0
-    block_t = block_of(plan.flags.STUDENT_TOPK) if plan.flags.STUDENT_TOPK else 0
+    block_s, block_t = block_if(plan.flags.SELECTED), block_if(plan.flags.STUDENT_TOPK)
     f32 = dict(dtype=torch.float32, device=logits.device)
     part = torch.empty(geo.n_rows, width, **f32)
     x2k = torch.empty(geo.n_rows, block_k, **f32) if block_k else None

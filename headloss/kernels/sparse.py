@@ -63,6 +63,11 @@ def block_of(k: int) -> int:
     return 1 << (max(k, 1) - 1).bit_length()
 
 
+def block_if(n: int) -> int:
+    """``n`` entries rounded up to a power of two, 0 for none (a variant's selected ids or student top-k)."""
+    return block_of(n) if n else 0
+
+
 def topk_block(sparse: SparseRows | None) -> int:
     """A top-k teacher's BLOCK_K; 0 without one."""
     return 0 if sparse is None or sparse.ids is None else block_of(sparse.K)
