@@ -32,6 +32,7 @@ from .layouts import EXTREME_METRICS, EXTREMES
 from .policy_tables import OBJECTIVES
 from .registry import METRIC_ORDER, Columns, Flags, Scalars, derive
 from .spec import FIELD_NAMES, LossSpec, base_policy
+from .validation import check_selected_given
 
 Mode = Literal["fused", "deferred"]
 
@@ -202,11 +203,7 @@ def _from_key(key: str, selected_k: int | None = None) -> KernelPlan:
 def selecting(plan: KernelPlan, k: int) -> KernelPlan:
     """``plan`` for a call with ``k`` selected ids per row (``selected_ids`` [.., k]; 0: none): its
     ``selected`` columns, the SELECTED flag. A call's selected ids must match its spec's outputs both ways."""
-    asked = "selected_logprobs" in plan.spec.outputs
-    if asked and not k:
-        raise ValueError("selected_ids: required by outputs: selected_logprobs but not given")
-    if k and not asked:
-        raise ValueError("selected_ids: given, but the spec's outputs do not list selected_logprobs")
+    check_selected_given(plan.spec, k > 0)
     if k > MAX_SELECTED:
         raise ValueError(f"selected_ids: {k} ids per row; at most {MAX_SELECTED} (the last dimension is K)")
     if plan.flags.SELECTED == k:

@@ -352,6 +352,15 @@ def check_row_input(name: str, values: torch.Tensor, token_shape: tuple[int, ...
         raise_row_input(name, int(bad.nonzero()[0, 0]), token_shape)
 
 
+def check_selected_given(spec: LossSpec, given: bool) -> None:
+    """A call gives selected ids exactly when its spec's outputs list selected_logprobs (both paths' check)."""
+    asked = "selected_logprobs" in spec.outputs
+    if asked and not given:
+        raise ValueError("selected_ids: required by outputs: selected_logprobs but not given")
+    if given and not asked:
+        raise ValueError("selected_ids: given, but the spec's outputs do not list selected_logprobs")
+
+
 def raise_selected(index: int, context: CheckContext, deferred: bool = False, entry_id: int | None = None) -> None:
     """The error of the selected ids' first bad entry (flat ``index`` into [n_out, K]; ``entry_id``: its id,
     where the host knows it)."""

@@ -23,6 +23,7 @@ from ..validation import (
     CheckContext,
     Normaliser,
     check_row_input,
+    check_selected_given,
     raise_if_bad,
     raise_selected,
     raise_teacher,
@@ -59,9 +60,7 @@ def reference_head_loss(
     if (weights is None) != (spec.token_weights is None):
         raise ValueError("token_weights: " + ("required by spec.token_weights but not given" if weights is None else
                                               "given, but spec.token_weights is not set"))
-    if (selected is None) == ("selected_logprobs" in spec.outputs):
-        raise ValueError("selected_ids: " + ("required by outputs: selected_logprobs but not given" if selected is None
-                                             else "given, but the spec's outputs do not list selected_logprobs"))
+    check_selected_given(spec, selected is not None)
     if selected is not None and validate != "off":
         _check_selected(selected, logits.shape[-1], tuple(logits.shape[:-1]))
     if teacher_probs is not None:  # a teacher given as probabilities: its log, at temperature 1
@@ -184,10 +183,7 @@ def _output(loss, metrics: dict, rows: dict, spec: LossSpec, token_shape, out_dt
         predicted_tokens=per_token("predicted_tokens"), logprobs=per_token("logprobs"), lse=per_token("lse"),
         token_loss=per_token("token_loss"), entropy=per_token("entropy"),
         selected_logprobs=per_token("selected_logprobs"),
-        topk_ids=None if rows["topk_ids"] is None or "topk_ids" not in spec.outputs else
-        rows["topk_ids"].reshape(*token_shape, -1),
-        topk_logprobs=None if rows["topk_logprobs"] is None or "topk_logprobs" not in spec.outputs else
-        rows["topk_logprobs"].reshape(*token_shape, -1).to(out_dtype).detach(),
+        topk_ids=per_token("topk_ids"), topk_logprobs=per_token("topk_logprobs"),  # (detached where made)
     )
 
 
