@@ -105,15 +105,17 @@ FRONTIER_MIB = (128, 192, 256, 384, 512, 1024, 2048)
 QUACK_MIB = (256, 384, 1024)  # (quack tunes its GEMM per shape: each budget's chunk rows compile and tune once)
 
 
-def frontier(rows: list[Row], n: int, v: int, h: int, dw_gemm: bool = False) -> None:
+def frontier(rows: list[Row], n: int, v: int, h: int, dw_gemm: bool = False, budgets=None) -> None:
     """The chunk budget's trade at one shape: headloss at each budget (its peak memory counts dW and
     dh), the 3 GEMMs and the peers, one run; ``dw_gemm``: also each budget with dW accumulated by
-    quack-kernels' gemm_add_inplace (chunks.DW_GEMM), beside the same budget with cuBLAS's addmm."""
+    quack-kernels' gemm_add_inplace (chunks.DW_GEMM), beside the same budget with cuBLAS's addmm.
+    ``budgets`` (MiB): these budgets only, for both GEMMs (default FRONTIER_MIB, and QUACK_MIB for quack)."""
     extra = {f"headloss chunk={mib}MiB": (lambda h_, w_, y_, mib=mib: linear_head_loss(
-        h_, w_, y_, chunk_bytes=mib << 20).loss.backward()) for mib in FRONTIER_MIB}
+        h_, w_, y_, chunk_bytes=mib << 20).loss.backward()) for mib in budgets or FRONTIER_MIB}
     if dw_gemm:
         extra.update({f"headloss dW=quack chunk={mib}MiB": (lambda h_, w_, y_, mib=mib: _with_quack_dw(
-            lambda: linear_head_loss(h_, w_, y_, chunk_bytes=mib << 20).loss.backward())) for mib in QUACK_MIB})
+            lambda: linear_head_loss(h_, w_, y_, chunk_bytes=mib << 20).loss.backward()))
+            for mib in budgets or QUACK_MIB})
     run(rows, "frontier", n, h, v, ["3-gemm-floor", "liger-flce", "cce", *extra], extra)
 
 
@@ -213,11 +215,13 @@ def main() -> None:
                         help="only the time / memory frontier of the chunk budgets at N rows, V words")
     parser.add_argument("--dw-gemm", action="store_true",
                         help="with --frontier: each budget again with dW accumulated by quack-kernels")
+    parser.add_argument("--budgets", type=int, nargs="+", metavar="MIB",
+                        help="with --frontier: only these chunk budgets (MiB)")
     args = parser.parse_args()
     rows: list[Row] = []
     h = args.hidden
     if args.frontier:
-        frontier(rows, *args.frontier, h, dw_gemm=args.dw_gemm)
+        frontier(rows, *args.frontier, h, dw_gemm=args.dw_gemm, budgets=args.budgets)
         out = out_dir_default()
         js, cs = write_rows(rows, out, args.stem)
         print_table(rows)

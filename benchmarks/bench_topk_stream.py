@@ -1,0 +1,208 @@
+"""The student's top-k in a one-read online-softmax pass, two designs side by side (forward only).
+
+    python -m benchmarks.bench_topk_stream --stem bench_topk_stream
+
+A standalone kernel reads each row of bf16 logits [N=8192, V=128256] once, keeps the online
+softmax's running max and per-lane sums (as the head kernel's statistics pass does) and, per variant:
+
+- ``plain``: nothing else (the pass the top-k rides on);
+- ``insertion``: the shipped running top-k (headloss.kernels.topk: int64 keys in registers, a block
+  whose largest logit is below the k-th skipped, the others' keys above it entered one at a time);
+- ``compaction cap=C``: an experiment: a threshold (after the first block, the k-th largest of its
+  per-thread maxima; later the k-th of a merge) gates each block; the block's elements above it are
+  scattered (a prefix sum gives each its slot) into a per-row buffer of C entries, and a full buffer
+  is merged back to its top k by ``tl.topk``; a block with more candidates than the buffer holds takes
+  the insertion path.
+
+Every variant's ids are checked against a stable sort first (odd shapes, exact ties, a constant row).
+Writes $OUT (or ./results)/<stem>.{json,csv,png}; prints the table with each variant's ratio to plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks.common import Row, measure, out_dir_default, pyplot, write_rows
+from headloss.kernels.topk import KEY_MAX, KEY_MIN, LOW_WORD, _high, topk_block, topk_start
+
+LOG2E = 1.4426950408889634
+N, V = 8192, 128256
+BLOCK = 2048
+
+
+@triton.jit
+def _key(v, i):
+    return (_high(v).to(tl.int64) << 32) | (LOW_WORD - i.to(tl.int64))
+
+
+@triton.jit
+def _value(key):
+    high = (key >> 32).to(tl.int32)
+    return tl.where(high < 0, high ^ 0x7FFFFFFF, high).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _merge(buf, n, K: tl.constexpr, T: tl.constexpr, CAP: tl.constexpr):
+    """The buffer's n entries (value bits at buf[0:CAP], ids at buf[CAP:2 CAP]) cut to their top K, written
+    back at 0..K-1: (entries, the K-th key, the sorted top T keys)."""
+    tl.debug_barrier()
+    t = tl.arange(0, CAP)
+    inside = t < n
+    v = tl.load(buf + t, mask=inside, other=0).to(tl.float32, bitcast=True)
+    i = tl.load(buf + CAP + t, mask=inside, other=0)
+    top = tl.topk(tl.where(inside, _key(v, i), KEY_MIN), T)
+    s = tl.arange(0, T)
+    keep = s < K
+    tl.debug_barrier()
+    tl.store(buf + s, _value(top).to(tl.int32, bitcast=True), mask=keep)
+    tl.store(buf + CAP + s, ((top & LOW_WORD) ^ LOW_WORD).to(tl.int32), mask=keep)
+    return tl.minimum(n, K), tl.min(tl.where(keep, top, KEY_MAX), 0), top
+
+
+@triton.jit
+def _scatter(buf, pos, x2, ids, CAP: tl.constexpr, ASM: tl.constexpr):
+    """buf[pos] = x2's bits and buf[CAP + pos] = ids where pos >= 0. On a GPU an inline store that makes
+    its addresses itself: tl.store of a scattered pointer tensor gives the whole block a
+    one-element-per-thread layout (a shared-memory conversion of every block) and 64-bit pointers."""
+    if ASM:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b64 a; setp.ge.s32 p, $4, 0; mul.wide.s32 a, $4, 4; add.s64 a, a, $1;"
+            " @p st.global.b32 [a], $2; add.s64 a, a, $5; @p st.global.b32 [a], $3; mov.u32 $0, 0; }",
+            "=r,l,r,r,r,l", [buf, x2.to(tl.int32, bitcast=True), ids, pos, tl.full([], 4 * CAP, tl.int64)],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(buf + pos, x2.to(tl.int32, bitcast=True), mask=pos >= 0)
+        tl.store(buf + CAP + pos, ids, mask=pos >= 0)
+
+
+@triton.jit
+def stream_kernel(x, out_lse, out_keys, scratch, V, stride, K: tl.constexpr, T: tl.constexpr, CAP: tl.constexpr,
+                  MODE: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr):
+    """One row per program: its log-sum-exp and (MODE 1 insertion, 2 compaction) its top-K keys, sorted."""
+    row = tl.program_id(0)
+    p = x + row.to(tl.int64) * stride
+    offs = tl.arange(0, BLOCK)
+    m = tl.full([], float("-inf"), tl.float32)
+    d = tl.zeros([BLOCK], tl.float32)
+    buf = scratch + row.to(tl.int64) * 2 * CAP
+    top = topk_start(K, T)
+    n = tl.zeros([], tl.int32)
+    thr_v = tl.full([], float("-inf"), tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + offs
+        x2 = tl.load(p + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        bm = tl.max(x2, 0)
+        m_new = tl.maximum(m, bm)
+        d = d * tl.exp2(m - m_new) + tl.exp2(x2 - m_new)
+        m = m_new
+        if MODE == 1:
+            top = topk_block(x2, cols, V, top, 0, T)
+        if MODE == 2:
+            first = start == 0
+            if first:  # a bound from the first block: the K-th largest of G group maxima
+                g = tl.topk(tl.max(tl.reshape(x2, [G, BLOCK // G]), 1), T)
+                thr_v = tl.min(tl.where(tl.arange(0, T) < K, g, float("inf")), 0)
+            if first | (bm > thr_v):
+                mask = ((x2 > thr_v) | ((x2 == thr_v) & first)) & (cols < V)
+                c = tl.sum(mask.to(tl.int32), 0)
+                room = True
+                if n + c > CAP:
+                    n, thr, keys = _merge(buf, n, K, T, CAP)
+                    thr_v = _value(thr)
+                    if n + c > CAP:  # more candidates than the buffer holds: one at a time
+                        s = tl.arange(0, T)
+                        keys, thr = topk_block(x2, cols, V, (tl.where(s < K, keys, KEY_MAX), thr), 0, T)
+                        keys = tl.sort(tl.where(s < K, keys, KEY_MIN), descending=True)
+                        tl.debug_barrier()
+                        tl.store(buf + s, _value(keys).to(tl.int32, bitcast=True), mask=s < K)
+                        tl.store(buf + CAP + s, ((keys & LOW_WORD) ^ LOW_WORD).to(tl.int32), mask=s < K)
+                        n = tl.sum((keys > KEY_MIN).to(tl.int32), 0)
+                        thr_v = _value(thr)
+                        room = False
+                if room:
+                    pos = n + tl.cumsum(mask.to(tl.int32), 0) - 1
+                    _scatter(buf, tl.where(mask, pos, -1), x2, cols, CAP, ASM)
+                    n += c
+    tl.store(out_lse + row, (m + tl.log2(tl.sum(d, 0))) / 1.4426950408889634)
+    s = tl.arange(0, T)
+    if MODE == 1:
+        keys, thr = top
+        tl.store(out_keys + row * T + s, tl.sort(tl.where(s < K, keys, KEY_MIN), descending=True))
+    if MODE == 2:
+        n, thr, keys = _merge(buf, n, K, T, CAP)
+        tl.store(out_keys + row * T + s, tl.where(s < K, keys, KEY_MIN))
+
+
+def stream(x: torch.Tensor, k: int, mode: int, cap: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse [N], ids [N, k]) of one variant: mode 0 plain, 1 insertion, 2 compaction with a buffer of cap."""
+    n, v = x.shape
+    t = max(2, triton.next_power_of_2(k))
+    cap = cap or t
+    lse = torch.empty(n, device=x.device, dtype=torch.float32)
+    keys = torch.empty(n, t, device=x.device, dtype=torch.int64)
+    scratch = torch.empty(n, 2 * cap, device=x.device, dtype=torch.int32)
+    stream_kernel[(n,)](x, lse, keys, scratch, v, x.stride(0), K=k, T=t, CAP=cap, MODE=mode, BLOCK=BLOCK,
+                        G=min(BLOCK, max(t, BLOCK // 16)), ASM=int(x.is_cuda), num_warps=4)
+    return lse, 0xFFFFFFFF - (keys[:, :k] & 0xFFFFFFFF)
+
+
+def variants(k: int) -> dict[str, tuple[int, int]]:
+    t = max(2, triton.next_power_of_2(k))
+    return {"plain": (0, 0), "insertion": (1, 0), **{f"compaction cap={c}": (2, c) for c in (4 * t, 8 * t)}}
+
+
+def check(device: str) -> None:
+    """Every variant's ids equal a stable sort's (ties to the lower id) on odd shapes, ties and a constant row."""
+    for n, v, k, ties in ((7, 5000, 8, False), (5, 300, 64, False), (6, 130000, 64, True), (4, 9000, 1, True),
+                          (3, 70000, 17, False)):
+        gen = torch.Generator(device=device).manual_seed(n + v)
+        x = torch.randn(n, v, device=device, generator=gen) * 3
+        x = (x.round() if ties else x)
+        x[0] = 1.0
+        x = x.to(torch.bfloat16)
+        want = torch.sort(x.float(), dim=-1, descending=True, stable=True).indices[:, :k]
+        for name, (mode, cap) in variants(k).items():
+            if mode:
+                got = stream(x, k, mode, cap)[1]
+                assert torch.equal(got, want), f"{name}, N {n} V {v} k {k}: ids differ from a stable sort"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stem", default="bench_topk_stream")
+    parser.add_argument("--k", type=int, nargs="+", default=[8, 64])
+    args = parser.parse_args()
+    check("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(N, V, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+    rows: list[Row] = []
+    for k in args.k:
+        for name, (mode, cap) in variants(k).items():
+            measure(rows, f"top-k {k}", name, "N", N, lambda mode=mode, cap=cap, k=k: stream(x, k, mode, cap),
+                    config={"N": N, "V": V, "k": k, "block": BLOCK, "cap": cap})
+    out = out_dir_default()
+    js, cs = write_rows(rows, out, args.stem)
+    plain = {r.case: r.p50 for r in rows if r.metric == "time" and r.provider == "plain"}
+    print(f"\n{'case':<10}{'variant':<24}{'p50 ms':>9}{'x plain':>9}")
+    for r in rows:
+        if r.metric == "time" and r.p50:
+            print(f"{r.case:<10}{r.provider:<24}{r.p50:>9.3f}{r.p50 / plain[r.case]:>9.2f}")
+    plt = pyplot()
+    cases = list(plain)
+    fig, axes = plt.subplots(1, len(cases), figsize=(6 * len(cases), 3.5), squeeze=False)
+    for ax, case in zip(axes[0], cases):
+        times = [r for r in rows if r.case == case and r.metric == "time" and r.p50]
+        ax.barh([r.provider for r in times], [r.p50 for r in times], color="tab:blue")
+        ax.set_xlabel("forward ms (median)")
+        ax.set_title(f"{case}: one read of bf16 [{N}, {V}]")
+    fig.tight_layout()
+    fig.savefig(out / f"{args.stem}.png", dpi=110)
+    print(f"\nwrote {js}, {cs}")
+
+
+if __name__ == "__main__":
+    main()
