@@ -31,7 +31,7 @@ from .bounded import BoundedDict, cache, memoize
 from .layouts import EXTREME_METRICS, EXTREMES
 from .policy_tables import OBJECTIVES
 from .registry import METRIC_ORDER, Columns, Flags, Scalars, derive
-from .spec import FIELD_NAMES, LossSpec, base_policy
+from .spec import LossSpec, base_policy
 from .validation import check_selected_given
 
 Mode = Literal["fused", "deferred"]
@@ -254,17 +254,6 @@ def plan_of_data(frozen: Any, has_targets: bool) -> KernelPlan:
     return compile_plan(spec, has_targets=has_targets)
 
 
-def _spec_data(model: Any) -> Any:
-    """A LossSpec as plain data through attribute reads only (which torch.compile can trace and
-    guard on), without pydantic's serializer (which it cannot trace)."""
-    names = FIELD_NAMES.get(type(model))
-    if names is not None:
-        return {name: _spec_data(getattr(model, name)) for name in names}
-    if isinstance(model, tuple):
-        return list(model)
-    return model
-
-
 _DEFAULT_SPEC = LossSpec()
 _PLANS_BY_ID: BoundedDict[tuple[int, bool], tuple[LossSpec, KernelPlan]] = cache(
     "plan.by_id", 1024, "plan_for's plans by (id of the spec object, has_targets)")
@@ -272,22 +261,34 @@ _PLANS_BY_DATA: BoundedDict[tuple[str, bool], KernelPlan] = cache(
     "plan.by_data", 1024, "plan_for's plans by (the spec's data, has_targets)")
 
 
+def _plan_by_id(spec: LossSpec, has_targets: bool) -> KernelPlan:
+    hit = _PLANS_BY_ID.get((id(spec), has_targets))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    plan = compile_plan(spec, has_targets=has_targets)
+    _PLANS_BY_ID[(id(spec), has_targets)] = (spec, plan)  # holds spec: its id is not reused meanwhile
+    return plan
+
+
+@torch.compiler.assume_constant_result
+def _plan_of_spec(spec: LossSpec, has_targets: bool) -> KernelPlan:
+    """A LossSpec's plan under torch.compile, run at trace time on the spec object (a frozen model; the
+    graph is guarded on which object it is): read field by field in the traced code, its floats would be
+    symbolic under ``dynamic=True`` and the plan no constant."""
+    return _plan_by_id(spec, has_targets)
+
+
 def plan_for(spec: SpecLike | None, has_targets: bool) -> KernelPlan:
     """The cached plan of a spec given in any form; a spec object seen before costs a dict lookup
     (no pydantic hashing or validation per call). Under torch.compile the spec is read once, at
-    trace time, and the plan is a constant of the graph (a dict or a path never breaks it)."""
+    trace time, and the plan is a constant of the graph (a dict or a path never breaks it; under
+    ``dynamic=True`` a dict's numbers are traced as symbols, which a LossSpec object's are not)."""
     if spec is None:
         spec = _DEFAULT_SPEC
     if isinstance(spec, LossSpec):
         if torch.compiler.is_compiling():
-            frozen = _frozen(_spec_data(spec))  # (read at trace time: the plan is a constant of the graph)
-            return plan_of_data(frozen, has_targets)
-        hit = _PLANS_BY_ID.get((id(spec), has_targets))
-        if hit is not None and hit[0] is spec:
-            return hit[1]
-        plan = compile_plan(spec, has_targets=has_targets)
-        _PLANS_BY_ID[(id(spec), has_targets)] = (spec, plan)  # holds spec: its id is not reused meanwhile
-        return plan
+            return _plan_of_spec(spec, has_targets)  # (read at trace time: the plan is a constant of the graph)
+        return _plan_by_id(spec, has_targets)
     if isinstance(spec, (dict, str, Path)):
         if torch.compiler.is_compiling():
             return plan_of_data(_frozen(spec), has_targets)

@@ -191,3 +191,34 @@ def test_a_dense_teacher_traces_in_one_graph_in_a_fresh_process():
     done = subprocess.run([sys.executable, "-c", FRESH_TRACE], capture_output=True, text=True,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0 and "traced" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("entry", ["logits", "lm_head"])
+def test_dynamic_shapes_take_each_spec_objects_plan(entry):
+    """torch.compile(dynamic=True): a LossSpec's floats are not traced as symbols (the plan is read from the
+    spec object at trace time), so the call compiles without a break; another LossSpec object (other floats
+    and terms) gets its own plan, and another number of rows reuses the dynamic graphs. Each equals eager."""
+    specs = (LossSpec(z_loss={"weight": 1e-2}, transform={"temperature": 0.7}),
+             LossSpec(cross_entropy={"label_smoothing": 0.1}, entropy={"weight": 0.05}, token_accuracy=True))
+    weight = torch.randn(V, H, generator=generator(71))
+
+    def call(x, y, spec):
+        if entry == "logits":
+            out = head_loss(x, y, spec)
+        else:
+            out = linear_head_loss(x, weight, y, spec, chunk_bytes=4 * V * 4)
+        return out.loss, out.metrics
+
+    graphs = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(call, backend=graphs, dynamic=True, fullgraph=True)
+    frames = []
+    for rows in (6, 9):
+        gen = generator(rows)
+        x = torch.randn(rows, V if entry == "logits" else H, generator=gen)
+        y = torch.randint(0, V, (rows,), generator=gen)
+        for spec in specs:
+            (got, got_metrics), (want, want_metrics) = compiled(x, y, spec), call(x, y, spec)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            assert set(got_metrics) == set(want_metrics)
+        frames.append(graphs.frame_count)
+    assert frames[1] == frames[0]  # another number of rows: the dynamic graphs again, no recompile
