@@ -31,7 +31,7 @@ from .bounded import BoundedDict, cache, memoize
 from .layouts import EXTREME_METRICS, EXTREMES
 from .policy_tables import OBJECTIVES
 from .registry import METRIC_ORDER, Columns, Flags, Scalars, derive
-from .spec import LossSpec, base_policy
+from .spec import FIELD_NAMES, LossSpec, base_policy
 from .validation import check_selected_given
 
 Mode = Literal["fused", "deferred"]
@@ -270,6 +270,12 @@ def _plan_by_id(spec: LossSpec, has_targets: bool) -> KernelPlan:
     return plan
 
 
+SPEC_OBJECT_CONSTANT = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+"""Whether Dynamo hands a user object to an ``assume_constant_result`` function (torch 2.13 does; 2.11
+raises AsPythonConstantNotImplementedError): then a LossSpec's plan is read from the object at trace time;
+before, field by field in the traced code, whose floats are symbols under ``dynamic=True`` (refused)."""
+
+
 @torch.compiler.assume_constant_result
 def _plan_of_spec(spec: LossSpec, has_targets: bool) -> KernelPlan:
     """A LossSpec's plan under torch.compile, run at trace time on the spec object (a frozen model; the
@@ -278,16 +284,30 @@ def _plan_of_spec(spec: LossSpec, has_targets: bool) -> KernelPlan:
     return _plan_by_id(spec, has_targets)
 
 
+def _spec_data(model: Any) -> Any:
+    """A LossSpec as plain data through attribute reads only (which torch.compile can trace and
+    guard on), without pydantic's serializer (which it cannot trace)."""
+    names = FIELD_NAMES.get(type(model))
+    if names is not None:
+        return {name: _spec_data(getattr(model, name)) for name in names}
+    if isinstance(model, tuple):
+        return list(model)
+    return model
+
+
 def plan_for(spec: SpecLike | None, has_targets: bool) -> KernelPlan:
     """The cached plan of a spec given in any form; a spec object seen before costs a dict lookup
     (no pydantic hashing or validation per call). Under torch.compile the spec is read once, at
     trace time, and the plan is a constant of the graph (a dict or a path never breaks it; under
-    ``dynamic=True`` a dict's numbers are traced as symbols, which a LossSpec object's are not)."""
+    ``dynamic=True`` a dict's numbers are traced as symbols, which a LossSpec object's are not where
+    :data:`SPEC_OBJECT_CONSTANT`)."""
     if spec is None:
         spec = _DEFAULT_SPEC
     if isinstance(spec, LossSpec):
-        if torch.compiler.is_compiling():
-            return _plan_of_spec(spec, has_targets)  # (read at trace time: the plan is a constant of the graph)
+        if torch.compiler.is_compiling():  # (read at trace time: the plan is a constant of the graph)
+            if SPEC_OBJECT_CONSTANT:
+                return _plan_of_spec(spec, has_targets)
+            return plan_of_data(_frozen(_spec_data(spec)), has_targets)
         return _plan_by_id(spec, has_targets)
     if isinstance(spec, (dict, str, Path)):
         if torch.compiler.is_compiling():

@@ -22,6 +22,7 @@ from conftest import assert_close_norm, generator, make_logits, make_targets, ne
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from headloss import LossSpec, head_loss, linear_head_loss
+from headloss.plan import SPEC_OBJECT_CONSTANT
 
 pytestmark = needs_kernel
 
@@ -193,6 +194,7 @@ def test_a_dense_teacher_traces_in_one_graph_in_a_fresh_process():
     assert done.returncode == 0 and "traced" in done.stdout, done.stderr[-3000:]
 
 
+@pytest.mark.skipif(not SPEC_OBJECT_CONSTANT, reason="torch < 2.13: Dynamo gives assume_constant_result no object")
 @pytest.mark.parametrize("entry", ["logits", "lm_head"])
 def test_dynamic_shapes_take_each_spec_objects_plan(entry):
     """torch.compile(dynamic=True): a LossSpec's floats are not traced as symbols (the plan is read from the
