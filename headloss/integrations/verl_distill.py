@@ -43,9 +43,16 @@ DISTILLATION_ESTIMATORS: dict[str, tuple[str, bool, str]] = {  # verl loss_mode 
 headloss's per-token estimator (``spec.Distillation(teacher="token")``'s fields)."""
 
 
-@memoize("verl.topk_spec", 64, "verl's top-k distillation spec by log_prob_min_clamp")
-def _topk_spec(log_prob_min_clamp: float | None) -> LossSpec:
-    return LossSpec(cross_entropy=None, reduction="none", outputs=("lse",),
+OVERLAP_TOPK = 64
+"""The largest teacher K whose overlap diagnostics forward_kl_topk returns (the student's top-k in the pass,
+``student_topk``, goes to 64); above it they are left out, as verl's consumer allows. 0: always left out,
+and the pass keeps no top-k (at K 64 it costs the pass most of its time: docs/performance.md)."""
+
+
+@memoize("verl.topk_spec", 64, "verl's top-k distillation spec by log_prob_min_clamp and the overlap's k")
+def _topk_spec(log_prob_min_clamp: float | None, overlap_k: int | None) -> LossSpec:
+    return LossSpec(cross_entropy=None, reduction="none", outputs=("lse", "topk_ids") if overlap_k else ("lse",),
+                    student_topk=overlap_k,
                     distillation=Distillation(teacher="topk", topk="verl", log_prob_min_clamp=log_prob_min_clamp))
 
 
@@ -55,10 +62,12 @@ def forward_kl_topk(student_logits: torch.Tensor, teacher_topk_log_probs: torch.
     [bsz, seqlen, K] sliced for Ulysses sequence parallelism as verl slices them) and outputs, each
     [bsz, seqlen]: ``distillation_losses`` (sum_k q_k (log q_k - log p_k), with verl's
     ``log_prob_min_clamp``, already clamped at 0 as verl's loss then clamps it), ``student_mass``,
-    ``teacher_mass``. One pass over the logits, its gradient in backward; no [B, T, V] log-softmax.
-    The overlap diagnostics (``overlap_count``, ``overlap_token_advantage``) need the student's own
-    top-k, a sort of every row that this pass does not make: they are left out, and verl then logs
-    no overlap metrics."""
+    ``teacher_mass``, and verl's overlap diagnostics: ``overlap_count`` (how many of the teacher's K ids
+    are among the student's own top K) and ``overlap_token_advantage`` (the mean of -q_k (log q_k -
+    log p_k) over those, 0 where none is). One pass over the logits, which also keeps the student's top K
+    (``student_topk``; no [B, T, V] log-softmax or sort), its gradient in backward. With K above
+    OVERLAP_TOPK (64) the two diagnostics are left out, and verl then logs no overlap metrics. The
+    student's top-k costs the pass most of its time at K 64 (docs/performance.md)."""
     lp, ids = teacher_topk_log_probs, teacher_topk_ids
     if lp.is_nested:
         lp, ids = lp.values().unsqueeze(0), ids.values().unsqueeze(0)
@@ -70,14 +79,32 @@ def forward_kl_topk(student_logits: torch.Tensor, teacher_topk_log_probs: torch.
         raise ValueError(f"teacher_topk_log_probs: shape {tuple(lp.shape)} (ids {tuple(ids.shape)}) does not match "
                          f"the student's rows {tuple(student_logits.shape[:2])}")
     clamp = config_value(config_value(config, "distillation_loss"), "log_prob_min_clamp")
-    out = head_loss(student_logits, None, _topk_spec(None if clamp is None else float(clamp)), teacher_ids=ids,
-                    teacher_logprobs=lp)
+    clamp = None if clamp is None else float(clamp)
+    k = ids.shape[-1]
+    overlap_k = k if 0 < k <= min(OVERLAP_TOPK, student_logits.shape[-1]) else None
+    out = head_loss(student_logits, None, _topk_spec(clamp, overlap_k), teacher_ids=ids, teacher_logprobs=lp)
     with torch.no_grad():
         given = ids >= 0
         picked = student_logits.detach().gather(-1, ids.clamp(min=0)).float() - out.lse[..., None]
         student_mass = torch.where(given, picked.exp(), 0.0).sum(-1)
         teacher_mass = torch.where(given, lp.float().exp(), 0.0).sum(-1)
-    return {"distillation_losses": out.loss, "student_mass": student_mass, "teacher_mass": teacher_mass}
+        result = {"distillation_losses": out.loss, "student_mass": student_mass, "teacher_mass": teacher_mass}
+        if overlap_k is not None:
+            result.update(_overlap(ids, lp.float(), picked, out.topk_ids, given, clamp))
+    return result
+
+
+def _overlap(ids, lq, lp, student_ids, given, clamp: float | None) -> dict[str, torch.Tensor]:
+    """verl's overlap diagnostics per token from the teacher's K ids and log-probs ``lq``, the student's
+    log-probs there ``lp`` and its own top-K ids: the count of the teacher's ids among the student's, and the
+    mean of -q (log q - log p) over them (verl's clamp on both sides first; 0 where none is)."""
+    hit = (ids[..., :, None] == student_ids[..., None, :]).any(-1) & given
+    count = hit.sum(-1)
+    if clamp is not None:
+        lq, lp = lq.clamp_min(clamp), lp.clamp_min(clamp)
+    token_kl = lq.exp() * (lq - lp)
+    advantage = torch.where(hit, -token_kl, 0.0).sum(-1) / count.clamp_min(1)
+    return {"overlap_count": count, "overlap_token_advantage": torch.where(count > 0, advantage, 0.0)}
 
 
 def distillation_loss_fn(loss_mode: str) -> Callable[..., tuple[torch.Tensor, dict[str, Any]]]:

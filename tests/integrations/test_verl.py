@@ -437,8 +437,9 @@ def distill_config(clamp=None, loss_mode="forward_kl_topk"):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_kl_topk_equals_verls_own_top_k_step(clamp, dtype):
     """forward_kl_topk against verl's compute_forward_kl_topk (its default path, which materialises the
-    log-softmax): the per-token loss as verl's loss clamps it at 0, the student and teacher mass, and
-    the gradient of a weighted sum of the clamped losses; verl's overlap outputs are left out."""
+    log-softmax): the per-token loss as verl's loss clamps it at 0, the student and teacher mass, verl's
+    overlap diagnostics (the student's top-k from the pass) and the gradient of a weighted sum of the
+    clamped losses."""
     from verl.trainer.distillation.fsdp import losses as fsdp_distill
 
     logits, lp, ids = topk_batch(3, dtype=dtype)
@@ -447,7 +448,7 @@ def test_forward_kl_topk_equals_verls_own_top_k_step(clamp, dtype):
     x_verl, x_ours = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     want = fsdp_distill.compute_forward_kl_topk(x_verl, lp, ids, config, "thd")
     got = hv.forward_kl_topk(x_ours, lp, ids, config, "thd")
-    assert set(got) == {"distillation_losses", "student_mass", "teacher_mass"}
+    assert set(got) == set(want)  # (with overlap_count, overlap_token_advantage)
     (want["distillation_losses"].float().clamp_min(0.0) * weights).sum().backward()
     (got["distillation_losses"] * weights).sum().backward()
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
@@ -456,6 +457,30 @@ def test_forward_kl_topk_equals_verls_own_top_k_step(clamp, dtype):
     for name in ("student_mass", "teacher_mass"):
         assert_close_norm(got[name], want[name].float(), name=name, **tol)
     assert_close_norm(x_ours.grad.float(), x_verl.grad.float(), name="grad", **tol)
+    assert got["overlap_count"].dtype == want["overlap_count"].dtype
+    assert torch.equal(got["overlap_count"], want["overlap_count"])
+    assert 0 < int(got["overlap_count"].sum()) < got["overlap_count"].numel() * lp.shape[-1]  # (some, not all)
+    assert_close_norm(got["overlap_token_advantage"], want["overlap_token_advantage"].float(),
+                      name="overlap_token_advantage", **tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["65 teacher ids", "OVERLAP_TOPK = 0"])
+def test_forward_kl_topk_leaves_the_overlap_out_above_64_teacher_ids_or_when_switched_off(case, monkeypatch):
+    """A teacher of more than 64 ids (beyond student_topk's range), or the diagnostics switched off: the loss
+    and masses as before, no overlap diagnostics (verl's consumer logs none then)."""
+    from verl.trainer.distillation.fsdp import losses as fsdp_distill
+
+    if case == "OVERLAP_TOPK = 0":
+        from headloss.integrations import verl_distill
+
+        monkeypatch.setattr(verl_distill, "OVERLAP_TOPK", 0)
+    logits, lp, ids = topk_batch(6, k=65 if case == "65 teacher ids" else 6, vocab=100)
+    got = hv.forward_kl_topk(logits, lp, ids, distill_config(), "thd")
+    want = fsdp_distill.compute_forward_kl_topk(logits, lp, ids, distill_config(), "thd")
+    assert set(got) == {"distillation_losses", "student_mass", "teacher_mass"}
+    assert_close_norm(got["distillation_losses"], want["distillation_losses"].float().clamp_min(0.0),
+                      name="distillation_losses", rtol=1e-4, atol=1e-5)
 
 
 @needs_kernel
