@@ -195,7 +195,7 @@ def test_a_dense_teacher_traces_in_one_graph_in_a_fresh_process():
 
 
 @pytest.mark.skipif(not SPEC_OBJECT_CONSTANT, reason="torch < 2.13: Dynamo gives assume_constant_result no object")
-@pytest.mark.parametrize("entry", ["logits", "lm_head"])
+@pytest.mark.parametrize("entry", ["logits", pytest.param("lm_head", marks=pytest.mark.slow)])
 def test_dynamic_shapes_take_each_spec_objects_plan(entry):
     """torch.compile(dynamic=True): a LossSpec's floats are not traced as symbols (the plan is read from the
     spec object at trace time), so the call compiles without a break; another LossSpec object (other floats
