@@ -120,6 +120,7 @@ def linear_head_loss(
     backend: Backend = "auto",
     group: Any = None,
     hidden_grad: str = "reduced",
+    weight_grad: str = "return",
     **inputs: Unpack[LinearInputs],
 ) -> HeadLossOutput:
     """:func:`head_loss` of ``hidden @ weight.T + bias`` without materialising the logits.
@@ -149,13 +150,20 @@ def linear_head_loss(
         hidden_grad: with ``group``, ``"reduced"`` (default) sums dh over the group; ``"partial"``
             leaves each rank its columns' share for a layer that reduces it (Megatron's sequence
             parallelism, verl's ``linear_cross_entropy``).
+        weight_grad: ``"return"`` (default) hands dW to autograd; ``"main_grad"`` follows Megatron's
+            gradient accumulation fusion: dW is added into ``weight.main_grad`` (which Megatron's DDP
+            gives each parameter; fp32 or the weight's dtype) and autograd gets Megatron's dummy with
+            ``weight.grad_added_to_main_grad`` set (None where the weight has no such flag). In deferred
+            mode on the kernels' path each chunk adds into ``main_grad`` directly (no V x H dW buffer).
+            Eager only; a weight without ``main_grad`` is refused (headloss.main_grad).
     """
     if not torch.compiler.is_compiling():
         check_pending()
     call = CallInputs.of(inputs, LinearInputs, "linear_head_loss")
     backend, route = _renamed(backend, call.route)
     options = LinearOptions(validate=validate, backend=backend, route=route, group=group, chunk_bytes=chunk_bytes,
-                            fp32_weight_grad=fp32_weight_grad, compact=compact, hidden_grad=hidden_grad)
+                            fp32_weight_grad=fp32_weight_grad, compact=compact, hidden_grad=hidden_grad,
+                            weight_grad=weight_grad)
     plan = selecting(plan_for(spec, has_targets=targets is not None), call.selected_k)
     return run_linear(hidden, weight, targets, plan, call, options)
 
@@ -201,11 +209,13 @@ class LinearHeadLoss(torch.nn.Module):
 
     def __init__(self, spec: SpecLike | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  fp32_weight_grad: bool = False, compact: bool = True, validate: Validate = None,
-                 backend: Backend = "auto", group: Any = None, hidden_grad: str = "reduced") -> None:
+                 backend: Backend = "auto", group: Any = None, hidden_grad: str = "reduced",
+                 weight_grad: str = "return") -> None:
         super().__init__()
         self.spec = LossSpec.coerce(spec)
         self.options = dict(chunk_bytes=chunk_bytes, fp32_weight_grad=fp32_weight_grad, compact=compact,
-                            validate=validate, backend=backend, group=group, hidden_grad=hidden_grad)
+                            validate=validate, backend=backend, group=group, hidden_grad=hidden_grad,
+                            weight_grad=weight_grad)
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor | None = None,
                 **inputs: Unpack[LinearInputs]) -> HeadLossOutput:

@@ -184,10 +184,13 @@ class LinearOptions(Options):
     fp32_weight_grad: bool
     compact: bool
     hidden_grad: str
+    weight_grad: str = "return"
 
     def __post_init__(self):
         if self.hidden_grad not in ("reduced", "partial"):
             raise ValueError(f"hidden_grad: expected 'reduced' or 'partial', got {self.hidden_grad!r}")
+        if self.weight_grad not in ("return", "main_grad"):
+            raise ValueError(f"weight_grad: expected 'return' or 'main_grad', got {self.weight_grad!r}")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ chunk's logits (:func:`cut`); chunks/sizes measured against the GEMM floor are i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -127,6 +127,8 @@ class LinearRun:
     objective: Policy | None = None  # the corrected routes: the spec's policy (``plan`` runs its base)
     reduce_hidden_grad: bool = True  # vocab-parallel: dh summed over the group (else this rank's share)
     teacher_rows: int = 0  # a computed teacher's logits in parts of this many rows of a chunk (0: whole chunks)
+    main_grad: tuple | None = field(default=None, compare=False)  # (weight, its main_grad): dW added there in
+    # backward (headloss.main_grad; deferred mode on the kernels' path, eager)
 
     @property
     def grads_in_forward(self) -> bool:
@@ -149,8 +151,9 @@ def budget_rows(chunk_bytes: int, width: int, elem_bytes: int, computed_teacher:
 @dataclass
 class Grads:
     dh: torch.Tensor | None  # (N, H) in the hidden dtype; rows never computed stay 0
-    dw: torch.Tensor | None  # (V, H) in the weight dtype, or fp32 while accumulating
+    dw: torch.Tensor | None  # (V, H) in the weight dtype, or fp32 while accumulating, or the caller's main_grad
     db: torch.Tensor | None  # (V,) fp32 while accumulating
+    dw_into: bool = False  # dw is the caller's main_grad: every chunk adds into it, and it is not returned
 
 
 def rows_of(t: torch.Tensor | None, index: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
@@ -200,18 +203,22 @@ def teacher_parts(teacher: Teacher, index, start: int, stop: int, t_buffer: torc
         yield lo - start, hi - start, linear_into(t_buffer[: hi - lo], th, teacher.weight, teacher.bias)
 
 
-def new_grads(hidden, weight, bias, wants, fp32_weight_grad: bool, index, computed: int) -> Grads:
+def new_grads(hidden, weight, bias, wants, fp32_weight_grad: bool, index, computed: int,
+              main_grad: torch.Tensor | None = None) -> Grads:
     """Gradient buffers, uninitialised where a chunk overwrites them: the first chunk writes dW and
     db (no memset, no read), and dh rows are each written once unless ignored rows are skipped
-    (then those stay 0). With no row to compute, dW and db are zeros."""
+    (then those stay 0). With no row to compute, dW and db are zeros. ``main_grad``: dW is added into
+    it instead (headloss.main_grad), from the first chunk on."""
     want_h, want_w, want_b = wants
     fp32_w = fp32_weight_grad and weight.dtype != torch.float32
     alloc = torch.empty if computed > 0 else torch.zeros
+    into = want_w and main_grad is not None
     return Grads(
         dh=(torch.empty_like(hidden) if index is None else torch.zeros_like(hidden)) if want_h else None,
-        dw=alloc(weight.shape, dtype=torch.float32 if fp32_w else weight.dtype, device=weight.device)
-        if want_w else None,
+        dw=main_grad if into else alloc(weight.shape, dtype=torch.float32 if fp32_w else weight.dtype,
+                                        device=weight.device) if want_w else None,
         db=alloc(weight.shape[0], dtype=torch.float32, device=weight.device) if want_b and bias is not None else None,
+        dw_into=into,
     )
 
 
@@ -222,9 +229,9 @@ def accumulate(grads: Grads, g, h_c, weight, index, start: int, stop: int) -> No
             torch.mm(g, weight, out=grads.dh[start:stop])
         else:
             grads.dh.index_copy_(0, index[start:stop], torch.mm(g, weight))
-    first = start == 0  # the first chunk overwrites dW and db
+    first = start == 0  # the first chunk overwrites dW (not the caller's main_grad) and db
     if grads.dw is not None:
-        add_dw(grads.dw, g, h_c, beta=0.0 if first else 1.0)  # beta = 0: cuBLAS reads nothing from dw
+        add_dw(grads.dw, g, h_c, beta=0.0 if first and not grads.dw_into else 1.0)  # beta = 0: cuBLAS reads no dw
     if grads.db is not None:
         if first:
             torch.sum(g, dim=0, dtype=torch.float32, out=grads.db)
@@ -257,7 +264,9 @@ def add_dw(dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor, beta: float = 1.0
 
 
 def finish_grads(grads: Grads, weight, bias) -> tuple:
-    dw = grads.dw.to(weight.dtype) if grads.dw is not None and grads.dw.dtype != weight.dtype else grads.dw
+    """(dh, dW, db) as autograd takes them (dW None where it went into the caller's main_grad)."""
+    dw = None if grads.dw_into else grads.dw
+    dw = dw.to(weight.dtype) if dw is not None and dw.dtype != weight.dtype else dw
     db = grads.db.to(bias.dtype) if grads.db is not None else None
     return grads.dh, dw, db
 

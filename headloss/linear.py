@@ -237,7 +237,8 @@ def linear_backward(run: LinearRun, wants, head: LmHead, tensors: CallTensors, s
     computed = hidden.shape[0] if index is None else index.numel()
     targets = tensors.targets
     y = targets if index is None or targets is None else targets.index_select(0, index)
-    grads = new_grads(hidden, weight, bias, wants, run.fp32_weight_grad, index, computed)
+    grads = new_grads(hidden, weight, bias, wants, run.fp32_weight_grad, index, computed,
+                      main_grad=None if run.main_grad is None else run.main_grad[1])
     for start, stop, h_c, parts, logits in chunks_of(hidden, weight, bias, index, tensors.teacher, computed,
                                                      run.chunk_rows, run.teacher_rows):
         for a, b, t_c in parts:

@@ -35,6 +35,7 @@ from .inputs import (
 from .kernels.sparse import SparseRows
 from .linear import Saved, linear_backward, linear_forward
 from .linear_ops import linear_backward_op, linear_forward_beside_op, linear_forward_op, run_args
+from .main_grad import IntoMainGrad, check_main_grad, handed_over
 from .ops import flat_geometry, take_grad
 from .output import FunctionOutputs, HeadLossOutput, HeadOutputs, assemble, guard_second_backward
 from .packed import packed_call, packed_policy_inputs
@@ -102,6 +103,7 @@ def run_linear(hidden, weight, targets, plan: KernelPlan, call: CallInputs, opti
 def _run_linear(hidden, weight, targets, plan: KernelPlan, call: CallInputs, options: LinearOptions
                 ) -> HeadLossOutput:
     traced = torch.compiler.is_compiling()
+    into = _main_grad(weight, options, traced)
     call = resolved_teacher(call, plan.spec)
     mode = validation_mode(options.validate)
     # the first call with a DTensor weight of a layout checks, as validate="sync" does, that every rank has
@@ -125,11 +127,23 @@ def _run_linear(hidden, weight, targets, plan: KernelPlan, call: CallInputs, opt
         facts = routes.Facts("hidden", "torch", tuple(checked.hidden.shape[:-1]),
                              checked.batch.sequence_ids is not None, False, traced, False, False)
         chosen = routes.choose(plan, facts, options.route)
+        if into is not None:  # the plain-torch path: the dW autograd computes goes into main_grad
+            checked.weight = IntoMainGrad.apply(checked.weight, into[1])
         out = _torch_linear(checked, plan.spec, shard, options, mode)
         out.route = chosen.name
         log_route("linear_head_loss", checked.hidden, chosen.name)
         return out
-    return _chunked(checked, plan, shard, options, mode, traced)
+    return _chunked(checked, plan, shard, options, mode, traced, into)
+
+
+def _main_grad(weight, options: LinearOptions, traced: bool) -> tuple | None:
+    """``weight_grad="main_grad"``: (the weight, its checked main_grad), or None."""
+    if options.weight_grad != "main_grad" or not (isinstance(weight, torch.Tensor) and weight.requires_grad):
+        return None
+    if traced:
+        raise ValueError("weight_grad: 'main_grad' runs eagerly (under torch.compile Megatron's flag on the weight "
+                         "cannot be traced): compile with weight_grad='return'")
+    return weight, check_main_grad(weight)
 
 
 class _Local(NamedTuple):
@@ -217,10 +231,12 @@ def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: L
                  sparse=sparse, temperature=temperature, weights=weights, selected=selected)
 
 
-def _chunked(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, mode: str, traced: bool
-             ) -> HeadLossOutput:
+def _chunked(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, mode: str, traced: bool,
+             into: tuple | None = None) -> HeadLossOutput:
     """The kernels' path: the route, its chunk cut, the chunk loop in LinearFunction, the policy term's
-    share outside it, the output."""
+    share outside it, the output. ``into``: (weight, main_grad) of weight_grad="main_grad": in deferred
+    mode each chunk's dW goes into main_grad; where the gradient is computed in forward, through
+    headloss.main_grad.IntoMainGrad."""
     spec, hidden, weight = plan.spec, call.hidden, call.weight
     width = weight.shape[0] if shard is None else shard.vocab_total  # every rank cuts the chunks of all of V
     elem = hidden.element_size() * (2 if call.teacher.computed else 1)  # a computed teacher shares the budget
@@ -238,6 +254,10 @@ def _chunked(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, 
                     seq_len=chunks.seq_len, policy=call.policy if loop.takes_policy else None,
                     objective=spec.policy if loop.corrects else None,
                     reduce_hidden_grad=options.hidden_grad == "reduced", teacher_rows=chunks.teacher_rows)
+    if into is not None and run.grads_in_forward:
+        weight = IntoMainGrad.apply(weight, into[1])
+    elif into is not None:
+        run = replace(run, main_grad=into)
     policy = call.policy
     tensors = CallTensors.of(flat_targets(call.targets), call.teacher, chosen.epilogue_policy(policy),
                              call.norm.tensor, None if policy is None else policy.sequence_ids, call.sparse,
@@ -312,6 +332,8 @@ class LinearFunction(torch.autograd.Function):
         else:
             dh, dw, db = linear_backward(run, ctx.wants, LmHead(hidden, weight, bias, None), tensors=call, saved=kept,
                                          d_loss=d_loss, d_rows=d_rows)
+            if run.main_grad is not None and ctx.wants[1]:  # dW went into the weight's main_grad
+                dw = handed_over(run.main_grad[0], hidden.dtype)
         return dh, dw, db, *nones
 
 

@@ -199,3 +199,45 @@ def verl_swap_equals_megatron(rank, world, port, tied, backend, via_verl, result
         "names": sorted(got) == sorted(want),
         "grads": errs,
     }
+
+
+def gradient_accumulation_fusion_equals_megatron(rank, world, port, backend, results):
+    """results[rank]: with the output layer's gradient_accumulation_fusion on and a main_grad on its weight (as
+    Megatron's DDP gives it, with its backward hook), the patched model's fused loss adds dW into main_grad,
+    and main_grad equals the weight gradient of Megatron's own model (fusion off) over two micro-batches;
+    every other gradient as Megatron's."""
+    from headloss.integrations.megatron import patch_gpt_model
+
+    device = init(rank, world, port, backend)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=gen).to(device)
+    labels = torch.randint(0, VOCAB, (2, 6), generator=gen).to(device)
+    model = model_of(world, False, False, torch.float32, device)
+    want, want_grads = step(model, ids, labels)
+    patch = patch_gpt_model(model, fused=True)
+    model.output_layer.gradient_accumulation_fusion = True  # (Megatron's own needs APEX or TE for it)
+    weight = model.output_layer.weight
+    weight.main_grad = torch.zeros_like(weight)
+    fired = []
+
+    def hook(param):  # Megatron DDP's backward post-hook (distributed_data_parallel.py)
+        fired.append(param.grad_added_to_main_grad)
+        if param.grad is not None and not param.grad_added_to_main_grad:
+            param.main_grad.add_(param.grad.data)
+        param.grad = None
+
+    weight.register_post_accumulate_grad_hook(hook)
+    for _ in range(2):
+        weight.grad_added_to_main_grad = False
+        got, got_grads = step(model, ids, labels)
+    patch.restore()
+    name = next(n for n, p in model.named_parameters() if p is weight)
+    want_w = want_grads.pop(name)
+    return_grads = {n: float((got_grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-12))
+                    for n, g in want_grads.items() if n in got_grads}  # (step zeroes them: the second's)
+    results[rank] = {
+        "loss": float((got - want).abs().max()),
+        "main_grad": float((weight.main_grad / 2 - want_w).abs().max() / want_w.abs().max()),
+        "fired": fired, "weight_grad": weight.grad is None, "grads": return_grads,
+        "names": sorted(return_grads) == sorted(want_grads),
+    }

@@ -173,8 +173,11 @@ def _postprocess(patch: MegatronPatch, original, signature, model, *args, **kwar
     outputs: list[HeadLossOutput] = []
 
     def loss_of(self, labels: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        out = fused_loss(hidden_states, _output_weight(self), labels, patch.spec, group=self.pg_collection.tp,
-                         sequence_parallel=layer.sequence_parallel, bias=getattr(layer, "bias", None))
+        weight = _output_weight(self)
+        out = fused_loss(hidden_states, weight, labels, patch.spec, group=self.pg_collection.tp,
+                         sequence_parallel=layer.sequence_parallel, bias=getattr(layer, "bias", None),
+                         gradient_accumulation_fusion=getattr(layer, "gradient_accumulation_fusion", False)
+                         and hasattr(weight, "main_grad"))
         outputs.append(out)
         return out.loss
 
@@ -200,11 +203,14 @@ def _hidden_states_through(input_, weight=None, runtime_gather_output=None):
 
 
 def fused_loss(hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, spec: Any = None, *,
-               group=None, sequence_parallel: bool = False, bias: torch.Tensor | None = None) -> HeadLossOutput:
+               group=None, sequence_parallel: bool = False, bias: torch.Tensor | None = None,
+               gradient_accumulation_fusion: bool = False) -> HeadLossOutput:
     """The loss of Megatron's column-parallel output layer without its logits: ``hidden_states`` [s, b, h]
     ([s / tp, b, h] with ``sequence_parallel``), ``weight`` this rank's [V / tp, h], ``labels`` [b, s] ->
     HeadLossOutput with loss [b, s]. dh reaches the hidden states as the output layer sends it: summed
-    over the group (or reduce-scattered along s)."""
+    over the group (or reduce-scattered along s). ``gradient_accumulation_fusion`` (the output layer's, where
+    Megatron's DDP gave the weight a ``main_grad``): dW goes into ``weight.main_grad`` as Megatron's layer
+    sends it there (``linear_head_loss(weight_grad="main_grad")``)."""
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region,
         gather_from_sequence_parallel_region,
@@ -224,4 +230,5 @@ def fused_loss(hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.
         raise ValueError(f"hidden_states: expected [s, b, h] matching labels [b, s] = {list(labels.shape)}, got "
                          f"{list(hidden_states.shape)}")
     return linear_head_loss(hidden, weight, labels, spec, bias=bias, group=group,
-                            hidden_grad="partial" if group is not None else "reduced")
+                            hidden_grad="partial" if group is not None else "reduced",
+                            weight_grad="main_grad" if gradient_accumulation_fusion else "return")

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slow
 
 from megatron_cases import (  # noqa: E402
     VOCAB,
+    gradient_accumulation_fusion_equals_megatron,
     init,
     model_of,
     mtp_patched_equals_megatron,
@@ -184,3 +185,16 @@ def test_verl_megatron_fused_forward_through_headloss(world, tied):
         assert r["lp"] < 1e-4 and r["ent"] < 1e-4, (rank, r)
         for name, err in r["grads"].items():
             assert err < 2e-5, (rank, name, err)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_gradient_accumulation_fusion_adds_dw_into_main_grad_as_megatrons_layer(world):
+    """The output layer's gradient_accumulation_fusion with a main_grad (Megatron's DDP protocol, its hook):
+    the fused loss adds dW into main_grad over two micro-batches, the flag set, param.grad dropped; main_grad
+    equals Megatron's own weight gradient, the other gradients Megatron's."""
+    results = spawn_ranks(gradient_accumulation_fusion_equals_megatron, world, "gloo")
+    for rank, r in results.items():
+        assert r["names"] and r["weight_grad"] and r["fired"] == [True, True], (rank, r)
+        assert r["loss"] < 1e-4 and r["main_grad"] < 1e-4, (rank, r)
+        for name, err in r["grads"].items():
+            assert err < 1e-4, (rank, name, err)
