@@ -88,6 +88,7 @@ def run_linear(hidden, weight, targets, plan: KernelPlan, call: CallInputs, opti
     the autocast dtype, as ``F.linear`` would run them (gradients flow back to the original dtypes)."""
     device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else None
     autocast = device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type)
+    into = _main_grad(weight, options, torch.compiler.is_compiling())  # (the caller's weight, before a cast)
     with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
         if autocast:
             dtype = torch.get_autocast_dtype(device_type)
@@ -97,13 +98,12 @@ def run_linear(hidden, weight, targets, plan: KernelPlan, call: CallInputs, opti
             call = replace(call, bias=cast(call.bias), teacher=replace(teacher, hidden=cast(teacher.hidden),
                                                                        weight=cast(teacher.weight),
                                                                        bias=cast(teacher.bias)))
-        return _run_linear(hidden, weight, targets, plan, call, options)
+        return _run_linear(hidden, weight, targets, plan, call, options, into)
 
 
-def _run_linear(hidden, weight, targets, plan: KernelPlan, call: CallInputs, options: LinearOptions
-                ) -> HeadLossOutput:
+def _run_linear(hidden, weight, targets, plan: KernelPlan, call: CallInputs, options: LinearOptions,
+                into: tuple | None) -> HeadLossOutput:
     traced = torch.compiler.is_compiling()
-    into = _main_grad(weight, options, traced)
     call = resolved_teacher(call, plan.spec)
     mode = validation_mode(options.validate)
     # the first call with a DTensor weight of a layout checks, as validate="sync" does, that every rank has
@@ -128,7 +128,7 @@ def _run_linear(hidden, weight, targets, plan: KernelPlan, call: CallInputs, opt
                              checked.batch.sequence_ids is not None, False, traced, False, False)
         chosen = routes.choose(plan, facts, options.route)
         if into is not None:  # the plain-torch path: the dW autograd computes goes into main_grad
-            checked.weight = IntoMainGrad.apply(checked.weight, into[1])
+            checked.weight = IntoMainGrad.apply(checked.weight, into)
         out = _torch_linear(checked, plan.spec, shard, options, mode)
         out.route = chosen.name
         log_route("linear_head_loss", checked.hidden, chosen.name)
@@ -255,7 +255,7 @@ def _chunked(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, 
                     objective=spec.policy if loop.corrects else None,
                     reduce_hidden_grad=options.hidden_grad == "reduced", teacher_rows=chunks.teacher_rows)
     if into is not None and run.grads_in_forward:
-        weight = IntoMainGrad.apply(weight, into[1])
+        weight = IntoMainGrad.apply(weight, into)
     elif into is not None:
         run = replace(run, main_grad=into)
     policy = call.policy

@@ -52,12 +52,13 @@ def handed_over(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None
 
 
 class IntoMainGrad(torch.autograd.Function):
-    """apply(weight, main_grad) -> the weight (a view); backward adds the dW it receives into ``main_grad``
-    (the one captured in forward, as Megatron captures it) and hands autograd :func:`handed_over`'s."""
+    """apply(weight, (owner, main_grad)) -> the weight (a view); backward adds the dW it receives into
+    ``main_grad`` (captured in forward, as Megatron captures it) and hands autograd :func:`handed_over`'s
+    for ``owner``, the caller's parameter (``weight`` may be its autocast copy)."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
-        ctx.weight, ctx.main_grad = weight, main_grad
+    def forward(ctx, weight: torch.Tensor, into: tuple) -> torch.Tensor:
+        ctx.owner, ctx.main_grad = into
         return weight.view_as(weight)
 
     @staticmethod
@@ -65,4 +66,4 @@ class IntoMainGrad(torch.autograd.Function):
         if dw is None:
             return None, None
         ctx.main_grad.add_(dw)
-        return handed_over(ctx.weight, dw.dtype), None
+        return handed_over(ctx.owner, dw.dtype), None

@@ -120,3 +120,26 @@ def test_bad_main_grad_requests_name_the_argument():
         headloss.linear_head_loss(h, weight, y, weight_grad="main_grad")
     with pytest.raises(ValueError, match=r"weight_grad: expected 'return' or 'main_grad', got 'grad'"):
         headloss.linear_head_loss(h, weight, y, weight_grad="grad")
+
+
+@needs_kernel
+@pytest.mark.parametrize("route", list(SPECS))
+def test_under_autocast_the_callers_fp32_weight_keeps_the_protocol(route):
+    """torch.autocast (bf16 GEMMs): the main_grad and the flag are the fp32 parameter's, not the cast copy's,
+    and main_grad equals the autocast plain call's weight gradient."""
+    h, w, y = _batch(5)
+    spec = SPECS[route]
+    plain = w.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = headloss.linear_head_loss(h, plain, y, spec, chunk_bytes=3 * V * 4)
+    _backward(out, 1.0)
+    weight = w.clone().requires_grad_()
+    weight.main_grad = torch.zeros(V, H)
+    weight.grad_added_to_main_grad = False
+    fired: list = []
+    _megatron_hook(weight, fired)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = headloss.linear_head_loss(h, weight, y, spec, chunk_bytes=3 * V * 4, weight_grad="main_grad")
+    _backward(got, 1.0)
+    assert fired == [True] and weight.grad is None
+    torch.testing.assert_close(weight.main_grad, plain.grad, rtol=2e-2, atol=1e-3)
