@@ -201,6 +201,18 @@ def verl_swap_equals_megatron(rank, world, port, tied, backend, via_verl, result
     }
 
 
+def megatron_ddp_hook(weight: torch.Tensor, fired: list) -> None:
+    """Megatron DDP's backward post-hook on a parameter, as distributed_data_parallel.py writes it (add
+    ``param.grad`` into ``main_grad`` unless the layer already did, then drop it); ``fired`` gets the flag
+    each time it runs."""
+    def hook(param):
+        fired.append(param.grad_added_to_main_grad)
+        if param.grad is not None and (not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False)):
+            param.main_grad.add_(param.grad.data)
+        param.grad = None
+    weight.register_post_accumulate_grad_hook(hook)
+
+
 def gradient_accumulation_fusion_equals_megatron(rank, world, port, backend, results):
     """results[rank]: with the output layer's gradient_accumulation_fusion on and a main_grad on its weight (as
     Megatron's DDP gives it, with its backward hook), the patched model's fused loss adds dW into main_grad,
@@ -219,14 +231,7 @@ def gradient_accumulation_fusion_equals_megatron(rank, world, port, backend, res
     weight = model.output_layer.weight
     weight.main_grad = torch.zeros_like(weight)
     fired = []
-
-    def hook(param):  # Megatron DDP's backward post-hook (distributed_data_parallel.py)
-        fired.append(param.grad_added_to_main_grad)
-        if param.grad is not None and not param.grad_added_to_main_grad:
-            param.main_grad.add_(param.grad.data)
-        param.grad = None
-
-    weight.register_post_accumulate_grad_hook(hook)
+    megatron_ddp_hook(weight, fired)
     for _ in range(2):
         weight.grad_added_to_main_grad = False
         got, got_grads = step(model, ids, labels)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import generator, needs_kernel
+from megatron_cases import megatron_ddp_hook
 
 import headloss
 from headloss import LossSpec
@@ -32,16 +33,6 @@ def _backward(out, scale: float) -> None:
     (out.loss.sum() if out.loss.dim() else out.loss).mul(scale).backward()
 
 
-def _megatron_hook(weight: torch.Tensor, fired: list) -> None:
-    """Megatron DDP's backward post-hook on a parameter, as distributed_data_parallel.py writes it."""
-    def hook(param):
-        fired.append(param.grad_added_to_main_grad)
-        if param.grad is not None and (not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False)):
-            param.main_grad.add_(param.grad.data)
-        param.grad = None
-    weight.register_post_accumulate_grad_hook(hook)
-
-
 @needs_kernel
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("route", list(SPECS))
@@ -57,7 +48,7 @@ def test_main_grad_takes_dw_and_megatrons_hook_adds_nothing_more(backend, route)
     weight.main_grad = torch.full((V, H), 0.25)
     weight.grad_added_to_main_grad = False
     fired: list = []
-    _megatron_hook(weight, fired)
+    megatron_ddp_hook(weight, fired)
     hidden = h.clone().requires_grad_()
     for _ in range(2):  # two micro-batches accumulate
         weight.grad_added_to_main_grad = False
@@ -137,7 +128,7 @@ def test_under_autocast_the_callers_fp32_weight_keeps_the_protocol(route):
     weight.main_grad = torch.zeros(V, H)
     weight.grad_added_to_main_grad = False
     fired: list = []
-    _megatron_hook(weight, fired)
+    megatron_ddp_hook(weight, fired)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = headloss.linear_head_loss(h, weight, y, spec, chunk_bytes=3 * V * 4, weight_grad="main_grad")
     _backward(got, 1.0)
