@@ -7,6 +7,11 @@ torch eager and the 3 bare cuBLAS GEMMs (the floor), in one run.
                                                  # time against peak memory at one shape: the chunk
                                                  # budgets beside the floor and the peers
                                                  # (--dw-gemm: each budget again with quack's dW GEMM)
+  python -m benchmarks.bench_linear --frontier 16384 151936 --main-grad --budgets 256 1024 1408
+                                                 # the caller's fp32 main_grad given (Megatron's gradient
+                                                 # accumulation fusion): the scalar loss and the per-token
+                                                 # loss at each budget, against the 3 GEMMs accumulating
+                                                 # dW into an fp32 main_grad
 
 Writes $OUT (or ./results)/bench_linear.{json,csv,png}; prints a table with the ratio to the GEMM
 floor and the peak memory above the inputs (gradients dW and dh included, for every provider).
@@ -119,6 +124,38 @@ def frontier(rows: list[Row], n: int, v: int, h: int, dw_gemm: bool = False, bud
     run(rows, "frontier", n, h, v, ["3-gemm-floor", "liger-flce", "cce", *extra], extra)
 
 
+def main_grad_frontier(rows: list[Row], n: int, v: int, h: int, budgets=None) -> None:
+    """``weight_grad="main_grad"`` (Megatron's gradient accumulation fusion) at each budget: the scalar CE
+    (gradients computed in forward, dW added into main_grad in backward) and the per-token CE summed (deferred:
+    each chunk's dW goes into main_grad, no dW buffer), each beside the same call without main_grad; the
+    floor is the 3 GEMMs with dW accumulated into the fp32 main_grad, as Megatron's fused wgrad GEMM does.
+    main_grad is the caller's buffer, allocated before the measurement (not in the peak)."""
+    main_grad = torch.zeros(v, h, dtype=torch.float32, device="cuda")
+    per_token = headloss.LossSpec(reduction="none")
+
+    def with_main_grad(w):  # (no grad_added_to_main_grad: autograd gets None, not Megatron's V x H dummy,
+        w.main_grad = main_grad  # which its DDP hook would drop at once)
+        return w
+
+    def floor(h_, w_, y_):
+        with torch.no_grad():
+            logits = h_ @ w_.t()
+            h_.grad = logits @ w_
+            torch.addmm(main_grad, logits.t(), h_, out_dtype=torch.float32, out=main_grad)
+
+    extra: dict[str, Callable] = {"3-gemm-floor main_grad": floor}
+    for mib in budgets or (256, 1024):
+        extra[f"headloss chunk={mib}MiB"] = lambda h_, w_, y_, mib=mib: linear_head_loss(
+            h_, w_, y_, chunk_bytes=mib << 20).loss.backward()
+        extra[f"headloss main_grad chunk={mib}MiB"] = lambda h_, w_, y_, mib=mib: linear_head_loss(
+            h_, with_main_grad(w_), y_, chunk_bytes=mib << 20, weight_grad="main_grad").loss.backward()
+        extra[f"headloss per-token chunk={mib}MiB"] = lambda h_, w_, y_, mib=mib: linear_head_loss(
+            h_, w_, y_, per_token, chunk_bytes=mib << 20).loss.sum().backward()
+        extra[f"headloss per-token main_grad chunk={mib}MiB"] = lambda h_, w_, y_, mib=mib: linear_head_loss(
+            h_, with_main_grad(w_), y_, per_token, chunk_bytes=mib << 20, weight_grad="main_grad").loss.sum().backward()
+    run(rows, "frontier", n, h, v, ["3-gemm-floor", "liger-flce", *extra], extra)
+
+
 def _with_quack_dw(step: Callable) -> None:
     """``step`` with dW accumulated by quack-kernels' gemm_add_inplace (chunks.DW_GEMM)."""
     from headloss import chunks
@@ -215,13 +252,18 @@ def main() -> None:
                         help="only the time / memory frontier of the chunk budgets at N rows, V words")
     parser.add_argument("--dw-gemm", action="store_true",
                         help="with --frontier: each budget again with dW accumulated by quack-kernels")
+    parser.add_argument("--main-grad", action="store_true",
+                        help="with --frontier: weight_grad='main_grad' at each budget (the caller's fp32 main_grad)")
     parser.add_argument("--budgets", type=int, nargs="+", metavar="MIB",
                         help="with --frontier: only these chunk budgets (MiB)")
     args = parser.parse_args()
     rows: list[Row] = []
     h = args.hidden
     if args.frontier:
-        frontier(rows, *args.frontier, h, dw_gemm=args.dw_gemm, budgets=args.budgets)
+        if args.main_grad:
+            main_grad_frontier(rows, *args.frontier, h, budgets=args.budgets)
+        else:
+            frontier(rows, *args.frontier, h, dw_gemm=args.dw_gemm, budgets=args.budgets)
         out = out_dir_default()
         js, cs = write_rows(rows, out, args.stem)
         print_table(rows)

@@ -2,7 +2,11 @@
 all chunks of N rows, and the variants tried for the small-chunk GEMMs.
 
   python -m benchmarks.profile_linear [--rows 8192] [--hidden 4096] [--vocab 128256]
-                                      [--chunks 256 320 384 512 1024]
+                                      [--chunks 256 320 384 512 1024] [--dw-gemm] [--no-variants]
+
+``--dw-gemm``: also quack-kernels' gemm_add_inplace for the dW accumulation (the sweep, and the whole
+call with ``chunks.DW_GEMM["impl"] = "quack"``, its kernels listed); ``--no-variants``: only the chunk
+loop's own ops (no cuBLASLt, kernel launch configs, split-K or streams).
 
 Every number is the median (CUDA events, 10 runs) of one whole sweep over the N rows, so each
 op is timed at the shape and the memory traffic the chunked loop gives it. Writes
@@ -26,8 +30,9 @@ from benchmarks.common import (
     time_ms,
     write_rows,
 )
+from headloss import chunks
 from headloss.api import linear_head_loss
-from headloss.chunks import chunk_rows_for
+from headloss.chunks import chunk_rows_for, quack_gemm_add
 from headloss.kernels.launch import LAUNCH_OVERRIDES
 from headloss.linear import chunk_head_
 from headloss.plan import compile_plan
@@ -74,8 +79,10 @@ def gemm_floor_ms(hidden: torch.Tensor, weight: torch.Tensor) -> list[float]:
     return [time_ms(f, reps=10)[0] for f in steps]
 
 
-def ops(hidden, weight, targets, rows: int) -> dict[str, Callable[[], None]]:
-    """One sweep over all chunks of ``rows`` rows for each op and variant."""
+def ops(hidden, weight, targets, rows: int, dw_gemm: bool = False, variants: bool = True
+        ) -> dict[str, Callable[[], None]]:
+    """One sweep over all chunks of ``rows`` rows for each op and (``variants``) each variant tried;
+    ``dw_gemm``: quack's dW accumulation too."""
     n, h = hidden.shape
     v = weight.shape[0]
     buf = torch.empty(rows, v, dtype=hidden.dtype, device="cuda").normal_()
@@ -138,6 +145,13 @@ def ops(hidden, weight, targets, rows: int) -> dict[str, Callable[[], None]]:
         "dW = g^T@h (beta 0, no read of dW)": sweep(lambda s, e, g: torch.mm(g.t(), hidden[s:e], out=dw)),
         "dh || dW (2 streams)": sweep(two_streams),
     }
+    if dw_gemm:
+        quack = quack_gemm_add()
+        table["dW += g^T@h [quack gemm_add_inplace]"] = sweep(lambda s, e, g: quack(g.t(), hidden[s:e], dw))
+    if not variants:
+        for name in ("chunk loop, next logits on a side stream", "dh || dW (2 streams)"):
+            del table[name]
+        return table
     for cfg in KERNEL_CONFIGS:
         block, warps = cfg.split(",")
         table[f"head kernel {cfg}"] = with_launch(int(block), int(warps), table["head kernel (CE, grad in place)"])
@@ -147,13 +161,42 @@ def ops(hidden, weight, targets, rows: int) -> dict[str, Callable[[], None]]:
     return table
 
 
+def whole_call(hidden, weight, targets, rows: int, floor_ms: float, record, label: str) -> None:
+    """linear_head_loss fwd+bwd at ``rows``-row chunks: time, peak, and the device time of its kernels."""
+    v = weight.shape[0]
+    h_ = hidden.clone().requires_grad_()
+    w_ = weight.clone().requires_grad_()
+    chunk_bytes = rows * v * hidden.element_size()
+    used = chunk_rows_for(chunk_bytes, v, hidden.element_size())  # cut to the 128-row tile
+
+    def clear():
+        h_.grad = w_.grad = None
+
+    def whole():
+        clear()
+        linear_head_loss(h_, w_, targets, chunk_bytes=chunk_bytes, validate=False).loss.backward()
+
+    whole()
+    peak = peak_extra_gb(whole, clear, cold_blas=True)
+    ms = time_ms(whole, reps=10)[0]
+    record(label, rows, ms, f"{used}-row chunks, {ms / floor_ms:.3f} x GEMMs, "
+                            f"peak {peak:.3f} GB = {peak * 1e9 / 2**30:.3f} GiB (cold cuBLAS)")
+    totals = kernel_totals(whole, reps=3)
+    print(f"        device busy {sum(t for t, _ in totals.values()):.2f} ms of {ms:.2f} ms per call:")
+    for name, (t, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:12]:
+        print(f"        {t:8.3f} ms in {count:4.0f} launches  {name[:90]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--chunks", type=int, nargs="+", default=[256, 320, 384, 512, 1024])
+    parser.add_argument("--dw-gemm", action="store_true", help="quack-kernels' dW accumulation beside cuBLAS's")
+    parser.add_argument("--no-variants", action="store_true", help="only the chunk loop's own ops")
     args = parser.parse_args()
+    libs = ("cublas",) if args.no_variants else ("cublas", "cublaslt")
     n, h, v = args.rows, args.hidden, args.vocab
     gen = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(n, h, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -167,7 +210,7 @@ def main() -> None:
         print(f"{chunk:>6}  {provider:<40}{ms:9.2f}  {note}", flush=True)
 
     floor = {}
-    for lib in ("cublas", "cublaslt"):
+    for lib in libs:
         blas(lib)
         parts = gemm_floor_ms(hidden, weight)
         floor[lib] = sum(parts)
@@ -176,10 +219,11 @@ def main() -> None:
 
     print(f"\n{'chunk':>6}  {'op':<40}{'ms':>9}")
     for rows in args.chunks:
-        for lib in ("cublas", "cublaslt"):
+        for lib in libs:
             blas(lib)
             with torch.no_grad():
-                for name, step in ops(hidden, weight, targets, rows).items():
+                for name, step in ops(hidden, weight, targets, rows, args.dw_gemm and lib == "cublas",
+                                      not args.no_variants).items():
                     if lib == "cublaslt" and "kernel" in name:
                         continue
                     try:
@@ -188,30 +232,14 @@ def main() -> None:
                         print(f"{rows:>6}  {name} [{lib}]: {type(exc).__name__}: {exc}"[:200])
             torch.cuda.empty_cache()
         blas("cublas")
-        h_ = hidden.clone().requires_grad_()
-        w_ = weight.clone().requires_grad_()
-        chunk_bytes = rows * v * hidden.element_size()
-        used = chunk_rows_for(chunk_bytes, v, hidden.element_size())  # cut to the 128-row tile
-
-        def clear(h_=h_, w_=w_):
-            h_.grad = w_.grad = None
-
-        def whole(h_=h_, w_=w_, clear=clear, chunk_bytes=chunk_bytes):
-            clear()
-            linear_head_loss(h_, w_, targets, chunk_bytes=chunk_bytes, validate=False).loss.backward()
-
-        whole()
-        peak = peak_extra_gb(whole, clear, cold_blas=True)
-        ms = time_ms(whole, reps=10)[0]
-        record("linear_head_loss fwd+bwd", rows, ms,
-               f"{used}-row chunks, {ms / floor['cublas']:.3f} x GEMMs, "
-               f"peak {peak:.3f} GB = {peak * 1e9 / 2**30:.3f} GiB (cold cuBLAS)")
-        totals = kernel_totals(whole, reps=3)
-        print(f"        device busy {sum(t for t, _ in totals.values()):.2f} ms of {ms:.2f} ms per call:")
-        for name, (t, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:12]:
-            print(f"        {t:8.3f} ms in {count:4.0f} launches  {name[:90]}")
-        del h_, w_
-        torch.cuda.empty_cache()
+        for impl in ("cublas", "quack") if args.dw_gemm else ("cublas",):
+            chunks.DW_GEMM["impl"] = impl
+            try:
+                whole_call(hidden, weight, targets, rows, floor["cublas"], record,
+                           "linear_head_loss fwd+bwd" + (" [dW: quack]" if impl == "quack" else ""))
+            finally:
+                chunks.DW_GEMM["impl"] = "cublas"
+                torch.cuda.empty_cache()
     out = out_dir_default()
     js, cs = write_rows(rows_out, out, "profile_linear")
     print(f"\nwrote {js}, {cs}")

@@ -246,3 +246,50 @@ def gradient_accumulation_fusion_equals_megatron(rank, world, port, backend, res
         "fired": fired, "weight_grad": weight.grad is None, "grads": return_grads,
         "names": sorted(return_grads) == sorted(want_grads),
     }
+
+
+def ddp_fusion_equals_megatron(rank, world, port, backend, dtype, overlap, results):
+    """results[rank]: megatron-core's own DistributedDataParallel around the model (its main_grad buffers,
+    fp32 gradient reduction, its backward hooks; ``overlap``: gradient reduction overlapped with backward,
+    whose hook asserts every parameter got a gradient), two micro-batches then finish_grad_sync: the patched
+    model with the output layer's gradient_accumulation_fusion on against Megatron's own model (fusion off)
+    under the same DDP, every parameter's main_grad (relative to its largest entry)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from headloss.integrations.megatron import patch_gpt_model
+
+    device = init(rank, world, port, backend)
+    if device.type == "cpu":  # DDP allocates its gradient buffers on the current device
+        torch.cuda.current_device = lambda: torch.device("cpu")
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=gen).to(device)
+    labels = torch.randint(0, VOCAB, (2, 6), generator=gen).to(device)
+    b, s = ids.shape
+    position = torch.arange(s, device=device)[None].expand(b, s)
+    mask = torch.ones(b, 1, s, s, dtype=torch.bool, device=device).triu(1)
+    main_grads, flags = {}, {}
+    for fused in (False, True):
+        model = model_of(world, False, False, dtype, device)
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap), model)
+        patch = None
+        if fused:
+            patch = patch_gpt_model(model, fused=True)
+            model.output_layer.gradient_accumulation_fusion = True  # (Megatron's own needs APEX or TE for it)
+        ddp.zero_grad_buffer()
+        for micro in range(2):
+            loss = ddp(ids, position, mask, labels=labels)
+            weights = torch.linspace(0.5 + micro, 1.5, loss.numel(), device=device).view_as(loss)
+            (loss.float() * weights).sum().backward()
+        ddp.finish_grad_sync()
+        weight = model.output_layer.weight
+        flags[fused] = (bool(weight.grad_added_to_main_grad), weight.grad is None)
+        main_grads[fused] = {n: p.main_grad.detach().float().clone() for n, p in model.named_parameters()}
+        if patch is not None:
+            patch.restore()
+    want, got = main_grads[False], main_grads[True]
+    results[rank] = {
+        "grads": {n: float((got[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)) for n, g in want.items()},
+        "names": sorted(got) == sorted(want) and len(want) > 0,
+        "flags": flags,
+    }

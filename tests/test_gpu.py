@@ -1754,6 +1754,27 @@ def test_megatron_gpt_model_over_nccl_equals_megatrons_own(fused, sequence_paral
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("dtype, overlap", [(torch.float32, False), (torch.bfloat16, True)],
+                         ids=["fp32", "bf16-overlapped-reduction"])
+def test_megatron_ddp_gradient_accumulation_fusion_over_nccl(dtype, overlap):
+    """megatron-core's own DistributedDataParallel, tensor parallel over NCCL on 2 GPUs, two micro-batches:
+    with the output layer's gradient_accumulation_fusion the patched head adds dW into the weight's main_grad
+    (fp32, DDP's buffer) and hands DDP's hook Megatron's dummy; every main_grad equals Megatron's own model's
+    (fusion off) under the same DDP (tests/integrations/test_megatron.py: DDP's hook over gloo)."""
+    pytest.importorskip("megatron.core")
+    from conftest import spawn_ranks
+    from megatron_cases import ddp_fusion_equals_megatron
+
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for rank, r in spawn_ranks(ddp_fusion_equals_megatron, 2, "nccl", dtype, overlap).items():
+        assert r["names"], rank
+        assert r["flags"][False] == (False, True), (rank, r["flags"])  # Megatron's own: no fusion, grad dropped
+        assert r["flags"][True] == (True, True), (rank, r["flags"])  # the fused head: added into main_grad
+        for name, err in r["grads"].items():
+            assert err < tol, (rank, name, err)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("fused, sequence_parallel, tied", [(True, True, False), (True, True, True),
                                                            (True, False, False), (False, True, True)])
 def test_megatron_multi_token_prediction_over_nccl_equals_megatrons_own(fused, sequence_parallel, tied):

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slow
 
 from megatron_cases import (  # noqa: E402
     VOCAB,
+    ddp_fusion_equals_megatron,
     gradient_accumulation_fusion_equals_megatron,
     init,
     model_of,
@@ -198,3 +199,16 @@ def test_gradient_accumulation_fusion_adds_dw_into_main_grad_as_megatrons_layer(
         assert r["loss"] < 1e-4 and r["main_grad"] < 1e-4, (rank, r)
         for name, err in r["grads"].items():
             assert err < 1e-4, (rank, name, err)
+
+
+@pytest.mark.parametrize("world, overlap", [(1, True), (2, False)])
+def test_megatron_ddp_with_gradient_accumulation_fusion_equals_megatrons_own(world, overlap):
+    """megatron-core's own DistributedDataParallel over gloo (its buffers on the CPU), two micro-batches: with
+    the output layer's gradient_accumulation_fusion the patched head adds dW into the weight's fp32 main_grad
+    and DDP's hook adds nothing more; every main_grad equals Megatron's own model's under the same DDP
+    (tests/test_gpu.py: the same over NCCL)."""
+    for rank, r in spawn_ranks(ddp_fusion_equals_megatron, world, "gloo", torch.float32, overlap).items():
+        assert r["names"], rank
+        assert r["flags"][False] == (False, True) and r["flags"][True] == (True, True), (rank, r["flags"])
+        for name, err in r["grads"].items():
+            assert err < 1e-5, (rank, name, err)
