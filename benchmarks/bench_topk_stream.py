@@ -81,8 +81,10 @@ def _scatter(buf, pos, x2, ids, CAP: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def stream_kernel(x, out_lse, out_keys, scratch, V, stride, K: tl.constexpr, T: tl.constexpr, CAP: tl.constexpr,
-                  MODE: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr):
-    """One row per program: its log-sum-exp and (MODE 1 insertion, 2 compaction) its top-K keys, sorted."""
+                  MODE: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr,
+                  R: tl.constexpr = 1):
+    """One row per program: its log-sum-exp and (MODE 1 insertion, 2 compaction, 3 lanes) its top-K keys,
+    sorted."""
     row = tl.program_id(0)
     p = x + row.to(tl.int64) * stride
     offs = tl.arange(0, BLOCK)
@@ -92,6 +94,11 @@ def stream_kernel(x, out_lse, out_keys, scratch, V, stride, K: tl.constexpr, T: 
     top = topk_start(K, T)
     n = tl.zeros([], tl.int32)
     thr_v = tl.full([], float("-inf"), tl.float32)
+    m1 = tl.full([BLOCK], float("-inf"), tl.float32)
+    m2 = m1
+    m3 = m1
+    i1 = tl.zeros([BLOCK], tl.int32)
+    i2 = i1
     for start in range(0, V, BLOCK):
         cols = start + offs
         x2 = tl.load(p + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * 1.4426950408889634
@@ -127,8 +134,37 @@ def stream_kernel(x, out_lse, out_keys, scratch, V, stride, K: tl.constexpr, T: 
                     pos = n + tl.cumsum(mask.to(tl.int32), 0) - 1
                     _scatter(buf, tl.where(mask, pos, -1), x2, cols, CAP, ASM)
                     n += c
+        if MODE == 3:  # every lane's R largest (strict '>': the lower id first on ties), and its next value
+            gt1 = x2 > m1
+            gt2 = x2 > m2
+            if R == 2:
+                m3 = tl.where(gt2, m2, tl.maximum(m3, x2))
+                i2 = tl.where(gt1, i1, tl.where(gt2, cols, i2))
+            m2 = tl.where(gt1, m1, tl.where(gt2, x2, m2))
+            m1 = tl.where(gt1, x2, m1)
+            i1 = tl.where(gt1, cols, i1)
     tl.store(out_lse + row, (m + tl.log2(tl.sum(d, 0))) / 1.4426950408889634)
     s = tl.arange(0, T)
+    if MODE == 3:
+        tl.store(buf, 0)
+        if R == 2:
+            cand = tl.reshape(tl.join(_key(m1, i1), _key(m2, i2)), [2 * BLOCK])
+            rest = tl.max(m3, 0)
+        else:
+            cand = _key(m1, i1)
+            rest = tl.max(m2, 0)
+        keys = tl.topk(cand, T)
+        kth = tl.min(tl.where(s < K, keys, KEY_MAX), 0)
+        if rest >= _value(kth):  # a lane may hold more of the top-k than it kept: the row again, one at a time
+            top = topk_start(K, T)
+            for start in range(0, V, BLOCK):
+                cols = start + offs
+                x2 = tl.load(p + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+                top = topk_block(x2, cols, V, top, 0, T)
+            keys, thr = top
+            keys = tl.sort(tl.where(s < K, keys, KEY_MIN), descending=True)
+            tl.store(buf, 1)  # (the row took the fallback: stream_fallbacks counts them)
+        tl.store(out_keys + row * T + s, tl.where(s < K, keys, KEY_MIN))
     if MODE == 1:
         keys, thr = top
         tl.store(out_keys + row * T + s, tl.sort(tl.where(s < K, keys, KEY_MIN), descending=True))
@@ -137,22 +173,40 @@ def stream_kernel(x, out_lse, out_keys, scratch, V, stride, K: tl.constexpr, T: 
         tl.store(out_keys + row * T + s, tl.where(s < K, keys, KEY_MIN))
 
 
-def stream(x: torch.Tensor, k: int, mode: int, cap: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lse [N], ids [N, k]) of one variant: mode 0 plain, 1 insertion, 2 compaction with a buffer of cap."""
+def stream(x: torch.Tensor, k: int, mode: int, cap: int = 0, lanes: int = 1, warps: int = 4,
+           scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse [N], ids [N, k]) of one variant: mode 0 plain, 1 insertion, 2 compaction with a buffer of cap,
+    3 each lane's top ``lanes`` (1 or 2); ``scratch`` [N, 2 * cap] int32 (mode 3: column 0 flags a fallback)."""
     n, v = x.shape
     t = max(2, triton.next_power_of_2(k))
     cap = cap or t
     lse = torch.empty(n, device=x.device, dtype=torch.float32)
     keys = torch.empty(n, t, device=x.device, dtype=torch.int64)
-    scratch = torch.empty(n, 2 * cap, device=x.device, dtype=torch.int32)
+    if scratch is None:
+        scratch = torch.empty(n, 2 * cap, device=x.device, dtype=torch.int32)
     stream_kernel[(n,)](x, lse, keys, scratch, v, x.stride(0), K=k, T=t, CAP=cap, MODE=mode, BLOCK=BLOCK,
-                        G=min(BLOCK, max(t, BLOCK // 16)), ASM=int(x.is_cuda), num_warps=4)
+                        G=min(BLOCK, max(t, BLOCK // 16)), ASM=int(x.is_cuda), R=lanes, num_warps=warps)
     return lse, 0xFFFFFFFF - (keys[:, :k] & 0xFFFFFFFF)
 
 
-def variants(k: int) -> dict[str, tuple[int, int]]:
+def variants(k: int) -> dict[str, tuple[int, int, int, int]]:
+    """name -> (mode, cap, lanes, warps)."""
     t = max(2, triton.next_power_of_2(k))
-    return {"plain": (0, 0), "insertion": (1, 0), **{f"compaction cap={c}": (2, c) for c in (4 * t, 8 * t)}}
+    out = {"plain": (0, 0, 1, 4), "insertion": (1, 0, 1, 4),
+           **{f"compaction cap={c}": (2, c, 1, 4) for c in (4 * t, 8 * t)}}
+    for warps in (4, 8):
+        if k <= 16:
+            out[f"lanes top-1, {warps} warps"] = (3, 0, 1, warps)
+        out[f"lanes top-2, {warps} warps"] = (3, 0, 2, warps)
+    return out
+
+
+def fallbacks(x: torch.Tensor, k: int, lanes: int) -> int:
+    """How many rows the lanes design ran again (a lane held more of the row's top-k than it kept)."""
+    t = max(2, triton.next_power_of_2(k))
+    scratch = torch.zeros(x.shape[0], 2 * t, device=x.device, dtype=torch.int32)
+    stream(x, k, 3, 0, lanes, 4, scratch)
+    return int(scratch[:, 0].sum())
 
 
 def check(device: str) -> None:
@@ -165,9 +219,9 @@ def check(device: str) -> None:
         x[0] = 1.0
         x = x.to(torch.bfloat16)
         want = torch.sort(x.float(), dim=-1, descending=True, stable=True).indices[:, :k]
-        for name, (mode, cap) in variants(k).items():
+        for name, (mode, cap, lanes, warps) in variants(k).items():
             if mode:
-                got = stream(x, k, mode, cap)[1]
+                got = stream(x, k, mode, cap, lanes, warps)[1]
                 assert torch.equal(got, want), f"{name}, N {n} V {v} k {k}: ids differ from a stable sort"
 
 
@@ -181,16 +235,19 @@ def main() -> None:
     x = (torch.randn(N, V, device="cuda", generator=gen) * 2).to(torch.bfloat16)
     rows: list[Row] = []
     for k in args.k:
-        for name, (mode, cap) in variants(k).items():
-            measure(rows, f"top-k {k}", name, "N", N, lambda mode=mode, cap=cap, k=k: stream(x, k, mode, cap),
-                    config={"N": N, "V": V, "k": k, "block": BLOCK, "cap": cap})
+        for name, (mode, cap, lanes, warps) in variants(k).items():
+            note = f"{fallbacks(x, k, lanes)} of {N} rows read again" if mode == 3 else ""
+            measure(rows, f"top-k {k}", name, "N", N,
+                    lambda mode=mode, cap=cap, k=k, lanes=lanes, warps=warps: stream(x, k, mode, cap, lanes, warps),
+                    config={"N": N, "V": V, "k": k, "block": BLOCK, "cap": cap, "lanes": lanes, "warps": warps},
+                    note=note)
     out = out_dir_default()
     js, cs = write_rows(rows, out, args.stem)
     plain = {r.case: r.p50 for r in rows if r.metric == "time" and r.provider == "plain"}
     print(f"\n{'case':<10}{'variant':<24}{'p50 ms':>9}{'x plain':>9}")
     for r in rows:
         if r.metric == "time" and r.p50:
-            print(f"{r.case:<10}{r.provider:<24}{r.p50:>9.3f}{r.p50 / plain[r.case]:>9.2f}")
+            print(f"{r.case:<10}{r.provider:<24}{r.p50:>9.3f}{r.p50 / plain[r.case]:>9.2f}  {r.note}")
     plt = pyplot()
     cases = list(plain)
     fig, axes = plt.subplots(1, len(cases), figsize=(6 * len(cases), 3.5), squeeze=False)
