@@ -82,7 +82,7 @@ def _scatter(buf, pos, x2, ids, CAP: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def stream_kernel(x, out_lse, out_keys, scratch, V, stride, K: tl.constexpr, T: tl.constexpr, CAP: tl.constexpr,
                   MODE: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr,
-                  R: tl.constexpr = 1):
+                  R: tl.constexpr = 1, MERGE: tl.constexpr = 0):
     """One row per program: its log-sum-exp and (MODE 1 insertion, 2 compaction, 3 lanes) its top-K keys,
     sorted."""
     row = tl.program_id(0)
@@ -153,7 +153,16 @@ def stream_kernel(x, out_lse, out_keys, scratch, V, stride, K: tl.constexpr, T: 
         else:
             cand = _key(m1, i1)
             rest = tl.max(m2, 0)
-        keys = tl.topk(cand, T)
+        if MERGE == 0:
+            keys = tl.topk(cand, T)
+        elif MERGE == 1:  # K rounds of the largest key, taken out
+            keys = tl.full([T], KEY_MIN, tl.int64)
+            for j in tl.static_range(K):
+                best = tl.max(cand, 0)
+                keys = tl.where(s == j, best, keys)
+                cand = tl.where(cand == best, KEY_MIN, cand)
+        else:  # (timing only: the pass without the merge)
+            keys = tl.where(s < K, tl.max(cand, 0), KEY_MIN)
         kth = tl.min(tl.where(s < K, keys, KEY_MAX), 0)
         if rest >= _value(kth):  # a lane may hold more of the top-k than it kept: the row again, one at a time
             top = topk_start(K, T)
@@ -174,9 +183,11 @@ def stream_kernel(x, out_lse, out_keys, scratch, V, stride, K: tl.constexpr, T: 
 
 
 def stream(x: torch.Tensor, k: int, mode: int, cap: int = 0, lanes: int = 1, warps: int = 4,
-           scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           scratch: torch.Tensor | None = None, merge: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(lse [N], ids [N, k]) of one variant: mode 0 plain, 1 insertion, 2 compaction with a buffer of cap,
-    3 each lane's top ``lanes`` (1 or 2); ``scratch`` [N, 2 * cap] int32 (mode 3: column 0 flags a fallback)."""
+    3 each lane's top ``lanes`` (1 or 2), the lanes merged by tl.topk (``merge`` 0), K rounds of the largest
+    (1) or not at all (2: timing only, not the top-k); ``scratch`` [N, 2 * cap] int32 (mode 3: column 0
+    flags a fallback)."""
     n, v = x.shape
     t = max(2, triton.next_power_of_2(k))
     cap = cap or t
@@ -185,19 +196,20 @@ def stream(x: torch.Tensor, k: int, mode: int, cap: int = 0, lanes: int = 1, war
     if scratch is None:
         scratch = torch.empty(n, 2 * cap, device=x.device, dtype=torch.int32)
     stream_kernel[(n,)](x, lse, keys, scratch, v, x.stride(0), K=k, T=t, CAP=cap, MODE=mode, BLOCK=BLOCK,
-                        G=min(BLOCK, max(t, BLOCK // 16)), ASM=int(x.is_cuda), R=lanes, num_warps=warps)
+                        G=min(BLOCK, max(t, BLOCK // 16)), ASM=int(x.is_cuda), R=lanes, MERGE=merge,
+                        num_warps=warps)
     return lse, 0xFFFFFFFF - (keys[:, :k] & 0xFFFFFFFF)
 
 
-def variants(k: int) -> dict[str, tuple[int, int, int, int]]:
-    """name -> (mode, cap, lanes, warps)."""
+def variants(k: int, timing: bool = False) -> dict[str, tuple[int, int, int, int, int]]:
+    """name -> (mode, cap, lanes, warps, merge); ``timing``: also the lanes without their merge."""
     t = max(2, triton.next_power_of_2(k))
-    out = {"plain": (0, 0, 1, 4), "insertion": (1, 0, 1, 4),
-           **{f"compaction cap={c}": (2, c, 1, 4) for c in (4 * t, 8 * t)}}
-    for warps in (4, 8):
-        if k <= 16:
-            out[f"lanes top-1, {warps} warps"] = (3, 0, 1, warps)
-        out[f"lanes top-2, {warps} warps"] = (3, 0, 2, warps)
+    out = {"plain": (0, 0, 1, 4, 0), "insertion": (1, 0, 1, 4, 0),
+           **{f"compaction cap={c}": (2, c, 1, 4, 0) for c in (4 * t, 8 * t)}}
+    lanes, warps = (1, 4) if k <= 16 else (2, 8)
+    for merge, how in enumerate(("tl.topk", "k rounds", "no merge (timing only)")):
+        if merge < 2 or timing:
+            out[f"lanes top-{lanes}, {how}"] = (3, 0, lanes, warps, merge)
     return out
 
 
@@ -219,9 +231,9 @@ def check(device: str) -> None:
         x[0] = 1.0
         x = x.to(torch.bfloat16)
         want = torch.sort(x.float(), dim=-1, descending=True, stable=True).indices[:, :k]
-        for name, (mode, cap, lanes, warps) in variants(k).items():
+        for name, (mode, cap, lanes, warps, merge) in variants(k).items():
             if mode:
-                got = stream(x, k, mode, cap, lanes, warps)[1]
+                got = stream(x, k, mode, cap, lanes, warps, merge=merge)[1]
                 assert torch.equal(got, want), f"{name}, N {n} V {v} k {k}: ids differ from a stable sort"
 
 
@@ -235,12 +247,13 @@ def main() -> None:
     x = (torch.randn(N, V, device="cuda", generator=gen) * 2).to(torch.bfloat16)
     rows: list[Row] = []
     for k in args.k:
-        for name, (mode, cap, lanes, warps) in variants(k).items():
-            note = f"{fallbacks(x, k, lanes)} of {N} rows read again" if mode == 3 else ""
+        for name, (mode, cap, lanes, warps, merge) in variants(k, timing=True).items():
+            note = f"{fallbacks(x, k, lanes)} of {N} rows read again" if mode == 3 and merge < 2 else ""
             measure(rows, f"top-k {k}", name, "N", N,
-                    lambda mode=mode, cap=cap, k=k, lanes=lanes, warps=warps: stream(x, k, mode, cap, lanes, warps),
-                    config={"N": N, "V": V, "k": k, "block": BLOCK, "cap": cap, "lanes": lanes, "warps": warps},
-                    note=note)
+                    lambda mode=mode, cap=cap, k=k, lanes=lanes, warps=warps, merge=merge: stream(
+                        x, k, mode, cap, lanes, warps, merge=merge),
+                    config={"N": N, "V": V, "k": k, "block": BLOCK, "cap": cap, "lanes": lanes, "warps": warps,
+                            "merge": merge}, note=note)
     out = out_dir_default()
     js, cs = write_rows(rows, out, args.stem)
     plain = {r.case: r.p50 for r in rows if r.metric == "time" and r.provider == "plain"}
