@@ -26,7 +26,10 @@ where memory matters more than time."""
 
 ROW_TILE = 128
 """Chunks of 256 rows or more are cut to a multiple of this: cuBLAS tiles the chunk's rows by 128 (or
-256), and a partial last tile costs a whole one."""
+256), and a partial last tile costs a whole one. From 1024 rows up, to a multiple of twice this: at an odd
+count of tiles cuBLAS picked a slow kernel for the dh GEMM (1664 rows of 151936 words on an H200: 33.4 ms
+over 16384 rows against 28.7 at 768; the whole call 1.104x the 3 GEMMs against 1.055x at 1536 rows;
+docs/performance.md, "Time against memory")."""
 
 TEACHER_SHARE = 0.25
 """With a computed teacher (its hidden states and weight), the share of the budget its logits buffer
@@ -138,9 +141,12 @@ class LinearRun:
 
 def chunk_rows_for(budget_bytes: int, vocab: int, elem_bytes: int) -> int:
     """Rows per chunk so that one [rows, vocab] logits buffer fits ``budget_bytes`` (at least 1),
-    cut to a multiple of ROW_TILE from 2 * ROW_TILE rows up."""
+    cut to a multiple of ROW_TILE from 2 * ROW_TILE rows up, of 2 * ROW_TILE from 8 * ROW_TILE up."""
     rows = max(1, budget_bytes // max(1, vocab * elem_bytes))
-    return rows - rows % ROW_TILE if rows >= 2 * ROW_TILE else rows
+    if rows < 2 * ROW_TILE:
+        return rows
+    tile = 2 * ROW_TILE if rows >= 8 * ROW_TILE else ROW_TILE
+    return rows - rows % tile
 
 
 def budget_rows(chunk_bytes: int, width: int, elem_bytes: int, computed_teacher: bool) -> int:

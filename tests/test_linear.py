@@ -870,6 +870,8 @@ def test_chunk_rows_fit_the_budget_with_at_least_one_row():
     assert chunk_rows_for(256 << 20, 128256, 2) * 128256 * 2 <= 256 << 20
     # from 256 rows up, a multiple of the 128-row GEMM tile: 1046 -> 1024, 523 -> 512, 261 -> 256
     assert [chunk_rows_for(mib << 20, 128256, 2) for mib in (256, 128, 64, 40)] == [1024, 512, 256, 163]
+    # from 1024 rows an even number of 128-row tiles (151936 words: 512 MiB holds 1766 rows, 1 GiB 3533)
+    assert [chunk_rows_for(mib << 20, 151936, 2) for mib in (256, 384, 512, 1024)] == [768, 1280, 1536, 3328]
     assert chunk_rows_for(255 * 37 * 4, 37, 4) == 255
 
 
