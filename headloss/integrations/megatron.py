@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import head_loss, linear_head_loss
+from ..chunks import DEFAULT_CHUNK_BYTES
 from ..output import HeadLossOutput
 from ..spec import LossSpec
 
@@ -210,7 +211,8 @@ def fused_loss(hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.
     HeadLossOutput with loss [b, s]. dh reaches the hidden states as the output layer sends it: summed
     over the group (or reduce-scattered along s). ``gradient_accumulation_fusion`` (the output layer's, where
     Megatron's DDP gave the weight a ``main_grad``): dW goes into ``weight.main_grad`` as Megatron's layer
-    sends it there (``linear_head_loss(weight_grad="main_grad")``)."""
+    sends it there (``linear_head_loss(weight_grad="main_grad")``), and the bytes of the dW buffer that is
+    then not allocated go to the chunks (the same peak in fewer, taller chunks: docs/performance.md)."""
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region,
         gather_from_sequence_parallel_region,
@@ -229,6 +231,9 @@ def fused_loss(hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.
     if tuple(hidden.shape[:2]) != tuple(labels.shape):
         raise ValueError(f"hidden_states: expected [s, b, h] matching labels [b, s] = {list(labels.shape)}, got "
                          f"{list(hidden_states.shape)}")
-    return linear_head_loss(hidden, weight, labels, spec, bias=bias, group=group,
+    chunk_bytes = DEFAULT_CHUNK_BYTES
+    if gradient_accumulation_fusion:  # (the per-token loss's deferred backward then allocates no dW)
+        chunk_bytes += weight.numel() * weight.element_size()
+    return linear_head_loss(hidden, weight, labels, spec, bias=bias, group=group, chunk_bytes=chunk_bytes,
                             hidden_grad="partial" if group is not None else "reduced",
                             weight_grad="main_grad" if gradient_accumulation_fusion else "return")

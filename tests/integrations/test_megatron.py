@@ -14,6 +14,7 @@ from conftest import spawn_ranks  # noqa: E402
 pytestmark = pytest.mark.slow
 
 from megatron_cases import (  # noqa: E402
+    HIDDEN,
     VOCAB,
     ddp_fusion_equals_megatron,
     gradient_accumulation_fusion_equals_megatron,
@@ -212,3 +213,31 @@ def test_megatron_ddp_with_gradient_accumulation_fusion_equals_megatrons_own(wor
         assert r["flags"][False] == (False, True) and r["flags"][True] == (True, True), (rank, r["flags"])
         for name, err in r["grads"].items():
             assert err < 1e-5, (rank, name, err)
+
+
+@pytest.mark.parametrize("fusion", [False, True])
+def test_gradient_accumulation_fusion_gives_the_unallocated_dw_to_the_chunks(monkeypatch, fusion):
+    """With gradient accumulation fusion the fused loss's chunk budget is the default plus the weight
+    shard's bytes (the dW buffer its deferred backward does not allocate); without it, the default."""
+    from headloss.chunks import DEFAULT_CHUNK_BYTES
+    from headloss.integrations import megatron
+
+    seen = {}
+    real = megatron.linear_head_loss
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(megatron, "linear_head_loss", spy)
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(VOCAB, HIDDEN, generator=gen).requires_grad_()
+    weight.main_grad = torch.zeros_like(weight)
+    hidden = torch.randn(5, 2, HIDDEN, generator=gen)
+    labels = torch.randint(0, VOCAB, (2, 5), generator=gen)
+    out = megatron.fused_loss(hidden, weight, labels, gradient_accumulation_fusion=fusion)
+    out.loss.sum().backward()
+    extra = weight.numel() * weight.element_size() if fusion else 0
+    assert seen["chunk_bytes"] == DEFAULT_CHUNK_BYTES + extra
+    assert seen["weight_grad"] == ("main_grad" if fusion else "return")
+    assert bool(weight.main_grad.abs().sum() > 0) == fusion
