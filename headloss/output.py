@@ -54,6 +54,11 @@ class HeadLossOutput:
     topk_ids          int64 [.., k] the student's ``student_topk`` most likely ids, largest first (ties:
                       the lower id), -1 at ignored positions
     topk_logprobs     fp32 [.., k] their log-probs, 0 at ignored positions (no gradient)
+    overlap_count     int64 with ``student_topk`` and a top-k teacher: how many of the teacher's ids are among
+                      the student's top-k (verl's ``overlap_count``), 0 at ignored positions
+    overlap_token_advantage
+                      fp32 the mean of -q (log q - log p) over those ids (verl's token KL of each, its
+                      ``log_prob_min_clamp`` applied), 0 where none is and at ignored positions (no gradient)
     route             the name of the route the call took (headloss.routes.ROUTES)
 
     Per-token tensors are shaped like the targets. They are detached unless the spec sets
@@ -70,6 +75,8 @@ class HeadLossOutput:
     selected_logprobs: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
     topk_logprobs: torch.Tensor | None = None
+    overlap_count: torch.Tensor | None = None
+    overlap_token_advantage: torch.Tensor | None = None
     route: str | None = None
 
     def packed_metrics(self) -> torch.Tensor:
@@ -188,13 +195,17 @@ def assemble(plan: KernelPlan, token_shape: tuple[int, ...], head: HeadOutputs, 
         out.topk_logprobs = columns(plan.cols.topk_logprobs, k).detach()
     if k and "topk_ids" in plan.spec.outputs:  # int32 bits in the fp32 buffer
         out.topk_ids = columns(plan.cols.topk_ids, k).detach().contiguous().view(torch.int32).long()
+    if "overlap_count" in plan.spec.outputs:  # (the column holds count / k)
+        out.overlap_count = (columns(plan.cols.overlap).detach() * k).round().long()
+    if "overlap_token_advantage" in plan.spec.outputs:
+        out.overlap_token_advantage = columns(plan.cols.overlap_advantage).detach()
     if plan.flags.HAS_ARGMAX and "predicted_tokens" in plan.spec.outputs:
         out.predicted_tokens = pred if len(token_shape) == 1 else pred.view(token_shape)
     return out
 
 
 _DEFERRED_FIELDS = ("metrics", "predicted_tokens", "logprobs", "lse", "token_loss", "entropy", "selected_logprobs",
-                    "topk_ids", "topk_logprobs")
+                    "topk_ids", "topk_logprobs", "overlap_count", "overlap_token_advantage")
 
 
 class _Deferred(HeadLossOutput):
@@ -238,7 +249,7 @@ for _name in _DEFERRED_FIELDS:
 # a forward's output tensors through torch.utils._pytree (FSDP2's backward hooks, DDP, activation
 # checkpointing, torch.export) finds the loss inside it. Flattening makes a lazily built output.
 _TENSOR_FIELDS = ("loss", "metrics", "predicted_tokens", "logprobs", "lse", "token_loss", "entropy",
-                  "selected_logprobs", "topk_ids", "topk_logprobs")
+                  "selected_logprobs", "topk_ids", "topk_logprobs", "overlap_count", "overlap_token_advantage")
 
 
 def _flatten(out: HeadLossOutput) -> tuple[list, str | None]:

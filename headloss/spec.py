@@ -116,6 +116,11 @@ class LossSpec(_Frozen):
         asked = [name for name in ("topk_ids", "topk_logprobs") if name in self.outputs]
         if asked and self.student_topk is None:
             raise ValueError(f"outputs: {', '.join(asked)} need student_topk (k, 1 to 64)")
+        overlap = [name for name in ("overlap_count", "overlap_token_advantage") if name in self.outputs]
+        if overlap and (self.student_topk is None or self.distillation is None
+                        or self.distillation.teacher != "topk"):
+            raise ValueError(f"outputs: {', '.join(overlap)} (verl's overlap of the student's top-k with the "
+                             "teacher's ids) need student_topk and distillation with teacher: topk")
         return self
 
     @model_validator(mode="after")

@@ -21,10 +21,12 @@ from .policy_tables import (
 )
 
 OutputName = Literal["predicted_tokens", "logprobs", "lse", "token_loss", "entropy", "selected_logprobs", "topk_ids",
-                     "topk_logprobs"]
+                     "topk_logprobs", "overlap_count", "overlap_token_advantage"]
 """Per-token tensors a spec may ask for (each shaped like the targets, fp32 or int64; ``selected_logprobs``
 like the call's ``selected_ids``, [.., K]: the log-prob of each selected id, 0 where the id is -1;
-``topk_ids`` / ``topk_logprobs`` [.., k]: the student's ``student_topk`` most likely ids and their log-probs)."""
+``topk_ids`` / ``topk_logprobs`` [.., k]: the student's ``student_topk`` most likely ids and their log-probs;
+``overlap_count`` / ``overlap_token_advantage``: with ``student_topk`` and a top-k teacher, verl's overlap
+diagnostics of each token)."""
 
 OUTPUT_NAMES: tuple[str, ...] = OutputName.__args__
 

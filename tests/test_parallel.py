@@ -69,7 +69,8 @@ SPECS = {
     # the student's top-k: each shard's keys in the same all_gather, the top k of all of them; with a top-k
     # teacher verl's overlap (k 9 > the first shard of 3 ranks: 7 columns)
     "distill_topk_student": LossSpec(distillation={"teacher": "topk", "log_prob_min_clamp": -6.0}, student_topk=9,
-                                     outputs=("topk_ids", "topk_logprobs"), transform=LogitTransform(softcap=4.0)),
+                                     outputs=("topk_ids", "topk_logprobs", "overlap_count", "overlap_token_advantage"),
+                                     transform=LogitTransform(softcap=4.0)),
     # a dense teacher beside the student's top-k and selected ids: the merged statistics' rows hold both tails
     "distill_jsd_student_selected": LossSpec(distillation={"divergence": "jsd", "temperature": 1.5}, student_topk=4,
                                              outputs=("topk_ids", "selected_logprobs"), token_accuracy=True),
@@ -134,7 +135,7 @@ def _compare(full, sharded, grad_full, grad_local, start, width) -> dict[str, fl
     errs["loss"] = rel(sharded.loss.detach(), full.loss.detach())
     for k, v in full.metrics.items():
         errs[f"metric {k}"] = rel(sharded.metrics[k], v)
-    for k in (*OUTPUTS, "selected_logprobs", "topk_ids", "topk_logprobs"):
+    for k in (*OUTPUTS, "selected_logprobs", "topk_ids", "topk_logprobs", "overlap_count", "overlap_token_advantage"):
         if getattr(full, k, None) is not None:
             errs[f"output {k}"] = rel(getattr(sharded, k), getattr(full, k))
     errs["grad"] = rel(grad_local, grad_full[..., start: start + width])

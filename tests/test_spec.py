@@ -153,7 +153,7 @@ def test_outputs_are_stored_in_canonical_order():
     spec = LossSpec(outputs=("entropy", "lse", "predicted_tokens"))
     assert spec.outputs == ("predicted_tokens", "lse", "entropy")
     assert OUTPUT_NAMES == ("predicted_tokens", "logprobs", "lse", "token_loss", "entropy", "selected_logprobs",
-                            "topk_ids", "topk_logprobs")
+                            "topk_ids", "topk_logprobs", "overlap_count", "overlap_token_advantage")
 
 
 def test_coerce_accepts_spec_dict_and_paths(tmp_path):

@@ -124,9 +124,9 @@ def test_asking_for_the_topk_changes_neither_the_loss_nor_its_gradient(entry):
     assert torch.equal(got.topk_ids.reshape(want_ids.shape), want_ids)
 
 
-def _verl_overlap(z, y, teacher_ids, teacher_logprobs, k, clamp):
-    """verl's compute_forward_kl_topk diagnostics in fp64, per counted row: (overlap count / k, the mean of
-    -q (log q - log p) over the teacher's ids among the student's top-k, 0 where none is)."""
+def _verl_overlap(z, teacher_ids, teacher_logprobs, k, clamp):
+    """verl's compute_forward_kl_topk diagnostics in fp64, per row: (how many of the teacher's ids are among
+    the student's top-k, the mean of -q (log q - log p) over them, 0 where none is)."""
     x = z.double().reshape(-1, z.shape[-1])
     logp = x - torch.logsumexp(x, -1, keepdim=True)
     student = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
@@ -139,31 +139,56 @@ def _verl_overlap(z, y, teacher_ids, teacher_logprobs, k, clamp):
     overlap = given & (ids[:, :, None] == student[:, None, :]).any(-1)
     count = overlap.sum(-1)
     advantage = torch.where(overlap, -(lq.exp() * (lq - lps)), 0.0).sum(-1) / count.clamp_min(1)
-    counted = y.reshape(-1) != -100
-    return (count[counted] / k).mean(), advantage[counted].mean()
+    return count, advantage
 
 
 @needs_kernel
+@pytest.mark.parametrize("entry", ["logits", "lm_head"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("clamp", [None, -6.0])
-def test_overlap_diagnostics_with_a_topk_teacher_equal_verls(backend, clamp):
+def test_overlap_diagnostics_with_a_topk_teacher_equal_verls(entry, backend, clamp):
+    """The metrics (means over counted tokens) and the per-token outputs overlap_count and
+    overlap_token_advantage (0 at an ignored token) against verl's definitions in fp64."""
     gen = generator(17)
     vocab = 300
-    z = torch.randn(3, 5, vocab, generator=gen) * 3
     y = torch.randint(0, vocab, (3, 5), generator=gen)
     y[2, 1] = -100
+    hidden = torch.randn(3, 5, H, generator=gen)
+    weight = torch.randn(vocab, H, generator=gen) * 0.7
+    z = torch.randn(3, 5, vocab, generator=gen) * 3 if entry == "logits" else hidden.double() @ weight.double().T
     top = torch.log_softmax(z.double() + torch.randn(3, 5, vocab, generator=gen, dtype=torch.float64), -1).topk(
         8, dim=-1)
     teacher_ids, teacher_logprobs = top.indices.clone(), top.values.float()
     teacher_ids[0, 0, 6:] = -1
-    spec = LossSpec(student_topk=6, distillation={"teacher": "topk", "log_prob_min_clamp": clamp})
-    out = headloss.head_loss(z, y, spec, teacher_ids=teacher_ids, teacher_logprobs=teacher_logprobs,
-                             backend=backend)
-    ratio, advantage = _verl_overlap(z, y, teacher_ids, teacher_logprobs, 6, clamp)
+    spec = LossSpec(student_topk=6, distillation={"teacher": "topk", "log_prob_min_clamp": clamp},
+                    outputs=("overlap_count", "overlap_token_advantage"))
+    if entry == "logits":
+        out = headloss.head_loss(z, y, spec, teacher_ids=teacher_ids, teacher_logprobs=teacher_logprobs,
+                                 backend=backend)
+    else:
+        out = headloss.linear_head_loss(hidden, weight, y, spec, teacher_ids=teacher_ids,
+                                        teacher_logprobs=teacher_logprobs, backend=backend, chunk_bytes=4 * vocab * 4)
+    count, advantage = _verl_overlap(z, teacher_ids, teacher_logprobs, 6, clamp)
+    counted = y.reshape(-1) != -100
+    ratio = (count[counted] / 6).mean()
     assert 0 < float(ratio) < 1
     assert float(out.metrics["distill/overlap_ratio"]) == pytest.approx(float(ratio), rel=1e-6)
-    assert float(out.metrics["distill/overlap_token_advantage"]) == pytest.approx(float(advantage), rel=1e-5,
-                                                                                   abs=1e-7)
+    assert float(out.metrics["distill/overlap_token_advantage"]) == pytest.approx(
+        float(advantage[counted].mean()), rel=1e-5, abs=1e-7)
+    assert out.overlap_count.dtype == torch.int64 and out.overlap_count.shape == y.shape
+    assert torch.equal(out.overlap_count.reshape(-1), torch.where(counted, count, 0))
+    assert not out.overlap_token_advantage.requires_grad
+    torch.testing.assert_close(out.overlap_token_advantage.reshape(-1).double(),
+                               torch.where(counted, advantage, 0.0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", [dict(outputs=("overlap_count",)),
+                                  dict(student_topk=4, outputs=("overlap_token_advantage",)),
+                                  dict(student_topk=4, outputs=("overlap_count",),
+                                       distillation={"teacher": "logits"})])
+def test_overlap_outputs_without_a_topk_teacher_and_student_topk_are_refused(spec):
+    with pytest.raises(ValueError, match="outputs: overlap_"):
+        LossSpec(**spec)
 
 
 @needs_kernel

@@ -51,7 +51,8 @@ and the pass keeps no top-k (at K 64 it costs the pass most of its time: docs/pe
 
 @memoize("verl.topk_spec", 64, "verl's top-k distillation spec by log_prob_min_clamp and the overlap's k")
 def _topk_spec(log_prob_min_clamp: float | None, overlap_k: int | None) -> LossSpec:
-    return LossSpec(cross_entropy=None, reduction="none", outputs=("lse", "topk_ids") if overlap_k else ("lse",),
+    return LossSpec(cross_entropy=None, reduction="none",
+                    outputs=("lse", "overlap_count", "overlap_token_advantage") if overlap_k else ("lse",),
                     student_topk=overlap_k,
                     distillation=Distillation(teacher="topk", topk="verl", log_prob_min_clamp=log_prob_min_clamp))
 
@@ -89,22 +90,9 @@ def forward_kl_topk(student_logits: torch.Tensor, teacher_topk_log_probs: torch.
         student_mass = torch.where(given, picked.exp(), 0.0).sum(-1)
         teacher_mass = torch.where(given, lp.float().exp(), 0.0).sum(-1)
         result = {"distillation_losses": out.loss, "student_mass": student_mass, "teacher_mass": teacher_mass}
-        if overlap_k is not None:
-            result.update(_overlap(ids, lp.float(), picked, out.topk_ids, given, clamp))
+        if overlap_k is not None:  # (the kernel's, from the student's top-k kept in the pass)
+            result.update(overlap_count=out.overlap_count, overlap_token_advantage=out.overlap_token_advantage)
     return result
-
-
-def _overlap(ids, lq, lp, student_ids, given, clamp: float | None) -> dict[str, torch.Tensor]:
-    """verl's overlap diagnostics per token from the teacher's K ids and log-probs ``lq``, the student's
-    log-probs there ``lp`` and its own top-K ids: the count of the teacher's ids among the student's, and the
-    mean of -q (log q - log p) over them (verl's clamp on both sides first; 0 where none is)."""
-    hit = (ids[..., :, None] == student_ids[..., None, :]).any(-1) & given
-    count = hit.sum(-1)
-    if clamp is not None:
-        lq, lp = lq.clamp_min(clamp), lp.clamp_min(clamp)
-    token_kl = lq.exp() * (lq - lp)
-    advantage = torch.where(hit, -token_kl, 0.0).sum(-1) / count.clamp_min(1)
-    return {"overlap_count": count, "overlap_token_advantage": torch.where(count > 0, advantage, 0.0)}
 
 
 def distillation_loss_fn(loss_mode: str) -> Callable[..., tuple[torch.Tensor, dict[str, Any]]]:

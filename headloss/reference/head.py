@@ -93,10 +93,15 @@ def reference_head_loss(
                           teacher_logprobs.reshape(-1, teacher_ids.shape[-1]))
     token_loss, per_term, entropy, distill_rows = _terms(x, logp_all, lse, y, valid, nan_if_bad, spec, teacher)
     top_ids = top_logprobs = None
+    overlap = {}
     if spec.student_topk is not None:
         top_ids, top_logprobs = _student_topk(x, logp_all, valid, spec.student_topk)
         if isinstance(teacher, _Sparse) and teacher.ids is not None:
-            distill_rows.update(_overlap(logp_all, top_ids, teacher, spec))
+            overlap = _overlap(logp_all, top_ids, teacher, spec)
+            distill_rows.update({"distill/overlap_ratio": overlap["count"] / top_ids.shape[-1],
+                                 "distill/overlap_token_advantage": overlap["advantage"]})
+            overlap = {"count": torch.where(valid, overlap["count"], 0).long(),
+                       "advantage": torch.where(valid, overlap["advantage"], 0.0).detach()}
     token_loss = torch.where(valid, token_loss, 0.0)
     count = valid.sum().clamp(min=1).to(compute_dtype)  # the metrics' divisor: tokens, unweighted
     divisor = count
@@ -137,7 +142,8 @@ def reference_head_loss(
             "token_loss": token_loss,
             "entropy": torch.where(valid, entropy, 0.0) if entropy is not None else None,
             "selected_logprobs": None if selected is None else _selected(logp_all, selected, valid),
-            "topk_ids": top_ids, "topk_logprobs": top_logprobs}
+            "topk_ids": top_ids, "topk_logprobs": top_logprobs,
+            "overlap_count": overlap.get("count"), "overlap_token_advantage": overlap.get("advantage")}
     return _output(loss, metrics, rows, spec, token_shape, out_dtype)
 
 
@@ -184,6 +190,7 @@ def _output(loss, metrics: dict, rows: dict, spec: LossSpec, token_shape, out_dt
         token_loss=per_token("token_loss"), entropy=per_token("entropy"),
         selected_logprobs=per_token("selected_logprobs"),
         topk_ids=per_token("topk_ids"), topk_logprobs=per_token("topk_logprobs"),  # (detached where made)
+        overlap_count=per_token("overlap_count"), overlap_token_advantage=per_token("overlap_token_advantage"),
     )
 
 
@@ -196,8 +203,8 @@ def _student_topk(x: torch.Tensor, logp_all: torch.Tensor, valid: torch.Tensor, 
 
 
 def _overlap(logp_all: torch.Tensor, top_ids: torch.Tensor, teacher: _Sparse, spec: LossSpec) -> dict:
-    """verl's overlap diagnostics per row: the fraction of the student's top-k ids among the teacher's, the
-    mean of -q (log q - log p) over the teacher's entries among the student's top-k (0 where none is)."""
+    """verl's overlap diagnostics per row: ``count``, how many of the teacher's ids are among the student's
+    top-k, and ``advantage``, the mean of -q (log q - log p) over them (0 where none is)."""
     ids, lq = teacher.ids.long(), teacher.logprobs.to(logp_all.dtype)
     given = (ids != -1) & (lq != float("-inf")) & (ids >= 0) & (ids < logp_all.shape[-1])
     hit = given & (ids[:, :, None] == top_ids[:, None, :]).any(-1)
@@ -208,7 +215,7 @@ def _overlap(logp_all: torch.Tensor, top_ids: torch.Tensor, teacher: _Sparse, sp
         lps, lq = lps.clamp_min(clamp), lq.clamp_min(clamp)
     count = hit.sum(-1).to(logp_all.dtype)
     advantage = torch.where(hit, -(lq.exp() * (lq - lps)), 0.0).sum(-1) / count.clamp_min(1.0)
-    return {"distill/overlap_ratio": count / top_ids.shape[-1], "distill/overlap_token_advantage": advantage}
+    return {"count": count, "advantage": advantage}
 
 
 class _Sparse(NamedTuple):
