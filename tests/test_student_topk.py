@@ -124,6 +124,30 @@ def test_asking_for_the_topk_changes_neither_the_loss_nor_its_gradient(entry):
     assert torch.equal(got.topk_ids.reshape(want_ids.shape), want_ids)
 
 
+@needs_kernel
+@pytest.mark.parametrize("k", [1, 2, 8, 9, 16, 64])
+def test_rows_the_lanes_cannot_answer_alone_are_exact(k):
+    """Rows of many blocks (so later blocks are skipped below the k largest block maxima), and rows whose top
+    logits share one lane (columns 4096 apart: the same lane of a 2048- or 4096-wide block) more often than
+    the lanes keep (one logit each at k <= 8, two above): the row is read again and the answer stays a stable
+    sort's; an all -inf row and a row of equal logits too."""
+    gen = generator(31 + k)
+    vocab = 9 * 4096 + 77
+    z = torch.randn(6, vocab, generator=gen) * 2
+    for j, col in enumerate((5, 5 + 4096, 5 + 2 * 4096, 5 + 3 * 4096)):  # row 0: the top four in one lane
+        z[0, col] = 40.0 - j
+    z[1, 3 * 4096 + 11] = 50.0  # row 1: one clear maximum late, then the rest
+    z[1, 3 * 4096 + 11 + 4096] = 49.0  # (and its runner-up in the same lane)
+    z[2] = float("-inf")  # row 2: all -inf (ids by position)
+    z[3] = 1.5  # row 3: all equal
+    z[4, :: 4096] = 30.0  # row 4: one lane holds a tie of ten
+    spec = LossSpec(student_topk=k, outputs=("topk_ids", "topk_logprobs"))
+    y = torch.randint(0, vocab, (6,), generator=gen)
+    out = headloss.head_loss(z, y, spec, backend="triton")
+    want = torch.sort(z.double(), dim=-1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(out.topk_ids, want)
+
+
 def _verl_overlap(z, teacher_ids, teacher_logprobs, k, clamp):
     """verl's compute_forward_kl_topk diagnostics in fp64, per row: (how many of the teacher's ids are among
     the student's top-k, the mean of -q (log q - log p) over them, 0 where none is)."""

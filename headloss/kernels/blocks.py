@@ -27,7 +27,7 @@ from ..layouts import EXTREMES_AT, SCRATCH_AT, SEQUENCE_AT
 from ..registry import Scalars
 from .primitives import LN2, LOG2E, NEG_BIG, softmax_update, to_x2, transform
 from .terms import distill_grad, teacher_block
-from .topk import topk_block, topk_start
+from .topk import lanes_block, lanes_finish, lanes_start, topk_block, topk_start
 
 
 @triton.jit
@@ -87,7 +87,7 @@ def _full_block(z, zt, start, V, student, off, tstats, top, first, S, F: tl.cons
                 NEED_SUM_EX: tl.constexpr, HAS_TEACHER: tl.constexpr, TOPK_BLOCK: tl.constexpr):
     """One full (unmasked) block of online_stats: the student's running statistics ``student`` = (m, d,
     sum_x, sum_ex, arg), the rest form's ``off``, the teacher's ``tstats`` (zt: its block) and the student's
-    running top-k ``top`` (kernels.topk, ids from ``first`` on; TOPK_BLOCK 0: none), updated."""
+    top-k lanes ``top`` (kernels.topk; TOPK_BLOCK 0: none), updated."""
     m, d, sum_x, sum_ex, arg = student
     m_before = m
     m, d, sum_x, sum_ex, arg, x2, e, alpha = _stats_block(
@@ -99,7 +99,7 @@ def _full_block(z, zt, start, V, student, off, tstats, top, first, S, F: tl.cons
     if HAS_TEACHER:
         tstats = teacher_block(zt, x2, e, alpha, start, V, tstats, S, BLOCK_V, F, False)
     if TOPK_BLOCK > 0:
-        top = topk_block(x2, start + tl.arange(0, BLOCK_V), V, top, first, TOPK_BLOCK)
+        top = lanes_block(x2, start + tl.arange(0, BLOCK_V), top, F.STUDENT_TOPK, TOPK_BLOCK)
     return m, d, sum_x, sum_ex, arg, off, tstats, top
 
 
@@ -134,7 +134,7 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
     offs = tl.arange(0, BLOCK_V)
     top = (tl.zeros([1], tl.int64), tl.zeros([], tl.int64))
     if TOPK_BLOCK > 0:
-        top = topk_start(F.STUDENT_TOPK, TOPK_BLOCK)
+        top = lanes_start(F.STUDENT_TOPK, BLOCK_V, TOPK_BLOCK)
     v_full = (V // BLOCK_V) * BLOCK_V
     if v_full > 0:
         # full blocks, unmasked, each load issued one block ahead of its use
@@ -163,7 +163,7 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
             zt = tl.load(t_row_ptr + v_full + offs, mask=mask, other=0.0)
             tstats = teacher_block(zt, x2, e, alpha, v_full, V, tstats, S, BLOCK_V, F, True)
         if TOPK_BLOCK > 0:
-            top = topk_block(x2, v_full + offs, V, top, first, TOPK_BLOCK)
+            top = lanes_block(x2, v_full + offs, top, F.STUDENT_TOPK, TOPK_BLOCK)
     if NEED_ARGMAX:
         # the index inside that block: one more block read per row, first index of the max
         cols = arg + offs
@@ -178,7 +178,25 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
     tstats = (mt, tl.sum(dt, axis=0), tl.sum(sum_t, axis=0), tl.sum(sum_ts, axis=0), ms, tl.sum(ds, axis=0),
               tl.sum(sum_st, axis=0), t_arg)
     off = (tl.sum(off[0], axis=0), off[1])
-    return m, tl.sum(d, axis=0), tl.sum(sum_x, axis=0), tl.sum(sum_ex, axis=0), arg, tstats, off, top
+    d = tl.sum(d, axis=0)
+    if TOPK_BLOCK > 0:  # the lanes merged; a row they cannot answer (kernels.topk) read again
+        top, exact = lanes_finish(top, first, d == d, F.STUDENT_TOPK, BLOCK_V, TOPK_BLOCK)
+        if not exact:
+            top = _topk_again(row_ptr, V, S, F, BLOCK_V, first, TOPK_BLOCK)
+    return m, d, tl.sum(sum_x, axis=0), tl.sum(sum_ex, axis=0), arg, tstats, off, top
+
+
+@triton.jit
+def _topk_again(row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexpr, first, BLOCK_T: tl.constexpr):
+    """The row's top-k by the running insertion (kernels.topk.topk_block), from a second read of the row."""
+    top = topk_start(F.STUDENT_TOPK, BLOCK_T)
+    offs = tl.arange(0, BLOCK_V)
+    for start in range(0, V, BLOCK_V):
+        cols = start + offs
+        z = tl.load(row_ptr + cols, mask=cols < V, other=0.0)
+        x2, _ = to_x2(z, cols, V, S, F.HAS_SOFTCAP, True)
+        top = topk_block(x2, cols, V, top, first, BLOCK_T)
+    return top
 
 
 @triton.jit

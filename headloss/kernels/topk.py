@@ -1,13 +1,20 @@
-"""The student's top-k (``student_topk``), streamed through the stats pass: no second read of the logits.
+"""The student's top-k (``student_topk``), streamed through the stats pass: no second read of the logits
+(but at the rare row below).
 
-Each element of a row is one int64 key, its transformed logit's fp32 bits made order-preserving as signed
-int32 in the high word and 0xFFFFFFFF - its id in the low word: a larger key is a larger logit, or the same
-logit at a lower id (torch.topk's order on ties, which torch does not promise but gives on a stable sort).
-The running top-k is K keys in registers (a power-of-two block, the entries past K held at the largest key
-so they are never replaced) and its least key, the threshold. A block whose largest logit's high word is
-below the threshold's is skipped after one comparison; otherwise its keys above the threshold enter one at a
-time, each replacing the least (a row's insertions number about k (1 + ln(V / block)) on a row in random
-order, fewer once the threshold has risen).
+Each element of a row is ranked by one int64 key, its transformed logit's fp32 bits made order-preserving as
+signed int32 in the high word and 0xFFFFFFFF - its id in the low word: a larger key is a larger logit, or the
+same logit at a lower id (torch.topk's order on ties, which torch does not promise but gives on a stable sort).
+
+The pass keeps, per lane of the block (each of BLOCK_V positions, walked down the row one block at a time),
+its largest logit and that logit's id -- for k above LANE_TOP1_K its two largest -- and the largest value
+below them (:func:`lanes_block`: two comparisons and a few selects per logit, no reduction). A block is
+skipped after one comparison where its largest logit is below the least of the k largest block maxima so far
+(k elements are at least that, so nothing below it is in the top k). At the row's end the lanes' keys are
+merged to the row's top k (:func:`lanes_finish`: k rounds of the largest key, or ``tl.topk``); that is the
+row's top k unless some lane held more of it than it kept, which its next value shows (a next value at or
+above the k-th, as also when the k-th is -inf or the row holds NaN): that row is read again with the
+running insertion (:func:`topk_block`; about 1.5% of rows in random order at k 8, 1.2% at k 64). Measured
+against the alternatives: docs/performance.md ("What the student's top-k costs").
 
 With a top-k teacher the row also gets verl's overlap diagnostics (verl/trainer/distillation/fsdp/losses.py):
 how many of the teacher's ids are among the student's top-k, and the mean over them of
@@ -18,6 +25,19 @@ import triton
 import triton.language as tl
 
 from .primitives import LN2
+
+LANE_TOP1 = 8
+"""The largest k whose lanes keep only their largest logit: with 2048 lanes about k^2 / 4096 of the rows (in
+random order) hold two of their top k in one lane and are read again, 1.5% at k 8; above it each lane keeps
+two (three in one lane: about k^3 / (6 * 2048^2), 1% at k 64), and its launches take twice the warps (the
+lanes' state per thread halved: :func:`lanes_warps`)."""
+LANE_TOP1_K = tl.constexpr(LANE_TOP1)
+
+
+def lanes_warps(num_warps: int, k: int, forced: bool) -> int:
+    """A stats pass's warps with the student's top-k: twice ``num_warps`` (at most 16) where the lanes keep
+    two logits each (k > LANE_TOP1), unless the warps are ``forced``."""
+    return min(2 * num_warps, 16) if k > LANE_TOP1 and not forced else num_warps
 
 KEY_MIN = tl.constexpr(-(2**63))
 KEY_MAX = tl.constexpr(2**63 - 1)
@@ -58,6 +78,81 @@ def topk_block(x2, cols, V, top, first, BLOCK_T: tl.constexpr):
             key = tl.where(key == best, KEY_MIN, key)
             best = tl.max(tl.where(key > thr, key, KEY_MIN), axis=0)
     return keys, thr
+
+
+@triton.jit
+def _key(x2, ids):
+    return (_high(x2).to(tl.int64) << 32) | (LOW_WORD - ids.to(tl.int64))
+
+
+@triton.jit
+def lanes_start(K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The empty lanes: (largest, its column, second, its column, the next value below them, the K largest
+    block maxima so far, their least). At k <= LANE_TOP1_K ``second`` is the next value and the others are
+    placeholders."""
+    neg = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    col = tl.zeros([BLOCK_V], tl.int32)
+    t = tl.arange(0, BLOCK_T)
+    maxima = tl.where(t < K, tl.full([BLOCK_T], float("-inf"), tl.float32),
+                      tl.full([BLOCK_T], float("inf"), tl.float32))  # (past K never replaced)
+    bound = tl.full([], float("-inf"), tl.float32)
+    i2 = tl.zeros([1], tl.int32)
+    m3 = tl.zeros([1], tl.float32)
+    if K > LANE_TOP1_K:
+        i2 = col
+        m3 = neg
+    return neg, col, neg, i2, m3, maxima, bound
+
+
+@triton.jit
+def lanes_block(x2, cols, lanes, K: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One block of x2 (its columns ``cols`` of the row; padding is -inf) into the lanes. Strict comparisons
+    keep a lane's earlier (lower) column on ties."""
+    m1, i1, m2, i2, m3, maxima, bound = lanes
+    block_max = tl.max(x2, axis=0)
+    if (block_max >= bound) | (block_max != block_max):  # (a NaN row is read again at the end)
+        gt1 = x2 > m1
+        gt2 = x2 > m2
+        if K > LANE_TOP1_K:
+            m3 = tl.where(gt2, m2, tl.maximum(m3, x2))
+            i2 = tl.where(gt1, i1, tl.where(gt2, cols, i2))
+        m2 = tl.where(gt1, m1, tl.where(gt2, x2, m2))
+        m1 = tl.where(gt1, x2, m1)
+        i1 = tl.where(gt1, cols, i1)
+        least = tl.min(maxima, axis=0)
+        if block_max > least:  # into the K largest block maxima
+            t = tl.arange(0, BLOCK_T)
+            at = tl.min(tl.where(maxima == least, t, BLOCK_T), axis=0)
+            maxima = tl.where(t == at, block_max, maxima)
+            bound = tl.min(maxima, axis=0)
+    return m1, i1, m2, i2, m3, maxima, bound
+
+
+@triton.jit
+def lanes_finish(lanes, first, clean, K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The lanes merged: (the running top-k as :func:`topk_block` keeps it, exact), where exact is False
+    when some lane may have held more of the top k than it kept (its next value at or above the k-th), the
+    k-th is -inf (a lane's column is then not its logit's), or the row is not ``clean`` (a NaN or +inf,
+    which the lanes' comparisons do not rank): then the row must be read again. Ids from ``first`` on."""
+    m1, i1, m2, i2, m3, maxima, bound = lanes
+    t = tl.arange(0, BLOCK_T)
+    if K <= LANE_TOP1_K:
+        cand = _key(m1, i1 + first)
+        rest = tl.max(m2, axis=0)
+        keys = tl.full([BLOCK_T], KEY_MAX, tl.int64)
+        for j in tl.static_range(K):  # the largest key, taken out, K times
+            best = tl.max(cand, axis=0)
+            keys = tl.where(t == j, best, keys)
+            cand = tl.where(cand == best, KEY_MIN, cand)
+    else:
+        cand = tl.reshape(tl.join(_key(m1, i1 + first), _key(m2, i2 + first)), [2 * BLOCK_V])
+        rest = tl.max(m3, axis=0)
+        keys = tl.where(t < K, tl.topk(cand, BLOCK_T), KEY_MAX)
+    thr = tl.min(keys, axis=0)
+    high = (thr >> 32).to(tl.int32)
+    kth = tl.where(high < 0, high ^ 0x7FFFFFFF, high).to(tl.float32, bitcast=True)
+    exact = (rest < kth) & (kth > float("-inf")) & clean
+    return (keys, thr), exact
 
 
 @triton.jit
