@@ -6,13 +6,17 @@ A standalone kernel reads each row of bf16 logits [N=8192, V=128256] once, keeps
 softmax's running max and per-lane sums (as the head kernel's statistics pass does) and, per variant:
 
 - ``plain``: nothing else (the pass the top-k rides on);
-- ``insertion``: the shipped running top-k (headloss.kernels.topk: int64 keys in registers, a block
-  whose largest logit is below the k-th skipped, the others' keys above it entered one at a time);
+- ``insertion``: a running top-k (headloss.kernels.topk.topk_block, now the rare rows' fallback: int64 keys
+  in registers, a block whose largest logit is below the k-th skipped, the others' keys above it entered one
+  at a time);
 - ``compaction cap=C``: an experiment: a threshold (after the first block, the k-th largest of its
   per-thread maxima; later the k-th of a merge) gates each block; the block's elements above it are
   scattered (a prefix sum gives each its slot) into a per-row buffer of C entries, and a full buffer
   is merged back to its top k by ``tl.topk``; a block with more candidates than the buffer holds takes
-  the insertion path.
+  the insertion path;
+- ``lanes``: each lane's largest logit (two largest) and the value below kept through the pass, merged at
+  the row's end, the row read again where a lane may have held more of the top k (the design the head kernel
+  ships, headloss.kernels.topk, without its skip of blocks below the k largest block maxima).
 
 Every variant's ids are checked against a stable sort first (odd shapes, exact ties, a constant row).
 Writes $OUT (or ./results)/<stem>.{json,csv,png}; prints the table with each variant's ratio to plain.
