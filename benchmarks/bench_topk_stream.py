@@ -31,22 +31,11 @@ import triton
 import triton.language as tl
 
 from benchmarks.common import Row, measure, out_dir_default, pyplot, write_rows
-from headloss.kernels.topk import KEY_MAX, KEY_MIN, LOW_WORD, _high, topk_block, topk_start
+from headloss.kernels.topk import KEY_MAX, KEY_MIN, LOW_WORD, key_of, topk_block, topk_start, value_of
 
 LOG2E = 1.4426950408889634
 N, V = 8192, 128256
 BLOCK = 2048
-
-
-@triton.jit
-def _key(v, i):
-    return (_high(v).to(tl.int64) << 32) | (LOW_WORD - i.to(tl.int64))
-
-
-@triton.jit
-def _value(key):
-    high = (key >> 32).to(tl.int32)
-    return tl.where(high < 0, high ^ 0x7FFFFFFF, high).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -58,11 +47,11 @@ def _merge(buf, n, K: tl.constexpr, T: tl.constexpr, CAP: tl.constexpr):
     inside = t < n
     v = tl.load(buf + t, mask=inside, other=0).to(tl.float32, bitcast=True)
     i = tl.load(buf + CAP + t, mask=inside, other=0)
-    top = tl.topk(tl.where(inside, _key(v, i), KEY_MIN), T)
+    top = tl.topk(tl.where(inside, key_of(v, i), KEY_MIN), T)
     s = tl.arange(0, T)
     keep = s < K
     tl.debug_barrier()
-    tl.store(buf + s, _value(top).to(tl.int32, bitcast=True), mask=keep)
+    tl.store(buf + s, value_of(top).to(tl.int32, bitcast=True), mask=keep)
     tl.store(buf + CAP + s, ((top & LOW_WORD) ^ LOW_WORD).to(tl.int32), mask=keep)
     return tl.minimum(n, K), tl.min(tl.where(keep, top, KEY_MAX), 0), top
 
@@ -123,16 +112,16 @@ def stream_kernel(x, out_lse, out_keys, scratch, V, stride, K: tl.constexpr, T: 
                 room = True
                 if n + c > CAP:
                     n, thr, keys = _merge(buf, n, K, T, CAP)
-                    thr_v = _value(thr)
+                    thr_v = value_of(thr)
                     if n + c > CAP:  # more candidates than the buffer holds: one at a time
                         s = tl.arange(0, T)
                         keys, thr = topk_block(x2, cols, V, (tl.where(s < K, keys, KEY_MAX), thr), 0, T)
                         keys = tl.sort(tl.where(s < K, keys, KEY_MIN), descending=True)
                         tl.debug_barrier()
-                        tl.store(buf + s, _value(keys).to(tl.int32, bitcast=True), mask=s < K)
+                        tl.store(buf + s, value_of(keys).to(tl.int32, bitcast=True), mask=s < K)
                         tl.store(buf + CAP + s, ((keys & LOW_WORD) ^ LOW_WORD).to(tl.int32), mask=s < K)
                         n = tl.sum((keys > KEY_MIN).to(tl.int32), 0)
-                        thr_v = _value(thr)
+                        thr_v = value_of(thr)
                         room = False
                 if room:
                     pos = n + tl.cumsum(mask.to(tl.int32), 0) - 1
@@ -152,10 +141,10 @@ def stream_kernel(x, out_lse, out_keys, scratch, V, stride, K: tl.constexpr, T: 
     if MODE == 3:
         tl.store(buf, 0)
         if R == 2:
-            cand = tl.reshape(tl.join(_key(m1, i1), _key(m2, i2)), [2 * BLOCK])
+            cand = tl.reshape(tl.join(key_of(m1, i1), key_of(m2, i2)), [2 * BLOCK])
             rest = tl.max(m3, 0)
         else:
-            cand = _key(m1, i1)
+            cand = key_of(m1, i1)
             rest = tl.max(m2, 0)
         if MERGE == 0:
             keys = tl.topk(cand, T)
@@ -168,7 +157,7 @@ def stream_kernel(x, out_lse, out_keys, scratch, V, stride, K: tl.constexpr, T: 
         else:  # (timing only: the pass without the merge)
             keys = tl.where(s < K, tl.max(cand, 0), KEY_MIN)
         kth = tl.min(tl.where(s < K, keys, KEY_MAX), 0)
-        if rest >= _value(kth):  # a lane may hold more of the top-k than it kept: the row again, one at a time
+        if rest >= value_of(kth):  # a lane may hold more of the top-k than it kept: the row again, one at a time
             top = topk_start(K, T)
             for start in range(0, V, BLOCK):
                 cols = start + offs

@@ -68,7 +68,7 @@ def topk_block(x2, cols, V, top, first, BLOCK_T: tl.constexpr):
     block_max = tl.max(x2, axis=0)
     if _high(block_max).to(tl.int64) >= (thr >> 32):
         t = tl.arange(0, BLOCK_T)
-        key = (_high(x2).to(tl.int64) << 32) | (LOW_WORD - (cols.to(tl.int64) + first))
+        key = key_of(x2, cols.to(tl.int64) + first)
         key = tl.where(cols < V, key, KEY_MIN)
         best = tl.max(tl.where(key > thr, key, KEY_MIN), axis=0)
         while best > thr:  # the block's keys above the threshold, largest first
@@ -81,8 +81,16 @@ def topk_block(x2, cols, V, top, first, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _key(x2, ids):
+def key_of(x2, ids):
+    """The int64 keys of fp32 values ``x2`` at ids ``ids``."""
     return (_high(x2).to(tl.int64) << 32) | (LOW_WORD - ids.to(tl.int64))
+
+
+@triton.jit
+def value_of(keys):
+    """The fp32 values of int64 keys."""
+    high = (keys >> 32).to(tl.int32)
+    return tl.where(high < 0, high ^ 0x7FFFFFFF, high).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -137,7 +145,7 @@ def lanes_finish(lanes, first, clean, K: tl.constexpr, BLOCK_V: tl.constexpr, BL
     m1, i1, m2, i2, m3, maxima, bound = lanes
     t = tl.arange(0, BLOCK_T)
     if K <= LANE_TOP1_K:
-        cand = _key(m1, i1 + first)
+        cand = key_of(m1, i1 + first)
         rest = tl.max(m2, axis=0)
         keys = tl.full([BLOCK_T], KEY_MAX, tl.int64)
         for j in tl.static_range(K):  # the largest key, taken out, K times
@@ -145,12 +153,11 @@ def lanes_finish(lanes, first, clean, K: tl.constexpr, BLOCK_V: tl.constexpr, BL
             keys = tl.where(t == j, best, keys)
             cand = tl.where(cand == best, KEY_MIN, cand)
     else:
-        cand = tl.reshape(tl.join(_key(m1, i1 + first), _key(m2, i2 + first)), [2 * BLOCK_V])
+        cand = tl.reshape(tl.join(key_of(m1, i1 + first), key_of(m2, i2 + first)), [2 * BLOCK_V])
         rest = tl.max(m3, axis=0)
         keys = tl.where(t < K, tl.topk(cand, BLOCK_T), KEY_MAX)
     thr = tl.min(keys, axis=0)
-    high = (thr >> 32).to(tl.int32)
-    kth = tl.where(high < 0, high ^ 0x7FFFFFFF, high).to(tl.float32, bitcast=True)
+    kth = value_of(thr)
     exact = (rest < kth) & (kth > float("-inf")) & clean
     return (keys, thr), exact
 
@@ -161,8 +168,7 @@ def topk_finish(top, K: tl.constexpr, BLOCK_T: tl.constexpr):
     keys, thr = top
     t = tl.arange(0, BLOCK_T)
     keys = tl.sort(tl.where(t < K, keys, KEY_MIN), descending=True)
-    high = (keys >> 32).to(tl.int32)
-    x2 = tl.where(high < 0, high ^ 0x7FFFFFFF, high).to(tl.float32, bitcast=True)
+    x2 = value_of(keys)
     ids = LOW_WORD - (keys & LOW_WORD)
     return tl.where(t < K, x2, float("-inf")), tl.where(t < K, ids, -1)
 
