@@ -125,7 +125,7 @@ def test_asking_for_the_topk_changes_neither_the_loss_nor_its_gradient(entry):
 
 
 @needs_kernel
-@pytest.mark.parametrize("k", [1, 2, 8, 9, 16, 64])
+@pytest.mark.parametrize("k", [1, 2, 8, *(pytest.param(k, marks=pytest.mark.slow) for k in (9, 16, 64))])
 def test_rows_the_lanes_cannot_answer_alone_are_exact(k):
     """Rows of many blocks (so later blocks are skipped below the k largest block maxima), and rows whose top
     logits share one lane (columns 4096 apart: the same lane of a 2048- or 4096-wide block) more often than
