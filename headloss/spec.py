@@ -90,7 +90,8 @@ class LossSpec(_Frozen):
     student_topk: int | None = Field(
         None, ge=1, le=64,
         description="the student's k most likely ids per row, found in the same pass (outputs topk_ids, "
-        "topk_logprobs; ties to the lower id); with a top-k teacher also verl's overlap metrics")
+        "topk_logprobs; ties to the lower id); with a top-k teacher also verl's overlap metrics (and outputs "
+        "overlap_count, overlap_token_advantage)")
     outputs: tuple[OutputName, ...] = Field((), description="per-token tensors to return")
     differentiable_outputs: bool = Field(
         False,
