@@ -125,14 +125,14 @@ def test_asking_for_the_topk_changes_neither_the_loss_nor_its_gradient(entry):
 
 
 @needs_kernel
-@pytest.mark.parametrize("k", [1, 2, 8, *(pytest.param(k, marks=pytest.mark.slow) for k in (9, 16, 64))])
+@pytest.mark.parametrize("k", [1, 2, 8, pytest.param(9, marks=pytest.mark.slow)])
 def test_rows_the_lanes_cannot_answer_alone_are_exact(k):
     """Rows of many blocks (so later blocks are skipped below the k largest block maxima), and rows whose top
     logits share one lane (columns 4096 apart: the same lane of a 2048- or 4096-wide block) more often than
     the lanes keep (one logit each at k <= 8, two above): the row is read again and the answer stays a stable
     sort's; an all -inf row and a row of equal logits too."""
     gen = generator(31 + k)
-    vocab = 9 * 4096 + 77
+    vocab = 4 * 4096 + 77
     z = torch.randn(6, vocab, generator=gen) * 2
     for j, col in enumerate((5, 5 + 4096, 5 + 2 * 4096, 5 + 3 * 4096)):  # row 0: the top four in one lane
         z[0, col] = 40.0 - j
@@ -140,7 +140,7 @@ def test_rows_the_lanes_cannot_answer_alone_are_exact(k):
     z[1, 3 * 4096 + 11 + 4096] = 49.0  # (and its runner-up in the same lane)
     z[2] = float("-inf")  # row 2: all -inf (ids by position)
     z[3] = 1.5  # row 3: all equal
-    z[4, :: 4096] = 30.0  # row 4: one lane holds a tie of ten
+    z[4, :: 4096] = 30.0  # row 4: one lane holds a tie of five
     spec = LossSpec(student_topk=k, outputs=("topk_ids", "topk_logprobs"))
     y = torch.randint(0, vocab, (6,), generator=gen)
     out = headloss.head_loss(z, y, spec, backend="triton")
@@ -283,7 +283,7 @@ def test_explain_names_the_students_topk(tmp_path, capsys):
 
 @needs_kernel
 @pytest.mark.slow
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rows=st.integers(1, 6), vocab=st.integers(1, 5000), k=st.integers(1, 64), seed=st.integers(0, 2**16),
        ties=st.booleans())
 def test_any_shape_and_k_match_the_oracle(rows, vocab, k, seed, ties):
