@@ -118,8 +118,7 @@ class LossSpec(_Frozen):
         if asked and self.student_topk is None:
             raise ValueError(f"outputs: {', '.join(asked)} need student_topk (k, 1 to 64)")
         overlap = [name for name in ("overlap_count", "overlap_token_advantage") if name in self.outputs]
-        if overlap and (self.student_topk is None or self.distillation is None
-                        or self.distillation.teacher != "topk"):
+        if overlap and not self.topk_overlap:
             raise ValueError(f"outputs: {', '.join(overlap)} (verl's overlap of the student's top-k with the "
                              "teacher's ids) need student_topk and distillation with teacher: topk")
         return self
@@ -152,6 +151,12 @@ class LossSpec(_Frozen):
             "policy": self.policy,
         }
         return {name: term for name, term in named.items() if term is not None}
+
+    @property
+    def topk_overlap(self) -> bool:
+        """The student's top-k beside a top-k teacher: verl's overlap diagnostics are computed."""
+        return self.student_topk is not None and self.distillation is not None and \
+            self.distillation.teacher == "topk"
 
     @property
     def needs_targets(self) -> bool:

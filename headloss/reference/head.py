@@ -93,15 +93,13 @@ def reference_head_loss(
                           teacher_logprobs.reshape(-1, teacher_ids.shape[-1]))
     token_loss, per_term, entropy, distill_rows = _terms(x, logp_all, lse, y, valid, nan_if_bad, spec, teacher)
     top_ids = top_logprobs = None
-    overlap = {}
+    overlap = None
     if spec.student_topk is not None:
         top_ids, top_logprobs = _student_topk(x, logp_all, valid, spec.student_topk)
         if isinstance(teacher, _Sparse) and teacher.ids is not None:
             overlap = _overlap(logp_all, top_ids, teacher, spec)
             distill_rows.update({"distill/overlap_ratio": overlap["count"] / top_ids.shape[-1],
                                  "distill/overlap_token_advantage": overlap["advantage"]})
-            overlap = {"count": torch.where(valid, overlap["count"], 0).long(),
-                       "advantage": torch.where(valid, overlap["advantage"], 0.0).detach()}
     token_loss = torch.where(valid, token_loss, 0.0)
     count = valid.sum().clamp(min=1).to(compute_dtype)  # the metrics' divisor: tokens, unweighted
     divisor = count
@@ -143,7 +141,8 @@ def reference_head_loss(
             "entropy": torch.where(valid, entropy, 0.0) if entropy is not None else None,
             "selected_logprobs": None if selected is None else _selected(logp_all, selected, valid),
             "topk_ids": top_ids, "topk_logprobs": top_logprobs,
-            "overlap_count": overlap.get("count"), "overlap_token_advantage": overlap.get("advantage")}
+            "overlap_count": None if overlap is None else torch.where(valid, overlap["count"], 0).long(),
+            "overlap_token_advantage": None if overlap is None else torch.where(valid, overlap["advantage"], 0.0)}
     return _output(loss, metrics, rows, spec, token_shape, out_dtype)
 
 

@@ -147,12 +147,6 @@ def _distillation_stores(c: TermContext) -> dict[str, bool]:
             "lse_s2": dense, "lse_t2": dense, "jsd_s": dense}
 
 
-def _overlapping(c) -> bool:
-    """The student's top-k beside a top-k teacher: verl's overlap diagnostics."""
-    return c.spec.student_topk is not None and c.spec.distillation is not None and \
-        c.spec.distillation.teacher == "topk"
-
-
 STUDENT_TOPK = Term(
     "student_topk",
     flags=(Flag("STUDENT_TOPK", int, "the student's top-k per row, streamed through the stats pass (k; 0 off)", 0),),
@@ -166,7 +160,7 @@ STUDENT_TOPK = Term(
     metrics=("distill/overlap_ratio", "distill/overlap_token_advantage"),
     flag_values=lambda c: {"STUDENT_TOPK": c.spec.student_topk or 0},
     stores=lambda c: {"topk_logprobs": c.spec.student_topk is not None, "topk_ids": c.spec.student_topk is not None,
-                      "overlap": _overlapping(c), "overlap_advantage": _overlapping(c)},
+                      "overlap": c.spec.topk_overlap, "overlap_advantage": c.spec.topk_overlap},
     metric_columns=lambda c: {"distill/overlap_ratio": "overlap",
                               "distill/overlap_token_advantage": "overlap_advantage"},
 )
