@@ -1875,6 +1875,31 @@ def test_selected_logprobs_on_the_compiled_kernels_match_fp64(k, dtype):
         headloss.check_pending(wait=True)
 
 
+def test_the_students_topk_runs_one_program_more_per_sm_where_that_spills_little():
+    """From its second launch the top-8 head kernel (16-bit lanes) runs compiled with maxnreg at the registers
+    that fit one more program per SM (kernels.launch._one_program_more): the same ids, log-probs, loss and
+    gradient bit for bit as its first, uncapped launch; the capped build spills at most FIT_SPILLS."""
+    from headloss.kernels import head as kernels_head
+    from headloss.kernels.launch import FIT_SPILLS
+
+    v = 128256
+    gen = torch.Generator(device="cuda").manual_seed(89)
+    logits = (torch.randn(2048, v, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+    y = torch.randint(0, v, (2048,), device="cuda", generator=gen)
+    spec = headloss.LossSpec(student_topk=8, outputs=("topk_ids", "topk_logprobs"))
+    results = []
+    for _ in range(3):  # the first launch compiles and runs uncapped, the later ones the fitted variant
+        x = logits.clone().requires_grad_()
+        out = headloss.head_loss(x, y, spec)
+        out.loss.backward()
+        results.append((out.loss.detach(), out.topk_ids, out.topk_logprobs, x.grad))
+    for got in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, results[0]))
+    compiled = [k for caches in kernels_head.head_kernel.device_caches.values() for k in caches[0].values()]
+    capped = [k for k in compiled if k.metadata.maxnreg and k.n_spills <= FIT_SPILLS]
+    assert capped and all(k.n_regs <= k.metadata.maxnreg for k in capped)
+
+
 @pytest.mark.parametrize("k", [8, 64])
 def test_the_students_topk_on_the_compiled_kernels_matches_a_stable_sort(k):
     """The student's top-k streamed through the compiled stats pass at Llama 3's vocabulary: the ids of a stable

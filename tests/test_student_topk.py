@@ -74,13 +74,19 @@ def test_topk_ids_and_logprobs_match_an_fp64_oracle(entry, backend, dtype, trans
                  rtol=2e-2 if half else 0.0)
 
 
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+"""fp32 logits keep their lanes' values and columns; 16-bit ones one key of the raw bits and the block
+(kernels.topk.key16): every edge case on both."""
+
+
 @needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_ties_go_to_the_lower_id_within_and_across_blocks(backend):
+def test_ties_go_to_the_lower_id_within_and_across_blocks(backend, dtype):
     """Equal logits at ids in different vocabulary blocks (V 5000, blocks of 2048) and in one block, and a
     masked (-inf) vocabulary: the lower id first, exactly."""
     vocab = 5000
-    z = torch.randn(3, vocab, generator=generator(3))
+    z = torch.randn(3, vocab, generator=generator(3)).to(dtype)
     top = float(z.max()) + 1.0
     z[0, [4500, 100, 2100]] = top  # three blocks
     z[1, [7, 9, 8]] = top
@@ -126,8 +132,10 @@ def test_asking_for_the_topk_changes_neither_the_loss_nor_its_gradient(entry):
 
 
 @needs_kernel
-@pytest.mark.parametrize("k", [1, 2, 8, pytest.param(9, marks=pytest.mark.slow)])
-def test_rows_the_lanes_cannot_answer_alone_are_exact(k):
+@pytest.mark.parametrize(("k", "dtype"), [(1, torch.float32), (2, torch.bfloat16), (8, torch.float32),
+                                          (8, torch.bfloat16), (5, torch.float16),
+                                          pytest.param(9, torch.float32, marks=pytest.mark.slow)])
+def test_rows_the_lanes_cannot_answer_alone_are_exact(k, dtype):
     """Rows of many blocks (so later blocks are skipped below the k largest block maxima), and rows whose top
     logits share one lane (columns 4096 apart: the same lane of a 2048- or 4096-wide block) more often than
     the lanes keep (one logit each at k <= 8, two above): the row is read again and the answer stays a stable
@@ -142,11 +150,37 @@ def test_rows_the_lanes_cannot_answer_alone_are_exact(k):
     z[2] = float("-inf")  # row 2: all -inf (ids by position)
     z[3] = 1.5  # row 3: all equal
     z[4, :: 4096] = 30.0  # row 4: one lane holds a tie of five
+    z = z.to(dtype)  # (16-bit: many more equal logits, the rounding's)
     spec = LossSpec(student_topk=k, outputs=("topk_ids", "topk_logprobs"))
     y = torch.randint(0, vocab, (6,), generator=gen)
     out = headloss.head_loss(z, y, spec, backend="triton")
     want = torch.sort(z.double(), dim=-1, descending=True, stable=True).indices[:, :k]
     assert torch.equal(out.topk_ids, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_logits_the_transform_makes_equal_go_to_the_lower_id(dtype, k):
+    """16-bit lanes rank the raw logits: where the softcap makes different raw logits one transformed value
+    (tanh is 1.0 in fp32 from about 9 on) the k ids are still the lowest of the tied, as a stable sort of the
+    transformed logits gives them, the larger raw values sitting at the higher ids in every block."""
+    gen = generator(61 + k)
+    vocab = 3 * 2048 + 300
+    z = torch.randn(4, vocab, generator=gen)
+    for row in range(4):
+        cols = torch.randperm(vocab, generator=gen)[:12].sort().values
+        z[row, cols] = torch.linspace(20.0, 40.0, 12)  # raw order: the higher id larger
+    z[3, 100] = 41.0  # (and one the others tie below in one lane's block)
+    z = z.to(dtype)
+    transform = {"softcap": 1.0}
+    spec = LossSpec(student_topk=k, outputs=("topk_ids", "topk_logprobs"), transform=transform)
+    got = headloss.head_loss(z, None, spec.model_copy(update={"cross_entropy": None}), backend="triton")
+    x = torch.tanh(z.float())  # (the kernel's fp32 transform, whose ties the oracle's fp64 would not make)
+    want = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(got.topk_ids, want)
+    ref = headloss.head_loss(z, None, spec.model_copy(update={"cross_entropy": None}), backend="torch")
+    assert torch.equal(ref.topk_ids, want)
 
 
 def _verl_overlap(z, teacher_ids, teacher_logprobs, k, clamp):
@@ -286,13 +320,15 @@ def test_explain_names_the_students_topk(tmp_path, capsys):
 @pytest.mark.slow
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rows=st.integers(1, 6), vocab=st.integers(1, 5000), k=st.integers(1, 64), seed=st.integers(0, 2**16),
-       ties=st.booleans())
-def test_any_shape_and_k_match_the_oracle(rows, vocab, k, seed, ties):
-    """Hypothesis over rows, V (one block and several), k <= V and logits with many exact ties (rounded)."""
+       ties=st.booleans(), dtype=st.sampled_from(DTYPES))
+def test_any_shape_and_k_match_the_oracle(rows, vocab, k, seed, ties, dtype):
+    """Hypothesis over rows, V (one block and several), k <= V, the logits' dtype and logits with many exact
+    ties (rounded)."""
     k = min(k, vocab)
     z = torch.randn(rows, vocab, generator=generator(seed)) * 3
     if ties:
         z = z.round()
+    z = z.to(dtype)
     out = headloss.head_loss(z, None, LossSpec(cross_entropy=None, student_topk=k,
                                                outputs=("topk_ids", "topk_logprobs")))
     want_ids, want_logprobs = _oracle(z, torch.ones(rows, dtype=torch.bool), k)
@@ -337,3 +373,15 @@ def test_a_nan_of_either_sign_ranks_first_on_both_paths(sign):
     spec = LossSpec(cross_entropy=None, student_topk=4, outputs=("topk_ids",))
     got = [headloss.head_loss(z, None, spec, backend=b, validate=False).topk_ids for b in ("triton", "torch")]
     assert got[0][1, 0] == 7 and torch.equal(got[0], got[1])
+
+
+def test_16_bit_lanes_refuse_a_row_of_more_blocks_than_their_keys_hold():
+    """The 16-bit lanes' keys hold a block's index in 16 bits: a row of more than 65536 blocks is refused
+    naming the logits (fp32 logits, or k above the one-logit lanes, take any width)."""
+    from headloss.kernels.topk import check_lanes
+
+    with pytest.raises(ValueError, match=r"logits: student_topk 8 on 16-bit logits takes at most 134217728"):
+        check_lanes((1 << 16) * 2048 + 1, 2048, 8, torch.bfloat16)
+    check_lanes((1 << 16) * 2048, 2048, 8, torch.float16)
+    check_lanes((1 << 16) * 2048 + 1, 2048, 8, torch.float32)
+    check_lanes((1 << 16) * 2048 + 1, 2048, 9, torch.bfloat16)

@@ -27,7 +27,7 @@ from ..layouts import EXTREMES_AT, SCRATCH_AT, SEQUENCE_AT
 from ..registry import Scalars
 from .primitives import LN2, LOG2E, NEG_BIG, softmax_update, to_x2, transform
 from .terms import distill_grad, teacher_block
-from .topk import lanes_block, lanes_finish, lanes_start, topk_block, topk_start
+from .topk import LANE_TOP1_K, lanes_block, lanes_finish, lanes_start, topk_block, topk_start
 
 
 @triton.jit
@@ -84,7 +84,7 @@ def _pair(row_ptr, t_row_ptr, at, offs, HAS_TEACHER: tl.constexpr):
 
 @triton.jit
 def _full_block(z, zt, start, V, student, off, tstats, top, first, S, F: tl.constexpr, BLOCK_V: tl.constexpr,
-                NEED_SUM_EX: tl.constexpr, HAS_TEACHER: tl.constexpr, TOPK_BLOCK: tl.constexpr):
+                NEED_SUM_EX: tl.constexpr, HAS_TEACHER: tl.constexpr, TOPK_BLOCK: tl.constexpr, PACKED: tl.constexpr):
     """One full (unmasked) block of online_stats: the student's running statistics ``student`` = (m, d,
     sum_x, sum_ex, arg), the rest form's ``off``, the teacher's ``tstats`` (zt: its block) and the student's
     top-k lanes ``top`` (kernels.topk; TOPK_BLOCK 0: none), updated."""
@@ -99,7 +99,7 @@ def _full_block(z, zt, start, V, student, off, tstats, top, first, S, F: tl.cons
     if HAS_TEACHER:
         tstats = teacher_block(zt, x2, e, alpha, start, V, tstats, S, BLOCK_V, F, False)
     if TOPK_BLOCK > 0:
-        top = lanes_block(x2, start + tl.arange(0, BLOCK_V), top, F.STUDENT_TOPK, TOPK_BLOCK)
+        top = lanes_block(x2, z, start, V, top, F.STUDENT_TOPK, BLOCK_V, TOPK_BLOCK, PACKED, False)
     return m, d, sum_x, sum_ex, arg, off, tstats, top
 
 
@@ -133,8 +133,10 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
     tstats = (neg_inf, lanes, lanes, lanes, neg_inf, lanes, lanes, tl.zeros([], tl.int32))
     offs = tl.arange(0, BLOCK_V)
     top = (tl.zeros([1], tl.int64), tl.zeros([], tl.int64))
+    # the lanes keep packed keys of the raw logits (kernels.topk.key16) at k <= LANE_TOP1 for 16-bit logits
+    PACKED: tl.constexpr = F.STUDENT_TOPK <= LANE_TOP1_K and row_ptr.dtype.element_ty.primitive_bitwidth == 16
     if TOPK_BLOCK > 0:
-        top = lanes_start(F.STUDENT_TOPK, BLOCK_V, TOPK_BLOCK)
+        top = lanes_start(F.STUDENT_TOPK, BLOCK_V, TOPK_BLOCK, PACKED)
     v_full = (V // BLOCK_V) * BLOCK_V
     if v_full > 0:
         # full blocks, unmasked, each load issued one block ahead of its use
@@ -143,12 +145,12 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
             z_next, zt_next = _pair(row_ptr, t_row_ptr, start, offs, HAS_TEACHER)
             m, d, sum_x, sum_ex, arg, off, tstats, top = _full_block(
                 z, zt, start - BLOCK_V, V, (m, d, sum_x, sum_ex, arg), off, tstats, top, first, S, F, BLOCK_V,
-                NEED_SUM_EX, HAS_TEACHER, TOPK_BLOCK)
+                NEED_SUM_EX, HAS_TEACHER, TOPK_BLOCK, PACKED)
             z = z_next
             zt = zt_next
         m, d, sum_x, sum_ex, arg, off, tstats, top = _full_block(
             z, zt, v_full - BLOCK_V, V, (m, d, sum_x, sum_ex, arg), off, tstats, top, first, S, F, BLOCK_V,
-            NEED_SUM_EX, HAS_TEACHER, TOPK_BLOCK)
+            NEED_SUM_EX, HAS_TEACHER, TOPK_BLOCK, PACKED)
     if v_full < V:
         mask = v_full + offs < V
         z = tl.load(row_ptr + v_full + offs, mask=mask, other=0.0)
@@ -163,7 +165,7 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
             zt = tl.load(t_row_ptr + v_full + offs, mask=mask, other=0.0)
             tstats = teacher_block(zt, x2, e, alpha, v_full, V, tstats, S, BLOCK_V, F, True)
         if TOPK_BLOCK > 0:
-            top = lanes_block(x2, v_full + offs, top, F.STUDENT_TOPK, TOPK_BLOCK)
+            top = lanes_block(x2, z, v_full, V, top, F.STUDENT_TOPK, BLOCK_V, TOPK_BLOCK, PACKED, True)
     if NEED_ARGMAX:
         # the index inside that block: one more block read per row, first index of the max
         cols = arg + offs
@@ -180,7 +182,8 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
     off = (tl.sum(off[0], axis=0), off[1])
     d = tl.sum(d, axis=0)
     if TOPK_BLOCK > 0:  # the lanes merged; a row they cannot answer (kernels.topk) read again
-        top, exact = lanes_finish(top, first, d == d, F.STUDENT_TOPK, BLOCK_V, TOPK_BLOCK)
+        top, exact = lanes_finish(top, first, d == d, S, row_ptr.dtype.element_ty, F.HAS_SOFTCAP,
+                                  F.STUDENT_TOPK, BLOCK_V, TOPK_BLOCK, PACKED)
         if not exact:
             top = _topk_again(row_ptr, V, S, F, BLOCK_V, first, TOPK_BLOCK)
     return m, d, tl.sum(sum_x, axis=0), tl.sum(sum_ex, axis=0), arg, tstats, off, top

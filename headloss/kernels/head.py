@@ -67,7 +67,7 @@ from .sparse import (
     zero_selected,
 )
 from .terms import distill_values, kl_estimator, policy_values, put, row_coefficients, row_values
-from .topk import lanes_warps, topk_merged, topk_overlap, topk_store, topk_zero
+from .topk import check_lanes, lanes_warps, topk_merged, topk_overlap, topk_store, topk_zero
 
 
 class PolicyRows(NamedTuple):
@@ -711,7 +711,9 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
         FINISH=finish, R=_tiles(plan.cols.N_REDUCED),
     )
     warps = lanes_warps(cfg.num_warps, plan.flags.STUDENT_TOPK, LAUNCH_OVERRIDES["num_warps"] is not None)
-    launch(head_kernel, geo.n_rows, warps, registers_of=_without_temperature(args), **args)
+    check_lanes(geo.V, cfg.block_v, plan.flags.STUDENT_TOPK, logits.dtype)
+    launch(head_kernel, geo.n_rows, warps, registers_of=_without_temperature(args),
+           occupancy_fit=plan.flags.STUDENT_TOPK > 0, **args)
 
 
 

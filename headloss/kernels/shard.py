@@ -22,7 +22,7 @@ from .blocks import online_stats, row_slot, row_start, row_temperature, target_l
 from .launch import LAUNCH_OVERRIDES, Geometry, launch, launch_config
 from .sparse import SparseRows, block_if, rest_sum, shard_selected, shard_topk, topk_block
 from .terms import distill_lse, jsd_sums
-from .topk import lanes_warps, topk_shard_store, topk_start
+from .topk import check_lanes, lanes_warps, topk_shard_store, topk_start
 
 
 @triton.jit
@@ -326,7 +326,9 @@ def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry, teac
     if geo.n_rows:
         cfg = launch_config(geo.V, teacher is not None, geo.n_rows)
         warps = lanes_warps(cfg.num_warps, plan.flags.STUDENT_TOPK, LAUNCH_OVERRIDES["num_warps"] is not None)
-        launch(shard_stats_kernel, geo.n_rows, warps, logits=logits, targets=targets, teacher=teacher,
+        check_lanes(geo.V, cfg.block_v, plan.flags.STUDENT_TOPK, logits.dtype)
+        launch(shard_stats_kernel, geo.n_rows, warps, occupancy_fit=plan.flags.STUDENT_TOPK > 0, logits=logits,
+               targets=targets, teacher=teacher,
                part=part, sparse=sparse if block_k else None, x2k=x2k, temperature=temperature,
                selected=selected if block_s else None, x2s=x2s, keys=keys, geo=geo, S=plan.scalars,
                F=plan.flags, BLOCK_V=cfg.block_v, BLOCK_K=max(block_k, 1), BLOCK_S=max(block_s, 1), BLOCK_T=block_t)

@@ -7,7 +7,10 @@ same logit at a lower id (torch.topk's order on ties, which torch does not promi
 
 The pass keeps, per lane of the block (each of BLOCK_V positions, walked down the row one block at a time),
 its largest logit and that logit's id -- for k above LANE_TOP1_K its two largest -- and the largest value
-below them (:func:`lanes_block`: two comparisons and a few selects per logit, no reduction). A block is
+below them (:func:`lanes_block`: two comparisons and a few selects per logit, no reduction). With 16-bit
+logits at k <= LANE_TOP1_K a lane keeps one int32 instead (:func:`key16`: the raw logit's bits in order and
+the block's index), and the largest value dropped is kept per 8 lanes of a thread: 18 registers of state,
+not 48 (the raw order is the transformed order but for ties the transform makes, which the merge checks). A block is
 skipped after one comparison where its largest logit is below the least of the k largest block maxima so far
 (k elements are at least that, so nothing below it is in the top k). At the row's end the lanes' keys are
 merged to the row's top k (:func:`lanes_finish`: k rounds of the largest key, or ``tl.topk``); that is the
@@ -24,7 +27,7 @@ how many of the teacher's ids are among the student's top-k, and the mean over t
 import triton
 import triton.language as tl
 
-from .primitives import LN2
+from .primitives import LN2, transform
 
 LANE_TOP1 = 8
 """The largest k whose lanes keep only their largest logit: with 2048 lanes about k^2 / 4096 of the rows (in
@@ -39,7 +42,16 @@ def lanes_warps(num_warps: int, k: int, forced: bool) -> int:
     two logits each (k > LANE_TOP1), unless the warps are ``forced``."""
     return min(2 * num_warps, 16) if k > LANE_TOP1 and not forced else num_warps
 
+def check_lanes(vocab: int, block_v: int, k: int, dtype) -> None:
+    """16-bit logits' lanes (k <= LANE_TOP1) hold a block's index in 16 bits: at most 65536 blocks a row."""
+    if 0 < k <= LANE_TOP1 and dtype.itemsize == 2 and -(-vocab // block_v) > 1 << 16:
+        raise ValueError(f"logits: student_topk {k} on 16-bit logits takes at most {(1 << 16) * block_v} columns "
+                         f"a row ({1 << 16} blocks of {block_v}); got {vocab}. Pass fp32 logits.")
+
+
 KEY_MIN = tl.constexpr(-(2**63))
+KEY16_MIN = tl.constexpr(-(2**31))
+REST_GROUP = tl.constexpr(8)
 KEY_MAX = tl.constexpr(2**63 - 1)
 LOW_WORD = tl.constexpr(0xFFFFFFFF)
 
@@ -94,10 +106,11 @@ def value_of(keys):
 
 
 @triton.jit
-def lanes_start(K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr):
+def lanes_start(K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, PACKED: tl.constexpr):
     """The empty lanes: (largest, its column, second, its column, the next value below them, the K largest
     block maxima so far, their least). At k <= LANE_TOP1_K ``second`` is the next value and the others are
-    placeholders."""
+    placeholders; ``PACKED`` (16-bit logits at k <= LANE_TOP1_K): the largest's :func:`key16` and the next
+    value's, in the places of the largest and the second (the columns are the keys' low halves)."""
     neg = tl.full([BLOCK_V], float("-inf"), tl.float32)
     col = tl.zeros([BLOCK_V], tl.int32)
     t = tl.arange(0, BLOCK_T)
@@ -106,27 +119,58 @@ def lanes_start(K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr):
     bound = tl.full([], float("-inf"), tl.float32)
     i2 = tl.zeros([1], tl.int32)
     m3 = tl.zeros([1], tl.float32)
-    if K > LANE_TOP1_K:
-        i2 = col
-        m3 = neg
-    return neg, col, neg, i2, m3, maxima, bound
+    if PACKED:
+        lanes = (tl.full([BLOCK_V], KEY16_MIN, tl.int32), i2, tl.full([BLOCK_V // REST_GROUP], KEY16_MIN, tl.int32),
+                 i2, m3, maxima, bound)
+    else:
+        if K > LANE_TOP1_K:
+            i2 = col
+            m3 = neg
+        lanes = (neg, col, neg, i2, m3, maxima, bound)
+    return lanes
 
 
 @triton.jit
-def lanes_block(x2, cols, lanes, K: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One block of x2 (its columns ``cols`` of the row; padding is -inf) into the lanes. Strict comparisons
-    keep a lane's earlier (lower) column on ties."""
+def key16(z, low):
+    """int32 keys of 16-bit floats ``z`` (their bits, as loaded) in their order, ``low`` (< 2^16) in the low
+    half: a larger key is a larger value (-0 below +0, a NaN above +inf), or the same value at a larger
+    ``low``."""
+    s = z.to(tl.int16, bitcast=True).to(tl.int32)
+    return (s ^ ((s >> 15) & 0x7FFF)) * 65536 + low
+
+
+@triton.jit
+def raw16(key, dtype: tl.constexpr):
+    """The 16-bit float of ``dtype`` whose :func:`key16` is ``key``."""
+    o = key >> 16
+    return (o ^ ((o >> 15) & 0x7FFF)).to(tl.int16).to(dtype, bitcast=True)
+
+
+@triton.jit
+def lanes_block(x2, z, start, V, lanes, K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr,
+                PACKED: tl.constexpr, MASKED: tl.constexpr):
+    """One block into the lanes: x2 (transformed; padding -inf) of the raw block z at columns start.. of the
+    row. Strict comparisons keep a lane's earlier (lower) column on ties; packed keys rank the raw values
+    and hold 0xFFFF - the block's index below them (the lower block wins a tie)."""
     m1, i1, m2, i2, m3, maxima, bound = lanes
     block_max = tl.max(x2, axis=0)
     if (block_max >= bound) | (block_max != block_max):  # (a NaN row is read again at the end)
-        gt1 = x2 > m1
-        gt2 = x2 > m2
-        if K > LANE_TOP1_K:
-            m3 = tl.where(gt2, m2, tl.maximum(m3, x2))
-            i2 = tl.where(gt1, i1, tl.where(gt2, cols, i2))
-        m2 = tl.where(gt1, m1, tl.where(gt2, x2, m2))
-        m1 = tl.where(gt1, x2, m1)
-        i1 = tl.where(gt1, cols, i1)
+        if PACKED:
+            key = key16(z, 0xFFFF - start // BLOCK_V)
+            if MASKED:
+                key = tl.where(start + tl.arange(0, BLOCK_V) < V, key, KEY16_MIN)
+            m2 = tl.maximum(m2, tl.max(tl.reshape(tl.minimum(m1, key), [BLOCK_V // REST_GROUP, REST_GROUP]), axis=1))
+            m1 = tl.maximum(m1, key)
+        else:
+            cols = start + tl.arange(0, BLOCK_V)
+            gt1 = x2 > m1
+            gt2 = x2 > m2
+            if K > LANE_TOP1_K:
+                m3 = tl.where(gt2, m2, tl.maximum(m3, x2))
+                i2 = tl.where(gt1, i1, tl.where(gt2, cols, i2))
+            m2 = tl.where(gt1, m1, tl.where(gt2, x2, m2))
+            m1 = tl.where(gt1, x2, m1)
+            i1 = tl.where(gt1, cols, i1)
         least = tl.min(maxima, axis=0)
         if block_max > least:  # into the K largest block maxima
             t = tl.arange(0, BLOCK_T)
@@ -137,28 +181,68 @@ def lanes_block(x2, cols, lanes, K: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def lanes_finish(lanes, first, clean, K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr):
+def _unpacked(key, lane, first, S, dtype: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The int64 keys (:func:`key_of`) of packed keys held at lanes ``lane`` (KEY_MIN where none is held)."""
+    x2, _ = transform(raw16(key, dtype).to(tl.float32), S, HAS_SOFTCAP)
+    ids = (0xFFFF - (key & 0xFFFF)) * BLOCK_V + lane + first
+    return tl.where(key == KEY16_MIN, KEY_MIN, key_of(x2, ids))
+
+
+@triton.jit
+def _lanes_packed(m1, m2, first, S, dtype: tl.constexpr, HAS_SOFTCAP: tl.constexpr, K: tl.constexpr,
+                  BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr):
+    """(keys, rest, after) of packed lanes: the int64 keys of the K largest lanes by raw value (a tie to the
+    lower lane), the value of the largest key16 they dropped (-inf: none) and the int64 key of the next
+    lane in that order: it ranks above the k-th only where the transform made two raw values one."""
+    t = tl.arange(0, BLOCK_T)
+    lane = tl.arange(0, BLOCK_V)
+    picked = tl.full([BLOCK_T], KEY16_MIN, tl.int32)
+    at = tl.zeros([BLOCK_T], tl.int32)
+    for j in tl.static_range(K + 1):  # the largest key16, taken out (one lane), K + 1 times
+        best = tl.max(m1, axis=0)
+        where = tl.min(tl.where(m1 == best, lane, BLOCK_V), axis=0)
+        m1 = tl.where(lane == where, KEY16_MIN, m1)
+        if j < K:
+            picked = tl.where(t == j, best, picked)
+            at = tl.where(t == j, where, at)
+        else:
+            after = _unpacked(best, where, first, S, dtype, HAS_SOFTCAP, BLOCK_V)
+    keys = tl.where(t < K, _unpacked(picked, at, first, S, dtype, HAS_SOFTCAP, BLOCK_V), KEY_MAX)
+    rest_key = tl.max(m2, axis=0)
+    rest, _ = transform(raw16(rest_key, dtype).to(tl.float32), S, HAS_SOFTCAP)
+    return keys, tl.where(rest_key == KEY16_MIN, float("-inf"), rest), after
+
+
+@triton.jit
+def lanes_finish(lanes, first, clean, S, dtype: tl.constexpr, HAS_SOFTCAP: tl.constexpr, K: tl.constexpr,
+                 BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, PACKED: tl.constexpr):
     """The lanes merged: (the running top-k as :func:`topk_block` keeps it, exact), where exact is False
     when some lane may have held more of the top k than it kept (its next value at or above the k-th), the
     k-th is -inf (a lane's column is then not its logit's), or the row is not ``clean`` (a NaN or +inf,
-    which the lanes' comparisons do not rank): then the row must be read again. Ids from ``first`` on."""
+    which the lanes' comparisons do not rank): then the row must be read again. Ids from ``first`` on.
+    Packed lanes are merged by their raw values: also read again where the next lane in that order ranks
+    above the k-th by the transformed value and id (a tie the transform made of two raw values)."""
     m1, i1, m2, i2, m3, maxima, bound = lanes
     t = tl.arange(0, BLOCK_T)
+    after = KEY_MIN
     if K <= LANE_TOP1_K:
-        cand = key_of(m1, i1 + first)
-        rest = tl.max(m2, axis=0)
-        keys = tl.full([BLOCK_T], KEY_MAX, tl.int64)
-        for j in tl.static_range(K):  # the largest key, taken out, K times
-            best = tl.max(cand, axis=0)
-            keys = tl.where(t == j, best, keys)
-            cand = tl.where(cand == best, KEY_MIN, cand)
+        if PACKED:
+            keys, rest, after = _lanes_packed(m1, m2, first, S, dtype, HAS_SOFTCAP, K, BLOCK_V, BLOCK_T)
+        else:
+            cand = key_of(m1, i1 + first)
+            rest = tl.max(m2, axis=0)
+            keys = tl.full([BLOCK_T], KEY_MAX, tl.int64)
+            for j in tl.static_range(K):  # the largest key, taken out, K times
+                best = tl.max(cand, axis=0)
+                keys = tl.where(t == j, best, keys)
+                cand = tl.where(cand == best, KEY_MIN, cand)
     else:
         cand = tl.reshape(tl.join(key_of(m1, i1 + first), key_of(m2, i2 + first)), [2 * BLOCK_V])
         rest = tl.max(m3, axis=0)
         keys = tl.where(t < K, tl.topk(cand, BLOCK_T), KEY_MAX)
     thr = tl.min(keys, axis=0)
     kth = value_of(thr)
-    exact = (rest < kth) & (kth > float("-inf")) & clean
+    exact = (rest < kth) & (after < thr) & (kth > float("-inf")) & clean
     return (keys, thr), exact
 
 
