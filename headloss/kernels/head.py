@@ -46,7 +46,7 @@ from .blocks import (
     token_scale,
     zero_row,
 )
-from .launch import LAUNCH_OVERRIDES, SPECIALISED_BY, Geometry, launch, launch_config, spec_key
+from .launch import SPECIALISED_BY, Geometry, launch, launch_config, spec_key
 from .primitives import LN2, LOG2E
 from .shard import merged_rest, merged_stats, merged_teacher
 from .sparse import (
@@ -67,7 +67,7 @@ from .sparse import (
     zero_selected,
 )
 from .terms import distill_values, kl_estimator, policy_values, put, row_coefficients, row_values
-from .topk import check_lanes, lanes_warps, topk_merged, topk_overlap, topk_store, topk_zero
+from .topk import lanes_warps, topk_merged, topk_overlap, topk_store, topk_zero
 
 
 class PolicyRows(NamedTuple):
@@ -710,8 +710,7 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
         S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=_blocks(cfg.block_v, sparse, plan),
         FINISH=finish, R=_tiles(plan.cols.N_REDUCED),
     )
-    warps = lanes_warps(cfg.num_warps, plan.flags.STUDENT_TOPK, LAUNCH_OVERRIDES["num_warps"] is not None)
-    check_lanes(geo.V, cfg.block_v, plan.flags.STUDENT_TOPK, logits.dtype)
+    warps = lanes_warps(cfg, plan.flags.STUDENT_TOPK, geo.V, logits.dtype)
     launch(head_kernel, geo.n_rows, warps, registers_of=_without_temperature(args),
            occupancy_fit=plan.flags.STUDENT_TOPK > 0, **args)
 

@@ -19,10 +19,10 @@ import triton.language as tl
 from ..layouts import JSD_AT, JSD_SHARES, STATS, STATS_AT
 from ..plan import KernelPlan
 from .blocks import online_stats, row_slot, row_start, row_temperature, target_logit
-from .launch import LAUNCH_OVERRIDES, Geometry, launch, launch_config
+from .launch import Geometry, launch, launch_config
 from .sparse import SparseRows, block_if, rest_sum, shard_selected, shard_topk, topk_block
 from .terms import distill_lse, jsd_sums
-from .topk import check_lanes, lanes_warps, topk_shard_store, topk_start
+from .topk import lanes_warps, topk_shard_store, topk_start
 
 
 @triton.jit
@@ -325,8 +325,7 @@ def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry, teac
     keys = torch.empty(geo.n_rows, 2 * block_t, **f32) if block_t else None
     if geo.n_rows:
         cfg = launch_config(geo.V, teacher is not None, geo.n_rows)
-        warps = lanes_warps(cfg.num_warps, plan.flags.STUDENT_TOPK, LAUNCH_OVERRIDES["num_warps"] is not None)
-        check_lanes(geo.V, cfg.block_v, plan.flags.STUDENT_TOPK, logits.dtype)
+        warps = lanes_warps(cfg, plan.flags.STUDENT_TOPK, geo.V, logits.dtype)
         launch(shard_stats_kernel, geo.n_rows, warps, occupancy_fit=plan.flags.STUDENT_TOPK > 0, logits=logits,
                targets=targets, teacher=teacher,
                part=part, sparse=sparse if block_k else None, x2k=x2k, temperature=temperature,

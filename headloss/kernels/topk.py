@@ -27,6 +27,7 @@ how many of the teacher's ids are among the student's top-k, and the mean over t
 import triton
 import triton.language as tl
 
+from .launch import LAUNCH_OVERRIDES, LaunchConfig
 from .primitives import LN2, transform
 
 LANE_TOP1 = 8
@@ -37,16 +38,20 @@ lanes' state per thread halved: :func:`lanes_warps`)."""
 LANE_TOP1_K = tl.constexpr(LANE_TOP1)
 
 
-def lanes_warps(num_warps: int, k: int, forced: bool) -> int:
-    """A stats pass's warps with the student's top-k: twice ``num_warps`` (at most 16) where the lanes keep
-    two logits each (k > LANE_TOP1), unless the warps are ``forced``."""
-    return min(2 * num_warps, 16) if k > LANE_TOP1 and not forced else num_warps
-
 def check_lanes(vocab: int, block_v: int, k: int, dtype) -> None:
     """16-bit logits' lanes (k <= LANE_TOP1) hold a block's index in 16 bits: at most 65536 blocks a row."""
     if 0 < k <= LANE_TOP1 and dtype.itemsize == 2 and -(-vocab // block_v) > 1 << 16:
         raise ValueError(f"logits: student_topk {k} on 16-bit logits takes at most {(1 << 16) * block_v} columns "
                          f"a row ({1 << 16} blocks of {block_v}); got {vocab}. Pass fp32 logits.")
+
+
+def lanes_warps(cfg: LaunchConfig, k: int, vocab: int, dtype) -> int:
+    """A stats pass's warps with the student's top-k (k; 0: none) over rows of ``vocab`` ``dtype`` logits,
+    checked by :func:`check_lanes`: twice the config's (at most 16) where the lanes keep two logits each
+    (k > LANE_TOP1), unless the warps are forced (LAUNCH_OVERRIDES)."""
+    check_lanes(vocab, cfg.block_v, k, dtype)
+    forced = LAUNCH_OVERRIDES["num_warps"] is not None
+    return min(2 * cfg.num_warps, 16) if k > LANE_TOP1 and not forced else cfg.num_warps
 
 
 KEY_MIN = tl.constexpr(-(2**63))
