@@ -4,9 +4,9 @@
 
 The CE call with ``student_topk`` (fwd+bwd, bf16, N 8192, V 128256, 5% of the targets ignored, the gradient
 in place, as ``bench_terms --cases topk``) beside the same call without it. Each cap compiles the head kernel
-with Triton's ``maxnreg`` (0: as ptxas allocates), bypassing the launch's own fit
-(headloss.kernels.launch._one_program_more) so every cap is measured; each cap's ids are checked equal to the
-uncapped kernel's. Prints registers, Triton's spill count and warps per build; two rounds.
+with Triton's ``maxnreg`` (0: as ptxas allocates), bypassing the launch's own fit (headloss.kernels.launch._fitted,
+to the registers of the call without the top-k) so every cap is measured; each cap's ids are checked equal to
+the uncapped kernel's. Prints registers, Triton's spill count and warps per build; two rounds.
 Writes $OUT (or ./results)/<stem>.{json,csv,png}.
 """
 
@@ -34,9 +34,9 @@ def main() -> None:
     builds: dict[str, tuple[int, int, int]] = {}
     launch = kernels_head.launch
 
-    def capped(kernel, grid, num_warps, registers_of=None, occupancy_fit=False, **kw):
+    def capped(kernel, grid, num_warps, registers_of=None, fit_spills=0, **kw):
         if kernel.fn.__name__ != "head_kernel":
-            return launch(kernel, grid, num_warps, registers_of=registers_of, occupancy_fit=occupancy_fit, **kw)
+            return launch(kernel, grid, num_warps, registers_of=registers_of, fit_spills=fit_spills, **kw)
         compiled = kernel[(grid,)](**kw, num_warps=num_warps, **({"maxnreg": cap["n"]} if cap["n"] else {}))
         if compiled is not None:
             builds[cap["tag"]] = (compiled.n_regs, compiled.n_spills, num_warps)

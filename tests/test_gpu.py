@@ -1875,10 +1875,10 @@ def test_selected_logprobs_on_the_compiled_kernels_match_fp64(k, dtype):
         headloss.check_pending(wait=True)
 
 
-def test_the_students_topk_runs_one_program_more_per_sm_where_that_spills_little():
-    """From its second launch the top-8 head kernel (16-bit lanes) runs compiled with maxnreg at the registers
-    that fit one more program per SM (kernels.launch._one_program_more): the same ids, log-probs, loss and
-    gradient bit for bit as its first, uncapped launch; the capped build spills at most FIT_SPILLS."""
+def test_the_students_topk_keeps_to_the_registers_of_the_call_without_it():
+    """From its second launch the top-8 head kernel runs compiled with maxnreg at the registers of the same
+    launch without the top-k (kernels.head._sibling, kernels.launch._fitted), where that spills at most
+    FIT_SPILLS: the same ids, log-probs, loss and gradient bit for bit as its first, uncapped launch."""
     from headloss.kernels import head as kernels_head
     from headloss.kernels.launch import FIT_SPILLS
 

@@ -76,8 +76,7 @@ def test_topk_ids_and_logprobs_match_an_fp64_oracle(entry, backend, dtype, trans
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-"""fp32 logits keep their lanes' values and columns; 16-bit ones one key of the raw bits and the block
-(kernels.topk.key16): every edge case on both."""
+"""Every edge case on fp32 and on both 16-bit dtypes (whose rounding makes many more equal logits)."""
 
 
 @needs_kernel
@@ -136,11 +135,11 @@ def test_asking_for_the_topk_changes_neither_the_loss_nor_its_gradient(entry):
 @pytest.mark.parametrize(("k", "dtype"), [(1, torch.float32), pytest.param(2, torch.bfloat16, marks=pytest.mark.slow),
                                           (8, torch.float32), (8, torch.bfloat16), (5, torch.float16),
                                           pytest.param(9, torch.float32, marks=pytest.mark.slow)])
-def test_rows_the_lanes_cannot_answer_alone_are_exact(k, dtype):
-    """Rows of many blocks (so later blocks are skipped below the k largest block maxima), and rows whose top
-    logits share one lane (columns 4096 apart: the same lane of a 2048- or 4096-wide block) more often than
-    the lanes keep (one logit each at k <= 8, two above): the row is read again and the answer stays a stable
-    sort's; an all -inf row and a row of equal logits too."""
+def test_rows_whose_top_k_shares_blocks_lanes_or_ties_are_exact(k, dtype):
+    """Rows of many blocks whose top logits share one lane (columns 4096 apart: one group of a 2048- or
+    4096-wide block, in several blocks) or one block, an all -inf row, a row of equal logits and a lane
+    holding a tie of five: the bound's blocks and groups (read again as their crossings, or as whole blocks
+    where more than kernels.topk.CELLS of either can hold the top k) give a stable sort's ids."""
     gen = generator(31 + k)
     vocab = 4 * 4096 + 77
     z = torch.randn(6, vocab, generator=gen) * 2
@@ -163,9 +162,9 @@ def test_rows_the_lanes_cannot_answer_alone_are_exact(k, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow), 8])
 def test_logits_the_transform_makes_equal_go_to_the_lower_id(dtype, k):
-    """16-bit lanes rank the raw logits: where the softcap makes different raw logits one transformed value
-    (tanh is 1.0 in fp32 from about 9 on) the k ids are still the lowest of the tied, as a stable sort of the
-    transformed logits gives them, the larger raw values sitting at the higher ids in every block."""
+    """Where the softcap makes different raw 16-bit logits one transformed value (tanh is 1.0 in fp32 from about
+    9 on) the k ids are still the lowest of the tied, as a stable sort of the transformed logits gives them, the
+    larger raw values sitting at the higher ids in every block."""
     gen = generator(61 + k)
     vocab = 3 * 2048 + 300
     z = torch.randn(4, vocab, generator=gen)
@@ -376,13 +375,27 @@ def test_a_nan_of_either_sign_ranks_first_on_both_paths(sign):
     assert got[0][1, 0] == 7 and torch.equal(got[0], got[1])
 
 
-def test_16_bit_lanes_refuse_a_row_of_more_blocks_than_their_keys_hold():
-    """The 16-bit lanes' keys hold a block's index in 16 bits: a row of more than 65536 blocks is refused
-    naming the logits (fp32 logits, or k above the one-logit lanes, take any width)."""
-    from headloss.kernels.topk import check_lanes
+def test_the_bound_keeps_a_power_of_two_of_blocks_at_most_max_blocks():
+    from headloss.kernels.topk import MAX_BLOCKS, bound_blocks
 
-    with pytest.raises(ValueError, match=r"logits: student_topk 8 on 16-bit logits takes at most 134217728"):
-        check_lanes((1 << 16) * 2048 + 1, 2048, 8, torch.bfloat16)
-    check_lanes((1 << 16) * 2048, 2048, 8, torch.float16)
-    check_lanes((1 << 16) * 2048 + 1, 2048, 8, torch.float32)
-    check_lanes((1 << 16) * 2048 + 1, 2048, 9, torch.bfloat16)
+    assert [bound_blocks(v, 2048) for v in (1, 2048, 2049, 128256, 151936)] == [1, 1, 2, 64, 128]
+    assert bound_blocks(MAX_BLOCKS * 2048 + 1, 2048) == MAX_BLOCKS == 256
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [3, pytest.param(12, marks=pytest.mark.slow)])
+def test_blocks_past_the_ones_the_bound_keeps_are_read_whole(monkeypatch, k):
+    """A row of more blocks than the bound keeps a maximum for (kernels.topk.MAX_BLOCKS, 2 here): the blocks
+    past them are read again whole, wherever the top k lies; the same ids as a stable sort, on both paths."""
+    import headloss.kernels.topk as topk
+
+    monkeypatch.setattr(topk, "MAX_BLOCKS", 2)
+    gen = generator(71 + k)
+    vocab = 5 * 2048 + 77  # (blocks of 2048 or 4096: past the second, three or one)
+    z = torch.randn(3, vocab, generator=gen)
+    z[0, [vocab - 1, 4 * 2048 + 5, 3 * 2048]] = 9.0  # row 0: the top three past the kept blocks, tied
+    z[1, [1, 3 * 2048 + 1]] = 8.0  # row 1: one in a kept block, one past them
+    spec = LossSpec(cross_entropy=None, student_topk=k, outputs=("topk_ids",))
+    want = torch.sort(z.double(), dim=-1, descending=True, stable=True).indices[:, :k]
+    for backend in ("triton", "torch"):
+        assert torch.equal(headloss.head_loss(z, None, spec, backend=backend).topk_ids, want)

@@ -27,7 +27,7 @@ from ..layouts import EXTREMES_AT, SCRATCH_AT, SEQUENCE_AT
 from ..registry import Scalars
 from .primitives import LN2, LOG2E, NEG_BIG, softmax_update, to_x2, transform
 from .terms import distill_grad, teacher_block
-from .topk import LANE_TOP1_K, lanes_block, lanes_finish, lanes_start, topk_block, topk_start
+from .topk import bound_block, bound_finish, bound_start, topk_reread
 
 
 @triton.jit
@@ -84,10 +84,10 @@ def _pair(row_ptr, t_row_ptr, at, offs, HAS_TEACHER: tl.constexpr):
 
 @triton.jit
 def _full_block(z, zt, start, V, student, off, tstats, top, first, S, F: tl.constexpr, BLOCK_V: tl.constexpr,
-                NEED_SUM_EX: tl.constexpr, HAS_TEACHER: tl.constexpr, TOPK_BLOCK: tl.constexpr, PACKED: tl.constexpr):
+                NEED_SUM_EX: tl.constexpr, HAS_TEACHER: tl.constexpr, TOPK_NB: tl.constexpr):
     """One full (unmasked) block of online_stats: the student's running statistics ``student`` = (m, d,
     sum_x, sum_ex, arg), the rest form's ``off``, the teacher's ``tstats`` (zt: its block) and the student's
-    top-k lanes ``top`` (kernels.topk; TOPK_BLOCK 0: none), updated."""
+    top-k bound ``top`` (kernels.topk.bound_block; TOPK_NB 0: none), updated."""
     m, d, sum_x, sum_ex, arg = student
     m_before = m
     m, d, sum_x, sum_ex, arg, x2, e, alpha = _stats_block(
@@ -98,14 +98,14 @@ def _full_block(z, zt, start, V, student, off, tstats, top, first, S, F: tl.cons
         off = _off_max(x2, e, alpha, m_before, off, BLOCK_V)
     if HAS_TEACHER:
         tstats = teacher_block(zt, x2, e, alpha, start, V, tstats, S, BLOCK_V, F, False)
-    if TOPK_BLOCK > 0:
-        top = lanes_block(x2, z, start, V, top, F.STUDENT_TOPK, BLOCK_V, TOPK_BLOCK, PACKED, False)
+    if TOPK_NB > 0:
+        top = bound_block(x2, start, top, BLOCK_V, TOPK_NB)
     return m, d, sum_x, sum_ex, arg, off, tstats, top
 
 
 @triton.jit
 def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexpr, NEED_SUM_EX: tl.constexpr,
-                 TOPK_BLOCK: tl.constexpr = 0, first=0):
+                 TOPK_BLOCK: tl.constexpr = 0, first=0, TOPK_NB: tl.constexpr = 0):
     """Phase 1: one read of a row (and of the teacher's, when t_row_ptr is not None), in base 2.
 
     Student: (m2, d, sum_x2, sum_ex2, argmax) with m2 = max x2, d = sum 2^(x2 - m2),
@@ -114,8 +114,8 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
     sum x = ln 2 sum_x2. tstats: the teacher's statistics (terms.teacher_block). off: for a top-k
     teacher's ``rest`` form (F.TOPK_FORM == 2) the sum of 2^(x2 - m2) without the max's elements and
     their count (:func:`_off_max`; kernels.sparse.rest_sum), else zeros. top: with TOPK_BLOCK > 0 the
-    student's top-F.STUDENT_TOPK (kernels.topk: keys and threshold; the row's ids from ``first`` on), else a
-    placeholder.
+    student's top-F.STUDENT_TOPK (kernels.topk: keys and threshold; the row's ids from ``first`` on; TOPK_NB:
+    the blocks its bound keeps, kernels.topk.bound_blocks), else a placeholder.
     -inf logits (a masked vocabulary) are allowed; NaN and +inf propagate to NaN.
     """
     HAS_TEACHER: tl.constexpr = t_row_ptr is not None
@@ -133,10 +133,8 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
     tstats = (neg_inf, lanes, lanes, lanes, neg_inf, lanes, lanes, tl.zeros([], tl.int32))
     offs = tl.arange(0, BLOCK_V)
     top = (tl.zeros([1], tl.int64), tl.zeros([], tl.int64))
-    # the lanes keep packed keys of the raw logits (kernels.topk.key16) at k <= LANE_TOP1 for 16-bit logits
-    PACKED: tl.constexpr = F.STUDENT_TOPK <= LANE_TOP1_K and row_ptr.dtype.element_ty.primitive_bitwidth == 16
     if TOPK_BLOCK > 0:
-        top = lanes_start(F.STUDENT_TOPK, BLOCK_V, TOPK_BLOCK, PACKED)
+        top = bound_start(BLOCK_V, TOPK_NB)
     v_full = (V // BLOCK_V) * BLOCK_V
     if v_full > 0:
         # full blocks, unmasked, each load issued one block ahead of its use
@@ -145,12 +143,12 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
             z_next, zt_next = _pair(row_ptr, t_row_ptr, start, offs, HAS_TEACHER)
             m, d, sum_x, sum_ex, arg, off, tstats, top = _full_block(
                 z, zt, start - BLOCK_V, V, (m, d, sum_x, sum_ex, arg), off, tstats, top, first, S, F, BLOCK_V,
-                NEED_SUM_EX, HAS_TEACHER, TOPK_BLOCK, PACKED)
+                NEED_SUM_EX, HAS_TEACHER, TOPK_NB)
             z = z_next
             zt = zt_next
         m, d, sum_x, sum_ex, arg, off, tstats, top = _full_block(
             z, zt, v_full - BLOCK_V, V, (m, d, sum_x, sum_ex, arg), off, tstats, top, first, S, F, BLOCK_V,
-            NEED_SUM_EX, HAS_TEACHER, TOPK_BLOCK, PACKED)
+            NEED_SUM_EX, HAS_TEACHER, TOPK_NB)
     if v_full < V:
         mask = v_full + offs < V
         z = tl.load(row_ptr + v_full + offs, mask=mask, other=0.0)
@@ -165,7 +163,7 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
             zt = tl.load(t_row_ptr + v_full + offs, mask=mask, other=0.0)
             tstats = teacher_block(zt, x2, e, alpha, v_full, V, tstats, S, BLOCK_V, F, True)
         if TOPK_BLOCK > 0:
-            top = lanes_block(x2, z, v_full, V, top, F.STUDENT_TOPK, BLOCK_V, TOPK_BLOCK, PACKED, True)
+            top = bound_block(x2, v_full, top, BLOCK_V, TOPK_NB)
     if NEED_ARGMAX:
         # the index inside that block: one more block read per row, first index of the max
         cols = arg + offs
@@ -181,25 +179,10 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
               tl.sum(sum_st, axis=0), t_arg)
     off = (tl.sum(off[0], axis=0), off[1])
     d = tl.sum(d, axis=0)
-    if TOPK_BLOCK > 0:  # the lanes merged; a row they cannot answer (kernels.topk) read again
-        top, exact = lanes_finish(top, first, d == d, S, row_ptr.dtype.element_ty, F.HAS_SOFTCAP,
-                                  F.STUDENT_TOPK, BLOCK_V, TOPK_BLOCK, PACKED)
-        if not exact:
-            top = _topk_again(row_ptr, V, S, F, BLOCK_V, first, TOPK_BLOCK)
+    if TOPK_BLOCK > 0:  # what can hold the top k read again (kernels.topk)
+        top = topk_reread(row_ptr, V, S, F.HAS_SOFTCAP, BLOCK_V, first, TOPK_BLOCK, TOPK_NB,
+                          bound_finish(top, d == d, F.STUDENT_TOPK, TOPK_BLOCK, BLOCK_V, TOPK_NB))
     return m, d, tl.sum(sum_x, axis=0), tl.sum(sum_ex, axis=0), arg, tstats, off, top
-
-
-@triton.jit
-def _topk_again(row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexpr, first, BLOCK_T: tl.constexpr):
-    """The row's top-k by the running insertion (kernels.topk.topk_block), from a second read of the row."""
-    top = topk_start(F.STUDENT_TOPK, BLOCK_T)
-    offs = tl.arange(0, BLOCK_V)
-    for start in range(0, V, BLOCK_V):
-        cols = start + offs
-        z = tl.load(row_ptr + cols, mask=cols < V, other=0.0)
-        x2, _ = to_x2(z, cols, V, S, F.HAS_SOFTCAP, True)
-        top = topk_block(x2, cols, V, top, first, BLOCK_T)
-    return top
 
 
 @triton.jit

@@ -46,7 +46,7 @@ from .blocks import (
     token_scale,
     zero_row,
 )
-from .launch import SPECIALISED_BY, Geometry, launch, launch_config, spec_key
+from .launch import FIT_SPILLS, SPECIALISED_BY, Geometry, launch, launch_config, spec_key
 from .primitives import LN2, LOG2E
 from .shard import merged_rest, merged_stats, merged_teacher
 from .sparse import (
@@ -67,7 +67,7 @@ from .sparse import (
     zero_selected,
 )
 from .terms import distill_values, kl_estimator, policy_values, put, row_coefficients, row_values
-from .topk import lanes_warps, topk_merged, topk_overlap, topk_store, topk_zero
+from .topk import bound_blocks, topk_merged, topk_overlap, topk_store, topk_zero
 
 
 class PolicyRows(NamedTuple):
@@ -131,6 +131,7 @@ class Blocks(NamedTuple):
     K: int
     S: int = 1
     T: int = 0  # the student's top-k (F.STUDENT_TOPK) rounded up to a power of two; 0 without it
+    N: int = 0  # the blocks of a row its top-k bound keeps (kernels.topk.bound_blocks); 0 without it
 
 
 class Prepare(NamedTuple):
@@ -374,7 +375,7 @@ def head_kernel(
                 top = topk_merged(stats + row * NCOL + NCOL - 2 * BLOCKS.T, BLOCKS.T)
         else:
             m2, d, sum_x2, sum_ex2, arg, tstats, off, top = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V,
-                                                                         ENTROPY_IN_PASS_1, BLOCKS.T)
+                                                                         ENTROPY_IN_PASS_1, BLOCKS.T, 0, BLOCKS.N)
             x2_y = tl.zeros([], tl.float32)
             slope_y = tl.zeros([], tl.float32)
             if targets is not None:
@@ -707,28 +708,37 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
         teacher=TeacherRows(teacher, sparse),
         grad=grad, rows=rows, pred=pred, policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means,
         shard=shard_rows(stats, jsd), prep=prep, geo=geo,
-        S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=_blocks(cfg.block_v, sparse, plan),
+        S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=_blocks(cfg.block_v, sparse, plan, geo.V),
         FINISH=finish, R=_tiles(plan.cols.N_REDUCED),
     )
-    warps = lanes_warps(cfg, plan.flags.STUDENT_TOPK, geo.V, logits.dtype)
-    launch(head_kernel, geo.n_rows, warps, registers_of=_without_temperature(args),
-           occupancy_fit=plan.flags.STUDENT_TOPK > 0, **args)
+    topk = plan.flags.STUDENT_TOPK > 0
+    launch(head_kernel, geo.n_rows, cfg.num_warps, registers_of=_sibling(args, topk), fit_spills=FIT_SPILLS * topk,
+           **args)
 
 
 
-def _blocks(block_v: int, sparse: SparseRows | None, plan: KernelPlan) -> Blocks:
-    """A launch's Blocks: the vocabulary's, a top-k teacher's, the selected ids' and the student's top-k's."""
+def _blocks(block_v: int, sparse: SparseRows | None, plan: KernelPlan, vocab: int) -> Blocks:
+    """A launch's Blocks: the vocabulary's, a top-k teacher's, the selected ids' and the student's top-k's (over
+    rows of ``vocab``)."""
     flags = plan.flags
-    return Blocks(block_v, max(topk_block(sparse), 1), max(block_if(flags.SELECTED), 1), block_if(flags.STUDENT_TOPK))
+    k = flags.STUDENT_TOPK
+    return Blocks(block_v, max(topk_block(sparse), 1), max(block_if(flags.SELECTED), 1), block_if(k),
+                  bound_blocks(vocab, block_v) if k else 0)
 
 
-def _without_temperature(args: dict) -> dict | None:
-    """A per-row temperature's launch: the same launch without it, whose registers per thread the
-    variant keeps to (launch's ``registers_of``); None without one, or under the interpreter."""
-    slots = args["slots"]
-    if slots.temperature is None or env.INTERPRETER:
+def _sibling(args: dict, topk: bool = False) -> dict | None:
+    """A launch with a per-row temperature (or, ``topk``, the student's top-k): the same launch without them,
+    whose registers per thread the variant keeps to (launch's ``registers_of``); None without either, or
+    under the interpreter."""
+    slots, flags = args["slots"], args["F"]
+    topk = topk and flags.STUDENT_TOPK > 0
+    if (slots.temperature is None and not topk) or env.INTERPRETER:
         return None
-    return dict(args, slots=slots._replace(temperature=None))
+    sibling = dict(args, slots=slots._replace(temperature=None))
+    if topk:
+        sibling.update(F=flags._replace(STUDENT_TOPK=0), C=args["C"]._replace(overlap=-1, overlap_advantage=-1),
+                       BLOCKS=args["BLOCKS"]._replace(T=0, N=0))
+    return sibling
 
 
 def launch_finish(plan: KernelPlan, *, rows, loss, means, scratch, num_items, geo: Geometry) -> None:
@@ -751,9 +761,9 @@ def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d
         logits=logits, slots=SlotInputs(targets, temperature, None, weights, selected),
         teacher=TeacherRows(teacher, sparse), grad=grad,
         rows=rows, d_loss=d_loss, d_rows=d_rows, num_items=num_items, scratch=scratch, shard=shard_rows(stats), geo=geo,
-        S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=_blocks(cfg.block_v, sparse, plan),
+        S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=_blocks(cfg.block_v, sparse, plan, geo.V),
     )
-    launch(head_backward_kernel, geo.n_rows, cfg.num_warps, registers_of=_without_temperature(args), **args)
+    launch(head_backward_kernel, geo.n_rows, cfg.num_warps, registers_of=_sibling(args), **args)
 
 
 

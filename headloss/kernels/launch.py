@@ -149,7 +149,7 @@ def triton_specialisation(backend, args: tuple) -> tuple | None:
         return None
 
 
-def launch(kernel, grid: int, num_warps: int, registers_of: dict | None = None, occupancy_fit: bool = False,
+def launch(kernel, grid: int, num_warps: int, registers_of: dict | None = None, fit_spills: int = 0,
            **kwargs) -> None:
     """``kernel[(grid,)](**kwargs)``. After a variant's first launch, later launches of the same
     variant call its compiled C launcher directly, found by :func:`spec_key` over the runtime
@@ -158,8 +158,8 @@ def launch(kernel, grid: int, num_warps: int, registers_of: dict | None = None, 
     per-launch binding, cache key and launch metadata. A profiler's launch hooks, the interpreter,
     ``HEADLOSS_FAST_LAUNCH=0`` and a Triton without the private binder take Triton's path.
     ``registers_of``: the arguments of a sibling variant whose registers per thread this one should
-    keep to (:func:`_fitted`); ``occupancy_fit``: compile it at the registers that fit one more program per
-    SM where that spills little (:func:`_one_program_more`); the fast path's launches only."""
+    keep to where its build at them spills at most ``fit_spills`` (:func:`_fitted`); the fast path's
+    launches only."""
     if id(kernel) not in _KEYED:  # first, before anything hashes the kernel (a JITFunction by its cache key)
         keyed(kernel)
     hooks = triton.knobs.runtime.launch_enter_hook
@@ -197,9 +197,7 @@ def launch(kernel, grid: int, num_warps: int, registers_of: dict | None = None, 
             compiled = kernel[(grid,)](**kwargs, num_warps=num_warps)
             if compiled is not None:
                 if registers_of is not None:
-                    compiled = _fitted(kernel, grid, num_warps, kwargs, registers_of, compiled)
-                if occupancy_fit:
-                    compiled = _one_program_more(kernel, grid, num_warps, kwargs, compiled)
+                    compiled = _fitted(kernel, grid, num_warps, kwargs, registers_of, compiled, fit_spills)
                 _COMPILED[key] = _compiled_entry(compiled)
             return
         _FAST[fast_key] = entry
@@ -219,13 +217,14 @@ def keyed(kernel) -> None:
     _KEYED[id(kernel)] = kernel  # (by id: a JITFunction hashes by its cache key)
 
 
-def _fitted(kernel, grid: int, num_warps: int, kwargs: dict, registers_of: dict, compiled):
+def _fitted(kernel, grid: int, num_warps: int, kwargs: dict, registers_of: dict, compiled, spills: int = 0):
     """``compiled``, or the same variant compiled with ``maxnreg`` at the registers per thread of the
     sibling variant of ``registers_of``, where it takes more than that sibling and the capped build
-    spills nothing. ptxas gives a variant that holds a few per-row values in registers (a per-row
-    temperature: 1 / t and its products, where the spec's temperature is a kernel parameter) more
-    registers than it needs: the GRPO head kernel 80 where 64 spill nothing, one program fewer per SM
-    (docs/performance.md, "What a teacher's probabilities and a per-row temperature cost")."""
+    spills at most ``spills`` (Triton's count). ptxas gives a variant that holds a few per-row values in
+    registers (a per-row temperature: 1 / t and its products, where the spec's temperature is a kernel
+    parameter) more registers than it needs: the GRPO head kernel 80 where 64 spill nothing, one program
+    fewer per SM (docs/performance.md, "What a teacher's probabilities and a per-row temperature cost");
+    the student's top-k likewise (FIT_SPILLS)."""
     try:
         sibling = kernel.warmup(grid=(grid,), num_warps=num_warps, **registers_of)
         sibling._init_handles()
@@ -238,38 +237,14 @@ def _fitted(kernel, grid: int, num_warps: int, kwargs: dict, registers_of: dict,
         warnings.warn(f"headloss: fitting {kernel.fn.__name__}'s registers failed ({type(exc).__name__}: {exc}); "
                       "it runs as compiled", RuntimeWarning, stacklevel=3)
         return compiled
-    return capped if capped.n_spills == 0 else compiled
+    return capped if capped.n_spills <= spills else compiled
 
 
-REGISTERS_PER_SM = 65536
-"""Hopper's (and Ampere's) register file per SM, 32-bit registers."""
-MAX_WARPS_PER_SM = 64
 FIT_SPILLS = 16
-"""The most spills (Triton's count of a build's) :func:`_one_program_more` accepts: the student's top-k at k 8
-(5 programs of 4 warps at 96 registers, 6 spills) ran 1.194x the plain CE call against 1.233x at ptxas's 106 (4
-programs), at k 64 (3 programs of 8 warps at 80, 16 spills) 2.53x against 2.88x; builds that spilled 24-30
-(k 8 at 80 registers, the unpacked lanes at 96) ran 1.40-1.56x (docs/performance.md, "What the student's top-k
-costs")."""
-
-
-def _one_program_more(kernel, grid: int, num_warps: int, kwargs: dict, compiled):
-    """``compiled``, or the same variant compiled with ``maxnreg`` at the most registers per thread that give
-    one more program per SM than ``compiled``'s, where that build spills at most FIT_SPILLS. For kernels
-    whose occupancy, not their arithmetic, bounds a memory-bound loop (the student's top-k lanes)."""
-    try:
-        compiled._init_handles()
-        threads = 32 * num_warps
-        programs = REGISTERS_PER_SM // (-(-compiled.n_regs // 8) * 8 * threads)  # (allocated 8 at a time)
-        cap = REGISTERS_PER_SM // ((programs + 1) * threads) // 8 * 8
-        if programs == 0 or (programs + 1) * num_warps > MAX_WARPS_PER_SM or cap < 32:
-            return compiled
-        capped = kernel.warmup(grid=(grid,), num_warps=num_warps, maxnreg=cap, **kwargs)
-        capped._init_handles()
-    except Exception as exc:  # an optimisation: a build that fails here leaves the call its own variant
-        warnings.warn(f"headloss: fitting {kernel.fn.__name__}'s occupancy failed ({type(exc).__name__}: {exc}); "
-                      "it runs as compiled", RuntimeWarning, stacklevel=3)
-        return compiled
-    return capped if capped.n_spills <= FIT_SPILLS else compiled
+"""The most spills (Triton's count) a launch with the student's top-k accepts to keep to the registers of the
+same launch without it: the top-64 head kernel at 64 registers (8 programs of 4 warps an SM, 6 spills) ran
+1.98x the plain CE call against 2.34x at ptxas's 96 (5 programs); top-8 1.080x (64, 6 spills) against 1.084x
+at 72 (docs/performance.md, "What the student's top-k costs")."""
 
 
 @contextlib.contextmanager

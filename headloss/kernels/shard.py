@@ -16,13 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import env
 from ..layouts import JSD_AT, JSD_SHARES, STATS, STATS_AT
 from ..plan import KernelPlan
 from .blocks import online_stats, row_slot, row_start, row_temperature, target_logit
-from .launch import Geometry, launch, launch_config
+from .launch import FIT_SPILLS, Geometry, launch, launch_config
 from .sparse import SparseRows, block_if, rest_sum, shard_selected, shard_topk, topk_block
 from .terms import distill_lse, jsd_sums
-from .topk import lanes_warps, topk_shard_store, topk_start
+from .topk import bound_blocks, topk_shard_store, topk_start
 
 
 @triton.jit
@@ -44,6 +45,7 @@ def shard_stats_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_T: tl.constexpr,  # the student's top-k (F.STUDENT_TOPK) rounded up to a power of two, 0 without
+    BLOCK_NB: tl.constexpr,  # the blocks of a row its bound keeps (kernels.topk.bound_blocks), 0 without
 ):
     """Phase 1 of a vocab-parallel head on one shard: the statistics every rank exchanges."""
     NCOL: tl.constexpr = STATS_AT.N_TEACHER if teacher is not None else STATS_AT.N
@@ -60,7 +62,7 @@ def shard_stats_kernel(
         shard_selected(x2s, selected, slot, row, row_ptr, counted, geo, S, F, BLOCK_S)
     if counted:
         m2, d, sum_x2, sum_ex2, arg, tstats, off, top = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V,
-                                                                     F.HAS_ENTROPY, BLOCK_T, geo.vocab_start)
+                                                                     F.HAS_ENTROPY, BLOCK_T, geo.vocab_start, BLOCK_NB)
         if BLOCK_T > 0:
             topk_shard_store(keys + row * 2 * BLOCK_T, top, counted, F.STUDENT_TOPK, BLOCK_T)
         rest = tl.zeros([], tl.float32)
@@ -325,12 +327,15 @@ def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry, teac
     keys = torch.empty(geo.n_rows, 2 * block_t, **f32) if block_t else None
     if geo.n_rows:
         cfg = launch_config(geo.V, teacher is not None, geo.n_rows)
-        warps = lanes_warps(cfg, plan.flags.STUDENT_TOPK, geo.V, logits.dtype)
-        launch(shard_stats_kernel, geo.n_rows, warps, occupancy_fit=plan.flags.STUDENT_TOPK > 0, logits=logits,
-               targets=targets, teacher=teacher,
-               part=part, sparse=sparse if block_k else None, x2k=x2k, temperature=temperature,
-               selected=selected if block_s else None, x2s=x2s, keys=keys, geo=geo, S=plan.scalars,
-               F=plan.flags, BLOCK_V=cfg.block_v, BLOCK_K=max(block_k, 1), BLOCK_S=max(block_s, 1), BLOCK_T=block_t)
+        args = dict(logits=logits, targets=targets, teacher=teacher, part=part, sparse=sparse if block_k else None,
+                    x2k=x2k, temperature=temperature, selected=selected if block_s else None, x2s=x2s, keys=keys,
+                    geo=geo, S=plan.scalars, F=plan.flags, BLOCK_V=cfg.block_v, BLOCK_K=max(block_k, 1),
+                    BLOCK_S=max(block_s, 1), BLOCK_T=block_t,
+                    BLOCK_NB=bound_blocks(geo.V, cfg.block_v) if block_t else 0)
+        sibling = None  # with the student's top-k: the registers of the same launch without it
+        if block_t and not env.INTERPRETER:
+            sibling = dict(args, F=plan.flags._replace(STUDENT_TOPK=0), BLOCK_T=0, BLOCK_NB=0)
+        launch(shard_stats_kernel, geo.n_rows, cfg.num_warps, registers_of=sibling, fit_spills=FIT_SPILLS, **args)
     tails = [t for t in (x2k, x2s, keys) if t is not None]
     return torch.cat((part, *tails), dim=1) if tails else part
 

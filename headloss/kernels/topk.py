@@ -1,23 +1,20 @@
-"""The student's top-k (``student_topk``), streamed through the stats pass: no second read of the logits
-(but at the rare row below).
+"""The student's top-k (``student_topk``): a bound from the stats pass, then a second read of only what can
+hold the top k.
 
 Each element of a row is ranked by one int64 key, its transformed logit's fp32 bits made order-preserving as
 signed int32 in the high word and 0xFFFFFFFF - its id in the low word: a larger key is a larger logit, or the
 same logit at a lower id (torch.topk's order on ties, which torch does not promise but gives on a stable sort).
 
-The pass keeps, per lane of the block (each of BLOCK_V positions, walked down the row one block at a time),
-its largest logit and that logit's id -- for k above LANE_TOP1_K its two largest -- and the largest value
-below them (:func:`lanes_block`: two comparisons and a few selects per logit, no reduction). With 16-bit
-logits at k <= LANE_TOP1_K a lane keeps one int32 instead (:func:`key16`: the raw logit's bits in order and
-the block's index), and the largest value dropped is kept per 8 lanes of a thread: 18 registers of state,
-not 48 (the raw order is the transformed order but for ties the transform makes, which the merge checks). A block is
-skipped after one comparison where its largest logit is below the least of the k largest block maxima so far
-(k elements are at least that, so nothing below it is in the top k). At the row's end the lanes' keys are
-merged to the row's top k (:func:`lanes_finish`: k rounds of the largest key, or ``tl.topk``); that is the
-row's top k unless some lane held more of it than it kept, which its next value shows (a next value at or
-above the k-th, as also when the k-th is -inf or the row holds NaN): that row is read again with the
-running insertion (:func:`topk_block`; about 1.5% of rows in random order at k 8, 1.2% at k 64). Measured
-against the alternatives: docs/performance.md ("What the student's top-k costs").
+The stats pass keeps two running maxima (:func:`bound_block`, no per-logit work beyond one in-thread maximum
+per GROUP adjacent logits): each block's, and each group's of GROUP adjacent lanes of the block walked down the
+row. At the row's end b, the k-th largest group maximum, bounds the top k from below: k groups hold a logit at
+least b, so no logit below it is among the k largest (:func:`bound_finish`). The logits at least b lie in the
+blocks and the groups whose maxima are at least b (about k of each in a row in random order): where there are
+at most CELLS of each, their crossings (CELLS x CELLS cells of GROUP logits) are read again in one gather, else
+those blocks whole, and the running insertion (:func:`insert_block`) takes their keys above the threshold
+(:func:`topk_reread`). Exact on every row: a NaN or +inf row (whose maxima rank nothing) and a row of fewer
+groups than k read every block. Measured against the designs before it (lanes kept through the pass, a
+compaction, the insertion through the pass): docs/performance.md ("What the student's top-k costs").
 
 With a top-k teacher the row also gets verl's overlap diagnostics (verl/trainer/distillation/fsdp/losses.py):
 how many of the teacher's ids are among the student's top-k, and the mean over them of
@@ -27,38 +24,24 @@ how many of the teacher's ids are among the student's top-k, and the mean over t
 import triton
 import triton.language as tl
 
-from .launch import LAUNCH_OVERRIDES, LaunchConfig
-from .primitives import LN2, transform
-
-LANE_TOP1 = 8
-"""The largest k whose lanes keep only their largest logit: with 2048 lanes about k^2 / 4096 of the rows (in
-random order) hold two of their top k in one lane and are read again, 1.5% at k 8; above it each lane keeps
-two (three in one lane: about k^3 / (6 * 2048^2), 1% at k 64), and its launches take twice the warps (the
-lanes' state per thread halved: :func:`lanes_warps`)."""
-LANE_TOP1_K = tl.constexpr(LANE_TOP1)
-
-
-def check_lanes(vocab: int, block_v: int, k: int, dtype) -> None:
-    """16-bit logits' lanes (k <= LANE_TOP1) hold a block's index in 16 bits: at most 65536 blocks a row."""
-    if 0 < k <= LANE_TOP1 and dtype.itemsize == 2 and -(-vocab // block_v) > 1 << 16:
-        raise ValueError(f"logits: student_topk {k} on 16-bit logits takes at most {(1 << 16) * block_v} columns "
-                         f"a row ({1 << 16} blocks of {block_v}); got {vocab}. Pass fp32 logits.")
-
-
-def lanes_warps(cfg: LaunchConfig, k: int, vocab: int, dtype) -> int:
-    """A stats pass's warps with the student's top-k (k; 0: none) over rows of ``vocab`` ``dtype`` logits,
-    checked by :func:`check_lanes`: twice the config's (at most 16) where the lanes keep two logits each
-    (k > LANE_TOP1), unless the warps are forced (LAUNCH_OVERRIDES)."""
-    check_lanes(vocab, cfg.block_v, k, dtype)
-    forced = LAUNCH_OVERRIDES["num_warps"] is not None
-    return min(2 * cfg.num_warps, 16) if k > LANE_TOP1 and not forced else cfg.num_warps
-
+from .primitives import LN2, to_x2
 
 KEY_MIN = tl.constexpr(-(2**63))
-KEY16_MIN = tl.constexpr(-(2**31))
-REST_GROUP = tl.constexpr(8)
 KEY_MAX = tl.constexpr(2**63 - 1)
 LOW_WORD = tl.constexpr(0xFFFFFFFF)
+GROUP = tl.constexpr(8)
+"""Adjacent lanes of a block per running group maximum (one 16-byte load of 16-bit logits: inside a thread)."""
+CELLS = tl.constexpr(16)
+"""At most this many blocks and as many groups are read again as their crossings (one gather), else the blocks
+whole."""
+MAX_BLOCKS = 256
+"""The blocks a row's bound keeps one maximum and one bit each for (4 words); a longer row's blocks past them
+are read again whole (:func:`topk_reread`)."""
+
+
+def bound_blocks(vocab: int, block_v: int) -> int:
+    """The blocks of a row of ``vocab`` the bound keeps maxima for: a power of two, at most MAX_BLOCKS."""
+    return min(1 << (max(-(-vocab // block_v), 1) - 1).bit_length(), MAX_BLOCKS)
 
 
 @triton.jit
@@ -78,22 +61,114 @@ def topk_start(K: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
+def bound_start(BLOCK_V: tl.constexpr, NB: tl.constexpr):
+    """The empty bound: the running maxima of each group of GROUP adjacent lanes, and of each of NB blocks."""
+    return tl.full([BLOCK_V // GROUP], float("-inf"), tl.float32), tl.full([NB], float("-inf"), tl.float32)
+
+
+@triton.jit
+def bound_block(x2, start, bound, BLOCK_V: tl.constexpr, NB: tl.constexpr):
+    """One block's x2 (its columns from ``start``; padding -inf) into the bound: its groups' maxima (a reduction
+    inside a thread) and the block's maximum (the stats pass's own, the same reduction)."""
+    gmax, bmax = bound
+    gmax = tl.maximum(gmax, tl.max(tl.reshape(x2, [BLOCK_V // GROUP, GROUP]), axis=1))
+    bmax = tl.where(tl.arange(0, NB) == start // BLOCK_V, tl.max(x2, axis=0), bmax)
+    return gmax, bmax
+
+
+@triton.jit
+def _listed(flag, N: tl.constexpr):
+    """The first CELLS indices where ``flag`` ([N] int32, 0 or 1) is set, in order (past them 0), and their
+    count."""
+    pos = tl.cumsum(flag, axis=0) - 1
+    hit = (pos[None, :] == tl.arange(0, CELLS)[:, None]) & (flag[None, :] != 0)
+    return tl.sum(tl.where(hit, tl.arange(0, N)[None, :], 0), axis=1), tl.sum(flag, axis=0)
+
+
+@triton.jit
+def bound_finish(bound, clean, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, NB: tl.constexpr):
+    """What :func:`topk_reread` starts from: (the empty running top-k whose threshold is just below
+    b, the K-th largest group maximum (K groups hold an element at least that, so no logit below it is in the
+    top k); the blocks whose maximum is at least b (4 words of bits, one a block); the first CELLS of those
+    blocks, their count; the first CELLS groups whose maximum is at least b, their count). Every element at
+    least b is in one of those blocks and one of those groups. b is -inf (every block and group) where the
+    row is not ``clean`` or there are fewer groups than BLOCK_T."""
+    gmax, bmax = bound
+    t = tl.arange(0, BLOCK_T)
+    b = tl.full([], float("-inf"), tl.float32)
+    if BLOCK_T == 1:
+        b = tl.max(gmax, axis=0)
+    elif BLOCK_V // GROUP >= BLOCK_T:
+        largest = tl.topk(gmax, BLOCK_T)
+        b = tl.min(tl.where(t < K, largest, float("inf")), axis=0)
+    b = tl.where(clean & (b == b), b, float("-inf"))
+    thr = (_high(b).to(tl.int64) << 32) - 1
+    every = b == float("-inf")  # (a NaN's maximum is no number)
+    n = tl.arange(0, NB)
+    block_on = tl.where(every, 1, (bmax >= b).to(tl.int32))
+    group_on = tl.where(every, 1, (gmax >= b).to(tl.int32))
+    bits = tl.where(block_on != 0, tl.full([NB], 1, tl.int64) << (n % 64).to(tl.int64), 0)
+    words = (tl.sum(tl.where(n < 64, bits, 0), axis=0), tl.sum(tl.where((n >= 64) & (n < 128), bits, 0), axis=0),
+             tl.sum(tl.where((n >= 128) & (n < 192), bits, 0), axis=0), tl.sum(tl.where(n >= 192, bits, 0), axis=0))
+    blocks, n_blocks = _listed(block_on, NB)
+    groups, n_groups = _listed(group_on, BLOCK_V // GROUP)
+    return tl.where(t < K, thr, KEY_MAX), thr, words, blocks, n_blocks, groups, n_groups
+
+
+@triton.jit
+def topk_reread(row_ptr, V, S, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, first, BLOCK_T: tl.constexpr,
+                NB: tl.constexpr, top):
+    """The row's top-k (keys, thr; ids from ``first`` on) by the running insertion over what ``top``
+    (:func:`bound_finish`) says may hold it, read again: the crossings of its blocks and groups in one gather
+    where there are at most CELLS of each (and the row has at most NB blocks), else its blocks whole (and
+    every block past NB)."""
+    keys, thr, words, blocks, n_blocks, groups, n_groups = top
+    if (n_blocks <= CELLS) & (n_groups <= CELLS) & (V <= NB * BLOCK_V):
+        at = tl.arange(0, CELLS)
+        cols = (blocks * BLOCK_V)[:, None, None] + (groups * GROUP)[None, :, None] + tl.arange(0, GROUP)[None, None, :]
+        inside = (at < n_blocks)[:, None, None] & (at < n_groups)[None, :, None] & (cols < V)
+        cols = tl.reshape(tl.where(inside, cols, V), [CELLS * CELLS * GROUP])
+        z = tl.load(row_ptr + cols, mask=cols < V, other=0.0)
+        x2, _ = to_x2(z, cols, V, S, HAS_SOFTCAP, True)
+        keys, thr = insert_block(x2, cols, V, keys, thr, first, BLOCK_T)
+    else:
+        offs = tl.arange(0, BLOCK_V)
+        for start in range(0, V, BLOCK_V):
+            b = start // BLOCK_V
+            w = tl.where(b < 64, words[0], tl.where(b < 128, words[1], tl.where(b < 192, words[2], words[3])))
+            if (b >= NB) | (((w >> (b % 64)) & 1) != 0):
+                cols = start + offs
+                z = tl.load(row_ptr + cols, mask=cols < V, other=0.0)
+                x2, _ = to_x2(z, cols, V, S, HAS_SOFTCAP, True)
+                keys, thr = insert_block(x2, cols, V, keys, thr, first, BLOCK_T)
+    return keys, thr
+
+
+@triton.jit
 def topk_block(x2, cols, V, top, first, BLOCK_T: tl.constexpr):
     """One block of x2 (its columns ``cols`` of the row, whose ids start at ``first``: a vocab-parallel shard's
-    vocab_start; columns >= V are padding) into the running top-k ``top``."""
+    vocab_start; columns >= V are padding) into the running top-k ``top``, skipped where its largest logit is
+    below the threshold (the insertion through a whole row: benchmarks/bench_topk_stream.py)."""
     keys, thr = top
     block_max = tl.max(x2, axis=0)
     if _high(block_max).to(tl.int64) >= (thr >> 32):
-        t = tl.arange(0, BLOCK_T)
-        key = key_of(x2, cols.to(tl.int64) + first)
-        key = tl.where(cols < V, key, KEY_MIN)
+        keys, thr = insert_block(x2, cols, V, keys, thr, first, BLOCK_T)
+    return keys, thr
+
+
+@triton.jit
+def insert_block(x2, cols, V, keys, thr, first, BLOCK_T: tl.constexpr):
+    """The block's keys above the threshold into the running top-k (keys, thr), largest first."""
+    t = tl.arange(0, BLOCK_T)
+    key = key_of(x2, cols.to(tl.int64) + first)
+    key = tl.where(cols < V, key, KEY_MIN)
+    best = tl.max(tl.where(key > thr, key, KEY_MIN), axis=0)
+    while best > thr:
+        at = tl.min(tl.where(keys == thr, t, BLOCK_T), axis=0)
+        keys = tl.where(t == at, best, keys)
+        thr = tl.min(keys, axis=0)
+        key = tl.where(key == best, KEY_MIN, key)
         best = tl.max(tl.where(key > thr, key, KEY_MIN), axis=0)
-        while best > thr:  # the block's keys above the threshold, largest first
-            at = tl.min(tl.where(keys == thr, t, BLOCK_T), axis=0)
-            keys = tl.where(t == at, best, keys)
-            thr = tl.min(keys, axis=0)
-            key = tl.where(key == best, KEY_MIN, key)
-            best = tl.max(tl.where(key > thr, key, KEY_MIN), axis=0)
     return keys, thr
 
 
@@ -108,147 +183,6 @@ def value_of(keys):
     """The fp32 values of int64 keys."""
     high = (keys >> 32).to(tl.int32)
     return tl.where(high < 0, high ^ 0x7FFFFFFF, high).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def lanes_start(K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, PACKED: tl.constexpr):
-    """The empty lanes: (largest, its column, second, its column, the next value below them, the K largest
-    block maxima so far, their least). At k <= LANE_TOP1_K ``second`` is the next value and the others are
-    placeholders; ``PACKED`` (16-bit logits at k <= LANE_TOP1_K): the largest's :func:`key16` and the next
-    value's, in the places of the largest and the second (the columns are the keys' low halves)."""
-    neg = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    col = tl.zeros([BLOCK_V], tl.int32)
-    t = tl.arange(0, BLOCK_T)
-    maxima = tl.where(t < K, tl.full([BLOCK_T], float("-inf"), tl.float32),
-                      tl.full([BLOCK_T], float("inf"), tl.float32))  # (past K never replaced)
-    bound = tl.full([], float("-inf"), tl.float32)
-    i2 = tl.zeros([1], tl.int32)
-    m3 = tl.zeros([1], tl.float32)
-    if PACKED:
-        lanes = (tl.full([BLOCK_V], KEY16_MIN, tl.int32), i2, tl.full([BLOCK_V // REST_GROUP], KEY16_MIN, tl.int32),
-                 i2, m3, maxima, bound)
-    else:
-        if K > LANE_TOP1_K:
-            i2 = col
-            m3 = neg
-        lanes = (neg, col, neg, i2, m3, maxima, bound)
-    return lanes
-
-
-@triton.jit
-def key16(z, low):
-    """int32 keys of 16-bit floats ``z`` (their bits, as loaded) in their order, ``low`` (< 2^16) in the low
-    half: a larger key is a larger value (-0 below +0, a NaN above +inf), or the same value at a larger
-    ``low``."""
-    s = z.to(tl.int16, bitcast=True).to(tl.int32)
-    return (s ^ ((s >> 15) & 0x7FFF)) * 65536 + low
-
-
-@triton.jit
-def raw16(key, dtype: tl.constexpr):
-    """The 16-bit float of ``dtype`` whose :func:`key16` is ``key``."""
-    o = key >> 16
-    return (o ^ ((o >> 15) & 0x7FFF)).to(tl.int16).to(dtype, bitcast=True)
-
-
-@triton.jit
-def lanes_block(x2, z, start, V, lanes, K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr,
-                PACKED: tl.constexpr, MASKED: tl.constexpr):
-    """One block into the lanes: x2 (transformed; padding -inf) of the raw block z at columns start.. of the
-    row. Strict comparisons keep a lane's earlier (lower) column on ties; packed keys rank the raw values
-    and hold 0xFFFF - the block's index below them (the lower block wins a tie)."""
-    m1, i1, m2, i2, m3, maxima, bound = lanes
-    block_max = tl.max(x2, axis=0)
-    if (block_max >= bound) | (block_max != block_max):  # (a NaN row is read again at the end)
-        if PACKED:
-            key = key16(z, 0xFFFF - start // BLOCK_V)
-            if MASKED:
-                key = tl.where(start + tl.arange(0, BLOCK_V) < V, key, KEY16_MIN)
-            m2 = tl.maximum(m2, tl.max(tl.reshape(tl.minimum(m1, key), [BLOCK_V // REST_GROUP, REST_GROUP]), axis=1))
-            m1 = tl.maximum(m1, key)
-        else:
-            cols = start + tl.arange(0, BLOCK_V)
-            gt1 = x2 > m1
-            gt2 = x2 > m2
-            if K > LANE_TOP1_K:
-                m3 = tl.where(gt2, m2, tl.maximum(m3, x2))
-                i2 = tl.where(gt1, i1, tl.where(gt2, cols, i2))
-            m2 = tl.where(gt1, m1, tl.where(gt2, x2, m2))
-            m1 = tl.where(gt1, x2, m1)
-            i1 = tl.where(gt1, cols, i1)
-        least = tl.min(maxima, axis=0)
-        if block_max > least:  # into the K largest block maxima
-            t = tl.arange(0, BLOCK_T)
-            at = tl.min(tl.where(maxima == least, t, BLOCK_T), axis=0)
-            maxima = tl.where(t == at, block_max, maxima)
-            bound = tl.min(maxima, axis=0)
-    return m1, i1, m2, i2, m3, maxima, bound
-
-
-@triton.jit
-def _unpacked(key, lane, first, S, dtype: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
-    """The int64 keys (:func:`key_of`) of packed keys held at lanes ``lane`` (KEY_MIN where none is held)."""
-    x2, _ = transform(raw16(key, dtype).to(tl.float32), S, HAS_SOFTCAP)
-    ids = (0xFFFF - (key & 0xFFFF)) * BLOCK_V + lane + first
-    return tl.where(key == KEY16_MIN, KEY_MIN, key_of(x2, ids))
-
-
-@triton.jit
-def _lanes_packed(m1, m2, first, S, dtype: tl.constexpr, HAS_SOFTCAP: tl.constexpr, K: tl.constexpr,
-                  BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr):
-    """(keys, rest, after) of packed lanes: the int64 keys of the K largest lanes by raw value (a tie to the
-    lower lane), the value of the largest key16 they dropped (-inf: none) and the int64 key of the next
-    lane in that order: it ranks above the k-th only where the transform made two raw values one."""
-    t = tl.arange(0, BLOCK_T)
-    lane = tl.arange(0, BLOCK_V)
-    picked = tl.full([BLOCK_T], KEY16_MIN, tl.int32)
-    at = tl.zeros([BLOCK_T], tl.int32)
-    for j in tl.static_range(K + 1):  # the largest key16, taken out (one lane), K + 1 times
-        best = tl.max(m1, axis=0)
-        where = tl.min(tl.where(m1 == best, lane, BLOCK_V), axis=0)
-        m1 = tl.where(lane == where, KEY16_MIN, m1)
-        if j < K:
-            picked = tl.where(t == j, best, picked)
-            at = tl.where(t == j, where, at)
-        else:
-            after = _unpacked(best, where, first, S, dtype, HAS_SOFTCAP, BLOCK_V)
-    keys = tl.where(t < K, _unpacked(picked, at, first, S, dtype, HAS_SOFTCAP, BLOCK_V), KEY_MAX)
-    rest_key = tl.max(m2, axis=0)
-    rest, _ = transform(raw16(rest_key, dtype).to(tl.float32), S, HAS_SOFTCAP)
-    return keys, tl.where(rest_key == KEY16_MIN, float("-inf"), rest), after
-
-
-@triton.jit
-def lanes_finish(lanes, first, clean, S, dtype: tl.constexpr, HAS_SOFTCAP: tl.constexpr, K: tl.constexpr,
-                 BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, PACKED: tl.constexpr):
-    """The lanes merged: (the running top-k as :func:`topk_block` keeps it, exact), where exact is False
-    when some lane may have held more of the top k than it kept (its next value at or above the k-th), the
-    k-th is -inf (a lane's column is then not its logit's), or the row is not ``clean`` (a NaN or +inf,
-    which the lanes' comparisons do not rank): then the row must be read again. Ids from ``first`` on.
-    Packed lanes are merged by their raw values: also read again where the next lane in that order ranks
-    above the k-th by the transformed value and id (a tie the transform made of two raw values)."""
-    m1, i1, m2, i2, m3, maxima, bound = lanes
-    t = tl.arange(0, BLOCK_T)
-    after = KEY_MIN
-    if K <= LANE_TOP1_K:
-        if PACKED:
-            keys, rest, after = _lanes_packed(m1, m2, first, S, dtype, HAS_SOFTCAP, K, BLOCK_V, BLOCK_T)
-        else:
-            cand = key_of(m1, i1 + first)
-            rest = tl.max(m2, axis=0)
-            keys = tl.full([BLOCK_T], KEY_MAX, tl.int64)
-            for j in tl.static_range(K):  # the largest key, taken out, K times
-                best = tl.max(cand, axis=0)
-                keys = tl.where(t == j, best, keys)
-                cand = tl.where(cand == best, KEY_MIN, cand)
-    else:
-        cand = tl.reshape(tl.join(key_of(m1, i1 + first), key_of(m2, i2 + first)), [2 * BLOCK_V])
-        rest = tl.max(m3, axis=0)
-        keys = tl.where(t < K, tl.topk(cand, BLOCK_T), KEY_MAX)
-    thr = tl.min(keys, axis=0)
-    kth = value_of(thr)
-    exact = (rest < kth) & (after < thr) & (kth > float("-inf")) & clean
-    return (keys, thr), exact
 
 
 @triton.jit

@@ -319,26 +319,16 @@ def test_a_variant_is_fitted_to_its_siblings_registers_only_where_that_spills_no
         assert got.n_regs == sibling and kernel.caps == [sibling]
 
 
-@pytest.mark.parametrize("own_regs,warps,spills,want_cap", [
-    (106, 4, 6, 96),  # 4 programs of 4 warps at 112 allocated: 5 at 96 (the student's top-8 lanes)
-    (108, 8, 16, 80),  # 2 programs of 8 warps: 3 at 80 (the top-64 lanes)
-    (106, 4, 17, None),  # the capped build spills more than FIT_SPILLS: as compiled
-    (40, 4, 0, 32)])  # 12 programs of 4 warps: 13 at 65536 / (13 * 128) = 39 -> 32
-def test_a_variant_is_fitted_to_one_more_program_per_sm_where_that_spills_little(own_regs, warps, spills, want_cap):
-    """kernels.launch._one_program_more: the cap is the most registers (a multiple of 8) at which one more
-    program of the variant's warps fits an SM's 65536; the capped build is kept where it spills at most
-    FIT_SPILLS."""
-    kernel, own = _Kernel(0, spills), _Built(own_regs)
-    got = launch_module._one_program_more(kernel, 8, warps, {}, own)
-    assert (got is own) == (want_cap is None)
-    if want_cap is not None:
-        assert kernel.caps == [want_cap] and got.n_regs == want_cap
-
-
-def test_no_fit_past_the_warps_an_sm_holds():
-    """16 programs of 4 warps fill an SM's 64 warps: no cap is built."""
-    kernel, own = _Kernel(0), _Built(32)
-    assert launch_module._one_program_more(kernel, 8, 4, {}, own) is own and kernel.caps == []
+@pytest.mark.parametrize("spills,allowed,want", [(6, 16, "capped"), (16, 16, "capped"), (17, 16, "own"),
+                                                 (1, 0, "own")])
+def test_a_variant_may_accept_a_few_spills_to_keep_to_its_siblings_registers(spills, allowed, want):
+    """kernels.launch._fitted(spills=...): the student's top-k keeps to the registers of the same launch
+    without it where that build spills at most FIT_SPILLS (the top-64 head kernel: 6 spills at 64)."""
+    kernel, own = _Kernel(64, spills), _Built(96)
+    got = launch_module._fitted(kernel, 8, 4, {}, {}, own, allowed)
+    assert (got is own) == (want == "own")
+    if want == "capped":
+        assert got.n_regs == 64 and kernel.caps == [64]
 
 
 def test_a_register_fit_that_fails_keeps_the_variant_as_compiled():
