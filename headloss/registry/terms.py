@@ -149,7 +149,7 @@ def _distillation_stores(c: TermContext) -> dict[str, bool]:
 
 STUDENT_TOPK = Term(
     "student_topk",
-    flags=(Flag("STUDENT_TOPK", int, "the student's top-k per row, streamed through the stats pass (k; 0 off)", 0),),
+    flags=(Flag("STUDENT_TOPK", int, "the student's top-k per row, bounded in the stats pass (k; 0 off)", 0),),
     columns=(Column("topk_logprobs", "the student's k most likely ids' log-probs, in order (STUDENT_TOPK columns)",
                     width=lambda c: c.spec.student_topk or 0),
              Column("topk_ids", "their ids, as int32 bits (STUDENT_TOPK columns)",
