@@ -47,10 +47,10 @@ def _assert_topk(ids, logprobs, want_ids, want_logprobs, atol, rtol=0.0):
 
 
 @needs_kernel
-@pytest.mark.parametrize(("entry", "backend", "dtype", "transform", "k"), [  # (k 12 and 64: the interpreter's
+@pytest.mark.parametrize(("entry", "backend", "dtype", "transform", "k"), [  # (k 12 and 64: 1-3 s a case under
     case if case.values[-1] <= 8 else pytest.param(*case.values, id=case.id, marks=(*case.marks, pytest.mark.slow))
     for case in tiered(["logits", "lm_head"], ["triton", "torch"], [torch.float32, torch.bfloat16], list(TRANSFORMS),
-                       [1, 5, 12, 64], pairs=False)])  # tl.topk takes 6-12 s a case there: slow; the two-deep lanes
+                       [1, 5, 12, 64], pairs=False)])  # the interpreter, every block read again: slow; they
 # compile in the fast tier's sm_90 check and run in the slow tier and on the GPU
 def test_topk_ids_and_logprobs_match_an_fp64_oracle(entry, backend, dtype, transform, k):
     vocab = 300
