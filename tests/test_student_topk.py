@@ -133,7 +133,8 @@ def test_asking_for_the_topk_changes_neither_the_loss_nor_its_gradient(entry):
 
 @needs_kernel
 @pytest.mark.parametrize(("k", "dtype"), [(1, torch.float32), pytest.param(2, torch.bfloat16, marks=pytest.mark.slow),
-                                          (8, torch.float32), (8, torch.bfloat16), (5, torch.float16),
+                                          pytest.param(8, torch.float32, marks=pytest.mark.slow), (8, torch.bfloat16),
+                                          (5, torch.float16),
                                           pytest.param(9, torch.float32, marks=pytest.mark.slow)])
 def test_rows_whose_top_k_shares_blocks_lanes_or_ties_are_exact(k, dtype):
     """Rows of many blocks whose top logits share one lane (columns 4096 apart: one group of a 2048- or
