@@ -12,8 +12,9 @@ least b, so no logit below it is among the k largest (:func:`bound_finish`). The
 blocks and the groups whose maxima are at least b (about k of each in a row in random order): where there are
 at most CELLS of each, their crossings (CELLS x CELLS cells of GROUP logits) are read again in one gather, else
 those blocks whole, and the running insertion (:func:`insert_block`) takes their keys above the threshold
-(:func:`topk_reread`). Exact on every row: a NaN or +inf row (whose maxima rank nothing) and a row of fewer
-groups than k read every block. Measured against the designs before it (lanes kept through the pass, a
+(:func:`topk_reread`). Exact on every row: the second read transforms each logit by the same code as the
+stats pass (to_x2), so a logit at b is at b again; a NaN or +inf row (whose maxima rank nothing) and a row of
+fewer groups than k read every block. Measured against the designs before it (lanes kept through the pass, a
 compaction, the insertion through the pass): docs/performance.md ("What the student's top-k costs").
 
 With a top-k teacher the row also gets verl's overlap diagnostics (verl/trainer/distillation/fsdp/losses.py):

@@ -48,9 +48,10 @@ SUBSET = ("import json, sys; import compile_sm90 as c; "
 
 @pytest.fixture(scope="module")
 def ptx(request) -> dict[str, dict[str, str]]:
-    """{variant: {kernel: ptx}}, in one subprocess: FAST's variants when the session runs nothing else
-    of this module (the fast tier), every variant otherwise."""
-    selected = [item for item in request.session.items if item.path == request.path]
+    """{variant: {kernel: ptx}}, in one subprocess: FAST's variants when the session runs no other test of
+    this module that takes them (the fast tier), every variant otherwise."""
+    selected = [item for item in request.session.items
+                if item.path == request.path and "ptx" in getattr(item, "fixturenames", ())]
     fast_only = all(item.originalname == "test_every_kernel_compiles_in_the_fast_variants" for item in selected)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join((str(SCRIPT.parent.parent.parent), str(SCRIPT.parent),
