@@ -76,7 +76,7 @@ def explain(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, with_grad
         + (" (student and teacher)" if plan.has_teacher else "")
         + (" + K logits per row at the teacher's ids" if plan.flags.SPARSE == 1 else "")
         + (" + K logits per row at the selected ids" if selecting else ""),
-        *([f"top-k       the student's {spec.student_topk} most likely ids per row, streamed through the stats pass "
+        *([f"top-k       the student's {spec.student_topk} most likely ids per row, bounded in the stats pass "
            "(topk_ids, topk_logprobs; ties to the lower id)" + (", and verl's overlap with the teacher's top-k"
                                                                if plan.cols.overlap >= 0 else "")]
           if spec.student_topk else []),

@@ -1876,17 +1876,22 @@ def test_selected_logprobs_on_the_compiled_kernels_match_fp64(k, dtype):
 
 
 def test_the_students_topk_keeps_to_the_registers_of_the_call_without_it():
-    """From its second launch the top-8 head kernel runs compiled with maxnreg at the registers of the same
+    """From its second launch the top-7 head kernel runs compiled with maxnreg at the registers of the same
     launch without the top-k (kernels.head._sibling, kernels.launch._fitted), where that spills at most
-    FIT_SPILLS: the same ids, log-probs, loss and gradient bit for bit as its first, uncapped launch."""
+    FIT_SPILLS: the same ids, log-probs, loss and gradient bit for bit as its first, uncapped launch. (k 7: a
+    variant no other test compiles, so the builds this test finds are its own.)"""
     from headloss.kernels import head as kernels_head
     from headloss.kernels.launch import FIT_SPILLS
 
+    def builds():
+        return {id(k): k for caches in kernels_head.head_kernel.device_caches.values() for k in caches[0].values()}
+
+    before = builds()
     v = 128256
     gen = torch.Generator(device="cuda").manual_seed(89)
     logits = (torch.randn(2048, v, device="cuda", generator=gen) * 2).to(torch.bfloat16)
     y = torch.randint(0, v, (2048,), device="cuda", generator=gen)
-    spec = headloss.LossSpec(student_topk=8, outputs=("topk_ids", "topk_logprobs"))
+    spec = headloss.LossSpec(student_topk=7, outputs=("topk_ids", "topk_logprobs"))
     results = []
     for _ in range(3):  # the first launch compiles and runs uncapped, the later ones the fitted variant
         x = logits.clone().requires_grad_()
@@ -1895,14 +1900,17 @@ def test_the_students_topk_keeps_to_the_registers_of_the_call_without_it():
         results.append((out.loss.detach(), out.topk_ids, out.topk_logprobs, x.grad))
     for got in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(got, results[0]))
-    compiled = [k for caches in kernels_head.head_kernel.device_caches.values() for k in caches[0].values()]
-    capped = [k for k in compiled if k.metadata.maxnreg and k.n_spills <= FIT_SPILLS]
-    assert capped and all(k.n_regs <= k.metadata.maxnreg for k in capped)
+    new = [k for key, k in builds().items() if key not in before]
+    capped = [k for k in new if k.metadata.maxnreg]
+    own = [k for k in new if not k.metadata.maxnreg]  # the top-7 build and the one without it (its registers)
+    assert len(capped) == 1 and capped[0].n_spills <= FIT_SPILLS
+    assert capped[0].metadata.maxnreg in {k.n_regs for k in own}
+    assert capped[0].metadata.maxnreg < max(k.n_regs for k in own)
 
 
 @pytest.mark.parametrize("k", [8, 64])
 def test_the_students_topk_on_the_compiled_kernels_matches_a_stable_sort(k):
-    """The student's top-k streamed through the compiled stats pass at Llama 3's vocabulary: the ids of a stable
+    """The student's top-k on the compiled kernels at Llama 3's vocabulary: the ids of a stable
     descending sort of the transformed logits (planted ties across blocks to the lower id), their log-probs, the
     loss and gradient of the call without it; with a top-k teacher verl's overlap metrics as the plain-torch path
     gives them."""

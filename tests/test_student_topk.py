@@ -1,7 +1,8 @@
-"""The student's top-k (``student_topk: k`` with ``outputs: [topk_ids, topk_logprobs]``), streamed through the
-stats pass: each row's k most likely ids under the spec's transform, largest first, ties to the lower id, and
-their log-probs; with a top-k teacher verl's overlap diagnostics (``distill/overlap_ratio``,
-``distill/overlap_token_advantage``). Both entry points and both paths; packed rows as any per-row output.
+"""The student's top-k (``student_topk: k`` with ``outputs: [topk_ids, topk_logprobs]``), bounded in the stats
+pass and read again where it can be: each row's k most likely ids under the spec's transform, largest first,
+ties to the lower id, and their log-probs; with a top-k teacher verl's overlap diagnostics
+(``distill/overlap_ratio``, ``distill/overlap_token_advantage``). Both entry points and both paths; packed rows
+as any per-row output.
 
 The oracles are written here in fp64 (a stable sort of the transformed logits; verl's formulas from
 verl/trainer/distillation/fsdp/losses.py): they share nothing with headloss.reference."""
@@ -136,21 +137,21 @@ def test_asking_for_the_topk_changes_neither_the_loss_nor_its_gradient(entry):
                                           pytest.param(8, torch.float32, marks=pytest.mark.slow), (8, torch.bfloat16),
                                           (5, torch.float16),
                                           pytest.param(9, torch.float32, marks=pytest.mark.slow)])
-def test_rows_whose_top_k_shares_blocks_lanes_or_ties_are_exact(k, dtype):
-    """Rows of many blocks whose top logits share one lane (columns 4096 apart: one group of a 2048- or
-    4096-wide block, in several blocks) or one block, an all -inf row, a row of equal logits and a lane
-    holding a tie of five: the bound's blocks and groups (read again as their crossings, or as whole blocks
-    where more than kernels.topk.CELLS of either can hold the top k) give a stable sort's ids."""
+def test_rows_whose_top_k_shares_a_group_or_ties_are_exact(k, dtype):
+    """Rows whose top logits sit in one group of lanes (columns 4096 apart: the same position of a 2048- or
+    4096-wide block, in several blocks), an all -inf row, a row of equal logits and a tie of five in one group:
+    the crossings of the bound's blocks and groups, or its blocks whole where more than kernels.topk.CELLS
+    groups reach the bound (the equal rows), give a stable sort's ids."""
     gen = generator(31 + k)
     vocab = 4 * 4096 + 77
     z = torch.randn(6, vocab, generator=gen) * 2
-    for j, col in enumerate((5, 5 + 4096, 5 + 2 * 4096, 5 + 3 * 4096)):  # row 0: the top four in one lane
+    for j, col in enumerate((5, 5 + 4096, 5 + 2 * 4096, 5 + 3 * 4096)):  # row 0: the top four in one group
         z[0, col] = 40.0 - j
     z[1, 3 * 4096 + 11] = 50.0  # row 1: one clear maximum late, then the rest
-    z[1, 3 * 4096 + 11 + 4096] = 49.0  # (and its runner-up in the same lane)
+    z[1, 3 * 4096 + 11 + 4096] = 49.0  # (and its runner-up in the same group)
     z[2] = float("-inf")  # row 2: all -inf (ids by position)
     z[3] = 1.5  # row 3: all equal
-    z[4, :: 4096] = 30.0  # row 4: one lane holds a tie of five
+    z[4, :: 4096] = 30.0  # row 4: one group holds a tie of five
     z = z.to(dtype)  # (16-bit: many more equal logits, the rounding's)
     spec = LossSpec(student_topk=k, outputs=("topk_ids", "topk_logprobs"))
     y = torch.randint(0, vocab, (6,), generator=gen)
@@ -376,6 +377,27 @@ def test_a_nan_of_either_sign_ranks_first_on_both_paths(sign):
     assert got[0][1, 0] == 7 and torch.equal(got[0], got[1])
 
 
+@needs_kernel
+@pytest.mark.parametrize("k", [3, 20])
+def test_rows_of_hundreds_of_blocks_use_every_word_of_the_bounds_bits(monkeypatch, k):
+    """Blocks of 256 (LAUNCH_OVERRIDES), 251 of them a row: the bound's bits for blocks past 64, 128 and 192
+    (all four words) lead the second read to the top logits planted there; at k 3 as the crossings' gather,
+    at k 20 (more than CELLS groups reach the bound) as whole blocks. A stable sort's ids on both paths."""
+    from headloss.kernels.launch import LAUNCH_OVERRIDES
+
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "block_v", 256)
+    gen = generator(97 + k)
+    vocab = 251 * 256 - 41
+    z = torch.randn(2, vocab, generator=gen)
+    for j, block in enumerate((250, 70, 200, 130, 3)):  # row 0: the top five in blocks of every word
+        z[0, block * 256 + 7 * j] = 9.0 - j
+    z[1, [100 * 256 + 1, 199 * 256, 64 * 256]] = 7.0  # row 1: a tie in three words
+    spec = LossSpec(cross_entropy=None, student_topk=k, outputs=("topk_ids",))
+    want = torch.sort(z.double(), dim=-1, descending=True, stable=True).indices[:, :k]
+    for backend in ("triton", "torch"):
+        assert torch.equal(headloss.head_loss(z, None, spec, backend=backend).topk_ids, want)
+
+
 def test_the_bound_keeps_a_power_of_two_of_blocks_at_most_max_blocks():
     from headloss.kernels.topk import MAX_BLOCKS, bound_blocks
 
@@ -392,7 +414,7 @@ def test_blocks_past_the_ones_the_bound_keeps_are_read_whole(monkeypatch, k):
 
     monkeypatch.setattr(topk, "MAX_BLOCKS", 2)
     gen = generator(71 + k)
-    vocab = 5 * 2048 + 77  # (blocks of 2048 or 4096: past the second, three or one)
+    vocab = 5 * 2048 + 77  # (six blocks of 2048: four past the two kept)
     z = torch.randn(3, vocab, generator=gen)
     z[0, [vocab - 1, 4 * 2048 + 5, 3 * 2048]] = 9.0  # row 0: the top three past the kept blocks, tied
     z[1, [1, 3 * 2048 + 1]] = 8.0  # row 1: one in a kept block, one past them

@@ -83,7 +83,7 @@ def _pair(row_ptr, t_row_ptr, at, offs, HAS_TEACHER: tl.constexpr):
 
 
 @triton.jit
-def _full_block(z, zt, start, V, student, off, tstats, top, first, S, F: tl.constexpr, BLOCK_V: tl.constexpr,
+def _full_block(z, zt, start, V, student, off, tstats, top, S, F: tl.constexpr, BLOCK_V: tl.constexpr,
                 NEED_SUM_EX: tl.constexpr, HAS_TEACHER: tl.constexpr, TOPK_NB: tl.constexpr):
     """One full (unmasked) block of online_stats: the student's running statistics ``student`` = (m, d,
     sum_x, sum_ex, arg), the rest form's ``off``, the teacher's ``tstats`` (zt: its block) and the student's
@@ -142,12 +142,12 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
         for start in range(BLOCK_V, v_full, BLOCK_V):
             z_next, zt_next = _pair(row_ptr, t_row_ptr, start, offs, HAS_TEACHER)
             m, d, sum_x, sum_ex, arg, off, tstats, top = _full_block(
-                z, zt, start - BLOCK_V, V, (m, d, sum_x, sum_ex, arg), off, tstats, top, first, S, F, BLOCK_V,
+                z, zt, start - BLOCK_V, V, (m, d, sum_x, sum_ex, arg), off, tstats, top, S, F, BLOCK_V,
                 NEED_SUM_EX, HAS_TEACHER, TOPK_NB)
             z = z_next
             zt = zt_next
         m, d, sum_x, sum_ex, arg, off, tstats, top = _full_block(
-            z, zt, v_full - BLOCK_V, V, (m, d, sum_x, sum_ex, arg), off, tstats, top, first, S, F, BLOCK_V,
+            z, zt, v_full - BLOCK_V, V, (m, d, sum_x, sum_ex, arg), off, tstats, top, S, F, BLOCK_V,
             NEED_SUM_EX, HAS_TEACHER, TOPK_NB)
     if v_full < V:
         mask = v_full + offs < V

@@ -708,8 +708,9 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
         teacher=TeacherRows(teacher, sparse),
         grad=grad, rows=rows, pred=pred, policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means,
         shard=shard_rows(stats, jsd), prep=prep, geo=geo,
-        S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=_blocks(cfg.block_v, sparse, plan, geo.V),
-        FINISH=finish, R=_tiles(plan.cols.N_REDUCED),
+        S=plan.scalars, F=plan.flags, C=plan.cols,
+        BLOCKS=_blocks(cfg.block_v, sparse, plan, geo.V if stats is None else 0), FINISH=finish,
+        R=_tiles(plan.cols.N_REDUCED),
     )
     topk = plan.flags.STUDENT_TOPK > 0
     launch(head_kernel, geo.n_rows, cfg.num_warps, registers_of=_sibling(args, topk), fit_spills=FIT_SPILLS * topk,
@@ -717,13 +718,13 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
 
 
 
-def _blocks(block_v: int, sparse: SparseRows | None, plan: KernelPlan, vocab: int) -> Blocks:
-    """A launch's Blocks: the vocabulary's, a top-k teacher's, the selected ids' and the student's top-k's (over
-    rows of ``vocab``)."""
+def _blocks(block_v: int, sparse: SparseRows | None, plan: KernelPlan, vocab: int = 0) -> Blocks:
+    """A launch's Blocks: the vocabulary's, a top-k teacher's, the selected ids' and the student's top-k's (its
+    bound's blocks over rows of ``vocab``; 0: a launch that finds no top-k)."""
     flags = plan.flags
     k = flags.STUDENT_TOPK
     return Blocks(block_v, max(topk_block(sparse), 1), max(block_if(flags.SELECTED), 1), block_if(k),
-                  bound_blocks(vocab, block_v) if k else 0)
+                  bound_blocks(vocab, block_v) if k and vocab else 0)
 
 
 def _sibling(args: dict, topk: bool = False) -> dict | None:
@@ -761,7 +762,7 @@ def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d
         logits=logits, slots=SlotInputs(targets, temperature, None, weights, selected),
         teacher=TeacherRows(teacher, sparse), grad=grad,
         rows=rows, d_loss=d_loss, d_rows=d_rows, num_items=num_items, scratch=scratch, shard=shard_rows(stats), geo=geo,
-        S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=_blocks(cfg.block_v, sparse, plan, geo.V),
+        S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=_blocks(cfg.block_v, sparse, plan),
     )
     launch(head_backward_kernel, geo.n_rows, cfg.num_warps, registers_of=_sibling(args), **args)
 

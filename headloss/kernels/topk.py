@@ -64,6 +64,7 @@ def topk_start(K: tl.constexpr, BLOCK_T: tl.constexpr):
 @triton.jit
 def bound_start(BLOCK_V: tl.constexpr, NB: tl.constexpr):
     """The empty bound: the running maxima of each group of GROUP adjacent lanes, and of each of NB blocks."""
+    tl.static_assert(NB <= 256, "the bound keeps one bit a block in 4 words: at most 256 blocks")
     return tl.full([BLOCK_V // GROUP], float("-inf"), tl.float32), tl.full([NB], float("-inf"), tl.float32)
 
 
@@ -149,7 +150,8 @@ def topk_reread(row_ptr, V, S, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
 def topk_block(x2, cols, V, top, first, BLOCK_T: tl.constexpr):
     """One block of x2 (its columns ``cols`` of the row, whose ids start at ``first``: a vocab-parallel shard's
     vocab_start; columns >= V are padding) into the running top-k ``top``, skipped where its largest logit is
-    below the threshold (the insertion through a whole row: benchmarks/bench_topk_stream.py)."""
+    below the threshold: the insertion through a whole row, which benchmarks/bench_topk_stream.py measures
+    (the kernels insert only what the bound leaves: :func:`topk_reread`)."""
     keys, thr = top
     block_max = tl.max(x2, axis=0)
     if _high(block_max).to(tl.int64) >= (thr >> 32):
@@ -187,6 +189,13 @@ def value_of(keys):
 
 
 @triton.jit
+def _filled(keys):
+    """Which slots of a running top-k hold a logit's key: a slot :func:`bound_finish` left empty holds a key
+    below every logit's (where a shard's row has fewer columns than k)."""
+    return keys >= (_high(tl.full([], float("-inf"), tl.float32)).to(tl.int64) << 32)
+
+
+@triton.jit
 def topk_finish(top, K: tl.constexpr, BLOCK_T: tl.constexpr):
     """The running top-k in order, largest first: (x2, ids) of each of the K entries (past K: -inf, -1)."""
     keys, thr = top
@@ -194,7 +203,8 @@ def topk_finish(top, K: tl.constexpr, BLOCK_T: tl.constexpr):
     keys = tl.sort(tl.where(t < K, keys, KEY_MIN), descending=True)
     x2 = value_of(keys)
     ids = LOW_WORD - (keys & LOW_WORD)
-    return tl.where(t < K, x2, float("-inf")), tl.where(t < K, ids, -1)
+    real = (t < K) & _filled(keys)
+    return tl.where(real, x2, float("-inf")), tl.where(real, ids, -1)
 
 
 @triton.jit
@@ -204,7 +214,7 @@ def topk_shard_store(out, top, counted, K: tl.constexpr, BLOCK_T: tl.constexpr):
     the merge takes the top BLOCK_T of every shard's (kernels.shard.launch_merge)."""
     keys, thr = top
     t = tl.arange(0, BLOCK_T)
-    keys = tl.where((t < K) & counted, keys, KEY_MIN)
+    keys = tl.where((t < K) & counted & _filled(keys), keys, KEY_MIN)
     tl.store(out + 2 * t, (keys & LOW_WORD).to(tl.uint32).to(tl.int32, bitcast=True).to(tl.float32, bitcast=True))
     tl.store(out + 2 * t + 1, (keys >> 32).to(tl.int32).to(tl.float32, bitcast=True))
 

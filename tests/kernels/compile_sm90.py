@@ -292,7 +292,7 @@ VARIANTS = {
     "selected-deferred-topk": _head(headloss.LossSpec(
         distillation={"teacher": "topk", "topk": "rest"}, outputs=("selected_logprobs",),
         differentiable_outputs=True), topk=True, selected=8),
-    # the student's top-k streamed through the stats pass (k 64), and beside a top-k teacher its overlap
+    # the student's top-k, bounded in the stats pass (k 64), and beside a top-k teacher its overlap
     "student-topk": _head(headloss.LossSpec(student_topk=64, outputs=("topk_ids", "topk_logprobs")), validate=True),
     "student-topk-overlap": _head(headloss.LossSpec(student_topk=8, distillation={"teacher": "topk"}), topk=True),
     "sharded-student-topk": _sharded(_head(headloss.LossSpec(student_topk=16, outputs=("topk_ids",)),
