@@ -23,6 +23,7 @@ sequence kernels kernels/policy.py's.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from typing import NamedTuple
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import bounded, env
+from .. import bounded
 from ..layouts import JSD_AT, SCRATCH_AT, SEQUENCE_AT, STATS_AT, TEACHER_KEYS, TEACHER_MARK, VERDICT_AT, scratch_size
 from ..plan import KernelPlan
 from ..validation import MASS_TOLERANCE as MASS_TOLERANCE_VALUE
@@ -713,8 +714,8 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
         R=_tiles(plan.cols.N_REDUCED),
     )
     topk = plan.flags.STUDENT_TOPK > 0
-    launch(head_kernel, geo.n_rows, cfg.num_warps, registers_of=_sibling(args, topk), fit_spills=FIT_SPILLS * topk,
-           **args)
+    launch(head_kernel, geo.n_rows, cfg.num_warps, registers_of=functools.partial(_sibling, args, topk),
+           fit_spills=FIT_SPILLS * topk, **args)
 
 
 
@@ -729,11 +730,9 @@ def _blocks(block_v: int, sparse: SparseRows | None, plan: KernelPlan, vocab: in
 
 def _sibling(args: dict, topk: bool = False) -> dict | None:
     """A launch with a per-row temperature (or, ``topk``, the student's top-k): the same launch without them,
-    whose registers per thread the variant keeps to (launch's ``registers_of``); None without either, or
-    under the interpreter."""
+    whose registers per thread the variant keeps to (launch's ``registers_of``); None without either."""
     slots, flags = args["slots"], args["F"]
-    topk = topk and flags.STUDENT_TOPK > 0
-    if (slots.temperature is None and not topk) or env.INTERPRETER:
+    if slots.temperature is None and not topk:
         return None
     sibling = dict(args, slots=slots._replace(temperature=None))
     if topk:
@@ -764,7 +763,7 @@ def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d
         rows=rows, d_loss=d_loss, d_rows=d_rows, num_items=num_items, scratch=scratch, shard=shard_rows(stats), geo=geo,
         S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=_blocks(cfg.block_v, sparse, plan),
     )
-    launch(head_backward_kernel, geo.n_rows, cfg.num_warps, registers_of=_sibling(args), **args)
+    launch(head_backward_kernel, geo.n_rows, cfg.num_warps, registers_of=functools.partial(_sibling, args), **args)
 
 
 

@@ -149,17 +149,17 @@ def triton_specialisation(backend, args: tuple) -> tuple | None:
         return None
 
 
-def launch(kernel, grid: int, num_warps: int, registers_of: dict | None = None, fit_spills: int = 0,
-           **kwargs) -> None:
+def launch(kernel, grid: int, num_warps: int, registers_of: Callable[[], dict | None] | None = None,
+           fit_spills: int = 0, **kwargs) -> None:
     """``kernel[(grid,)](**kwargs)``. After a variant's first launch, later launches of the same
     variant call its compiled C launcher directly, found by :func:`spec_key` over the runtime
     arguments (what Triton specialises on, computed in Python more cheaply than Triton's binder; a
     new key falls back to :func:`triton_specialisation` and to Triton's launch). This skips Triton's
     per-launch binding, cache key and launch metadata. A profiler's launch hooks, the interpreter,
     ``HEADLOSS_FAST_LAUNCH=0`` and a Triton without the private binder take Triton's path.
-    ``registers_of``: the arguments of a sibling variant whose registers per thread this one should
-    keep to where its build at them spills at most ``fit_spills`` (:func:`_fitted`); the fast path's
-    launches only."""
+    ``registers_of``: gives the arguments of a sibling variant whose registers per thread this one should
+    keep to where its build at them spills at most ``fit_spills`` (:func:`_fitted`), or None; called only
+    where the fast path compiles a new variant (not on every launch)."""
     if id(kernel) not in _KEYED:  # first, before anything hashes the kernel (a JITFunction by its cache key)
         keyed(kernel)
     hooks = triton.knobs.runtime.launch_enter_hook
@@ -196,8 +196,9 @@ def launch(kernel, grid: int, num_warps: int, registers_of: dict | None = None, 
         if entry is None:
             compiled = kernel[(grid,)](**kwargs, num_warps=num_warps)
             if compiled is not None:
-                if registers_of is not None:
-                    compiled = _fitted(kernel, grid, num_warps, kwargs, registers_of, compiled, fit_spills)
+                sibling = registers_of() if registers_of is not None else None
+                if sibling is not None:
+                    compiled = _fitted(kernel, grid, num_warps, kwargs, sibling, compiled, fit_spills)
                 _COMPILED[key] = _compiled_entry(compiled)
             return
         _FAST[fast_key] = entry

@@ -12,11 +12,12 @@ does the one collective between).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from .. import env
 from ..layouts import JSD_AT, JSD_SHARES, STATS, STATS_AT
 from ..plan import KernelPlan
 from .blocks import online_stats, row_slot, row_start, row_temperature, target_logit
@@ -333,8 +334,8 @@ def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry, teac
                     BLOCK_S=max(block_s, 1), BLOCK_T=block_t,
                     BLOCK_NB=bound_blocks(geo.V, cfg.block_v) if block_t else 0)
         sibling = None  # with the student's top-k: the registers of the same launch without it
-        if block_t and not env.INTERPRETER:
-            sibling = dict(args, F=plan.flags._replace(STUDENT_TOPK=0), BLOCK_T=0, BLOCK_NB=0)
+        if block_t:
+            sibling = functools.partial(dict, args, F=plan.flags._replace(STUDENT_TOPK=0), BLOCK_T=0, BLOCK_NB=0)
         launch(shard_stats_kernel, geo.n_rows, cfg.num_warps, registers_of=sibling, fit_spills=FIT_SPILLS, **args)
     tails = [t for t in (x2k, x2s, keys) if t is not None]
     return torch.cat((part, *tails), dim=1) if tails else part
