@@ -379,10 +379,10 @@ def test_a_nan_of_either_sign_ranks_first_on_both_paths(sign):
 
 @needs_kernel
 @pytest.mark.parametrize("k", [3, 20])
-def test_rows_of_hundreds_of_blocks_use_every_word_of_the_bounds_bits(monkeypatch, k):
-    """Blocks of 256 (LAUNCH_OVERRIDES), 251 of them a row: the bound's bits for blocks past 64, 128 and 192
-    (all four words) lead the second read to the top logits planted there; at k 3 as the crossings' gather,
-    at k 20 (more than CELLS groups reach the bound) as whole blocks. A stable sort's ids on both paths."""
+def test_rows_of_hundreds_of_blocks_list_every_block_reaching_the_bound(monkeypatch, k):
+    """Blocks of 256 (LAUNCH_OVERRIDES: 32 groups a block), 251 of them a row: the blocks reaching the bound,
+    far down the row, are listed and their crossings read again, at k 3 in one step of 32 cells, at k 20 in
+    many (each step's slots after the last's). A stable sort's ids on both paths."""
     from headloss.kernels.launch import LAUNCH_OVERRIDES
 
     monkeypatch.setitem(LAUNCH_OVERRIDES, "block_v", 256)
@@ -408,8 +408,9 @@ def test_the_bound_keeps_a_power_of_two_of_blocks_at_most_max_blocks():
 @needs_kernel
 @pytest.mark.parametrize("k", [3, pytest.param(12, marks=pytest.mark.slow)])
 def test_blocks_past_the_ones_the_bound_keeps_are_read_whole(monkeypatch, k):
-    """A row of more blocks than the bound keeps a maximum for (kernels.topk.MAX_BLOCKS, 2 here): the blocks
-    past them are read again whole, wherever the top k lies; the same ids as a stable sort, on both paths."""
+    """A row of more blocks than the bound keeps a maximum for (kernels.topk.MAX_BLOCKS, 2 here) takes the
+    running insertion over every block, wherever the top k lies; the same ids as a stable sort, on both
+    paths."""
     import headloss.kernels.topk as topk
 
     monkeypatch.setattr(topk, "MAX_BLOCKS", 2)

@@ -105,7 +105,7 @@ def _full_block(z, zt, start, V, student, off, tstats, top, S, F: tl.constexpr, 
 
 @triton.jit
 def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexpr, NEED_SUM_EX: tl.constexpr,
-                 TOPK_BLOCK: tl.constexpr = 0, first=0, TOPK_NB: tl.constexpr = 0):
+                 TOPK_BLOCK: tl.constexpr = 0, first=0, TOPK_NB: tl.constexpr = 0, topk_buf=None):
     """Phase 1: one read of a row (and of the teacher's, when t_row_ptr is not None), in base 2.
 
     Student: (m2, d, sum_x2, sum_ex2, argmax) with m2 = max x2, d = sum 2^(x2 - m2),
@@ -115,7 +115,8 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
     teacher's ``rest`` form (F.TOPK_FORM == 2) the sum of 2^(x2 - m2) without the max's elements and
     their count (:func:`_off_max`; kernels.sparse.rest_sum), else zeros. top: with TOPK_BLOCK > 0 the
     student's top-F.STUDENT_TOPK (kernels.topk: keys and threshold; the row's ids from ``first`` on; TOPK_NB:
-    the blocks its bound keeps, kernels.topk.bound_blocks), else a placeholder.
+    the blocks its bound keeps, kernels.topk.bound_blocks; ``topk_buf``: the row's buffer of
+    kernels.topk.collect_words(TOPK_BLOCK, BLOCK_V, TOPK_NB) int64 words), else a placeholder.
     -inf logits (a masked vocabulary) are allowed; NaN and +inf propagate to NaN.
     """
     HAS_TEACHER: tl.constexpr = t_row_ptr is not None
@@ -181,7 +182,7 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
     d = tl.sum(d, axis=0)
     if TOPK_BLOCK > 0:  # what can hold the top k read again (kernels.topk)
         top = topk_reread(row_ptr, V, S, F.HAS_SOFTCAP, BLOCK_V, first, TOPK_BLOCK, TOPK_NB,
-                          bound_finish(top, d == d, F.STUDENT_TOPK, TOPK_BLOCK, BLOCK_V, TOPK_NB))
+                          bound_finish(top, d == d, F.STUDENT_TOPK, TOPK_BLOCK, BLOCK_V, TOPK_NB), topk_buf)
     return m, d, tl.sum(sum_x, axis=0), tl.sum(sum_ex, axis=0), arg, tstats, off, top
 
 

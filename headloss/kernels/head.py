@@ -68,7 +68,7 @@ from .sparse import (
     zero_selected,
 )
 from .terms import distill_values, kl_estimator, policy_values, put, row_coefficients, row_values
-from .topk import bound_blocks, topk_merged, topk_overlap, topk_store, topk_zero
+from .topk import bound_blocks, collect_words, topk_merged, topk_overlap, topk_store, topk_zero
 
 
 class PolicyRows(NamedTuple):
@@ -309,6 +309,7 @@ def head_kernel(
     means,  # (C.N + 1,) fp32 column means and the loss, written with FINISH
     shard,  # ShardRows: vocab-parallel merged row statistics and summed mixture-JSD shares (None: not sharded)
     prep,  # Prepare: with a nonce, one program does prepare_kernel's work first (see launch_head)
+    topk_buf,  # (rows, topk.collect_words(BLOCKS.T, .V, .N)) int64: the student's top-k's buffer a row, or None
     # sizes, strides, runtime scalars
     geo,
     S,
@@ -375,8 +376,9 @@ def head_kernel(
             if F.STUDENT_TOPK > 0:  # every shard's top-k merged: the statistics' last columns
                 top = topk_merged(stats + row * NCOL + NCOL - 2 * BLOCKS.T, BLOCKS.T)
         else:
-            m2, d, sum_x2, sum_ex2, arg, tstats, off, top = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V,
-                                                                         ENTROPY_IN_PASS_1, BLOCKS.T, 0, BLOCKS.N)
+            m2, d, sum_x2, sum_ex2, arg, tstats, off, top = online_stats(
+                row_ptr, t_row, geo.V, S, F, BLOCK_V, ENTROPY_IN_PASS_1, BLOCKS.T, 0, BLOCKS.N,
+                None if topk_buf is None else topk_buf + row * collect_words(BLOCKS.T, BLOCK_V, BLOCKS.N))
             x2_y = tl.zeros([], tl.float32)
             slope_y = tl.zeros([], tl.float32)
             if targets is not None:
@@ -704,19 +706,27 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
         prep = Prepare(*(verdict if verdict is not None else (None, None)), next_nonce(), sequence_ids, n_seq)
     elif verdict is not None and plan.flags.TEACHER_PROBS:  # the rows' mass check writes the call's verdict
         prep = Prepare(*verdict, None)
+    blocks = _blocks(cfg.block_v, sparse, plan, geo.V if stats is None else 0)
     args = dict(
         logits=logits, slots=SlotInputs(targets, temperature, row_ids, weights, selected),
         teacher=TeacherRows(teacher, sparse),
         grad=grad, rows=rows, pred=pred, policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means,
-        shard=shard_rows(stats, jsd), prep=prep, geo=geo,
-        S=plan.scalars, F=plan.flags, C=plan.cols,
-        BLOCKS=_blocks(cfg.block_v, sparse, plan, geo.V if stats is None else 0), FINISH=finish,
+        shard=shard_rows(stats, jsd), prep=prep, geo=geo, topk_buf=_topk_buffer(blocks, geo.n_rows, logits.device),
+        S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=blocks, FINISH=finish,
         R=_tiles(plan.cols.N_REDUCED),
     )
     topk = plan.flags.STUDENT_TOPK > 0
     launch(head_kernel, geo.n_rows, cfg.num_warps, registers_of=functools.partial(_sibling, args, topk),
            fit_spills=FIT_SPILLS * topk, **args)
 
+
+
+def _topk_buffer(blocks: Blocks, n_rows: int, device: torch.device) -> torch.Tensor | None:
+    """The rows' buffers of the student's top-k (kernels.topk.topk_reread), or None: a launch that finds no
+    top-k (a vocab-parallel one's rows' come merged)."""
+    if not blocks.N:
+        return None
+    return torch.empty(n_rows, collect_words(blocks.T, blocks.V, blocks.N), dtype=torch.int64, device=device)
 
 
 def _blocks(block_v: int, sparse: SparseRows | None, plan: KernelPlan, vocab: int = 0) -> Blocks:
@@ -737,7 +747,7 @@ def _sibling(args: dict, topk: bool = False) -> dict | None:
     sibling = dict(args, slots=slots._replace(temperature=None))
     if topk:
         sibling.update(F=flags._replace(STUDENT_TOPK=0), C=args["C"]._replace(overlap=-1, overlap_advantage=-1),
-                       BLOCKS=args["BLOCKS"]._replace(T=0, N=0))
+                       BLOCKS=args["BLOCKS"]._replace(T=0, N=0), topk_buf=None)
     return sibling
 
 

@@ -24,7 +24,7 @@ from .blocks import online_stats, row_slot, row_start, row_temperature, target_l
 from .launch import FIT_SPILLS, Geometry, launch, launch_config
 from .sparse import SparseRows, block_if, rest_sum, shard_selected, shard_topk, topk_block
 from .terms import distill_lse, jsd_sums
-from .topk import bound_blocks, topk_shard_store, topk_start
+from .topk import bound_blocks, collect_words, topk_shard_store, topk_start
 
 
 @triton.jit
@@ -39,6 +39,7 @@ def shard_stats_kernel(
     selected,  # (n_out, F.SELECTED) int64 selected ids, or None
     x2s,  # (n_rows, BLOCK_S) fp32 out: this shard's selected logits (sparse.shard_selected), or None
     keys,  # (n_rows, 2 BLOCK_T) fp32 out: this shard's top-k keys (topk.topk_shard_store), or None
+    buf,  # (n_rows, topk.collect_words(BLOCK_T, BLOCK_V, BLOCK_NB)) int64: the top-k's buffer a row, or None
     geo,
     S,
     F: tl.constexpr,
@@ -62,8 +63,9 @@ def shard_stats_kernel(
     if F.SELECTED > 0:
         shard_selected(x2s, selected, slot, row, row_ptr, counted, geo, S, F, BLOCK_S)
     if counted:
-        m2, d, sum_x2, sum_ex2, arg, tstats, off, top = online_stats(row_ptr, t_row, geo.V, S, F, BLOCK_V,
-                                                                     F.HAS_ENTROPY, BLOCK_T, geo.vocab_start, BLOCK_NB)
+        m2, d, sum_x2, sum_ex2, arg, tstats, off, top = online_stats(
+            row_ptr, t_row, geo.V, S, F, BLOCK_V, F.HAS_ENTROPY, BLOCK_T, geo.vocab_start, BLOCK_NB,
+            None if buf is None else buf + row * collect_words(BLOCK_T, BLOCK_V, BLOCK_NB))
         if BLOCK_T > 0:
             topk_shard_store(keys + row * 2 * BLOCK_T, top, counted, F.STUDENT_TOPK, BLOCK_T)
         rest = tl.zeros([], tl.float32)
@@ -328,14 +330,19 @@ def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry, teac
     keys = torch.empty(geo.n_rows, 2 * block_t, **f32) if block_t else None
     if geo.n_rows:
         cfg = launch_config(geo.V, teacher is not None, geo.n_rows)
+        buf = None
+        if block_t:
+            buf = torch.empty(geo.n_rows, collect_words(block_t, cfg.block_v, bound_blocks(geo.V, cfg.block_v)),
+                              dtype=torch.int64, device=logits.device)
         args = dict(logits=logits, targets=targets, teacher=teacher, part=part, sparse=sparse if block_k else None,
                     x2k=x2k, temperature=temperature, selected=selected if block_s else None, x2s=x2s, keys=keys,
-                    geo=geo, S=plan.scalars, F=plan.flags, BLOCK_V=cfg.block_v, BLOCK_K=max(block_k, 1),
+                    buf=buf, geo=geo, S=plan.scalars, F=plan.flags, BLOCK_V=cfg.block_v, BLOCK_K=max(block_k, 1),
                     BLOCK_S=max(block_s, 1), BLOCK_T=block_t,
                     BLOCK_NB=bound_blocks(geo.V, cfg.block_v) if block_t else 0)
         sibling = None  # with the student's top-k: the registers of the same launch without it
         if block_t:
-            sibling = functools.partial(dict, args, F=plan.flags._replace(STUDENT_TOPK=0), BLOCK_T=0, BLOCK_NB=0)
+            sibling = functools.partial(dict, args, F=plan.flags._replace(STUDENT_TOPK=0), BLOCK_T=0, BLOCK_NB=0,
+                                        keys=None, buf=None)
         launch(shard_stats_kernel, geo.n_rows, cfg.num_warps, registers_of=sibling, fit_spills=FIT_SPILLS, **args)
     tails = [t for t in (x2k, x2s, keys) if t is not None]
     return torch.cat((part, *tails), dim=1) if tails else part

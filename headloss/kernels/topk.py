@@ -9,13 +9,18 @@ The stats pass keeps two running maxima (:func:`bound_block`, no per-logit work 
 per GROUP adjacent logits): each block's, and each group's of GROUP adjacent lanes of the block walked down the
 row. At the row's end b, the k-th largest group maximum, bounds the top k from below: k groups hold a logit at
 least b, so no logit below it is among the k largest (:func:`bound_finish`). The logits at least b lie in the
-blocks and the groups whose maxima are at least b (about k of each in a row in random order): where there are
-at most CELLS of each, their crossings (CELLS x CELLS cells of GROUP logits) are read again in one gather, else
-those blocks whole, and the running insertion (:func:`insert_block`) takes their keys above the threshold
-(:func:`topk_reread`). Exact on every row: the second read transforms each logit by the same code as the
-stats pass (to_x2), so a logit at b is at b again; a NaN or +inf row (whose maxima rank nothing) and a row of
-fewer groups than k read every block. Measured against the designs before it (lanes kept through the pass, a
-compaction, the insertion through the pass): docs/performance.md ("What the student's top-k costs").
+cells (GROUP adjacent logits) where a block whose maximum is at least b crosses a group whose maximum is at
+least b: in a row in random order about k of each, so at k 64 about 3000 of the row's 16000 cells. Those
+blocks and groups are listed in a small buffer of the row, their crossings read again, a block's width of
+cells a step in one gather (:func:`_crossings`), and the keys at least b (about k) go to the same buffer, each
+step's cells taking their slots by one scan of their counts and storing lane by lane (:func:`collect_cells`);
+the buffer's top k, by ``tl.topk``, are the row's, largest first (:func:`topk_reread`). Exact on every row: the
+second read transforms each logit by the same code as the stats pass (to_x2), so a logit at b is at b again; a
+row with more keys at least b than the buffer holds (many ties at b), a NaN or +inf row (whose maxima rank
+nothing), a row of fewer groups than k and a row of more than MAX_BLOCKS blocks take the running insertion
+(:func:`insert_block`) over the blocks at least b read again whole. Measured against the designs before it
+(the lanes kept through the pass, a compaction, the insertion through the pass, the insertion after the
+bound): docs/performance.md ("What the student's top-k costs").
 
 With a top-k teacher the row also gets verl's overlap diagnostics (verl/trainer/distillation/fsdp/losses.py):
 how many of the teacher's ids are among the student's top-k, and the mean over them of
@@ -30,14 +35,14 @@ from .primitives import LN2, to_x2
 KEY_MIN = tl.constexpr(-(2**63))
 KEY_MAX = tl.constexpr(2**63 - 1)
 LOW_WORD = tl.constexpr(0xFFFFFFFF)
-GROUP = tl.constexpr(8)
+_GROUP = 8
+GROUP = tl.constexpr(_GROUP)
 """Adjacent lanes of a block per running group maximum (one 16-byte load of 16-bit logits: inside a thread)."""
-CELLS = tl.constexpr(16)
-"""At most this many blocks and as many groups are read again as their crossings (one gather), else the blocks
-whole."""
 MAX_BLOCKS = 256
-"""The blocks a row's bound keeps one maximum and one bit each for (4 words); a longer row's blocks past them
-are read again whole (:func:`topk_reread`)."""
+"""The blocks a row's bound keeps one maximum each for (2 registers a thread at 4 warps); a longer row (a
+vocabulary past 512K at 2048 columns a block) takes the running insertion over every block
+(:func:`topk_reread`)."""
+_MAX_BLOCKS = tl.constexpr(MAX_BLOCKS)
 
 
 def bound_blocks(vocab: int, block_v: int) -> int:
@@ -64,7 +69,7 @@ def topk_start(K: tl.constexpr, BLOCK_T: tl.constexpr):
 @triton.jit
 def bound_start(BLOCK_V: tl.constexpr, NB: tl.constexpr):
     """The empty bound: the running maxima of each group of GROUP adjacent lanes, and of each of NB blocks."""
-    tl.static_assert(NB <= 256, "the bound keeps one bit a block in 4 words: at most 256 blocks")
+    tl.static_assert(NB <= _MAX_BLOCKS, "the bound keeps one maximum a block for at most MAX_BLOCKS blocks")
     return tl.full([BLOCK_V // GROUP], float("-inf"), tl.float32), tl.full([NB], float("-inf"), tl.float32)
 
 
@@ -79,20 +84,10 @@ def bound_block(x2, start, bound, BLOCK_V: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _listed(flag, N: tl.constexpr):
-    """The first CELLS indices where ``flag`` ([N] int32, 0 or 1) is set, in order (past them 0), and their
-    count."""
-    pos = tl.cumsum(flag, axis=0) - 1
-    hit = (pos[None, :] == tl.arange(0, CELLS)[:, None]) & (flag[None, :] != 0)
-    return tl.sum(tl.where(hit, tl.arange(0, N)[None, :], 0), axis=1), tl.sum(flag, axis=0)
-
-
-@triton.jit
 def bound_finish(bound, clean, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, NB: tl.constexpr):
-    """What :func:`topk_reread` starts from: (the empty running top-k whose threshold is just below
+    """What :func:`topk_reread` starts from: (the empty running top-k whose threshold ``thr`` is just below
     b, the K-th largest group maximum (K groups hold an element at least that, so no logit below it is in the
-    top k); the blocks whose maximum is at least b (4 words of bits, one a block); the first CELLS of those
-    blocks, their count; the first CELLS groups whose maximum is at least b, their count). Every element at
+    top k); whether each block's maximum is at least b, and each group's (int32 flags)). Every element at
     least b is in one of those blocks and one of those groups. b is -inf (every block and group) where the
     row is not ``clean`` or there are fewer groups than BLOCK_T."""
     gmax, bmax = bound
@@ -106,43 +101,131 @@ def bound_finish(bound, clean, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: 
     b = tl.where(clean & (b == b), b, float("-inf"))
     thr = (_high(b).to(tl.int64) << 32) - 1
     every = b == float("-inf")  # (a NaN's maximum is no number)
-    n = tl.arange(0, NB)
     block_on = tl.where(every, 1, (bmax >= b).to(tl.int32))
     group_on = tl.where(every, 1, (gmax >= b).to(tl.int32))
-    bits = tl.where(block_on != 0, tl.full([NB], 1, tl.int64) << (n % 64).to(tl.int64), 0)
-    words = (tl.sum(tl.where(n < 64, bits, 0), axis=0), tl.sum(tl.where((n >= 64) & (n < 128), bits, 0), axis=0),
-             tl.sum(tl.where((n >= 128) & (n < 192), bits, 0), axis=0), tl.sum(tl.where(n >= 192, bits, 0), axis=0))
-    blocks, n_blocks = _listed(block_on, NB)
-    groups, n_groups = _listed(group_on, BLOCK_V // GROUP)
-    return tl.where(t < K, thr, KEY_MAX), thr, words, blocks, n_blocks, groups, n_groups
+    return tl.where(t < K, thr, KEY_MAX), thr, block_on, group_on
+
+
+@triton.constexpr_function
+def collect_cap(block_t):
+    """The keys a row's buffer holds for the top ``block_t`` (a power of two): twice as many, at least 16 (a
+    row with more keys at least b takes the running insertion)."""
+    return max(2 * block_t, 16)
+
+
+@triton.constexpr_function
+def collect_words(block_t, block_v, nb):
+    """int64 words of a row's buffer (the head and shard launches allocate them): collect_cap(block_t) keys,
+    then the indices of the row's ``nb`` blocks and ``block_v // GROUP`` groups at least b, listed."""
+    return collect_cap(block_t) + nb + block_v // _GROUP
+
+
+@triton.jit
+def _lane(x, lane, cell, first, thr, at, taken, CAP: tl.constexpr, buf):
+    """Lane ``lane`` of each cell (``x``: its x2; ``cell``: the cell's first column) into the buffer at slot
+    ``at`` + ``taken`` where its key is above ``thr`` and the slot is below CAP: the keys the cell has
+    taken after it."""
+    key = key_of(x, cell + lane + first)
+    keep = key > thr
+    tl.store(buf + at + taken, key, mask=keep & (at + taken < CAP))
+    return taken + keep.to(tl.int32)
+
+
+@triton.jit
+def collect_cells(x2, cell, first, thr, at, CAP: tl.constexpr, buf):
+    """The keys above ``thr`` of cells of GROUP adjacent values x2 ([C, GROUP], a cell inside a thread;
+    ``cell`` [C]: its first column, ids from ``first``) into the row's buffer ``buf``, each cell's from its
+    slot ``at`` on, lane by lane (no per-lane state beyond the cell's count); slots past CAP are not
+    stored."""
+    C: tl.constexpr = x2.shape[0]
+    even, odd = tl.split(tl.reshape(x2, [C, 4, 2]))
+    e0, e1 = tl.split(tl.reshape(even, [C, 2, 2]))
+    o0, o1 = tl.split(tl.reshape(odd, [C, 2, 2]))
+    c0, c4 = tl.split(e0)
+    c2, c6 = tl.split(e1)
+    c1, c5 = tl.split(o0)
+    c3, c7 = tl.split(o1)
+    taken = tl.zeros([C], tl.int32)
+    taken = _lane(c0, 0, cell, first, thr, at, taken, CAP, buf)
+    taken = _lane(c1, 1, cell, first, thr, at, taken, CAP, buf)
+    taken = _lane(c2, 2, cell, first, thr, at, taken, CAP, buf)
+    taken = _lane(c3, 3, cell, first, thr, at, taken, CAP, buf)
+    taken = _lane(c4, 4, cell, first, thr, at, taken, CAP, buf)
+    taken = _lane(c5, 5, cell, first, thr, at, taken, CAP, buf)
+    taken = _lane(c6, 6, cell, first, thr, at, taken, CAP, buf)
+    _lane(c7, 7, cell, first, thr, at, taken, CAP, buf)
+
+
+@triton.jit
+def _crossings(row_ptr, V, S, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, first, thr, b, lists, n_blocks,
+               n_groups, buf, CAP: tl.constexpr, NB: tl.constexpr):
+    """Every cell where a listed block crosses a listed group (``lists``: the blocks', then the groups'
+    indices), BLOCK_V // GROUP cells a step read again in one gather, their keys above ``thr`` into the
+    buffer in turn (a step's cells take their slots by one scan of their counts): the count of keys."""
+    C: tl.constexpr = BLOCK_V // GROUP
+    n_cells = n_blocks * n_groups
+    count = tl.zeros([], tl.int32)
+    for c0 in range(0, n_cells, C):
+        c = c0 + tl.arange(0, C)
+        inside = c < n_cells
+        p = c // n_groups
+        block = tl.load(lists + p, mask=inside, other=0).to(tl.int32)
+        group = tl.load(lists + NB + c - p * n_groups, mask=inside, other=0).to(tl.int32)
+        cell = block * BLOCK_V + group * GROUP
+        cols = cell[:, None] + tl.arange(0, GROUP)[None, :]
+        read = inside[:, None] & (cols < V)
+        z = tl.load(row_ptr + cols, mask=read, other=0.0)
+        x2, _ = to_x2(z, cols, V, S, HAS_SOFTCAP, False)
+        x2 = tl.where(read, x2, float("-inf"))
+        n = tl.sum((x2 >= b).to(tl.int32), axis=1)
+        collect_cells(x2, cell.to(tl.int64), first, thr, count + tl.cumsum(n, axis=0) - n, CAP, buf)
+        count += tl.sum(n, axis=0)
+    return count
 
 
 @triton.jit
 def topk_reread(row_ptr, V, S, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, first, BLOCK_T: tl.constexpr,
-                NB: tl.constexpr, top):
-    """The row's top-k (keys, thr; ids from ``first`` on) by the running insertion over what ``top``
-    (:func:`bound_finish`) says may hold it, read again: the crossings of its blocks and groups in one gather
-    where there are at most CELLS of each (and the row has at most NB blocks), else its blocks whole (and
-    every block past NB)."""
-    keys, thr, words, blocks, n_blocks, groups, n_groups = top
-    if (n_blocks <= CELLS) & (n_groups <= CELLS) & (V <= NB * BLOCK_V):
-        at = tl.arange(0, CELLS)
-        cols = (blocks * BLOCK_V)[:, None, None] + (groups * GROUP)[None, :, None] + tl.arange(0, GROUP)[None, None, :]
-        inside = (at < n_blocks)[:, None, None] & (at < n_groups)[None, :, None] & (cols < V)
-        cols = tl.reshape(tl.where(inside, cols, V), [CELLS * CELLS * GROUP])
-        z = tl.load(row_ptr + cols, mask=cols < V, other=0.0)
-        x2, _ = to_x2(z, cols, V, S, HAS_SOFTCAP, True)
-        keys, thr = insert_block(x2, cols, V, keys, thr, first, BLOCK_T)
+                NB: tl.constexpr, top, buf):
+    """The row's top-k (keys, thr; ids from ``first`` on) from what ``top`` (:func:`bound_finish`) says may
+    hold it: the blocks and the groups at least b are listed in the row's buffer ``buf``, the cells where
+    they cross read again (:func:`_crossings`) and their keys at least b collected there, whose top BLOCK_T
+    are the row's. A row with more such keys than the buffer holds (many ties at b), a NaN or +inf row or
+    one of fewer groups than k (b -inf), or a row of more than NB blocks takes the running insertion
+    (:func:`insert_block`) over its blocks at least b read again whole (every block past NB)."""
+    keys, thr, block_on, group_on = top
+    CAP: tl.constexpr = collect_cap(BLOCK_T)
+    G: tl.constexpr = BLOCK_V // GROUP
+    lists = buf + CAP
+    n_blocks = tl.sum(block_on, axis=0)
+    n_groups = tl.sum(group_on, axis=0)
+    tl.store(lists + tl.cumsum(block_on, axis=0) - 1, tl.arange(0, NB).to(tl.int64), mask=block_on != 0)
+    tl.store(lists + NB + tl.cumsum(group_on, axis=0) - 1, tl.arange(0, G).to(tl.int64), mask=group_on != 0)
+    tl.debug_barrier()
+    b = value_of(thr + 1)  # (a key is above thr where its x2 is at least b)
+    count = tl.full([], CAP + 1, tl.int32)
+    if (b > float("-inf")) & (V <= NB * BLOCK_V):
+        count = _crossings(row_ptr, V, S, HAS_SOFTCAP, BLOCK_V, first, thr, b, lists, n_blocks, n_groups, buf, CAP,
+                           NB)
+    if count <= CAP:
+        tl.debug_barrier()
+        t = tl.arange(0, CAP)
+        found = tl.load(buf + t, mask=t < count, other=KEY_MIN, cache_modifier=".cg")
+        if BLOCK_T == 1:
+            keys = tl.full([1], 0, tl.int64) + tl.max(found, axis=0)
+        else:
+            keys = tl.topk(found, BLOCK_T)
     else:
         offs = tl.arange(0, BLOCK_V)
-        for start in range(0, V, BLOCK_V):
-            b = start // BLOCK_V
-            w = tl.where(b < 64, words[0], tl.where(b < 128, words[1], tl.where(b < 192, words[2], words[3])))
-            if (b >= NB) | (((w >> (b % 64)) & 1) != 0):
-                cols = start + offs
-                z = tl.load(row_ptr + cols, mask=cols < V, other=0.0)
-                x2, _ = to_x2(z, cols, V, S, HAS_SOFTCAP, True)
-                keys, thr = insert_block(x2, cols, V, keys, thr, first, BLOCK_T)
+        n_read = tl.where(V > NB * BLOCK_V, tl.cdiv(V, BLOCK_V), n_blocks)
+        for i in range(0, n_read):
+            block = i
+            if V <= NB * BLOCK_V:
+                block = tl.load(lists + i, cache_modifier=".cg").to(tl.int32)
+            cols = block * BLOCK_V + offs
+            z = tl.load(row_ptr + cols, mask=cols < V, other=0.0)
+            x2, _ = to_x2(z, cols, V, S, HAS_SOFTCAP, True)
+            keys, thr = insert_block(x2, cols, V, keys, thr, first, BLOCK_T)
+        keys = tl.sort(tl.where(keys == KEY_MAX, KEY_MIN, keys), descending=True)  # (past k: KEY_MAX)
     return keys, thr
 
 
@@ -197,10 +280,10 @@ def _filled(keys):
 
 @triton.jit
 def topk_finish(top, K: tl.constexpr, BLOCK_T: tl.constexpr):
-    """The running top-k in order, largest first: (x2, ids) of each of the K entries (past K: -inf, -1)."""
+    """The running top-k, kept largest first (:func:`topk_reread`; a vocab-parallel row's merged by torch's
+    topk): (x2, ids) of each of the K entries (past K: -inf, -1)."""
     keys, thr = top
     t = tl.arange(0, BLOCK_T)
-    keys = tl.sort(tl.where(t < K, keys, KEY_MIN), descending=True)
     x2 = value_of(keys)
     ids = LOW_WORD - (keys & LOW_WORD)
     real = (t < K) & _filled(keys)
