@@ -135,6 +135,15 @@ class Blocks(NamedTuple):
     N: int = 0  # the blocks of a row its top-k bound keeps (kernels.topk.bound_blocks); 0 without it
 
 
+class RowPicks(NamedTuple):
+    """What head_kernel picks out of a row besides its values: the argmax ((n_out,) int64, -1 where not
+    scored, or None) and the buffer the student's top-k is chosen in ((rows, topk.collect_words(BLOCKS.T,
+    BLOCKS.V, BLOCKS.N)) int64 scratch, kernels.topk.topk_reread; or None)."""
+
+    pred: torch.Tensor | None
+    topk: torch.Tensor | None = None
+
+
 class Prepare(NamedTuple):
     """One of head_kernel's programs does prepare_kernel's work (see launch_head(prepared=False))."""
 
@@ -301,7 +310,7 @@ def head_kernel(
     teacher,  # TeacherRows: the dense teacher's logits (like logits, geo.t_stride_*) and a sparse teacher, each or None
     grad,  # like logits (geo.g_stride_*), may alias logits; None: no gradient pass
     rows,  # (n_out, C.N) fp32 packed per-row values
-    pred,  # (n_out,) int64 argmax (-1 where not scored), or None
+    picks,  # RowPicks: the argmax out and the student's top-k's buffer, each or None
     policy,  # PolicyRows of (n_out,) fp32, or None
     num_items,  # (1,) num_items_in_batch on the device, or None
     scratch,  # int64 layouts.Scratch: counted rows (prepare), programs done, policy counters
@@ -309,7 +318,6 @@ def head_kernel(
     means,  # (C.N + 1,) fp32 column means and the loss, written with FINISH
     shard,  # ShardRows: vocab-parallel merged row statistics and summed mixture-JSD shares (None: not sharded)
     prep,  # Prepare: with a nonce, one program does prepare_kernel's work first (see launch_head)
-    topk_buf,  # (rows, topk.collect_words(BLOCKS.T, .V, .N)) int64: the student's top-k's buffer a row, or None
     # sizes, strides, runtime scalars
     geo,
     S,
@@ -378,7 +386,7 @@ def head_kernel(
         else:
             m2, d, sum_x2, sum_ex2, arg, tstats, off, top = online_stats(
                 row_ptr, t_row, geo.V, S, F, BLOCK_V, ENTROPY_IN_PASS_1, BLOCKS.T, 0, BLOCKS.N,
-                None if topk_buf is None else topk_buf + row * collect_words(BLOCKS.T, BLOCK_V, BLOCKS.N))
+                None if picks.topk is None else picks.topk + row * collect_words(BLOCKS.T, BLOCK_V, BLOCKS.N))
             x2_y = tl.zeros([], tl.float32)
             slope_y = tl.zeros([], tl.float32)
             if targets is not None:
@@ -443,8 +451,8 @@ def head_kernel(
                                               C)
         if F.HAS_ARGMAX:
             put(row_out, C.accuracy, (arg == y).to(tl.float32))
-            if pred is not None:
-                tl.store(pred + slot, arg.to(tl.int64))
+            if picks.pred is not None:
+                tl.store(picks.pred + slot, arg.to(tl.int64))
         if slots.weights is not None:  # the token's weight: on its loss here, on its gradient through u
             token_loss *= token_weight
         put(row_out, C.token_loss, token_loss)
@@ -482,8 +490,8 @@ def head_kernel(
                 zero_selected(row_out, C, F, BLOCKS.S)
             if F.STUDENT_TOPK > 0:
                 topk_zero(row_out, C, F, BLOCKS.T)
-            if pred is not None:
-                tl.store(pred + slot, -1)
+            if picks.pred is not None:
+                tl.store(picks.pred + slot, -1)
             if F.REDUCTION == 2:
                 tl.store(loss + slot, 0.0)
         if grad is not None:
@@ -710,8 +718,8 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
     args = dict(
         logits=logits, slots=SlotInputs(targets, temperature, row_ids, weights, selected),
         teacher=TeacherRows(teacher, sparse),
-        grad=grad, rows=rows, pred=pred, policy=policy, num_items=num_items, scratch=scratch, loss=loss, means=means,
-        shard=shard_rows(stats, jsd), prep=prep, geo=geo, topk_buf=_topk_buffer(blocks, geo.n_rows, logits.device),
+        grad=grad, rows=rows, picks=RowPicks(pred, _topk_buffer(blocks, geo.n_rows, logits.device)), policy=policy,
+        num_items=num_items, scratch=scratch, loss=loss, means=means, shard=shard_rows(stats, jsd), prep=prep, geo=geo,
         S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=blocks, FINISH=finish,
         R=_tiles(plan.cols.N_REDUCED),
     )
@@ -747,7 +755,7 @@ def _sibling(args: dict, topk: bool = False) -> dict | None:
     sibling = dict(args, slots=slots._replace(temperature=None))
     if topk:
         sibling.update(F=flags._replace(STUDENT_TOPK=0), C=args["C"]._replace(overlap=-1, overlap_advantage=-1),
-                       BLOCKS=args["BLOCKS"]._replace(T=0, N=0), topk_buf=None)
+                       BLOCKS=args["BLOCKS"]._replace(T=0, N=0), picks=args["picks"]._replace(topk=None))
     return sibling
 
 
