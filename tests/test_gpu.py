@@ -1909,6 +1909,37 @@ def test_the_students_topk_keeps_to_the_registers_of_the_call_without_it():
 
 
 @pytest.mark.parametrize("k", [8, 64])
+@pytest.mark.parametrize("block_v", [None, 256])
+def test_the_students_topk_takes_its_exact_fallbacks_on_the_compiled_kernels(k, block_v, monkeypatch):
+    """The compiled selection's paths other than the common one, each row's top k planted so that no near-tie
+    of random logits decides it: a row of equal logits and a group of lanes holding 120 distinct top logits
+    (more keys at least the bound than the row's buffer holds: the running insertion), a row with +inf (the
+    insertion over every block), 70 equal top logits down one block (a tie at the bound), and a row whose top
+    k lie in the last blocks. With blocks of 256 (LAUNCH_OVERRIDES) a row has 501 blocks, more than the bound
+    keeps (every row the insertion). The ids of a stable sort, on every row."""
+    from headloss.kernels.launch import LAUNCH_OVERRIDES
+
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "block_v", block_v)
+    v = 128256
+    gen = torch.Generator(device="cuda").manual_seed(97)
+    z = torch.randn(6, v, device="cuda", generator=gen)
+    z[0] = 1.5
+    step = block_v or 4096  # (6 rows: blocks of 4096)
+    cols = (torch.arange(15, device="cuda")[:, None] * step + torch.arange(8, device="cuda")[None, :]).flatten()
+    z[1, cols] = 100.0 - 0.5 * torch.arange(120.0, device="cuda")
+    z[2, [5, 70000]] = float("inf")
+    z[2, 2 * step + 3 + torch.arange(70, device="cuda")] = 50.0 + torch.arange(70.0, device="cuda")
+    z[3, 1000 + torch.arange(70, device="cuda")] = 30.0
+    z[4, v - 100 + torch.arange(70, device="cuda")] = 40.0 - 0.25 * torch.arange(70.0, device="cuda")
+    z = z.to(torch.bfloat16)
+    spec = headloss.LossSpec(student_topk=k, outputs=("topk_ids", "topk_logprobs"))
+    out = headloss.head_loss(z, torch.randint(0, v, (6,), device="cuda", generator=gen), spec)
+    want = torch.sort(z.double(), dim=-1, descending=True, stable=True).indices[:, :k]
+    planted = [0, 1, 2, 3, 4]
+    assert torch.equal(out.topk_ids[planted], want[planted])
+
+
+@pytest.mark.parametrize("k", [8, 64])
 def test_the_students_topk_on_the_compiled_kernels_matches_a_stable_sort(k):
     """The student's top-k on the compiled kernels at Llama 3's vocabulary: the ids of a stable
     descending sort of the transformed logits (planted ties across blocks to the lower id), their log-probs, the

@@ -139,12 +139,13 @@ def test_asking_for_the_topk_changes_neither_the_loss_nor_its_gradient(entry):
                                           pytest.param(9, torch.float32, marks=pytest.mark.slow)])
 def test_rows_whose_top_k_shares_a_group_or_ties_are_exact(k, dtype):
     """Rows whose top logits sit in one group of lanes (columns 4096 apart: the same position of a 2048- or
-    4096-wide block, in several blocks), an all -inf row, a row of equal logits and a tie of five in one group:
-    the crossings of the bound's blocks and groups, or its blocks whole where more than kernels.topk.CELLS
-    groups reach the bound (the equal rows), give a stable sort's ids."""
+    4096-wide block, in several blocks), an all -inf row, a row of equal logits, a tie of five in one group, a
+    group holding 40 distinct top logits (more keys at least the bound than the row's buffer holds, no tie)
+    and a row with +inf: the crossings of the bound's blocks and groups, or the running insertion where the
+    buffer overflows (the equal row; the 40 from k 2) or the row holds +inf, give a stable sort's ids."""
     gen = generator(31 + k)
     vocab = 4 * 4096 + 77
-    z = torch.randn(6, vocab, generator=gen) * 2
+    z = torch.randn(8, vocab, generator=gen) * 2
     for j, col in enumerate((5, 5 + 4096, 5 + 2 * 4096, 5 + 3 * 4096)):  # row 0: the top four in one group
         z[0, col] = 40.0 - j
     z[1, 3 * 4096 + 11] = 50.0  # row 1: one clear maximum late, then the rest
@@ -152,9 +153,13 @@ def test_rows_whose_top_k_shares_a_group_or_ties_are_exact(k, dtype):
     z[2] = float("-inf")  # row 2: all -inf (ids by position)
     z[3] = 1.5  # row 3: all equal
     z[4, :: 4096] = 30.0  # row 4: one group holds a tie of five
+    cols = (torch.arange(5)[:, None] * 4096 + torch.arange(8)[None, :]).flatten()
+    z[5, cols[cols < vocab]] = 100.0 - 0.5 * torch.arange(40.0)  # row 5: 40 distinct top logits in group 0
+    z[6, [17, 9000]] = float("inf")  # row 6: +inf twice
+    z[6, 3] = 60.0
     z = z.to(dtype)  # (16-bit: many more equal logits, the rounding's)
     spec = LossSpec(student_topk=k, outputs=("topk_ids", "topk_logprobs"))
-    y = torch.randint(0, vocab, (6,), generator=gen)
+    y = torch.randint(0, vocab, (8,), generator=gen)
     out = headloss.head_loss(z, y, spec, backend="triton")
     want = torch.sort(z.double(), dim=-1, descending=True, stable=True).indices[:, :k]
     assert torch.equal(out.topk_ids, want)

@@ -243,9 +243,10 @@ def _fitted(kernel, grid: int, num_warps: int, kwargs: dict, registers_of: dict,
 
 FIT_SPILLS = 32
 """The most spills (Triton's count) a launch with the student's top-k accepts to keep to the registers of the
-same launch without it: the top-64 head kernel at 63 registers (the plain call's) spills 10 and ran 1.25x the
-plain CE call against 1.56x as ptxas allocates it (124 registers; a build that spilled 20 was refused at 16 and
-ran 1.55x); top-8 at 63, 10 spills (docs/performance.md, "What the student's top-k costs")."""
+same launch without it: the top-64 head kernel at 63 registers (the plain call's) spills 10 (bench_topk_registers'
+build at 64: 8) and ran 1.25x the plain CE call against 1.56x as ptxas allocates it (124 registers; a build that
+spilled 20 was refused at 16 and ran 1.55x); top-8 at 63, 10 spills (docs/performance.md, "What the student's
+top-k costs")."""
 
 
 @contextlib.contextmanager

@@ -5,22 +5,22 @@ Each element of a row is ranked by one int64 key, its transformed logit's fp32 b
 signed int32 in the high word and 0xFFFFFFFF - its id in the low word: a larger key is a larger logit, or the
 same logit at a lower id (torch.topk's order on ties, which torch does not promise but gives on a stable sort).
 
-The stats pass keeps two running maxima (:func:`bound_block`, no per-logit work beyond one in-thread maximum
-per GROUP adjacent logits): each block's, and each group's of GROUP adjacent lanes of the block walked down the
-row. At the row's end b, the k-th largest group maximum, bounds the top k from below: k groups hold a logit at
-least b, so no logit below it is among the k largest (:func:`bound_finish`). The logits at least b lie in the
-cells (GROUP adjacent logits) where a block whose maximum is at least b crosses a group whose maximum is at
-least b: in a row in random order about k of each, so at k 64 about 3000 of the row's 16000 cells. Those
-blocks and groups are listed in a small buffer of the row, their crossings read again, a block's width of
-cells a step in one gather (:func:`_crossings`), and the keys at least b (about k) go to the same buffer, each
-step's cells taking their slots by one scan of their counts and storing lane by lane (:func:`collect_cells`);
-the buffer's top k, by ``tl.topk``, are the row's, largest first (:func:`topk_reread`). Exact on every row: the
-second read transforms each logit by the same code as the stats pass (to_x2), so a logit at b is at b again; a
-row with more keys at least b than the buffer holds (many ties at b), a NaN or +inf row (whose maxima rank
-nothing), a row of fewer groups than k and a row of more than MAX_BLOCKS blocks take the running insertion
-(:func:`insert_block`) over the blocks at least b read again whole. Measured against the designs before it
-(the lanes kept through the pass, a compaction, the insertion through the pass, the insertion after the
-bound): docs/performance.md ("What the student's top-k costs").
+The stats pass keeps two running maxima (:func:`bound_block`, no per-logit work beyond one in-thread maximum per
+GROUP adjacent logits): each block's, and each group's of GROUP adjacent lanes of the block walked down the row. At
+the row's end b, the k-th largest group maximum, bounds the top k from below: k groups hold a logit at least b, so
+no logit below it is among the k largest (:func:`bound_finish`). The logits at least b lie in the cells (GROUP
+adjacent logits) where a block whose maximum is at least b crosses a group whose maximum is at least b: at k 64, in
+a 128256-wide row in random order, about 42 of its 63 blocks and 70 of its 256 groups, about 2900 of its 16000
+cells. Those blocks and groups are listed in a small buffer of the row, their crossings read again, a block's width
+of cells a step in one gather (:func:`_crossings`), and the keys at least b (about k) go to the same buffer, each
+step's cells taking their slots by one scan of their counts and storing lane by lane (:func:`collect_cells`); the
+buffer's top k, by ``tl.topk``, are the row's, largest first (:func:`topk_reread`). Exact on every row: the second
+read transforms each logit by the same code as the stats pass (to_x2), so a logit at b is at b again; a row with
+more keys at least b than the buffer holds (ties at b, or one group holding many), a NaN or +inf row (whose maxima
+rank nothing), a row of fewer groups than k and a row of more than MAX_BLOCKS blocks take the running insertion
+(:func:`insert_block`) over the blocks at least b read again whole (every block of a row past MAX_BLOCKS). Measured
+against the designs before it (the lanes kept through the pass, a compaction, the insertion through the pass, the
+insertion after the bound): docs/performance.md ("What the student's top-k costs").
 
 With a top-k teacher the row also gets verl's overlap diagnostics (verl/trainer/distillation/fsdp/losses.py):
 how many of the teacher's ids are among the student's top-k, and the mean over them of
@@ -186,12 +186,12 @@ def _crossings(row_ptr, V, S, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, 
 @triton.jit
 def topk_reread(row_ptr, V, S, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, first, BLOCK_T: tl.constexpr,
                 NB: tl.constexpr, top, buf):
-    """The row's top-k (keys, thr; ids from ``first`` on) from what ``top`` (:func:`bound_finish`) says may
-    hold it: the blocks and the groups at least b are listed in the row's buffer ``buf``, the cells where
-    they cross read again (:func:`_crossings`) and their keys at least b collected there, whose top BLOCK_T
-    are the row's. A row with more such keys than the buffer holds (many ties at b), a NaN or +inf row or
-    one of fewer groups than k (b -inf), or a row of more than NB blocks takes the running insertion
-    (:func:`insert_block`) over its blocks at least b read again whole (every block past NB)."""
+    """The row's top-k (keys, thr; ids from ``first`` on) from what ``top`` (:func:`bound_finish`) says may hold it:
+    the blocks and the groups at least b are listed in the row's buffer ``buf``, the cells where they cross read
+    again (:func:`_crossings`) and their keys at least b collected there, whose top BLOCK_T are the row's. A row
+    with more such keys than the buffer holds (ties at b, or one group holding many), a NaN or +inf row or one of
+    fewer groups than k (b -inf), or a row of more than NB blocks takes the running insertion (:func:`insert_block`)
+    over its blocks at least b read again whole (every block of a row of more than NB)."""
     keys, thr, block_on, group_on = top
     CAP: tl.constexpr = collect_cap(BLOCK_T)
     G: tl.constexpr = BLOCK_V // GROUP

@@ -323,7 +323,7 @@ def test_a_variant_is_fitted_to_its_siblings_registers_only_where_that_spills_no
                                                  (1, 0, "own")])
 def test_a_variant_may_accept_a_few_spills_to_keep_to_its_siblings_registers(spills, allowed, want):
     """kernels.launch._fitted(spills=...): the student's top-k keeps to the registers of the same launch
-    without it where that build spills at most FIT_SPILLS (the top-64 head kernel: 6 spills at 64)."""
+    without it where that build spills at most FIT_SPILLS (the top-64 head kernel: 10 spills at 63)."""
     kernel, own = _Kernel(64, spills), _Built(96)
     got = launch_module._fitted(kernel, 8, 4, {}, {}, own, allowed)
     assert (got is own) == (want == "own")
