@@ -68,7 +68,7 @@ from .sparse import (
     zero_selected,
 )
 from .terms import distill_values, kl_estimator, policy_values, put, row_coefficients, row_values
-from .topk import bound_blocks, collect_words, topk_merged, topk_overlap, topk_store, topk_zero
+from .topk import bound_blocks, collect_words, row_buffers, topk_merged, topk_overlap, topk_store, topk_zero
 
 
 class PolicyRows(NamedTuple):
@@ -715,11 +715,12 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
     elif verdict is not None and plan.flags.TEACHER_PROBS:  # the rows' mass check writes the call's verdict
         prep = Prepare(*verdict, None)
     blocks = _blocks(cfg.block_v, sparse, plan, geo.V if stats is None else 0)
+    picks = RowPicks(pred, row_buffers(geo.n_rows, blocks.T, blocks.V, blocks.N, logits.device))
     args = dict(
         logits=logits, slots=SlotInputs(targets, temperature, row_ids, weights, selected),
         teacher=TeacherRows(teacher, sparse),
-        grad=grad, rows=rows, picks=RowPicks(pred, _topk_buffer(blocks, geo.n_rows, logits.device)), policy=policy,
-        num_items=num_items, scratch=scratch, loss=loss, means=means, shard=shard_rows(stats, jsd), prep=prep, geo=geo,
+        grad=grad, rows=rows, picks=picks, policy=policy, num_items=num_items, scratch=scratch, loss=loss,
+        means=means, shard=shard_rows(stats, jsd), prep=prep, geo=geo,
         S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=blocks, FINISH=finish,
         R=_tiles(plan.cols.N_REDUCED),
     )
@@ -727,14 +728,6 @@ def launch_head(plan: KernelPlan, *, logits, targets, teacher, grad, rows, pred,
     launch(head_kernel, geo.n_rows, cfg.num_warps, registers_of=functools.partial(_sibling, args, topk),
            fit_spills=FIT_SPILLS * topk, **args)
 
-
-
-def _topk_buffer(blocks: Blocks, n_rows: int, device: torch.device) -> torch.Tensor | None:
-    """The rows' buffers of the student's top-k (kernels.topk.topk_reread), or None: a launch that finds no
-    top-k (a vocab-parallel one's rows' come merged)."""
-    if not blocks.N:
-        return None
-    return torch.empty(n_rows, collect_words(blocks.T, blocks.V, blocks.N), dtype=torch.int64, device=device)
 
 
 def _blocks(block_v: int, sparse: SparseRows | None, plan: KernelPlan, vocab: int = 0) -> Blocks:

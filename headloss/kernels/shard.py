@@ -24,7 +24,7 @@ from .blocks import online_stats, row_slot, row_start, row_temperature, target_l
 from .launch import FIT_SPILLS, Geometry, launch, launch_config
 from .sparse import SparseRows, block_if, rest_sum, shard_selected, shard_topk, topk_block
 from .terms import distill_lse, jsd_sums
-from .topk import bound_blocks, collect_words, topk_shard_store, topk_start
+from .topk import bound_blocks, collect_words, row_buffers, topk_shard_store, topk_start
 
 
 @triton.jit
@@ -330,15 +330,12 @@ def launch_shard_stats(plan: KernelPlan, *, logits, targets, geo: Geometry, teac
     keys = torch.empty(geo.n_rows, 2 * block_t, **f32) if block_t else None
     if geo.n_rows:
         cfg = launch_config(geo.V, teacher is not None, geo.n_rows)
-        buf = None
-        if block_t:
-            buf = torch.empty(geo.n_rows, collect_words(block_t, cfg.block_v, bound_blocks(geo.V, cfg.block_v)),
-                              dtype=torch.int64, device=logits.device)
+        nb = bound_blocks(geo.V, cfg.block_v) if block_t else 0
+        buf = row_buffers(geo.n_rows, block_t, cfg.block_v, nb, logits.device)
         args = dict(logits=logits, targets=targets, teacher=teacher, part=part, sparse=sparse if block_k else None,
                     x2k=x2k, temperature=temperature, selected=selected if block_s else None, x2s=x2s, keys=keys,
                     buf=buf, geo=geo, S=plan.scalars, F=plan.flags, BLOCK_V=cfg.block_v, BLOCK_K=max(block_k, 1),
-                    BLOCK_S=max(block_s, 1), BLOCK_T=block_t,
-                    BLOCK_NB=bound_blocks(geo.V, cfg.block_v) if block_t else 0)
+                    BLOCK_S=max(block_s, 1), BLOCK_T=block_t, BLOCK_NB=nb)
         sibling = None  # with the student's top-k: the registers of the same launch without it
         if block_t:
             sibling = functools.partial(dict, args, F=plan.flags._replace(STUDENT_TOPK=0), BLOCK_T=0, BLOCK_NB=0,

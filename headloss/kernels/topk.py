@@ -27,6 +27,7 @@ how many of the teacher's ids are among the student's top-k, and the mean over t
 -q_k (log q_k - log p_k) (verl's token KL of the entry, its ``log_prob_min_clamp`` applied), 0 where none is.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -118,6 +119,14 @@ def collect_words(block_t, block_v, nb):
     """int64 words of a row's buffer (the head and shard launches allocate them): collect_cap(block_t) keys,
     then the indices of the row's ``nb`` blocks and ``block_v // GROUP`` groups at least b, listed."""
     return collect_cap(block_t) + nb + block_v // _GROUP
+
+
+def row_buffers(n_rows: int, block_t: int, block_v: int, nb: int, device: torch.device) -> torch.Tensor | None:
+    """The rows' buffers of the student's top-k (:func:`topk_reread`), or None for a launch that keeps no bound
+    (``nb`` 0: no top-k, or a vocab-parallel head whose rows' top-k come merged)."""
+    if not nb:
+        return None
+    return torch.empty(n_rows, collect_words(block_t, block_v, nb), dtype=torch.int64, device=device)
 
 
 @triton.jit
