@@ -1875,6 +1875,52 @@ def test_selected_logprobs_on_the_compiled_kernels_match_fp64(k, dtype):
         headloss.check_pending(wait=True)
 
 
+@pytest.mark.parametrize("teacher", ["none", "dense", "topk-rest"])
+def test_the_selected_ids_gradient_beside_each_teacher_on_the_compiled_kernels(teacher):
+    """The gradient with the selected ids' term minus the same call's without it is the fp64 gradient of
+    sum g log p(ids) on the compiled kernels, fp32 logits, K 64: the gradient pass walking each row's sorted
+    list down the row (no teacher, or a top-k teacher whose ids are rewritten after the pass) or up it (a dense
+    teacher); ids on the target, on the teacher's ids, repeated, at the first and last columns, -1."""
+    b, t, v, k = 2, 300, 50257, 64
+    gen = torch.Generator(device="cuda").manual_seed(83)
+    z = torch.randn(b, t, v, device="cuda", generator=gen) * 2
+    y = torch.randint(0, v, (b, t), device="cuda", generator=gen)
+    y[0, :20] = -100
+    ids = torch.randint(-1, v, (b, t, k), device="cuda", generator=gen)
+    teacher_ids = torch.stack([torch.randperm(v, device="cuda", generator=gen)[:16] for _ in range(b * t)])
+    teacher_ids = teacher_ids.reshape(b, t, 16)
+    ids[..., :4] = teacher_ids[..., :4]
+    ids[..., 4] = y.clamp(min=0)
+    ids[..., 5] = ids[..., 6] = teacher_ids[..., 7]
+    ids[..., 8], ids[..., 9], ids[..., 10] = 0, v - 1, -1
+    g = torch.randn(b, t, k, device="cuda", generator=gen)
+    extra, distill = {}, None
+    if teacher == "dense":
+        extra["teacher_logits"] = torch.randn(b, t, v, device="cuda", generator=gen) * 2
+        distill = {"divergence": "forward_kl"}
+    elif teacher == "topk-rest":
+        lq = torch.log_softmax(torch.randn(b, t, 16, device="cuda", generator=gen), -1) - 0.3
+        extra.update(teacher_ids=teacher_ids, teacher_logprobs=lq)
+        distill = {"teacher": "topk", "topk": "rest"}
+    spec = headloss.LossSpec(distillation=distill, outputs=("logprobs", "selected_logprobs"),
+                             differentiable_outputs=True, transform={"temperature": 0.8})
+    grads = []
+    for with_ids in (True, False):
+        x = z.clone().requires_grad_()
+        out = headloss.head_loss(x, y, spec if with_ids else spec.model_copy(update={"outputs": ("logprobs",)}),
+                                 **({"selected_ids": ids} if with_ids else {}), **extra)
+        total = out.loss + out.logprobs.sum()
+        if with_ids:
+            total = total + (out.selected_logprobs * g).sum()
+        total.backward()
+        grads.append(x.grad.double())
+    z64 = z.double().requires_grad_()
+    logp = torch.log_softmax(z64 / 0.8, -1)
+    picked = torch.where(ids >= 0, logp.gather(-1, ids.clamp(min=0)), 0.0) * (y != -100)[..., None]
+    (picked * g.double()).sum().backward()
+    assert _rel(grads[0] - grads[1], z64.grad) < 1e-4
+
+
 def test_the_students_topk_keeps_to_the_registers_of_the_call_without_it():
     """From its second launch the top-7 head kernel runs compiled with maxnreg at the registers of the same
     launch without the top-k (kernels.head._sibling, kernels.launch._fitted), where that spills at most

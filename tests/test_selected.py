@@ -388,3 +388,57 @@ def test_selected_ids_that_are_no_ids_are_named(given, error):
     with pytest.raises((TypeError, ValueError), match=error):
         headloss.head_loss(torch.randn(2, 3, V), torch.zeros(2, 3, dtype=torch.long), spec, selected_ids=given,
                            backend="torch")
+
+
+@needs_kernel
+@pytest.mark.parametrize(("backend", "teacher", "softcap"), tiered(
+    ["triton", "torch"], ["none", "dense", "topk", "topk-rest"], [None, 4.0]))
+def test_the_selected_ids_share_of_the_gradient_is_the_same_beside_every_teacher(backend, teacher, softcap,
+                                                                                   monkeypatch):
+    """The gradient with the selected ids' term minus the same call's without it is the fp64 gradient of
+    sum g log p(ids), beside no teacher, a dense one and a top-k one: blocks of 16 (three a row; the gradient
+    pass meets the ids walking the row down, or up beside a dense teacher), ids on the target's column and on
+    the teacher's ids (columns rewritten whole after the pass), an id twice in a row, at the first and last
+    columns, and -1; a row whose list is full and whose largest id is a teacher's (the binary search's last
+    step)."""
+    from headloss.kernels.launch import LAUNCH_OVERRIDES
+
+    monkeypatch.setitem(LAUNCH_OVERRIDES, "block_v", 16)
+    b, t, k = 2, 4, 8
+    z, y, ids, g = _batch(seed=12, b=b, t=t, k=k)
+    gen = generator(13)
+    teacher_ids = torch.stack([torch.randperm(V, generator=gen)[:5] for _ in range(b * t)]).reshape(b, t, 5)
+    teacher_ids[1, 0, 4] = -1
+    ids[0, 0, 2] = y[0, 0]
+    top = int(teacher_ids[0, 2].max())
+    ids[0, 2] = torch.randint(0, top + 1, (k,), generator=gen)
+    ids[0, 2, :4] = torch.cat([teacher_ids[0, 2, :3], torch.tensor([top])])
+    ids[1, 1, 6] = ids[1, 1, 7] = teacher_ids[1, 1, 0]
+    ids[1, 2, 3], ids[1, 2, 4], ids[1, 2, 5] = 0, V - 1, -1
+    ids[1, 3, 1] = y[1, 3]
+    extra, distill = {}, None
+    if teacher == "dense":
+        extra["teacher_logits"] = torch.randn(b, t, V, generator=gen, dtype=torch.float64).float() * 2
+        distill = {"divergence": "forward_kl"}
+    elif teacher != "none":
+        extra["teacher_ids"] = teacher_ids
+        extra["teacher_logprobs"] = (torch.log_softmax(torch.randn(b, t, 5, generator=gen), -1) - 0.3).masked_fill(
+            teacher_ids == -1, float("-inf"))
+        distill = {"teacher": "topk", "topk": "rest" if teacher == "topk-rest" else "renormalized"}
+    transform = {"temperature": 0.7} if softcap is None else {"softcap": softcap, "logit_scale": 1.3}
+    spec = LossSpec(distillation=distill, transform=transform, outputs=("logprobs", "selected_logprobs"),
+                    differentiable_outputs=True)
+    without = spec.model_copy(update={"outputs": ("logprobs",)})
+    grads = []
+    for with_ids in (True, False):
+        leaf = z.float().requires_grad_()
+        out = headloss.head_loss(leaf, y, spec if with_ids else without, backend=backend,
+                                 **({"selected_ids": ids} if with_ids else {}), **extra)
+        total = out.loss + out.logprobs.sum()
+        if with_ids:
+            total = total + (out.selected_logprobs * g.float()).sum()
+        total.backward()
+        grads.append(leaf.grad.double())
+    z64 = z.float().double().requires_grad_()
+    (_oracle(z64, ids, y != -100, **transform) * g.reshape(-1, k)).sum().backward()
+    torch.testing.assert_close(grads[0] - grads[1], z64.grad, rtol=1e-4, atol=2e-5)

@@ -26,6 +26,7 @@ import triton.language as tl
 from ..layouts import EXTREMES_AT, SCRATCH_AT, SEQUENCE_AT
 from ..registry import Scalars
 from .primitives import LN2, LOG2E, NEG_BIG, softmax_update, to_x2, transform
+from .sparse import selected_add, selected_first
 from .terms import distill_grad, teacher_block
 from .topk import bound_block, bound_finish, bound_start, topk_reread
 
@@ -189,9 +190,10 @@ def online_stats(row_ptr, t_row_ptr, V, S, F: tl.constexpr, BLOCK_V: tl.constexp
 @triton.jit
 def _grad_block(z, zt, grad_row_ptr, start, V, lse2, A, B2, C, sum_px, dstate, wd, S, F: tl.constexpr,
                 BLOCK_V: tl.constexpr, HAS_B: tl.constexpr, HAS_C: tl.constexpr, NEED_SUM_PX: tl.constexpr,
-                HAS_TEACHER: tl.constexpr, MASKED: tl.constexpr):
+                HAS_TEACHER: tl.constexpr, MASKED: tl.constexpr, sel, walk):
     """Gradient of one loaded block z (teacher block zt), stored at grad_row_ptr[start:start + BLOCK_V];
-    returns sum_px (per-lane) + p * (lse2 - x2) when NEED_SUM_PX."""
+    returns (sum_px (per-lane) + p * (lse2 - x2) when NEED_SUM_PX, ``walk``): with the selected ids' list
+    ``sel``, their h added at the block's columns and ``walk`` moved past them (kernels.sparse)."""
     cols = start + tl.arange(0, BLOCK_V)
     x2, slope = to_x2(z, cols, V, S, F.HAS_SOFTCAP, MASKED)
     p = tl.exp2(x2 - lse2)
@@ -207,6 +209,11 @@ def _grad_block(z, zt, grad_row_ptr, start, V, lse2, A, B2, C, sum_px, dstate, w
         g += C
     if HAS_TEACHER:
         g += distill_grad(p, x2, zt, cols, V, dstate, wd, S, F, MASKED)
+    if sel is not None:  # (without softcap g carries dx/dz already, a constant)
+        scale = 1.0
+        if not F.HAS_SOFTCAP:
+            scale = S.logit_scale * S.inv_temperature
+        g, walk = selected_add(g, cols, start, sel, walk, scale, BLOCK_V, not HAS_TEACHER)
     if F.HAS_SOFTCAP:
         g = g * slope
     g = g.to(grad_row_ptr.dtype.element_ty)
@@ -214,16 +221,18 @@ def _grad_block(z, zt, grad_row_ptr, start, V, lse2, A, B2, C, sum_px, dstate, w
         tl.store(grad_row_ptr + cols, g, mask=cols < V)
     else:
         tl.store(grad_row_ptr + cols, g)
-    return sum_px
+    return sum_px, walk
 
 
 @triton.jit
 def gradient_pass(row_ptr, t_row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A, B, C, D, dstate, wd, S,
-                  F: tl.constexpr, BLOCK_V: tl.constexpr, NEED_SUM_PX: tl.constexpr):
+                  F: tl.constexpr, BLOCK_V: tl.constexpr, NEED_SUM_PX: tl.constexpr, sel=None):
     """Phase 3: second read of the row (and the teacher's), one write of d loss / d z.
 
     grad_row_ptr may alias row_ptr: each block is read before it is written. ``dstate`` and
     ``wd`` (d loss / d divergence / T_d) drive the distillation's share when there is a teacher.
+    ``sel``: the selected ids' list (kernels.sparse.selected_grads: (its row of the list, its entries)),
+    each one's h added at its column as the pass walks the row, or None.
     Returns sum_i p_i (lse2 - x2_i) (the entropy is ln 2 times that) when NEED_SUM_PX, else 0.
 
     Without a teacher the row is walked last block first: the blocks phase 1 read last are the
@@ -248,41 +257,47 @@ def gradient_pass(row_ptr, t_row_ptr, grad_row_ptr, V, y, x2_y, slope_y, lse, A,
     sum_px = tl.zeros([BLOCK_V], tl.float32)
     offs = tl.arange(0, BLOCK_V)
     v_full = (V // BLOCK_V) * BLOCK_V
+    walk = 0
+    if sel is not None:
+        walk = selected_first(sel, not HAS_TEACHER)
     if not HAS_TEACHER:  # last block first
         if v_full < V:
             mask = v_full + offs < V
             z = tl.load(row_ptr + v_full + offs, mask=mask, other=0.0)
-            sum_px = _grad_block(z, z, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
-                                 wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, True)
+            sum_px, walk = _grad_block(z, z, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, sum_px, dstate, wd_el, S,
+                                       F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, True, sel, walk)
         if v_full > 0:
             z = tl.load(row_ptr + v_full - BLOCK_V + offs)
             for back in range(2 * BLOCK_V, v_full + BLOCK_V, BLOCK_V):
                 start = v_full - back  # the block after this one is in z
                 z_next = tl.load(row_ptr + start + offs)
-                sum_px = _grad_block(z, z, grad_row_ptr, start + BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px,
-                                     dstate, wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False)
+                sum_px, walk = _grad_block(z, z, grad_row_ptr, start + BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px,
+                                           dstate, wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False,
+                                           sel, walk)
                 z = z_next
-            sum_px = _grad_block(z, z, grad_row_ptr, 0, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
-                                 wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False)
+            sum_px, walk = _grad_block(z, z, grad_row_ptr, 0, V, lse2, A_el, B2_el, C_el, sum_px, dstate, wd_el, S, F,
+                                       BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False, sel, walk)
     else:
         if v_full > 0:
             z, zt = _pair(row_ptr, t_row_ptr, 0, offs, HAS_TEACHER)
             for start in range(BLOCK_V, v_full, BLOCK_V):
                 z_next, zt_next = _pair(row_ptr, t_row_ptr, start, offs, HAS_TEACHER)
-                sum_px = _grad_block(z, zt, grad_row_ptr, start - BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
-                                     wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False)
+                sum_px, walk = _grad_block(z, zt, grad_row_ptr, start - BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px,
+                                           dstate, wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False,
+                                           sel, walk)
                 z = z_next
                 zt = zt_next
-            sum_px = _grad_block(z, zt, grad_row_ptr, v_full - BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
-                                 wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False)
+            sum_px, walk = _grad_block(z, zt, grad_row_ptr, v_full - BLOCK_V, V, lse2, A_el, B2_el, C_el, sum_px,
+                                       dstate, wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, False, sel,
+                                       walk)
         if v_full < V:
             mask = v_full + offs < V
             z = tl.load(row_ptr + v_full + offs, mask=mask, other=0.0)
             zt = z
             if HAS_TEACHER:
                 zt = tl.load(t_row_ptr + v_full + offs, mask=mask, other=0.0)
-            sum_px = _grad_block(z, zt, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, sum_px, dstate,
-                                 wd_el, S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, True)
+            sum_px, walk = _grad_block(z, zt, grad_row_ptr, v_full, V, lse2, A_el, B2_el, C_el, sum_px, dstate, wd_el,
+                                       S, F, BLOCK_V, HAS_B, HAS_C, NEED_SUM_PX, HAS_TEACHER, True, sel, walk)
     # the target column gets its [i = y] share: rewrite it whole, after every lane has stored
     in_range = (y >= 0) & (y < V)
     if in_range:

@@ -57,7 +57,7 @@ from .sparse import (
     rest_sum,
     selected_grads,
     selected_inputs,
-    selected_scatter,
+    selected_share,
     selected_values,
     token_values,
     topk_block,
@@ -551,6 +551,7 @@ def head_backward_kernel(
     num_items,  # (1,) or None
     scratch,  # int64 layouts.Scratch from the forward
     shard,  # ShardRows: vocab-parallel, the forward's merged (or gathered) statistics (stats None: not sharded)
+    work,  # (n_rows, 2 BLOCKS.S) int32: a row's list of its selected ids' gradients (selected_grads), or None
     # sizes, strides, runtime scalars
     geo,
     S,
@@ -616,13 +617,17 @@ def head_backward_kernel(
             kl_unused, d_token = kl_estimator(logp, lq, F.TOKEN_EST, F.TOKEN_CLAMP, F.TOKEN_K2_GRAD)
             d_logp += u * S.w_distill * d_token
         A, B, Cc, D = row_coefficients(u, d_logp, d_entropy, d_lse, lse, logp, entropy, V_math, S, F)
-        SELECTED_GRAD: tl.constexpr = F.SELECTED > 0 and d_rows is not None
-        if SELECTED_GRAD:  # d log p(id_k): -G p everywhere (A), each id's share after the pass
-            s_ids, s_local, s_given, s_valid, s_mine, s_x2, s_slope = selected_inputs(  # (softcap's slope: a read)
-                slots.selected, slot, row_ptr, None, geo.vocab_start, geo.V, V_math, S, F, BLOCKS.S, F.HAS_SOFTCAP)
-            s_total, s_h, s_first = selected_grads(d_rows + slot * C.N, slots.selected + slot * F.SELECTED, s_ids,
-                                                   s_valid, C, F, BLOCKS.S)
+        SELECTED_GRAD: tl.constexpr = work is not None
+        sel = None
+        D_pass = D
+        if SELECTED_GRAD:  # d log p(id_k): -G p everywhere (A), each id's h at its column in the pass
+            s_work = work + row * 2 * BLOCKS.S
+            s_total, s_hy, s_n = selected_grads(d_rows + slot * C.N, slots.selected + slot * F.SELECTED, y_here,
+                                                geo.vocab_start, V_math, s_work, C, F, BLOCKS.S)
             A -= s_total
+            D_pass += s_hy  # (the target's column is rewritten whole after the pass)
+            sel = (s_work, s_n)
+            tl.debug_barrier()  # (the list is read by every thread)
         A_ids = A
         if F.SPARSE == 1:
             sp_ids, sp_local, sp_given, sp_mine, sp_x2, sp_slope, sp_lq = topk_inputs(
@@ -639,16 +644,15 @@ def head_backward_kernel(
             dstate = (tl.load(row_in + C.lse_s2), tl.load(row_in + C.lse_t2), tl.load(row_in + C.divergence),
                       tl.load(row_in + C.jsd_s))
         gradient_pass(
-            row_ptr, t_row, grad_row, geo.V, y_here, x2_y, slope_y, lse, A, B, Cc, D, dstate,
-            u * S.w_distill * S.inv_distill_temp, S, F, BLOCK_V, False,
+            row_ptr, t_row, grad_row, geo.V, y_here, x2_y, slope_y, lse, A, B, Cc, D_pass, dstate,
+            u * S.w_distill * S.inv_distill_temp, S, F, BLOCK_V, False, sel,
         )
         if F.SPARSE == 1:
+            sp_h = u * S.w_distill * sp_h
+            if SELECTED_GRAD:  # (the teacher's ids are rewritten whole: their selected h with them)
+                sp_h += selected_share(sel, sp_local, BLOCKS.S)
             tl.debug_barrier()
-            topk_scatter(grad_row, sp_local, sp_mine, sp_x2, sp_slope, lse, A_ids, B, Cc, D, y_here,
-                         u * S.w_distill * sp_h, S, F)
-        if SELECTED_GRAD:  # over the value stored there (by the pass, or the teacher's scatter)
-            tl.debug_barrier()
-            selected_scatter(grad_row, s_local, s_mine, s_first, s_h, s_slope)
+            topk_scatter(grad_row, sp_local, sp_mine, sp_x2, sp_slope, lse, A_ids, B, Cc, D, y_here, sp_h, S, F)
     else:
         zero_row(grad_row, geo.V, BLOCK_V)
 
@@ -768,11 +772,15 @@ def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d
     if geo.n_rows == 0:
         return
     cfg = launch_config(geo.V, plan.has_teacher, geo.n_rows)
+    blocks = _blocks(cfg.block_v, sparse, plan)
+    work = None
+    if plan.flags.SELECTED and d_rows is not None:  # the selected ids' gradients: each row's list
+        work = torch.empty(geo.n_rows, 2 * blocks.S, dtype=torch.int32, device=grad.device)
     args = dict(
         logits=logits, slots=SlotInputs(targets, temperature, None, weights, selected),
         teacher=TeacherRows(teacher, sparse), grad=grad,
-        rows=rows, d_loss=d_loss, d_rows=d_rows, num_items=num_items, scratch=scratch, shard=shard_rows(stats), geo=geo,
-        S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=_blocks(cfg.block_v, sparse, plan),
+        rows=rows, d_loss=d_loss, d_rows=d_rows, num_items=num_items, scratch=scratch, shard=shard_rows(stats),
+        work=work, geo=geo, S=plan.scalars, F=plan.flags, C=plan.cols, BLOCKS=blocks,
     )
     launch(head_backward_kernel, geo.n_rows, cfg.num_warps, registers_of=functools.partial(_sibling, args), **args)
 

@@ -42,6 +42,8 @@ from .terms import kl_estimator, put
 
 NO_BAD_ENTRY = tl.constexpr(TEACHER_MARK)
 REST_FLOOR = tl.constexpr(-math.expm1(-1e-7))
+SORTS_LAST = tl.constexpr(2**63 - 1)  # (a sort key past every (id, entry) key: an entry with no id)
+LIST_END = tl.constexpr(2**31 - 1)  # (a selected list's column past every column: an entry with no id)
 """The least tail of ``topk: rest``: TRL clamps the log top-k mass at -1e-7, so 1 - mass >= -expm1(-1e-7)."""
 
 
@@ -113,21 +115,16 @@ def topk_inputs(sparse, slot, row_ptr, gathered, vocab_start, V, V_total, S, F: 
 
 
 @triton.jit
-def logits_at(ids, given, inside, row_ptr, gathered, vocab_start, V, V_total, S, F: tl.constexpr,
-              READ: tl.constexpr = True):
+def logits_at(ids, given, inside, row_ptr, gathered, vocab_start, V, V_total, S, F: tl.constexpr):
     """(local ids, valid, mine, x2, slope) of a row's logits at K ``ids`` (a top-k teacher's, the selected ids;
     ``given`` the entries that are ids, ``inside`` the K of the block): ``valid`` where a given id is in
     [0, V_total), ``mine`` where it is also in this row's columns [vocab_start, vocab_start + V) (its logit is
     read there: its slope, and x2 unless ``gathered``, a vocab-parallel row's K logits merged over the
-    shards). An id outside [0, V_total) (validation off) gives NaN, never an out-of-bounds read. ``READ``
-    False: the logits are not read (x2 is meaningless; the slope is the transform's constant, so only without
-    softcap)."""
+    shards). An id outside [0, V_total) (validation off) gives NaN, never an out-of-bounds read."""
     valid = given & (ids >= 0) & (ids < V_total)
     local = ids - vocab_start
     mine = valid & (local >= 0) & (local < V)
-    z = tl.zeros(ids.shape, tl.float32)
-    if READ:
-        z = tl.load(row_ptr + local, mask=mine, other=0.0).to(tl.float32)
+    z = tl.load(row_ptr + local, mask=mine, other=0.0).to(tl.float32)
     x2, slope = transform(z, S, F.HAS_SOFTCAP)
     if gathered is not None:
         x2 = tl.load(gathered + tl.arange(0, ids.shape[0]), mask=inside, other=float("-inf"))
@@ -284,21 +281,24 @@ def topk_scatter(grad_row_ptr, ids, in_range, x2, slope, lse, A, B, C, D, y, h, 
 # K ids per row (-1: none; an id may repeat). Their log-probs are x_k - lse from the K logits the kernel loads
 # after its stats pass (a vocab-parallel row's K logits come merged with its statistics, as a top-k teacher's).
 # The gradient of sum_k g_k log p(id_k) is g_i = [i in ids] h_i - G p_i with G = sum g_k and h_i the sum of the
-# g_k of the entries holding id i: -G joins the row's A coefficient, and each id's h, times dx/dz there, is
-# added after the gradient pass over the value it stored (one entry per id: its first).
+# g_k of the entries holding id i: -G joins the row's A coefficient. Each id's h joins the gradient pass: the
+# backward sorts the row's entries by id into a short list (selected_grads) and the pass walks it beside its
+# blocks (selected_add), adding h to a column before the block's one store -- no second write of the row's
+# columns and no read of them back (64 such read-modify-writes a row after the pass cost the deferred call 3%).
+# The columns rewritten whole after the pass take their h along: the target's through D, a top-k teacher's ids
+# through their h (selected_share).
 
 
 @triton.jit
 def selected_inputs(ids_ptr, slot, row_ptr, gathered, vocab_start, V, V_total, S, F: tl.constexpr,
-                    BLOCK_S: tl.constexpr, READ: tl.constexpr = True):
+                    BLOCK_S: tl.constexpr):
     """(ids, local ids, given, valid, mine, x2, slope) of a row's F.SELECTED selected ids: ``given`` where an id
-    is not -1, the rest as :func:`logits_at` gives them (``READ`` its)."""
+    is not -1, the rest as :func:`logits_at` gives them."""
     k = tl.arange(0, BLOCK_S)
     inside = k < F.SELECTED
     ids = tl.load(ids_ptr + slot * F.SELECTED + k, mask=inside, other=-1)
     given = inside & (ids != -1)
-    local, valid, mine, x2, slope = logits_at(ids, given, inside, row_ptr, gathered, vocab_start, V, V_total, S, F,
-                                              READ)
+    local, valid, mine, x2, slope = logits_at(ids, given, inside, row_ptr, gathered, vocab_start, V, V_total, S, F)
     return ids, local, given, valid, mine, x2, slope
 
 
@@ -317,31 +317,102 @@ def zero_selected(row_out, C: tl.constexpr, F: tl.constexpr, BLOCK_S: tl.constex
 
 
 @triton.jit
-def selected_grads(d_in, ids_row, ids, given, C: tl.constexpr, F: tl.constexpr, BLOCK_S: tl.constexpr):
-    """(G, h, first) of a row's upstream gradients g_k of its selected log-probs (``d_in``: the row's d rows;
-    ``ids_row``: its ids; ``given``: the entries whose id is in [0, V), an entry at a bad id taking no
-    gradient as the plain-torch path's NaN): their sum G (the dense share is -G p_i), per entry the sum h of
-    the g of every entry holding its id, and ``first`` where the entry is its id's first (the one whose h is
-    written). One entry at a time against the K (a loop, not a [K, K] block: its registers would lower the
-    whole kernel's occupancy)."""
-    k = tl.arange(0, BLOCK_S)
-    g = tl.load(d_in + C.selected + k, mask=given, other=0.0)
-    h = tl.zeros([BLOCK_S], tl.float32)
-    earlier = tl.zeros([BLOCK_S], tl.int32)
-    for j in range(0, F.SELECTED):
-        same = given & (ids == tl.load(ids_row + j))  # (an id of -1 matches no given entry)
-        h += tl.where(same, tl.load(d_in + C.selected + j), 0.0)
-        earlier += (same & (k > j)).to(tl.int32)
-    return tl.sum(g, axis=0), h, given & (earlier == 0)
+def _same_id_sum(a_id, a_g, b_id, b_g):
+    """A scan's step over entries sorted by id: b's running sum of the g of the entries at its id."""
+    return b_id, b_g + tl.where(a_id == b_id, a_g, 0.0)
 
 
 @triton.jit
-def selected_scatter(grad_row_ptr, local, mine, first, h, slope):
-    """Add each selected id's share h (times dx/dz there) to the gradient the pass stored at it (the caller's
-    barrier orders the two), once per id."""
-    at = mine & first
-    g = tl.load(grad_row_ptr + local, mask=at, other=0.0).to(tl.float32)
-    tl.store(grad_row_ptr + local, (g + h * slope).to(grad_row_ptr.dtype.element_ty), mask=at)
+def selected_grads(d_in, ids_row, y, vocab_start, V_total, work, C: tl.constexpr, F: tl.constexpr,
+                   BLOCK_S: tl.constexpr):
+    """(G, h_y, n) of a row's upstream gradients g_k of its selected log-probs (``d_in``: the row's d rows;
+    ``ids_row``: its ids; ``y``: the target's local column): their sum G (the dense share is -G p_i), the h of
+    the target's column (0 where no entry holds it) and the number n of entries holding an id in
+    [0, V_total) (an entry at another id takes no gradient, as the plain-torch path's NaN). The row's list
+    goes to ``work`` (int32 pairs, BLOCK_S of them: a local column, ascending, and the fp32 bits of its h),
+    its n entries first: the entries sorted by (id, entry), so an id's entries are adjacent, and a scan sums
+    each run of equal ids onto its last entry (the others hold 0). No loop over the K, no [K, K] block."""
+    k = tl.arange(0, BLOCK_S)
+    inside = k < F.SELECTED
+    ids = tl.load(ids_row + k, mask=inside, other=-1).to(tl.int64)
+    valid = inside & (ids >= 0) & (ids < V_total)
+    g = tl.load(d_in + C.selected + k, mask=valid, other=0.0)
+    key = tl.sort(tl.where(valid, ids * BLOCK_S + k, SORTS_LAST))
+    held = key != SORTS_LAST
+    sid = tl.where(held, key // BLOCK_S, -1)
+    unused, h = tl.associative_scan((sid, tl.where(held, tl.gather(g, (key % BLOCK_S).to(tl.int32), 0), 0.0)), 0,
+                                    _same_id_sum)
+    after = tl.gather(sid, tl.minimum(k + 1, BLOCK_S - 1), 0)
+    h = tl.where(held & ((k == BLOCK_S - 1) | (after != sid)), h, 0.0)
+    local = tl.where(held, sid - vocab_start, LIST_END).to(tl.int32)
+    tl.store(work + 2 * k, local)
+    tl.store(work + 2 * k + 1, h.to(tl.int32, bitcast=True))
+    h_y = tl.sum(tl.where((local == y) & (local >= 0), h, 0.0), axis=0)
+    return tl.sum(g, axis=0), h_y, tl.sum(held.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _list_entry(work, at, n):
+    """(local column, h) of a row's list entry ``at``: past its n entries LIST_END, before the first -1 (either
+    ends a walk)."""
+    inside = (at >= 0) & (at < n)
+    local = tl.load(work + 2 * at, mask=inside, other=0)
+    h = tl.load(work + 2 * at + 1, mask=inside, other=0).to(tl.float32, bitcast=True)
+    return tl.where(inside, local, tl.where(at < 0, -1, LIST_END)), h
+
+
+@triton.jit
+def selected_first(sel, DESCENDING: tl.constexpr):
+    """A walk's state (entry, its local column, its h) at the start of the gradient pass over the row: the
+    list's last entry holding an id when the pass walks the row last block first, else its first."""
+    work, n = sel
+    at = tl.zeros([], tl.int32)
+    if DESCENDING:
+        at = n - 1
+    local, h = _list_entry(work, at, n)
+    return at, local, h
+
+
+@triton.jit
+def selected_add(g, cols, start, sel, walk, scale, BLOCK_V: tl.constexpr, DESCENDING: tl.constexpr):
+    """(g, walk) with the h of the list's entries in the block [start, start + BLOCK_V) added at their columns
+    (times ``scale``: the transform's dx/dz where the pass folds it into g) and the walk past them. An entry
+    at another shard's column is passed by the block it would follow and matches no column."""
+    work, n = sel
+    at, local, h = walk
+    if DESCENDING:
+        while local >= start:
+            g = tl.where(cols == local, g + h * scale, g)
+            at -= 1
+            local, h = _list_entry(work, at, n)
+    else:
+        while local < start + BLOCK_V:
+            g = tl.where(cols == local, g + h * scale, g)
+            at += 1
+            local, h = _list_entry(work, at, n)
+    return g, (at, local, h)
+
+
+@triton.jit
+def selected_share(sel, cols, BLOCK_S: tl.constexpr):
+    """Each of ``cols``' h in the row's list (0 where no entry holds it): the last entry at or below it, by a
+    binary search (for the columns rewritten whole after the pass: a top-k teacher's ids)."""
+    work, n = sel
+    below = tl.zeros(cols.shape, tl.int32)  # entries known <= the column
+    for level in tl.static_range(_log2(BLOCK_S)):
+        step = BLOCK_S >> (level + 1)
+        probe, unused = _list_entry(work, below + step - 1, n)
+        below = tl.where(probe <= cols, below + step, below)
+    probe, unused = _list_entry(work, below, n)
+    below = tl.where((below < BLOCK_S) & (probe <= cols), below + 1, below)
+    local, h = _list_entry(work, below - 1, n)
+    return tl.where((below > 0) & (local == cols), h, 0.0)
+
+
+@triton.constexpr_function
+def _log2(n):
+    """log2 of a power of two."""
+    return n.bit_length() - 1
 
 
 @triton.jit
