@@ -82,7 +82,7 @@ def explain(spec: LossSpec, rows: int, vocab: int, dtype: torch.dtype, with_grad
           if spec.student_topk else []),
         *([f"selected    log p of the call's selected_ids [.., K] (K <= 64; shown for K = {DEMO_SELECTED}): K "
            "columns of the packed row buffer" + (", with gradient (the deferred backward adds each id's share "
-                                                 "after its pass)" if spec.differentiable_outputs else "")]
+                                                 "inside its pass)" if spec.differentiable_outputs else "")]
           if selecting else []),
         f"bytes       reads {traffic['logit_reads'] / 1e9:.3f} GB + gradient writes "
         f"{traffic['grad_writes'] / 1e9:.3f} GB = {traffic['total'] / 1e9:.3f} GB"

@@ -64,6 +64,10 @@ SPECS = {
     # a top-k teacher's; with differentiable outputs their gradient reaches each shard's own ids
     "selected_topk": LossSpec(distillation={"teacher": "topk", "topk": "rest"}, outputs=("selected_logprobs",),
                               transform=LogitTransform(softcap=4.0)),
+    # ... and with their gradient: each shard's list walked by its pass, the teacher's ids rewritten with theirs
+    "selected_topk_deferred": LossSpec(distillation={"teacher": "topk", "topk": "rest"},
+                                       outputs=("logprobs", "selected_logprobs"), differentiable_outputs=True,
+                                       transform=LogitTransform(softcap=4.0)),
     "selected_deferred": LossSpec(entropy=Entropy(weight=0.05), outputs=("logprobs", "selected_logprobs"),
                                   differentiable_outputs=True, transform=LogitTransform(temperature=0.7)),
     # the student's top-k: each shard's keys in the same all_gather, the top k of all of them; with a top-k
@@ -91,10 +95,10 @@ def _inputs(name: str, dtype: torch.dtype):
     ids = torch.randint(0, V, (b, t), generator=gen)
     ids[1, 2] = -100
     kwargs = {}
-    if name.startswith(("distill", "weighted_jsd")) or name == "selected_topk":
+    if name.startswith(("distill", "weighted_jsd", "selected_topk")):
         noise = torch.randn(b, t, V, generator=gen, dtype=torch.float64)
         teacher = (logits.double() + noise).to(dtype)
-        if name.startswith("distill_topk") or name == "selected_topk":  # 6 ids per row (the first gives 4)
+        if name.startswith(("distill_topk", "selected_topk")):  # 6 ids per row (the first gives 4)
             top = torch.log_softmax(teacher.double(), -1).topk(6, dim=-1)
             ids_k, logprobs = top.indices.clone(), top.values.float()
             ids_k[0, 0, 4:] = -1
@@ -111,6 +115,8 @@ def _inputs(name: str, dtype: torch.dtype):
     if "selected" in name:  # 7 ids per row in every shard, -1 among them and an id twice
         kwargs["selected_ids"] = torch.randint(-1, V, (b, t, 7), generator=gen)
         kwargs["selected_ids"][0, 2, 5] = kwargs["selected_ids"][0, 2, 1] = 40
+        if "teacher_ids" in kwargs:  # on the teacher's ids too (rewritten whole after the pass)
+            kwargs["selected_ids"][..., 2:4] = kwargs["teacher_ids"][..., :2]
     if name in ("grpo", "gspo", "weighted_grpo"):  # GSPO: sequence-level ratios, the objective in torch (deferred mode)
         old = -torch.rand(b, t, generator=gen) * 4
         kwargs = dict(advantages=torch.randn(b, generator=gen), old_logprobs=old,
@@ -245,7 +251,7 @@ def check_logits_job(results, world: int, quick: bool) -> None:
     for rank in range(world):
         out, refusals, first, layouts = results[rank]["logits"]
         assert first == (2, 1) and layouts == 1  # the first call also learnt the layout; never again
-        assert len(out) == len(_cases(quick)) == (len(QUICK) if quick else 64)
+        assert len(out) == len(_cases(quick)) == (len(QUICK) if quick else 66)
         for (name, dtype, backend, shift), (errs, calls) in out.items():
             tol = 1e-5 if dtype == "torch.float32" else 2e-2  # bf16: the gradient's own rounding
             for what, err in errs.items():
@@ -293,7 +299,7 @@ H = 12
 LINEAR_NAMES = ("full_sft", "smoothing_softcap_temperature", "grpo", "gspo", "deferred", "teacher_weight",
                 "teacher_logits", "distill_topk_rest", "distill_topk_verl", "distill_token", "row_temperature",
                 "distill_probs_jsd", "distill_topk_probs", "weighted_sft", "weighted_grpo", "selected_topk",
-                "selected_deferred", "distill_topk_student", "distill_jsd_student_selected")
+                "selected_topk_deferred", "selected_deferred", "distill_topk_student", "distill_jsd_student_selected")
 LINEAR_QUICK = ("full_sft", "gspo", "teacher_weight", "row_temperature")
 
 

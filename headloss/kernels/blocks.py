@@ -3,7 +3,7 @@
 * :func:`online_stats`   phase 1 -- one read of a row: running max, sum of exponentials, and only
                          the sums the variant needs (sum x, sum e*x, argmax, the teacher's)
 * :func:`gradient_pass`  phase 3 -- second read, one write: g = (p (A + B x) + C + D [i=y]) dx/dz
-                         (+ the distillation's per-element share)
+                         (+ the distillation's per-element share, + the selected ids' h at their columns)
 * :func:`reduce_rows`    the packed per-row buffer -> column means and the reduced loss
 * :func:`row_start` / :func:`row_slot`  where a program's row lives in each tensor
 

@@ -42,9 +42,9 @@ from .terms import kl_estimator, put
 
 NO_BAD_ENTRY = tl.constexpr(TEACHER_MARK)
 REST_FLOOR = tl.constexpr(-math.expm1(-1e-7))
+"""The least tail of ``topk: rest``: TRL clamps the log top-k mass at -1e-7, so 1 - mass >= -expm1(-1e-7)."""
 SORTS_LAST = tl.constexpr(2**63 - 1)  # (a sort key past every (id, entry) key: an entry with no id)
 LIST_END = tl.constexpr(2**31 - 1)  # (a selected list's column past every column: an entry with no id)
-"""The least tail of ``topk: rest``: TRL clamps the log top-k mass at -1e-7, so 1 - mass >= -expm1(-1e-7)."""
 
 
 class SparseRows(NamedTuple):
@@ -377,7 +377,8 @@ def selected_first(sel, DESCENDING: tl.constexpr):
 def selected_add(g, cols, start, sel, walk, scale, BLOCK_V: tl.constexpr, DESCENDING: tl.constexpr):
     """(g, walk) with the h of the list's entries in the block [start, start + BLOCK_V) added at their columns
     (times ``scale``: the transform's dx/dz where the pass folds it into g) and the walk past them. An entry
-    at another shard's column is passed by the block it would follow and matches no column."""
+    at another shard's column matches no column: those on the side the walk starts from are passed by its
+    first block, those on the far side never reached."""
     work, n = sel
     at, local, h = walk
     if DESCENDING:
@@ -403,8 +404,8 @@ def selected_share(sel, cols, BLOCK_S: tl.constexpr):
         step = BLOCK_S >> (level + 1)
         probe, unused = _list_entry(work, below + step - 1, n)
         below = tl.where(probe <= cols, below + step, below)
-    probe, unused = _list_entry(work, below, n)
-    below = tl.where((below < BLOCK_S) & (probe <= cols), below + 1, below)
+    probe, unused = _list_entry(work, below, n)  # (below <= BLOCK_S - 1 here: the last entry's test)
+    below = tl.where(probe <= cols, below + 1, below)
     local, h = _list_entry(work, below - 1, n)
     return tl.where((below > 0) & (local == cols), h, 0.0)
 

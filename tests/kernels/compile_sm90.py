@@ -287,7 +287,8 @@ VARIANTS = {
                            validate=True),
     "token-weights-deferred": _head(headloss.LossSpec(reduction="none", token_weights={}), weighted=True),
     # the selected ids' log-probs: K logits loaded after the stats pass; with their gradient, -G in A and each
-    # id's share added after the pass (a top-k teacher's scatter first); vocab-parallel: their merged logits
+    # id's share added in the gradient pass from a sorted list (a top-k teacher's ids by a binary search of it
+    # in their scatter); vocab-parallel: their merged logits
     "selected": _head(headloss.LossSpec(outputs=("selected_logprobs",)), selected=64, validate=True),
     "selected-deferred-topk": _head(headloss.LossSpec(
         distillation={"teacher": "topk", "topk": "rest"}, outputs=("selected_logprobs",),
