@@ -392,7 +392,7 @@ def test_selected_ids_that_are_no_ids_are_named(given, error):
 
 @needs_kernel
 @pytest.mark.parametrize(("backend", "teacher", "softcap"), tiered(
-    ["triton", "torch"], ["none", "dense", "topk", "topk-rest"], [None, 4.0]))
+    ["triton", "torch"], ["none", "dense", "topk", "topk-rest"], [None, 4.0], pairs=False))
 def test_the_selected_ids_share_of_the_gradient_is_the_same_beside_every_teacher(backend, teacher, softcap,
                                                                                    monkeypatch):
     """The gradient with the selected ids' term minus the same call's without it is the fp64 gradient of
