@@ -253,7 +253,8 @@ def topk_block(x2, cols, V, top, first, BLOCK_T: tl.constexpr):
 
 @triton.jit
 def insert_block(x2, cols, V, keys, thr, first, BLOCK_T: tl.constexpr):
-    """The block's keys above the threshold into the running top-k (keys, thr), largest first."""
+    """The block's keys above the threshold into the running top-k (keys, thr): each into the slot of the
+    smallest, so the keys are in no order (:func:`topk_reread` sorts them after its last block)."""
     t = tl.arange(0, BLOCK_T)
     key = key_of(x2, cols.to(tl.int64) + first)
     key = tl.where(cols < V, key, KEY_MIN)
