@@ -6,7 +6,8 @@ torch eager and the 3 bare cuBLAS GEMMs (the floor), in one run.
   python -m benchmarks.bench_linear --frontier 16384 151936 --stem bench_linear_frontier
                                                  # time against peak memory at one shape: the chunk
                                                  # budgets beside the floor and the peers
-                                                 # (--dw-gemm: each budget again with quack's dW GEMM)
+                                                 # (--dw-gemm: each budget again with dW accumulated
+                                                 # by cuBLAS and by quack, beside the default's pick)
   python -m benchmarks.bench_linear --frontier 16384 151936 --main-grad --budgets 256 1024 1408
                                                  # the caller's fp32 main_grad given (Megatron's gradient
                                                  # accumulation fusion): the scalar loss and the per-token
@@ -107,20 +108,22 @@ def run(rows: list[Row], case: str, n: int, h: int, v: int, names: list[str] | N
 
 
 FRONTIER_MIB = (128, 192, 256, 384, 512, 1024, 2048)
-QUACK_MIB = (256, 384, 1024)  # (quack tunes its GEMM per shape: each budget's chunk rows compile and tune once)
+DW_MIB = (256, 384, 1024)
 
 
 def frontier(rows: list[Row], n: int, v: int, h: int, dw_gemm: bool = False, budgets=None) -> None:
     """The chunk budget's trade at one shape: headloss at each budget (its peak memory counts dW and
-    dh), the 3 GEMMs and the peers, one run; ``dw_gemm``: also each budget with dW accumulated by
-    quack-kernels' gemm_add_inplace (chunks.DW_GEMM), beside the same budget with cuBLAS's addmm.
-    ``budgets`` (MiB): these budgets only, for both GEMMs (default FRONTIER_MIB, and QUACK_MIB for quack)."""
+    dh), the 3 GEMMs and the peers, one run; ``dw_gemm``: also each budget with dW accumulated by cuBLAS's
+    addmm and by quack-kernels' GEMM (dw_gemm.DW_GEMM), beside the default's choice (``auto``: quack where
+    it is installed and runs). ``budgets`` (MiB): these budgets only (default FRONTIER_MIB, and DW_MIB for
+    the forced GEMMs)."""
     extra = {f"headloss chunk={mib}MiB": (lambda h_, w_, y_, mib=mib: linear_head_loss(
         h_, w_, y_, chunk_bytes=mib << 20).loss.backward()) for mib in budgets or FRONTIER_MIB}
     if dw_gemm:
-        extra.update({f"headloss dW=quack chunk={mib}MiB": (lambda h_, w_, y_, mib=mib: _with_quack_dw(
-            lambda: linear_head_loss(h_, w_, y_, chunk_bytes=mib << 20).loss.backward()))
-            for mib in budgets or QUACK_MIB})
+        for impl in ("cublas", "quack"):
+            extra.update({f"headloss dW={impl} chunk={mib}MiB": (lambda h_, w_, y_, mib=mib, impl=impl: _with_dw_gemm(
+                impl, lambda: linear_head_loss(h_, w_, y_, chunk_bytes=mib << 20).loss.backward()))
+                for mib in budgets or DW_MIB})
     run(rows, "frontier", n, h, v, ["3-gemm-floor", "liger-flce", "cce", *extra], extra)
 
 
@@ -156,15 +159,16 @@ def main_grad_frontier(rows: list[Row], n: int, v: int, h: int, budgets=None) ->
     run(rows, "frontier", n, h, v, ["3-gemm-floor", "liger-flce", *extra], extra)
 
 
-def _with_quack_dw(step: Callable) -> None:
-    """``step`` with dW accumulated by quack-kernels' gemm_add_inplace (chunks.DW_GEMM)."""
-    from headloss import chunks
+def _with_dw_gemm(impl: str, step: Callable) -> None:
+    """``step`` with dW accumulated by ``impl`` (dw_gemm.DW_GEMM: cublas or quack)."""
+    from headloss import dw_gemm
 
-    chunks.DW_GEMM["impl"] = "quack"
+    before = dw_gemm.DW_GEMM["impl"]
+    dw_gemm.DW_GEMM["impl"] = impl
     try:
         step()
     finally:
-        chunks.DW_GEMM["impl"] = "cublas"
+        dw_gemm.DW_GEMM["impl"] = before
 
 
 def dw_accuracy(rows: list[Row], n: int, h: int, v: int) -> None:
@@ -251,7 +255,7 @@ def main() -> None:
     parser.add_argument("--frontier", type=int, nargs=2, metavar=("N", "V"),
                         help="only the time / memory frontier of the chunk budgets at N rows, V words")
     parser.add_argument("--dw-gemm", action="store_true",
-                        help="with --frontier: each budget again with dW accumulated by quack-kernels")
+                        help="with --frontier: each budget again with dW accumulated by cuBLAS and by quack")
     parser.add_argument("--main-grad", action="store_true",
                         help="with --frontier: weight_grad='main_grad' at each budget (the caller's fp32 main_grad)")
     parser.add_argument("--budgets", type=int, nargs="+", metavar="MIB",

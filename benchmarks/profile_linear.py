@@ -4,9 +4,9 @@ all chunks of N rows, and the variants tried for the small-chunk GEMMs.
   python -m benchmarks.profile_linear [--rows 8192] [--hidden 4096] [--vocab 128256]
                                       [--chunks 256 320 384 512 1024] [--dw-gemm] [--no-variants]
 
-``--dw-gemm``: also quack-kernels' gemm_add_inplace for the dW accumulation (the sweep, and the whole
-call with ``chunks.DW_GEMM["impl"] = "quack"``, its kernels listed); ``--no-variants``: only the chunk
-loop's own ops (no cuBLASLt, kernel launch configs, split-K or streams).
+``--dw-gemm``: also quack-kernels' GEMM for the dW accumulation (the sweep, and the whole call with
+``dw_gemm.DW_GEMM["impl"] = "quack"``, its kernels listed; the other whole calls force ``cublas``);
+``--no-variants``: only the chunk loop's own ops (no cuBLASLt, kernel launch configs, split-K or streams).
 
 Every number is the median (CUDA events, 10 runs) of one whole sweep over the N rows, so each
 op is timed at the shape and the memory traffic the chunked loop gives it. Writes
@@ -30,9 +30,10 @@ from benchmarks.common import (
     time_ms,
     write_rows,
 )
-from headloss import chunks
+from headloss import dw_gemm
 from headloss.api import linear_head_loss
-from headloss.chunks import chunk_rows_for, quack_gemm_add
+from headloss.chunks import chunk_rows_for
+from headloss.dw_gemm import quack_gemm_add
 from headloss.kernels.launch import LAUNCH_OVERRIDES
 from headloss.linear import chunk_head_
 from headloss.plan import compile_plan
@@ -146,7 +147,7 @@ def ops(hidden, weight, targets, rows: int, dw_gemm: bool = False, variants: boo
         "dh || dW (2 streams)": sweep(two_streams),
     }
     if dw_gemm:
-        quack = quack_gemm_add()
+        quack = quack_gemm_add(torch.cuda.get_device_capability()[0])
         table["dW += g^T@h [quack gemm_add_inplace]"] = sweep(lambda s, e, g: quack(g.t(), hidden[s:e], dw))
     if not variants:
         for name in ("chunk loop, next logits on a side stream", "dh || dW (2 streams)"):
@@ -233,12 +234,12 @@ def main() -> None:
             torch.cuda.empty_cache()
         blas("cublas")
         for impl in ("cublas", "quack") if args.dw_gemm else ("cublas",):
-            chunks.DW_GEMM["impl"] = impl
+            dw_gemm.DW_GEMM["impl"] = impl
             try:
                 whole_call(hidden, weight, targets, rows, floor["cublas"], record,
                            "linear_head_loss fwd+bwd" + (" [dW: quack]" if impl == "quack" else ""))
             finally:
-                chunks.DW_GEMM["impl"] = "cublas"
+                dw_gemm.DW_GEMM["impl"] = "auto"
                 torch.cuda.empty_cache()
     out = out_dir_default()
     js, cs = write_rows(rows_out, out, "profile_linear")

@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import bounded, env
 from .batch import Teacher
+from .dw_gemm import add_dw
 from .plan import KernelPlan
 from .policy.tokens import PolicyTokens
 from .spec import Policy
@@ -245,30 +245,6 @@ def accumulate(grads: Grads, g, h_c, weight, index, start: int, stop: int) -> No
             grads.db += g.sum(dim=0, dtype=torch.float32)
 
 
-DW_GEMM = {"impl": env.DW_GEMM}
-"""The GEMM that accumulates dW after the first chunk (``impl``: ``cublas`` or ``quack``; env.py's
-HEADLOSS_DW_GEMM at import, settable at run time)."""
-
-
-def add_dw(dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor, beta: float = 1.0) -> None:
-    """dw = beta dw + g.T @ h in place (dw in the weight's dtype, or fp32 while accumulating). With
-    DW_GEMM ``quack``, an accumulation (beta != 0) of a CUDA chunk runs quack-kernels' gemm_add_inplace,
-    whose epilogue reads dw while the next tile's main loop runs (cuBLAS's addmm reads it after)."""
-    impl = DW_GEMM["impl"]
-    if impl != "cublas":
-        if impl != "quack":
-            raise ValueError(f"chunks.DW_GEMM['impl']: expected 'cublas' or 'quack', got {impl!r}")
-        if beta != 0.0 and g.is_cuda:
-            quack_gemm_add()(g.t(), h, dw, beta=beta)
-            return
-    if dw.dtype == g.dtype:
-        torch.addmm(dw, g.t(), h, beta=beta, out=dw)
-    elif g.is_cuda:
-        torch.addmm(dw, g.t(), h, beta=beta, out_dtype=torch.float32, out=dw)
-    else:  # the CPU has no mixed-dtype addmm
-        torch.addmm(dw, g.t().float(), h.float(), beta=beta, out=dw)
-
-
 def finish_grads(grads: Grads, weight, bias) -> tuple:
     """(dh, dW, db) as autograd takes them (dW None where it went into the caller's main_grad)."""
     dw = None if grads.dw_into else grads.dw
@@ -283,14 +259,3 @@ def spread(t: torch.Tensor, index: torch.Tensor | None, rows: int, fill: float |
         return t
     return fill.expand(rows, *t.shape[1:]).clone().index_copy_(0, index, t) if isinstance(fill, torch.Tensor) else \
         torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype, device=t.device).index_copy_(0, index, t)
-
-
-@bounded.memoize("chunks.quack", 1, "quack-kernels' gemm_add_inplace, imported once (an optional dependency)")
-def quack_gemm_add():
-    """quack-kernels' ``gemm_add_inplace`` (out = alpha A @ B + beta out), or an ImportError naming the setting."""
-    try:
-        from quack.gemm_interface import gemm_add_inplace
-    except ImportError as exc:
-        raise ImportError(f"HEADLOSS_DW_GEMM=quack (chunks.DW_GEMM): quack-kernels is not importable ({exc}); "
-                          "pip install quack-kernels, or use 'cublas'") from exc
-    return gemm_add_inplace

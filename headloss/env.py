@@ -18,9 +18,9 @@ variable                       read       effect
 ``HEADLOSS_BLOCK_V``,          at import  force the head kernels' vocabulary block and warps (tuning
 ``HEADLOSS_NUM_WARPS``                    sweeps; ``kernels.launch.LAUNCH_OVERRIDES`` is the same at run time)
 ``HEADLOSS_DW_GEMM``           at import  the lm_head's weight-gradient accumulation ``dW += g.T @ h`` after the
-                                          first chunk: ``cublas`` (default, torch.addmm) or ``quack``
-                                          (quack-kernels' gemm_add_inplace, CuTe-DSL, Hopper; needs the
-                                          package); ``chunks.DW_GEMM`` is the same at run time
+                                          first chunk: ``auto`` (default: quack-kernels' Hopper GEMM where
+                                          it is installed and runs, else torch.addmm), ``cublas`` or
+                                          ``quack``; ``dw_gemm.DW_GEMM`` is the same at run time
 =============================  =========  ===============================================================
 """
 
@@ -51,9 +51,9 @@ COMPILE_HANDOFF = _flag("HEADLOSS_COMPILE_HANDOFF", "1")
 FAST_LAUNCH = _flag("HEADLOSS_FAST_LAUNCH", "1")
 BLOCK_V = _int("HEADLOSS_BLOCK_V")
 NUM_WARPS = _int("HEADLOSS_NUM_WARPS")
-DW_GEMM = os.environ.get("HEADLOSS_DW_GEMM", "cublas").strip().lower() or "cublas"
-if DW_GEMM not in ("cublas", "quack"):
-    raise ValueError(f"HEADLOSS_DW_GEMM: expected 'cublas' or 'quack', got {DW_GEMM!r}")
+DW_GEMM = os.environ.get("HEADLOSS_DW_GEMM", "auto").strip().lower() or "auto"
+if DW_GEMM not in ("auto", "cublas", "quack"):
+    raise ValueError(f"HEADLOSS_DW_GEMM: expected 'auto', 'cublas' or 'quack', got {DW_GEMM!r}")
 
 
 def validate_default() -> str:

@@ -21,7 +21,8 @@ from dataclasses import replace
 import torch
 
 from . import ops
-from .chunks import ROWS, ChunkCut, ChunkLoop, LinearRun, LmHead, add_dw, budget_rows, linear_into, spread
+from .chunks import ROWS, ChunkCut, ChunkLoop, LinearRun, LmHead, budget_rows, linear_into, spread
+from .dw_gemm import add_dw
 from .head import Block
 from .kernels.head import PolicyRows, launch_backward
 from .kernels.shard import launch_shard_stats

@@ -1332,11 +1332,11 @@ def test_token_weights_in_the_policy_terms_aggregation_on_the_compiled_kernels(n
 
 
 @pytest.mark.parametrize("fp32_weight_grad", [False, True], ids=["bf16-dW", "fp32-dW"])
-def test_quack_weight_gradient_accumulation_equals_cublas(fp32_weight_grad):
-    """chunks.DW_GEMM "quack" (quack-kernels' gemm_add_inplace for dW after the first chunk): the same loss,
-    dh, and dW within the GEMMs' rounding as cuBLAS's addmm, over several chunks."""
+def test_quack_weight_gradient_accumulation_equals_cublas(fp32_weight_grad, monkeypatch):
+    """dw_gemm.DW_GEMM "quack" (quack-kernels' GEMM for dW after the first chunk, at headloss's pinned config on
+    Hopper): the same loss, dh, and dW within the GEMMs' rounding as cuBLAS's addmm, over several chunks."""
     pytest.importorskip("quack.gemm_interface")
-    from headloss import chunks
+    from headloss import dw_gemm
 
     n, h, v = 1000, 512, 32000
     gen = torch.Generator(device="cuda").manual_seed(83)
@@ -1345,17 +1345,55 @@ def test_quack_weight_gradient_accumulation_equals_cublas(fp32_weight_grad):
     ids = torch.randint(0, v, (n,), device="cuda", generator=gen)
     grads = {}
     for impl in ("cublas", "quack"):
-        chunks.DW_GEMM["impl"] = impl
-        try:
-            hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-            out = headloss.linear_head_loss(hh, ww, ids, chunk_bytes=128 * v * 2, fp32_weight_grad=fp32_weight_grad)
-            out.loss.backward()
-        finally:
-            chunks.DW_GEMM["impl"] = "cublas"
+        monkeypatch.setitem(dw_gemm.DW_GEMM, "impl", impl)
+        hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = headloss.linear_head_loss(hh, ww, ids, chunk_bytes=128 * v * 2, fp32_weight_grad=fp32_weight_grad)
+        out.loss.backward()
         grads[impl] = (out.loss.detach(), hh.grad, ww.grad)
     (loss_c, dh_c, dw_c), (loss_q, dh_q, dw_q) = grads["cublas"], grads["quack"]
     assert torch.equal(loss_c, loss_q) and torch.equal(dh_c, dh_q)
     assert _rel(dw_q.float(), dw_c.float()) < (1e-2 if not fp32_weight_grad else 1e-5)
+
+
+@pytest.mark.parametrize("case", ["quack", "few rows", "odd vocabulary"])
+def test_the_default_weight_gradient_gemm_is_quack_where_it_runs_and_cublas_elsewhere(case, monkeypatch):
+    """DW_GEMM "auto" (the default) on a Hopper GPU with quack-kernels installed: chunks of QUACK_MIN_ROWS rows
+    or more accumulate dW with quack (counted), fewer rows or a vocabulary whose rows quack's loads cannot take
+    with cuBLAS; loss and dh equal cuBLAS's, dW within the GEMMs' rounding (against fp64 too)."""
+    pytest.importorskip("quack.gemm_interface")
+    from headloss import dw_gemm
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("auto sends dW to quack on Hopper only")
+    rows = {"quack": 768, "few rows": 512, "odd vocabulary": 768}[case]
+    n, h, v = 3 * rows + 100, 512, 32003 if case == "odd vocabulary" else 32000
+    gen = torch.Generator(device="cuda").manual_seed(84)
+    hidden = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(v, h, device="cuda", generator=gen) / 16).to(torch.bfloat16)
+    ids = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    calls = []
+    quack_add = dw_gemm.quack_gemm_add
+
+    def counted(major):
+        add = quack_add(major)
+        return lambda a, b, out: (calls.append(a.shape[1]), add(a, b, out))
+
+    monkeypatch.setattr(dw_gemm, "quack_gemm_add", counted)
+    grads = {}
+    for impl in ("cublas", "auto"):
+        monkeypatch.setitem(dw_gemm.DW_GEMM, "impl", impl)
+        hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = headloss.linear_head_loss(hh, ww, ids, chunk_bytes=rows * v * 2, compact=False)
+        out.loss.backward()
+        grads[impl] = (out.loss.detach(), hh.grad, ww.grad)
+    # chunks after the first: two of `rows` rows and the last of 100; quack takes the full ones
+    assert calls == ([rows, rows] if case == "quack" else [])
+    (loss_c, dh_c, dw_c), (loss_a, dh_a, dw_a) = grads["cublas"], grads["auto"]
+    assert torch.equal(loss_c, loss_a) and torch.equal(dh_c, dh_a)
+    assert _rel(dw_a.float(), dw_c.float()) < 1e-2
+    logits = hidden.double() @ weight.double().t()
+    g = torch.softmax(logits, -1) - torch.nn.functional.one_hot(ids, v).double()
+    assert _rel(dw_a.float(), (g.t() @ hidden.double() / n).float()) < 1e-2
 
 
 def test_bad_num_items_on_the_device_is_raised_by_check_pending():

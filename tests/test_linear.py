@@ -973,29 +973,74 @@ def test_autocast_runs_the_gemms_in_its_dtype_with_a_float64_teacher_read_as_flo
 
 
 def test_the_weight_gradient_gemm_setting_is_checked_and_names_quack_when_it_is_missing(monkeypatch):
-    """HEADLOSS_DW_GEMM takes cublas or quack (an error naming it otherwise, at import); with quack asked for
-    and quack-kernels not importable, the first accumulation raises naming the setting; CPU chunks keep
+    """HEADLOSS_DW_GEMM takes auto, cublas or quack (an error naming it otherwise, at import); with quack asked
+    for and quack-kernels not importable, the first accumulation raises naming the setting; CPU chunks keep
     torch's addmm whatever the setting."""
     import subprocess
     import sys
 
+    from headloss import dw_gemm
+
     done = subprocess.run([sys.executable, "-c", "import headloss"], capture_output=True, text=True,
                           env={**__import__("os").environ, "HEADLOSS_DW_GEMM": "cutlass"}, timeout=120)
-    assert done.returncode != 0 and "HEADLOSS_DW_GEMM: expected 'cublas' or 'quack', got 'cutlass'" in done.stderr
-    monkeypatch.setitem(headloss.chunks.DW_GEMM, "impl", "quack")
+    assert done.returncode != 0
+    assert "HEADLOSS_DW_GEMM: expected 'auto', 'cublas' or 'quack', got 'cutlass'" in done.stderr
     gen = torch.Generator().manual_seed(3)
     g, h = torch.randn(5, 7, generator=gen), torch.randn(5, 3, generator=gen)
     dw = torch.randn(7, 3, generator=gen)
-    want = dw + g.t() @ h
-    headloss.chunks.add_dw(dw, g, h)  # (a CPU chunk: torch's addmm)
-    torch.testing.assert_close(dw, want)
-    monkeypatch.setitem(headloss.chunks.DW_GEMM, "impl", "cutlass")
-    with pytest.raises(ValueError, match=r"chunks.DW_GEMM\['impl'\]: expected 'cublas' or 'quack', got 'cutlass'"):
-        headloss.chunks.add_dw(dw, g, h)
-    monkeypatch.setitem(headloss.chunks.DW_GEMM, "impl", "quack")
-    headloss.chunks.quack_gemm_add.cache_clear()
+    for impl in dw_gemm.DW_GEMM_IMPLS:
+        monkeypatch.setitem(dw_gemm.DW_GEMM, "impl", impl)
+        want = dw + g.t() @ h
+        dw_gemm.add_dw(dw, g, h)  # (a CPU chunk: torch's addmm)
+        torch.testing.assert_close(dw, want)
+    monkeypatch.setitem(dw_gemm.DW_GEMM, "impl", "cutlass")
+    with pytest.raises(ValueError, match=r"dw_gemm.DW_GEMM\['impl'\]: expected one of auto, cublas, quack, got 'cutl"):
+        dw_gemm.add_dw(dw, g, h)
+    dw_gemm.quack_gemm_add.cache_clear()
     try:
         import quack.gemm_interface  # noqa: F401
     except ImportError:
-        with pytest.raises(ImportError, match="HEADLOSS_DW_GEMM=quack .chunks.DW_GEMM.: quack-kernels is not"):
-            headloss.chunks.quack_gemm_add()
+        with pytest.raises(ImportError, match="HEADLOSS_DW_GEMM=quack .dw_gemm.DW_GEMM.: quack-kernels is not"):
+            dw_gemm.quack_gemm_add(9)
+
+
+def test_the_weight_gradient_gemm_is_auto_unless_the_environment_says_otherwise():
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "HEADLOSS_DW_GEMM"}
+    done = subprocess.run([sys.executable, "-c", "import headloss.dw_gemm as d; print(d.DW_GEMM['impl'])"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.stdout.strip() == "auto", done.stderr
+
+
+@pytest.mark.parametrize("case", ["fits", "fp32 dW", "fp32 g", "fp16 h beside bf16 g", "odd vocabulary",
+                                  "odd hidden", "h off 16 bytes", "h columns strided", "dW transposed"])
+def test_quack_takes_only_operands_its_tma_loads_can_read(case):
+    """dw_gemm.quack_fits, which auto and quack ask before sending an accumulation to quack (its TMA loads need
+    16-bit operands with unit-stride rows, 16-byte row strides and addresses; dW contiguous, 16-bit or fp32)."""
+    from headloss.dw_gemm import quack_fits
+
+    bf = torch.bfloat16
+    g = torch.randn(40, 64).to(bf)  # [K rows, V]
+    big_h = torch.randn(41, 48).to(bf)
+    h = big_h[:40]  # [K, H]
+    dw = torch.randn(64, 48).to(bf)
+    want = case in ("fits", "fp32 dW")
+    if case == "fp32 dW":
+        dw = dw.float()
+    elif case == "fp32 g":
+        g = g.float()
+    elif case == "fp16 h beside bf16 g":
+        h = h.half()
+    elif case == "odd vocabulary":
+        g, dw = torch.randn(40, 63).to(bf), dw[:63]  # (rows of 63 words: a 126-byte row stride)
+    elif case == "odd hidden":
+        h, dw = torch.randn(40, 44).to(bf)[:, :43], dw[:, :43].contiguous()
+    elif case == "h off 16 bytes":
+        h = big_h.view(-1)[1:1 + 40 * 48].view(40, 48)
+    elif case == "h columns strided":
+        h = torch.randn(40, 96).to(bf)[:, ::2]
+    elif case == "dW transposed":
+        dw = torch.randn(48, 64).to(bf).t()
+    assert quack_fits(dw, g, h) is want
