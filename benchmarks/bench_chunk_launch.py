@@ -1,0 +1,164 @@
+"""The head kernel's block and warps on the fused lm_head's chunks: fewer, wider programs keep fewer rows in
+flight, so more of a row may still be in L2 when the gradient pass reads it again. In isolation and end to end.
+
+  python -m benchmarks.bench_chunk_launch            # the head kernel alone (CE, gradient in place) over
+                                                     # chunk sweeps of distinct [N, V] rows at each launch
+                                                     # config, its gradient against the default config's, and
+                                                     # the read+write / read rates of the same sweeps
+  python -m benchmarks.bench_chunk_launch --whole    # linear_head_loss fwd+bwd at each config: CE, the full
+                                                     # SFT spec, GRPO clip, per-token CE (4 GEMMs), forward KL
+                                                     # from both heads' hidden states (16384 x 151936, H 4096);
+                                                     # CE and forward KL at 8192 x 128256; two rounds
+  python -m benchmarks.bench_chunk_launch --one CFG  # one sweep of 4 chunks of 768 x 151936 at CFG ("default"
+                                                     # or "block,warps"), for a profiler: ncu -k regex:head_kernel
+
+Prints its results (kept as benchmarks/results/*.log). The configs go through kernels.launch.LAUNCH_OVERRIDES.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import headloss
+from benchmarks.bench_objectives import spec_of
+from benchmarks.common import time_ms
+from headloss.kernels.launch import LAUNCH_OVERRIDES
+from headloss.linear import chunk_head_
+from headloss.plan import compile_plan
+
+CONFIGS = [None, (2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32), (8192, 32)]
+WHOLE_CONFIGS = [None, (16384, 32), (16384, 16), (8192, 8)]
+TEACHER_CONFIGS = [None, (4096, 8), (8192, 16), (16384, 32)]
+H = 4096
+FULL = headloss.LossSpec(z_loss={"weight": 1e-4}, entropy={"weight": 0.0}, token_accuracy=True,
+                         outputs=("predicted_tokens",))
+
+
+def with_config(cfg, fn):
+    LAUNCH_OVERRIDES.update(block_v=cfg[0] if cfg else None, num_warps=cfg[1] if cfg else None)
+    try:
+        return fn()
+    finally:
+        LAUNCH_OVERRIDES.update(block_v=None, num_warps=None)
+
+
+def isolated(n: int, v: int, chunk: int, cfgs, reps: int = 10) -> None:
+    """The head kernel over chunks of ``chunk`` rows of one [n, v] buffer (restored before each sweep)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pristine = (torch.randn(n, v, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+    x = torch.empty_like(pristine)
+    y = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    plan = compile_plan(headloss.LossSpec(), has_targets=True)
+    spans = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+
+    def setup():
+        x.copy_(pristine)
+
+    def sweep():
+        for s, e in spans:
+            chunk_head_(plan, x[s:e], y[s:e])
+
+    ref = None
+    gb = 3 * n * v * 2 / 1e9
+    print(f"== N {n} V {v} chunk {chunk}: 3 sweeps = {gb:.2f} GB", flush=True)
+    for cfg in cfgs:
+        try:
+            with_config(cfg, lambda: (setup(), sweep()))
+            torch.cuda.synchronize()
+            if ref is None:
+                ref = x[: min(n, 2048)].float().clone()
+            err = (x[: min(n, 2048)].float() - ref).abs().max().item()
+            ms = with_config(cfg, lambda: time_ms(sweep, setup, reps=reps)[0])
+            print(f"  cfg {str(cfg):>14}: {ms:7.3f} ms  {gb / ms:6.2f} TB/s eff  max|dg| vs default {err:.2e}",
+                  flush=True)
+        except Exception as exc:  # a config that does not compile or launch is a result too
+            print(f"  cfg {cfg}: failed {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    rw = time_ms(lambda: [x[s:e].mul_(1.0) for s, e in spans], setup, reps=reps)[0]
+    rd = time_ms(lambda: [x[s:e].amax() for s, e in spans], setup, reps=reps)[0]
+    print(f"  read+write in place: {rw:.3f} ms ({2 * n * v * 2 / 1e9 / rw:.2f} TB/s); read: {rd:.3f} ms "
+          f"({n * v * 2 / 1e9 / rd:.2f} TB/s); 3 sweeps at the r+w rate {rw * 1.5:.3f} ms", flush=True)
+
+
+def steps(n: int, v: int, names):
+    """linear_head_loss fwd+bwd steps by name, their setup, and (hidden, weight)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(n, H, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, H, device="cuda", generator=gen) / H**0.5 * 2.0).to(torch.bfloat16).requires_grad_()
+    y = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    seq = 1024
+    b = n // seq
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    pol = dict(advantages=torch.randn(b, device="cuda", generator=gen),
+               old_logprobs=-torch.rand(b, seq, device="cuda", generator=gen) * 5,
+               ref_logprobs=-torch.rand(b, seq, device="cuda", generator=gen) * 5,
+               loss_mask=torch.ones(b, seq, device="cuda"))
+    th = torch.randn(n, H, device="cuda", generator=gen, dtype=torch.bfloat16)
+    tw = (torch.randn(v, H, device="cuda", generator=gen) / H**0.5 * 2.0).to(torch.bfloat16)
+    fkl = headloss.LossSpec(cross_entropy=None, distillation={"divergence": "forward_kl"})
+    table = {
+        "ce": lambda: headloss.linear_head_loss(h, w, y).loss.backward(),
+        "full": lambda: headloss.linear_head_loss(h, w, y, FULL).loss.backward(),
+        "clip": lambda: headloss.linear_head_loss(h.view(b, seq, H), w, y.view(b, seq), spec_of("clip"),
+                                                  **pol).loss.backward(),
+        "none": lambda: headloss.linear_head_loss(h, w, y, headloss.LossSpec(reduction="none")).loss.sum().backward(),
+        "fkl": lambda: headloss.linear_head_loss(h, w, None, fkl, teacher_hidden=th, teacher_weight=tw).loss.backward(),
+    }
+
+    def setup():
+        h.grad = w.grad = None
+
+    return {k: table[k] for k in names}, setup, (h, w)
+
+
+def whole(n: int, v: int, names, rounds: int = 2, reps: int = 7) -> None:
+    table, setup, (h, w) = steps(n, v, names)
+
+    def gemms():
+        logits = h @ w.t()
+        torch.mm(logits, w)
+        torch.mm(logits.t(), h)
+
+    with torch.no_grad():
+        gemms()
+        floor = time_ms(gemms, reps=reps)[0]
+    print(f"== N {n} V {v}: 3 GEMMs {floor:.2f} ms", flush=True)
+    for name, step in table.items():
+        cfgs = TEACHER_CONFIGS if name == "fkl" else WHOLE_CONFIGS
+        ref = None
+        for cfg in cfgs:
+            with_config(cfg, lambda step=step: (setup(), step()))
+            torch.cuda.synchronize()
+            g = w.grad.float()
+            ref = g if ref is None else ref
+            err = ((g - ref).abs().max() / ref.abs().max()).item()
+            print(f"  {name:5s} cfg {str(cfg):>13}: dW rel diff vs default {err:.1e}", flush=True)
+        for r in range(rounds):
+            line = []
+            for cfg in cfgs:
+                ms = with_config(cfg, lambda step=step: time_ms(step, setup, reps=reps)[0])
+                line.append(f"{str(cfg)}: {ms:.2f} ({ms / floor:.3f}x)")
+            print(f"  {name:5s} round {r}: " + "; ".join(line), flush=True)
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--whole", action="store_true", help="linear_head_loss end to end at each config")
+    parser.add_argument("--one", metavar="CFG", help="one sweep at CFG, for a profiler")
+    args = parser.parse_args()
+    if args.one:
+        cfg = None if args.one == "default" else tuple(int(t) for t in args.one.split(","))
+        isolated(768 * 4, 151936, 768, [cfg], reps=1)
+    elif args.whole:
+        whole(16384, 151936, ["ce", "full", "clip", "none", "fkl"])
+        whole(8192, 128256, ["ce", "fkl"])
+    else:
+        isolated(16384, 151936, 768, CONFIGS)
+        isolated(8192, 128256, 1024, CONFIGS)
+        isolated(8192, 128256, 8192, CONFIGS)
+
+
+if __name__ == "__main__":
+    main()
