@@ -1355,17 +1355,19 @@ def test_quack_weight_gradient_accumulation_equals_cublas(fp32_weight_grad, monk
     assert _rel(dw_q.float(), dw_c.float()) < (1e-2 if not fp32_weight_grad else 1e-5)
 
 
-@pytest.mark.parametrize("case", ["quack", "few rows", "odd vocabulary"])
+@pytest.mark.parametrize("case", ["quack", "few rows", "odd vocabulary", "side stream"])
 def test_the_default_weight_gradient_gemm_is_quack_where_it_runs_and_cublas_elsewhere(case, monkeypatch):
     """DW_GEMM "auto" (the default) on a Hopper GPU with quack-kernels installed: chunks of QUACK_MIN_ROWS rows
     or more accumulate dW with quack (counted), fewer rows or a vocabulary whose rows quack's loads cannot take
-    with cuBLAS; loss and dh equal cuBLAS's, dW within the GEMMs' rounding (against fp64 too)."""
+    with cuBLAS; loss and dh equal cuBLAS's, dW within the GEMMs' rounding (against fp64 too). "side stream": the
+    call on a stream held back by a long sleep, so that a quack launch on any other stream would read the chunk
+    before its gradient is written."""
     pytest.importorskip("quack.gemm_interface")
     from headloss import dw_gemm
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("auto sends dW to quack on Hopper only")
-    rows = {"quack": 768, "few rows": 512, "odd vocabulary": 768}[case]
+    rows = {"quack": 768, "few rows": 512, "odd vocabulary": 768, "side stream": 768}[case]
     n, h, v = 3 * rows + 100, 512, 32003 if case == "odd vocabulary" else 32000
     gen = torch.Generator(device="cuda").manual_seed(84)
     hidden = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16)
@@ -1380,14 +1382,24 @@ def test_the_default_weight_gradient_gemm_is_quack_where_it_runs_and_cublas_else
 
     monkeypatch.setattr(dw_gemm, "quack_gemm_add", counted)
     grads = {}
+    side = torch.cuda.Stream()
+    if case == "side stream":  # (quack's first call compiles, and loading the kernel waits for the device)
+        headloss.linear_head_loss(hidden, weight.clone().requires_grad_(), ids, chunk_bytes=rows * v * 2,
+                                  compact=False).loss.backward()
+        calls.clear()
     for impl in ("cublas", "auto"):
         monkeypatch.setitem(dw_gemm.DW_GEMM, "impl", impl)
         hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = headloss.linear_head_loss(hh, ww, ids, chunk_bytes=rows * v * 2, compact=False)
-        out.loss.backward()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side if case == "side stream" else torch.cuda.current_stream()):
+            if case == "side stream":
+                torch.cuda._sleep(1 << 31)  # (about a second of the side stream's time, no host wait)
+            out = headloss.linear_head_loss(hh, ww, ids, chunk_bytes=rows * v * 2, compact=False, validate=False)
+            out.loss.backward()
+        torch.cuda.synchronize()
         grads[impl] = (out.loss.detach(), hh.grad, ww.grad)
     # chunks after the first: two of `rows` rows and the last of 100; quack takes the full ones
-    assert calls == ([rows, rows] if case == "quack" else [])
+    assert calls == ([rows, rows] if case in ("quack", "side stream") else [])
     (loss_c, dh_c, dw_c), (loss_a, dh_a, dw_a) = grads["cublas"], grads["auto"]
     assert torch.equal(loss_c, loss_a) and torch.equal(dh_c, dh_a)
     assert _rel(dw_a.float(), dw_c.float()) < 1e-2
