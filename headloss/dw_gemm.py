@@ -9,6 +9,7 @@ next tile's main loop runs. :data:`DW_GEMM` says which one runs (docs/performanc
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -22,7 +23,8 @@ DW_GEMM = {"impl": env.DW_GEMM}
 
 * ``auto`` (default): quack-kernels' where it runs (:func:`quack_runs`: the package importable, a
   Hopper GPU, 16-bit inputs laid out for its TMA loads, a chunk of at least :data:`QUACK_MIN_ROWS` rows,
-  no CUDA graph being captured), cuBLAS's ``addmm`` elsewhere;
+  no CUDA graph being captured), cuBLAS's ``addmm`` elsewhere, and from the first quack call that raises
+  on (a warning, QUACK_FAILED);
 * ``cublas``: always ``addmm``;
 * ``quack``: quack-kernels' for every accumulation of a CUDA chunk whose operands it takes, at any row
   count and on any GPU quack supports (an ImportError naming this setting where the package is missing).
@@ -50,8 +52,8 @@ def add_dw(dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor, beta: float = 1.0
     if impl not in DW_GEMM_IMPLS:
         raise ValueError(f"dw_gemm.DW_GEMM['impl']: expected one of {', '.join(DW_GEMM_IMPLS)}, got {impl!r}")
     if beta == 1.0 and impl != "cublas" and quack_runs(impl, dw, g, h):
-        quack_gemm_add(torch.cuda.get_device_capability(g.device)[0])(g.t(), h, dw)
-        return
+        if quack_add(impl, dw, g, h, torch.cuda.get_device_capability(g.device)[0]):
+            return
     if dw.dtype == g.dtype:
         torch.addmm(dw, g.t(), h, beta=beta, out=dw)
     elif g.is_cuda:
@@ -60,15 +62,35 @@ def add_dw(dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor, beta: float = 1.0
         torch.addmm(dw, g.t().float(), h.float(), beta=beta, out=dw)
 
 
+QUACK_FAILED: dict[int | None, str] = {}
+"""Devices (by index) where ``auto``'s quack call raised: their accumulations go to cuBLAS from then on."""
+
+
+def quack_add(impl: str, dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor, major: int) -> bool:
+    """dw += g.T @ h by quack; with ``auto``, False where quack raised (a kernel that does not compile or
+    launch on this machine: warned once, and the device recorded in QUACK_FAILED), for cuBLAS to take it."""
+    try:
+        quack_gemm_add(major)(g.t(), h, dw)
+        return True
+    except Exception as exc:
+        if impl == "quack":
+            raise
+        QUACK_FAILED[g.device.index] = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"headloss: quack-kernels' weight-gradient GEMM failed on {g.device} ({type(exc).__name__}: "
+                      f"{exc}); its accumulations run on cuBLAS from now on (HEADLOSS_DW_GEMM=cublas says so "
+                      "without trying quack)", RuntimeWarning, stacklevel=3)
+        return False
+
+
 def quack_runs(impl: str, dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> bool:
     """Whether this accumulation goes to quack: a CUDA chunk whose operands :func:`quack_fits`; with
-    ``auto`` also of at least QUACK_MIN_ROWS rows, on a Hopper GPU where quack imports, outside a CUDA
-    graph's capture (quack compiles a kernel at its first call)."""
+    ``auto`` also of at least QUACK_MIN_ROWS rows, on a Hopper GPU where quack imports and has not failed
+    (QUACK_FAILED), outside a CUDA graph's capture (quack compiles a kernel at its first call: about 2 s)."""
     if not g.is_cuda or not quack_fits(dw, g, h):
         return False
     if impl == "quack":
         return True
-    return (g.shape[0] >= QUACK_MIN_ROWS and quack_available(g.device.index)
+    return (g.shape[0] >= QUACK_MIN_ROWS and g.device.index not in QUACK_FAILED and quack_available(g.device.index)
             and not torch.cuda.is_current_stream_capturing())
 
 

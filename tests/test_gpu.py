@@ -1355,29 +1355,32 @@ def test_quack_weight_gradient_accumulation_equals_cublas(fp32_weight_grad, monk
     assert _rel(dw_q.float(), dw_c.float()) < (1e-2 if not fp32_weight_grad else 1e-5)
 
 
-@pytest.mark.parametrize("case", ["quack", "few rows", "odd vocabulary", "side stream"])
+@pytest.mark.parametrize("case", ["quack", "few rows", "odd vocabulary", "side stream", "failed before"])
 def test_the_default_weight_gradient_gemm_is_quack_where_it_runs_and_cublas_elsewhere(case, monkeypatch):
     """DW_GEMM "auto" (the default) on a Hopper GPU with quack-kernels installed: chunks of QUACK_MIN_ROWS rows
     or more accumulate dW with quack (counted), fewer rows or a vocabulary whose rows quack's loads cannot take
     with cuBLAS; loss and dh equal cuBLAS's, dW within the GEMMs' rounding (against fp64 too). "side stream": the
     call on a stream held back by a long sleep, so that a quack launch on any other stream would read the chunk
-    before its gradient is written."""
+    before its gradient is written. "failed before": a device where a quack call raised earlier (QUACK_FAILED)
+    stays with cuBLAS."""
     pytest.importorskip("quack.gemm_interface")
     from headloss import dw_gemm
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("auto sends dW to quack on Hopper only")
-    rows = {"quack": 768, "few rows": 512, "odd vocabulary": 768, "side stream": 768}[case]
+    rows = {"quack": 768, "few rows": 512, "odd vocabulary": 768, "side stream": 768, "failed before": 768}[case]
+    failed = {torch.cuda.current_device(): "RuntimeError"} if case == "failed before" else {}
+    monkeypatch.setattr(dw_gemm, "QUACK_FAILED", failed)
     n, h, v = 3 * rows + 100, 512, 32003 if case == "odd vocabulary" else 32000
     gen = torch.Generator(device="cuda").manual_seed(84)
     hidden = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16)
     weight = (torch.randn(v, h, device="cuda", generator=gen) / 16).to(torch.bfloat16)
     ids = torch.randint(0, v, (n,), device="cuda", generator=gen)
     calls = []
-    quack_add = dw_gemm.quack_gemm_add
+    original = dw_gemm.quack_gemm_add
 
     def counted(major):
-        add = quack_add(major)
+        add = original(major)
         return lambda a, b, out: (calls.append(a.shape[1]), add(a, b, out))
 
     monkeypatch.setattr(dw_gemm, "quack_gemm_add", counted)

@@ -1013,6 +1013,29 @@ def test_the_weight_gradient_gemm_is_auto_unless_the_environment_says_otherwise(
     assert dw_gemm.DW_GEMM["impl"] == env.DW_GEMM
 
 
+def test_a_quack_call_that_raises_hands_auto_to_cublas_with_a_warning_and_raises_when_asked_for(monkeypatch):
+    """dw_gemm.quack_add: under auto a quack kernel that fails (here: raises before touching dW) is warned about
+    once, its device recorded so that later accumulations skip quack, and the caller's cuBLAS path takes the
+    chunk; with quack asked for explicitly the error propagates."""
+    from headloss import dw_gemm
+
+    def broken(major):
+        def add(a, b, out):
+            raise RuntimeError("no kernel image for this device")
+        return add
+
+    monkeypatch.setattr(dw_gemm, "quack_gemm_add", broken)
+    monkeypatch.setattr(dw_gemm, "QUACK_FAILED", {})
+    g, h, dw = torch.randn(4, 6), torch.randn(4, 3), torch.randn(6, 3)
+    before = dw.clone()
+    with pytest.warns(RuntimeWarning, match=r"quack-kernels' weight-gradient GEMM failed on cpu \(RuntimeError: no "
+                                            r"kernel image for this device\); its accumulations run on cuBLAS"):
+        assert dw_gemm.quack_add("auto", dw, g, h, 9) is False
+    assert torch.equal(dw, before) and dw_gemm.QUACK_FAILED == {None: "RuntimeError: no kernel image for this device"}
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        dw_gemm.quack_add("quack", dw, g, h, 9)
+
+
 @pytest.mark.parametrize("case", ["fits", "fp32 dW", "fp32 g", "fp16 h beside bf16 g", "odd vocabulary",
                                   "odd hidden", "h off 16 bytes", "h columns strided", "dW transposed"])
 def test_quack_takes_only_operands_its_tma_loads_can_read(case):
