@@ -66,7 +66,8 @@ def test_rows_match_whatever_the_machine_measured_beside_them(tmp_path):
     assert all("copy_GBps" not in r.config for r in rows)
 
 
-@pytest.mark.parametrize("base_scripts", [True, pytest.param(False, marks=pytest.mark.slow)],
+@pytest.mark.slow  # (a subprocess per side; the rows' matching is tested in the fast tier above)
+@pytest.mark.parametrize("base_scripts", [True, False],
                          ids=["base-scripts", "this-checkout's-scripts"])
 def test_each_side_runs_its_own_tree_and_rows_are_matched(tmp_path, base_scripts):
     """Each side's headloss (a constant time apiece); the base's scripts, or this checkout's where it has none."""

@@ -181,6 +181,7 @@ print("traced")
 """
 
 
+@pytest.mark.slow  # (a fresh interpreter: the dense teacher's in-process compiled cases stay fast)
 def test_a_dense_teacher_traces_in_one_graph_in_a_fresh_process():
     """An lm_head call whose teacher rows are an argument of the compiled function, traced first thing in a
     process (no eager call before it): the dense teacher's checks trace in one graph (Dynamo once broke on

@@ -168,8 +168,7 @@ QUICK = {("full_sft", torch.float32, "triton", False), ("full_sft", torch.float3
          ("deferred", torch.float32, "triton", True), ("grpo", torch.bfloat16, "triton", False),
          ("gspo", torch.float32, "triton", False), ("distill_jsd", torch.float32, "triton", False),
          ("distill_topk_rest", torch.float32, "triton", False), ("row_temperature", torch.float32, "triton", True),
-         ("distill_jsd_row_temperature", torch.float32, "triton", False),
-         ("distill_probs_jsd", torch.float32, "triton", False), ("selected_deferred", torch.float32, "triton", True)}
+         ("selected_deferred", torch.float32, "triton", True)}
 
 
 def _cases(quick: bool) -> list[tuple]:

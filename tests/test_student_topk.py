@@ -9,6 +9,8 @@ verl/trainer/distillation/fsdp/losses.py): they share nothing with headloss.refe
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import explained_and_demoed, generator, needs_kernel, tiered
@@ -104,7 +106,7 @@ def test_ties_go_to_the_lower_id_within_and_across_blocks(backend, dtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("entry", ["logits", "lm_head"])
+@pytest.mark.parametrize("entry", ["logits", pytest.param("lm_head", marks=pytest.mark.slow)])
 def test_asking_for_the_topk_changes_neither_the_loss_nor_its_gradient(entry):
     gen = generator(9)
     vocab = 300
@@ -135,7 +137,7 @@ def test_asking_for_the_topk_changes_neither_the_loss_nor_its_gradient(entry):
 @needs_kernel
 @pytest.mark.parametrize(("k", "dtype"), [(1, torch.float32), pytest.param(2, torch.bfloat16, marks=pytest.mark.slow),
                                           pytest.param(8, torch.float32, marks=pytest.mark.slow), (8, torch.bfloat16),
-                                          (5, torch.float16),
+                                          pytest.param(5, torch.float16, marks=pytest.mark.slow),
                                           pytest.param(9, torch.float32, marks=pytest.mark.slow)])
 def test_rows_whose_top_k_shares_a_group_or_ties_are_exact(k, dtype):
     """Rows whose top logits sit in one group of lanes (columns 4096 apart: the same position of a 2048- or
@@ -209,9 +211,10 @@ def _verl_overlap(z, teacher_ids, teacher_logprobs, k, clamp):
 
 
 @needs_kernel
-@pytest.mark.parametrize("entry", ["logits", "lm_head"])
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("clamp", [None, -6.0])
+@pytest.mark.parametrize(("entry", "backend", "clamp"), [
+    case if (case[1], case[0], case[2]) not in (("triton", "lm_head", -6.0), ("triton", "logits", None))
+    else pytest.param(*case, marks=pytest.mark.slow)  # (the Triton path: each entry and clamp once in the fast tier)
+    for case in itertools.product(["logits", "lm_head"], ["triton", "torch"], [None, -6.0])])
 def test_overlap_diagnostics_with_a_topk_teacher_equal_verls(entry, backend, clamp):
     """The metrics (means over counted tokens) and the per-token outputs overlap_count and
     overlap_token_advantage (0 at an ignored token) against verl's definitions in fp64."""
@@ -258,7 +261,7 @@ def test_overlap_outputs_without_a_topk_teacher_and_student_topk_are_refused(spe
 
 
 @needs_kernel
-@pytest.mark.parametrize("entry", ["logits", "lm_head"])
+@pytest.mark.parametrize("entry", ["logits", pytest.param("lm_head", marks=pytest.mark.slow)])
 def test_packed_rows_equal_the_padded_call(entry):
     lengths = [4, 6, 3]
     n, s, tmax = sum(lengths), len(lengths), max(lengths)
@@ -302,6 +305,7 @@ def test_a_topk_the_vocabulary_cannot_hold_is_refused(backend):
 
 
 @needs_kernel
+@pytest.mark.slow  # (the selected ids' compiled logits call runs the same custom op in the fast tier)
 def test_compiled_call_equals_eager():
     gen = generator(31)
     y = torch.randint(0, 50, (2, 5), generator=gen)
@@ -383,7 +387,7 @@ def test_a_nan_of_either_sign_ranks_first_on_both_paths(sign):
 
 
 @needs_kernel
-@pytest.mark.parametrize("k", [3, 20])
+@pytest.mark.parametrize("k", [3, pytest.param(20, marks=pytest.mark.slow)])
 def test_rows_of_hundreds_of_blocks_list_every_block_reaching_the_bound(monkeypatch, k):
     """Blocks of 256 (LAUNCH_OVERRIDES: 32 groups a block), 251 of them a row: the blocks reaching the bound,
     far down the row, are listed and their crossings read again, at k 3 in one step of 32 cells, at k 20 in
