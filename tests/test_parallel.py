@@ -299,7 +299,7 @@ LINEAR_NAMES = ("full_sft", "smoothing_softcap_temperature", "grpo", "gspo", "de
                 "teacher_logits", "distill_topk_rest", "distill_topk_verl", "distill_token", "row_temperature",
                 "distill_probs_jsd", "distill_topk_probs", "weighted_sft", "weighted_grpo", "selected_topk",
                 "selected_topk_deferred", "selected_deferred", "distill_topk_student", "distill_jsd_student_selected")
-LINEAR_QUICK = ("full_sft", "gspo", "teacher_weight", "row_temperature")
+LINEAR_QUICK = ("full_sft", "gspo", "teacher_weight")  # (a row temperature: the logits QUICK; here slow)
 
 
 def _linear_job(rank: int, world: int, quick: bool) -> dict:
