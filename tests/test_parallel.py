@@ -392,7 +392,7 @@ def check_linear_job(results, world: int, quick: bool) -> None:
 # compiled vocab-parallel calls: the fused kernel (shifted), the fused policy epilogue, the deferred
 # policy kernels, the mixture JSD (its second collective), deferred mode with differentiable outputs
 COMPILED = ("full_sft", "grpo", "gspo", "distill_jsd", "deferred", "distill_topk_rest", "distill_token")
-COMPILED_QUICK = ("grpo", "distill_jsd")
+COMPILED_QUICK = ("grpo",)  # (the dense teacher compiled: the slow tier)
 
 
 def _compile_backend(quick: bool) -> str:
@@ -461,7 +461,7 @@ def _compiled_job(rank: int, world: int, quick: bool) -> dict:
 # compiled vocab-parallel lm_head calls: deferred mode (the forward's merged statistics reach the
 # backward op), a computed teacher (its weight's rows sharded), the fused kernel, the policy routes
 COMPILED_LINEAR = ("deferred", "teacher_weight", "full_sft", "grpo", "gspo", "distill_topk_verl")
-COMPILED_LINEAR_QUICK = ("deferred", "teacher_weight")
+COMPILED_LINEAR_QUICK = ("deferred",)  # (the computed teacher compiled: the slow tier)
 
 
 def _compiled_linear_job(rank: int, world: int, quick: bool) -> dict:

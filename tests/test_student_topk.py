@@ -136,7 +136,8 @@ def test_asking_for_the_topk_changes_neither_the_loss_nor_its_gradient(entry):
 
 @needs_kernel
 @pytest.mark.parametrize(("k", "dtype"), [(1, torch.float32), pytest.param(2, torch.bfloat16, marks=pytest.mark.slow),
-                                          pytest.param(8, torch.float32, marks=pytest.mark.slow), (8, torch.bfloat16),
+                                          pytest.param(8, torch.float32, marks=pytest.mark.slow),
+                                          pytest.param(8, torch.bfloat16, marks=pytest.mark.slow),
                                           pytest.param(5, torch.float16, marks=pytest.mark.slow),
                                           pytest.param(9, torch.float32, marks=pytest.mark.slow)])
 def test_rows_whose_top_k_shares_a_group_or_ties_are_exact(k, dtype):
