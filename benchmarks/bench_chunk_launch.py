@@ -23,7 +23,7 @@ import torch
 
 import headloss
 from benchmarks.bench_objectives import spec_of
-from benchmarks.common import time_ms
+from benchmarks.common import three_gemms_ms, time_ms
 from headloss.kernels.launch import LAUNCH_OVERRIDES
 from headloss.linear import chunk_head_
 from headloss.plan import compile_plan
@@ -114,15 +114,7 @@ def steps(n: int, v: int, names):
 
 def whole(n: int, v: int, names, rounds: int = 2, reps: int = 7) -> None:
     table, setup, (h, w) = steps(n, v, names)
-
-    def gemms():
-        logits = h @ w.t()
-        torch.mm(logits, w)
-        torch.mm(logits.t(), h)
-
-    with torch.no_grad():
-        gemms()
-        floor = time_ms(gemms, reps=reps)[0]
+    floor = three_gemms_ms(h, w, reps)
     print(f"== N {n} V {v}: 3 GEMMs {floor:.2f} ms", flush=True)
     for name, step in table.items():
         cfgs = TEACHER_CONFIGS if name == "fkl" else WHOLE_CONFIGS

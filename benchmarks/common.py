@@ -67,6 +67,19 @@ def time_ms(
     return pick(0.5), pick(0.2), pick(0.8)
 
 
+def three_gemms_ms(hidden: torch.Tensor, weight: torch.Tensor, reps: int = 7) -> float:
+    """Median ms of an lm_head's 3 GEMMs back to back on the whole batch (logits, dh, dW; no autograd):
+    the floor the fused head is measured against."""
+    def gemms():
+        logits = hidden @ weight.t()
+        torch.mm(logits, weight)
+        torch.mm(logits.t(), hidden)
+
+    with torch.no_grad():
+        gemms()
+        return time_ms(gemms, reps=reps)[0]
+
+
 def peak_extra_gb(step: Callable[[], object], setup: Callable[[], object] | None = None,
                   cold_blas: bool = False) -> float:
     """Peak memory allocated while ``step`` runs, above what was allocated before it (GB).
