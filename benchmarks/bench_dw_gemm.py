@@ -129,13 +129,13 @@ def whole_calls(best):
 
     pinned = lambda a, b, out: fixed(best, a, b, out)  # noqa: E731
     untuned = functools.partial(gemm_add_inplace, tuned=False)
-    original = dw_gemm.quack_gemm_add
+    original, before = dw_gemm.quack_gemm_add, dw_gemm.DW_GEMM["impl"]
     try:
         for n, v in ((16384, 151936), (8192, 128256)):
             whole_call_rounds(n, v, (("cublas", None), ("untuned", untuned), ("pinned", pinned)))
             torch.cuda.empty_cache()
     finally:
-        dw_gemm.DW_GEMM["impl"] = "auto"
+        dw_gemm.DW_GEMM["impl"] = before
         dw_gemm.quack_gemm_add = original
 
 

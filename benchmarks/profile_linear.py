@@ -148,7 +148,7 @@ def ops(hidden, weight, targets, rows: int, dw_gemm: bool = False, variants: boo
     }
     if dw_gemm:
         quack = quack_gemm_add(torch.cuda.get_device_capability()[0])
-        table["dW += g^T@h [quack gemm_add_inplace]"] = sweep(lambda s, e, g: quack(g.t(), hidden[s:e], dw))
+        table["dW += g^T@h [quack, headloss's pinned config]"] = sweep(lambda s, e, g: quack(g.t(), hidden[s:e], dw))
     if not variants:
         for name in ("chunk loop, next logits on a side stream", "dh || dW (2 streams)"):
             del table[name]
@@ -233,13 +233,14 @@ def main() -> None:
                         print(f"{rows:>6}  {name} [{lib}]: {type(exc).__name__}: {exc}"[:200])
             torch.cuda.empty_cache()
         blas("cublas")
+        before = dw_gemm.DW_GEMM["impl"]
         for impl in ("cublas", "quack") if args.dw_gemm else ("cublas",):
             dw_gemm.DW_GEMM["impl"] = impl
             try:
                 whole_call(hidden, weight, targets, rows, floor["cublas"], record,
                            "linear_head_loss fwd+bwd" + (" [dW: quack]" if impl == "quack" else ""))
             finally:
-                dw_gemm.DW_GEMM["impl"] = "auto"
+                dw_gemm.DW_GEMM["impl"] = before
                 torch.cuda.empty_cache()
     out = out_dir_default()
     js, cs = write_rows(rows_out, out, "profile_linear")

@@ -42,7 +42,8 @@ QUACK_CONFIG = dict(tile_m=128, tile_n=192, pingpong=True, cluster_m=2, cluster_
 """quack's GEMM config for the accumulations on Hopper: the config its autotuner picked at 768 x 151936
 and 1024 x 128256 (H 4096), and the fastest of eleven configs summed over chunks of 256-1536 rows of
 both vocabularies (0.88x addmm's time; quack's untuned default 0.95x). Pinned, so that no call pays the
-autotuner (40 s and 5.5 GiB of copies of dW at the first 768-row chunk of V 151936)."""
+autotuner (37 s and 5.5 GiB of copies of its operands, dW among them, at the first 768-row chunk of V
+151936). Chosen on an H200; the other Hopper parts (H100, H20, GH200) take it unmeasured."""
 
 
 def add_dw(dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor, beta: float = 1.0) -> None:
@@ -51,9 +52,8 @@ def add_dw(dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor, beta: float = 1.0
     impl = DW_GEMM["impl"]
     if impl not in DW_GEMM_IMPLS:
         raise ValueError(f"dw_gemm.DW_GEMM['impl']: expected one of {', '.join(DW_GEMM_IMPLS)}, got {impl!r}")
-    if beta == 1.0 and impl != "cublas" and quack_runs(impl, dw, g, h):
-        if quack_add(impl, dw, g, h, torch.cuda.get_device_capability(g.device)[0]):
-            return
+    if beta == 1.0 and impl != "cublas" and quack_runs(impl, dw, g, h) and quack_add(impl, dw, g, h):
+        return
     if dw.dtype == g.dtype:
         torch.addmm(dw, g.t(), h, beta=beta, out=dw)
     elif g.is_cuda:
@@ -66,12 +66,17 @@ QUACK_FAILED: dict[int | None, str] = {}
 """Devices (by index) where ``auto``'s quack call raised: their accumulations go to cuBLAS from then on."""
 
 
-def quack_add(impl: str, dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor, major: int) -> bool:
-    """dw += g.T @ h by quack; with ``auto``, False where quack raised (a kernel that does not compile or
-    launch on this machine: warned once, and the device recorded in QUACK_FAILED), for cuBLAS to take it."""
+def quack_add(impl: str, dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> bool:
+    """dw += g.T @ h by quack, on g's device; with ``auto``, False where quack raised (a kernel that does not
+    compile or launch on this machine: warned once, and the device recorded in QUACK_FAILED), for cuBLAS to
+    take it. quack raises before its launch (quack-kernels 0.6.x), so dw is untouched then; running out of
+    memory propagates whatever the setting."""
     try:
-        quack_gemm_add(major)(g.t(), h, dw)
+        with torch.cuda.device(g.device):
+            quack_gemm_add(torch.cuda.get_device_capability(g.device)[0])(g.t(), h, dw)
         return True
+    except torch.cuda.OutOfMemoryError:
+        raise
     except Exception as exc:
         if impl == "quack":
             raise
@@ -90,17 +95,20 @@ def quack_runs(impl: str, dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor) ->
         return False
     if impl == "quack":
         return True
-    return (g.shape[0] >= QUACK_MIN_ROWS and g.device.index not in QUACK_FAILED and quack_available(g.device.index)
-            and not torch.cuda.is_current_stream_capturing())
+    return (g.shape[0] >= QUACK_MIN_ROWS and not torch.cuda.is_current_stream_capturing()
+            and g.device.index not in QUACK_FAILED and quack_available(g.device.index))
 
 
 def quack_fits(dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> bool:
-    """Operands quack's TMA loads take: g [K, V] and h [K, H] in bf16 or fp16, rows of unit stride whose
-    row strides and addresses are 16-byte multiples; dw [V, H] contiguous, in their dtype or fp32."""
+    """Operands quack's TMA loads take: g [K, V] and h [K, H] (K > 0) in bf16 or fp16, rows of unit stride
+    whose row strides (no shorter than a row: no expanded rows) and addresses are 16-byte multiples; dw [V, H]
+    contiguous, in their dtype or fp32."""
     if g.dtype not in (torch.bfloat16, torch.float16) or h.dtype != g.dtype or dw.dtype not in (g.dtype,
                                                                                                torch.float32):
         return False
-    if not dw.is_contiguous() or g.stride(1) != 1 or h.stride(1) != 1:
+    if g.shape[0] == 0 or not dw.is_contiguous() or g.stride(1) != 1 or h.stride(1) != 1:
+        return False
+    if g.stride(0) < g.shape[1] or h.stride(0) < h.shape[1]:
         return False
     return all(t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for t in (g, h, dw))
 
@@ -125,15 +133,20 @@ def quack_gemm_add(major: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Te
     try:
         from quack.gemm_config import GemmConfig
         from quack.gemm_interface import gemm_add_inplace, gemm_tuned
-    except Exception as exc:  # (CuTe-DSL raises more than ImportError where its CUDA libraries are missing)
-        raise ImportError(f"HEADLOSS_DW_GEMM=quack (dw_gemm.DW_GEMM): quack-kernels is not importable ({exc}); "
-                          "pip install quack-kernels, or use 'cublas'") from exc
-    fixed = getattr(gemm_tuned, "fn", None)
-    if major == 9 and fixed is not None and {"config", "add_to_output"} <= inspect.signature(fixed).parameters.keys():
-        config = GemmConfig(**QUACK_CONFIG)
 
+        fixed = getattr(gemm_tuned, "fn", None)
+        pinned = major == 9 and fixed is not None and {"A", "B", "out", "C", "config", "add_to_output"} <= \
+            inspect.signature(fixed).parameters.keys()
+        config = GemmConfig(**QUACK_CONFIG) if pinned else None
+    except Exception as exc:  # (CuTe-DSL raises more than ImportError where its CUDA libraries are missing;
+        # a release whose config takes other fields raises here too)
+        raise ImportError(f"HEADLOSS_DW_GEMM=quack (dw_gemm.DW_GEMM): quack-kernels is not importable ({exc}); "
+                          "pip install 'quack-kernels>=0.6.5,<0.7', or use 'cublas'") from exc
+    if pinned:
         def add(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-            fixed(a, b, out, None, alpha=1.0, beta=1.0, add_to_output=True, config=config)
+            # (the autotuner's wrapped GEMM, called straight: quack's custom-op layer, which bumps out's
+            # version counter, is skipped; out is the loss's own dW buffer, or main_grad, outside autograd)
+            fixed(A=a, B=b, out=out, C=None, alpha=1.0, beta=1.0, add_to_output=True, config=config)
 
         return add
 

@@ -1343,19 +1343,24 @@ def test_quack_weight_gradient_accumulation_equals_cublas(fp32_weight_grad, monk
     hidden = torch.randn(n, h, device="cuda", generator=gen).to(torch.bfloat16)
     weight = (torch.randn(v, h, device="cuda", generator=gen) / 16).to(torch.bfloat16)
     ids = torch.randint(0, v, (n,), device="cuda", generator=gen)
-    grads = {}
+    grads, calls = {}, []
+    original = dw_gemm.quack_gemm_add
+    monkeypatch.setattr(dw_gemm, "quack_gemm_add",
+                        lambda major: lambda a, b, out: (calls.append(a.shape[1]), original(major)(a, b, out)))
     for impl in ("cublas", "quack"):
         monkeypatch.setitem(dw_gemm.DW_GEMM, "impl", impl)
         hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         out = headloss.linear_head_loss(hh, ww, ids, chunk_bytes=128 * v * 2, fp32_weight_grad=fp32_weight_grad)
         out.loss.backward()
         grads[impl] = (out.loss.detach(), hh.grad, ww.grad)
+    assert calls == [128] * 6 + [104]  # (every accumulation after the first chunk, the short last one too)
     (loss_c, dh_c, dw_c), (loss_q, dh_q, dw_q) = grads["cublas"], grads["quack"]
     assert torch.equal(loss_c, loss_q) and torch.equal(dh_c, dh_q)
     assert _rel(dw_q.float(), dw_c.float()) < (1e-2 if not fp32_weight_grad else 1e-5)
 
 
-@pytest.mark.parametrize("case", ["quack", "few rows", "odd vocabulary", "side stream", "failed before"])
+@pytest.mark.parametrize("case", ["quack", "at the threshold", "few rows", "odd vocabulary", "side stream",
+                                  "failed before"])
 def test_the_default_weight_gradient_gemm_is_quack_where_it_runs_and_cublas_elsewhere(case, monkeypatch):
     """DW_GEMM "auto" (the default) on a Hopper GPU with quack-kernels installed: chunks of QUACK_MIN_ROWS rows
     or more accumulate dW with quack (counted), fewer rows or a vocabulary whose rows quack's loads cannot take
@@ -1368,7 +1373,7 @@ def test_the_default_weight_gradient_gemm_is_quack_where_it_runs_and_cublas_else
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("auto sends dW to quack on Hopper only")
-    rows = {"quack": 768, "few rows": 512, "odd vocabulary": 768, "side stream": 768, "failed before": 768}[case]
+    rows = {"at the threshold": dw_gemm.QUACK_MIN_ROWS, "few rows": 512}.get(case, 768)
     failed = {torch.cuda.current_device(): "RuntimeError"} if case == "failed before" else {}
     monkeypatch.setattr(dw_gemm, "QUACK_FAILED", failed)
     n, h, v = 3 * rows + 100, 512, 32003 if case == "odd vocabulary" else 32000
@@ -1387,6 +1392,7 @@ def test_the_default_weight_gradient_gemm_is_quack_where_it_runs_and_cublas_else
     grads = {}
     side = torch.cuda.Stream()
     if case == "side stream":  # (quack's first call compiles, and loading the kernel waits for the device)
+        monkeypatch.setitem(dw_gemm.DW_GEMM, "impl", "auto")
         headloss.linear_head_loss(hidden, weight.clone().requires_grad_(), ids, chunk_bytes=rows * v * 2,
                                   compact=False).loss.backward()
         calls.clear()
@@ -1402,7 +1408,7 @@ def test_the_default_weight_gradient_gemm_is_quack_where_it_runs_and_cublas_else
         torch.cuda.synchronize()
         grads[impl] = (out.loss.detach(), hh.grad, ww.grad)
     # chunks after the first: two of `rows` rows and the last of 100; quack takes the full ones
-    assert calls == ([rows, rows] if case in ("quack", "side stream") else [])
+    assert calls == ([rows, rows] if case in ("quack", "at the threshold", "side stream") else [])
     (loss_c, dh_c, dw_c), (loss_a, dh_a, dw_a) = grads["cublas"], grads["auto"]
     assert torch.equal(loss_c, loss_a) and torch.equal(dh_c, dh_a)
     assert _rel(dw_a.float(), dw_c.float()) < 1e-2

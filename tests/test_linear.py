@@ -1013,31 +1013,112 @@ def test_the_weight_gradient_gemm_is_auto_unless_the_environment_says_otherwise(
     assert dw_gemm.DW_GEMM["impl"] == env.DW_GEMM
 
 
+def _on_a_pretend_hopper(monkeypatch, dw_gemm, kernel):
+    """CPU chunks taken through quack's path: ``kernel`` stands in for quack's add, the device is a Hopper, quack
+    runs where no earlier call failed (quack_runs' CUDA-only checks skipped)."""
+    import contextlib
+
+    monkeypatch.setattr(dw_gemm, "quack_gemm_add", lambda major: kernel)
+    monkeypatch.setattr(dw_gemm, "QUACK_FAILED", {})
+    monkeypatch.setattr(dw_gemm, "quack_runs", lambda impl, dw, g, h: g.device.index not in dw_gemm.QUACK_FAILED)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+
+
 def test_a_quack_call_that_raises_hands_auto_to_cublas_with_a_warning_and_raises_when_asked_for(monkeypatch):
-    """dw_gemm.quack_add: under auto a quack kernel that fails (here: raises before touching dW) is warned about
-    once, its device recorded so that later accumulations skip quack, and the caller's cuBLAS path takes the
-    chunk; with quack asked for explicitly the error propagates."""
+    """Under auto a quack kernel that fails (here: raises before touching dW) is warned about once, its device
+    recorded so that later accumulations skip quack, and add_dw's cuBLAS path takes each chunk (dW as addmm
+    gives it); with quack asked for explicitly the error propagates, and running out of memory always does."""
+    import warnings
+
     from headloss import dw_gemm
 
-    def broken(major):
-        def add(a, b, out):
-            raise RuntimeError("no kernel image for this device")
-        return add
+    failure = [RuntimeError("no kernel image for this device")]
 
-    monkeypatch.setattr(dw_gemm, "quack_gemm_add", broken)
+    def broken(a, b, out):
+        raise failure[0]
+
+    _on_a_pretend_hopper(monkeypatch, dw_gemm, broken)
+    monkeypatch.setitem(dw_gemm.DW_GEMM, "impl", "auto")
+    gen = torch.Generator().manual_seed(5)
+    g, h, dw = torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen), torch.randn(6, 3, generator=gen)
+    want = dw + 2 * (g.t() @ h)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        dw_gemm.add_dw(dw, g, h)
+        dw_gemm.add_dw(dw, g, h)
+    assert [str(w.message) for w in seen] == [
+        "headloss: quack-kernels' weight-gradient GEMM failed on cpu (RuntimeError: no kernel image for this "
+        "device); its accumulations run on cuBLAS from now on (HEADLOSS_DW_GEMM=cublas says so without trying "
+        "quack)"]
+    torch.testing.assert_close(dw, want)
+    assert dw_gemm.QUACK_FAILED == {None: "RuntimeError: no kernel image for this device"}
     monkeypatch.setattr(dw_gemm, "QUACK_FAILED", {})
-    g, h, dw = torch.randn(4, 6), torch.randn(4, 3), torch.randn(6, 3)
-    before = dw.clone()
-    with pytest.warns(RuntimeWarning, match=r"quack-kernels' weight-gradient GEMM failed on cpu \(RuntimeError: no "
-                                            r"kernel image for this device\); its accumulations run on cuBLAS"):
-        assert dw_gemm.quack_add("auto", dw, g, h, 9) is False
-    assert torch.equal(dw, before) and dw_gemm.QUACK_FAILED == {None: "RuntimeError: no kernel image for this device"}
     with pytest.raises(RuntimeError, match="no kernel image"):
-        dw_gemm.quack_add("quack", dw, g, h, 9)
+        dw_gemm.quack_add("quack", dw, g, h)
+    failure[0] = torch.cuda.OutOfMemoryError("out of memory")
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        dw_gemm.quack_add("auto", dw, g, h)
+    assert dw_gemm.QUACK_FAILED == {}
+
+
+def test_quack_runs_at_the_pinned_config_on_hopper_and_at_its_own_default_elsewhere(monkeypatch):
+    """quack_gemm_add against a stand-in quack-kernels: on Hopper the autotuner's wrapped GEMM is called with
+    QUACK_CONFIG (keywords, C None, beta 1, added to out); on another arch, or where that function lacks the
+    config argument, the public gemm_add_inplace untuned; a config the package refuses is an ImportError naming
+    the setting."""
+    import sys
+    import types
+
+    from headloss import dw_gemm
+
+    calls = []
+
+    class GemmConfig:
+        def __init__(self, **fields):
+            if "tile_m" not in fields:
+                raise TypeError("missing tile_m")
+            self.fields = fields
+
+    def fn(A, B, out, C=None, alpha=1.0, beta=1.0, add_to_output=False, config=None):
+        calls.append(("pinned", A, B, out, C, alpha, beta, add_to_output, config.fields))
+
+    def gemm_add_inplace(A, B, out, tuned=True):
+        calls.append(("public", A, B, out, tuned))
+
+    tuned = types.SimpleNamespace(fn=fn)
+    package = types.ModuleType("quack")
+    config_module = types.ModuleType("quack.gemm_config")
+    config_module.GemmConfig = GemmConfig
+    interface = types.ModuleType("quack.gemm_interface")
+    interface.gemm_add_inplace, interface.gemm_tuned = gemm_add_inplace, tuned
+    monkeypatch.setitem(sys.modules, "quack", package)
+    monkeypatch.setitem(sys.modules, "quack.gemm_config", config_module)
+    monkeypatch.setitem(sys.modules, "quack.gemm_interface", interface)
+    dw_gemm.quack_gemm_add.cache_clear()
+    try:
+        a, b, out = object(), object(), object()
+        dw_gemm.quack_gemm_add(9)(a, b, out)
+        dw_gemm.quack_gemm_add(10)(a, b, out)
+        tuned.fn = lambda A, B, out: None  # (no config argument)
+        dw_gemm.quack_gemm_add.cache_clear()
+        dw_gemm.quack_gemm_add(9)(a, b, out)
+        assert calls == [("pinned", a, b, out, None, 1.0, 1.0, True, dw_gemm.QUACK_CONFIG),
+                         ("public", a, b, out, False), ("public", a, b, out, False)]
+        tuned.fn = fn
+        monkeypatch.setattr(dw_gemm, "QUACK_CONFIG", {"tile_rows": 128})
+        dw_gemm.quack_gemm_add.cache_clear()
+        with pytest.raises(ImportError, match="HEADLOSS_DW_GEMM=quack .dw_gemm.DW_GEMM.: quack-kernels is not "
+                                              "importable .missing tile_m."):
+            dw_gemm.quack_gemm_add(9)
+    finally:
+        dw_gemm.quack_gemm_add.cache_clear()
 
 
 @pytest.mark.parametrize("case", ["fits", "fp32 dW", "fp32 g", "fp16 h beside bf16 g", "odd vocabulary",
-                                  "odd hidden", "h off 16 bytes", "h columns strided", "dW transposed"])
+                                  "odd hidden", "h off 16 bytes", "g off 16 bytes", "dW off 16 bytes",
+                                  "h columns strided", "g columns strided", "h rows expanded", "no rows",
+                                  "dW transposed"])
 def test_quack_takes_only_operands_its_tma_loads_can_read(case):
     """dw_gemm.quack_fits, which auto and quack ask before sending an accumulation to quack (its TMA loads need
     16-bit operands with unit-stride rows, 16-byte row strides and addresses; dW contiguous, 16-bit or fp32)."""
@@ -1061,8 +1142,18 @@ def test_quack_takes_only_operands_its_tma_loads_can_read(case):
         h, dw = torch.randn(40, 44).to(bf)[:, :43], dw[:, :43].contiguous()
     elif case == "h off 16 bytes":
         h = big_h.view(-1)[1:1 + 40 * 48].view(40, 48)
+    elif case == "g off 16 bytes":
+        g = torch.randn(40 * 64 + 1).to(bf)[1:].view(40, 64)
+    elif case == "dW off 16 bytes":
+        dw = torch.randn(64 * 48 + 1).to(bf)[1:].view(64, 48)
     elif case == "h columns strided":
         h = torch.randn(40, 96).to(bf)[:, ::2]
+    elif case == "g columns strided":
+        g = torch.randn(40, 128).to(bf)[:, ::2]
+    elif case == "h rows expanded":
+        h = torch.randn(1, 48).to(bf).expand(40, 48)
+    elif case == "no rows":
+        g, h = g[:0], h[:0]
     elif case == "dW transposed":
         dw = torch.randn(48, 64).to(bf).t()
     assert quack_fits(dw, g, h) is want
