@@ -198,6 +198,7 @@ def test_opcheck_vocab_parallel_ops():
 
 
 @needs_kernel
+@pytest.mark.slow  # (the same ops with more tensor arguments; their opcheck without them is fast)
 def test_opcheck_ops_with_a_top_k_teacher():
     """A top-k teacher through the ops: its ids and log-probs in the tensor lists, its K logits after the
     merged statistics of a vocab-parallel call (here one shard holding the whole vocabulary)."""

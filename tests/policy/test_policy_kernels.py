@@ -835,7 +835,8 @@ def test_deferred_policy_kernels_equal_the_torch_ops(policy, batch, length, voca
 
 
 @needs_kernel
-@pytest.mark.parametrize("importance_sampling", [pytest.param("sequence", marks=pytest.mark.slow), "sequence_token"])
+@pytest.mark.slow  # (the deferred kernels' one-block sequences run in the fast tier's oracle tests)
+@pytest.mark.parametrize("importance_sampling", ["sequence", "sequence_token"])
 def test_deferred_policy_kernels_loop_over_long_sequences(monkeypatch, importance_sampling):
     """Sequences longer than the kernel's block (OBJECTIVE_BLOCK, here 16 tokens) take several steps of
     each pass."""
