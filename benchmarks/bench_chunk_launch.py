@@ -23,8 +23,7 @@ import torch
 
 import headloss
 from benchmarks.bench_objectives import spec_of
-from benchmarks.common import three_gemms_ms, time_ms
-from headloss.kernels.launch import LAUNCH_OVERRIDES
+from benchmarks.common import launch_forced, three_gemms_ms, time_ms
 from headloss.linear import chunk_head_
 from headloss.plan import compile_plan
 
@@ -37,11 +36,9 @@ FULL = headloss.LossSpec(z_loss={"weight": 1e-4}, entropy={"weight": 0.0}, token
 
 
 def with_config(cfg, fn):
-    LAUNCH_OVERRIDES.update(block_v=cfg[0] if cfg else None, num_warps=cfg[1] if cfg else None)
-    try:
+    """``fn()`` at the launch config ``cfg`` ((block, warps), or None: the default's)."""
+    with launch_forced(*(cfg or (None, None))):
         return fn()
-    finally:
-        LAUNCH_OVERRIDES.update(block_v=None, num_warps=None)
 
 
 def isolated(n: int, v: int, chunk: int, cfgs, reps: int = 10) -> None:

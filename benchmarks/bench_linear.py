@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import headloss
-from benchmarks.common import Row, measure, out_dir_default, pyplot, write_rows
+from benchmarks.common import Row, dw_gemm_forced, measure, out_dir_default, pyplot, write_rows
 from headloss import linear_head_loss
 
 IGNORE = -100
@@ -161,14 +161,8 @@ def main_grad_frontier(rows: list[Row], n: int, v: int, h: int, budgets=None) ->
 
 def _with_dw_gemm(impl: str, step: Callable) -> None:
     """``step`` with dW accumulated by ``impl`` (dw_gemm.DW_GEMM: cublas or quack)."""
-    from headloss import dw_gemm
-
-    before = dw_gemm.DW_GEMM["impl"]
-    dw_gemm.DW_GEMM["impl"] = impl
-    try:
+    with dw_gemm_forced(impl):
         step()
-    finally:
-        dw_gemm.DW_GEMM["impl"] = before
 
 
 def dw_accuracy(rows: list[Row], n: int, h: int, v: int) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime as _dt
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -65,6 +66,32 @@ def time_ms(
     times = sorted(s.elapsed_time(e) for s, e in events)
     pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]
     return pick(0.5), pick(0.2), pick(0.8)
+
+
+@contextlib.contextmanager
+def launch_forced(block: int | None, warps: int | None) -> Iterator[None]:
+    """The head kernels' block and warps forced (kernels.launch.LAUNCH_OVERRIDES; None: the default's),
+    back to the defaults after."""
+    from headloss.kernels.launch import LAUNCH_OVERRIDES
+
+    LAUNCH_OVERRIDES.update(block_v=block, num_warps=warps)
+    try:
+        yield
+    finally:
+        LAUNCH_OVERRIDES.update(block_v=None, num_warps=None)
+
+
+@contextlib.contextmanager
+def dw_gemm_forced(impl: str) -> Iterator[None]:
+    """The lm_head's dW accumulation forced to ``impl`` (dw_gemm.DW_GEMM), the setting found restored after."""
+    from headloss import dw_gemm
+
+    before = dw_gemm.DW_GEMM["impl"]
+    dw_gemm.DW_GEMM["impl"] = impl
+    try:
+        yield
+    finally:
+        dw_gemm.DW_GEMM["impl"] = before
 
 
 def three_gemms_ms(hidden: torch.Tensor, weight: torch.Tensor, reps: int = 7) -> float:

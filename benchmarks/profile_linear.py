@@ -23,18 +23,18 @@ import torch
 import headloss
 from benchmarks.common import (
     Row,
+    dw_gemm_forced,
     gpu_name,
     kernel_device_us,
+    launch_forced,
     out_dir_default,
     peak_extra_gb,
     time_ms,
     write_rows,
 )
-from headloss import dw_gemm
 from headloss.api import linear_head_loss
 from headloss.chunks import chunk_rows_for
 from headloss.dw_gemm import quack_gemm_add
-from headloss.kernels.launch import LAUNCH_OVERRIDES
 from headloss.linear import chunk_head_
 from headloss.plan import compile_plan
 
@@ -57,11 +57,8 @@ KERNEL_CONFIGS = ["2048,4", "2048,8", "4096,8", "8192,16"]
 def with_launch(block: int, warps: int, step: Callable[[], None]) -> Callable[[], None]:
     """``step`` with the head kernel's block size and warps forced."""
     def run() -> None:
-        LAUNCH_OVERRIDES.update(block_v=block, num_warps=warps)
-        try:
+        with launch_forced(block, warps):
             step()
-        finally:
-            LAUNCH_OVERRIDES.update(block_v=None, num_warps=None)
 
     return run
 
@@ -233,15 +230,11 @@ def main() -> None:
                         print(f"{rows:>6}  {name} [{lib}]: {type(exc).__name__}: {exc}"[:200])
             torch.cuda.empty_cache()
         blas("cublas")
-        before = dw_gemm.DW_GEMM["impl"]
         for impl in ("cublas", "quack") if args.dw_gemm else ("cublas",):
-            dw_gemm.DW_GEMM["impl"] = impl
-            try:
+            with dw_gemm_forced(impl):
                 whole_call(hidden, weight, targets, rows, floor["cublas"], record,
                            "linear_head_loss fwd+bwd" + (" [dW: quack]" if impl == "quack" else ""))
-            finally:
-                dw_gemm.DW_GEMM["impl"] = before
-                torch.cuda.empty_cache()
+            torch.cuda.empty_cache()
     out = out_dir_default()
     js, cs = write_rows(rows_out, out, "profile_linear")
     print(f"\nwrote {js}, {cs}")

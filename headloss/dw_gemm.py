@@ -16,7 +16,7 @@ import torch
 
 from . import bounded, env
 
-DW_GEMM_IMPLS = ("auto", "cublas", "quack")
+DW_GEMM_IMPLS = env.DW_GEMM_IMPLS
 
 DW_GEMM = {"impl": env.DW_GEMM}
 """The GEMM of the accumulations (``impl``; HEADLOSS_DW_GEMM at import, settable at run time):

@@ -51,8 +51,9 @@ COMPILE_HANDOFF = _flag("HEADLOSS_COMPILE_HANDOFF", "1")
 FAST_LAUNCH = _flag("HEADLOSS_FAST_LAUNCH", "1")
 BLOCK_V = _int("HEADLOSS_BLOCK_V")
 NUM_WARPS = _int("HEADLOSS_NUM_WARPS")
+DW_GEMM_IMPLS = ("auto", "cublas", "quack")
 DW_GEMM = os.environ.get("HEADLOSS_DW_GEMM", "auto").strip().lower() or "auto"
-if DW_GEMM not in ("auto", "cublas", "quack"):
+if DW_GEMM not in DW_GEMM_IMPLS:
     raise ValueError(f"HEADLOSS_DW_GEMM: expected 'auto', 'cublas' or 'quack', got {DW_GEMM!r}")
 
 
