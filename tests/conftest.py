@@ -19,8 +19,11 @@ from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from headloss import HeadLossOutput, LossSpec, env, head_loss, linear_head_loss  # noqa: E402
+from headloss.kernels.primitives import fast_log1p  # noqa: E402
 from headloss.reference import (
     reference_head_loss,  # noqa: E402
     transformed_logits,  # noqa: E402
@@ -592,3 +595,24 @@ def explained_and_demoed(tmp_path, capsys, spec_yaml: str) -> str:
     text = capsys.readouterr().out
     assert main(["demo", str(path), "--rows", "8", "--vocab", "20"]) == 0
     return text
+
+
+
+@triton.jit
+def _fast_log1p_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(out_ptr + offs, fast_log1p(x), mask=offs < n)
+
+
+def fast_log1p_error(device) -> float:
+    """Largest relative error of the kernels' fast_log1p against fp64 log1p, over x from just above -1 to
+    1e4: dense around 0 (the series), both sides of its 1/16 switch, and across the log's range."""
+    tiny = torch.logspace(-9, -1, 2000, dtype=torch.float64)
+    switch = 0.0625 * (1 + torch.linspace(-1e-3, 1e-3, 201, dtype=torch.float64))
+    x = torch.cat([tiny, -tiny, switch, -switch, torch.linspace(-0.9999, 1e4, 20001, dtype=torch.float64)])
+    x32 = x.float().to(device)
+    out = torch.empty_like(x32)
+    _fast_log1p_kernel[(triton.cdiv(x32.numel(), 1024),)](x32, out, x32.numel(), BLOCK=1024)
+    exact = torch.log1p(x32.double().cpu())
+    return float(((out.double().cpu() - exact).abs() / exact.abs()).max())

@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from conftest import check_sequence_extremes
+from conftest import check_sequence_extremes, fast_log1p_error
 
 import headloss
 from headloss.head import INLINE_PREPARE_SLOTS
@@ -2081,3 +2081,8 @@ def test_the_students_topk_on_the_compiled_kernels_matches_a_stable_sort(k):
     for name in ("distill/overlap_ratio", "distill/overlap_token_advantage"):
         expected = float(want.metrics[name])
         assert abs(float(got.metrics[name]) - expected) <= 1e-4 * max(1.0, abs(expected)), name
+
+
+def test_fast_log1p_on_lg2_approx_stays_within_its_documented_error():
+    # the mixture JSD's log(p / M) in both of its passes (kernels/primitives.fast_log1p: under 5e-6)
+    assert fast_log1p_error("cuda") < 5e-6

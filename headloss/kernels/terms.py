@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..layouts import JSD_AT, SCRATCH_AT, SEQUENCE_AT
 from ..policy_tables import KL_ESTIMATORS, OBJECTIVES
-from .primitives import LN2, LOG2E, NEG_BIG, fast_log2, log1p, scaled_update, softmax_update, to_x2
+from .primitives import LN2, LOG2E, NEG_BIG, fast_log1p, fast_log2, scaled_update, softmax_update, to_x2
 
 # the kernels' codes of the policy term's values (policy_tables, the one list of each)
 CLIP, CISPO, SAPO, GPG, DRO, DPPO_TV, DPPO_KL, REINFORCE = (
@@ -243,7 +243,7 @@ def distill_grad(p, x2, zt, cols, V, dstate, wd, S, F: tl.constexpr, MASKED: tl.
     else:
         # log(p / M) = -log1p(beta (q / p - 1)), q / p from differences of logits
         q_over_p = tl.exp2((tl.maximum(t2, NEG_BIG) - tl.maximum(s2, NEG_BIG)) - (lse_t2 - lse_s2))
-        log_ratio = -log1p(S.jsd_beta * (q_over_p - 1.0))
+        log_ratio = -fast_log1p(S.jsd_beta * (q_over_p - 1.0))
         g = (wd * (1.0 - S.jsd_beta)) * tl.where(ps > 0.0, ps * (log_ratio - jsd_s), 0.0)
     return g
 
@@ -269,7 +269,7 @@ def jsd_sums(row_ptr, t_row_ptr, V, lse_s2, lse_t2, t_minus_s, S, BLOCK_V: tl.co
         ps = tl.exp2(s2 - lse_s2)
         q = teacher_q(zt, t2, cols, V, lse_t2, F, True)
         log2_q_over_p = (tl.maximum(t2, NEG_BIG) - tl.maximum(s2, NEG_BIG)) - t_minus_s
-        log_p_over_m = -log1p(S.jsd_beta * (tl.exp2(log2_q_over_p) - 1.0))
+        log_p_over_m = -fast_log1p(S.jsd_beta * (tl.exp2(log2_q_over_p) - 1.0))
         acc_s += tl.where(ps > 0.0, ps * log_p_over_m, 0.0)
         # where p = 0, M = beta q: log(q / M) = -log(beta)
         log_q_over_m = tl.where(ps > 0.0, log2_q_over_p * LN2 + log_p_over_m, -tl.log(S.jsd_beta))

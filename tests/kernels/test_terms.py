@@ -20,6 +20,7 @@ from conftest import (
     assert_matches_reference,
     assert_nontrivial,
     default_objective,
+    fast_log1p_error,
     generator,
     make_logits,
     make_targets,
@@ -566,3 +567,10 @@ def test_kernel_matches_reference_for_random_specs_mixing_ce_z_entropy_and_disti
     teacher = make_teacher(student, teacher_dtype, seed=seed)
     targets = make_targets(tokens, vocab, seed=seed, ignore_frac=ignore_frac) if with_targets else None
     assert_matches_reference(run_distill(student, targets, teacher, spec))
+
+
+@needs_kernel
+def test_fast_log1p_matches_fp64_log1p():
+    # under the interpreter fast_log2 is numpy's exact log2: the series and its switch at 1/16
+    # (test_gpu.py runs the same check on lg2.approx)
+    assert fast_log1p_error("cpu") < 1.5e-6  # the rounding of 1 + x above the switch
