@@ -3,9 +3,11 @@ root), with and without headloss's patch, over NCCL on ``--world`` GPUs.
 
 A Llama of hidden ``--hidden``, ``--layers`` decoder layers, vocabulary ``--vocab`` (random weights,
 bf16), one sequence of ``--seq`` tokens per rank. One step: forward with labels, backward. Per rank:
-median step time (CUDA events) and peak memory above the sharded model and inputs (GB).
+median step time (CUDA events; ``--rounds`` rounds over the cases in turn, ``--reps`` steps each, the median
+of the rounds' medians; rank 0 prints each round's) and peak memory above the sharded model and inputs (GB).
 
   python -m benchmarks.bench_fsdp2 [--world 2] [--seq 4096] [--hidden 2048] [--layers 4] [--vocab 128256]
+      [--rounds 3] [--reps 15]
 
 Writes $OUT (or ./results)/bench_fsdp2.{json,csv,png}; prints a table.
 """
@@ -13,6 +15,7 @@ Writes $OUT (or ./results)/bench_fsdp2.{json,csv,png}; prints a table.
 from __future__ import annotations
 
 import os
+import statistics
 
 import torch
 
@@ -46,28 +49,37 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     gen = torch.Generator().manual_seed(1 + rank)
     ids = torch.randint(0, args.vocab, (1, args.seq), generator=gen).to(device)
-    out = []
-    for case in CASES:
-        handle = patch(model) if case == "headloss" else None
 
-        def step():
-            model(input_ids=ids, labels=ids).loss.backward()
-            model.zero_grad(set_to_none=True)
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
 
-        p50, p20, p80 = time_ms(step, reps=args.reps)
-        peak = peak_extra_gb(step)
-        out.append({"case": case, "p50": p50, "p20": p20, "p80": p80, "peak": peak})
-        if handle is not None:
-            handle.undo()
+    timed: dict[str, list[tuple[float, float, float]]] = {case: [] for case in CASES}
+    peaks: dict[str, float] = {}
+    for _ in range(args.rounds):
+        for case in CASES:
+            handle = None if case == "stock" else patch(model)
+            timed[case].append(time_ms(step, reps=args.reps))
+            if case not in peaks:
+                peaks[case] = peak_extra_gb(step)
+            if handle is not None:
+                handle.undo()
+    if rank == 0:
+        for case in CASES:
+            print(f"{case}: p50 per round " + " ".join(f"{t[0]:.2f}" for t in timed[case]), flush=True)
+    quantiles = ("p50", "p20", "p80")
+    out = [{"case": case, **{k: statistics.median(t[i] for t in timed[case]) for i, k in enumerate(quantiles)},
+            "peak": peaks[case]} for case in CASES]
     results[rank] = out
     dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = world_parser(__doc__, "bench_fsdp2", 15, seq=4096, hidden=2048, layers=4, vocab=128256)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over the cases in turn")
     args = parser.parse_args(argv)
     results = spawn_world(_rank, args.world, args)
-    config = {"world": args.world, "seq": args.seq, "hidden": args.hidden, "layers": args.layers,
+    config = {"world": args.world, "rounds": args.rounds, "seq": args.seq, "hidden": args.hidden, "layers": args.layers,
               "vocab": args.vocab, "dtype": "bf16"}
     per_rank_report(results, CASES, "fsdp2-hf-step", "seq", args.seq, config, args.name,
                     f"HF Llama step under FSDP2 on {args.world} GPUs: seq {args.seq}, H {args.hidden}, "
