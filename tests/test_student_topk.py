@@ -262,7 +262,8 @@ def test_overlap_outputs_without_a_topk_teacher_and_student_topk_are_refused(spe
 
 
 @needs_kernel
-@pytest.mark.parametrize("entry", ["logits", pytest.param("lm_head", marks=pytest.mark.slow)])
+@pytest.mark.slow  # (packed rows with selected ids and outputs: test_selected's, in the fast tier)
+@pytest.mark.parametrize("entry", ["logits", "lm_head"])
 def test_packed_rows_equal_the_padded_call(entry):
     lengths = [4, 6, 3]
     n, s, tmax = sum(lengths), len(lengths), max(lengths)

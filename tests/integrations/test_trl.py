@@ -142,8 +142,8 @@ EDGES = {  # case -> (GRPOConfig changes, how the batch is changed)
 }
 
 
-@pytest.mark.parametrize("case", [pytest.param(case, marks=() if case == "sequence-empty_completion" else
-                                               pytest.mark.slow) for case in EDGES])
+@pytest.mark.slow  # (TRL's GRPO loss, gradient and metrics on one batch: the fast tier's test_grpo_loss_...)
+@pytest.mark.parametrize("case", list(EDGES))
 def test_grpo_clip_metrics_equal_trls_at_their_edges(tmp_path, case):
     """TRL's own _compute_loss on batches at the edges of its clip metrics: [B, T] advantages under
     sequence-level ratios (its indicators are [B, T]: token means), a fully masked completion with every
