@@ -597,7 +597,6 @@ def explained_and_demoed(tmp_path, capsys, spec_yaml: str) -> str:
     return text
 
 
-
 @triton.jit
 def _fast_log1p_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
