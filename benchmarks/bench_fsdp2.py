@@ -3,8 +3,9 @@ root), with and without headloss's patch, over NCCL on ``--world`` GPUs.
 
 A Llama of hidden ``--hidden``, ``--layers`` decoder layers, vocabulary ``--vocab`` (random weights,
 bf16), one sequence of ``--seq`` tokens per rank. One step: forward with labels, backward. Per rank:
-median step time (CUDA events; ``--rounds`` rounds over the cases in turn, ``--reps`` steps each, the median
-of the rounds' medians; rank 0 prints each round's) and peak memory above the sharded model and inputs (GB).
+median step time (CUDA events; ``--rounds`` rounds over the cases in turn, in reversed order every other
+round, ``--reps`` steps each; the median of the rounds' medians, p20 / p80 the medians of the rounds' p20 /
+p80; rank 0 prints each round's median) and peak memory above the sharded model and inputs (GB).
 
   python -m benchmarks.bench_fsdp2 [--world 2] [--seq 4096] [--hidden 2048] [--layers 4] [--vocab 128256]
       [--rounds 3] [--reps 15]
@@ -56,8 +57,8 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
 
     timed: dict[str, list[tuple[float, float, float]]] = {case: [] for case in CASES}
     peaks: dict[str, float] = {}
-    for _ in range(args.rounds):
-        for case in CASES:
+    for round_ in range(args.rounds):
+        for case in CASES if round_ % 2 == 0 else CASES[::-1]:
             handle = None if case == "stock" else patch(model)
             timed[case].append(time_ms(step, reps=args.reps))
             if case not in peaks:
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = world_parser(__doc__, "bench_fsdp2", 15, seq=4096, hidden=2048, layers=4, vocab=128256)
     parser.add_argument("--rounds", type=int, default=3, help="rounds over the cases in turn")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds: at least 1, got {args.rounds}")
     results = spawn_world(_rank, args.world, args)
     config = {"world": args.world, "rounds": args.rounds, "seq": args.seq, "hidden": args.hidden, "layers": args.layers,
               "vocab": args.vocab, "dtype": "bf16"}

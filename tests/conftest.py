@@ -604,12 +604,15 @@ def _fast_log1p_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, fast_log1p(x), mask=offs < n)
 
 
-def fast_log1p_error(device) -> float:
+def fast_log1p_error(device, series_only: bool = False) -> float:
     """Largest relative error of the kernels' fast_log1p against fp64 log1p, over x from just above -1 to
-    1e4: dense around 0 (the series), both sides of its 1/16 switch, and across the log's range."""
+    1e4: dense around 0 (the series), both sides of its 1/16 switch, over [-0.5, 1], and across the log's
+    range (``series_only``: the points below the switch)."""
     tiny = torch.logspace(-9, -1, 2000, dtype=torch.float64)
     switch = 0.0625 * (1 + torch.linspace(-1e-3, 1e-3, 201, dtype=torch.float64))
-    x = torch.cat([tiny, -tiny, switch, -switch, torch.linspace(-0.9999, 1e4, 20001, dtype=torch.float64)])
+    near = torch.linspace(-0.5, 1.0, 100001, dtype=torch.float64)  # lg2.approx's range [0.5, 2]
+    x = torch.cat([tiny, -tiny, switch, -switch, near, torch.linspace(-0.9999, 1e4, 20001, dtype=torch.float64)])
+    x = x[(x.float() != 0) & ((x.abs() < 0.0625) if series_only else True)]  # (linspace passes through 0)
     x32 = x.float().to(device)
     out = torch.empty_like(x32)
     _fast_log1p_kernel[(triton.cdiv(x32.numel(), 1024),)](x32, out, x32.numel(), BLOCK=1024)

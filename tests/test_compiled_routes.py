@@ -67,7 +67,7 @@ CASES = {
 # top_entropy (FAST: on the lm_head)
 FAST = ("logits-fused-sft", "logits-fused-grpo-rows", "logits-deferred", "logits-deferred+kernels-gspo",
         "logits-deferred+torch-gmpo", "lm_head-fused-distill-teacher-hidden", "lm_head-deferred",
-        "lm_head-sequences+torch-gmpo", "lm_head-covariance-kl_cov",
+        "lm_head-sequences+kernels-gspo", "lm_head-sequences+torch-gmpo", "lm_head-covariance-kl_cov",
         "lm_head-entropy-guess")
 
 
