@@ -610,7 +610,7 @@ def fast_log1p_error(device, series_only: bool = False) -> float:
     range (``series_only``: the points below the switch)."""
     tiny = torch.logspace(-9, -1, 2000, dtype=torch.float64)
     switch = 0.0625 * (1 + torch.linspace(-1e-3, 1e-3, 201, dtype=torch.float64))
-    near = torch.linspace(-0.5, 1.0, 100001, dtype=torch.float64)  # lg2.approx's range [0.5, 2]
+    near = torch.linspace(-0.5, 1.0, 100001, dtype=torch.float64)  # 1 + x in [0.5, 2]: lg2.approx's error is absolute
     x = torch.cat([tiny, -tiny, switch, -switch, near, torch.linspace(-0.9999, 1e4, 20001, dtype=torch.float64)])
     x = x[(x.float() != 0) & ((x.abs() < 0.0625) if series_only else True)]  # (linspace passes through 0)
     x32 = x.float().to(device)
