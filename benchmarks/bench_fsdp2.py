@@ -56,23 +56,40 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
         model.zero_grad(set_to_none=True)
 
     timed: dict[str, list[tuple[float, float, float]]] = {case: [] for case in CASES}
+    host: dict[str, list[float]] = {case: [] for case in CASES}
     peaks: dict[str, float] = {}
     for round_ in range(args.rounds):
         for case in CASES if round_ % 2 == 0 else CASES[::-1]:
             handle = None if case == "stock" else patch(model)
             timed[case].append(time_ms(step, reps=args.reps))
+            host[case].append(host_ms(step, args.reps))
             if case not in peaks:
                 peaks[case] = peak_extra_gb(step)
             if handle is not None:
                 handle.undo()
     if rank == 0:
         for case in CASES:
-            print(f"{case}: p50 per round " + " ".join(f"{t[0]:.2f}" for t in timed[case]), flush=True)
+            print(f"{case}: p50 per round " + " ".join(f"{t[0]:.2f}" for t in timed[case])
+                  + "; host ms a step " + " ".join(f"{t:.2f}" for t in host[case]), flush=True)
     quantiles = ("p50", "p20", "p80")
     out = [{"case": case, **{k: statistics.median(t[i] for t in timed[case]) for i, k in enumerate(quantiles)},
             "peak": peaks[case]} for case in CASES]
     results[rank] = out
     dist.destroy_process_group()
+
+
+def host_ms(step, reps: int) -> float:
+    """The host's time to issue one step (ms; ``reps`` steps queued back to back, after a sync): where it is
+    as long as the step, the step is bound by the host's launch work, not by the GPU."""
+    import time
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        step()
+    issued = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return issued * 1e3 / reps
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,6 +20,7 @@ from .lm_head import run_linear
 from .logits import run_head
 from .output import HeadLossOutput
 from .plan import SpecLike, plan_for, selecting
+from .scored import ScoredRows
 from .spec import LossSpec
 from .validation import Validate, check_pending
 
@@ -115,7 +116,7 @@ def linear_head_loss(
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     fp32_weight_grad: bool = False,
-    compact: bool = True,
+    compact: bool | ScoredRows = True,
     validate: Validate = None,
     backend: Backend = "auto",
     group: Any = None,
@@ -142,7 +143,9 @@ def linear_head_loss(
         chunk_bytes: the budget of one chunk's logits (default 256 MiB; 128 MiB where memory is
             tight). Peak extra memory is about this plus dW (V x H), dh (N x H) and O(N) buffers.
         fp32_weight_grad: accumulate dW in fp32 and round once (a V x H fp32 buffer).
-        compact: skip ignored rows (one host sync for their count; off under capture and compile).
+        compact: skip ignored rows (one host sync for their count; off under capture and compile), or
+            :func:`headloss.scored_rows` of these targets, made earlier (the count copied to the host then,
+            read here without a host sync; headloss.scored). False computes every row.
         group: a column-parallel lm_head: ``weight`` (and ``bias``, a teacher's weight or logits) are
             this rank's vocabulary rows, ``hidden`` and the targets replicated; dW / db are this
             rank's rows; one all_gather of statistics per chunk. A DTensor weight sharded on dim 0
@@ -217,10 +220,12 @@ class LinearHeadLoss(torch.nn.Module):
                             validate=validate, backend=backend, group=group, hidden_grad=hidden_grad,
                             weight_grad=weight_grad)
 
-    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor | None = None,
-                **inputs: Unpack[LinearInputs]) -> HeadLossOutput:
-        """:func:`linear_head_loss` of these inputs under the module's spec and options."""
-        return linear_head_loss(hidden, weight, targets, self.spec, **self.options, **inputs)
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor | None = None, *,
+                compact: ScoredRows | None = None, **inputs: Unpack[LinearInputs]) -> HeadLossOutput:
+        """:func:`linear_head_loss` of these inputs under the module's spec and options (``compact``: this
+        call's :func:`headloss.scored_rows`, in place of the module's setting)."""
+        options = self.options if compact is None else {**self.options, "compact": compact}
+        return linear_head_loss(hidden, weight, targets, self.spec, **options, **inputs)
 
     def extra_repr(self) -> str:
         return f"spec={self.spec!r}"

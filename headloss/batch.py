@@ -182,7 +182,7 @@ class LinearOptions(Options):
 
     chunk_bytes: int
     fp32_weight_grad: bool
-    compact: bool
+    compact: Any  # True, False, or a headloss.scored.ScoredRows (checked in headloss.lm_head)
     hidden_grad: str
     weight_grad: str = "return"
 

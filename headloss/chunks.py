@@ -132,6 +132,7 @@ class LinearRun:
     teacher_rows: int = 0  # a computed teacher's logits in parts of this many rows of a chunk (0: whole chunks)
     main_grad: tuple | None = field(default=None, compare=False)  # (weight, its main_grad): dW added there in
     # backward (headloss.main_grad; deferred mode on the kernels' path, eager)
+    ahead: Any = field(default=None, compare=False)  # compact: a headloss.scored.ScoredRows (the count without a sync)
 
     @property
     def grads_in_forward(self) -> bool:

@@ -71,17 +71,30 @@ def unscored_row(plan: KernelPlan, device) -> torch.Tensor | float:
     return row
 
 
+COMPACT_MIN_SHARE = 1 / 64
+"""Ignored rows are skipped where they are at least this share of the call's rows: below it computing them
+costs less than gathering the others (each chunk's hidden rows, targets and per-row inputs, and scattering
+dh back); a shifted batch's one unscored row per sequence stays in."""
+
+
 def _compact_index(run: LinearRun, targets, scratch, rows: int, verdict):
-    """The rows to compute when ignored rows are skipped: one host sync (nonzero's, for their count),
-    after which the call's verdict is read in the call too (so validation costs nothing more). Never
-    under CUDA-graph capture or torch.compile (row counts would be data-dependent)."""
+    """The rows to compute when ignored rows are skipped (None: every row; see COMPACT_MIN_SHARE): the
+    ScoredRows' where the call has them (headloss.scored: a wait for their count's copy only), else one
+    host sync (nonzero's, for their count), after which the call's verdict is read in the call too (so
+    validation costs nothing more). Never under CUDA-graph capture or torch.compile (row counts would be
+    data-dependent)."""
     if not run.compact or targets is None or run.traced:
         return None
     if scratch.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    index = (targets != run.ignore_index).nonzero().squeeze(1)  # waits for the stream: prepare has run
-    settle(verdict, "sync", scratch.device)
-    return None if index.numel() == rows else index
+    if run.ahead is not None:
+        index = run.ahead.index()
+    else:
+        index = (targets != run.ignore_index).nonzero().squeeze(1)  # waits for the stream: prepare has run
+        settle(verdict, "sync", scratch.device)
+    if index is None or rows - index.numel() < rows * COMPACT_MIN_SHARE:
+        return None
+    return index
 
 
 def sparse_rows(tensors: CallTensors, index, start: int, stop: int) -> SparseRows | None:

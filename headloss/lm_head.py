@@ -57,6 +57,7 @@ from .policy.tokens import PolicyTokens
 from .policy.weights import weigh_tokens
 from .routes import facts_of, resolve_backend
 from .row_inputs import flat_selected_ids, flat_temperature, flat_token_weights
+from .scored import ScoredRows
 from .spec import LossSpec
 from .validation import Normaliser, normaliser, validation_mode
 
@@ -181,6 +182,7 @@ def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: L
     bias, teacher, batch, layout = call.bias, call.teacher, call.batch, call.layout
     num_items_in_batch = call.num_items_in_batch
     shift = layout.shift
+    _check_compact(options.compact, layout)
     packed = None
     if layout.packed:
         hidden, targets, (t_hidden, t_logits, t_ids, t_logprobs), packed = packed_call(
@@ -195,6 +197,8 @@ def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: L
         raise ValueError(f"chunk_bytes: expected a positive number of bytes, got {chunk_bytes!r}")
     token_rows = tuple(hidden.shape[:-1])
     check_targets(targets, token_rows, spec, hidden.device, shift, source="hidden")
+    if isinstance(options.compact, ScoredRows):
+        options.compact.check(targets, shift, spec.ignore_index, token_rows)
     token_shape = tuple(targets.shape) if isinstance(targets, torch.Tensor) else token_rows
     per_sequence = (packed.n_slots, packed.seq) if packed is not None and packed.per_sequence else None
     temperature = flat_temperature(call.temperature, spec, token_shape, hidden.device, per_sequence)
@@ -231,6 +235,17 @@ def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: L
                  sparse=sparse, temperature=temperature, weights=weights, selected=selected)
 
 
+def _check_compact(compact, layout) -> None:
+    """``compact``: True, False, or ScoredRows (headloss.scored) of unpacked rows."""
+    if isinstance(compact, bool):
+        return
+    if not isinstance(compact, ScoredRows):
+        raise TypeError(f"compact: expected True, False or headloss.scored_rows(...)'s ScoredRows, got "
+                        f"{type(compact).__name__}")
+    if layout.packed:
+        raise ValueError("compact: ScoredRows cover unpacked rows; with cu_seqlens or position_ids pass compact=True")
+
+
 def _chunked(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, mode: str, traced: bool,
              into: tuple | None = None) -> HeadLossOutput:
     """The kernels' path: the route, its chunk cut, the chunk loop in LinearFunction, the policy term's
@@ -248,12 +263,13 @@ def _chunked(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, 
     chunks = loop.cut(options.chunk_bytes, width, hidden.element_size(), call.teacher.computed, seq_len,
                       shard is not None)
     run = LinearRun(plan=chosen.plan, chunk_rows=chunks.rows, fp32_weight_grad=options.fp32_weight_grad,
-                    compact=options.compact and not chosen.traced and loop.compacts, validate=mode,
+                    compact=options.compact is not False and not chosen.traced and loop.compacts, validate=mode,
                     token_shape=call.rows_shape, ignore_index=spec.ignore_index, norm=call.norm.value, loop=loop,
                     traced=chosen.traced, shard=shard,
                     seq_len=chunks.seq_len, policy=call.policy if loop.takes_policy else None,
                     objective=spec.policy if loop.corrects else None,
-                    reduce_hidden_grad=options.hidden_grad == "reduced", teacher_rows=chunks.teacher_rows)
+                    reduce_hidden_grad=options.hidden_grad == "reduced", teacher_rows=chunks.teacher_rows,
+                    ahead=options.compact if isinstance(options.compact, ScoredRows) else None)
     if into is not None and run.grads_in_forward:
         weight = IntoMainGrad.apply(weight, into)
     elif into is not None:

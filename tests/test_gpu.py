@@ -183,6 +183,34 @@ def test_hot_path_has_no_host_sync_with_default_arguments(case):
     assert torch.isfinite(out.loss)
 
 
+def test_the_lm_head_skips_ignored_rows_without_a_host_sync_given_its_scored_rows():
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    hidden = torch.randn(2, 700, 256, device="cuda", generator=gen).bfloat16().requires_grad_()
+    weight = (torch.randn(32000, 256, device="cuda", generator=gen) / 16).bfloat16().requires_grad_()
+    labels = torch.randint(0, 32000, (2, 700), device="cuda", generator=gen)
+    labels[0, :300] = -100  # a prompt
+    chunk = 256 * 32000 * 2  # 256 rows a chunk
+
+    def run(compact):
+        hidden.grad = weight.grad = None
+        out = headloss.linear_head_loss(hidden, weight, labels, FULL, shift=True, compact=compact, chunk_bytes=chunk)
+        out.loss.backward()
+        return out, hidden.grad.clone(), weight.grad.clone()
+
+    want, dh, dw = run(True)  # (compiles the kernels)
+    torch.cuda.synchronize()
+    ahead = headloss.scored_rows(labels, shift=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mine, dh_mine, dw_mine = run(ahead)
+        with pytest.raises(RuntimeError, match="synchronizing"):  # compact=True: nonzero's count waits
+            run(True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(mine.loss, want.loss) and torch.equal(mine.logprobs, want.logprobs)
+    assert torch.equal(dh_mine, dh) and torch.equal(dw_mine, dw)
+
+
 def test_inplace_gradient_needs_only_per_row_memory():
     rows, vocab = 8192, 128256
     logits, targets = _batch(rows, vocab, torch.bfloat16, seed=7)

@@ -36,7 +36,7 @@ from conftest import (
 import headloss.chunks
 import headloss.head
 import headloss.linear
-from headloss import CrossEntropy, Entropy, HeadLossOutput, LogitTransform, LossSpec, ZLoss
+from headloss import CrossEntropy, Entropy, HeadLossOutput, LogitTransform, LossSpec, ZLoss, scored_rows
 from headloss.api import LinearHeadLoss, linear_head_loss
 from headloss.chunks import chunk_rows_for
 from headloss.reference import reference_head_loss, transformed_logits
@@ -564,11 +564,17 @@ def test_compact_and_full_rows_give_the_same_values_and_gradients(dtype, mode, c
     compact_chunks = list(chunk_log["forward"])
     full = run_linear(hidden, weight, bias, targets, spec, chunk_bytes=chunk, compact=False)
     full_chunks = chunk_log["forward"][len(compact_chunks):]
+    ahead = run_linear(hidden, weight, bias, targets, spec, chunk_bytes=chunk, compact=scored_rows(targets))
+    ahead_chunks = chunk_log["forward"][len(compact_chunks) + len(full_chunks):]
     assert_matches_reference(compact)
     assert_matches_reference(full)
-    # compact computes only the 5 non-ignored rows; full runs all 9
-    assert [s[0] for s in compact_chunks] == [2, 2, 1]
+    # compact computes only the 5 non-ignored rows (so do the rows found ahead); full runs all 9
+    assert [s[0] for s in compact_chunks] == [2, 2, 1] == [s[0] for s in ahead_chunks]
     assert [s[0] for s in full_chunks] == [2, 2, 2, 2, 1]
+    for name in ("loss", *FLOAT_OUTPUTS):  # the same computation: the same bits
+        assert torch.equal(getattr(compact.out, name), getattr(ahead.out, name)), name
+    for name in GRAD_NAMES:
+        assert torch.equal(compact.grad(name), ahead.grad(name)), f"d {name}"
     # both match the reference; against each other, up to GEMMs of other shapes (bf16: rounding of the logits)
     close = 1e-6 if dtype == F32 else 5e-3
     for name in ("loss", *FLOAT_OUTPUTS):
@@ -587,12 +593,29 @@ def test_compact_and_full_rows_give_the_same_values_and_gradients(dtype, mode, c
             assert torch.all(getattr(run.out, name)[ignored] == 0), name
 
 
-@pytest.mark.parametrize("compact", [True, False], ids=["compact", "full_rows"])
+@pytest.mark.parametrize("ahead", [False, True], ids=["nonzero", "scored_rows"])
+def test_a_few_ignored_rows_are_computed_rather_than_gathered_out(ahead, chunk_log):
+    # COMPACT_MIN_SHARE: 1 ignored row of 70 (under 1/64) stays in; 2 (over it) are skipped
+    assert 1 < 70 * headloss.linear.COMPACT_MIN_SHARE < 2
+    hidden, weight, bias = make_head((70,), 8, 37, F32, 21)
+    for ignored, chunks in ((1, [32, 32, 6]), (2, [32, 32, 4])):
+        chunk_log["forward"].clear()
+        targets = make_targets((70,), 37, seed=ignored)
+        targets[torch.arange(ignored) * 31 + 5] = -100
+        run = run_linear(hidden, weight, bias, targets, FUSED, chunk_bytes=chunk_bytes_for(32, 37, F32),
+                         compact=scored_rows(targets) if ahead else True)
+        assert [s[0] for s in chunk_log["forward"]] == chunks
+        assert_matches_reference(run)
+        assert torch.all(run.grad("hidden")[targets == -100] == 0)
+
+
+@pytest.mark.parametrize("compact", [True, False, "ahead"], ids=["compact", "full_rows", "scored_rows"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_all_ignored_batch_gives_zero_loss_and_zero_gradients(mode, compact):
     spec = MODES[mode]
     hidden, weight, bias = make_head((2, 3), 8, 37, F32, 3)
     targets = torch.full((2, 3), -100)
+    compact = scored_rows(targets) if compact == "ahead" else compact
     run = run_linear(hidden, weight, bias, targets, spec, compact=compact, chunk_bytes=chunk_bytes_for(2, 37, F32))
     assert float(run.out.loss.detach()) == 0.0
     assert int(run.out.metrics["n_tokens"]) == 0

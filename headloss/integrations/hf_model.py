@@ -9,8 +9,10 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 
 from ..spec import LogitTransform, LossSpec
+from ..transform import transformed_logits
 
 
 class PatchError(ValueError):
@@ -117,3 +119,77 @@ def merged_spec(spec: LossSpec, model_transform: LogitTransform) -> LossSpec:
     transform = LogitTransform(logit_scale=model_transform.logit_scale, softcap=model_transform.softcap,
                                temperature=mine.temperature)
     return LossSpec.model_validate({**dict(spec), "transform": transform})
+
+
+def probe_stock(model, head, spec: LossSpec) -> tuple:
+    """The patch-time probe through the stock model (eval mode, 6 random ids, the first label ignored):
+    (its output, the ids, the labels, the spec to use). The lm_head must be ``hidden @ weight.T + bias`` and
+    the logits its output under ``spec``'s transform -- or under none, where the config names a transform
+    the forward does not apply (Gemma 3's multimodal wrapper ignores final_logit_softcapping): the spec
+    returned then scores what the model computes. A PatchError otherwise."""
+    device = head.weight.device
+    if device.type == "meta":
+        raise PatchError("model: its weights are on the meta device; load them first, or pass verify=False")
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, head.weight.shape[0], (1, 6), generator=gen).to(device)
+    labels = ids.clone()
+    labels[0, 0] = -100
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(_module, inputs, output):
+        seen["hidden"], seen["z"] = inputs[0].detach(), output.detach()
+
+    was_training = model.training
+    handle = head.register_forward_hook(hook)
+    try:
+        model.eval()
+        with torch.no_grad():
+            try:
+                stock = model(input_ids=ids, labels=labels, use_cache=False)
+            except TypeError:
+                stock = model(input_ids=ids, labels=labels)
+    finally:
+        handle.remove()
+        model.train(was_training)
+    name = type(model).__name__
+    if "hidden" not in seen:
+        raise PatchError(f"{name}: its forward never called get_output_embeddings()")
+    hidden, z = seen["hidden"], seen["z"]
+    plain = F.linear(hidden, head.weight, getattr(head, "bias", None))
+    if not torch.allclose(plain.float(), z.float(), **tolerance(z.dtype)):
+        raise PatchError(f"{name}: its lm_head ({type(head).__name__}) is not hidden @ weight.T + bias; headloss "
+                         "cannot reproduce it")
+    logits = getattr(stock, "logits", None)
+    if logits is None:
+        raise PatchError(f"{name}: its output has no logits to check the head's transform against")
+
+    def matches(candidate: LossSpec) -> bool:
+        expected = transformed_logits(z.float(), candidate, torch.float32) * candidate.transform.temperature
+        return torch.allclose(logits.float(), expected, **tolerance(logits.dtype))
+
+    if matches(spec):
+        return stock, ids, labels, spec
+    unscaled = LogitTransform(temperature=spec.transform.temperature)
+    plain_spec = LossSpec.model_validate({**dict(spec), "transform": unscaled})
+    if spec.transform.logit_scale == 1.0 and spec.transform.softcap is None or not matches(plain_spec):
+        raise PatchError(f"{name}: its logits are not the lm_head's output under the transform headloss read from "
+                         f"its config ({spec.transform}); it applies something else to them, so it is refused "
+                         "rather than mis-scored")
+    return stock, ids, labels, plain_spec
+
+
+def check_stock_loss(model, stock, labels) -> None:
+    """The stock probe's loss is the causal-LM cross-entropy of its logits (plus a MoE router's auxiliary
+    loss, as the model adds it), or a PatchError: headloss stands in for that loss only."""
+    name = type(model).__name__
+    if stock.loss is None:
+        raise PatchError(f"{name}: its forward returned no loss for labels")
+    logits = stock.logits[:, :-1].double()
+    target = labels[:, 1:].to(logits.device)
+    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+    aux = getattr(stock, "aux_loss", None)
+    if aux is not None:
+        expected = expected + getattr(model, "router_aux_loss_coef", 0.0) * aux.double()
+    if not torch.allclose(stock.loss.double(), expected, **tolerance(stock.logits.dtype)):
+        raise PatchError(f"{name}: its loss for labels ({float(stock.loss):.6g}) is not the causal-LM cross-entropy "
+                         f"of its logits ({float(expected):.6g}); refused rather than mis-scored")

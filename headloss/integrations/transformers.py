@@ -34,23 +34,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import TrainerCallback
 
 from ..api import head_loss, linear_head_loss
 from ..metrics import MetricsAccumulator
 from ..output import HeadLossOutput
 from ..plan import SpecLike
+from ..scored import ScoredRows, scored_rows
 from ..spec import LogitTransform, LossSpec
-from ..transform import transformed_logits
 from .hf_model import (
     PatchError,
     causal_lm,
     check_head,
+    check_stock_loss,
     full_tensor,
     head_transform,
     labels_position,
     merged_spec,
+    probe_stock,
     restore_attribute,
     tolerance,
 )
@@ -71,6 +72,7 @@ class _PendingLoss:
     shift_labels: torch.Tensor | None
     num_items_in_batch: Any
     ignore_index: int | None
+    scored: ScoredRows | None = None  # the rows the head scores, queued at the forward's start (headloss.scored)
     result: HeadLossOutput | None = None
     extra: dict = field(default_factory=dict)
 
@@ -87,7 +89,7 @@ class HeadPatch:
     """
 
     def __init__(self, model, spec: SpecLike | None = None, *, chunk_bytes: int = PATCH_CHUNK_BYTES,
-                 keep_logits: bool = False, fp32_weight_grad: bool = False, verify: bool = True,
+                 keep_logits: bool = False, fp32_weight_grad: bool = False, compact: bool = True, verify: bool = True,
                  validate=None, backend: str = "auto", metric_names: dict[str, str] | None = None) -> None:
         self.outer = model  # what the caller runs (a PEFT wrapper, an FSDP2 root): the probe runs through it
         self.model = causal_lm(model)
@@ -99,6 +101,9 @@ class HeadPatch:
         self.chunk_bytes = chunk_bytes
         self.keep_logits = keep_logits
         self.fp32_weight_grad = fp32_weight_grad
+        if not isinstance(compact, bool):
+            raise TypeError(f"compact: expected True or False, got {type(compact).__name__}")
+        self.compact = compact
         self.validate = validate
         self.backend = backend
         self.metrics = MetricsAccumulator(names=metric_names)
@@ -139,6 +144,9 @@ class HeadPatch:
                 return original_forward(*args, **kwargs)  # (fused_lm_head: TRL's own head, as TRL asks)
             call = _PendingLoss(labels=labels, shift_labels=shift_labels,
                          num_items_in_batch=kwargs.get("num_items_in_batch"), ignore_index=kwargs.get("ignore_index"))
+            tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
+            call.scored = self._scored_ahead(call, tokens.shape[1] if isinstance(tokens, torch.Tensor)
+                                             and tokens.dim() >= 2 else None)
             self._pending = call
             try:
                 out = original_forward(*args, **kwargs)
@@ -228,6 +236,33 @@ class HeadPatch:
             self._specs[ignore_index] = spec
         return spec
 
+    def _scored_ahead(self, call: _PendingLoss, seq_len: int | None) -> ScoredRows | None:
+        """The rows the head will score, queued before the model's body runs (headloss.scored): the head's
+        call then skips the ignored rows without a host sync behind the body's forward. Where the head's
+        call compacts only; the labels are moved to the head's device here, once. ``seq_len``: the input
+        tokens' T (labels [B, T], or completion ids [B, T - 1])."""
+        weight = getattr(self.head, "weight", None)
+        if not self.compact or self.keep_logits or self.backend == "torch" or not isinstance(weight, torch.Tensor) \
+                or weight.device.type == "meta" or torch.compiler.is_compiling() \
+                or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return None
+        shift = call.shift_labels is None
+        targets = call.labels if shift else call.shift_labels
+        if not isinstance(targets, torch.Tensor) or targets.dim() != 2 or targets.device.type == "meta":
+            return None
+        targets = targets.to(weight.device)
+        if shift:
+            call.labels = targets
+        else:
+            call.shift_labels = targets
+        if not shift or seq_len is None or targets.shape[1] not in (seq_len, seq_len - 1):
+            seq_len = None
+        try:
+            return scored_rows(targets, shift=shift, ignore_index=self._spec_for(call.ignore_index).ignore_index,
+                               seq_len=seq_len)
+        except (TypeError, ValueError):  # (bad labels: the head's call says what is wrong with them)
+            return None
+
     def _head_loss(self, call: _PendingLoss, hidden: torch.Tensor, original_head) -> torch.Tensor:
         spec = self._spec_for(call.ignore_index)
         if call.shift_labels is not None:
@@ -245,10 +280,14 @@ class HeadPatch:
                                     validate=self.validate, backend=self.backend, **self._inputs)
             return logits
         weight, bias = full_tensor(self.head.weight), full_tensor(getattr(self.head, "bias", None))
+        scored = call.scored
+        fits = scored is not None and scored.targets is targets and scored.rows == hidden.shape[:-1].numel() \
+            and (not shift or scored.seq_len == hidden.shape[1])  # (else the call counts its rows itself)
+        compact = scored if fits else self.compact
         call.result = linear_head_loss(
             hidden, weight, targets, spec, bias=bias, shift=shift, num_items_in_batch=num_items,
-            chunk_bytes=self.chunk_bytes, fp32_weight_grad=self.fp32_weight_grad, validate=self.validate,
-            backend=self.backend, **self._inputs,
+            chunk_bytes=self.chunk_bytes, fp32_weight_grad=self.fp32_weight_grad, compact=compact,
+            validate=self.validate, backend=self.backend, **self._inputs,
         )
         return hidden.new_empty(*hidden.shape[:-1], 0)
 
@@ -272,84 +311,13 @@ class HeadPatch:
 
     def _verify(self) -> None:
         """Run a short probe through the stock model and through the patch, and compare logits and loss."""
-        model, head = self.outer, self.head
-        vocab = head.weight.shape[0]
-        device = head.weight.device
-        if device.type == "meta":
-            raise PatchError("model: its weights are on the meta device; load them first, or pass verify=False")
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, vocab, (1, 6), generator=gen).to(device)
-        labels = ids.clone()
-        labels[0, 0] = -100
-        seen: dict[str, torch.Tensor] = {}
+        stock, ids, labels, self.spec = probe_stock(self.outer, self.head, self.spec)
+        check_stock_loss(self.model, stock, labels)
+        self._probe_patched(stock, ids, labels)
 
-        def hook(_module, inputs, output):
-            seen["hidden"], seen["z"] = inputs[0].detach(), output.detach()
-
-        was_training = model.training
-        try:
-            model.eval()
-            self._probe(model, head, ids, labels, seen, hook)
-        finally:
-            model.train(was_training)
-
-    def _probe(self, model, head, ids, labels, seen, hook) -> None:
-        handle = head.register_forward_hook(hook)
-        try:
-            with torch.no_grad():
-                stock = model(input_ids=ids, labels=labels, use_cache=False)
-        except TypeError:
-            with torch.no_grad():
-                stock = model(input_ids=ids, labels=labels)
-        finally:
-            handle.remove()
-        if "hidden" not in seen:
-            raise PatchError(f"{type(model).__name__}: its forward never called get_output_embeddings()")
-        hidden, z = seen["hidden"], seen["z"]
-        name = type(model).__name__
-        plain = F.linear(hidden, head.weight, getattr(head, "bias", None))
-        if not torch.allclose(plain.float(), z.float(), **tolerance(z.dtype)):
-            raise PatchError(
-                f"{name}: its lm_head ({type(head).__name__}) is not hidden @ weight.T + bias; headloss cannot "
-                "reproduce it"
-            )
-        logits = getattr(stock, "logits", None)
-        if logits is None:
-            raise PatchError(f"{name}: its output has no logits to check the head's transform against")
-        def matches(spec: LossSpec) -> bool:
-            expected = transformed_logits(z.float(), spec, torch.float32) * spec.transform.temperature
-            return torch.allclose(logits.float(), expected, **tolerance(logits.dtype))
-
-        if not matches(self.spec):
-            # the config names a transform the model's forward does not apply (Gemma 3's
-            # multimodal wrapper ignores final_logit_softcapping): score what the model computes
-            plain = LossSpec.model_validate(
-                {**dict(self.spec), "transform": LogitTransform(temperature=self.spec.transform.temperature)})
-            if self.spec.transform.logit_scale == 1.0 and self.spec.transform.softcap is None or not matches(plain):
-                raise PatchError(
-                    f"{name}: its logits are not the lm_head's output under the transform headloss read from "
-                    f"its config ({self.spec.transform}); it applies something else to them, so it is refused "
-                    "rather than mis-scored"
-                )
-            self.spec = plain
-        self._probe_loss(stock, ids, labels)
-
-    def _probe_loss(self, stock, ids, labels) -> None:
+    def _probe_patched(self, stock, ids, labels) -> None:
         """The patched loss of the probe equals the model's own cross-entropy (CE-only spec)."""
         name = type(self.model).__name__
-        if stock.loss is None:
-            raise PatchError(f"{name}: its forward returned no loss for labels")
-        logits = stock.logits[:, :-1].double()
-        target = labels[:, 1:].to(logits.device)
-        expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
-        aux = getattr(stock, "aux_loss", None)
-        if aux is not None:  # a MoE router's auxiliary loss, added by the model
-            expected = expected + getattr(self.model, "router_aux_loss_coef", 0.0) * aux.double()
-        if not torch.allclose(stock.loss.double(), expected, **tolerance(stock.logits.dtype)):
-            raise PatchError(
-                f"{name}: its loss for labels ({float(stock.loss):.6g}) is not the causal-LM cross-entropy of its "
-                f"logits ({float(expected):.6g}); refused rather than mis-scored"
-            )
         t = self.spec.transform
         probe = LossSpec(transform=LogitTransform(logit_scale=t.logit_scale, softcap=t.softcap), ignore_index=-100)
         full, self.spec = self.spec, probe
@@ -399,7 +367,8 @@ def patch(model, spec: SpecLike | None = None, **options) -> HeadPatch:
 
     Options: ``chunk_bytes`` (the logits chunk of linear_head_loss; default :data:`PATCH_CHUNK_BYTES`),
     ``keep_logits`` (also return the logits: materialises them and uses head_loss on them),
-    ``fp32_weight_grad``, ``verify``
+    ``fp32_weight_grad``, ``compact`` (False: every row computed, ignored ones too; by default ignored rows
+    are skipped, their count queued at the forward's start: headloss.scored), ``verify``
     (the probe at patch time; False for weights that cannot run yet), ``validate``, ``backend``,
     ``metric_names`` (e.g. :data:`headloss.metrics.TRL_NAMES`).
     """
