@@ -35,7 +35,7 @@ from .inputs import (
 from .kernels.sparse import SparseRows
 from .linear import Saved, linear_backward, linear_forward
 from .linear_ops import linear_backward_op, linear_forward_beside_op, linear_forward_op, run_args
-from .main_grad import IntoMainGrad, check_main_grad, handed_over
+from .main_grad import IntoMainGrad, add_into, check_main_grad, handed_over
 from .ops import flat_geometry, take_grad
 from .output import FunctionOutputs, HeadLossOutput, HeadOutputs, assemble, guard_second_backward
 from .packed import packed_call, packed_policy_inputs
@@ -250,8 +250,8 @@ def _chunked(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, 
              into: tuple | None = None) -> HeadLossOutput:
     """The kernels' path: the route, its chunk cut, the chunk loop in LinearFunction, the policy term's
     share outside it, the output. ``into``: (weight, main_grad) of weight_grad="main_grad": in deferred
-    mode each chunk's dW goes into main_grad; where the gradient is computed in forward, through
-    headloss.main_grad.IntoMainGrad."""
+    mode each chunk's dW goes into main_grad; where the gradient is computed in forward, backward adds it
+    there times d loss in one pass (kernels.head.add_scaled_)."""
     spec, hidden, weight = plan.spec, call.hidden, call.weight
     width = weight.shape[0] if shard is None else shard.vocab_total  # every rank cuts the chunks of all of V
     elem = hidden.element_size() * (2 if call.teacher.computed else 1)  # a computed teacher shares the budget
@@ -270,9 +270,7 @@ def _chunked(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, 
                     objective=spec.policy if loop.corrects else None,
                     reduce_hidden_grad=options.hidden_grad == "reduced", teacher_rows=chunks.teacher_rows,
                     ahead=options.compact if isinstance(options.compact, ScoredRows) else None)
-    if into is not None and run.grads_in_forward:
-        weight = IntoMainGrad.apply(weight, into)
-    elif into is not None:
+    if into is not None:
         run = replace(run, main_grad=into)
     policy = call.policy
     tensors = CallTensors.of(flat_targets(call.targets), call.teacher, chosen.epilogue_policy(policy),
@@ -335,8 +333,14 @@ class LinearFunction(torch.autograd.Function):
                 return (*(take_grad(token, d_loss.reshape(1), i, *like) if want else None
                           for i, (want, like) in enumerate(zip(ctx.wants, ctx.grad_like))), *nones)
             guard_second_backward(ctx)
-            return (*(None if g is None else ops.scale(g, d_loss, flat_geometry(g)) for g in ctx.saved_tensors),
-                    *nones)
+            dh, dw, db = ctx.saved_tensors
+            if run.main_grad is not None and dw is not None:  # dW into the weight's main_grad, times d loss
+                add_into(run.main_grad[1], dw, d_loss)
+                dw = handed_over(run.main_grad[0], dw.dtype)
+            elif dw is not None:
+                dw = ops.scale(dw, d_loss, flat_geometry(dw))
+            dh, db = (None if g is None else ops.scale(g, d_loss, flat_geometry(g)) for g in (dh, db))
+            return dh, dw, db, *nones
         hidden, weight, bias, *saved = ctx.saved_tensors
         call = CallTensors(*saved[:len(CallTensors._fields)])
         kept = Saved(*saved[len(CallTensors._fields):])

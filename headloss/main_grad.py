@@ -10,16 +10,18 @@ megatron/core/distributed/distributed_data_parallel.py, ``_make_backward_post_ho
 
 headloss follows the same protocol: where dW is computed in backward on the kernels' path (deferred mode,
 the route a per-token loss takes) each chunk's ``g.T @ h`` is added into ``main_grad`` itself (no V x H dW
-buffer, and fp32 accumulation when ``main_grad`` is fp32); on every other path (the plain-torch backend,
-gradients computed in forward, torch.compile) the weight goes through :class:`IntoMainGrad`, which adds
-the dW it receives. Where the weight has no ``grad_added_to_main_grad`` autograd gets None, as Megatron
-gives it.
+buffer, and fp32 accumulation when ``main_grad`` is fp32); where it is computed in forward (before the
+loss's scale is known) backward adds it into ``main_grad`` times d loss in one pass (:func:`add_into`); on
+the plain-torch backend the weight goes through :class:`IntoMainGrad`, which adds the dW autograd computes.
+Where the weight has no ``grad_added_to_main_grad`` autograd gets None, as Megatron gives it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import env
+from .kernels.head import add_scaled_
 from .parallel import is_dtensor
 
 
@@ -49,6 +51,16 @@ def handed_over(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None
     dummy = make(weight.main_grad.shape, dtype=dtype, device=weight.device)
     weight.grad_added_to_main_grad = True
     return dummy
+
+
+def add_into(main_grad: torch.Tensor, dw: torch.Tensor, d_loss: torch.Tensor) -> None:
+    """main_grad += d_loss * dw (dW computed in forward, d loss its upstream gradient on the device): one
+    kernel pass where both are contiguous on the kernels' device, torch elsewhere; no host sync."""
+    scale = d_loss.reshape(1).float()
+    if main_grad.is_contiguous() and dw.is_contiguous() and (dw.is_cuda or env.INTERPRETER):
+        add_scaled_(main_grad.view(-1), dw.view(-1), scale)
+    else:
+        main_grad.add_(dw.float() * scale.reshape(()))
 
 
 class IntoMainGrad(torch.autograd.Function):

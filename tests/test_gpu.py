@@ -211,6 +211,23 @@ def test_the_lm_head_skips_ignored_rows_without_a_host_sync_given_its_scored_row
     assert torch.equal(dh_mine, dh) and torch.equal(dw_mine, dw)
 
 
+def test_a_forward_computed_weight_gradient_goes_into_main_grad_times_d_loss():
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    hidden = torch.randn(1000, 512, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(50257, 512, device="cuda", generator=gen) / 16).bfloat16()
+    labels = torch.randint(0, 50257, (1000,), device="cuda", generator=gen)
+    plain = w.clone().requires_grad_()
+    (headloss.linear_head_loss(hidden, plain, labels, chunk_bytes=300 * 50257 * 2).loss * 0.37).backward()
+    weight = w.clone().requires_grad_()
+    start = torch.randn(50257, 512, device="cuda", generator=gen)
+    weight.main_grad, weight.grad_added_to_main_grad = start.clone(), False
+    out = headloss.linear_head_loss(hidden, weight, labels, chunk_bytes=300 * 50257 * 2, weight_grad="main_grad")
+    assert out.route == "lm_head:fused"
+    (out.loss * 0.37).backward()
+    assert weight.grad_added_to_main_grad
+    assert _rel(weight.main_grad - start, plain.grad.float()) < 5e-3  # (plain's dW is rounded to bf16)
+
+
 def test_inplace_gradient_needs_only_per_row_memory():
     rows, vocab = 8192, 128256
     logits, targets = _batch(rows, vocab, torch.bfloat16, seed=7)

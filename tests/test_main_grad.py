@@ -134,3 +134,27 @@ def test_under_autocast_the_callers_fp32_weight_keeps_the_protocol(route):
     _backward(got, 1.0)
     assert fired == [True] and weight.grad is None
     torch.testing.assert_close(weight.main_grad, plain.grad, rtol=2e-2, atol=1e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("main_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_gradient_computed_in_forward_goes_into_main_grad_in_one_pass_times_d_loss(main_dtype, monkeypatch):
+    """The scalar route computes dW in forward: backward adds it into main_grad times d loss with one kernel
+    (kernels.head.add_scaled_), not a scaling pass and an add; the result is the plain call's dW."""
+    import headloss.main_grad as main_grad_module
+
+    calls = []
+    real = main_grad_module.add_scaled_
+    monkeypatch.setattr(main_grad_module, "add_scaled_", lambda *a: calls.append(a[0].dtype) or real(*a))
+    h, w, y = _batch(6)
+    plain = w.clone().requires_grad_()
+    _backward(headloss.linear_head_loss(h, plain, y, SPECS["fused"], chunk_bytes=3 * V * 4), -1.3)
+    weight = w.clone().requires_grad_()
+    start = torch.randn(V, H, generator=generator(7), dtype=torch.float64)
+    weight.main_grad = start.to(main_dtype)
+    weight.grad_added_to_main_grad = False
+    got = headloss.linear_head_loss(h, weight, y, SPECS["fused"], chunk_bytes=3 * V * 4, weight_grad="main_grad")
+    _backward(got, -1.3)
+    assert calls == [main_dtype] and weight.grad_added_to_main_grad and weight.main_grad.dtype == main_dtype
+    tol = dict(rtol=1e-5, atol=1e-6) if main_dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
+    torch.testing.assert_close(weight.main_grad.double(), start.to(main_dtype).double() + plain.grad.double(), **tol)

@@ -14,6 +14,8 @@
 ``finish_kernel``         the same reduction as a launch of its own (after a chunked lm_head).
 ``scale_grad_kernel``     multiplies a precomputed gradient by d loss in backward; a no-op (no
                           traffic) when d loss == 1, decided on the device, no host sync.
+``add_scaled_kernel``     adds d loss times a precomputed weight gradient into the caller's buffer
+                          (Megatron's main_grad), one pass.
 
 Rows are addressed as ``b * stride_b + t * stride_t`` (row = b * T + t), so [B, T, V] views with
 any row strides run without a copy. Offsets are int64 (N * V may exceed 2**31); rows live on grid
@@ -681,6 +683,22 @@ def scale_grad_kernel(
                 tl.store(row_ptr + cols, (g * factor).to(grad.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def add_scaled_kernel(
+    into,  # (n,) contiguous: fp32, bf16 or fp16 (a weight's main_grad)
+    grad,  # (n,) contiguous: the gradient computed in forward (the weight's dtype, or fp32)
+    scale,  # (1,) fp32: the upstream d loss
+    n,
+    BLOCK: tl.constexpr,
+):
+    factor = tl.load(scale).to(tl.float32)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(grad + offs, mask=mask).to(tl.float32)
+    acc = tl.load(into + offs, mask=mask).to(tl.float32)
+    tl.store(into + offs, (acc + g * factor).to(into.dtype.element_ty), mask=mask)
+
+
 # --- launchers -------------------------------------------------------------------------------
 
 def prepare(targets: torch.Tensor | None, num_items: torch.Tensor | None, sequence_ids: torch.Tensor | None,
@@ -784,6 +802,19 @@ def launch_backward(plan: KernelPlan, *, logits, targets, teacher, grad, rows, d
     )
     launch(head_backward_kernel, geo.n_rows, cfg.num_warps, registers_of=functools.partial(_sibling, args), **args)
 
+
+
+ADD_SCALED_BLOCK = 4096
+
+
+def add_scaled_(into: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor) -> None:
+    """into += scale * grad in place, in one pass (both contiguous, of one shape; ``scale`` (1,) fp32 on the
+    device): a gradient computed in forward added into the caller's buffer (headloss.main_grad) with the
+    upstream d loss applied on the way, no host sync."""
+    n = into.numel()
+    if n:
+        launch(add_scaled_kernel, triton.cdiv(n, ADD_SCALED_BLOCK), 8, into=into, grad=grad, scale=scale, n=n,
+               BLOCK=ADD_SCALED_BLOCK)
 
 
 def scale_grad_(grad: torch.Tensor, scale: torch.Tensor, geo: Geometry) -> torch.Tensor:
