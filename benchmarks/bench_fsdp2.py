@@ -5,7 +5,8 @@ A Llama of hidden ``--hidden``, ``--layers`` decoder layers, vocabulary ``--voca
 bf16), one sequence of ``--seq`` tokens per rank. One step: forward with labels, backward. Per rank:
 median step time (CUDA events; ``--rounds`` rounds over the cases in turn, in reversed order every other
 round, ``--reps`` steps each; the median of the rounds' medians, p20 / p80 the medians of the rounds' p20 /
-p80; rank 0 prints each round's median) and peak memory above the sharded model and inputs (GB).
+p80; rank 0 prints each round's median, and the host's time to issue one step from an empty queue) and peak
+memory above the sharded model and inputs (GB).
 
   python -m benchmarks.bench_fsdp2 [--world 2] [--seq 4096] [--hidden 2048] [--layers 4] [--vocab 128256]
       [--rounds 3] [--reps 15]
@@ -79,17 +80,20 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
 
 
 def host_ms(step, reps: int) -> float:
-    """The host's time to issue one step (ms; ``reps`` steps queued back to back, after a sync): where it is
-    as long as the step, the step is bound by the host's launch work, not by the GPU."""
+    """The host's time to issue one step (ms, median of ``reps``), each step issued right after a sync: from
+    an empty queue the host does not wait for the GPU to make room (unless one step queues more work than the
+    queue holds), so this is its own work. Where it is as long as the step, the step is bound by the host's
+    launch work, not by the GPU."""
     import time
 
-    torch.cuda.synchronize()
-    start = time.perf_counter()
+    times = []
     for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
         step()
-    issued = time.perf_counter() - start
+        times.append((time.perf_counter() - start) * 1e3)
     torch.cuda.synchronize()
-    return issued * 1e3 / reps
+    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -143,9 +143,10 @@ def linear_head_loss(
         chunk_bytes: the budget of one chunk's logits (default 256 MiB; 128 MiB where memory is
             tight). Peak extra memory is about this plus dW (V x H), dh (N x H) and O(N) buffers.
         fp32_weight_grad: accumulate dW in fp32 and round once (a V x H fp32 buffer).
-        compact: skip ignored rows (one host sync for their count; off under capture and compile), or
-            :func:`headloss.scored_rows` of these targets, made earlier (the count copied to the host then,
-            read here without a host sync; headloss.scored). False computes every row.
+        compact: skip ignored rows where they are at least 1/64 of the rows (one host sync for their count;
+            off under capture and compile), or :func:`headloss.scored_rows` of these targets, made earlier (the
+            count copied to the host then, read here without a host sync; headloss.scored). False computes
+            every row.
         group: a column-parallel lm_head: ``weight`` (and ``bias``, a teacher's weight or logits) are
             this rank's vocabulary rows, ``hidden`` and the targets replicated; dW / db are this
             rank's rows; one all_gather of statistics per chunk. A DTensor weight sharded on dim 0

@@ -131,7 +131,7 @@ class LinearRun:
     reduce_hidden_grad: bool = True  # vocab-parallel: dh summed over the group (else this rank's share)
     teacher_rows: int = 0  # a computed teacher's logits in parts of this many rows of a chunk (0: whole chunks)
     main_grad: tuple | None = field(default=None, compare=False)  # (weight, its main_grad): dW added there in
-    # backward (headloss.main_grad; deferred mode on the kernels' path, eager)
+    # backward, by each chunk (deferred mode) or at once times d loss (gradients in forward); headloss.main_grad
     ahead: Any = field(default=None, compare=False)  # compact: a headloss.scored.ScoredRows (the count without a sync)
 
     @property

@@ -197,7 +197,7 @@ def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: L
         raise ValueError(f"chunk_bytes: expected a positive number of bytes, got {chunk_bytes!r}")
     token_rows = tuple(hidden.shape[:-1])
     check_targets(targets, token_rows, spec, hidden.device, shift, source="hidden")
-    if isinstance(options.compact, ScoredRows):
+    if isinstance(options.compact, ScoredRows) and not torch.compiler.is_compiling():  # (compiled: unused)
         options.compact.check(targets, shift, spec.ignore_index, token_rows)
     token_shape = tuple(targets.shape) if isinstance(targets, torch.Tensor) else token_rows
     per_sequence = (packed.n_slots, packed.seq) if packed is not None and packed.per_sequence else None
@@ -262,14 +262,15 @@ def _chunked(call: LinearCall, plan: KernelPlan, shard, options: LinearOptions, 
     loop = chosen.loop  # the route's chunk loop: its cut, its steps between and after the chunks, its metrics
     chunks = loop.cut(options.chunk_bytes, width, hidden.element_size(), call.teacher.computed, seq_len,
                       shard is not None)
+    compact = options.compact is not False and not chosen.traced and loop.compacts
     run = LinearRun(plan=chosen.plan, chunk_rows=chunks.rows, fp32_weight_grad=options.fp32_weight_grad,
-                    compact=options.compact is not False and not chosen.traced and loop.compacts, validate=mode,
+                    compact=compact, validate=mode,
                     token_shape=call.rows_shape, ignore_index=spec.ignore_index, norm=call.norm.value, loop=loop,
                     traced=chosen.traced, shard=shard,
                     seq_len=chunks.seq_len, policy=call.policy if loop.takes_policy else None,
                     objective=spec.policy if loop.corrects else None,
                     reduce_hidden_grad=options.hidden_grad == "reduced", teacher_rows=chunks.teacher_rows,
-                    ahead=options.compact if isinstance(options.compact, ScoredRows) else None)
+                    ahead=options.compact if compact and isinstance(options.compact, ScoredRows) else None)
     if into is not None:
         run = replace(run, main_grad=into)
     policy = call.policy

@@ -2,8 +2,8 @@
 
 ``compact=True`` skips the ignored rows of a call at the cost of one host sync: the chunk loop needs their
 count on the host, and ``nonzero`` waits for every kernel queued before it, i.e. for the whole forward of the
-model's body when the head comes last. Where the CPU runs ahead of the GPU (FSDP2, small models: the host's
-launch work is as long as the GPU's) that wait serialises the two for the rest of the step.
+model's body when the head comes last. The wait splits the step at the head: the GPU cannot run the body's
+forward while the host issues the head and the backward, so it costs wherever the host would have been ahead.
 
 :func:`scored_rows` does the same work early, where the targets are ready but little is queued (a training
 step's start, before the body's forward): it queues the mask, the rows in order (scored rows first) and a
@@ -21,9 +21,12 @@ written in place since, another ``shift``, ``ignore_index`` or sequence length. 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .inputs import INT_DTYPES, pad_shifted
+from .parallel import is_dtensor
 
 __all__ = ["ScoredRows", "scored_rows"]
 
@@ -47,6 +50,14 @@ class ScoredRows:
         return (f"ScoredRows(rows={self.rows}, shift={self.shift}, ignore_index={self.ignore_index}, "
                 f"device={self._order.device})")
 
+    def fits(self, targets, shift: bool, ignore_index: int, token_rows: tuple[int, ...]) -> bool:
+        """Whether this handle was made for these targets (unwritten since) and this layout (:meth:`check`)."""
+        try:
+            self.check(targets, shift, ignore_index, token_rows)
+        except ValueError:
+            return False
+        return True
+
     def check(self, targets, shift: bool, ignore_index: int, token_rows: tuple[int, ...]) -> None:
         """A ValueError naming ``compact`` where this handle was not made for the call's targets and layout."""
         if targets is not self.targets:
@@ -58,10 +69,7 @@ class ScoredRows:
         if shift != self.shift or ignore_index != self.ignore_index:
             raise ValueError(f"compact: the ScoredRows were made with shift={self.shift}, ignore_index="
                              f"{self.ignore_index}; the call has shift={shift}, ignore_index={ignore_index}")
-        rows = 1
-        for n in token_rows:
-            rows *= n
-        if rows != self.rows or (shift and token_rows[1] != self.seq_len):
+        if math.prod(token_rows) != self.rows or (shift and (len(token_rows) != 2 or token_rows[1] != self.seq_len)):
             raise ValueError(f"compact: the ScoredRows cover {self.rows} rows"
                              + (f" of sequences of {self.seq_len}" if shift else "")
                              + f"; the call's hidden states have rows {tuple(token_rows)} (pass seq_len= to "
@@ -91,8 +99,12 @@ def scored_rows(targets: torch.Tensor, *, shift: bool = False, ignore_index: int
     if not isinstance(targets, torch.Tensor) or targets.dtype not in INT_DTYPES:
         raise TypeError(f"targets: expected an integer torch.Tensor, got "
                         f"{targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__}")
+    if is_dtensor(targets):
+        raise TypeError("targets: scored_rows takes a plain tensor, got a DTensor (the call gathers DTensor "
+                        "targets itself: pass compact=True)")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index: expected an int, got {ignore_index!r}")
+    wide = targets if targets.dtype in (torch.int64, torch.int32) else targets.long()  # (as the call reads them)
     if shift:
         if targets.dim() != 2:
             raise ValueError(f"targets: shift=True takes [B, T] labels or [B, T - 1] completion ids, got shape "
@@ -101,19 +113,20 @@ def scored_rows(targets: torch.Tensor, *, shift: bool = False, ignore_index: int
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or targets.shape[1] not in (seq_len, seq_len - 1):
             raise ValueError(f"seq_len: the targets' [B, T] or [B, T - 1] fits T = {seq_len!r} with targets "
                              f"{tuple(targets.shape)}")
-        flat = pad_shifted(targets, seq_len, ignore_index).reshape(-1)
+        flat = pad_shifted(wide, seq_len, ignore_index).reshape(-1)
     elif seq_len is not None:
         raise ValueError("seq_len: only with shift=True")
     else:
-        flat = targets.reshape(-1)
+        flat = wide.reshape(-1)
     ignored = (flat == ignore_index).to(torch.uint8)
     order = torch.sort(ignored, stable=True).indices  # the scored rows, ascending, first
     count = flat.numel() - ignored.sum(dtype=torch.int64)
     event = None
-    if count.is_cuda:
+    if count.is_cuda:  # the copy and the event on the targets' device's stream (not the current device's)
         host = torch.empty((), dtype=torch.int64, pin_memory=True)
-        host.copy_(count, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        with torch.cuda.device(count.device):
+            host.copy_(count, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(count.device))
         count = host
     return ScoredRows(targets, shift, ignore_index, seq_len if shift else None, flat.numel(), order, count, event)

@@ -22,7 +22,9 @@ VOCAB = 37  # not a power of two
 
 def expected_rows(targets: torch.Tensor, shift: bool, ignore_index: int, seq_len: int | None) -> torch.Tensor:
     """The rows a call scores, written out: row (b, t) scores labels[b, t + 1] (labels [B, T]) or ids[b, t]
-    (completion ids [B, T - 1]); the last row of a sequence nothing."""
+    (completion ids [B, T - 1]); the last row of a sequence nothing. Targets read as int64 values (a uint8
+    255 is 255, never -100 wrapped around)."""
+    targets = targets.long()
     if not shift:
         return targets.reshape(-1) != ignore_index
     b, width = targets.shape
@@ -45,13 +47,16 @@ def layouts(draw):
         shape = (b, seq_len - 1 if completion else seq_len)
     else:
         shape, seq_len, completion = draw(st.sampled_from([(1,), (7,), (2, 5), (3, 1)])), None, False
-    ignored = draw(st.lists(st.booleans(), min_size=1, max_size=1).map(lambda x: x[0]) | st.just(None))
+    share = draw(st.sampled_from([0.0, 0.4, 0.9]))  # of the rows set to ignore_index
+    dtype = draw(st.sampled_from([torch.int64, torch.int32, torch.uint8]))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     targets = torch.randint(0, VOCAB, shape, generator=gen)
     if targets.numel():
-        mask = torch.rand(shape, generator=gen) < (0.9 if ignored else 0.0 if ignored is False else 0.4)
-        targets[mask] = ignore_index
-    return targets, shift, ignore_index, seq_len if completion else None
+        targets[torch.rand(shape, generator=gen) < share] = ignore_index
+    if dtype == torch.uint8:  # the ignored ones wrap to ids (156, 255) that the call scores; some rows hold 156
+        targets = targets.remainder(256).to(dtype)
+        targets.view(-1)[::3] = 156
+    return targets.to(dtype), shift, ignore_index, seq_len if completion else None
 
 
 @CI
@@ -92,10 +97,9 @@ CASES = {  # (hidden rows, targets shape, shift, seq_len)
 
 
 @needs_kernel
-@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_call_with_the_rows_found_ahead_equals_compact(case, reduction, backend):
+def test_the_call_with_the_rows_found_ahead_equals_compact(case, reduction, backend="triton"):
     rows_shape, targets_shape, shift, seq_len = CASES[case]
     hidden, weight = _head(rows_shape, 8, torch.float32, 11)
     targets = make_targets(targets_shape, VOCAB, seed=3, ignore_frac=0.4)
@@ -108,6 +112,15 @@ def test_the_call_with_the_rows_found_ahead_equals_compact(case, reduction, back
     assert torch.equal(mine.metrics["token_accuracy"], compact.metrics["token_accuracy"])
     assert torch.equal(dh_mine, dh) and torch.equal(dw_mine, dw)
     assert float(dh.abs().sum()) > 0
+
+
+def test_the_torch_path_takes_a_fitting_handle_and_keeps_its_values():
+    hidden, weight = _head((2, 6), 8, torch.float32, 12)
+    targets = make_targets((2, 5), VOCAB, seed=13, ignore_frac=0.4)  # completion ids
+    want, dh, dw = _run(hidden, weight, targets, None, shift=True, backend="torch")
+    ahead = scored_rows(targets, shift=True, seq_len=6)
+    mine, dh_mine, dw_mine = _run(hidden, weight, targets, None, shift=True, backend="torch", compact=ahead)
+    assert torch.equal(mine.loss, want.loss) and torch.equal(dh_mine, dh) and torch.equal(dw_mine, dw)
 
 
 @needs_kernel
@@ -181,8 +194,12 @@ def test_a_handle_for_other_targets_or_another_layout_is_refused_naming_compact(
     ((torch.zeros(2, 4, dtype=torch.long),), {"shift": True, "seq_len": 7}, ValueError, "seq_len: the targets'"),
     ((torch.arange(4),), {"seq_len": 4}, ValueError, "seq_len: only with shift=True"),
     ((torch.arange(4),), {"ignore_index": True}, TypeError, "ignore_index: expected an int"),
+    ((torch.zeros(2, 3, dtype=torch.uint8),), {"shift": True}, None, None),  # (accepted: read as int64)
 ])
 def test_scored_rows_refuses_bad_arguments_by_name(args, kwargs, error, text):
+    if error is None:
+        assert scored_rows(*args, **kwargs).index() is not None
+        return
     with pytest.raises(error, match=text):
         scored_rows(*args, **kwargs)
 
@@ -224,3 +241,14 @@ def test_the_hf_patch_hands_its_head_the_rows_it_queued(monkeypatch):
     assert float(every.detach()) == pytest.approx(float(stock.detach()), rel=1e-5)
     with pytest.raises(TypeError, match="compact: expected True or False"):
         hf.patch(model, verify=False, compact=seen[0])
+
+
+def test_fits_says_what_check_refuses():
+    targets = torch.randint(0, VOCAB, (2, 6))
+    rows = scored_rows(targets, shift=True)
+    assert rows.fits(targets, True, -100, (2, 6))
+    assert not rows.fits(targets.clone(), True, -100, (2, 6))
+    assert not rows.fits(targets, True, -100, (12,))  # (no sequences: not a shifted call's rows)
+    assert not rows.fits(targets, False, -100, (2, 6))
+    targets[0, 0] = 3  # written in place
+    assert not rows.fits(targets, True, -100, (2, 6))

@@ -250,7 +250,7 @@ class HeadPatch:
         targets = call.labels if shift else call.shift_labels
         if not isinstance(targets, torch.Tensor) or targets.dim() != 2 or targets.device.type == "meta":
             return None
-        targets = targets.to(weight.device)
+        targets = targets.to(weight.device)  # (labels on another device: the head's call gets this copy)
         if shift:
             call.labels = targets
         else:
@@ -280,9 +280,9 @@ class HeadPatch:
                                     validate=self.validate, backend=self.backend, **self._inputs)
             return logits
         weight, bias = full_tensor(self.head.weight), full_tensor(getattr(self.head, "bias", None))
-        scored = call.scored
-        fits = scored is not None and scored.targets is targets and scored.rows == hidden.shape[:-1].numel() \
-            and (not shift or scored.seq_len == hidden.shape[1])  # (else the call counts its rows itself)
+        scored = call.scored  # (one that does not fit the call -- labels the model wrote in place, hidden states
+        # it sliced -- is left out: the call counts its rows itself)
+        fits = scored is not None and scored.fits(targets, shift, spec.ignore_index, tuple(hidden.shape[:-1]))
         compact = scored if fits else self.compact
         call.result = linear_head_loss(
             hidden, weight, targets, spec, bias=bias, shift=shift, num_items_in_batch=num_items,
@@ -310,10 +310,16 @@ class HeadPatch:
     # --- the check at patch time ------------------------------------------------------------------
 
     def _verify(self) -> None:
-        """Run a short probe through the stock model and through the patch, and compare logits and loss."""
-        stock, ids, labels, self.spec = probe_stock(self.outer, self.head, self.spec)
-        check_stock_loss(self.model, stock, labels)
-        self._probe_patched(stock, ids, labels)
+        """Run a short probe through the stock model and through the patch, and compare logits and loss (both
+        in eval mode: no dropout, no router jitter)."""
+        was_training = self.outer.training
+        try:
+            self.outer.eval()
+            stock, ids, labels, self.spec = probe_stock(self.outer, self.head, self.spec)
+            check_stock_loss(self.model, stock, labels)
+            self._probe_patched(stock, ids, labels)
+        finally:
+            self.outer.train(was_training)
 
     def _probe_patched(self, stock, ids, labels) -> None:
         """The patched loss of the probe equals the model's own cross-entropy (CE-only spec)."""

@@ -474,6 +474,18 @@ def test_a_failing_probe_leaves_the_model_as_it_was():
     assert model.training and "forward" not in model.lm_head.__dict__ and "_headloss_patch" not in model.__dict__
 
 
+def test_a_model_with_dropout_in_train_mode_is_probed_in_eval_mode_and_left_training():
+    model = tiny("llama", attention_dropout=0.5)  # the probe's two runs differ in train mode
+    assert model.training
+    with patch(model) as handle:
+        assert handle.active and model.training
+        ids, labels, mask = batch(9)
+        model.eval()
+        stock = model(input_ids=ids, attention_mask=mask, labels=labels)  # (the patched forward, eval: no dropout)
+    want = model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert float(stock.loss.detach()) == pytest.approx(float(want.loss.detach()), rel=1e-5)
+
+
 def test_undo_keeps_a_wrapper_installed_over_the_patch():
     model = tiny("llama")
     ids, labels, mask = batch(8)
