@@ -144,7 +144,8 @@ class HeadPatch:
                 return original_forward(*args, **kwargs)  # (fused_lm_head: TRL's own head, as TRL asks)
             call = _PendingLoss(labels=labels, shift_labels=shift_labels,
                          num_items_in_batch=kwargs.get("num_items_in_batch"), ignore_index=kwargs.get("ignore_index"))
-            tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
+            tokens = next((t for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1])
+                           if t is not None), None)
             call.scored = self._scored_ahead(call, tokens.shape[1] if isinstance(tokens, torch.Tensor)
                                              and tokens.dim() >= 2 else None)
             self._pending = call
