@@ -77,9 +77,11 @@ class ScoredRows:
 
     def index(self) -> torch.Tensor | None:
         """The scored rows (int64, ascending), or None where every row is scored. Waits for the count's copy
-        only (the event queued after it), not for the stream."""
+        only (the event queued after it, and so after the rows' order), not for the stream. A call on another
+        stream than the handle's keeps the order's memory until its kernels have read it (record_stream)."""
         if self._event is not None:
             self._event.synchronize()
+            self._order.record_stream(torch.cuda.current_stream(self._order.device))
         n = int(self._count)
         return None if n == self.rows else self._order[:n]
 
