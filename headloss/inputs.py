@@ -253,7 +253,10 @@ def head_call(logits: torch.Tensor, targets: torch.Tensor | None, spec: LossSpec
 
 def pad_shifted(targets: torch.Tensor, rows_per_seq: int, ignore_index: int) -> torch.Tensor:
     """Row-aligned targets [B, T] of a shifted call: labels [B, T] -> labels[:, 1:] + one ignored;
-    completion ids [B, T - 1] -> ids + one ignored."""
+    completion ids [B, T - 1] -> ids + one ignored. Narrow ints are read as int64 first (as flat_targets
+    reads them: a uint8 cannot hold ignore_index=-100)."""
+    if targets.dtype not in (torch.int64, torch.int32):
+        targets = targets.long()
     shift = 1 if targets.shape[1] == rows_per_seq else 0
     return F.pad(targets[:, shift:], (0, 1), value=ignore_index)
 

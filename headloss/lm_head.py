@@ -205,8 +205,7 @@ def _check(hidden, weight, targets, spec: LossSpec, call: CallInputs, options: L
     weights = flat_token_weights(call.token_weights, spec, token_shape, hidden.device, per_sequence)
     selected = flat_selected_ids(call.selected_ids, token_shape, hidden.device)
     if shift:
-        targets = pad_shifted(targets if targets.dtype in (torch.int64, torch.int32) else targets.long(),
-                              hidden.shape[1], spec.ignore_index)
+        targets = pad_shifted(targets, hidden.shape[1], spec.ignore_index)
     completion = shift and targets.shape != token_shape  # rows padded by one: T - 1 scored positions
     if completion and temperature is not None:  # the unscored last row of each sequence: any positive value
         temperature = F.pad(temperature.view(token_shape), (0, 1), value=1.0).reshape(-1)

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from .inputs import INT_DTYPES, pad_shifted
+from .inputs import INT_DTYPES, flat_targets, pad_shifted
 from .parallel import is_dtensor
 
 __all__ = ["ScoredRows", "scored_rows"]
@@ -106,7 +106,6 @@ def scored_rows(targets: torch.Tensor, *, shift: bool = False, ignore_index: int
                         "targets itself: pass compact=True)")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index: expected an int, got {ignore_index!r}")
-    wide = targets if targets.dtype in (torch.int64, torch.int32) else targets.long()  # (as the call reads them)
     if shift:
         if targets.dim() != 2:
             raise ValueError(f"targets: shift=True takes [B, T] labels or [B, T - 1] completion ids, got shape "
@@ -115,11 +114,11 @@ def scored_rows(targets: torch.Tensor, *, shift: bool = False, ignore_index: int
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or targets.shape[1] not in (seq_len, seq_len - 1):
             raise ValueError(f"seq_len: the targets' [B, T] or [B, T - 1] fits T = {seq_len!r} with targets "
                              f"{tuple(targets.shape)}")
-        flat = pad_shifted(wide, seq_len, ignore_index).reshape(-1)
+        flat = pad_shifted(targets, seq_len, ignore_index).reshape(-1)  # (both read narrow ints as the call does)
     elif seq_len is not None:
         raise ValueError("seq_len: only with shift=True")
     else:
-        flat = wide.reshape(-1)
+        flat = flat_targets(targets)
     ignored = (flat == ignore_index).to(torch.uint8)
     order = torch.sort(ignored, stable=True).indices  # the scored rows, ascending, first
     count = flat.numel() - ignored.sum(dtype=torch.int64)

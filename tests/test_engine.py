@@ -620,6 +620,20 @@ def test_uint8_targets_match_int64_targets(backend):
     torch.testing.assert_close(got.loss, expected.loss)
 
 
+@pytest.mark.parametrize("backend, policy", [("torch", False), ("triton", True), ("torch", True)],
+                         ids=["torch", "triton-policy", "torch-policy"])
+def test_shifted_uint8_labels_match_int64_labels(backend, policy):
+    # a shift pads the labels with ignore_index (-100): in uint8 that padding cannot be written
+    logits = make_logits((2, 5, 200), torch.float32, seed=23)
+    labels = torch.tensor([[1, 156, 3, 199, 7], [9, 8, 156, 6, 5]])
+    spec = LossSpec(cross_entropy=None, policy={"loss_type": "grpo"}) if policy else LossSpec()
+    inputs = {"advantages": torch.tensor([0.5, -1.0])} if policy else {}
+    expected = head_loss(logits, labels, spec, shift=True, backend=backend, **inputs)
+    got = head_loss(logits, labels.to(torch.uint8), spec, shift=True, backend=backend, **inputs)
+    assert int(got.metrics["n_tokens"]) == 8
+    torch.testing.assert_close(got.loss, expected.loss)
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.int16], ids=["int8", "int16"])
 def test_narrow_signed_targets_keep_ignore_index(dtype):
     logits = make_logits((4, 100), torch.float32, seed=28)
