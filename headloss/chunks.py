@@ -246,10 +246,11 @@ def accumulate(grads: Grads, g, h_c, weight, index, start: int, stop: int) -> No
             grads.db += g.sum(dim=0, dtype=torch.float32)
 
 
-def finish_grads(grads: Grads, weight, bias) -> tuple:
-    """(dh, dW, db) as autograd takes them (dW None where it went into the caller's main_grad)."""
+def finish_grads(grads: Grads, weight, bias, keep_fp32: bool = False) -> tuple:
+    """(dh, dW, db) as autograd takes them (dW None where it went into the caller's main_grad). ``keep_fp32``:
+    an fp32 dW (``fp32_weight_grad``) stays fp32, for backward to add into a main_grad unrounded."""
     dw = None if grads.dw_into else grads.dw
-    dw = dw.to(weight.dtype) if dw is not None and dw.dtype != weight.dtype else dw
+    dw = dw.to(weight.dtype) if dw is not None and dw.dtype != weight.dtype and not keep_fp32 else dw
     db = grads.db.to(bias.dtype) if grads.db is not None else None
     return grads.dh, dw, db
 

@@ -148,7 +148,9 @@ def linear_forward(run: LinearRun, hidden, weight, bias, tensors: CallTensors, w
     every_row = spread(out.rows, index, rows, unscored_row(plan, hidden.device))
     run.loop.after_finish(loop, LmHead(hidden, weight, bias, targets), every_row)  # (the route's corrections)
     call.close()
-    dh, dw, db = finish_grads(loop.grads, weight, bias) if loop.grads is not None else (None, None, None)
+    # (dW computed here for a main_grad stays fp32 under fp32_weight_grad: backward adds it there times d loss)
+    dh, dw, db = finish_grads(loop.grads, weight, bias, keep_fp32=run.main_grad is not None) \
+        if loop.grads is not None else (None, None, None)
     if run.shard is not None and run.reduce_hidden_grad and dh is not None:  # the column-parallel all-reduce
         dh = all_reduce_sum(dh, run.shard)
     loss = out.loss

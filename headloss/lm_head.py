@@ -313,7 +313,7 @@ class LinearFunction(torch.autograd.Function):
             loss, rows, rows_c, pred, means, scratch = out.loss, out.rows, out.rows_computed, out.pred, out.means, \
                 out.scratch
             index, dh, dw, db, stats = out.index, out.dh, out.dw, out.db, out.stats
-        ctx.wants, ctx.handoff = wants, handoff
+        ctx.wants, ctx.handoff, ctx.weight_dtype = wants, handoff, weight.dtype
         if run.grads_in_forward:
             keep(ctx, run, (dh, dw, db), (rows, pred, means, scratch))
         else:
@@ -335,8 +335,8 @@ class LinearFunction(torch.autograd.Function):
             guard_second_backward(ctx)
             dh, dw, db = ctx.saved_tensors
             if run.main_grad is not None and dw is not None:  # dW into the weight's main_grad, times d loss
-                add_into(run.main_grad[1], dw, d_loss)
-                dw = handed_over(run.main_grad[0], dw.dtype)
+                add_into(run.main_grad[1], dw, d_loss)  # (dw fp32 under fp32_weight_grad)
+                dw = handed_over(run.main_grad[0], ctx.weight_dtype)
             elif dw is not None:
                 dw = ops.scale(dw, d_loss, flat_geometry(dw))
             dh, db = (None if g is None else ops.scale(g, d_loss, flat_geometry(g)) for g in (dh, db))

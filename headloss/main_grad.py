@@ -11,7 +11,8 @@ megatron/core/distributed/distributed_data_parallel.py, ``_make_backward_post_ho
 headloss follows the same protocol: where dW is computed in backward on the kernels' path (deferred mode,
 the route a per-token loss takes) each chunk's ``g.T @ h`` is added into ``main_grad`` itself (no V x H dW
 buffer, and fp32 accumulation when ``main_grad`` is fp32); where it is computed in forward (before the
-loss's scale is known) backward adds it into ``main_grad`` times d loss in one pass (:func:`add_into`); on
+loss's scale is known) backward adds it into ``main_grad`` times d loss in one pass (:func:`add_into`; that dW
+is fp32 with ``fp32_weight_grad=True``, else in the weight's dtype); on
 the plain-torch backend the weight goes through :class:`IntoMainGrad`, which adds the dW autograd computes.
 Where the weight has no ``grad_added_to_main_grad`` autograd gets None, as Megatron gives it.
 """

@@ -211,7 +211,8 @@ def test_the_lm_head_skips_ignored_rows_without_a_host_sync_given_its_scored_row
     assert torch.equal(dh_mine, dh) and torch.equal(dw_mine, dw)
 
 
-def test_a_forward_computed_weight_gradient_goes_into_main_grad_times_d_loss():
+@pytest.mark.parametrize("fp32_weight_grad", [False, True], ids=["bf16-dW", "fp32-dW"])
+def test_a_forward_computed_weight_gradient_goes_into_main_grad_times_d_loss(fp32_weight_grad):
     gen = torch.Generator(device="cuda").manual_seed(13)
     hidden = torch.randn(1000, 512, device="cuda", generator=gen).bfloat16()
     w = (torch.randn(50257, 512, device="cuda", generator=gen) / 16).bfloat16()
@@ -221,10 +222,11 @@ def test_a_forward_computed_weight_gradient_goes_into_main_grad_times_d_loss():
     weight = w.clone().requires_grad_()
     start = torch.randn(50257, 512, device="cuda", generator=gen)
     weight.main_grad, weight.grad_added_to_main_grad = start.clone(), False
-    out = headloss.linear_head_loss(hidden, weight, labels, chunk_bytes=300 * 50257 * 2, weight_grad="main_grad")
+    out = headloss.linear_head_loss(hidden, weight, labels, chunk_bytes=300 * 50257 * 2, weight_grad="main_grad",
+                                    fp32_weight_grad=fp32_weight_grad)
     assert out.route == "lm_head:fused"
     (out.loss * 0.37).backward()
-    assert weight.grad_added_to_main_grad
+    assert weight.grad_added_to_main_grad and weight.grad.dtype == torch.bfloat16
     assert _rel(weight.main_grad - start, plain.grad.float()) < 5e-3  # (plain's dW is rounded to bf16)
 
 

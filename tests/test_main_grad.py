@@ -158,3 +158,31 @@ def test_a_gradient_computed_in_forward_goes_into_main_grad_in_one_pass_times_d_
     assert calls == [main_dtype] and weight.grad_added_to_main_grad and weight.main_grad.dtype == main_dtype
     tol = dict(rtol=1e-5, atol=1e-6) if main_dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
     torch.testing.assert_close(weight.main_grad.double(), start.to(main_dtype).double() + plain.grad.double(), **tol)
+
+
+@needs_kernel
+def test_fp32_weight_grad_computed_in_forward_reaches_main_grad_unrounded(monkeypatch):
+    """A bf16 weight, an fp32 main_grad, the scalar route (dW in forward) and fp32_weight_grad=True: the dW
+    backward adds is the fp32 sum of the chunks' g.T @ h (their own bf16 gradient rows, read by a spy), not
+    that sum rounded to bf16 first (about 2**-9 relative: 200x the tolerance)."""
+    import headloss.chunks as chunks_module
+
+    seen = []
+    real = chunks_module.add_dw
+    monkeypatch.setattr(chunks_module, "add_dw",
+                        lambda dw, g, h, beta=1.0: seen.append((g.double(), h.double())) or real(dw, g, h, beta))
+    gen = generator(8)
+    n = 40
+    h = torch.randn(n, H, generator=gen, dtype=torch.float64).bfloat16()
+    w = torch.randn(V, H, generator=gen, dtype=torch.float64).bfloat16()
+    y = torch.randint(0, V, (n,), generator=gen)
+    weight = w.clone().requires_grad_()
+    weight.main_grad = torch.zeros(V, H)
+    weight.grad_added_to_main_grad = False
+    out = headloss.linear_head_loss(h, weight, y, SPECS["fused"], chunk_bytes=8 * V * 2, fp32_weight_grad=True,
+                                    weight_grad="main_grad")
+    assert out.route.startswith("lm_head:fused") and len(seen) == 5
+    _backward(out, -0.6)
+    want = -0.6 * sum(g.T @ hc for g, hc in seen)
+    assert weight.grad_added_to_main_grad and weight.grad is not None and weight.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(weight.main_grad.double(), want, rtol=1e-5, atol=1e-6)
