@@ -15,8 +15,9 @@ the step's values:
 
 :meth:`compute` lists them in headloss.plan.METRIC_ORDER (a call's own order), renamed and prefixed.
 
-:meth:`update` adds a call with 3 small device ops and no host sync; :meth:`compute` reduces
-across the process group with one ``all_gather`` and reads everything with one host sync.
+:meth:`update` adds a call with 3 small device ops (3 more per kind of min / max metric, and one compare)
+and no host sync; :meth:`compute` reduces across the process group with one ``all_gather`` and reads
+everything with one host sync.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ def _kind(name: str) -> str:
     if name.endswith("max"):
         return "max"
     return "mean"
+
+
+def _scalar(value: torch.Tensor) -> torch.Tensor:
+    """A one-element metric as a 0-d tensor (headloss's are already)."""
+    return value if value.dim() == 0 else value.reshape(())
 
 
 class MetricsAccumulator:
@@ -72,10 +78,20 @@ class MetricsAccumulator:
 
     def reset(self) -> None:
         self._keys: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None = None
-        self._sums: torch.Tensor | None = None  # [tokens, loss sum, token-weighted sums...] fp64
+        self._sums: torch.Tensor | None = None  # [loss sum, tokens, token-weighted sums...] fp64
         self._mins: torch.Tensor | None = None
         self._maxs: torch.Tensor | None = None
         self.calls = 0
+
+    def _start(self, n_means: int, n_mins: int, n_maxs: int, device) -> None:
+        """The running values, on the first call's device: ``_sums`` [loss sum, tokens, token-weighted
+        means...] (views: ``_loss_sum`` its first, ``_weighted`` the rest), the mins and maxs, and a constant 1."""
+        f64 = dict(dtype=torch.float64, device=device)
+        self._sums = torch.zeros(2 + n_means, **f64)
+        self._loss_sum, self._weighted = self._sums[0], self._sums[1:]
+        self._mins = torch.full((n_mins,), float("inf"), **f64) if n_mins else None
+        self._maxs = torch.full((n_maxs,), float("-inf"), **f64) if n_maxs else None
+        self._one = torch.ones((), **f64)
 
     def update(self, out, num_items_in_batch: int | float | torch.Tensor | None = None,
                reduction: str = "mean") -> None:
@@ -105,29 +121,33 @@ class MetricsAccumulator:
                 f"out: metrics {sorted(keys)} differ from the earlier calls' "
                 f"{sorted(self._keys[0] + self._keys[1] + self._keys[2])}; call compute() or reset() between specs"
             )
-        tokens = metrics["n_tokens"].detach().to(torch.float64)
-        loss = metrics["loss"].detach().to(torch.float64)
-        if reduction == "sum":
-            loss_sum = loss
-        elif num_items_in_batch is None:
-            loss_sum = loss * tokens
-        else:
-            denom = num_items_in_batch
-            if isinstance(denom, torch.Tensor):
-                denom = denom.detach().to(device=loss.device, dtype=torch.float64).reshape(())
-            loss_sum = loss * denom
-        parts = [tokens.reshape(1), loss_sum.reshape(1)]
-        if means:
-            parts.append(torch.stack([metrics[n].detach() for n in means]).to(torch.float64) * tokens)
-        row = torch.cat(parts)
-        self._sums = row if self._sums is None else self._sums + row
-        has = tokens > 0
-        if mins:
-            v = torch.where(has, torch.stack([metrics[n].detach() for n in mins]).to(torch.float64), float("inf"))
-            self._mins = v if self._mins is None else torch.minimum(self._mins, v)
-        if maxs:
-            v = torch.where(has, torch.stack([metrics[n].detach() for n in maxs]).to(torch.float64), float("-inf"))
-            self._maxs = v if self._maxs is None else torch.maximum(self._maxs, v)
+        tokens = metrics["n_tokens"]
+        loss = metrics["loss"]
+        with torch.no_grad():  # (the values are read, never differentiated)
+            if self._sums is None:
+                self._start(len(means), len(mins), len(maxs), loss.device)
+            # [1, means...] times the call's tokens: [tokens, token-weighted means...] (one stack, one addcmul)
+            row = torch.stack([self._one, *(_scalar(metrics[n]) for n in means)],
+                              out=torch.empty(1 + len(means), dtype=torch.float64, device=self._one.device))
+            self._weighted.addcmul_(row, _scalar(tokens))
+            if reduction == "sum":
+                self._loss_sum.add_(_scalar(loss))
+            elif num_items_in_batch is None:
+                self._loss_sum.addcmul_(_scalar(loss), _scalar(tokens))
+            elif isinstance(num_items_in_batch, torch.Tensor):
+                denom = _scalar(num_items_in_batch)
+                self._loss_sum.addcmul_(_scalar(loss), denom if denom.device == self._one.device
+                                        else denom.to(self._one.device))
+            else:
+                self._loss_sum.add_(_scalar(loss), alpha=float(num_items_in_batch))
+            if mins or maxs:
+                has = _scalar(tokens) > 0  # a call without tokens leaves the min / max as they were
+                for names, state, empty, pick in ((mins, self._mins, float("inf"), torch.minimum),
+                                                   (maxs, self._maxs, float("-inf"), torch.maximum)):
+                    if names:
+                        values = torch.stack([_scalar(metrics[n]) for n in names],
+                                             out=torch.empty(len(names), dtype=torch.float64, device=state.device))
+                        pick(state, torch.where(has, values, empty), out=state)
         self.calls += 1
 
     def _group(self):
@@ -157,7 +177,7 @@ class MetricsAccumulator:
             self.reset()
         if not values:
             return {}
-        tokens, loss_sum = values[0], values[1]
+        loss_sum, tokens = values[0], values[1]
         out: dict[str, float] = {}
         nan = float("nan")
         out["loss"] = loss_sum / tokens if tokens > 0 else nan

@@ -82,6 +82,45 @@ def test_min_and_max_metrics_reduce_by_min_and_max_and_skip_empty_calls():
     assert values["ratio/max"] == pytest.approx(max(seen_max))
 
 
+def test_tensor_num_items_and_token_counts_beyond_fp32_stay_exact():
+    """n_tokens is int64 and may pass 2**24 (where fp32 stops counting by one); a tensor num_items_in_batch
+    weighs the loss as a number does; a metric with a gradient is read, not differentiated."""
+    n = 2**25 + 1
+    ce = torch.tensor(0.75, requires_grad=True)
+    acc = MetricsAccumulator()
+    acc.update({"loss": torch.tensor(0.5), "ce": ce * 1, "n_tokens": torch.tensor(n)},
+               num_items_in_batch=torch.tensor(4.0))
+    acc.update({"loss": torch.tensor([0.25]), "ce": torch.tensor([1.5]), "n_tokens": torch.tensor([3])},
+               num_items_in_batch=2)
+    values = acc.compute()
+    assert values["n_tokens"] == n + 3
+    assert values["loss"] == (0.5 * 4 + 0.25 * 2) / (n + 3)
+    assert values["ce"] == pytest.approx((0.75 * n + 1.5 * 3) / (n + 3), rel=1e-12)
+
+
+def test_update_queues_three_device_ops():
+    """A call's update is one stack of its means and two multiply-adds (the loss's and the tokens'), plus one
+    more stack, compare, select and min / max per kind where the spec has min / max metrics."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    logits, targets = micro_batches(6)[0]
+    out = head_loss(logits, targets, SPEC, backend="torch")
+    acc = MetricsAccumulator()
+    acc.update(out)  # (the first call also allocates the running values)
+    with Ops() as ops:
+        acc.update(out)
+    assert sorted(n for n in ops.names if n != "empty") == ["addcmul_", "addcmul_", "stack"], ops.names
+
+
 def test_bad_input_is_a_clear_error():
     acc = MetricsAccumulator()
     with pytest.raises(ValueError, match="n_tokens"):
