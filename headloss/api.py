@@ -160,7 +160,8 @@ def linear_head_loss(
             ``weight.grad_added_to_main_grad`` set (None where the weight has no such flag). In deferred
             mode on the kernels' path each chunk adds into ``main_grad`` directly (no V x H dW buffer);
             where dW is computed in forward, backward adds it times d loss (kept fp32 until then with
-            ``fp32_weight_grad``: a V x H fp32 buffer between forward and backward). Eager only; a weight without ``main_grad`` is refused (headloss.main_grad).
+            ``fp32_weight_grad``: a V x H fp32 buffer between forward and backward). Eager only; a weight
+            without ``main_grad`` is refused (headloss.main_grad).
     """
     if not torch.compiler.is_compiling():
         check_pending()

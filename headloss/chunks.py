@@ -169,10 +169,13 @@ def rows_of(t: torch.Tensor | None, index: torch.Tensor | None, start: int, stop
     return t[start:stop] if index is None else t.index_select(0, index[start:stop])
 
 
-def linear_into(out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_into(out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                weight_t: torch.Tensor | None = None) -> torch.Tensor:
+    """``h @ weight.T (+ bias)`` into ``out``; ``weight_t``: ``weight.t()`` made once for many calls."""
+    weight_t = weight.t() if weight_t is None else weight_t
     if bias is None:
-        return torch.mm(h, weight.t(), out=out)
-    return torch.addmm(bias, h, weight.t(), out=out)
+        return torch.mm(h, weight_t, out=out)
+    return torch.addmm(bias, h, weight_t, out=out)
 
 
 def chunks_of(hidden, weight, bias, index, teacher: Teacher, computed: int, chunk_rows: int,
@@ -187,10 +190,11 @@ def chunks_of(hidden, weight, bias, index, teacher: Teacher, computed: int, chun
     if teacher.hidden is not None:
         t_size = size if teacher_rows <= 0 else min(teacher_rows, size)
         t_buffer = torch.empty(t_size, weight.shape[0], dtype=teacher.hidden.dtype, device=hidden.device)
+    weight_t = weight.t()  # (views made once: each costs the host a dispatch per chunk)
     for start in range(0, computed, size):
         stop = min(start + size, computed)
         h_c = rows_of(hidden, index, start, stop)
-        logits = linear_into(buffer[: stop - start], h_c, weight, bias)
+        logits = linear_into(buffer if stop - start == size else buffer[: stop - start], h_c, weight, bias, weight_t)
         yield start, stop, h_c, teacher_parts(teacher, index, start, stop, t_buffer), logits
 
 

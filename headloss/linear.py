@@ -194,7 +194,7 @@ def _run_chunks(loop: _Loop, hidden, weight, bias, tensors: CallTensors) -> None
     for start, stop, h_c, parts, logits in chunks_of(hidden, weight, bias, loop.index, tensors.teacher, computed,
                                                      run.chunk_rows, run.teacher_rows):
         for a, b, t_c in parts:
-            lo, hi, part = start + a, start + b, logits[a:b]
+            lo, hi, part = start + a, start + b, logits if a == 0 and b == logits.shape[0] else logits[a:b]
             block = Block(part, chunk_geometry(hi - lo, weight.shape[0], t_c, run),
                           None if loop.targets is None else loop.targets[lo:hi], t_c,
                           sparse_rows(tensors, loop.index, lo, hi), _pick_rows(policy, loop.index, lo, hi),

@@ -35,7 +35,7 @@ class ScoredRows:
     """What :func:`scored_rows` queued for one targets tensor: read by ``linear_head_loss(compact=...)``."""
 
     def __init__(self, targets: torch.Tensor, shift: bool, ignore_index: int, seq_len: int | None,
-                 rows: int, order: torch.Tensor, count: torch.Tensor, event) -> None:
+                 rows: int, order: torch.Tensor, ignored: torch.Tensor, event) -> None:
         self.targets = targets
         self.version = targets._version
         self.shift = shift
@@ -43,7 +43,8 @@ class ScoredRows:
         self.seq_len = seq_len
         self.rows = rows
         self._order = order  # [rows] int64: the scored rows, ascending, then the ignored ones
-        self._count = count  # [] int64: pinned host memory (CUDA, filled by the copy before ``event``) or a CPU tensor
+        self._ignored = ignored  # [] int64, the ignored rows' count: pinned host memory (CUDA, filled by the copy
+        # before ``event``) or a CPU tensor
         self._event = event
 
     def __repr__(self) -> str:
@@ -82,7 +83,7 @@ class ScoredRows:
         if self._event is not None:
             self._event.synchronize()
             self._order.record_stream(torch.cuda.current_stream(self._order.device))
-        n = int(self._count)
+        n = self.rows - int(self._ignored)
         return None if n == self.rows else self._order[:n]
 
 
@@ -121,7 +122,7 @@ def scored_rows(targets: torch.Tensor, *, shift: bool = False, ignore_index: int
         flat = flat_targets(targets)
     ignored = (flat == ignore_index).to(torch.uint8)
     order = torch.sort(ignored, stable=True).indices  # the scored rows, ascending, first
-    count = flat.numel() - ignored.sum(dtype=torch.int64)
+    count = ignored.sum(dtype=torch.int64)  # (the scored rows: rows - this, on the host)
     event = None
     if count.is_cuda:  # the copy and the event on the targets' device's stream (not the current device's)
         host = torch.empty((), dtype=torch.int64, pin_memory=True)
