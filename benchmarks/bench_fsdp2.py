@@ -2,14 +2,18 @@
 root), with and without headloss's patch, over NCCL on ``--world`` GPUs.
 
 A Llama of hidden ``--hidden``, ``--layers`` decoder layers, vocabulary ``--vocab`` (random weights,
-bf16), one sequence of ``--seq`` tokens per rank. One step: forward with labels, backward. Per rank:
-median step time (CUDA events; ``--rounds`` rounds over the cases in turn, in reversed order every other
-round, ``--reps`` steps each; the median of the rounds' medians, p20 / p80 the medians of the rounds' p20 /
-p80; rank 0 prints each round's median, and the host's time to issue one step from an empty queue) and peak
-memory above the sharded model and inputs (GB).
+bf16), one sequence of ``--seq`` tokens per rank. One step: forward with labels, backward. The labels are the
+input ids, or with ``--prompt F`` a copy whose first F of the sequence is -100 (an SFT prompt). Cases: stock,
+the patch (``headloss``) and the patch with ``compact=False`` (``headloss-every-row``: the ignored rows
+computed, so the head's call waits for nothing). Per rank: median step time (CUDA events; ``--rounds`` rounds
+over the cases in turn, in reversed order every other round, ``--reps`` steps each; the median of the rounds'
+medians, p20 / p80 the medians of the rounds' p20 / p80) and peak memory above the sharded model and inputs
+(GB). Rank 0 prints each round's median and two host times of one step: issued from an empty queue (the host's
+own work), and issued right behind a 60 ms sleep kernel (a step that waits for the GPU anywhere takes up to
+60 ms more).
 
   python -m benchmarks.bench_fsdp2 [--world 2] [--seq 4096] [--hidden 2048] [--layers 4] [--vocab 128256]
-      [--rounds 3] [--reps 15]
+      [--prompt 0.3] [--rounds 3] [--reps 15]
 
 Writes $OUT (or ./results)/bench_fsdp2.{json,csv,png}; prints a table.
 """
@@ -23,7 +27,7 @@ import torch
 
 from benchmarks.common import peak_extra_gb, per_rank_report, spawn_world, time_ms, world_parser
 
-CASES = ("stock", "headloss")
+CASES = ("stock", "headloss", "headloss-every-row")
 
 
 def _rank(rank: int, world: int, port: int, args, results) -> None:
@@ -51,19 +55,24 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     gen = torch.Generator().manual_seed(1 + rank)
     ids = torch.randint(0, args.vocab, (1, args.seq), generator=gen).to(device)
+    labels = ids
+    if args.prompt:
+        labels = ids.clone()
+        labels[:, : int(args.prompt * args.seq)] = -100
 
     def step():
-        model(input_ids=ids, labels=ids).loss.backward()
+        model(input_ids=ids, labels=labels).loss.backward()
         model.zero_grad(set_to_none=True)
 
+    sleep = sleep_cycles(60.0)
     timed: dict[str, list[tuple[float, float, float]]] = {case: [] for case in CASES}
-    host: dict[str, list[float]] = {case: [] for case in CASES}
+    host: dict[str, list[tuple[float, float]]] = {case: [] for case in CASES}
     peaks: dict[str, float] = {}
     for round_ in range(args.rounds):
         for case in CASES if round_ % 2 == 0 else CASES[::-1]:
-            handle = None if case == "stock" else patch(model)
+            handle = None if case == "stock" else patch(model, compact=case == "headloss")
             timed[case].append(time_ms(step, reps=args.reps))
-            host[case].append(host_ms(step, args.reps))
+            host[case].append((host_ms(step, args.reps), host_ms(step, args.reps, sleep)))
             if case not in peaks:
                 peaks[case] = peak_extra_gb(step)
             if handle is not None:
@@ -71,7 +80,8 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
     if rank == 0:
         for case in CASES:
             print(f"{case}: p50 per round " + " ".join(f"{t[0]:.2f}" for t in timed[case])
-                  + "; host ms a step " + " ".join(f"{t:.2f}" for t in host[case]), flush=True)
+                  + "; host ms a step " + " ".join(f"{t[0]:.1f}" for t in host[case])
+                  + "; behind a 60 ms sleep " + " ".join(f"{t[1]:.1f}" for t in host[case]), flush=True)
     quantiles = ("p50", "p20", "p80")
     out = [{"case": case, **{k: statistics.median(t[i] for t in timed[case]) for i, k in enumerate(quantiles)},
             "peak": peaks[case]} for case in CASES]
@@ -79,16 +89,19 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
     dist.destroy_process_group()
 
 
-def host_ms(step, reps: int) -> float:
+def host_ms(step, reps: int, sleep: int = 0) -> float:
     """The host's time to issue one step (ms, median of ``reps``), each step issued right after a sync: from
     an empty queue the host does not wait for the GPU to make room (unless one step queues more work than the
     queue holds), so this is its own work. Where it is as long as the step, the step is bound by the host's
-    launch work, not by the GPU."""
+    launch work, not by the GPU. ``sleep``: clock cycles of a sleep kernel queued before each step (outside
+    the time): a step that waits for the GPU anywhere (a host sync, an event's) takes that wait into its time."""
     import time
 
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
+        if sleep:
+            torch.cuda._sleep(sleep)
         start = time.perf_counter()
         step()
         times.append((time.perf_counter() - start) * 1e3)
@@ -96,18 +109,35 @@ def host_ms(step, reps: int) -> float:
     return statistics.median(times)
 
 
+def sleep_cycles(ms: float) -> int:
+    """Clock cycles of ``torch.cuda._sleep`` that take about ``ms`` on this GPU now."""
+    import time
+
+    cycles = 50_000_000
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    return int(cycles * ms / ((time.perf_counter() - start) * 1e3))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = world_parser(__doc__, "bench_fsdp2", 15, seq=4096, hidden=2048, layers=4, vocab=128256)
     parser.add_argument("--rounds", type=int, default=3, help="rounds over the cases in turn")
+    parser.add_argument("--prompt", type=float, default=0.0,
+                        help="the share of each sequence whose labels are -100 (default 0: the labels are the ids)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds: at least 1, got {args.rounds}")
+    if not 0.0 <= args.prompt < 1.0:
+        parser.error(f"--prompt: a share in [0, 1), got {args.prompt}")
     results = spawn_world(_rank, args.world, args)
     config = {"world": args.world, "rounds": args.rounds, "seq": args.seq, "hidden": args.hidden, "layers": args.layers,
-              "vocab": args.vocab, "dtype": "bf16"}
+              "vocab": args.vocab, "prompt": args.prompt, "dtype": "bf16"}
     per_rank_report(results, CASES, "fsdp2-hf-step", "seq", args.seq, config, args.name,
                     f"HF Llama step under FSDP2 on {args.world} GPUs: seq {args.seq}, H {args.hidden}, "
-                    f"{args.layers} layers, V {args.vocab}, bf16")
+                    f"{args.layers} layers, V {args.vocab}, bf16"
+                    + (f", prompt {args.prompt:g}" if args.prompt else ""))
 
 if __name__ == "__main__":
     main()

@@ -211,6 +211,38 @@ def test_the_lm_head_skips_ignored_rows_without_a_host_sync_given_its_scored_row
     assert torch.equal(dh_mine, dh) and torch.equal(dw_mine, dw)
 
 
+def test_the_hf_patch_does_not_wait_for_the_gpu_where_the_labels_are_the_input_ids():
+    """labels=input_ids (T > 64): the patched forward queues no ScoredRows and its head computes every row, so
+    the host runs ahead of a GPU still busy (a sleep kernel of 150 ms or more queued first) instead of waiting
+    for it to pass the forward's start; a masked copy of the labels keeps the handle and its wait."""
+    import time
+
+    transformers = pytest.importorskip("transformers")
+    from headloss.integrations.transformers import patch
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512)).cuda().bfloat16()
+    ids = torch.randint(0, 32000, (2, 512), device="cuda")
+    masked = ids.clone()
+    masked[:, :200] = -100
+
+    def host_ms(labels) -> float:
+        model(input_ids=ids, labels=labels).loss.backward()  # (compiles)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        torch.cuda._sleep(300_000_000)  # clock cycles: at least 150 ms at an H100 / H200 top clock (1.98 GHz)
+        model(input_ids=ids, labels=labels)
+        took = (time.perf_counter() - start) * 1e3
+        torch.cuda.synchronize()
+        return took
+
+    with patch(model, verify=False):
+        ahead, waited = host_ms(ids), host_ms(masked)
+    assert ahead < 100 < waited, (ahead, waited)
+
+
 @pytest.mark.parametrize("fp32_weight_grad", [False, True], ids=["bf16-dW", "fp32-dW"])
 def test_a_forward_computed_weight_gradient_goes_into_main_grad_times_d_loss(fp32_weight_grad):
     gen = torch.Generator(device="cuda").manual_seed(13)

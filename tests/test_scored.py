@@ -243,6 +243,38 @@ def test_the_hf_patch_hands_its_head_the_rows_it_queued(monkeypatch):
         hf.patch(model, verify=False, compact=seen[0])
 
 
+@needs_kernel
+@pytest.mark.parametrize("seq_len", [65, 64], ids=["T65-every-row", "T64-compacts"])
+def test_the_hf_patch_queues_nothing_where_the_labels_are_the_input_ids(seq_len, monkeypatch):
+    """labels=input_ids (the same tensor) leave only the shift's last row of each sequence unscored, 1 / T of the
+    rows: below linear.COMPACT_MIN_SHARE (T > 64) the call would compute every row, so the patch queues no
+    ScoredRows (whose count the head's call would wait for) and passes compact=False; at T = 64 that row is 1/64
+    and is skipped, as before. Other labels, and a non-negative ignore_index (which a token id can equal), keep
+    the handle."""
+    transformers = pytest.importorskip("transformers")
+    import headloss.integrations.transformers as hf
+    from headloss.linear import COMPACT_MIN_SHARE
+
+    assert COMPACT_MIN_SHARE == 1 / 64
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128)).train()
+    ids = torch.randint(0, VOCAB, (2, seq_len), generator=torch.Generator().manual_seed(2))
+    stock = model(input_ids=ids, labels=ids).loss
+    seen = []
+    real = hf.linear_head_loss
+    monkeypatch.setattr(hf, "linear_head_loss", lambda *a, **k: seen.append(k["compact"]) or real(*a, **k))
+    with hf.patch(model, verify=False):
+        mine = model(input_ids=ids, labels=ids).loss
+        model(input_ids=ids, labels=ids.clone())
+    with hf.patch(model, LossSpec(ignore_index=0), verify=False):
+        model(input_ids=ids, labels=ids)
+    assert seen[0] is False if seq_len > 64 else isinstance(seen[0], ScoredRows)
+    assert isinstance(seen[1], ScoredRows) and isinstance(seen[2], ScoredRows)
+    assert float(mine.detach()) == pytest.approx(float(stock.detach()), rel=1e-5)
+
+
 def test_fits_says_what_check_refuses():
     targets = torch.randint(0, VOCAB, (2, 6))
     rows = scored_rows(targets, shift=True)

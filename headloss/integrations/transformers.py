@@ -37,6 +37,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..api import head_loss, linear_head_loss
+from ..linear import COMPACT_MIN_SHARE
 from ..metrics import MetricsAccumulator
 from ..output import HeadLossOutput
 from ..plan import SpecLike
@@ -73,6 +74,7 @@ class _PendingLoss:
     num_items_in_batch: Any
     ignore_index: int | None
     scored: ScoredRows | None = None  # the rows the head scores, queued at the forward's start (headloss.scored)
+    every_row: bool = False  # the head computes every row: known from the shapes that too few are ignored to skip
     result: HeadLossOutput | None = None
     extra: dict = field(default_factory=dict)
 
@@ -147,7 +149,7 @@ class HeadPatch:
             tokens = next((t for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1])
                            if t is not None), None)
             call.scored = self._scored_ahead(call, tokens.shape[1] if isinstance(tokens, torch.Tensor)
-                                             and tokens.dim() >= 2 else None)
+                                             and tokens.dim() >= 2 else None, tokens)
             self._pending = call
             try:
                 out = original_forward(*args, **kwargs)
@@ -237,11 +239,15 @@ class HeadPatch:
             self._specs[ignore_index] = spec
         return spec
 
-    def _scored_ahead(self, call: _PendingLoss, seq_len: int | None) -> ScoredRows | None:
+    def _scored_ahead(self, call: _PendingLoss, seq_len: int | None, tokens=None) -> ScoredRows | None:
         """The rows the head will score, queued before the model's body runs (headloss.scored): the head's
-        call then skips the ignored rows without a host sync behind the body's forward. Where the head's
-        call compacts only; the labels are moved to the head's device here, once. ``seq_len``: the input
-        tokens' T (labels [B, T], or completion ids [B, T - 1])."""
+        call then skips the ignored rows without a host sync behind the body's forward (it waits for the GPU
+        to pass the forward's start instead). Where the head's call compacts only; the labels are moved to
+        the head's device here, once. ``seq_len``: the input tokens' T (labels [B, T], or completion ids
+        [B, T - 1]); ``tokens``: the input ids. Labels that are the input ids themselves (a negative
+        ignore_index, which no token id equals) leave one row of each sequence unscored, the shift's last:
+        where that is below linear.COMPACT_MIN_SHARE the call would compute every row anyway, so nothing is
+        queued or waited for (``call.every_row``)."""
         weight = getattr(self.head, "weight", None)
         if not self.compact or self.keep_logits or self.backend == "torch" or not isinstance(weight, torch.Tensor) \
                 or weight.device.type == "meta" or torch.compiler.is_compiling() \
@@ -250,6 +256,10 @@ class HeadPatch:
         shift = call.shift_labels is None
         targets = call.labels if shift else call.shift_labels
         if not isinstance(targets, torch.Tensor) or targets.dim() != 2 or targets.device.type == "meta":
+            return None
+        if shift and targets is tokens and self._spec_for(call.ignore_index).ignore_index < 0 \
+                and targets.shape[0] < targets.numel() * COMPACT_MIN_SHARE:
+            call.every_row = True
             return None
         targets = targets.to(weight.device)  # (labels on another device: the head's call gets this copy)
         if shift:
@@ -284,7 +294,7 @@ class HeadPatch:
         scored = call.scored  # (one that does not fit the call -- labels the model wrote in place, hidden states
         # it sliced -- is left out: the call counts its rows itself)
         fits = scored is not None and scored.fits(targets, shift, spec.ignore_index, tuple(hidden.shape[:-1]))
-        compact = scored if fits else self.compact
+        compact = scored if fits else self.compact and not call.every_row
         call.result = linear_head_loss(
             hidden, weight, targets, spec, bias=bias, shift=shift, num_items_in_batch=num_items,
             chunk_bytes=self.chunk_bytes, fp32_weight_grad=self.fp32_weight_grad, compact=compact,
