@@ -64,7 +64,7 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
         model(input_ids=ids, labels=labels).loss.backward()
         model.zero_grad(set_to_none=True)
 
-    sleep = sleep_cycles(60.0)
+    sleep = 0  # (calibrated once the GPU is warm: after the first case's timed steps)
     timed: dict[str, list[tuple[float, float, float]]] = {case: [] for case in CASES}
     host: dict[str, list[tuple[float, float]]] = {case: [] for case in CASES}
     peaks: dict[str, float] = {}
@@ -72,6 +72,10 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
         for case in CASES if round_ % 2 == 0 else CASES[::-1]:
             handle = None if case == "stock" else patch(model, compact=case == "headloss")
             timed[case].append(time_ms(step, reps=args.reps))
+            if not sleep:
+                sleep, slept = sleep_cycles(60.0)
+                if rank == 0:
+                    print(f"sleep kernel: {sleep} cycles, {slept:.1f} ms", flush=True)
             host[case].append((host_ms(step, args.reps), host_ms(step, args.reps, sleep)))
             if case not in peaks:
                 peaks[case] = peak_extra_gb(step)
@@ -109,16 +113,20 @@ def host_ms(step, reps: int, sleep: int = 0) -> float:
     return statistics.median(times)
 
 
-def sleep_cycles(ms: float) -> int:
-    """Clock cycles of ``torch.cuda._sleep`` that take about ``ms`` on this GPU now."""
-    import time
+def sleep_cycles(ms: float) -> tuple[int, float]:
+    """Clock cycles of ``torch.cuda._sleep`` that take about ``ms`` on this GPU now (timed with CUDA events),
+    and what that many took when checked."""
 
-    cycles = 50_000_000
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    torch.cuda._sleep(cycles)
-    torch.cuda.synchronize()
-    return int(cycles * ms / ((time.perf_counter() - start) * 1e3))
+    def took(cycles: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    cycles = int(50_000_000 * ms / took(50_000_000))
+    return cycles, took(cycles)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -49,6 +49,26 @@ def _scalar(value: torch.Tensor) -> torch.Tensor:
     return value if value.dim() == 0 else value.reshape(())
 
 
+def _denominator(num_items, reduction: str, device) -> torch.Tensor | float | None:
+    """What a call's loss is multiplied by before it is summed: None (its own tokens), 1.0 (a summed loss), a
+    number, or a one-element tensor on ``device`` (a CPU tensor read as a number: no copy that would wait)."""
+    if reduction == "sum":
+        return 1.0
+    if num_items is None:
+        return None
+    if isinstance(num_items, torch.Tensor):
+        if num_items.numel() != 1:
+            raise ValueError(f"num_items_in_batch: expected a number or a one-element tensor, got shape "
+                             f"{tuple(num_items.shape)}")
+        if num_items.device != device and num_items.device.type == "cpu":
+            return float(num_items)
+        return _scalar(num_items.detach()).to(device)
+    if isinstance(num_items, bool) or not isinstance(num_items, (int, float)) and not hasattr(num_items, "__float__"):
+        raise TypeError(f"num_items_in_batch: expected a number or a one-element tensor, got "
+                        f"{type(num_items).__name__}")
+    return float(num_items)
+
+
 class MetricsAccumulator:
     """Token-weighted step metrics across calls (micro-batches) and data-parallel ranks.
 
@@ -78,20 +98,32 @@ class MetricsAccumulator:
 
     def reset(self) -> None:
         self._keys: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None = None
-        self._sums: torch.Tensor | None = None  # [loss sum, tokens, token-weighted sums...] fp64
+        self._loss_sum: torch.Tensor | None = None  # [1] fp64
+        self._weighted: torch.Tensor | None = None  # [tokens, token-weighted means...] fp64
         self._mins: torch.Tensor | None = None
         self._maxs: torch.Tensor | None = None
+        self._ones: dict = {}  # a constant 1 by (dtype, device)
         self.calls = 0
 
     def _start(self, n_means: int, n_mins: int, n_maxs: int, device) -> None:
-        """The running values, on the first call's device: ``_sums`` [loss sum, tokens, token-weighted
-        means...] (views: ``_loss_sum`` its first, ``_weighted`` the rest), the mins and maxs, and a constant 1."""
+        """The running values, on the first call's device: separate tensors of one dimension (a compiled
+        update loses its in-place add into a view kept across calls, and into a 0-d fp64 tensor of an fp32
+        value: torch 2.13's aot_eager), ordinary ones even where the first call runs under inference mode."""
         f64 = dict(dtype=torch.float64, device=device)
-        self._sums = torch.zeros(2 + n_means, **f64)
-        self._loss_sum, self._weighted = self._sums[0], self._sums[1:]
-        self._mins = torch.full((n_mins,), float("inf"), **f64) if n_mins else None
-        self._maxs = torch.full((n_maxs,), float("-inf"), **f64) if n_maxs else None
-        self._one = torch.ones((), **f64)
+        with torch.inference_mode(False):
+            self._loss_sum = torch.zeros(1, **f64)
+            self._weighted = torch.zeros(1 + n_means, **f64)
+            self._mins = torch.full((n_mins,), float("inf"), **f64) if n_mins else None
+            self._maxs = torch.full((n_maxs,), float("-inf"), **f64) if n_maxs else None
+
+    def _one(self, like: torch.Tensor) -> torch.Tensor:
+        """A constant 1 of ``like``'s dtype and device (stacked with a call's means: one dtype, one kernel)."""
+        key = (like.dtype, like.device)
+        one = self._ones.get(key)
+        if one is None:
+            with torch.inference_mode(False):
+                one = self._ones[key] = torch.ones((), dtype=like.dtype, device=like.device)
+        return one
 
     def update(self, out, num_items_in_batch: int | float | torch.Tensor | None = None,
                reduction: str = "mean") -> None:
@@ -114,40 +146,34 @@ class MetricsAccumulator:
         means = tuple(n for n in keys if _kind(n) == "mean")
         mins = tuple(n for n in keys if _kind(n) == "min")
         maxs = tuple(n for n in keys if _kind(n) == "max")
-        if self._keys is None:
-            self._keys = (means, mins, maxs)
-        elif self._keys != (means, mins, maxs):
+        if self._keys is not None and self._keys != (means, mins, maxs):
             raise ValueError(
                 f"out: metrics {sorted(keys)} differ from the earlier calls' "
                 f"{sorted(self._keys[0] + self._keys[1] + self._keys[2])}; call compute() or reset() between specs"
             )
-        tokens = metrics["n_tokens"]
-        loss = metrics["loss"]
+        tokens, loss = _scalar(metrics["n_tokens"]), _scalar(metrics["loss"])
+        denom = _denominator(num_items_in_batch, reduction, loss.device)  # (checked before any state changes)
+        self._keys = (means, mins, maxs)
         with torch.no_grad():  # (the values are read, never differentiated)
-            if self._sums is None:
+            if self._weighted is None:
                 self._start(len(means), len(mins), len(maxs), loss.device)
-            # [1, means...] times the call's tokens: [tokens, token-weighted means...] (one stack, one addcmul)
-            row = torch.stack([self._one, *(_scalar(metrics[n]) for n in means)],
-                              out=torch.empty(1 + len(means), dtype=torch.float64, device=self._one.device))
-            self._weighted.addcmul_(row, _scalar(tokens))
-            if reduction == "sum":
-                self._loss_sum.add_(_scalar(loss))
-            elif num_items_in_batch is None:
-                self._loss_sum.addcmul_(_scalar(loss), _scalar(tokens))
-            elif isinstance(num_items_in_batch, torch.Tensor):
-                denom = _scalar(num_items_in_batch)
-                self._loss_sum.addcmul_(_scalar(loss), denom if denom.device == self._one.device
-                                        else denom.to(self._one.device))
+            # [1, means...] (one stack in the metrics' dtype) times the call's tokens, added in fp64: [tokens,
+            # token-weighted means...]; then the loss times its weight
+            values = [_scalar(metrics[n]) for n in means]
+            self._weighted.addcmul_(torch.stack([self._one(values[0] if values else loss), *values]), tokens)
+            if denom is None:
+                self._loss_sum.addcmul_(loss, tokens)
+            elif isinstance(denom, torch.Tensor):
+                self._loss_sum.addcmul_(loss, denom)
             else:
-                self._loss_sum.add_(_scalar(loss), alpha=float(num_items_in_batch))
+                self._loss_sum.add_(loss, alpha=denom)
             if mins or maxs:
-                has = _scalar(tokens) > 0  # a call without tokens leaves the min / max as they were
+                has = tokens > 0  # a call without tokens leaves the min / max as they were
                 for names, state, empty, pick in ((mins, self._mins, float("inf"), torch.minimum),
                                                    (maxs, self._maxs, float("-inf"), torch.maximum)):
                     if names:
-                        values = torch.stack([_scalar(metrics[n]) for n in names],
-                                             out=torch.empty(len(names), dtype=torch.float64, device=state.device))
-                        pick(state, torch.where(has, values, empty), out=state)
+                        picked = torch.where(has, torch.stack([_scalar(metrics[n]) for n in names]), empty)
+                        pick(state, picked, out=state)
         self.calls += 1
 
     def _group(self):
@@ -196,9 +222,9 @@ class MetricsAccumulator:
         return {self.prefix + self.names.get(k, k): v for k, v in in_metric_order(out).items()}
 
     def _packed(self, means, mins, maxs) -> torch.Tensor:
-        if self._sums is None:
+        if self._weighted is None:
             return torch.zeros(0, dtype=torch.float64)
-        parts = [self._sums]
+        parts = [self._loss_sum, self._weighted]
         if mins:
             parts.append(self._mins)
         if maxs:
