@@ -6,6 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import make_logits, make_targets, spawn_ranks
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import CI
 
 from headloss import Entropy, LossSpec, ZLoss, head_loss
 from headloss.metrics import TRL_NAMES, MetricsAccumulator
@@ -129,6 +132,56 @@ def test_a_refused_update_changes_nothing_and_inference_mode_mixes():
             acc.update(one, num_items_in_batch=bad)
     acc.update(one)
     assert acc.compute() == {"loss": 2.0, "ce": 1.0, "n_tokens": 6}
+
+
+@st.composite
+def _calls(draw):
+    """A run of calls of one metric set: tokens (0 and past 2**24 included), fp32 values, and each call's loss
+    weight (its tokens, a number, a tensor; or a summed loss)."""
+    reduction = draw(st.sampled_from(["mean", "sum"]))
+    names = draw(st.lists(st.sampled_from(["ce", "entropy", "kl", "ratio/min", "clip_ratio/low_min", "ratio/max"]),
+                          unique=True))
+    value = st.floats(-1e3, 1e3, allow_nan=False, width=32)
+    calls = []
+    for _ in range(draw(st.integers(1, 5))):
+        tokens = draw(st.sampled_from([0, 1, 7, 2**24 + 1, 3 * 2**25]) | st.integers(0, 10**6))
+        denom = None if reduction == "sum" else draw(st.none() | st.integers(1, 10**6) | st.floats(0.5, 1e6))
+        as_tensor = draw(st.booleans())
+        calls.append((tokens, draw(value), {n: draw(value) for n in names}, denom, as_tensor))
+    return reduction, names, calls
+
+
+@CI
+@given(_calls())
+def test_the_step_values_equal_an_exact_sum_over_the_calls(case):
+    """compute() against the step's values summed in Python floats (fp64) from the same fp32 numbers: token
+    means weighted by tokens, the loss times its weight over all tokens, min / max over calls with tokens."""
+    reduction, names, calls = case
+    acc = MetricsAccumulator()
+    for tokens, loss, values, denom, as_tensor in calls:
+        metrics = {"loss": torch.tensor(loss), "n_tokens": torch.tensor(tokens),
+                   **{n: torch.tensor(v) for n, v in values.items()}}
+        acc.update(metrics, num_items_in_batch=torch.tensor(denom) if as_tensor and denom is not None else denom,
+                   reduction=reduction)
+    got = acc.compute()
+    f32 = lambda v: float(torch.tensor(v))  # noqa: E731 -- the fp32 value the call held
+    total = sum(t for t, *_ in calls)
+    assert got["n_tokens"] == total
+    weight = lambda t, d, as_tensor: (1.0 if reduction == "sum" else t if d is None  # noqa: E731
+                                      else float(torch.tensor(d)) if as_tensor else float(d))
+    loss_sum = sum(f32(loss) * weight(t, d, a) for t, loss, _, d, a in calls)
+    assert got["loss"] == (pytest.approx(loss_sum / total, rel=1e-12, abs=1e-300) if total else _nan())
+    for name in names:
+        seen = [f32(v[name]) for t, _, v, _, _ in calls if t > 0]
+        if name.endswith("min") or name.endswith("max"):
+            want = (min(seen) if name.endswith("min") else max(seen)) if seen else None
+        else:
+            want = sum(f32(v[name]) * t for t, _, v, _, _ in calls) / total if total else None
+        assert (got[name] != got[name]) if want is None else got[name] == pytest.approx(want, rel=1e-12), name
+
+
+def _nan():
+    return pytest.approx(float("nan"), nan_ok=True)
 
 
 def test_update_queues_three_device_ops():
