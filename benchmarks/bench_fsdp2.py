@@ -25,7 +25,7 @@ import statistics
 
 import torch
 
-from benchmarks.common import peak_extra_gb, per_rank_report, spawn_world, time_ms, world_parser
+from benchmarks.common import host_ms, peak_extra_gb, per_rank_report, spawn_world, time_ms, world_parser
 
 CASES = ("stock", "headloss", "headloss-every-row")
 
@@ -91,26 +91,6 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
             "peak": peaks[case]} for case in CASES]
     results[rank] = out
     dist.destroy_process_group()
-
-
-def host_ms(step, reps: int, sleep: int = 0) -> float:
-    """The host's time to issue one step (ms, median of ``reps``), each step issued right after a sync: from
-    an empty queue the host does not wait for the GPU to make room (unless one step queues more work than the
-    queue holds), so this is its own work. Where it is as long as the step, the step is bound by the host's
-    launch work, not by the GPU. ``sleep``: clock cycles of a sleep kernel queued before each step (outside
-    the time): a step that waits for the GPU anywhere (a host sync, an event's) takes that wait into its time."""
-    import time
-
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        if sleep:
-            torch.cuda._sleep(sleep)
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def sleep_cycles(ms: float) -> tuple[int, float]:

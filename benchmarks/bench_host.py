@@ -50,7 +50,7 @@ import triton.language as tl
 import headloss
 from benchmarks.bench_head import CE_SPEC, FULL_SPEC, IGNORE, Z_WEIGHT, liger_ce_fn
 from benchmarks.bench_terms import grpo_batch
-from benchmarks.common import Row, gpu_name, out_dir_default, pyplot, time_ms, write_rows
+from benchmarks.common import Row, gpu_name, host_ms, out_dir_default, pyplot, time_ms, write_rows
 
 ROWS = (512, 1024, 2048, 8192)
 VOCABS = (32000, 128256, 151936)
@@ -75,18 +75,6 @@ def synced_ms(step: Callable[[], object], reps: int = 100) -> float:
         step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return sorted(times)[reps // 2] * 1e3
-
-
-def host_ms(step: Callable[[], object], reps: int = 100) -> float:
-    """Median wall time from the call to its return (the GPU may still run), synchronised between calls."""
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
     return sorted(times)[reps // 2] * 1e3
 
 

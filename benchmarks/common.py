@@ -8,6 +8,7 @@ import csv
 import datetime as _dt
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -66,6 +67,23 @@ def time_ms(
     times = sorted(s.elapsed_time(e) for s, e in events)
     pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]
     return pick(0.5), pick(0.2), pick(0.8)
+
+
+def host_ms(step: Callable[[], object], reps: int = 100, sleep: int = 0) -> float:
+    """Median wall time from the call to its return (the GPU may still run), synchronised between calls: from
+    an empty queue the host does not wait for the GPU to make room, so this is its own work. ``sleep``: clock
+    cycles of a sleep kernel queued before each call (outside the time): a call that waits for the GPU
+    anywhere (a host sync, an event's) takes that wait into its time."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        if sleep:
+            torch.cuda._sleep(sleep)
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return sorted(times)[reps // 2] * 1e3
 
 
 @contextlib.contextmanager

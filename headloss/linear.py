@@ -77,6 +77,11 @@ costs less than gathering the others (each chunk's hidden rows, targets and per-
 dh back); a shifted batch's one unscored row per sequence stays in."""
 
 
+def skips_ignored(rows: int, ignored: int) -> bool:
+    """Whether a call of ``rows`` rows, ``ignored`` of them ignored, skips them (COMPACT_MIN_SHARE)."""
+    return ignored >= rows * COMPACT_MIN_SHARE
+
+
 def _compact_index(run: LinearRun, targets, scratch, rows: int, verdict):
     """The rows to compute when ignored rows are skipped (None: every row; see COMPACT_MIN_SHARE): the
     ScoredRows' where the call has them (headloss.scored: a wait for their count's copy only), else one
@@ -92,9 +97,7 @@ def _compact_index(run: LinearRun, targets, scratch, rows: int, verdict):
     else:
         index = (targets != run.ignore_index).nonzero().squeeze(1)  # waits for the stream: prepare has run
         settle(verdict, "sync", scratch.device)
-    if index is None or rows - index.numel() < rows * COMPACT_MIN_SHARE:
-        return None
-    return index
+    return index if index is not None and skips_ignored(rows, rows - index.numel()) else None
 
 
 def sparse_rows(tensors: CallTensors, index, start: int, stop: int) -> SparseRows | None:

@@ -37,7 +37,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..api import head_loss, linear_head_loss
-from ..linear import COMPACT_MIN_SHARE
+from ..linear import skips_ignored
 from ..metrics import MetricsAccumulator
 from ..output import HeadLossOutput
 from ..plan import SpecLike
@@ -246,8 +246,8 @@ class HeadPatch:
         the head's device here, once. ``seq_len``: the input tokens' T (labels [B, T], or completion ids
         [B, T - 1]); ``tokens``: the input ids. Labels that are the input ids themselves (a negative
         ignore_index, which no token id equals) leave one row of each sequence unscored, the shift's last:
-        where that is below linear.COMPACT_MIN_SHARE the call would compute every row anyway, so nothing is
-        queued or waited for (``call.every_row``)."""
+        where that is below linear.COMPACT_MIN_SHARE (linear.skips_ignored) the call would compute every row
+        anyway, so nothing is queued or waited for (``call.every_row``)."""
         weight = getattr(self.head, "weight", None)
         if not self.compact or self.keep_logits or self.backend == "torch" or not isinstance(weight, torch.Tensor) \
                 or weight.device.type == "meta" or torch.compiler.is_compiling() \
@@ -257,9 +257,9 @@ class HeadPatch:
         targets = call.labels if shift else call.shift_labels
         if not isinstance(targets, torch.Tensor) or targets.dim() != 2 or targets.device.type == "meta":
             return None
-        if shift and targets is tokens and self._spec_for(call.ignore_index).ignore_index < 0 \
-                and targets.shape[0] < targets.numel() * COMPACT_MIN_SHARE:
-            call.every_row = True
+        ignore_index = self._spec_for(call.ignore_index).ignore_index
+        if shift and targets is tokens and ignore_index < 0 and not skips_ignored(targets.numel(), targets.shape[0]):
+            call.every_row = True  # (the B ignored rows: the shift's last of each sequence)
             return None
         targets = targets.to(weight.device)  # (labels on another device: the head's call gets this copy)
         if shift:
@@ -269,8 +269,7 @@ class HeadPatch:
         if not shift or seq_len is None or targets.shape[1] not in (seq_len, seq_len - 1):
             seq_len = None
         try:
-            return scored_rows(targets, shift=shift, ignore_index=self._spec_for(call.ignore_index).ignore_index,
-                               seq_len=seq_len)
+            return scored_rows(targets, shift=shift, ignore_index=ignore_index, seq_len=seq_len)
         except (TypeError, ValueError):  # (bad labels: the head's call says what is wrong with them)
             return None
 
