@@ -8,7 +8,8 @@ flight, so more of a row may still be in L2 when the gradient pass reads it agai
   python -m benchmarks.bench_chunk_launch --whole    # linear_head_loss fwd+bwd at each config: CE, the full
                                                      # SFT spec, GRPO clip, per-token CE (4 GEMMs), forward KL
                                                      # from both heads' hidden states (16384 x 151936, H 4096);
-                                                     # CE and forward KL at 8192 x 128256; two rounds
+                                                     # CE, the full spec and forward KL at 8192 x 128256;
+                                                     # --rounds R (default 2), the configs interleaved
   python -m benchmarks.bench_chunk_launch --one CFG  # one sweep of 4 chunks of 768 x 151936 at CFG ("default"
                                                      # or "block,warps"), for a profiler: ncu -k regex:head_kernel
 
@@ -18,6 +19,7 @@ Prints its results (kept as benchmarks/results/*.log). The configs go through ke
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 
@@ -28,7 +30,7 @@ from headloss.linear import chunk_head_
 from headloss.plan import compile_plan
 
 CONFIGS = [None, (2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32), (8192, 32)]
-WHOLE_CONFIGS = [None, (16384, 32), (16384, 16), (8192, 8)]
+WHOLE_CONFIGS = [None, (4096, 8), (8192, 8), (16384, 16)]
 TEACHER_CONFIGS = [None, (4096, 8), (8192, 16), (16384, 32)]
 H = 4096
 FULL = headloss.LossSpec(z_loss={"weight": 1e-4}, entropy={"weight": 0.0}, token_accuracy=True,
@@ -110,6 +112,9 @@ def steps(n: int, v: int, names):
 
 
 def whole(n: int, v: int, names, rounds: int = 2, reps: int = 7) -> None:
+    """Each case at each config, the configs interleaved within a round (the order reversed every other
+    round), so that the card's clocks and heat reach every config alike; per config the median over the
+    rounds, its ratio to the 3 GEMMs and to the default, and in how many rounds it beat the default."""
     table, setup, (h, w) = steps(n, v, names)
     floor = three_gemms_ms(h, w, reps)
     print(f"== N {n} V {v}: 3 GEMMs {floor:.2f} ms", flush=True)
@@ -123,12 +128,17 @@ def whole(n: int, v: int, names, rounds: int = 2, reps: int = 7) -> None:
             ref = g if ref is None else ref
             err = ((g - ref).abs().max() / ref.abs().max()).item()
             print(f"  {name:5s} cfg {str(cfg):>13}: dW rel diff vs default {err:.1e}", flush=True)
+        times: dict = {cfg: [] for cfg in cfgs}
         for r in range(rounds):
-            line = []
-            for cfg in cfgs:
-                ms = with_config(cfg, lambda step=step: time_ms(step, setup, reps=reps)[0])
-                line.append(f"{str(cfg)}: {ms:.2f} ({ms / floor:.3f}x)")
-            print(f"  {name:5s} round {r}: " + "; ".join(line), flush=True)
+            for cfg in (cfgs if r % 2 == 0 else cfgs[::-1]):
+                times[cfg].append(with_config(cfg, lambda step=step: time_ms(step, setup, reps=reps, warmup=1)[0]))
+        base = statistics.median(times[None])
+        for cfg in cfgs:
+            med = statistics.median(times[cfg])
+            wins = sum(a < b for a, b in zip(times[cfg], times[None]))
+            print(f"  {name:5s} {str(cfg):>13}: {med:8.2f} ms ({med / floor:.3f}x GEMMs, {med / base:.4f}x default; "
+                  f"rounds {min(times[cfg]):.2f}-{max(times[cfg]):.2f}, faster than default in {wins}/{rounds})",
+                  flush=True)
         torch.cuda.empty_cache()
 
 
@@ -136,13 +146,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--whole", action="store_true", help="linear_head_loss end to end at each config")
     parser.add_argument("--one", metavar="CFG", help="one sweep at CFG, for a profiler")
+    parser.add_argument("--rounds", type=int, default=2, help="with --whole: rounds of every config, interleaved")
     args = parser.parse_args()
     if args.one:
         cfg = None if args.one == "default" else tuple(int(t) for t in args.one.split(","))
         isolated(768 * 4, 151936, 768, [cfg], reps=1)
     elif args.whole:
-        whole(16384, 151936, ["ce", "full", "clip", "none", "fkl"])
-        whole(8192, 128256, ["ce", "fkl"])
+        whole(16384, 151936, ["ce", "full", "clip", "none", "fkl"], args.rounds)
+        whole(8192, 128256, ["ce", "full", "fkl"], args.rounds)
     else:
         isolated(16384, 151936, 768, CONFIGS)
         isolated(8192, 128256, 1024, CONFIGS)

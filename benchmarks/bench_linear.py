@@ -1,5 +1,6 @@
 """Fused lm_head + loss, fwd+bwd, bf16: headloss vs Liger's fused linear CE, cut-cross-entropy,
-torch eager and the 3 bare cuBLAS GEMMs (the floor), in one run.
+quack-kernels' chunked linear cross-entropy (where installed), torch eager and the 3 bare cuBLAS GEMMs
+(the floor), in one run.
 
   python -m benchmarks.bench_linear              # H=4096; N in {2048, 8192, 32768} at V=128256,
                                                  # V in {32000, 151936} at N=8192, chunk sweep, dW accuracy
@@ -44,6 +45,9 @@ def make_inputs(n: int, h: int, v: int, seed: int = 0):
     return hidden.requires_grad_(), weight.requires_grad_(), targets
 
 
+QUACK_LCE_ROWS = (1024, 2048, 8192)  # quack-kernels' chunk rows (its default, 4096, raises at H 4096 in 0.6.5)
+
+
 def providers() -> dict[str, Callable]:
     table: dict[str, Callable] = {}
 
@@ -77,6 +81,20 @@ def providers() -> dict[str, Callable]:
         table["cce"] = cce
     except Exception as exc:
         print(f"cut-cross-entropy unavailable: {exc}")
+
+    try:
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+        def quack_lce(rows):
+            def step(h, w, y):  # (its scaled-exp pipeline where eligible: Hopper, bf16, V % 128 == 0; fp32 dW)
+                chunked_linear_cross_entropy(h, w, y, chunk_size=rows, ignore_index=IGNORE).backward()
+
+            return step
+
+        for rows in QUACK_LCE_ROWS:
+            table[f"quack-lce chunk={rows}"] = quack_lce(rows)
+    except Exception as exc:
+        print(f"quack-kernels' linear cross-entropy unavailable: {exc}")
 
     def ours(spec, **kw):
         def step(h, w, y):
@@ -124,7 +142,8 @@ def frontier(rows: list[Row], n: int, v: int, h: int, dw_gemm: bool = False, bud
             extra.update({f"headloss dW={impl} chunk={mib}MiB": (lambda h_, w_, y_, mib=mib, impl=impl: _with_dw_gemm(
                 impl, lambda: linear_head_loss(h_, w_, y_, chunk_bytes=mib << 20).loss.backward()))
                 for mib in budgets or DW_MIB})
-    run(rows, "frontier", n, h, v, ["3-gemm-floor", "liger-flce", "cce", *extra], extra)
+    peers = ["liger-flce", "cce", *(f"quack-lce chunk={r}" for r in QUACK_LCE_ROWS)]
+    run(rows, "frontier", n, h, v, ["3-gemm-floor", *peers, *extra], extra)
 
 
 def main_grad_frontier(rows: list[Row], n: int, v: int, h: int, budgets=None) -> None:
@@ -183,7 +202,7 @@ def dw_accuracy(rows: list[Row], n: int, h: int, v: int) -> None:
             hidden, weight, targets, fp32_weight_grad=True).loss.backward(),
     }
     table = providers()
-    for peer in ("liger-flce", "cce", "torch-eager"):
+    for peer in ("liger-flce", "cce", f"quack-lce chunk={QUACK_LCE_ROWS[0]}", "torch-eager"):
         if peer in table:
             cases[peer] = lambda peer=peer: table[peer](hidden, weight, targets)
     for name, step in cases.items():
