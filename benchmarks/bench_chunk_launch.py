@@ -136,9 +136,9 @@ def whole(n: int, v: int, names, rounds: int = 2, reps: int = 7) -> None:
         for cfg in cfgs:
             med = statistics.median(times[cfg])
             wins = sum(a < b for a, b in zip(times[cfg], times[None]))
+            against = "" if cfg is None else f", faster than default in {wins}/{rounds}"
             print(f"  {name:5s} {str(cfg):>13}: {med:8.2f} ms ({med / floor:.3f}x GEMMs, {med / base:.4f}x default; "
-                  f"rounds {min(times[cfg]):.2f}-{max(times[cfg]):.2f}, faster than default in {wins}/{rounds})",
-                  flush=True)
+                  f"rounds {min(times[cfg]):.2f}-{max(times[cfg]):.2f}{against})", flush=True)
         torch.cuda.empty_cache()
 
 
@@ -148,6 +148,8 @@ def main() -> None:
     parser.add_argument("--one", metavar="CFG", help="one sweep at CFG, for a profiler")
     parser.add_argument("--rounds", type=int, default=2, help="with --whole: rounds of every config, interleaved")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected at least 1, got {args.rounds}")
     if args.one:
         cfg = None if args.one == "default" else tuple(int(t) for t in args.one.split(","))
         isolated(768 * 4, 151936, 768, [cfg], reps=1)

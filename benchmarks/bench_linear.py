@@ -45,7 +45,9 @@ def make_inputs(n: int, h: int, v: int, seed: int = 0):
     return hidden.requires_grad_(), weight.requires_grad_(), targets
 
 
-QUACK_LCE_ROWS = (1024, 2048, 8192)  # quack-kernels' chunk rows (its default, 4096, raises at H 4096 in 0.6.5)
+QUACK_LCE_ROWS = (1024, 2048, 8192)
+"""quack-kernels' chunk rows. Its default, 4096, is left out: 0.6.5 raises where a chunk's rows equal H
+(``operand 'v': m == n``), which 4096-row chunks do at H 4096."""
 
 
 def providers() -> dict[str, Callable]:
