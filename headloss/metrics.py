@@ -63,7 +63,7 @@ def _denominator(num_items, reduction: str, device) -> torch.Tensor | float | No
         if num_items.device != device and num_items.device.type == "cpu":
             return float(num_items)
         return _scalar(num_items.detach()).to(device)
-    if isinstance(num_items, bool) or not isinstance(num_items, (int, float)) and not hasattr(num_items, "__float__"):
+    if isinstance(num_items, bool) or not hasattr(num_items, "__float__"):  # (a number, numpy's included)
         raise TypeError(f"num_items_in_batch: expected a number or a one-element tensor, got "
                         f"{type(num_items).__name__}")
     return float(num_items)
